@@ -1,0 +1,1 @@
+"""Scheduled jobs built from `sidindex` and `runtime` (config file -> build -> publish -> report)."""

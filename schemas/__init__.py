@@ -1,0 +1,28 @@
+"""Versioned contracts for everything sidindex reads and writes.
+
+This package is the single source for the input tables (catalog, requests), the targeting spec and
+the SID table: `sidindex.ingest` and `sidindex.targeting` validate against these definitions, and
+`python -m schemas` renders them into ``schemas/CONTRACTS.md``.
+"""
+
+from schemas.contracts import (
+    CATALOG,
+    CONTRACTS,
+    REQUESTS,
+    SID_TABLE,
+    TARGETING_ATTRIBUTE,
+    Contract,
+    Field,
+    render_markdown,
+)
+
+__all__ = [
+    "CATALOG",
+    "CONTRACTS",
+    "REQUESTS",
+    "SID_TABLE",
+    "TARGETING_ATTRIBUTE",
+    "Contract",
+    "Field",
+    "render_markdown",
+]

@@ -1,0 +1,3 @@
+from schemas.contracts import render_markdown
+
+print(render_markdown(), end="")

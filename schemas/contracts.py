@@ -1,0 +1,127 @@
+"""Table and spec contracts.
+
+A `Field` names a column (or a spec key), its logical type, whether it must be present and whether
+it may be null. Names in angle brackets are templates: ``<bitmask attribute>`` stands for one column
+per attribute of that kind declared in the targeting spec, ``<hash key>`` for each configured
+hash-key column.
+
+Logical types (what the validators accept, and what they convert to):
+    int64            any integer column without nulls; converted to int64
+    float64          any numeric column; converted to float64
+    string           utf8 / large_utf8 / categorical
+    list<string>     list or large_list of string
+    vector<float32>  fixed-size or variable list of floats, all rows one length, finite values;
+                     converted to a (N, D) float32 matrix
+    int|string       integer or string; hashed through its decimal / UTF-8 text
+    list<int16>[L]   fixed-size list of L integers
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    type: str
+    required: bool
+    nullable: bool
+    doc: str
+
+
+@dataclass(frozen=True)
+class Contract:
+    name: str
+    version: int
+    doc: str
+    fields: tuple[Field, ...]
+
+    def field(self, name: str) -> Field:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+
+CATALOG = Contract(
+    name="catalog",
+    version=1,
+    doc="One row per ad; Parquet or Arrow IPC.",
+    fields=(
+        Field("ad_id", "int64", True, False, "Unique ad identifier."),
+        Field("embedding", "vector<float32>", True, False,
+              "Ad embedding used for the semantic SID levels; one length for all rows, finite."),
+        Field("<hash key>", "int|string", True, False,
+              "Columns named by the codebook's `hash_keys` (default `advertiser_id`); their values "
+              "are hashed into the final SID level."),
+        Field("<bitmask attribute>", "list<string>", True, True,
+              "Declared values the ad targets; null or empty = unrestricted. A value not declared "
+              "in the targeting spec is an error."),
+        Field("<bloom attribute>", "list<string>", True, True,
+              "Free strings the ad targets (e.g. locations); null or empty = unrestricted."),
+        Field("value", "float64", False, True, "Expected eCPM of the ad."),
+    ),
+)
+
+REQUESTS = Contract(
+    name="requests",
+    version=1,
+    doc="One row per retrieval request; Parquet or Arrow IPC.",
+    fields=(
+        Field("request_id", "int64", True, False, "Unique request identifier."),
+        Field("<bitmask attribute>", "string", True, True,
+              "The request's value; null or undeclared = unknown (matches unrestricted ads only)."),
+        Field("<bloom attribute>", "list<string>", True, True,
+              "The request's values (at most `max_request_values`, default 64); null or empty "
+              "matches unrestricted ads only."),
+        Field("embedding", "vector<float32>", False, True,
+              "Request embedding, used by the codebook scorer; same length as the codebook's."),
+    ),
+)
+
+TARGETING_ATTRIBUTE = Contract(
+    name="targeting",
+    version=1,
+    doc=("Targeting spec (TOML): an ordered array of `[[attribute]]` tables. The attribute's name is "
+         "its column name in the catalog and in requests. Top-level key `version` (optional) must "
+         "equal this contract's version."),
+    fields=(
+        Field("name", "string", True, False, "Column name; unique within the spec."),
+        Field("kind", "string", True, False, "`bitmask` (declared values) or `bloom` (free strings)."),
+        Field("values", "list<string>", False, False,
+              "bitmask only, required: the declared values, unique and non-empty."),
+        Field("bits", "int64", False, False, "bloom only: Bloom row width, a positive multiple of 64 (default 256)."),
+        Field("hashes", "int64", False, False, "bloom only: bit positions per value, 1..16 (default 2)."),
+    ),
+)
+
+SID_TABLE = Contract(
+    name="sid_table",
+    version=1,
+    doc="Output of `sidindex sid assign`: one row per (ad, path); Parquet.",
+    fields=(
+        Field("ad_id", "int64", True, False, "The ad."),
+        Field("path", "int8", True, False,
+              "0 for the nearest first-level centroid, 1 for the second nearest, ..."),
+        Field("sid", "list<int16>[L]", True, False,
+              "The Semantic ID as L plain tokens; token l lies in [0, level_sizes[l])."),
+    ),
+)
+
+CONTRACTS = (CATALOG, REQUESTS, TARGETING_ATTRIBUTE, SID_TABLE)
+
+
+def render_markdown() -> str:
+    """Render every contract as Markdown (the text of ``schemas/CONTRACTS.md``)."""
+    out = ["# Data contracts", "",
+           "Generated from `schemas/contracts.py` by `python -m schemas`; do not edit by hand.", ""]
+    for c in CONTRACTS:
+        out += [f"## {c.name} (version {c.version})", "", c.doc, "",
+                "| field | type | required | nullable | meaning |",
+                "| --- | --- | --- | --- | --- |"]
+        for f in c.fields:
+            out.append(f"| `{f.name}` | `{f.type.replace('|', chr(92) + '|')}` | {'yes' if f.required else 'no'} | "
+                       f"{'yes' if f.nullable else 'no'} | {f.doc} |")
+        out.append("")
+    return "\n".join(out)

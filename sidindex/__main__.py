@@ -1,0 +1,3 @@
+from sidindex.cli import main
+
+main()

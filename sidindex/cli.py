@@ -1,0 +1,214 @@
+"""The `sidindex` command line. Every command has --help; reporting commands take --json.
+
+Errors of our own type (`SidIndexError`) become one line on stderr and a non-zero exit code:
+2 bad input / config / artifact, 3 a quality gate failed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from sidindex.errors import QualityGateError, SidIndexError
+
+app = typer.Typer(help=__doc__.split("\n")[0] + "\n\nBuilds Semantic-ID indexes for eligibility-constrained "
+                  "generative ad retrieval. Start with `sidindex sample`, then `sidindex sid train` and "
+                  "`sidindex sid assign`.", no_args_is_help=True, add_completion=False)
+sid_app = typer.Typer(help="Semantic IDs: train a frozen codebook, assign SIDs to a catalog.", no_args_is_help=True)
+app.add_typer(sid_app, name="sid")
+
+out = Console()
+err = Console(stderr=True)
+
+CATALOG_OPT = typer.Option(..., "--catalog", help="Catalog file (Parquet or Arrow IPC), see schemas/CONTRACTS.md.",
+                           exists=False, dir_okay=False)
+TARGETING_OPT = typer.Option(None, "--targeting",
+                             help="Targeting spec (TOML). When given, the whole catalog is validated against it.")
+CONFIG_OPT = typer.Option(None, "--config", help="Build config (TOML): [sid] scheme and [quality] gates. "
+                                                 "Default: the built-in defaults (see sidindex.config).")
+JSON_OPT = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of tables.")
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except SidIndexError as e:
+        err.print(Text.assemble(("error: ", "bold red"), str(e)), highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        err.print("aborted")
+        sys.exit(130)
+    except Exception as e:  # click usage errors carry their own exit codes
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator:
+    """A progress callback `(stage, done, total)` drawn on stderr when enabled (a terminal, no --json)."""
+    if not enabled:
+        yield lambda *_: None
+        return
+    with Progress(TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=err, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        yield update
+
+
+@app.command()
+def sample(
+    out_dir: Path = typer.Option(..., "--out", help="Directory to write catalog.parquet, requests.parquet, targeting.toml."),
+    ads: int = typer.Option(5000, "--ads", min=1, help="Number of ads."),
+    requests: int = typer.Option(1000, "--requests", min=1, help="Number of requests."),
+    dim: int = typer.Option(64, "--dim", min=1, help="Embedding dimension."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Random seed; the same seed gives the same files."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Generate a synthetic catalog, targeting spec and requests.
+
+    Clustered anisotropic embeddings; Zipf targeting over five bitmask attributes (country ~250
+    values, age, gender, language, platform) and one bloom attribute (locations, 40k values, heavy
+    tail); advertisers with many ads each; a `value` column.
+    """
+    from sidindex.sample import write_sample
+
+    t0 = time.perf_counter()
+    paths = write_sample(out_dir, ads, requests, dim=dim, seed=seed)
+    summary = {"ads": ads, "requests": requests, "dim": dim, "seconds": round(time.perf_counter() - t0, 2),
+               **{f"{k}_file": str(v) for k, v in paths.items()}}
+    _emit(summary, as_json, "sample written")
+
+
+@sid_app.command("train")
+def sid_train(
+    catalog: Path = CATALOG_OPT,
+    root: Path = typer.Option(..., "--out", help="ROOT directory; the codebook goes to ROOT/codebooks/<id>/."),
+    targeting: Optional[Path] = TARGETING_OPT,
+    config: Optional[Path] = CONFIG_OPT,
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Train a frozen residual k-means codebook from a catalog's embeddings.
+
+    Trains rarely: the codebook fixes every ad's SIDs, and the generative model is trained on them.
+    Training is deterministic for a given config. Levels shrink on small catalogs (about 39
+    training points per centroid) and the summary says so.
+    """
+    from sidindex.config import load_config
+    from sidindex.ingest import read_catalog
+    from sidindex.sid import save_codebook, train_codebook
+    from sidindex.targeting import load_targeting
+
+    cfg = load_config(config)
+    spec = load_targeting(targeting) if targeting else None
+    t0 = time.perf_counter()
+    cat = read_catalog(catalog, spec=spec, hash_keys=cfg.sid.hash_keys)
+    with _progress(not as_json and err.is_terminal) as progress:
+        cb = train_codebook(cat.embedding, cfg.sid, progress)
+    path = save_codebook(cb, root)
+    summary = {"codebook_id": cb.id, "path": str(path), "ads": len(cat), "dim": cb.dim,
+               "level_sizes": list(cb.level_sizes), "paths": cb.paths, "balanced": cfg.sid.balanced,
+               "notes": list(cb.notes), "seconds": round(time.perf_counter() - t0, 2)}
+    _emit(summary, as_json, "codebook trained")
+
+
+@sid_app.command("assign")
+def sid_assign(
+    catalog: Path = CATALOG_OPT,
+    codebook: Path = typer.Option(..., "--codebook", help="Codebook directory, or a ROOT holding exactly one."),
+    out_file: Path = typer.Option(..., "--out", help="Output Parquet file: ad_id, path, sid (L plain int16 tokens)."),
+    targeting: Optional[Path] = TARGETING_OPT,
+    config: Optional[Path] = CONFIG_OPT,
+    report: Optional[Path] = typer.Option(None, "--report", help="Also write the quality report as JSON here."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Assign SIDs to every ad with a frozen codebook, and report their quality.
+
+    Each ad gets one SID per path (its m nearest first-level centroids, each quantised down on its
+    own, sharing the hashed last token). Exits 3 without writing --out when a [quality] gate of the
+    config fails (e.g. a level collapsed to one code).
+    """
+    import pyarrow.parquet as pq
+
+    from sidindex.config import load_config
+    from sidindex.ingest import read_catalog
+    from sidindex.sid import assign_sids, hash_tokens, load_codebook, sid_quality, sid_table
+    from sidindex.targeting import load_targeting
+
+    cfg = load_config(config)
+    cb = load_codebook(codebook)
+    spec = load_targeting(targeting) if targeting else None
+    t0 = time.perf_counter()
+    cat = read_catalog(catalog, spec=spec, hash_keys=cb.hash_keys, dim=cb.dim)
+    with _progress(not as_json and err.is_terminal) as progress:
+        tokens = hash_tokens(cat.columns, cb.hash_keys, cb.hash_size)
+        assignment = assign_sids(cb, cat.embedding, tokens, progress)
+    seconds = time.perf_counter() - t0
+    quality = sid_quality(assignment, cb, cat.embedding, cfg.quality)
+    if report:
+        report.write_text(json.dumps(quality.to_dict(), indent=2))
+    if quality.failures:
+        raise QualityGateError("SID quality gate failed: " + "; ".join(quality.failures))
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.tmp")
+    pq.write_table(sid_table(assignment, cat.ad_id), tmp)
+    tmp.replace(out_file)
+    summary = {"codebook_id": cb.id, "out": str(out_file), "ads": len(cat), "sid_rows": quality.n_sid_rows,
+               "seconds": round(seconds, 2), "quality": quality.to_dict()}
+    if as_json:
+        _emit(summary, True, "")
+    else:
+        _emit({k: v for k, v in summary.items() if k != "quality"}, False, "SIDs assigned")
+        _print_quality(quality)
+
+
+def _emit(summary: dict, as_json: bool, title: str) -> None:
+    if as_json:
+        out.print_json(json.dumps(summary))
+        return
+    table = Table(title=title, show_header=False, title_justify="left")
+    for k, v in summary.items():
+        table.add_row(k, "\n".join(v) if isinstance(v, list) and v and isinstance(v[0], str)
+                      else str(v) if not isinstance(v, list) else ", ".join(map(str, v)) or "-")
+    out.print(table)
+
+
+def _print_quality(q) -> None:
+    t = Table(title="SID quality", show_header=False, title_justify="left")
+    t.add_row("distinct SIDs", f"{q.distinct_sids} over {q.n_sid_rows} SID rows of {q.n_ads} ads")
+    t.add_row("SIDs per ad", f"mean {q.sids_per_ad_mean:.2f}  " +
+              "  ".join(f"{k}: {v} ads" for k, v in q.sids_per_ad_counts.items()))
+    t.add_row("ads per SID", f"p50 {q.ads_per_sid_p50:g}  p99 {q.ads_per_sid_p99:g}  max {q.ads_per_sid_max}")
+    t.add_row("largest group", f"{list(q.largest_group_sid)}: {q.ads_per_sid_max} ads ({q.largest_group_share:.2%})")
+    t.add_row("collision rate", f"{q.collision_rate:.2%} of SID rows share their SID")
+    t.add_row("reconstruction MSE", "  ".join(f"L{i}: {m:.4g}" for i, m in enumerate(q.mse)) +
+              f"  (relative {q.relative_mse:.4f})")
+    t.add_row("2nd centroid within 5%", f"{q.near_second_share:.2%} of ads")
+    out.print(t)
+    lv = Table(title="per level", title_justify="left")
+    for col in ("level", "kind", "size", "used", "dead", "perplexity", "gini"):
+        lv.add_column(col, justify="right")
+    for u in q.levels:
+        lv.add_row(str(u.level), u.kind, str(u.size), str(u.used), str(u.dead), f"{u.perplexity:.1f}", f"{u.gini:.3f}")
+    out.print(lv)
+    for note in q.notes:
+        out.print(f"note: {note}", highlight=False)

@@ -1,0 +1,136 @@
+"""Build configuration (TOML): SID scheme and quality gates.
+
+Build-time settings only; query-time settings (beams, modes) belong to the runtime.
+
+    [sid]
+    levels = [512, 512, 512]      # semantic (residual k-means) level sizes, coarse to fine
+    hash_size = 512               # size of the final, hashed level
+    hash_keys = ["advertiser_id"] # catalog columns hashed into the final level
+    paths = 2                     # multi-path: first-level centroids per ad
+    path_ratio = 0.05             # optional: keep path j only if its distance <= (1 + ratio) * nearest
+    balanced = true               # capacity-constrained k-means for better codebook utilisation
+    capacity = 1.1                # balanced: a centroid takes at most capacity * n / k training points
+    balanced_iters = 10
+    train_sample = 131072         # training points (a seeded sample of the catalog)
+    niter = 20                    # k-means iterations per level
+    seed = 1234
+    min_points_per_centroid = 39  # a level shrinks so that each centroid has this many points
+
+    [quality]                     # thresholds that fail the job; omit a key to disable it
+    min_level_codes = 2           # a trained level must use at least this many codes
+    max_sid_share = 0.5           # no SID may hold more than this share of the ads
+    min_level_perplexity = 1.5    # perplexity of code usage per semantic level
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sidindex.errors import ConfigError
+from sidindex.tomlio import check_keys, read_toml
+
+MAX_TOKEN = 32767  # tokens are stored as int16 (DESIGN.md §5)
+
+
+@dataclass(frozen=True)
+class SIDConfig:
+    levels: tuple[int, ...] = (512, 512, 512)
+    hash_size: int = 512
+    hash_keys: tuple[str, ...] = ("advertiser_id",)
+    paths: int = 2
+    path_ratio: float | None = None
+    balanced: bool = False
+    capacity: float = 1.1
+    balanced_iters: int = 10
+    train_sample: int = 131072
+    niter: int = 20
+    seed: int = 1234
+    min_points_per_centroid: int = 39
+
+    def __post_init__(self) -> None:
+        where = "[sid]"
+        if not self.levels or any(not _is_int(k) or not 1 <= k <= MAX_TOKEN + 1 for k in self.levels):
+            raise ConfigError(f"{where} levels: expected a non-empty list of sizes in 1..{MAX_TOKEN + 1}, "
+                              f"got {list(self.levels)!r}")
+        if not _is_int(self.hash_size) or not 1 <= self.hash_size <= MAX_TOKEN + 1:
+            raise ConfigError(f"{where} hash_size: expected an integer in 1..{MAX_TOKEN + 1}, got {self.hash_size!r}")
+        if not self.hash_keys or any(not isinstance(k, str) or not k for k in self.hash_keys):
+            raise ConfigError(f"{where} hash_keys: expected a non-empty list of column names, got {self.hash_keys!r}")
+        if math.prod(self.levels) * self.hash_size >= 2**63:
+            raise ConfigError(f"{where} levels: the product of all level sizes must stay below 2^63 "
+                              "(SIDs are keyed as one int64); use fewer or smaller levels")
+        if not _is_int(self.paths) or not 1 <= self.paths <= 8:
+            raise ConfigError(f"{where} paths: expected an integer in 1..8, got {self.paths!r}")
+        if self.path_ratio is not None and not (_is_num(self.path_ratio) and self.path_ratio >= 0):
+            raise ConfigError(f"{where} path_ratio: expected a number >= 0, got {self.path_ratio!r}")
+        if not isinstance(self.balanced, bool):
+            raise ConfigError(f"{where} balanced: expected true or false, got {self.balanced!r}")
+        if not _is_num(self.capacity) or not 1.0 <= self.capacity <= 100.0:
+            raise ConfigError(f"{where} capacity: expected a number in [1, 100] (1 = perfectly "
+                              f"balanced), got {self.capacity!r}")
+        for name, lo in (("balanced_iters", 0), ("train_sample", 1), ("niter", 1), ("seed", 0),
+                         ("min_points_per_centroid", 1)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < lo:
+                raise ConfigError(f"{where} {name}: expected an integer >= {lo}, got {v!r}")
+
+    @property
+    def sid_length(self) -> int:
+        return len(self.levels) + 1
+
+
+@dataclass(frozen=True)
+class QualityThresholds:
+    min_level_codes: int | None = 2
+    max_sid_share: float | None = None
+    min_level_perplexity: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_level_codes is not None and (not _is_int(self.min_level_codes) or self.min_level_codes < 1):
+            raise ConfigError(f"[quality] min_level_codes: expected an integer >= 1, got {self.min_level_codes!r}")
+        if self.max_sid_share is not None and not (_is_num(self.max_sid_share) and 0 < self.max_sid_share <= 1):
+            raise ConfigError(f"[quality] max_sid_share: expected a number in (0, 1], got {self.max_sid_share!r}")
+        if self.min_level_perplexity is not None and not (_is_num(self.min_level_perplexity)
+                                                          and self.min_level_perplexity >= 1):
+            raise ConfigError(f"[quality] min_level_perplexity: expected a number >= 1, "
+                              f"got {self.min_level_perplexity!r}")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    sid: SIDConfig = field(default_factory=SIDConfig)
+    quality: QualityThresholds = field(default_factory=QualityThresholds)
+
+
+def load_config(path: str | Path | None) -> BuildConfig:
+    """Read a build config; `None` gives the defaults. Unknown keys are errors (likely typos)."""
+    if path is None:
+        return BuildConfig()
+    doc = read_toml(path)
+    check_keys(doc, {"sid", "quality"}, str(path))
+    sid = _section(doc, "sid", SIDConfig, path)
+    quality = _section(doc, "quality", QualityThresholds, path)
+    return BuildConfig(sid=sid, quality=quality)
+
+
+def _section(doc: dict, name: str, cls: type, path: str | Path):
+    table = doc.get(name, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [{name}] must be a table")
+    check_keys(table, {f.name for f in dataclasses.fields(cls)}, f"{path} [{name}]")
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)

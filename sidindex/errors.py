@@ -1,0 +1,28 @@
+"""Exceptions raised for problems a user can act on.
+
+The CLI prints ``str(error)`` as one line and exits non-zero; anything else is a bug.
+"""
+
+
+class SidIndexError(Exception):
+    """Base class: an error whose message tells the user what to fix."""
+
+    exit_code = 2
+
+
+class InputError(SidIndexError):
+    """A catalog, request table or targeting spec violates its contract."""
+
+
+class ConfigError(SidIndexError):
+    """A configuration file or option has a bad value."""
+
+
+class ArtifactError(SidIndexError):
+    """A codebook or other artifact on disk is missing, corrupt or of an unknown format."""
+
+
+class QualityGateError(SidIndexError):
+    """The SID quality report crossed a configured fail threshold."""
+
+    exit_code = 3

@@ -1,0 +1,258 @@
+"""Catalog and request ingestion: read with polars, validate against `schemas`, normalise.
+
+One validator per table converts, checks and returns arrays the rest of the pipeline can rely on
+(`Catalog`, `Requests`). Every failure is an `InputError` naming the file, the column, a row
+(0-based, as in a data frame) and the offending value. Legend: N ads, B requests, D embedding dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from schemas import CATALOG, REQUESTS
+from sidindex.errors import InputError
+from sidindex.targeting import BITMASK, TargetingSpec
+
+MAX_REQUEST_VALUES = 64
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """A validated catalog.
+
+    ad_id:     (N,) int64, unique
+    embedding: (N, D) float32, finite
+    columns:   the hash-key, targeting and `value` columns, validated, in file row order
+    """
+
+    path: str
+    ad_id: np.ndarray
+    embedding: np.ndarray
+    columns: pl.DataFrame
+
+    def __len__(self) -> int:
+        return len(self.ad_id)
+
+
+@dataclass(frozen=True)
+class Requests:
+    """A validated request table.
+
+    request_id: (B,) int64, unique
+    embedding:  (B, D) float32 or None when the table has no embedding column
+    columns:    one column per targeting attribute (string for bitmask, list<string> for bloom)
+    """
+
+    path: str
+    request_id: np.ndarray
+    embedding: np.ndarray | None
+    columns: pl.DataFrame
+
+    def __len__(self) -> int:
+        return len(self.request_id)
+
+
+def read_table(path: str | Path) -> pl.DataFrame:
+    """Read a Parquet or Arrow IPC (file or stream) table, chosen by its magic bytes."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            head = f.read(6)
+    except FileNotFoundError:
+        raise InputError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory; expected a Parquet or Arrow IPC file") from None
+    try:
+        if head[:4] == b"PAR1":
+            return pl.read_parquet(path)
+        if head == b"ARROW1":
+            return pl.read_ipc(path)
+        return pl.read_ipc_stream(path)
+    except Exception as e:  # polars raises many types for corrupt input
+        raise InputError(f"{path}: cannot be read as Parquet or Arrow IPC: {e}") from None
+
+
+def read_catalog(
+    path: str | Path,
+    *,
+    spec: TargetingSpec | None = None,
+    hash_keys: tuple[str, ...] = (),
+    dim: int | None = None,
+) -> Catalog:
+    """Read and validate a catalog (contract `schemas.CATALOG`).
+
+    spec:      when given, every targeting attribute column is required and checked
+    hash_keys: columns that must be present, integer or string, and non-null
+    dim:       expected embedding length (e.g. a codebook's); default: the length of row 0
+    """
+    df = read_table(path)
+    v = _Validator(str(path), df)
+    if df.height == 0:
+        raise InputError(f"{path}: the catalog holds no rows; nothing to index")
+    ad_id = v.int64(CATALOG.field("ad_id").name)
+    v.unique(CATALOG.field("ad_id").name, ad_id)
+    v.ad_id = ad_id
+    embedding = v.vector("embedding", dim)
+    keep: list[pl.Series] = []
+    for key in hash_keys:
+        keep.append(v.hash_key(key))
+    if spec is not None:
+        for a in spec.attributes:
+            keep.append(v.string_list(a.name, declared=a.values if a.kind == BITMASK else None,
+                                      declared_in=spec.source))
+    if "value" in df.columns and "value" not in hash_keys:
+        keep.append(v.float64("value"))
+    return Catalog(str(path), ad_id, embedding, pl.DataFrame(keep))
+
+
+def read_requests(
+    path: str | Path,
+    spec: TargetingSpec,
+    *,
+    max_values: int = MAX_REQUEST_VALUES,
+    dim: int | None = None,
+) -> Requests:
+    """Read and validate a request table (contract `schemas.REQUESTS`).
+
+    Bitmask values outside the declared set are legal: they mean "unknown" (DESIGN.md §3).
+    """
+    df = read_table(path)
+    v = _Validator(str(path), df)
+    if df.height == 0:
+        raise InputError(f"{path}: the request table holds no rows")
+    request_id = v.int64(REQUESTS.field("request_id").name)
+    v.unique("request_id", request_id)
+    embedding = v.vector("embedding", dim) if "embedding" in df.columns else None
+    keep = []
+    for a in spec.attributes:
+        if a.kind == BITMASK:
+            keep.append(v.string(a.name))
+        else:
+            keep.append(v.string_list(a.name, declared=None, max_len=max_values))
+    return Requests(str(path), request_id, embedding, pl.DataFrame(keep))
+
+
+class _Validator:
+    """Column checks for one table; each returns the converted column or raises `InputError`."""
+
+    def __init__(self, path: str, df: pl.DataFrame) -> None:
+        self.path = path
+        self.df = df
+        self.ad_id: np.ndarray | None = None
+
+    def fail(self, column: str, row: int | None, message: str) -> InputError:
+        where = f"{self.path}: column {column!r}"
+        if row is not None:
+            where += f", row {row}"
+            if self.ad_id is not None:
+                where += f" (ad_id {self.ad_id[row]})"
+        return InputError(f"{where}: {message}")
+
+    def column(self, name: str) -> pl.Series:
+        if name not in self.df.columns:
+            shown = ", ".join(repr(c) for c in self.df.columns[:12])
+            more = f", ... {len(self.df.columns) - 12} more" if len(self.df.columns) > 12 else ""
+            raise InputError(f"{self.path}: missing column {name!r} (columns present: {shown}{more})")
+        return self.df.get_column(name)
+
+    def no_nulls(self, s: pl.Series) -> None:
+        if s.null_count():
+            row = int(s.is_null().arg_true()[0])
+            raise self.fail(s.name, row, "is null; this column must have a value in every row")
+
+    def int64(self, name: str) -> np.ndarray:
+        s = self.column(name)
+        if not s.dtype.is_integer():
+            raise self.fail(name, None, f"has type {s.dtype}, expected an integer type (int64)")
+        self.no_nulls(s)
+        return s.cast(pl.Int64).to_numpy()
+
+    def float64(self, name: str) -> pl.Series:
+        s = self.column(name)
+        if not s.dtype.is_numeric():
+            raise self.fail(name, None, f"has type {s.dtype}, expected a number (float64)")
+        return s.cast(pl.Float64)
+
+    def unique(self, name: str, values: np.ndarray) -> None:
+        order = np.argsort(values, kind="stable")
+        dup = np.flatnonzero(values[order][1:] == values[order][:-1])
+        if len(dup):
+            first, second = sorted((int(order[dup[0]]), int(order[dup[0] + 1])))
+            raise self.fail(name, second, f"value {values[second]} also appears in row {first}; "
+                                          f"{name} must be unique")
+
+    def hash_key(self, name: str) -> pl.Series:
+        s = self.column(name)
+        if not (s.dtype.is_integer() or s.dtype in (pl.String, pl.Categorical)):
+            raise self.fail(name, None, f"has type {s.dtype}; a hash-key column must be integer or string")
+        self.no_nulls(s)
+        return s
+
+    def string(self, name: str) -> pl.Series:
+        s = self.column(name)
+        if s.dtype == pl.Null:
+            return s.cast(pl.String)
+        if s.dtype not in (pl.String, pl.Categorical):
+            raise self.fail(name, None, f"has type {s.dtype}, expected string")
+        return s.cast(pl.String)
+
+    def string_list(self, name: str, *, declared: tuple[str, ...] | None, declared_in: str = "",
+                    max_len: int | None = None) -> pl.Series:
+        s = self.column(name)
+        if s.dtype == pl.Null:
+            return s.cast(pl.List(pl.String))
+        if not (isinstance(s.dtype, pl.List) and s.dtype.inner in (pl.String, pl.Categorical, pl.Null)):
+            raise self.fail(name, None, f"has type {s.dtype}, expected list<string> "
+                                        "(null or an empty list means unrestricted)")
+        s = s.cast(pl.List(pl.String))
+        if max_len is not None:
+            too_long = (s.list.len() > max_len).fill_null(False)
+            if too_long.any():
+                row = int(too_long.arg_true()[0])
+                raise self.fail(name, row, f"holds {s[row].len()} values; at most {max_len} are allowed")
+        flat = pl.DataFrame({"row": pl.int_range(0, len(s), eager=True, dtype=pl.Int64), name: s}).explode(name)
+        # Null/empty lists explode to a null element too; only a null *inside* a real list is malformed.
+        inner_null = flat.filter(pl.col(name).is_null()).join(
+            pl.DataFrame({"row": (s.list.len() > 0).fill_null(False).arg_true().cast(pl.Int64)}), on="row")
+        if inner_null.height:
+            raise self.fail(name, int(inner_null["row"].min()), "holds a null value inside its list; "
+                                                                "use an empty list or null for unrestricted")
+        if declared is not None:
+            bad = flat.filter(pl.col(name).is_not_null() & ~pl.col(name).is_in(list(declared)))
+            if bad.height:
+                row = int(bad["row"][0])
+                value = bad[name][0]
+                shown = ", ".join(repr(x) for x in sorted(declared)[:4])
+                more = f", ... {len(declared) - 4} more" if len(declared) > 4 else ""
+                raise self.fail(name, row, f"value {value!r} is not declared in {declared_in} "
+                                           f"(declared: {shown}{more}). Declare it or correct the row.")
+        return s
+
+    def vector(self, name: str, dim: int | None) -> np.ndarray:
+        s = self.column(name)
+        dt = s.dtype
+        if not (isinstance(dt, (pl.List, pl.Array)) and dt.inner.is_numeric()):
+            raise self.fail(name, None, f"has type {dt}, expected a list of float32")
+        self.no_nulls(s)
+        lengths = s.list.len().to_numpy() if isinstance(dt, pl.List) else np.full(len(s), dt.size)
+        expected = dim if dim is not None else int(lengths[0])
+        origin = "the codebook's dimension" if dim is not None else "the length of row 0"
+        if expected == 0:
+            raise self.fail(name, 0, "is empty; embeddings need at least one value")
+        wrong = np.flatnonzero(lengths != expected)
+        if len(wrong):
+            row = int(wrong[0])
+            raise self.fail(name, row, f"has {lengths[row]} values, expected {expected} ({origin})")
+        flat = s.explode() if isinstance(dt, pl.List) else s.arr.explode()
+        x = flat.cast(pl.Float32).to_numpy().reshape(len(s), expected)
+        bad = ~np.isfinite(x).all(axis=1)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            col = int(np.flatnonzero(~np.isfinite(x[row]))[0])
+            raise self.fail(name, row, f"element {col} is {x[row, col]} (null, NaN or inf); "
+                                       "embeddings must be finite")
+        return np.ascontiguousarray(x, dtype=np.float32)

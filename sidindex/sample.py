@@ -1,0 +1,212 @@
+"""Synthetic but realistic catalogs, targeting specs and requests.
+
+Embeddings come from a mixture of anisotropic Gaussians with Zipf-sized clusters; targeting is
+Zipf-distributed per attribute (most ads restrict some attributes, a share restricts none); the
+location vocabulary has tens of thousands of values with a heavy tail; advertisers own many ads each.
+Every step is vectorised over ads (loops run over clusters or attributes only), so a 10M-ad
+catalog is generated in seconds. Deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sidindex.targeting import BITMASK, BLOOM, DEFAULT_BLOOM_BITS, DEFAULT_BLOOM_HASHES, Attribute, TargetingSpec
+
+_COMMON_COUNTRIES = ["US", "GB", "CA", "DE", "FR", "IN", "BR", "JP", "MX", "ES", "IT", "AU", "KR", "ID", "NL"]
+_LANGUAGES = ["en", "es", "pt", "fr", "de", "it", "nl", "ru", "ja", "ko", "zh", "hi", "ar", "tr", "pl",
+              "sv", "da", "no", "fi", "cs", "el", "he", "th", "vi", "id", "ms", "tl", "uk", "ro", "hu",
+              "bn", "ta", "te", "mr", "ur", "fa", "sw", "af", "ca", "hr"]
+
+
+@dataclass(frozen=True)
+class _Restriction:
+    """How ads restrict one attribute: share of restricted ads and list length distribution."""
+
+    share: float       # probability that an ad restricts this attribute
+    mean_len: float    # mean number of values of a restricted ad (geometric, >= 1)
+    zipf: float        # popularity skew of the values
+
+
+_RESTRICTIONS = {
+    "country": _Restriction(0.7, 3.0, 1.1),
+    "age": _Restriction(0.5, 2.5, 0.5),
+    "gender": _Restriction(0.3, 1.0, 0.3),
+    "language": _Restriction(0.4, 1.5, 1.2),
+    "platform": _Restriction(0.3, 1.5, 0.6),
+    "locations": _Restriction(0.6, 10.0, 1.05),
+}
+
+
+def sample_spec(n_countries: int = 250, bloom_bits: int = DEFAULT_BLOOM_BITS) -> TargetingSpec:
+    """The sample targeting spec: five bitmask attributes and one bloom attribute (locations)."""
+    letters = string.ascii_uppercase
+    others = [a + b for a in letters for b in letters if a + b not in _COMMON_COUNTRIES and a + b != "ZZ"]
+    rng = np.random.default_rng(7)
+    countries = _COMMON_COUNTRIES + list(rng.permutation(others)[: n_countries - len(_COMMON_COUNTRIES)])
+    return TargetingSpec((
+        Attribute("country", BITMASK, values=tuple(str(c) for c in countries)),
+        Attribute("age", BITMASK, values=("13-17", "18-24", "25-34", "35-44", "45-54", "55-64", "65+")),
+        Attribute("gender", BITMASK, values=("female", "male", "other")),
+        Attribute("language", BITMASK, values=tuple(_LANGUAGES)),
+        Attribute("platform", BITMASK, values=("android", "ios", "web", "ctv", "desktop")),
+        Attribute("locations", BLOOM, bits=bloom_bits, hashes=DEFAULT_BLOOM_HASHES),
+    ))
+
+
+def location_vocabulary(n: int = 40000) -> np.ndarray:
+    """(n,) object array of location strings, most popular first."""
+    return np.array([f"geo:{i:05d}" for i in range(n)], dtype=object)
+
+
+def zipf_weights(n: int, s: float) -> np.ndarray:
+    w = 1.0 / np.arange(1, n + 1) ** s
+    return w / w.sum()
+
+
+def sample_embeddings(n: int, dim: int, rng: np.random.Generator, n_clusters: int | None = None) -> np.ndarray:
+    """(n, dim) float32 embeddings from a hierarchical mixture of anisotropic Gaussians.
+
+    Topics (spread 1 per dim) hold clusters (offsets 0.5), which hold points with a randomly
+    rotated, decaying spectrum; cluster sizes are Zipf. Within-cluster spread is comparable to the
+    separations, so every residual level has structure to quantise (real embeddings are not a few
+    tight blobs).
+    """
+    n_clusters = n_clusters or max(4, min(4096, n // 400))
+    n_topics = max(2, int(np.sqrt(n_clusters)))
+    topics = rng.standard_normal((n_topics, dim)).astype(np.float32)
+    centres = topics[rng.integers(0, n_topics, n_clusters)] + 0.5 * rng.standard_normal((n_clusters, dim)).astype(np.float32)
+    cluster = rng.choice(n_clusters, size=n, p=zipf_weights(n_clusters, 0.8))
+    order = np.argsort(cluster, kind="stable")
+    bounds = np.searchsorted(cluster[order], np.arange(n_clusters + 1))
+    x = np.empty((n, dim), dtype=np.float32)
+    spectrum = (1.0 / np.sqrt(np.arange(1, dim + 1))).astype(np.float32)
+    for c in range(n_clusters):  # per cluster: a random rotation of a decaying spectrum
+        rows = order[bounds[c]: bounds[c + 1]]
+        if not len(rows):
+            continue
+        q, _ = np.linalg.qr(rng.standard_normal((dim, dim)))
+        scale = spectrum * np.float32(np.exp(rng.normal(np.log(0.6), 0.3)))
+        z = rng.standard_normal((len(rows), dim)).astype(np.float32) * scale
+        x[rows] = centres[c] + z @ q.astype(np.float32)
+    return x
+
+
+def _restricted_lists(n: int, vocab_size: int, r: _Restriction, rng: np.random.Generator,
+                      heavy_tail: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Targeting lists for n ads over values 0..vocab_size-1.
+
+    Returns (offsets (n+1,) int64, values (T,) int64, valid (n,) bool), where valid=False marks an
+    unrestricted ad (null list).
+    """
+    restricted = rng.random(n) < r.share
+    if heavy_tail:  # lognormal lengths: most ads a handful, a few hundreds
+        lengths = np.ceil(rng.lognormal(np.log(r.mean_len) - 0.5, 1.0, n)).astype(np.int64)
+    else:
+        lengths = rng.geometric(1.0 / r.mean_len, n).astype(np.int64)
+    lengths = np.where(restricted, np.minimum(lengths, vocab_size), 0)
+    offsets, values = _distinct_draws(lengths, vocab_size, zipf_weights(vocab_size, r.zipf), rng)
+    return offsets, values, restricted
+
+
+def _distinct_draws(lengths: np.ndarray, vocab_size: int, p: np.ndarray,
+                    rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Per row i, up to lengths[i] distinct values drawn with popularity p (3x oversampled, then
+    deduplicated in draw order). Returns (offsets (n+1,) int64, values (T,) int64)."""
+    n = len(lengths)
+    rows = np.repeat(np.arange(n, dtype=np.int64), 3 * lengths + 4)
+    codes = rng.choice(vocab_size, size=len(rows), p=p)
+    _, first = np.unique(rows * vocab_size + codes, return_index=True)
+    first.sort()  # distinct (row, value) pairs in draw order, rows ascending
+    rows, codes = rows[first], codes[first]
+    pos = np.arange(len(rows)) - np.searchsorted(rows, rows)
+    keep = pos < lengths[rows]
+    rows, codes = rows[keep], codes[keep]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=n), out=offsets[1:])
+    return offsets, codes
+
+
+def _list_array(offsets: np.ndarray, codes: np.ndarray, valid: np.ndarray, vocab: np.ndarray) -> pa.Array:
+    values = pa.array(vocab[codes].tolist() if len(codes) else [], type=pa.string())
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values, mask=pa.array(~valid))
+
+
+def sample_catalog(n: int, spec: TargetingSpec, *, dim: int = 64, seed: int = 0,
+                   n_locations: int = 40000) -> pa.Table:
+    """A catalog table of `n` ads following `schemas.CATALOG` for `spec`."""
+    rng = np.random.default_rng(seed)
+    ad_id = rng.permutation(np.unique(rng.integers(1, 2**53, size=n + n // 8 + 16))[:n]) if n else np.zeros(0, np.int64)
+    while len(ad_id) < n:  # astronomically unlikely: too many collisions
+        ad_id = np.unique(np.concatenate([ad_id, rng.integers(1, 2**53, size=n)]))[:n]
+    emb = sample_embeddings(n, dim, rng)
+    n_adv = max(1, n // 25)
+    advertiser = 100000 + rng.choice(n_adv, size=n, p=zipf_weights(n_adv, 0.9)).astype(np.int64)
+    cols: dict[str, pa.Array] = {
+        "ad_id": pa.array(ad_id.astype(np.int64)),
+        "advertiser_id": pa.array(advertiser),
+        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), dim),
+        "value": pa.array(rng.lognormal(0.0, 1.0, n)),
+    }
+    locations = location_vocabulary(n_locations)
+    for a in spec.attributes:
+        r = _RESTRICTIONS.get(a.name, _Restriction(0.5, 2.0, 1.0))
+        vocab = np.array(a.values, dtype=object) if a.kind == BITMASK else locations
+        offsets, codes, valid = _restricted_lists(n, len(vocab), r, rng, heavy_tail=a.kind == BLOOM)
+        cols[a.name] = _list_array(offsets, codes, valid, vocab)
+    return pa.table(cols)
+
+
+def sample_requests(n: int, spec: TargetingSpec, *, dim: int = 64, seed: int = 1,
+                    n_locations: int = 40000, max_values: int = 64,
+                    catalog_embedding: np.ndarray | None = None) -> pa.Table:
+    """A request table of `n` requests following `schemas.REQUESTS`.
+
+    Bitmask values are Zipf-drawn; 5% are null and 2% an undeclared value (both mean "unknown").
+    Each request has 0..max_values locations. Embeddings lie near catalog embeddings when given.
+    """
+    rng = np.random.default_rng(seed)
+    cols: dict[str, pa.Array] = {"request_id": pa.array(np.arange(1, n + 1, dtype=np.int64))}
+    locations = location_vocabulary(n_locations)
+    for a in spec.attributes:
+        r = _RESTRICTIONS.get(a.name, _Restriction(0.5, 2.0, 1.0))
+        if a.kind == BITMASK:
+            vals = np.array(a.values, dtype=object)[rng.choice(len(a.values), n, p=zipf_weights(len(a.values), r.zipf))]
+            u = rng.random(n)
+            vals[u < 0.02] = "ZZ" if a.name == "country" else "unknown-value"
+            cols[a.name] = pa.array(vals.tolist(), mask=u > 0.95, type=pa.string())
+        else:
+            lengths = rng.integers(0, max_values + 1, n)
+            offsets, codes = _distinct_draws(lengths, len(locations), zipf_weights(len(locations), r.zipf), rng)
+            cols[a.name] = _list_array(offsets, codes, np.ones(n, bool), locations)
+    if catalog_embedding is not None and len(catalog_embedding):
+        base = catalog_embedding[rng.integers(0, len(catalog_embedding), n)]
+        emb = base + rng.normal(0, 0.1, base.shape).astype(np.float32)
+    else:
+        emb = sample_embeddings(n, dim, rng)
+    cols["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(emb.astype(np.float32).reshape(-1)), emb.shape[1])
+    return pa.table(cols)
+
+
+def write_sample(out: str | Path, n_ads: int, n_requests: int, *, dim: int = 64, seed: int = 0) -> dict[str, Path]:
+    """Write catalog.parquet, requests.parquet and targeting.toml under `out`; returns their paths."""
+    from sidindex.targeting import write_targeting
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = sample_spec()
+    catalog = sample_catalog(n_ads, spec, dim=dim, seed=seed)
+    emb = catalog.column("embedding").combine_chunks().flatten().to_numpy().reshape(n_ads, dim)
+    requests = sample_requests(n_requests, spec, dim=dim, seed=seed + 1, catalog_embedding=emb)
+    paths = {"catalog": out / "catalog.parquet", "requests": out / "requests.parquet",
+             "targeting": out / "targeting.toml"}
+    pq.write_table(catalog, paths["catalog"])
+    pq.write_table(requests, paths["requests"])
+    write_targeting(spec, paths["targeting"])
+    return paths

@@ -1,0 +1,242 @@
+"""Frozen residual k-means codebooks: training, and the versioned on-disk artifact.
+
+A codebook fixes the whole SID scheme (semantic centroids, hash level size and keys, number of
+paths), so assigning the same ads with the same codebook always gives the same SIDs, and adding
+ads never changes existing ones (assignment is per ad, against frozen centroids).
+
+On disk (``ROOT/codebooks/<id>/``): ``codebook.json`` (format, version, scheme, training config,
+notes, and size + sha256 of every file) and ``level_<l>.npy`` (K_l, D) float32 per semantic level,
+read with ``allow_pickle=False``. The id is a hash of the scheme and the centroid bytes, so the same
+training gives the same id. Directories are written under a temporary name, fsynced, then renamed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from sidindex.config import SIDConfig
+from sidindex.errors import ArtifactError, ConfigError
+from sidindex.sid.hashing import HASH_SEED, KEY_SEPARATOR
+from sidindex.sid.kmeans import nearest, train_level
+
+FORMAT = "sidindex.codebook"
+FORMAT_VERSION = 1
+MANIFEST = "codebook.json"
+MAX_MANIFEST_BYTES = 1 << 20
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """A frozen SID scheme.
+
+    centroids:  per semantic level l, (K_l, D) float32
+    hash_size:  size of the final, hashed level
+    hash_keys:  catalog columns hashed into the final level
+    paths:      first-level centroids per ad (multi-path); path_ratio optionally limits them
+    config:     the training configuration; notes: what training had to adapt (shrunk levels...)
+    """
+
+    centroids: tuple[np.ndarray, ...]
+    hash_size: int
+    hash_keys: tuple[str, ...]
+    paths: int
+    path_ratio: float | None
+    config: SIDConfig
+    notes: tuple[str, ...] = ()
+
+    @property
+    def dim(self) -> int:
+        return int(self.centroids[0].shape[1])
+
+    @property
+    def level_sizes(self) -> tuple[int, ...]:
+        """Sizes of all L levels: the semantic ones, then the hash level."""
+        return tuple(len(c) for c in self.centroids) + (self.hash_size,)
+
+    @property
+    def sid_length(self) -> int:
+        return len(self.centroids) + 1
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.level_sizes)
+
+    def scheme(self) -> dict:
+        """Everything that determines SIDs, besides the centroid values."""
+        return {"dim": self.dim, "level_sizes": list(self.level_sizes), "hash_keys": list(self.hash_keys),
+                "hash_seed": HASH_SEED, "hash_key_separator": KEY_SEPARATOR, "paths": self.paths,
+                "path_ratio": self.path_ratio}
+
+    @property
+    def id(self) -> str:
+        h = hashlib.sha256(json.dumps(self.scheme(), sort_keys=True).encode())
+        for c in self.centroids:
+            h.update(np.ascontiguousarray(c, dtype="<f4").tobytes())
+        return "cb-" + h.hexdigest()[:16]
+
+
+def train_codebook(embedding: np.ndarray, config: SIDConfig, progress: Progress | None = None) -> Codebook:
+    """Train a residual k-means codebook on a seeded sample of the catalog.
+
+    embedding: (N, D) float32 catalog embeddings
+    Level l is trained on the residuals left by levels < l (nearest-centroid assignment, the same
+    rule `assign_sids` uses). Deterministic on the CPU for a given config (faiss k-means is seeded).
+    """
+    n = len(embedding)
+    rng = np.random.default_rng(config.seed)
+    if n > config.train_sample:
+        rows = np.sort(rng.choice(n, size=config.train_sample, replace=False))
+        x = embedding[rows].astype(np.float32)
+    else:
+        x = np.array(embedding, dtype=np.float32)
+    notes: list[str] = []
+    if n > config.train_sample:
+        notes.append(f"trained on a sample of {config.train_sample} of {n} ads")
+    centroids = []
+    for level, k in enumerate(config.levels):
+        if progress:
+            progress("train", level, len(config.levels))
+        c, level_notes = train_level(
+            x, k, niter=config.niter, seed=config.seed + level,
+            min_points_per_centroid=config.min_points_per_centroid, balanced=config.balanced,
+            capacity=config.capacity, balanced_iters=config.balanced_iters)
+        notes += [f"level {level}: {t}" for t in level_notes]
+        x -= c[nearest(x, c)]
+        centroids.append(c)
+    if progress:
+        progress("train", len(config.levels), len(config.levels))
+    paths = min(config.paths, len(centroids[0]))
+    if paths < config.paths:
+        notes.append(f"paths reduced from {config.paths} to {paths} (first level has {paths} centroids)")
+    return Codebook(tuple(centroids), config.hash_size, tuple(config.hash_keys), paths, config.path_ratio,
+                    config, tuple(notes))
+
+
+def save_codebook(codebook: Codebook, root: str | Path) -> Path:
+    """Write `codebook` to ``root/codebooks/<id>/`` atomically; returns that directory.
+
+    Saving a codebook whose id already exists leaves the existing directory as it is (same id,
+    same content).
+    """
+    parent = Path(root) / "codebooks"
+    parent.mkdir(parents=True, exist_ok=True)
+    final = parent / codebook.id
+    if final.exists():
+        return final
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
+    try:
+        files = {}
+        for level, c in enumerate(codebook.centroids):
+            name = f"level_{level}.npy"
+            np.save(tmp / name, np.ascontiguousarray(c, dtype="<f4"), allow_pickle=False)
+            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name),
+                           "shape": list(c.shape), "dtype": "float32"}
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "id": codebook.id,
+                    **codebook.scheme(), "config": _config_dict(codebook.config),
+                    "notes": list(codebook.notes), "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        for p in tmp.iterdir():
+            _fsync(p)
+        _fsync(tmp)
+        os.rename(tmp, final)
+        _fsync(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def resolve_codebook(path: str | Path) -> Path:
+    """A codebook directory from either that directory or a ROOT holding exactly one codebook."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    books = sorted(p for p in (path / "codebooks").glob("cb-*") if (p / MANIFEST).is_file())
+    if len(books) == 1:
+        return books[0]
+    if not books:
+        raise ArtifactError(f"{path}: no codebook here (expected {MANIFEST}, or codebooks/<id>/ under a ROOT)")
+    raise ArtifactError(f"{path}: holds {len(books)} codebooks ({', '.join(b.name for b in books)}); "
+                        "pass the directory of the one to use")
+
+
+def load_codebook(path: str | Path, *, verify: bool = True) -> Codebook:
+    """Read a codebook directory (or a ROOT with one codebook), checking format, sizes and checksums."""
+    path = resolve_codebook(path)
+    mpath = path / MANIFEST
+    if mpath.stat().st_size > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{mpath}: {mpath.stat().st_size} bytes, too large for a codebook manifest")
+    try:
+        m = json.loads(mpath.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"{mpath}: not valid JSON ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ArtifactError(f"{mpath}: not a sidindex codebook manifest")
+    version = m.get("format_version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        raise ArtifactError(f"{mpath}: codebook format version {version!r}; this sidindex reads version "
+                            f"{FORMAT_VERSION}" + (" (written by a newer sidindex: upgrade)" if newer else ""))
+    try:
+        sizes = [int(s) for s in m["level_sizes"]]
+        dim = int(m["dim"])
+        if m["hash_seed"] != HASH_SEED or m["hash_key_separator"] != KEY_SEPARATOR:
+            raise ArtifactError(f"{mpath}: hash seed or key format differs from this sidindex's")
+        config = SIDConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in m["config"].items()})
+        centroids = []
+        for level, k in enumerate(sizes[:-1]):
+            name = f"level_{level}.npy"
+            entry = m["files"][name]
+            fpath = path / name
+            if fpath.stat().st_size != entry["bytes"]:
+                raise ArtifactError(f"{fpath}: {fpath.stat().st_size} bytes, manifest says {entry['bytes']} (truncated?)")
+            if verify and _sha256(fpath) != entry["sha256"]:
+                raise ArtifactError(f"{fpath}: checksum mismatch; the file is corrupt")
+            try:
+                c = np.load(fpath, allow_pickle=False)
+            except ValueError as e:
+                raise ArtifactError(f"{fpath}: not a valid array file ({e})") from None
+            if c.dtype != np.float32 or c.shape != (k, dim):
+                raise ArtifactError(f"{fpath}: holds {c.dtype}{c.shape}, expected float32({k}, {dim})")
+            if not np.isfinite(c).all():
+                raise ArtifactError(f"{fpath}: holds non-finite centroids")
+            centroids.append(c)
+        cb = Codebook(tuple(centroids), sizes[-1], tuple(m["hash_keys"]), int(m["paths"]),
+                      m["path_ratio"], config, tuple(m["notes"]))
+    except (KeyError, TypeError, ValueError, FileNotFoundError, ConfigError) as e:
+        raise ArtifactError(f"{mpath}: malformed or incomplete codebook ({type(e).__name__}: {e})") from None
+    if cb.id != m["id"]:
+        raise ArtifactError(f"{mpath}: content does not match its id {m['id']!r}")
+    return cb
+
+
+def _config_dict(config: SIDConfig) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,142 @@
+"""SID quality report: collisions, utilisation, reconstruction error, multi-path share, gates.
+
+Codebook collapse (every ad under a handful of SIDs) must be caught when the codebook is made, not
+when retrieval quality drops: `check_gates` turns configured thresholds into failures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from sidindex.config import QualityThresholds
+from sidindex.sid.assign import SIDAssignment, sid_keys
+from sidindex.sid.codebook import Codebook
+
+NEAR_SECOND_RATIO = 1.05  # GR4AD-X: share of ads whose 2nd centroid is within 5% of the 1st
+
+
+@dataclass(frozen=True)
+class LevelUsage:
+    level: int
+    kind: str            # "semantic" or "hash"
+    size: int
+    used: int
+    dead: int
+    perplexity: float    # exp(entropy) of code usage over SID rows; `size` when perfectly uniform
+    gini: float          # 0 = uniform usage, -> 1 = one code takes everything
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    n_ads: int
+    n_sid_rows: int
+    sids_per_ad_mean: float
+    sids_per_ad_counts: dict[int, int]   # number of SIDs -> number of ads
+    distinct_sids: int
+    ads_per_sid_p50: float
+    ads_per_sid_p99: float
+    ads_per_sid_max: int
+    largest_group_sid: tuple[int, ...]
+    largest_group_share: float           # of all ads
+    collision_rate: float                # share of SID rows whose SID holds more than one ad
+    levels: tuple[LevelUsage, ...]
+    mse: tuple[float, ...]               # mean ||x - x_hat||^2 after each semantic level (path 0)
+    relative_mse: float                  # final mse / mean ||x - mean(x)||^2
+    near_second_share: float             # share of ads with d2 <= 1.05 d1 at the first level
+    notes: tuple[str, ...]
+    failures: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def sid_quality(assignment: SIDAssignment, codebook: Codebook, embedding: np.ndarray,
+                thresholds: QualityThresholds | None = None) -> QualityReport:
+    """Report on an assignment; `failures` lists the crossed thresholds (empty when none).
+
+    embedding: (N, D) float32, the embeddings the assignment was made from
+    """
+    sids = assignment.sids
+    n = assignment.n_ads
+    per_ad = np.bincount(assignment.ad_index, minlength=n)
+    keys = sid_keys(sids, assignment.level_sizes)
+    uniq, first, counts = np.unique(keys, return_index=True, return_counts=True)
+    top = int(np.argmax(counts))
+    levels = []
+    n_sem = len(codebook.centroids)
+    for level, size in enumerate(assignment.level_sizes):
+        use = np.bincount(sids[:, level].astype(np.int64), minlength=size)
+        levels.append(LevelUsage(level, "semantic" if level < n_sem else "hash", size,
+                                 int((use > 0).sum()), int((use == 0).sum()), _perplexity(use), _gini(use)))
+    mse = _reconstruction_mse(codebook, embedding, assignment)
+    spread = float(np.mean(np.sum((embedding - embedding.mean(axis=0)) ** 2, axis=1)))
+    report = QualityReport(
+        n_ads=n,
+        n_sid_rows=len(sids),
+        sids_per_ad_mean=float(per_ad.mean()),
+        sids_per_ad_counts={int(k): int(v) for k, v in enumerate(np.bincount(per_ad)) if v},
+        distinct_sids=len(uniq),
+        ads_per_sid_p50=float(np.percentile(counts, 50)),
+        ads_per_sid_p99=float(np.percentile(counts, 99)),
+        ads_per_sid_max=int(counts[top]),
+        largest_group_sid=tuple(int(t) for t in sids[first[top]]),
+        largest_group_share=float(counts[top] / n),
+        collision_rate=float(counts[counts > 1].sum() / len(sids)),
+        levels=tuple(levels),
+        mse=mse,
+        relative_mse=mse[-1] / spread if spread > 0 else 0.0,
+        near_second_share=float(np.mean(assignment.first_ratio <= NEAR_SECOND_RATIO)),
+        notes=codebook.notes,
+    )
+    if thresholds is not None:
+        report = dataclasses.replace(report, failures=tuple(check_gates(report, thresholds)))
+    return report
+
+
+def check_gates(report: QualityReport, t: QualityThresholds) -> list[str]:
+    """Human-readable failures for every threshold the report crosses."""
+    out = []
+    for lv in report.levels:
+        if lv.kind != "semantic":
+            continue
+        if t.min_level_codes is not None and lv.size >= 2 and lv.used < min(t.min_level_codes, lv.size):
+            out.append(f"level {lv.level} uses {lv.used} of {lv.size} codes (min_level_codes = "
+                       f"{t.min_level_codes}): the codebook collapsed")
+        if t.min_level_perplexity is not None and lv.size >= 2 and lv.perplexity < t.min_level_perplexity:
+            out.append(f"level {lv.level} perplexity {lv.perplexity:.2f} < min_level_perplexity "
+                       f"{t.min_level_perplexity}")
+    if t.max_sid_share is not None and report.largest_group_share > t.max_sid_share:
+        out.append(f"SID {list(report.largest_group_sid)} holds {report.largest_group_share:.1%} of the ads "
+                   f"(max_sid_share = {t.max_sid_share})")
+    return out
+
+
+def _reconstruction_mse(codebook: Codebook, embedding: np.ndarray, a: SIDAssignment) -> tuple[float, ...]:
+    """Mean squared reconstruction error after each semantic level, over each ad's path 0."""
+    rows = a.path == 0
+    idx, toks = a.ad_index[rows], a.sids[rows]
+    sums = np.zeros(len(codebook.centroids), dtype=np.float64)
+    for start in range(0, len(idx), 65536):
+        sl = slice(start, start + 65536)
+        r = embedding[idx[sl]].astype(np.float32)
+        for level, c in enumerate(codebook.centroids):
+            r -= c[toks[sl, level]]
+            sums[level] += np.einsum("nd,nd->", r, r, dtype=np.float64)
+    return tuple(float(s / max(len(idx), 1)) for s in sums)
+
+
+def _perplexity(counts: np.ndarray) -> float:
+    p = counts[counts > 0] / counts.sum()
+    return float(np.exp(-(p * np.log(p)).sum()))
+
+
+def _gini(counts: np.ndarray) -> float:
+    x = np.sort(counts.astype(np.float64))
+    k = len(x)
+    if k < 2 or x.sum() == 0:
+        return 0.0
+    i = np.arange(1, k + 1)
+    return float(((2 * i - k - 1) * x).sum() / (k * x.sum()))

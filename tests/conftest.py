@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from sidindex.config import SIDConfig
+from sidindex.sample import sample_catalog, sample_spec, write_sample
+from sidindex.targeting import write_targeting
+
+
+@pytest.fixture(scope="session")
+def sample_dir(tmp_path_factory) -> Path:
+    """A generated catalog (1200 ads, 16 dims), requests and targeting spec."""
+    out = tmp_path_factory.mktemp("sample")
+    write_sample(out, 1200, 50, dim=16, seed=3)
+    return out
+
+
+@pytest.fixture(scope="session")
+def spec():
+    return sample_spec()
+
+
+@pytest.fixture
+def catalog_df(spec) -> pl.DataFrame:
+    """A small valid catalog as a polars frame, for tests that corrupt one thing."""
+    return pl.from_arrow(sample_catalog(60, spec, dim=8, seed=11))
+
+
+@pytest.fixture
+def write_catalog(tmp_path, spec):
+    """Write a frame as Parquet next to the sample spec; returns (catalog path, spec path)."""
+    spec_path = tmp_path / "targeting.toml"
+    write_targeting(spec, spec_path)
+
+    def write(df: pl.DataFrame, name: str = "catalog.parquet") -> tuple[Path, Path]:
+        path = tmp_path / name
+        df.write_parquet(path)
+        return path, spec_path
+
+    return write
+
+
+def small_config(**kw) -> SIDConfig:
+    """Levels small enough for catalogs of a few hundred ads, fast to train."""
+    base = dict(levels=(16, 8, 4), hash_size=64, niter=8, min_points_per_centroid=5, train_sample=4096)
+    base.update(kw)
+    return SIDConfig(**base)
+
+
+def clustered(n: int, dim: int, seed: int) -> np.ndarray:
+    from sidindex.sample import sample_embeddings
+
+    return sample_embeddings(n, dim, np.random.default_rng(seed), n_clusters=6)

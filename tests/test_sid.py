@@ -1,0 +1,217 @@
+"""Codebook training and artifact, SID assignment (multi-path, hash level), stability."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import mmh3
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidindex.config import SIDConfig
+from sidindex.errors import ArtifactError
+from sidindex.sid import (HASH_SEED, Codebook, assign_sids, hash_tokens, load_codebook, resolve_codebook,
+                          save_codebook, sid_table, train_codebook)
+from tests.conftest import clustered, small_config
+
+
+@pytest.fixture(scope="module")
+def data():
+    x = clustered(900, 6, seed=4)
+    adv = pl.DataFrame({"advertiser_id": np.random.default_rng(4).integers(0, 40, len(x))})
+    cb = train_codebook(x, small_config(paths=3))
+    return x, adv, cb
+
+
+def assign(cb, x, adv):
+    return assign_sids(cb, x, hash_tokens(adv, cb.hash_keys, cb.hash_size))
+
+
+# --- reference: nearest-centroid chains in float64, written independently of the kernel ---
+
+def check_chains(cb: Codebook, x: np.ndarray, a, hash_tok: np.ndarray, rtol: float = 1e-4) -> None:
+    x64 = x.astype(np.float64)
+    cents = [c.astype(np.float64) for c in cb.centroids]
+    d0 = np.sqrt(((x64[:, None] - cents[0][None]) ** 2).sum(-1))  # (N, K0)
+    order = np.argsort(d0, axis=1, kind="stable")
+    m = min(cb.paths, len(cents[0]))
+    for ad in range(len(x)):
+        rows = np.flatnonzero(a.ad_index == ad)
+        paths = a.path[rows]
+        assert list(paths) == list(range(len(paths))), "paths are numbered 0.. in order"
+        toks = a.sids[rows].astype(np.int64)
+        assert len(set(toks[:, 0])) == len(rows), "distinct first tokens per ad"
+        assert (toks[:, -1] == hash_tok[ad]).all(), "every path shares the hash token"
+        expected_paths = m
+        if cb.path_ratio is not None:
+            near = d0[ad, order[ad, :m]]
+            expected_paths = int((near <= (1 + cb.path_ratio) * near[0] * (1 + 1e-5)).sum())
+            assert len(rows) >= int((near <= (1 + cb.path_ratio) * near[0] * (1 - 1e-5)).sum())
+        assert len(rows) <= expected_paths and len(rows) >= (1 if cb.path_ratio is not None else m)
+        for j, t in enumerate(toks):
+            # path j's first token is the j-th nearest first-level centroid (up to float ties)
+            assert abs(d0[ad, t[0]] - d0[ad, order[ad, j]]) <= rtol * (1 + d0[ad, order[ad, j]])
+            r = x64[ad] - cents[0][t[0]]
+            for lv in range(1, len(cents)):
+                d = ((r[None] - cents[lv]) ** 2).sum(-1)
+                assert d[t[lv]] <= d.min() + rtol * (1 + d.min()), "each level takes its nearest centroid"
+                r = r - cents[lv][t[lv]]
+
+
+def test_assignment_is_a_valid_nearest_centroid_chain(data):
+    x, adv, cb = data
+    hash_tok = hash_tokens(adv, cb.hash_keys, cb.hash_size)
+    a = assign_sids(cb, x, hash_tok)
+    assert a.sids.dtype == np.int16 and a.sids.shape == (3 * len(x), 4)
+    for lv, size in enumerate(cb.level_sizes):
+        assert 0 <= a.sids[:, lv].min() and a.sids[:, lv].max() < size
+    check_chains(cb, x, a, hash_tok)
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4), dim=st.integers(1, 6),
+       paths=st.integers(1, 4), ratio=st.one_of(st.none(), st.floats(0, 0.5)), n=st.integers(1, 60),
+       seed=st.integers(0, 10_000))
+def test_chains_on_random_codebooks(sizes, dim, paths, ratio, n, seed):
+    rng = np.random.default_rng(seed)
+    cents = tuple(rng.standard_normal((k, dim)).astype(np.float32) * (0.5 ** lv) for lv, k in enumerate(sizes))
+    cb = Codebook(cents, 7, ("k",), min(paths, sizes[0]), ratio, SIDConfig(levels=tuple(sizes), hash_size=7))
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    hash_tok = rng.integers(0, 7, n).astype(np.int16)
+    a = assign_sids(cb, x, hash_tok)
+    assert np.all(np.diff(a.ad_index) >= 0)
+    check_chains(cb, x, a, hash_tok)
+
+
+def test_path_ratio_keeps_only_near_second_centroids(data):
+    x, adv, cb = data
+    strict = dataclasses.replace(cb, path_ratio=0.05)
+    hash_tok = hash_tokens(adv, cb.hash_keys, cb.hash_size)
+    a = assign_sids(strict, x, hash_tok)
+    check_chains(strict, x, a, hash_tok)
+    per_ad = np.bincount(a.ad_index, minlength=len(x))
+    assert per_ad.min() == 1 and per_ad.max() > 1
+    # an ad has a 2nd path exactly when its 2nd centroid is within 5% of the 1st
+    np.testing.assert_array_equal(per_ad >= 2, a.first_ratio <= 1.05)
+
+
+def test_same_codebook_same_sids_and_adding_ads_changes_nothing(data):
+    x, adv, cb = data
+    full = assign(cb, x, adv)
+    again = assign(cb, x, adv)
+    np.testing.assert_array_equal(full.sids, again.sids)
+    # the first 500 ads alone, and all ads in reverse order, get the same SIDs per ad
+    part = assign(cb, x[:500], adv[:500])
+    keep = full.ad_index < 500
+    np.testing.assert_array_equal(part.sids, full.sids[keep])
+    rev = assign(cb, x[::-1].copy(), adv.reverse())
+    back = len(x) - 1 - rev.ad_index
+    order = np.lexsort((rev.path, back))
+    np.testing.assert_array_equal(rev.sids[order], full.sids)
+
+
+def test_hash_level_is_mmh3_of_the_keys():
+    df = pl.DataFrame({"advertiser_id": [7, 123456789012, 7, -3], "campaign": ["a", "b", "é", "a"]})
+    tok = hash_tokens(df, ("advertiser_id",), 512)
+    assert tok.dtype == np.int16
+    assert list(tok) == [mmh3.hash(str(v), HASH_SEED, signed=False) % 512 for v in df["advertiser_id"]]
+    tok2 = hash_tokens(df, ("advertiser_id", "campaign"), 97)
+    assert list(tok2) == [mmh3.hash(f"{a}\x1f{c}".encode(), HASH_SEED, signed=False) % 97
+                          for a, c in df.iter_rows()]
+
+
+def test_training_is_deterministic(data):
+    x, _, cb = data
+    again = train_codebook(x, small_config(paths=3))
+    assert again.id == cb.id
+    for a, b in zip(cb.centroids, again.centroids):
+        assert a.tobytes() == b.tobytes()
+    balanced = small_config(balanced=True)
+    assert train_codebook(x, balanced).id == train_codebook(x, balanced).id
+
+
+def test_codebook_round_trips_bit_exactly(tmp_path, data):
+    _, _, cb = data
+    path = save_codebook(cb, tmp_path)
+    assert path == tmp_path / "codebooks" / cb.id
+    back = load_codebook(path)
+    assert back.id == cb.id and back.level_sizes == cb.level_sizes and back.config == cb.config
+    assert back.paths == cb.paths and back.hash_keys == cb.hash_keys and back.notes == cb.notes
+    for a, b in zip(cb.centroids, back.centroids):
+        assert a.tobytes() == b.tobytes()
+    assert save_codebook(cb, tmp_path) == path  # idempotent
+    assert resolve_codebook(tmp_path) == path
+    assert not list((tmp_path / "codebooks").glob(".tmp-*"))
+
+
+def test_corrupt_codebooks_are_refused(tmp_path, data):
+    _, _, cb = data
+    path = save_codebook(cb, tmp_path)
+    level = path / "level_1.npy"
+    raw = bytearray(level.read_bytes())
+    raw[-3] ^= 0x10
+    level.write_bytes(bytes(raw))
+    with pytest.raises(ArtifactError, match=r"level_1.npy: checksum mismatch"):
+        load_codebook(path)
+    level.write_bytes(bytes(raw[:-8]))
+    with pytest.raises(ArtifactError, match=r"level_1.npy: \d+ bytes, manifest says \d+ \(truncated\?\)"):
+        load_codebook(path)
+
+
+def test_newer_or_foreign_manifests_are_refused(tmp_path, data):
+    _, _, cb = data
+    path = save_codebook(cb, tmp_path)
+    manifest = json.loads((path / "codebook.json").read_text())
+    (path / "codebook.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(ArtifactError, match=r"format version 99; this sidindex reads version 1 \(written by a newer"):
+        load_codebook(path)
+    (path / "codebook.json").write_text(json.dumps({**manifest, "level_sizes": [16, 8, 5, 64]}))
+    with pytest.raises(ArtifactError, match=r"level_2.npy: holds float32\(4, 6\), expected float32\(5, 6\)"):
+        load_codebook(path)
+    (path / "codebook.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        load_codebook(path)
+
+
+def test_root_with_several_codebooks_asks_which(tmp_path, data):
+    x, _, cb = data
+    save_codebook(cb, tmp_path)
+    other = train_codebook(x, small_config(seed=99))
+    save_codebook(other, tmp_path)
+    with pytest.raises(ArtifactError, match=r"holds 2 codebooks .*pass the directory"):
+        resolve_codebook(tmp_path)
+
+
+@pytest.mark.parametrize("make", [
+    lambda rng: rng.standard_normal((1, 5)),                                  # one ad
+    lambda rng: rng.standard_normal((7, 5)),                                  # fewer ads than centroids
+    lambda rng: np.repeat(rng.standard_normal((3, 5)), 200, axis=0),          # heavy duplicates
+    lambda rng: np.zeros((300, 5)),                                           # all identical
+])
+def test_degenerate_catalogs_build_with_notes(make):
+    x = make(np.random.default_rng(0)).astype(np.float32)
+    cb = train_codebook(x, small_config(balanced=True))
+    assert cb.notes and all(1 <= k for k in cb.level_sizes)
+    adv = pl.DataFrame({"advertiser_id": np.arange(len(x))})
+    a = assign(cb, x, adv)
+    assert len(a.sids) >= len(x)
+    for lv, size in enumerate(cb.level_sizes):
+        assert a.sids[:, lv].max() < size
+
+
+def test_sid_table_follows_the_contract(data):
+    x, adv, cb = data
+    a = assign(cb, x, adv)
+    ad_id = np.arange(len(x), dtype=np.int64) * 10 + 1
+    t = sid_table(a, ad_id)
+    assert t.schema.field("ad_id").type == pa.int64()
+    assert t.schema.field("path").type == pa.int8()
+    assert t.schema.field("sid").type == pa.list_(pa.int16(), 4)
+    assert t.num_rows == len(a.sids)
+    np.testing.assert_array_equal(t["ad_id"].to_numpy(), ad_id[a.ad_index])
+    np.testing.assert_array_equal(np.stack(t["sid"].to_numpy(zero_copy_only=False)), a.sids)
