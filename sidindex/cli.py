@@ -45,6 +45,9 @@ def main() -> None:
     except SidIndexError as e:
         err.print(Text.assemble(("error: ", "bold red"), str(e)), highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
+    except OSError as e:  # permissions, a full disk, a file where a directory should be
+        err.print(Text.assemble(("error: ", "bold red"), str(e)), highlight=False, soft_wrap=True)
+        sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")
         sys.exit(130)
@@ -144,8 +147,9 @@ def sid_assign(
     """Assign SIDs to every ad with a frozen codebook, and report their quality.
 
     Each ad gets one SID per path (its m nearest first-level centroids, each quantised down on its
-    own, sharing the hashed last token). Exits 3 without writing --out when a [quality] gate of the
-    config fails (e.g. a level collapsed to one code).
+    own, sharing the hashed last token). The SID scheme comes from the codebook; of --config only
+    [quality] applies. Exits 3 without writing --out when a quality gate fails (e.g. a level
+    collapsed to one code).
     """
     import pyarrow.parquet as pq
 

@@ -42,7 +42,7 @@ class SIDConfig:
     hash_keys: tuple[str, ...] = ("advertiser_id",)
     paths: int = 2
     path_ratio: float | None = None
-    balanced: bool = False
+    balanced: bool = True
     capacity: float = 1.1
     balanced_iters: int = 10
     train_sample: int = 131072

@@ -74,9 +74,10 @@ def sample_embeddings(n: int, dim: int, rng: np.random.Generator, n_clusters: in
     """(n, dim) float32 embeddings from a hierarchical mixture of anisotropic Gaussians.
 
     Topics (spread 1 per dim) hold clusters (offsets 0.5), which hold points with a randomly
-    rotated, decaying spectrum; cluster sizes are Zipf. Within-cluster spread is comparable to the
-    separations, so every residual level has structure to quantise (real embeddings are not a few
-    tight blobs).
+    rotated, decaying spectrum (about 2 / sqrt(i) on axis i); cluster sizes are Zipf. The
+    within-cluster spread is comparable to the quantisation error of a 512^3 codebook, so SIDs do
+    not collapse onto clusters (real embeddings are not a few tight blobs): at 1M ads x 64 dims
+    about 20% of SID rows share their semantic tokens.
     """
     n_clusters = n_clusters or max(4, min(4096, n // 400))
     n_topics = max(2, int(np.sqrt(n_clusters)))
@@ -92,7 +93,7 @@ def sample_embeddings(n: int, dim: int, rng: np.random.Generator, n_clusters: in
         if not len(rows):
             continue
         q, _ = np.linalg.qr(rng.standard_normal((dim, dim)))
-        scale = spectrum * np.float32(np.exp(rng.normal(np.log(0.6), 0.3)))
+        scale = spectrum * np.float32(np.exp(rng.normal(np.log(2.0), 0.3)))
         z = rng.standard_normal((len(rows), dim)).astype(np.float32) * scale
         x[rows] = centres[c] + z @ q.astype(np.float32)
     return x
@@ -142,14 +143,12 @@ def sample_catalog(n: int, spec: TargetingSpec, *, dim: int = 64, seed: int = 0,
                    n_locations: int = 40000) -> pa.Table:
     """A catalog table of `n` ads following `schemas.CATALOG` for `spec`."""
     rng = np.random.default_rng(seed)
-    ad_id = rng.permutation(np.unique(rng.integers(1, 2**53, size=n + n // 8 + 16))[:n]) if n else np.zeros(0, np.int64)
-    while len(ad_id) < n:  # astronomically unlikely: too many collisions
-        ad_id = np.unique(np.concatenate([ad_id, rng.integers(1, 2**53, size=n)]))[:n]
+    ad_id = 1 + rng.choice(2**53 - 1, size=n, replace=False)  # unique, in random order
     emb = sample_embeddings(n, dim, rng)
     n_adv = max(1, n // 25)
     advertiser = 100000 + rng.choice(n_adv, size=n, p=zipf_weights(n_adv, 0.9)).astype(np.int64)
     cols: dict[str, pa.Array] = {
-        "ad_id": pa.array(ad_id.astype(np.int64)),
+        "ad_id": pa.array(ad_id),
         "advertiser_id": pa.array(advertiser),
         "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), dim),
         "value": pa.array(rng.lognormal(0.0, 1.0, n)),
