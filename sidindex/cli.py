@@ -191,9 +191,17 @@ def _emit(summary: dict, as_json: bool, title: str) -> None:
         return
     table = Table(title=title, show_header=False, title_justify="left")
     for k, v in summary.items():
-        table.add_row(k, "\n".join(v) if isinstance(v, list) and v and isinstance(v[0], str)
-                      else str(v) if not isinstance(v, list) else ", ".join(map(str, v)) or "-")
+        table.add_row(k, _cell(v))
     out.print(table)
+
+
+def _cell(v) -> str:
+    """Lists of strings (notes) one per line, lists of numbers comma-separated, '-' when empty."""
+    if not isinstance(v, list):
+        return str(v)
+    if not v:
+        return "-"
+    return ("\n" if isinstance(v[0], str) else ", ").join(map(str, v))
 
 
 def _print_quality(q) -> None:
