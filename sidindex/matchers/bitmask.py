@@ -1,0 +1,70 @@
+"""Bitmask rows for low-cardinality attributes (DESIGN.md §4, GRACE eq. 5).
+
+Per bitmask attribute, in spec order, a segment of (declared values + 1 "unknown") bits; segments
+are concatenated and packed into W uint64 words. An ad sets the bits of its values, or the whole
+segment when unrestricted; a request sets exactly one bit per segment (its value, or "unknown"
+for a null or undeclared value). An ad passes iff (ad_row & user_row) == user_row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from sidindex.matchers.bits import empty_rows, list_codes, mask_row, set_bits
+from sidindex.targeting import TargetingSpec
+
+
+@dataclass(frozen=True)
+class BitmaskLayout:
+    """Segment layout. offsets: (A+1,) bit offset of each bitmask attribute's segment; the last
+    bit of segment a (offsets[a+1] - 1) is its "unknown" bit."""
+
+    names: tuple[str, ...]
+    values: tuple[tuple[str, ...], ...]
+    offsets: tuple[int, ...]
+
+    @property
+    def bits(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def words(self) -> int:
+        return max(1, -(-self.bits // 64))
+
+    def segment_mask(self, a: int) -> np.ndarray:
+        return mask_row(self.words, self.offsets[a], self.offsets[a + 1])
+
+
+def bitmask_layout(spec: TargetingSpec) -> BitmaskLayout:
+    attrs = spec.bitmask
+    offsets = np.concatenate([[0], np.cumsum([len(a.values) + 1 for a in attrs])]).astype(int)
+    return BitmaskLayout(tuple(a.name for a in attrs), tuple(a.values for a in attrs), tuple(int(o) for o in offsets))
+
+
+def encode_ad_rows(layout: BitmaskLayout, columns: pl.DataFrame) -> np.ndarray:
+    """(N, W) uint64 ad rows from validated list<string> columns (one per bitmask attribute)."""
+    n = columns.height
+    out = empty_rows(n, layout.words)
+    for a, (name, values) in enumerate(zip(layout.names, layout.values)):
+        lengths, distinct, codes = list_codes(columns.get_column(name))
+        out[lengths == 0] |= layout.segment_mask(a)
+        bit = np.array([values.index(v) for v in distinct], dtype=np.int64).reshape(-1)
+        set_bits(out, np.repeat(np.arange(n, dtype=np.int64), lengths), layout.offsets[a] + bit[codes])
+    return out
+
+
+def encode_request_rows(layout: BitmaskLayout, columns: pl.DataFrame) -> np.ndarray:
+    """(B, W) uint64 user rows from string columns; null or undeclared values set the unknown bit."""
+    b = columns.height
+    out = empty_rows(b, layout.words)
+    rows = np.arange(b, dtype=np.int64)
+    for a, (name, values) in enumerate(zip(layout.names, layout.values)):
+        unknown = len(values)
+        codes = (columns.get_column(name)
+                 .replace_strict(list(values), range(len(values)), default=unknown, return_dtype=pl.Int64)
+                 .fill_null(unknown).to_numpy())
+        set_bits(out, rows, layout.offsets[a] + codes)
+    return out

@@ -1,0 +1,107 @@
+"""Bloom rows for high-cardinality attributes (DESIGN.md §4).
+
+A value sets `hashes` bit positions: mmh3_x86_32(UTF-8 value, seed=BLOOM_SEED + i, unsigned) % bits
+for i in 0..hashes-1. An ad row is the OR of its values' rows, all ones when unrestricted. Every
+bloom attribute gets bits/64 words; the attributes' words are concatenated in spec order into one
+row of W_bl words. A request has one query row per value (an all-ones row when it has none); an
+ad passes an attribute iff ANY query q of it has (row & q) == q on that attribute's words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mmh3
+import numpy as np
+import polars as pl
+
+from sidindex.matchers.bits import empty_rows, list_codes, set_bits
+from sidindex.targeting import TargetingSpec
+
+BLOOM_SEED = 0xB1005EED
+
+
+@dataclass(frozen=True)
+class BloomLayout:
+    """word_offsets: (A+1,) first word of each bloom attribute in the concatenated row."""
+
+    names: tuple[str, ...]
+    bits: tuple[int, ...]
+    hashes: tuple[int, ...]
+    word_offsets: tuple[int, ...]
+
+    @property
+    def words(self) -> int:
+        return max(1, self.word_offsets[-1])
+
+
+def bloom_layout(spec: TargetingSpec) -> BloomLayout:
+    attrs = spec.bloom
+    offs = np.concatenate([[0], np.cumsum([a.bits // 64 for a in attrs])]).astype(int)
+    return BloomLayout(tuple(a.name for a in attrs), tuple(a.bits for a in attrs),
+                       tuple(a.hashes for a in attrs), tuple(int(o) for o in offs))
+
+
+def value_positions(values: list[str], bits: int, hashes: int) -> np.ndarray:
+    """(V, hashes) int64 bit positions of each value within its attribute's `bits`."""
+    out = np.empty((len(values), hashes), dtype=np.int64)
+    for i in range(hashes):
+        out[:, i] = [mmh3.hash(v, BLOOM_SEED + i, signed=False) % bits for v in values]
+    return out
+
+
+def _flat_positions(s: pl.Series, bits: int, hashes: int) -> tuple[np.ndarray, np.ndarray]:
+    """For a list<string> Series: (lengths (n,) int64, positions (T, hashes)) of its values in row
+    order, hashing each distinct value once."""
+    lengths, distinct, codes = list_codes(s)
+    return lengths, value_positions(distinct, bits, hashes)[codes]
+
+
+def encode_ad_rows(layout: BloomLayout, columns: pl.DataFrame) -> np.ndarray:
+    """(N, W_bl) uint64 ad rows from validated list<string> columns (one per bloom attribute)."""
+    n = columns.height
+    out = empty_rows(n, layout.words)
+    for a, name in enumerate(layout.names):
+        lo, hi = layout.word_offsets[a], layout.word_offsets[a + 1]
+        lengths, pos = _flat_positions(columns.get_column(name), layout.bits[a], layout.hashes[a])
+        out[lengths == 0, lo:hi] = np.uint64(0xFFFFFFFFFFFFFFFF)
+        rows = np.repeat(np.repeat(np.arange(n, dtype=np.int64), lengths), layout.hashes[a])
+        set_bits(out, rows, 64 * lo + pos.reshape(-1))
+    return out
+
+
+@dataclass(frozen=True)
+class BloomQueries:
+    """Query rows of a request batch.
+
+    rows:   (Q, W_bl) uint64; a query of attribute a only has bits in a's words
+    ranges: (B, A, 2) int64 [start, end) of request b's queries for attribute a (never empty)
+    """
+
+    rows: np.ndarray
+    ranges: np.ndarray
+
+
+def encode_request_queries(layout: BloomLayout, columns: pl.DataFrame) -> BloomQueries:
+    b = columns.height
+    parts, counts = [], np.zeros((b, len(layout.names)), dtype=np.int64)
+    for a, name in enumerate(layout.names):
+        lo, hi = layout.word_offsets[a], layout.word_offsets[a + 1]
+        lengths, pos = _flat_positions(columns.get_column(name), layout.bits[a], layout.hashes[a])
+        n_q = np.maximum(lengths, 1)  # no values: one all-ones query (matches unrestricted only)
+        rows = empty_rows(int(n_q.sum()), layout.words)
+        first = np.concatenate([[0], np.cumsum(n_q)[:-1]])
+        empty = lengths == 0
+        rows[first[empty], lo:hi] = np.uint64(0xFFFFFFFFFFFFFFFF)
+        # the k-th value of request r goes to query row first[r] + k
+        req = np.repeat(np.arange(b, dtype=np.int64), lengths)
+        k = np.arange(len(req)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        set_bits(rows, np.repeat(first[req] + k, layout.hashes[a]), 64 * lo + pos.reshape(-1))
+        parts.append(rows)
+        counts[:, a] = n_q
+    # attribute-major storage: attribute a's queries follow attribute a-1's
+    base = np.concatenate([[0], np.cumsum([len(p) for p in parts])[:-1]]).astype(np.int64)
+    ends = base + np.cumsum(counts, axis=0)
+    ranges = np.stack([ends - counts, ends], axis=-1)
+    all_rows = np.concatenate(parts) if parts else empty_rows(0, layout.words)
+    return BloomQueries(all_rows, ranges)

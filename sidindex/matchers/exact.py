@@ -1,0 +1,120 @@
+"""The exact per-ad targeting index and the ad-level filter (DESIGN.md §3, §4).
+
+Bloom rows may pass an ad whose locations do not match (false positives); the exact filter stops
+them at the ad level. Per ad: its bitmask row (bitmask attributes are exact), and per bloom
+attribute the sorted 64-bit hashes of its values: mmh3 x64_128 (seed EXACT_SEED), first 64 bits,
+unsigned (exact up to 64-bit hash collisions). Legend: N ads, B requests, A bloom attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mmh3
+import numba
+import numpy as np
+import polars as pl
+
+from sidindex.matchers.bits import list_codes
+from sidindex.matchers.bitmask import BitmaskLayout, bitmask_layout, encode_ad_rows, encode_request_rows
+from sidindex.targeting import TargetingSpec
+
+EXACT_SEED = 0x5EED0E1
+
+
+def value_hashes(values: list[str]) -> np.ndarray:
+    """(V,) uint64 exact hashes of values."""
+    return np.array([mmh3.hash64(v, EXACT_SEED, signed=False)[0] for v in values], dtype=np.uint64).reshape(-1)
+
+
+def _hash_lists(s: pl.Series) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets (n+1,) int64, hashes (T,) uint64 sorted within each row) of a list<string> Series;
+    each distinct value is hashed once."""
+    lengths, distinct, codes = list_codes(s)
+    hashes = value_hashes(distinct)[codes]
+    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    hashes = hashes[np.lexsort((hashes, rows))]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets, hashes
+
+
+def _stack_lists(columns: pl.DataFrame, names: tuple[str, ...], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-attribute hash lists stacked: offsets (A, n+1) into one concatenated hashes array."""
+    offsets = np.zeros((len(names), n + 1), dtype=np.int64)
+    parts, base = [], 0
+    for a, name in enumerate(names):
+        off, h = _hash_lists(columns.get_column(name))
+        offsets[a] = off + base
+        parts.append(h)
+        base += len(h)
+    return offsets, np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+
+
+@dataclass(frozen=True)
+class ExactIndex:
+    """bitmask_rows: (N, W_bm) uint64; hash_offsets: (A, N+1) int64 into hashes (T,) uint64, an
+    ad's hashes sorted; an ad with no values for attribute a is unrestricted on a."""
+
+    layout: BitmaskLayout
+    bloom_names: tuple[str, ...]
+    bitmask_rows: np.ndarray
+    hash_offsets: np.ndarray
+    hashes: np.ndarray
+
+
+@dataclass(frozen=True)
+class ExactRequests:
+    """user_rows: (B, W_bm) uint64; hash_offsets: (A, B+1) into hashes (T,) uint64 (sorted per request)."""
+
+    user_rows: np.ndarray
+    hash_offsets: np.ndarray
+    hashes: np.ndarray
+
+
+def build_exact_index(spec: TargetingSpec, columns: pl.DataFrame, bitmask_rows: np.ndarray | None = None) -> ExactIndex:
+    """The exact index of validated catalog columns; pass `bitmask_rows` when already encoded."""
+    layout = bitmask_layout(spec)
+    if bitmask_rows is None:
+        bitmask_rows = encode_ad_rows(layout, columns)
+    names = tuple(a.name for a in spec.bloom)
+    offsets, hashes = _stack_lists(columns, names, columns.height)
+    return ExactIndex(layout, names, bitmask_rows, offsets, hashes)
+
+
+def encode_exact_requests(index: ExactIndex, columns: pl.DataFrame) -> ExactRequests:
+    offsets, hashes = _stack_lists(columns, index.bloom_names, columns.height)
+    return ExactRequests(encode_request_rows(index.layout, columns), offsets, hashes)
+
+
+def eligible_mask(index: ExactIndex, requests: ExactRequests, request: int, ads: np.ndarray) -> np.ndarray:
+    """(k,) bool: which of `ads` (k,) int64 are eligible for request `request` (DESIGN.md §3)."""
+    return _eligible(index.bitmask_rows, index.hash_offsets, index.hashes, requests.user_rows[request],
+                     requests.hash_offsets[:, request:request + 2], requests.hashes, np.asarray(ads, dtype=np.int64))
+
+
+@numba.njit(cache=True)
+def _eligible(rows, ad_off, ad_hashes, user, req_off, req_hashes, ads):
+    out = np.zeros(len(ads), dtype=np.bool_)
+    n_attr = ad_off.shape[0]
+    for i in range(len(ads)):
+        ad = ads[i]
+        ok = True
+        for w in range(rows.shape[1]):  # bitmask: (row & user) == user, first failing word stops
+            if rows[ad, w] & user[w] != user[w]:
+                ok = False
+                break
+        a = 0
+        while ok and a < n_attr:  # bloom attributes: unrestricted, or ANY request value in the ad's list
+            lo, hi = ad_off[a, ad], ad_off[a, ad + 1]
+            if hi > lo:
+                hit = False
+                for j in range(req_off[a, 0], req_off[a, 1]):
+                    k = np.searchsorted(ad_hashes[lo:hi], req_hashes[j])
+                    if k < hi - lo and ad_hashes[lo + k] == req_hashes[j]:
+                        hit = True
+                        break
+                ok = hit
+            a += 1
+        out[i] = ok
+    return out

@@ -1,0 +1,5 @@
+"""The GTM index: CSR trie over SIDs with subtree-union matchers (DESIGN.md §6, GRACE Appendix A)."""
+
+from sidindex.trie.build import GTMIndex, build_gtm
+
+__all__ = ["GTMIndex", "build_gtm"]

@@ -1,0 +1,179 @@
+"""Build the GTM index: a CSR trie over SIDs with per-entry subtree-union matchers.
+
+Layout (DESIGN.md §6, names from GRACE Appendix A). Node 0 is the root; nodes are numbered depth by
+depth and children of a node are contiguous and sorted by token, so each depth is a contiguous id
+range and the child entries of all nodes, in entry order, are exactly the nodes 1..num_nodes-1.
+Leaves (depth L) are SIDs; leaf_ad_offsets / leaf_ads map each leaf to its ads.
+
+Legend: P SID rows (ad, path), N ads, S distinct SIDs (leaves), L SID length, E child entries,
+W words per matcher row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sidindex.sid.assign import sid_keys
+from sidindex.trie.dedup import dedup_rows
+
+
+@dataclass(frozen=True)
+class GTMIndex:
+    """The index the runtime masks beam search with.
+
+    node_offsets:    (num_nodes+1,) int64; node i's child entries are [node_offsets[i], node_offsets[i+1])
+    csr_child_nodes: (E,) int32 child node of each entry (E = num_nodes - 1)
+    csr_tokens:      (E,) int16 token leading to it
+    bitmask_index:   (E,) int32 row in bitmask_table of the child's subtree union
+    bloom_index:     (E,) int32 row in bloom_table
+    bitmask_table:   (R_bm, W_bm) uint64 deduplicated rows
+    bloom_table:     (R_bl, W_bl) uint64 deduplicated rows
+    depth_offsets:   (L+2,) int64; nodes of depth d are [depth_offsets[d], depth_offsets[d+1])
+    leaf_ad_offsets: (S+1,) int64; leaf s (node depth_offsets[L] + s) holds ads
+    leaf_ads:        (P,) int64 catalog rows, ascending within each leaf
+    """
+
+    level_sizes: tuple[int, ...]
+    node_offsets: np.ndarray
+    csr_child_nodes: np.ndarray
+    csr_tokens: np.ndarray
+    bitmask_index: np.ndarray
+    bloom_index: np.ndarray
+    bitmask_table: np.ndarray
+    bloom_table: np.ndarray
+    depth_offsets: np.ndarray
+    leaf_ad_offsets: np.ndarray
+    leaf_ads: np.ndarray
+
+    @property
+    def sid_length(self) -> int:
+        return len(self.level_sizes)
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.level_sizes)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_offsets) - 1
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.leaf_ad_offsets) - 1
+
+    def leaf_sids(self) -> np.ndarray:
+        """(S, L) int16 the SID of each leaf, by walking parents up from the leaves."""
+        parent = np.searchsorted(self.node_offsets, np.arange(self.num_nodes - 1), side="right") - 1
+        L = self.sid_length
+        out = np.empty((self.num_leaves, L), dtype=np.int16)
+        node = np.arange(self.depth_offsets[L], self.depth_offsets[L + 1])
+        for d in range(L - 1, -1, -1):
+            out[:, d] = self.csr_tokens[node - 1]
+            node = parent[node - 1]
+        return out
+
+
+def build_gtm(
+    sids: np.ndarray,
+    ad_index: np.ndarray,
+    level_sizes: tuple[int, ...],
+    bitmask_rows: np.ndarray,
+    bloom_rows: np.ndarray,
+) -> GTMIndex:
+    """Build the GTM index.
+
+    sids:         (P, L) int16 SID rows; token l in [0, level_sizes[l])
+    ad_index:     (P,) int64 catalog row of each SID row's ad
+    bitmask_rows: (N, W_bm) uint64 ad bitmask rows; bloom_rows: (N, W_bl) uint64 ad Bloom rows
+    """
+    # --- 1. CHECK ARGUMENTS --- before any work, so a bad call fails fast and clearly
+    L = len(level_sizes)
+    if sids.ndim != 2 or sids.shape[1] != L or len(sids) == 0:
+        raise ValueError(f"sids must be a non-empty (P, {L}) array, got shape {sids.shape}")
+    if ad_index.shape != (len(sids),):
+        raise ValueError(f"ad_index must have shape ({len(sids)},), got {ad_index.shape}")
+    n_ads = len(bitmask_rows)
+    if len(bloom_rows) != n_ads or ad_index.min() < 0 or ad_index.max() >= n_ads:
+        raise ValueError("ad_index must index rows of bitmask_rows and bloom_rows, which must have one row per ad")
+    for d, size in enumerate(level_sizes):
+        if sids[:, d].min() < 0 or sids[:, d].max() >= size:
+            raise ValueError(f"level {d} tokens must lie in [0, {size})")
+
+    # --- 2. SORT SID ROWS --- lexicographic order makes every prefix a contiguous run
+    keys = sid_keys(sids, level_sizes)
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    leaf_start = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))  # (S,)
+    uniq = sids[order[leaf_start]]  # (S, L) distinct SIDs, sorted
+    del keys
+
+    # --- 3. ASSIGN NODE IDS, DEPTH BY DEPTH --- row i of `uniq` opens a new depth-d node iff it
+    # differs from row i-1 in one of its first d tokens, i.e. iff first_diff[i] < d
+    S = len(uniq)
+    first_diff = np.zeros(S, dtype=np.int8)  # row 0 opens a node at every depth
+    if S > 1:
+        first_diff[1:] = np.argmax(uniq[1:] != uniq[:-1], axis=1)
+    depth_offsets = np.zeros(L + 2, dtype=np.int64)
+    depth_offsets[1] = 1
+    opens = [np.zeros(1, dtype=np.int64)]  # per depth: rows of `uniq` that open a node
+    node_of_row = [np.zeros(S, dtype=np.int64)]  # per depth: node id of each row's prefix
+    for d in range(1, L + 1):
+        new = first_diff < d
+        opens.append(np.flatnonzero(new))
+        node_of_row.append(depth_offsets[d] + np.cumsum(new) - 1)
+        depth_offsets[d + 1] = depth_offsets[d] + len(opens[d])
+    num_nodes = int(depth_offsets[L + 1])
+
+    # --- 4. CSR --- entry e is node e + 1; its parent is the depth-(d-1) node of its first row
+    parent = np.concatenate([node_of_row[d - 1][opens[d]] for d in range(1, L + 1)])  # (E,)
+    tokens = np.concatenate([uniq[opens[d], d - 1] for d in range(1, L + 1)]).astype(np.int16)
+    node_offsets = np.zeros(num_nodes + 1, dtype=np.int64)
+    np.cumsum(np.bincount(parent, minlength=num_nodes), out=node_offsets[1:])
+
+    # --- 5. SUBTREE UNIONS --- leaves OR their ads' rows; each depth ORs its children's unions
+    # (children of a node are contiguous, so one reduceat per depth)
+    ads_sorted = ad_index[order]
+    bm_union = _unions(bitmask_rows[ads_sorted], leaf_start, parent, depth_offsets, L)
+    bl_union = _unions(bloom_rows[ads_sorted], leaf_start, parent, depth_offsets, L)
+
+    # --- 6. DEDUP MATCHER TABLES --- many subtrees share rows (e.g. all-ones for unrestricted)
+    bitmask_table, bitmask_index = dedup_rows(bm_union)
+    del bm_union
+    bloom_table, bloom_index = dedup_rows(bl_union)
+    del bl_union
+
+    # --- 7. SID -> AD CSR --- stable sort kept each leaf's ads in ascending (ad, path) order
+    leaf_ad_offsets = np.append(leaf_start, len(sids)).astype(np.int64)
+    return GTMIndex(
+        level_sizes=tuple(int(s) for s in level_sizes),
+        node_offsets=node_offsets,
+        csr_child_nodes=np.arange(1, num_nodes, dtype=np.int32),
+        csr_tokens=tokens,
+        bitmask_index=bitmask_index,
+        bloom_index=bloom_index,
+        bitmask_table=bitmask_table,
+        bloom_table=bloom_table,
+        depth_offsets=depth_offsets,
+        leaf_ad_offsets=leaf_ad_offsets,
+        leaf_ads=ads_sorted.astype(np.int64),
+    )
+
+
+def _unions(rows: np.ndarray, leaf_start: np.ndarray, parent: np.ndarray, depth_offsets: np.ndarray,
+            L: int) -> np.ndarray:
+    """(E, W) uint64 union row of every non-root node (entry e = node e + 1).
+
+    rows: (P, W) ad rows in sorted SID-row order; leaf_start: (S,) first row of each leaf.
+    """
+    out = np.empty((int(depth_offsets[L + 1]) - 1, rows.shape[1]), dtype=np.uint64)
+    level = np.bitwise_or.reduceat(rows, leaf_start, axis=0)  # (S, W) leaf unions
+    for d in range(L, 0, -1):
+        lo, hi = depth_offsets[d], depth_offsets[d + 1]
+        out[lo - 1: hi - 1] = level
+        if d > 1:
+            par = parent[lo - 1: hi - 1]  # parents are depth-(d-1) nodes, non-decreasing
+            starts = np.flatnonzero(np.concatenate([[True], par[1:] != par[:-1]]))
+            level = np.bitwise_or.reduceat(level, starts, axis=0)
+    return out

@@ -1,0 +1,84 @@
+"""The CPU matcher over a GTM index: an obviously-correct reference for the runtime and tests.
+
+For one request at one trie node it returns the child tokens that pass:
+  cd      the child exists (catalog validity: the SID prefix is real)
+  cd+gtm  and the child's subtree-union matchers pass: bitmask (row & user) == user, word by word,
+          first failing word stops; then per bloom attribute ANY query q with (row & q) == q.
+The union is conservative (false positives only), so an eligible prefix always passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import polars as pl
+
+from sidindex.matchers.bitmask import bitmask_layout, encode_request_rows
+from sidindex.matchers.bloom import bloom_layout, encode_request_queries
+from sidindex.targeting import TargetingSpec
+from sidindex.trie.build import GTMIndex
+
+MODES = ("cd", "cd+gtm")
+
+
+@dataclass(frozen=True)
+class GTMRequests:
+    """user_rows: (B, W_bm) uint64; query_rows: (Q, W_bl) uint64; query_ranges: (B, A, 2) int64;
+    word_offsets: (A+1,) int64 first word of each bloom attribute."""
+
+    user_rows: np.ndarray
+    query_rows: np.ndarray
+    query_ranges: np.ndarray
+    word_offsets: np.ndarray
+
+
+def encode_gtm_requests(spec: TargetingSpec, columns: pl.DataFrame) -> GTMRequests:
+    """Encode validated request columns (see `sidindex.ingest.read_requests`)."""
+    bl = bloom_layout(spec)
+    q = encode_request_queries(bl, columns)
+    return GTMRequests(encode_request_rows(bitmask_layout(spec), columns), q.rows, q.ranges,
+                       np.asarray(bl.word_offsets, dtype=np.int64))
+
+
+def passing_tokens(index: GTMIndex, requests: GTMRequests, request: int, node: int, mode: str) -> np.ndarray:
+    """(k,) int16 tokens of `node`'s children that pass `mode` for request `request`, ascending."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    lo, hi = index.node_offsets[node], index.node_offsets[node + 1]
+    if mode == "cd":
+        return index.csr_tokens[lo:hi]
+    ok = _pass_entries(lo, hi, index.bitmask_index, index.bloom_index, index.bitmask_table, index.bloom_table,
+                       requests.word_offsets, requests.user_rows[request], requests.query_rows,
+                       requests.query_ranges[request])
+    return index.csr_tokens[lo:hi][ok]
+
+
+@numba.njit(cache=True)
+def _pass_entries(lo, hi, bm_index, bl_index, bm_table, bl_table, woff, user, q_rows, q_ranges):
+    out = np.zeros(hi - lo, dtype=np.bool_)
+    for e in range(lo, hi):
+        ok = True
+        r = bm_index[e]
+        for w in range(bm_table.shape[1]):
+            if bm_table[r, w] & user[w] != user[w]:
+                ok = False
+                break
+        rb = bl_index[e]
+        a = 0
+        while ok and a < len(woff) - 1:
+            hit = False
+            for q in range(q_ranges[a, 0], q_ranges[a, 1]):
+                good = True
+                for w in range(woff[a], woff[a + 1]):
+                    if bl_table[rb, w] & q_rows[q, w] != q_rows[q, w]:
+                        good = False
+                        break
+                if good:
+                    hit = True
+                    break
+            ok = hit
+            a += 1
+        out[e - lo] = ok
+    return out

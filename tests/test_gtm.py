@@ -1,0 +1,272 @@
+"""GTM index build and CPU matcher against an independent brute-force reference (DESIGN.md §3, §4, §6).
+
+Random small specs, catalogs, SIDs (tiny level sizes, so middle tokens are shared) and requests;
+the reference below re-derives eligibility from the definition and matcher bits from mmh3 directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mmh3
+import numpy as np
+import polars as pl
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidindex.matchers.bitmask import bitmask_layout, encode_ad_rows as bitmask_rows
+from sidindex.matchers.bloom import BLOOM_SEED, bloom_layout, encode_ad_rows as bloom_rows
+from sidindex.matchers.exact import build_exact_index, eligible_mask, encode_exact_requests
+from sidindex.targeting import BITMASK, BLOOM, Attribute, TargetingSpec
+from sidindex.trie import build_gtm
+from sidindex.trie.match import encode_gtm_requests, passing_tokens
+from sidindex.trie.stats import gtm_stats
+
+VOCAB = [f"loc{i}" for i in range(12)]
+
+
+@dataclass
+class Scenario:
+    spec: TargetingSpec
+    ads: list[dict]            # attribute name -> list[str] | None
+    sids: list[tuple]          # SID rows
+    sid_ads: list[int]         # ad of each SID row
+    level_sizes: tuple[int, ...]
+    requests: list[dict]       # attribute name -> str | None (bitmask) or list[str] (bloom)
+
+
+# --- independent reference ---------------------------------------------------------------------
+
+def eligible(spec: TargetingSpec, ad: dict, req: dict) -> bool:
+    for a in spec.attributes:
+        restrict = ad[a.name]
+        if not restrict:
+            continue
+        if a.kind == BITMASK and req[a.name] not in restrict:
+            return False
+        if a.kind == BLOOM and not set(req[a.name] or []) & set(restrict):
+            return False
+    return True
+
+
+def ref_bitmask_row(spec: TargetingSpec, ad: dict) -> int:
+    """The ad's bitmask row as one Python int (bit b = segment bit b)."""
+    row, off = 0, 0
+    for a in spec.bitmask:
+        seg = len(a.values) + 1
+        if not ad[a.name]:
+            row |= ((1 << seg) - 1) << off
+        else:
+            for v in ad[a.name]:
+                row |= 1 << (off + a.values.index(v))
+        off += seg
+    return row
+
+
+def ref_bloom_row(spec: TargetingSpec, ad: dict) -> int:
+    row, off = 0, 0
+    for a in spec.bloom:
+        if not ad[a.name]:
+            row |= ((1 << a.bits) - 1) << off
+        else:
+            for v in ad[a.name]:
+                for i in range(a.hashes):
+                    row |= 1 << (off + mmh3.hash(v, BLOOM_SEED + i, signed=False) % a.bits)
+        off += a.bits
+    return row
+
+
+def as_int(row: np.ndarray) -> int:
+    return sum(int(w) << (64 * i) for i, w in enumerate(row))
+
+
+# --- scenarios ---------------------------------------------------------------------------------
+
+@st.composite
+def scenarios(draw, max_ads: int = 20) -> Scenario:
+    n_bl = draw(st.integers(0, 2))
+    n_bm = draw(st.integers(0 if n_bl else 1, 2))
+    attrs = [Attribute(f"b{i}", BITMASK, values=tuple(f"v{j}" for j in range(draw(st.integers(1, 5)))))
+             for i in range(n_bm)]
+    attrs += [Attribute(f"l{i}", BLOOM, bits=draw(st.sampled_from([64, 128])), hashes=draw(st.integers(1, 3)))
+              for i in range(n_bl)]
+    spec = TargetingSpec(tuple(attrs))
+    level_sizes = tuple(draw(st.lists(st.integers(1, 4), min_size=2, max_size=4)))
+
+    def restriction(a: Attribute):
+        pool = list(a.values) if a.kind == BITMASK else VOCAB
+        return draw(st.one_of(st.none(), st.just([]), st.lists(st.sampled_from(pool), min_size=1, max_size=6, unique=True)))
+
+    n_ads = draw(st.integers(1, max_ads))
+    ads = [{a.name: restriction(a) for a in attrs} for _ in range(n_ads)]
+    sid = st.tuples(*[st.integers(0, k - 1) for k in level_sizes])
+    sids, sid_ads = [], []
+    for ad in range(n_ads):
+        for s in draw(st.lists(sid, min_size=1, max_size=3, unique=True)):
+            sids.append(s)
+            sid_ads.append(ad)
+
+    def request_value(a: Attribute):
+        if a.kind == BITMASK:
+            return draw(st.one_of(st.none(), st.just("undeclared"), st.sampled_from(a.values)))
+        return draw(st.lists(st.sampled_from(VOCAB + ["nowhere"]), max_size=5, unique=True))
+
+    requests = [{a.name: request_value(a) for a in attrs} for _ in range(draw(st.integers(1, 4)))]
+    return Scenario(spec, ads, sids, sid_ads, level_sizes, requests)
+
+
+def frame(spec: TargetingSpec, rows: list[dict], bitmask_type) -> pl.DataFrame:
+    cols = {}
+    for a in spec.attributes:
+        dtype = bitmask_type if a.kind == BITMASK else pl.List(pl.String)
+        cols[a.name] = pl.Series(a.name, [r[a.name] for r in rows], dtype=dtype)
+    return pl.DataFrame(cols, height=len(rows))
+
+
+def build(sc: Scenario):
+    cat = frame(sc.spec, sc.ads, pl.List(pl.String))
+    req = frame(sc.spec, sc.requests, pl.String)
+    bm = bitmask_rows(bitmask_layout(sc.spec), cat)
+    bl = bloom_rows(bloom_layout(sc.spec), cat)
+    index = build_gtm(np.array(sc.sids, dtype=np.int16), np.array(sc.sid_ads, dtype=np.int64),
+                      sc.level_sizes, bm, bl)
+    exact = build_exact_index(sc.spec, cat, bm)
+    return index, bm, bl, exact, encode_gtm_requests(sc.spec, req), encode_exact_requests(exact, req)
+
+
+# --- the checks --------------------------------------------------------------------------------
+
+def check(sc: Scenario) -> None:
+    index, bm, bl, exact, greq, ereq = build(sc)
+    L = len(sc.level_sizes)
+    sid_set = set(sc.sids)
+
+    # encoders equal the reference bits
+    for ad, row in enumerate(sc.ads):
+        assert as_int(bm[ad]) == ref_bitmask_row(sc.spec, row)
+        assert as_int(bl[ad]) == ref_bloom_row(sc.spec, row)
+
+    # structure: node ids depth by depth, children contiguous and sorted, tokens in range
+    assert np.all(np.diff(index.node_offsets) >= 0) and index.node_offsets[-1] == index.num_nodes - 1
+    np.testing.assert_array_equal(index.csr_child_nodes, np.arange(1, index.num_nodes))
+    for node in range(index.num_nodes):
+        toks = index.csr_tokens[index.node_offsets[node]:index.node_offsets[node + 1]]
+        assert np.all(np.diff(toks.astype(int)) > 0)
+
+    # (5) the trie holds exactly the catalog's SIDs, each leaf with exactly its ads
+    leaves = [tuple(int(t) for t in s) for s in index.leaf_sids()]
+    assert leaves == sorted(sid_set)
+    for leaf, s in enumerate(leaves):
+        ads = index.leaf_ads[index.leaf_ad_offsets[leaf]:index.leaf_ad_offsets[leaf + 1]]
+        assert list(ads) == sorted(a for a, t in zip(sc.sid_ads, sc.sids) if t == s)
+
+    # (2) + (4) every entry's matchers equal the OR over its subtree's ads; tables have unique rows
+    assert len({r.tobytes() for r in index.bitmask_table}) == len(index.bitmask_table)
+    assert len({r.tobytes() for r in index.bloom_table}) == len(index.bloom_table)
+    prefix_of_node = {0: ()}
+    for node in range(index.num_nodes):
+        for e in range(index.node_offsets[node], index.node_offsets[node + 1]):
+            child = int(index.csr_child_nodes[e])
+            prefix = prefix_of_node[node] + (int(index.csr_tokens[e]),)
+            prefix_of_node[child] = prefix
+            ads = {a for a, s in zip(sc.sid_ads, sc.sids) if s[:len(prefix)] == prefix}
+            assert ads, "every node lies on a real SID"
+            want_bm = want_bl = 0
+            for a in ads:
+                want_bm |= ref_bitmask_row(sc.spec, sc.ads[a])
+                want_bl |= ref_bloom_row(sc.spec, sc.ads[a])
+            assert as_int(index.bitmask_table[index.bitmask_index[e]]) == want_bm
+            assert as_int(index.bloom_table[index.bloom_index[e]]) == want_bl
+
+    for r, req in enumerate(sc.requests):
+        truth = [eligible(sc.spec, ad, req) for ad in sc.ads]
+        # (3) the exact ad filter equals the eligibility definition
+        assert list(eligible_mask(exact, ereq, r, np.arange(len(sc.ads)))) == truth
+        # (1) no false negative, and CD passes exactly the real continuations
+        for node, prefix in prefix_of_node.items():
+            if len(prefix) == L:
+                continue
+            real = sorted({s[len(prefix)] for s in sid_set if s[:len(prefix)] == prefix})
+            assert list(passing_tokens(index, greq, r, node, "cd")) == real
+            gtm = set(passing_tokens(index, greq, r, node, "cd+gtm").tolist())
+            assert gtm <= set(real)
+            need = {s[len(prefix)] for a, s in zip(sc.sid_ads, sc.sids) if s[:len(prefix)] == prefix and truth[a]}
+            assert need <= gtm, f"eligible prefix {prefix} + token rejected"
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_gtm_index_against_brute_force(sc):
+    check(sc)
+
+
+# --- edge cases ----------------------------------------------------------------------------------
+
+SPEC = TargetingSpec((Attribute("country", BITMASK, values=("US", "CA", "GB")),
+                      Attribute("locations", BLOOM, bits=256, hashes=2)))
+
+
+def scenario(ads, sids, sid_ads, level_sizes=(3, 2, 4), requests=None) -> Scenario:
+    requests = requests or [{"country": c, "locations": locs} for c in ("US", "GB", None, "XX")
+                            for locs in ([], ["loc1"], ["loc3", "nowhere"], VOCAB)]
+    return Scenario(SPEC, ads, sids, sid_ads, level_sizes, requests)
+
+
+def test_one_ad():
+    check(scenario([{"country": ["CA"], "locations": ["loc1"]}], [(2, 1, 3)], [0]))
+
+
+def test_all_ads_unrestricted_share_one_matcher_row():
+    ads = [{"country": None, "locations": []} for _ in range(6)]
+    sc = scenario(ads, [(i % 3, i % 2, i % 4) for i in range(6)], list(range(6)))
+    check(sc)
+    index = build(sc)[0]
+    assert len(index.bitmask_table) == 1 and len(index.bloom_table) == 1
+
+
+def test_all_ads_share_one_sid():
+    ads = [{"country": [c], "locations": [f"loc{i}"]} for i, c in enumerate(["US", "CA", "GB", "US"])]
+    sc = scenario(ads, [(1, 1, 1)] * 4, [0, 1, 2, 3])
+    check(sc)
+    assert build(sc)[0].num_leaves == 1
+
+
+def test_ad_with_hundreds_of_locations_and_requests_with_0_and_64_locations():
+    many = [f"geo{i}" for i in range(300)]
+    ads = [{"country": ["US"], "locations": many}, {"country": None, "locations": ["loc2"]}]
+    requests = [{"country": "US", "locations": []}, {"country": "US", "locations": many[:64]},
+                {"country": "US", "locations": [f"far{i}" for i in range(64)]}]
+    sc = scenario(ads, [(0, 0, 0), (0, 1, 2)], [0, 1], requests=requests)
+    check(sc)
+    index, _, _, exact, greq, ereq = build(sc)
+    assert list(eligible_mask(exact, ereq, 1, np.array([0, 1]))) == [True, False]
+    assert list(eligible_mask(exact, ereq, 0, np.array([0, 1]))) == [False, False]
+
+
+def test_levels_of_different_sizes():
+    ads = [{"country": [c], "locations": None} for c in ("US", "CA", "GB")]
+    check(scenario(ads, [(0, 6, 1, 299), (4, 6, 0, 0), (4, 2, 1, 299)], [0, 1, 2], level_sizes=(5, 7, 2, 300)))
+
+
+def test_stats_count_entries_and_dedup():
+    ads = [{"country": None, "locations": None}, {"country": ["US"], "locations": ["loc1"]}]
+    sc = scenario(ads, [(0, 0, 0), (0, 0, 1), (1, 1, 1)], [0, 1, 1])
+    index = build(sc)[0]
+    st_ = gtm_stats(index, bitmask_bits=4, bloom_bits=256)
+    assert [p.entries for p in st_.positions] == [2, 2, 3]
+    assert [p.parents for p in st_.positions] == [1, 2, 2]
+    # position 0: child 0 holds both ads (all-ones union), child 1 only ad 1 -> 2 distinct rows
+    assert st_.positions[0].bitmask_bytes_before == 16 and st_.positions[0].bitmask_bytes_after == 16
+    assert st_.positions[2].bitmask_bytes_after == 16  # leaves: unrestricted row, ad 1's row
+    assert st_.positions[0].bitmask_fill == pytest.approx((4 / 4 + 1 / 4) / 2)
+    assert st_.ads_per_sid_max == 1 and st_.sids == 3 and st_.sids_per_ad_max == 2
+    assert st_.bitmask_table_bytes == len(index.bitmask_table) * 8
+
+
+def test_build_rejects_bad_arguments():
+    bm = np.zeros((2, 1), dtype=np.uint64)
+    with pytest.raises(ValueError, match="level 1 tokens"):
+        build_gtm(np.array([[0, 5]], dtype=np.int16), np.array([0]), (2, 3), bm, bm)
+    with pytest.raises(ValueError, match="ad_index must index"):
+        build_gtm(np.array([[0, 1]], dtype=np.int16), np.array([7]), (2, 3), bm, bm)
