@@ -7,6 +7,8 @@ the reference below re-derives eligibility from the definition and matcher bits 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import reduce
+from operator import or_
 
 import mmh3
 import numpy as np
@@ -20,6 +22,7 @@ from sidindex.matchers.bloom import BLOOM_SEED, bloom_layout, encode_ad_rows as 
 from sidindex.matchers.exact import build_exact_index, eligible_mask, encode_exact_requests
 from sidindex.targeting import BITMASK, BLOOM, Attribute, TargetingSpec
 from sidindex.trie import build_gtm
+from sidindex.trie.kway import KWayConfig
 from sidindex.trie.match import encode_gtm_requests, passing_tokens
 from sidindex.trie.stats import gtm_stats
 
@@ -34,6 +37,7 @@ class Scenario:
     sid_ads: list[int]         # ad of each SID row
     level_sizes: tuple[int, ...]
     requests: list[dict]       # attribute name -> str | None (bitmask) or list[str] (bloom)
+    kway: KWayConfig = KWayConfig(k=(2, 2, 1))
 
 
 # --- independent reference ---------------------------------------------------------------------
@@ -113,7 +117,10 @@ def scenarios(draw, max_ads: int = 20) -> Scenario:
         return draw(st.lists(st.sampled_from(VOCAB + ["nowhere"]), max_size=5, unique=True))
 
     requests = [{a.name: request_value(a) for a in attrs} for _ in range(draw(st.integers(1, 4)))]
-    return Scenario(spec, ads, sids, sid_ads, level_sizes, requests)
+    kway = draw(st.one_of(
+        st.builds(KWayConfig, k=st.lists(st.integers(1, 4), min_size=1, max_size=4).map(tuple)),
+        st.builds(KWayConfig, mode=st.just("dynamic"), k_max=st.integers(1, 4), target_fill=st.floats(0.05, 1.0))))
+    return Scenario(spec, ads, sids, sid_ads, level_sizes, requests, kway)
 
 
 def frame(spec: TargetingSpec, rows: list[dict], bitmask_type) -> pl.DataFrame:
@@ -129,8 +136,9 @@ def build(sc: Scenario):
     req = frame(sc.spec, sc.requests, pl.String)
     bm = bitmask_rows(bitmask_layout(sc.spec), cat)
     bl = bloom_rows(bloom_layout(sc.spec), cat)
+    bits = bitmask_layout(sc.spec).bits + sum(a.bits for a in sc.spec.bloom)
     index = build_gtm(np.array(sc.sids, dtype=np.int16), np.array(sc.sid_ads, dtype=np.int64),
-                      sc.level_sizes, bm, bl)
+                      sc.level_sizes, bm, bl, kway=sc.kway, matcher_bits=bits)
     exact = build_exact_index(sc.spec, cat, bm)
     return index, bm, bl, exact, encode_gtm_requests(sc.spec, req), encode_exact_requests(exact, req)
 
@@ -178,6 +186,15 @@ def check(sc: Scenario) -> None:
                 want_bl |= ref_bloom_row(sc.spec, sc.ads[a])
             assert as_int(index.bitmask_table[index.bitmask_index[e]]) == want_bm
             assert as_int(index.bloom_table[index.bloom_index[e]]) == want_bl
+            # (6) k-way: 1..k partitions that OR to the union, each ad wholly inside one of them
+            parts = range(index.part_offsets[e], index.part_offsets[e + 1])
+            assert 1 <= len(parts) <= sc.kway.k_at(len(prefix) - 1)
+            p_bm = [as_int(index.bitmask_table[index.part_bitmask_index[p]]) for p in parts]
+            p_bl = [as_int(index.bloom_table[index.part_bloom_index[p]]) for p in parts]
+            assert reduce(or_, p_bm) == want_bm and reduce(or_, p_bl) == want_bl
+            for a in ads:
+                a_bm, a_bl = ref_bitmask_row(sc.spec, sc.ads[a]), ref_bloom_row(sc.spec, sc.ads[a])
+                assert any(a_bm & ~pb == 0 and a_bl & ~pl_ == 0 for pb, pl_ in zip(p_bm, p_bl))
 
     for r, req in enumerate(sc.requests):
         truth = [eligible(sc.spec, ad, req) for ad in sc.ads]
@@ -190,9 +207,10 @@ def check(sc: Scenario) -> None:
             real = sorted({s[len(prefix)] for s in sid_set if s[:len(prefix)] == prefix})
             assert list(passing_tokens(index, greq, r, node, "cd")) == real
             gtm = set(passing_tokens(index, greq, r, node, "cd+gtm").tolist())
-            assert gtm <= set(real)
+            kway = set(passing_tokens(index, greq, r, node, "cd+gtm+kway").tolist())
+            assert kway <= gtm <= set(real)
             need = {s[len(prefix)] for a, s in zip(sc.sid_ads, sc.sids) if s[:len(prefix)] == prefix and truth[a]}
-            assert need <= gtm, f"eligible prefix {prefix} + token rejected"
+            assert need <= kway, f"eligible prefix {prefix} + token rejected"
 
 
 @settings(max_examples=150, deadline=None)
@@ -262,6 +280,9 @@ def test_stats_count_entries_and_dedup():
     assert st_.positions[0].bitmask_fill == pytest.approx((4 / 4 + 1 / 4) / 2)
     assert st_.ads_per_sid_max == 1 and st_.sids == 3 and st_.sids_per_ad_max == 2
     assert st_.bitmask_table_bytes == len(index.bitmask_table) * 8
+    # k-way (2, 2, 1): ad 0's all-ones rows cover ad 1, so no entry needs a second partition
+    assert [p.partitions for p in st_.positions] == [2, 2, 3]
+    assert st_.positions[0].part_bitmask_fill == pytest.approx((4 / 4 + 1 / 4) / 2)
 
 
 def test_build_rejects_bad_arguments():
@@ -270,3 +291,18 @@ def test_build_rejects_bad_arguments():
         build_gtm(np.array([[0, 5]], dtype=np.int16), np.array([0]), (2, 3), bm, bm)
     with pytest.raises(ValueError, match="ad_index must index"):
         build_gtm(np.array([[0, 1]], dtype=np.int16), np.array([7]), (2, 3), bm, bm)
+
+
+@pytest.mark.parametrize("kway", [KWayConfig(k=(2, 2, 2)), KWayConfig(mode="dynamic", k_max=4, target_fill=0.015)])
+def test_kway_rejects_what_the_union_cannot(kway):
+    """Ads (US, loc1) and (CA, loc2) under one prefix: their union passes (US, loc2), no ad matches.
+    Each ad sets 3 of 260 matcher bits, both 6: above the dynamic target of 0.015, so it splits."""
+    ads = [{"country": ["US"], "locations": ["loc1"]}, {"country": ["CA"], "locations": ["loc2"]}]
+    requests = [{"country": "US", "locations": ["loc2"]}, {"country": "CA", "locations": ["loc2"]}]
+    sc = Scenario(SPEC, ads, [(0, 0, 0), (0, 1, 1)], [0, 1], (3, 2, 4), requests, kway)
+    check(sc)
+    index, _, _, _, greq, _ = build(sc)
+    assert list(passing_tokens(index, greq, 0, 0, "cd+gtm")) == [0]
+    assert list(passing_tokens(index, greq, 0, 0, "cd+gtm+kway")) == []
+    assert list(passing_tokens(index, greq, 1, 0, "cd+gtm+kway")) == [0]
+    assert np.diff(index.part_offsets)[0] == 2  # the root's child split its two leaves

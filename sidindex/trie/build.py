@@ -17,6 +17,7 @@ import numpy as np
 
 from sidindex.sid.assign import sid_keys
 from sidindex.trie.dedup import dedup_rows
+from sidindex.trie.kway import KWayConfig, partition
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class GTMIndex:
     depth_offsets:   (L+2,) int64; nodes of depth d are [depth_offsets[d], depth_offsets[d+1])
     leaf_ad_offsets: (S+1,) int64; leaf s (node depth_offsets[L] + s) holds ads
     leaf_ads:        (P,) int64 catalog rows, ascending within each leaf
+    part_offsets:    (E+1,) int64 or None; entry e's k-way partitions are [part_offsets[e], part_offsets[e+1])
+    part_bitmask_index, part_bloom_index: (T,) int32 rows in the tables of each partition
     """
 
     level_sizes: tuple[int, ...]
@@ -46,6 +49,9 @@ class GTMIndex:
     depth_offsets: np.ndarray
     leaf_ad_offsets: np.ndarray
     leaf_ads: np.ndarray
+    part_offsets: np.ndarray | None = None
+    part_bitmask_index: np.ndarray | None = None
+    part_bloom_index: np.ndarray | None = None
 
     @property
     def sid_length(self) -> int:
@@ -81,12 +87,17 @@ def build_gtm(
     level_sizes: tuple[int, ...],
     bitmask_rows: np.ndarray,
     bloom_rows: np.ndarray,
+    *,
+    kway: KWayConfig | None = None,
+    matcher_bits: int | None = None,
 ) -> GTMIndex:
     """Build the GTM index.
 
     sids:         (P, L) int16 SID rows; token l in [0, level_sizes[l])
     ad_index:     (P,) int64 catalog row of each SID row's ad
     bitmask_rows: (N, W_bm) uint64 ad bitmask rows; bloom_rows: (N, W_bl) uint64 ad Bloom rows
+    kway:         add k-way partitions (the union arrays are always built)
+    matcher_bits: meaningful bits of a bitmask + Bloom row, for k-way fill rates (default: all words)
     """
     # --- 1. CHECK ARGUMENTS --- before any work, so a bad call fails fast and clearly
     L = len(level_sizes)
@@ -135,17 +146,43 @@ def build_gtm(
     # --- 5. SUBTREE UNIONS --- leaves OR their ads' rows; each depth ORs its children's unions
     # (children of a node are contiguous, so one reduceat per depth)
     ads_sorted = ad_index[order]
-    bm_union = _unions(bitmask_rows[ads_sorted], leaf_start, parent, depth_offsets, L)
-    bl_union = _unions(bloom_rows[ads_sorted], leaf_start, parent, depth_offsets, L)
-
-    # --- 6. DEDUP MATCHER TABLES --- many subtrees share rows (e.g. all-ones for unrestricted)
-    bitmask_table, bitmask_index = dedup_rows(bm_union)
-    del bm_union
-    bloom_table, bloom_index = dedup_rows(bl_union)
-    del bl_union
-
-    # --- 7. SID -> AD CSR --- stable sort kept each leaf's ads in ascending (ad, path) order
+    bm_sorted, bl_sorted = bitmask_rows[ads_sorted], bloom_rows[ads_sorted]  # (P, W) in SID order
+    bm_union = _unions(bm_sorted, leaf_start, parent, depth_offsets, L)
+    bl_union = _unions(bl_sorted, leaf_start, parent, depth_offsets, L)
     leaf_ad_offsets = np.append(leaf_start, len(sids)).astype(np.int64)
+
+    # --- 6. K-WAY PARTITIONS (optional) --- members of an internal entry are its subtree's leaves
+    # (a contiguous leaf range), members of a leaf entry are its ads
+    part_offsets = None
+    part_bm = np.zeros((0, bm_union.shape[1]), dtype=np.uint64)
+    part_bl = np.zeros((0, bl_union.shape[1]), dtype=np.uint64)
+    if kway is not None:
+        bits = matcher_bits or 64 * (bm_union.shape[1] + bl_union.shape[1])
+        first_leaf = depth_offsets[L] - 1  # entries from here on are leaves
+        leaf_lo = np.concatenate([opens[d] for d in range(1, L)])
+        leaf_hi = np.concatenate([np.append(opens[d][1:], S) for d in range(1, L)])
+        depth_of_entry = np.repeat(np.arange(1, L + 1), np.diff(depth_offsets[1:]))
+        k = np.array([kway.k_at(d - 1) for d in range(L + 1)], dtype=np.int64)[depth_of_entry]
+        dyn = kway.mode == "dynamic"
+        c_in, pbm_in, pbl_in = partition(bm_union[first_leaf:], bl_union[first_leaf:], leaf_lo, leaf_hi,
+                                         k[:first_leaf], dyn, kway.target_fill, bits)
+        c_leaf, pbm_leaf, pbl_leaf = partition(bm_sorted, bl_sorted, leaf_ad_offsets[:-1], leaf_ad_offsets[1:],
+                                               k[first_leaf:], dyn, kway.target_fill, bits)
+        part_offsets = np.zeros(len(k) + 1, dtype=np.int64)
+        np.cumsum(np.concatenate([c_in, c_leaf]), out=part_offsets[1:])
+        part_bm, part_bl = np.concatenate([pbm_in, pbm_leaf]), np.concatenate([pbl_in, pbl_leaf])
+    del bm_sorted, bl_sorted
+
+    # --- 7. DEDUP MATCHER TABLES --- many subtrees share rows (e.g. all-ones for unrestricted);
+    # union and partition rows share one table per matcher kind
+    E = len(bm_union)
+    bitmask_table, idx = dedup_rows(np.concatenate([bm_union, part_bm]))
+    bitmask_index, part_bitmask_index = idx[:E], idx[E:]
+    bloom_table, idx = dedup_rows(np.concatenate([bl_union, part_bl]))
+    bloom_index, part_bloom_index = idx[:E], idx[E:]
+    del bm_union, bl_union, part_bm, part_bl
+
+    # --- 8. SID -> AD CSR --- stable sort kept each leaf's ads in ascending (ad, path) order
     return GTMIndex(
         level_sizes=tuple(int(s) for s in level_sizes),
         node_offsets=node_offsets,
@@ -158,6 +195,9 @@ def build_gtm(
         depth_offsets=depth_offsets,
         leaf_ad_offsets=leaf_ad_offsets,
         leaf_ads=ads_sorted.astype(np.int64),
+        part_offsets=part_offsets,
+        part_bitmask_index=part_bitmask_index if kway is not None else None,
+        part_bloom_index=part_bloom_index if kway is not None else None,
     )
 
 

@@ -4,7 +4,8 @@ For one request at one trie node it returns the child tokens that pass:
   cd      the child exists (catalog validity: the SID prefix is real)
   cd+gtm  and the child's subtree-union matchers pass: bitmask (row & user) == user, word by word,
           first failing word stops; then per bloom attribute ANY query q with (row & q) == q.
-The union is conservative (false positives only), so an eligible prefix always passes.
+  cd+gtm+kway  and ANY of the child's k-way partitions passes ALL attributes (the union test first).
+Unions and partitions are conservative (false positives only), so an eligible prefix always passes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from sidindex.matchers.bloom import bloom_layout, encode_request_queries
 from sidindex.targeting import TargetingSpec
 from sidindex.trie.build import GTMIndex
 
-MODES = ("cd", "cd+gtm")
+MODES = ("cd", "cd+gtm", "cd+gtm+kway")
 
 
 @dataclass(frozen=True)
@@ -49,36 +50,51 @@ def passing_tokens(index: GTMIndex, requests: GTMRequests, request: int, node: i
     lo, hi = index.node_offsets[node], index.node_offsets[node + 1]
     if mode == "cd":
         return index.csr_tokens[lo:hi]
+    kway = mode == "cd+gtm+kway"
+    if kway and index.part_offsets is None:
+        raise ValueError("this index was built without k-way partitions")
+    empty = np.zeros(0, dtype=np.int64)
     ok = _pass_entries(lo, hi, index.bitmask_index, index.bloom_index, index.bitmask_table, index.bloom_table,
                        requests.word_offsets, requests.user_rows[request], requests.query_rows,
-                       requests.query_ranges[request])
+                       requests.query_ranges[request], kway,
+                       index.part_offsets if kway else empty, index.part_bitmask_index if kway else empty,
+                       index.part_bloom_index if kway else empty)
     return index.csr_tokens[lo:hi][ok]
 
 
 @numba.njit(cache=True)
-def _pass_entries(lo, hi, bm_index, bl_index, bm_table, bl_table, woff, user, q_rows, q_ranges):
+def _row_passes(bm_table, r_bm, bl_table, r_bl, woff, user, q_rows, q_ranges):
+    """Bitmask row r_bm and Bloom row r_bl pass every attribute for one request."""
+    for w in range(bm_table.shape[1]):
+        if bm_table[r_bm, w] & user[w] != user[w]:
+            return False
+    for a in range(len(woff) - 1):
+        hit = False
+        for q in range(q_ranges[a, 0], q_ranges[a, 1]):
+            good = True
+            for w in range(woff[a], woff[a + 1]):
+                if bl_table[r_bl, w] & q_rows[q, w] != q_rows[q, w]:
+                    good = False
+                    break
+            if good:
+                hit = True
+                break
+        if not hit:
+            return False
+    return True
+
+
+@numba.njit(cache=True)
+def _pass_entries(lo, hi, bm_index, bl_index, bm_table, bl_table, woff, user, q_rows, q_ranges,
+                  kway, part_offsets, part_bm, part_bl):
     out = np.zeros(hi - lo, dtype=np.bool_)
     for e in range(lo, hi):
-        ok = True
-        r = bm_index[e]
-        for w in range(bm_table.shape[1]):
-            if bm_table[r, w] & user[w] != user[w]:
-                ok = False
-                break
-        rb = bl_index[e]
-        a = 0
-        while ok and a < len(woff) - 1:
-            hit = False
-            for q in range(q_ranges[a, 0], q_ranges[a, 1]):
-                good = True
-                for w in range(woff[a], woff[a + 1]):
-                    if bl_table[rb, w] & q_rows[q, w] != q_rows[q, w]:
-                        good = False
-                        break
-                if good:
-                    hit = True
+        ok = _row_passes(bm_table, bm_index[e], bl_table, bl_index[e], woff, user, q_rows, q_ranges)
+        if ok and kway:
+            ok = False
+            for p in range(part_offsets[e], part_offsets[e + 1]):
+                if _row_passes(bm_table, part_bm[p], bl_table, part_bl[p], woff, user, q_rows, q_ranges):
+                    ok = True
                     break
-            ok = hit
-            a += 1
         out[e - lo] = ok
     return out

@@ -23,6 +23,10 @@ class PositionStats:
     bloom_bytes_after: int
     bitmask_fill: float          # mean share of set bits over entries
     bloom_fill: float
+    partitions: int = 0          # k-way partitions of this position's entries (0: built without k-way)
+    part_bytes: int = 0          # jagged layer: one (bitmask, Bloom) row-index pair per partition
+    part_bitmask_fill: float = 0.0  # mean share of set bits over partitions
+    part_bloom_fill: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -52,11 +56,17 @@ def gtm_stats(index: GTMIndex, bitmask_bits: int, bloom_bits: int) -> GTMStats:
     for d in range(index.sid_length):
         lo, hi = index.depth_offsets[d + 1] - 1, index.depth_offsets[d + 2] - 1  # entries of depth d+1 nodes
         bmi, bli = index.bitmask_index[lo:hi], index.bloom_index[lo:hi]
+        kway = {}
+        if index.part_offsets is not None:
+            plo, phi = index.part_offsets[lo], index.part_offsets[hi]
+            kway = dict(partitions=int(phi - plo), part_bytes=int(phi - plo) * 8,
+                        part_bitmask_fill=float(bm_fill[index.part_bitmask_index[plo:phi]].mean()),
+                        part_bloom_fill=float(bl_fill[index.part_bloom_index[plo:phi]].mean()))
         positions.append(PositionStats(
             position=d, parents=int(index.depth_offsets[d + 1] - index.depth_offsets[d]), entries=int(hi - lo),
             bitmask_bytes_before=int(hi - lo) * bm_row, bitmask_bytes_after=len(np.unique(bmi)) * bm_row,
             bloom_bytes_before=int(hi - lo) * bl_row, bloom_bytes_after=len(np.unique(bli)) * bl_row,
-            bitmask_fill=float(bm_fill[bmi].mean()), bloom_fill=float(bl_fill[bli].mean())))
+            bitmask_fill=float(bm_fill[bmi].mean()), bloom_fill=float(bl_fill[bli].mean()), **kway))
     per_sid = np.diff(index.leaf_ad_offsets)
     per_ad = np.bincount(index.leaf_ads)
     per_ad = per_ad[per_ad > 0]
