@@ -13,6 +13,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+import numba
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -118,25 +119,43 @@ def _restricted_lists(n: int, vocab_size: int, r: _Restriction, rng: np.random.G
 
 def _distinct_draws(lengths: np.ndarray, vocab_size: int, p: np.ndarray,
                     rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Per row i, up to lengths[i] distinct values drawn with popularity p (3x oversampled, then
-    deduplicated in draw order). Returns (offsets (n+1,) int64, values (T,) int64)."""
-    n = len(lengths)
-    rows = np.repeat(np.arange(n, dtype=np.int64), 3 * lengths + 4)
-    codes = rng.choice(vocab_size, size=len(rows), p=p)
-    _, first = np.unique(rows * vocab_size + codes, return_index=True)
-    first.sort()  # distinct (row, value) pairs in draw order, rows ascending
-    rows, codes = rows[first], codes[first]
-    pos = np.arange(len(rows)) - np.searchsorted(rows, rows)
-    keep = pos < lengths[rows]
-    rows, codes = rows[keep], codes[keep]
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rows, minlength=n), out=offsets[1:])
-    return offsets, codes
+    """Per row i, up to lengths[i] distinct values drawn with popularity p (2x oversampled, first
+    occurrences kept in draw order). Returns (offsets (n+1,) int64, values (T,) int64)."""
+    draws_per_row = 2 * lengths + 2
+    draw_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(draws_per_row, out=draw_offsets[1:])
+    cdf = np.cumsum(p)
+    draws = np.minimum(np.searchsorted(cdf, rng.random(int(draw_offsets[-1])) * cdf[-1]), vocab_size - 1)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    values = np.empty(int(lengths.sum()), dtype=np.int64)
+    used = _first_distinct(draws, draw_offsets, lengths.astype(np.int64), vocab_size, values, offsets)
+    return offsets, values[:used]
+
+
+@numba.njit(cache=True)
+def _first_distinct(draws, draw_offsets, lengths, vocab_size, values, offsets):
+    seen = np.full(vocab_size, -1, dtype=np.int64)  # row that last took each value
+    k = 0
+    for r in range(len(lengths)):
+        offsets[r] = k
+        taken = 0
+        for i in range(draw_offsets[r], draw_offsets[r + 1]):
+            if taken == lengths[r]:
+                break
+            v = draws[i]
+            if seen[v] != r:
+                seen[v] = r
+                values[k] = v
+                k += 1
+                taken += 1
+    offsets[len(lengths)] = k
+    return k
 
 
 def _list_array(offsets: np.ndarray, codes: np.ndarray, valid: np.ndarray, vocab: np.ndarray) -> pa.Array:
-    values = pa.array(vocab[codes].tolist() if len(codes) else [], type=pa.string())
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values, mask=pa.array(~valid))
+    # strings are materialised by Arrow from a dictionary, never as Python objects per value
+    values = pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), pa.array(list(vocab), type=pa.string()))
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values.cast(pa.string()), mask=pa.array(~valid))
 
 
 def sample_catalog(n: int, spec: TargetingSpec, *, dim: int = 64, seed: int = 0,

@@ -306,3 +306,9 @@ def test_kway_rejects_what_the_union_cannot(kway):
     assert list(passing_tokens(index, greq, 0, 0, "cd+gtm+kway")) == []
     assert list(passing_tokens(index, greq, 1, 0, "cd+gtm+kway")) == [0]
     assert np.diff(index.part_offsets)[0] == 2  # the root's child split its two leaves
+
+
+def test_single_level_sids_with_kway():
+    ads = [{"country": [c], "locations": None} for c in ("US", "CA")]
+    check(Scenario(SPEC, ads, [(0,), (2,), (2,)], [0, 0, 1], (3,), [{"country": "CA", "locations": []}],
+                   KWayConfig(k=(2,))))

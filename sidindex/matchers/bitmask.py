@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from sidindex.matchers.bits import empty_rows, list_codes, mask_row, set_bits
+from sidindex.matchers.bits import empty_rows, list_codes, mask_row, or_value_bits, set_bits
 from sidindex.targeting import TargetingSpec
 
 
@@ -49,10 +49,10 @@ def encode_ad_rows(layout: BitmaskLayout, columns: pl.DataFrame) -> np.ndarray:
     n = columns.height
     out = empty_rows(n, layout.words)
     for a, (name, values) in enumerate(zip(layout.names, layout.values)):
-        lengths, distinct, codes = list_codes(columns.get_column(name))
-        out[lengths == 0] |= layout.segment_mask(a)
-        bit = np.array([values.index(v) for v in distinct], dtype=np.int64).reshape(-1)
-        set_bits(out, np.repeat(np.arange(n, dtype=np.int64), lengths), layout.offsets[a] + bit[codes])
+        lc = list_codes(columns.get_column(name), categories=values)
+        out[lc.lengths == 0] |= layout.segment_mask(a)
+        bit = (layout.offsets[a] + np.arange(len(values), dtype=np.int64)).reshape(-1, 1)
+        or_value_bits(out, lc.lengths, lc.codes, bit, 0)
     return out
 
 

@@ -3,6 +3,8 @@ row lives in word b // 64 at position b % 64."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numba
 import numpy as np
 
@@ -27,22 +29,53 @@ def set_bits(out, rows, bits):
         out[rows[i], b >> 6] |= np.uint64(1) << np.uint64(b & 63)
 
 
+@numba.njit(cache=True)
+def or_value_bits(out, lengths, codes, value_bits, word_offset):
+    """Row r ORs in the bits of its values: out[r] |= value_bits[codes[k]] for its run of codes.
+
+    out: (n, W) uint64; lengths: (n,) int64 values per row; codes: (T,) int64 in row order;
+    value_bits: (V, h) int64 bit positions of each distinct value (relative to word_offset * 64).
+    Avoids materialising a (T * h,) row-index array.
+    """
+    k = 0
+    base = word_offset * 64
+    for r in range(len(lengths)):
+        for _ in range(lengths[r]):
+            for b in value_bits[codes[k]]:
+                bit = base + b
+                out[r, bit >> 6] |= np.uint64(1) << np.uint64(bit & 63)
+            k += 1
+
+
 def fill_rate(rows: np.ndarray, bits: int) -> np.ndarray:
     """(n,) float64 share of set bits in each row of `rows` (n, W) over its first `bits` bits."""
     return np.bitwise_count(rows).sum(axis=1, dtype=np.int64) / bits
 
 
-def list_codes(s) -> tuple[np.ndarray, list[str], np.ndarray]:
-    """Flatten a list<string> polars Series for hashing each distinct value once.
+@dataclass(frozen=True)
+class ListCodes:
+    """A list<string> column flattened for hashing each distinct value once.
 
-    Returns (lengths (n,) int64 with null = 0, distinct values, codes (T,) int64 into `distinct`
-    for the values in row order).
+    lengths: (n,) int64 values per row (null = 0); distinct: the distinct values;
+    codes: (T,) int64 index into `distinct` of every value, in row order.
+    """
+
+    lengths: np.ndarray
+    distinct: list[str]
+    codes: np.ndarray
+
+
+def list_codes(s, categories: tuple[str, ...] | None = None) -> ListCodes:
+    """Flatten a list<string> polars Series (see `ListCodes`).
+
+    categories: the values the column may hold (a bitmask attribute's declared values, already
+    validated); `distinct` is then `categories` and codes index into it. Codes come from an Enum
+    cast, which maps strings to integers in native code.
     """
     import polars as pl
 
     lengths = s.list.len().fill_null(0).cast(pl.Int64).to_numpy()
     flat = s.explode().drop_nulls()
-    distinct = flat.unique(maintain_order=True)
-    codes = flat.replace_strict(distinct, pl.int_range(len(distinct), eager=True, dtype=pl.Int64),
-                                return_dtype=pl.Int64).to_numpy().astype(np.int64, copy=False)
-    return lengths, distinct.to_list(), codes
+    distinct = list(categories) if categories is not None else flat.unique(maintain_order=True).to_list()
+    codes = flat.cast(pl.Enum(distinct)).to_physical().cast(pl.Int64).to_numpy()
+    return ListCodes(lengths, distinct, codes)

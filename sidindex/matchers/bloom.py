@@ -15,7 +15,7 @@ import mmh3
 import numpy as np
 import polars as pl
 
-from sidindex.matchers.bits import empty_rows, list_codes, set_bits
+from sidindex.matchers.bits import ListCodes, empty_rows, list_codes, or_value_bits, set_bits
 from sidindex.targeting import TargetingSpec
 
 BLOOM_SEED = 0xB1005EED
@@ -50,23 +50,23 @@ def value_positions(values: list[str], bits: int, hashes: int) -> np.ndarray:
     return out
 
 
-def _flat_positions(s: pl.Series, bits: int, hashes: int) -> tuple[np.ndarray, np.ndarray]:
-    """For a list<string> Series: (lengths (n,) int64, positions (T, hashes)) of its values in row
-    order, hashing each distinct value once."""
-    lengths, distinct, codes = list_codes(s)
-    return lengths, value_positions(distinct, bits, hashes)[codes]
+def _flat_positions(lc: ListCodes, bits: int, hashes: int) -> np.ndarray:
+    """(T, hashes) bit positions of a column's values in row order, hashing each distinct value once."""
+    return value_positions(lc.distinct, bits, hashes)[lc.codes]
 
 
-def encode_ad_rows(layout: BloomLayout, columns: pl.DataFrame) -> np.ndarray:
-    """(N, W_bl) uint64 ad rows from validated list<string> columns (one per bloom attribute)."""
+def encode_ad_rows(layout: BloomLayout, columns: pl.DataFrame, codes: dict[str, ListCodes] | None = None) -> np.ndarray:
+    """(N, W_bl) uint64 ad rows from validated list<string> columns (one per bloom attribute).
+
+    codes: the columns already flattened (`list_codes`), to share that work with the exact index
+    """
     n = columns.height
     out = empty_rows(n, layout.words)
     for a, name in enumerate(layout.names):
         lo, hi = layout.word_offsets[a], layout.word_offsets[a + 1]
-        lengths, pos = _flat_positions(columns.get_column(name), layout.bits[a], layout.hashes[a])
-        out[lengths == 0, lo:hi] = np.uint64(0xFFFFFFFFFFFFFFFF)
-        rows = np.repeat(np.repeat(np.arange(n, dtype=np.int64), lengths), layout.hashes[a])
-        set_bits(out, rows, 64 * lo + pos.reshape(-1))
+        lc = codes[name] if codes else list_codes(columns.get_column(name))
+        out[lc.lengths == 0, lo:hi] = np.uint64(0xFFFFFFFFFFFFFFFF)
+        or_value_bits(out, lc.lengths, lc.codes, value_positions(lc.distinct, layout.bits[a], layout.hashes[a]), lo)
     return out
 
 
@@ -87,7 +87,8 @@ def encode_request_queries(layout: BloomLayout, columns: pl.DataFrame) -> BloomQ
     parts, counts = [], np.zeros((b, len(layout.names)), dtype=np.int64)
     for a, name in enumerate(layout.names):
         lo, hi = layout.word_offsets[a], layout.word_offsets[a + 1]
-        lengths, pos = _flat_positions(columns.get_column(name), layout.bits[a], layout.hashes[a])
+        lc = list_codes(columns.get_column(name))
+        lengths, pos = lc.lengths, _flat_positions(lc, layout.bits[a], layout.hashes[a])
         n_q = np.maximum(lengths, 1)  # no values: one all-ones query (matches unrestricted only)
         rows = empty_rows(int(n_q.sum()), layout.words)
         first = np.concatenate([[0], np.cumsum(n_q)[:-1]])

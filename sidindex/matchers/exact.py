@@ -15,7 +15,7 @@ import numba
 import numpy as np
 import polars as pl
 
-from sidindex.matchers.bits import list_codes
+from sidindex.matchers.bits import ListCodes, list_codes
 from sidindex.matchers.bitmask import BitmaskLayout, bitmask_layout, encode_ad_rows, encode_request_rows
 from sidindex.targeting import TargetingSpec
 
@@ -27,24 +27,30 @@ def value_hashes(values: list[str]) -> np.ndarray:
     return np.array([mmh3.hash64(v, EXACT_SEED, signed=False)[0] for v in values], dtype=np.uint64).reshape(-1)
 
 
-def _hash_lists(s: pl.Series) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets (n+1,) int64, hashes (T,) uint64 sorted within each row) of a list<string> Series;
+def _hash_lists(lc: ListCodes) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets (n+1,) int64, hashes (T,) uint64 sorted within each row) of a flattened column;
     each distinct value is hashed once."""
-    lengths, distinct, codes = list_codes(s)
-    hashes = value_hashes(distinct)[codes]
-    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    hashes = hashes[np.lexsort((hashes, rows))]
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    hashes = value_hashes(lc.distinct)[lc.codes]
+    offsets = np.zeros(len(lc.lengths) + 1, dtype=np.int64)
+    np.cumsum(lc.lengths, out=offsets[1:])
+    _sort_segments(hashes, offsets)
     return offsets, hashes
 
 
-def _stack_lists(columns: pl.DataFrame, names: tuple[str, ...], n: int) -> tuple[np.ndarray, np.ndarray]:
+@numba.njit(cache=True)
+def _sort_segments(values, offsets):
+    """Sort values[offsets[i]:offsets[i+1]] in place for every i (each ad's list is short)."""
+    for i in range(len(offsets) - 1):
+        values[offsets[i]:offsets[i + 1]] = np.sort(values[offsets[i]:offsets[i + 1]])
+
+
+def _stack_lists(columns: pl.DataFrame, names: tuple[str, ...], codes: dict[str, ListCodes] | None = None,
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-attribute hash lists stacked: offsets (A, n+1) into one concatenated hashes array."""
-    offsets = np.zeros((len(names), n + 1), dtype=np.int64)
+    offsets = np.zeros((len(names), columns.height + 1), dtype=np.int64)
     parts, base = [], 0
     for a, name in enumerate(names):
-        off, h = _hash_lists(columns.get_column(name))
+        off, h = _hash_lists(codes[name] if codes else list_codes(columns.get_column(name)))
         offsets[a] = off + base
         parts.append(h)
         base += len(h)
@@ -72,18 +78,20 @@ class ExactRequests:
     hashes: np.ndarray
 
 
-def build_exact_index(spec: TargetingSpec, columns: pl.DataFrame, bitmask_rows: np.ndarray | None = None) -> ExactIndex:
-    """The exact index of validated catalog columns; pass `bitmask_rows` when already encoded."""
+def build_exact_index(spec: TargetingSpec, columns: pl.DataFrame, bitmask_rows: np.ndarray | None = None,
+                      codes: dict[str, ListCodes] | None = None) -> ExactIndex:
+    """The exact index of validated catalog columns; pass `bitmask_rows` and the bloom columns'
+    `codes` when already computed."""
     layout = bitmask_layout(spec)
     if bitmask_rows is None:
         bitmask_rows = encode_ad_rows(layout, columns)
     names = tuple(a.name for a in spec.bloom)
-    offsets, hashes = _stack_lists(columns, names, columns.height)
+    offsets, hashes = _stack_lists(columns, names, codes)
     return ExactIndex(layout, names, bitmask_rows, offsets, hashes)
 
 
 def encode_exact_requests(index: ExactIndex, columns: pl.DataFrame) -> ExactRequests:
-    offsets, hashes = _stack_lists(columns, index.bloom_names, columns.height)
+    offsets, hashes = _stack_lists(columns, index.bloom_names)
     return ExactRequests(encode_request_rows(index.layout, columns), offsets, hashes)
 
 

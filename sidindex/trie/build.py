@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from sidindex.sid.assign import sid_keys
@@ -143,13 +144,13 @@ def build_gtm(
     node_offsets = np.zeros(num_nodes + 1, dtype=np.int64)
     np.cumsum(np.bincount(parent, minlength=num_nodes), out=node_offsets[1:])
 
-    # --- 5. SUBTREE UNIONS --- leaves OR their ads' rows; each depth ORs its children's unions
-    # (children of a node are contiguous, so one reduceat per depth)
+    # --- 5. SUBTREE UNIONS AND SID -> AD CSR --- leaves OR their ads' rows; each depth ORs its
+    # children's unions (children of a node are contiguous: one parallel pass per depth). The stable
+    # sort kept each leaf's ads in ascending (ad, path) order.
     ads_sorted = ad_index[order]
-    bm_sorted, bl_sorted = bitmask_rows[ads_sorted], bloom_rows[ads_sorted]  # (P, W) in SID order
-    bm_union = _unions(bm_sorted, leaf_start, parent, depth_offsets, L)
-    bl_union = _unions(bl_sorted, leaf_start, parent, depth_offsets, L)
     leaf_ad_offsets = np.append(leaf_start, len(sids)).astype(np.int64)
+    bm_union = _subtree_unions(bitmask_rows, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, L)
+    bl_union = _subtree_unions(bloom_rows, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, L)
 
     # --- 6. K-WAY PARTITIONS (optional) --- members of an internal entry are its subtree's leaves
     # (a contiguous leaf range), members of a leaf entry are its ads
@@ -159,30 +160,30 @@ def build_gtm(
     if kway is not None:
         bits = matcher_bits or 64 * (bm_union.shape[1] + bl_union.shape[1])
         first_leaf = depth_offsets[L] - 1  # entries from here on are leaves
-        leaf_lo = np.concatenate([opens[d] for d in range(1, L)])
-        leaf_hi = np.concatenate([np.append(opens[d][1:], S) for d in range(1, L)])
+        none = [np.zeros(0, dtype=np.int64)]  # L == 1: no internal entries
+        leaf_lo = np.concatenate(none + [opens[d] for d in range(1, L)])
+        leaf_hi = np.concatenate(none + [np.append(opens[d][1:], S) for d in range(1, L)])
         depth_of_entry = np.repeat(np.arange(1, L + 1), np.diff(depth_offsets[1:]))
         k = np.array([kway.k_at(d - 1) for d in range(L + 1)], dtype=np.int64)[depth_of_entry]
         dyn = kway.mode == "dynamic"
         c_in, pbm_in, pbl_in = partition(bm_union[first_leaf:], bl_union[first_leaf:], leaf_lo, leaf_hi,
                                          k[:first_leaf], dyn, kway.target_fill, bits)
-        c_leaf, pbm_leaf, pbl_leaf = partition(bm_sorted, bl_sorted, leaf_ad_offsets[:-1], leaf_ad_offsets[1:],
-                                               k[first_leaf:], dyn, kway.target_fill, bits)
+        c_leaf, pbm_leaf, pbl_leaf = partition(bitmask_rows[ads_sorted], bloom_rows[ads_sorted], leaf_ad_offsets[:-1],
+                                               leaf_ad_offsets[1:], k[first_leaf:], dyn, kway.target_fill, bits)
         part_offsets = np.zeros(len(k) + 1, dtype=np.int64)
         np.cumsum(np.concatenate([c_in, c_leaf]), out=part_offsets[1:])
         part_bm, part_bl = np.concatenate([pbm_in, pbm_leaf]), np.concatenate([pbl_in, pbl_leaf])
-    del bm_sorted, bl_sorted
 
     # --- 7. DEDUP MATCHER TABLES --- many subtrees share rows (e.g. all-ones for unrestricted);
     # union and partition rows share one table per matcher kind
     E = len(bm_union)
-    bitmask_table, idx = dedup_rows(np.concatenate([bm_union, part_bm]))
+    bitmask_table, idx = dedup_rows(np.concatenate([bm_union, part_bm]) if len(part_bm) else bm_union)
     bitmask_index, part_bitmask_index = idx[:E], idx[E:]
-    bloom_table, idx = dedup_rows(np.concatenate([bl_union, part_bl]))
+    del bm_union, part_bm
+    bloom_table, idx = dedup_rows(np.concatenate([bl_union, part_bl]) if len(part_bl) else bl_union)
     bloom_index, part_bloom_index = idx[:E], idx[E:]
-    del bm_union, bl_union, part_bm, part_bl
+    del bl_union, part_bl
 
-    # --- 8. SID -> AD CSR --- stable sort kept each leaf's ads in ascending (ad, path) order
     return GTMIndex(
         level_sizes=tuple(int(s) for s in level_sizes),
         node_offsets=node_offsets,
@@ -201,19 +202,32 @@ def build_gtm(
     )
 
 
-def _unions(rows: np.ndarray, leaf_start: np.ndarray, parent: np.ndarray, depth_offsets: np.ndarray,
-            L: int) -> np.ndarray:
+def _subtree_unions(rows: np.ndarray, ads_sorted: np.ndarray, leaf_ad_offsets: np.ndarray,
+                    node_offsets: np.ndarray, depth_offsets: np.ndarray, L: int) -> np.ndarray:
     """(E, W) uint64 union row of every non-root node (entry e = node e + 1).
 
-    rows: (P, W) ad rows in sorted SID-row order; leaf_start: (S,) first row of each leaf.
+    rows: (N, W) ad rows; ads_sorted: (P,) ads in SID order; leaf s owns ads_sorted[leaf_ad_offsets[s]:...].
     """
     out = np.empty((int(depth_offsets[L + 1]) - 1, rows.shape[1]), dtype=np.uint64)
-    level = np.bitwise_or.reduceat(rows, leaf_start, axis=0)  # (S, W) leaf unions
-    for d in range(L, 0, -1):
-        lo, hi = depth_offsets[d], depth_offsets[d + 1]
-        out[lo - 1: hi - 1] = level
-        if d > 1:
-            par = parent[lo - 1: hi - 1]  # parents are depth-(d-1) nodes, non-decreasing
-            starts = np.flatnonzero(np.concatenate([[True], par[1:] != par[:-1]]))
-            level = np.bitwise_or.reduceat(level, starts, axis=0)
+    _fill_unions(rows, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, L, out)
     return out
+
+
+@numba.njit(parallel=True, cache=True)
+def _fill_unions(rows, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, L, out):
+    w = rows.shape[1]
+    first_leaf = depth_offsets[L]
+    for s in numba.prange(len(leaf_ad_offsets) - 1):  # leaves: OR of their ads' rows
+        e = first_leaf + s - 1
+        for j in range(w):
+            acc = np.uint64(0)
+            for i in range(leaf_ad_offsets[s], leaf_ad_offsets[s + 1]):
+                acc |= rows[ads_sorted[i], j]
+            out[e, j] = acc
+    for d in range(L - 1, 0, -1):  # inner nodes: OR of their (contiguous) children's unions
+        for v in numba.prange(depth_offsets[d], depth_offsets[d + 1]):
+            for j in range(w):
+                acc = np.uint64(0)
+                for c in range(node_offsets[v], node_offsets[v + 1]):
+                    acc |= out[c, j]
+                out[v - 1, j] = acc

@@ -64,8 +64,8 @@ def gtm_stats(index: GTMIndex, bitmask_bits: int, bloom_bits: int) -> GTMStats:
                         part_bloom_fill=float(bl_fill[index.part_bloom_index[plo:phi]].mean()))
         positions.append(PositionStats(
             position=d, parents=int(index.depth_offsets[d + 1] - index.depth_offsets[d]), entries=int(hi - lo),
-            bitmask_bytes_before=int(hi - lo) * bm_row, bitmask_bytes_after=len(np.unique(bmi)) * bm_row,
-            bloom_bytes_before=int(hi - lo) * bl_row, bloom_bytes_after=len(np.unique(bli)) * bl_row,
+            bitmask_bytes_before=int(hi - lo) * bm_row, bitmask_bytes_after=_distinct(bmi, len(bm_fill)) * bm_row,
+            bloom_bytes_before=int(hi - lo) * bl_row, bloom_bytes_after=_distinct(bli, len(bl_fill)) * bl_row,
             bitmask_fill=float(bm_fill[bmi].mean()), bloom_fill=float(bl_fill[bli].mean()), **kway))
     per_sid = np.diff(index.leaf_ad_offsets)
     per_ad = np.bincount(index.leaf_ads)
@@ -75,3 +75,8 @@ def gtm_stats(index: GTMIndex, bitmask_bits: int, bloom_bits: int) -> GTMStats:
         bitmask_table_bytes=int(index.bitmask_table.nbytes), bloom_table_bytes=int(index.bloom_table.nbytes),
         ads_per_sid_p50=float(np.percentile(per_sid, 50)), ads_per_sid_p99=float(np.percentile(per_sid, 99)),
         ads_per_sid_max=int(per_sid.max()), sids_per_ad_mean=float(per_ad.mean()), sids_per_ad_max=int(per_ad.max()))
+
+
+def _distinct(index: np.ndarray, rows: int) -> int:
+    """Number of distinct table rows referenced by `index` (O(n), no sort)."""
+    return int(np.count_nonzero(np.bincount(index, minlength=rows)))

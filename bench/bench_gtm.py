@@ -1,0 +1,149 @@
+"""GTM build benchmark: per-stage build time, peak RSS and matcher storage at 1M and 10M ads.
+
+    python bench/bench_gtm.py                       # 1M and 10M ads
+    python bench/bench_gtm.py --ads 1000000         # one size
+
+Data: a generated catalog with GRACE-like widths (the sample spec plus an `interest` attribute:
+6 bitmask words; one 256-bit Bloom attribute, ~10 locations per restricted ad) and generated SIDs
+(L=4, 512 per level, 2 paths per ad, hash level from the advertiser). The build runs from the
+catalog's strings. In the same process it times a plain numpy CD-only CSR build from the same SIDs
+(the STATIC-style floor: sort, unique prefixes per depth, offsets; no matchers) and reports the
+core (trie stage: SIDs and encoded rows to the finished index, k-way off) as a ratio to it.
+Each size runs in its own process, so peak RSS is that size's alone.
+Targets (2 cores): 10M ads <= 60 s end to end, peak RSS <= 8 GB; core <= 4x the CD-only floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import polars as pl
+
+from sidindex.build import build_index
+from sidindex.sample import sample_catalog, sample_spec, zipf_weights
+from sidindex.sid.assign import sid_keys
+from sidindex.sid.hashing import hash_tokens
+from sidindex.targeting import BITMASK, Attribute, TargetingSpec
+
+LEVELS = (512, 512, 512, 512)
+
+
+def bench_spec() -> TargetingSpec:
+    base = sample_spec()
+    interest = Attribute("interest", BITMASK, values=tuple(f"topic{i:02d}" for i in range(64)))
+    return TargetingSpec(base.attributes[:5] + (interest,) + base.attributes[5:])
+
+
+def generated_sids(advertiser: pl.DataFrame, paths: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(P, 4) int16 SID rows in (ad, path) order, and their ads: Zipf-popular coarse tokens, distinct
+    first tokens per ad, the advertiser's hash token last (as `sidindex sid assign` produces)."""
+    n = advertiser.height
+    hashed = hash_tokens(advertiser, ("advertiser_id",), LEVELS[3])
+    first = rng.choice(LEVELS[0], size=n, p=zipf_weights(LEVELS[0], 0.8))
+    rows = []
+    for p in range(paths):
+        t0 = (first + p * rng.integers(1, LEVELS[0], size=n) * (p > 0)) % LEVELS[0]
+        t1 = rng.choice(LEVELS[1], size=n, p=zipf_weights(LEVELS[1], 0.6))
+        t2 = rng.integers(0, LEVELS[2], size=n)
+        rows.append(np.stack([t0, t1, t2, hashed], axis=1))
+    sids = np.stack(rows, axis=1).reshape(n * paths, 4).astype(np.int16)
+    return sids, np.repeat(np.arange(n, dtype=np.int64), paths)
+
+
+def cd_only_floor(sids: np.ndarray) -> float:
+    """Seconds for a plain numpy CD-only CSR build: the least any trie build must do."""
+    t = time.perf_counter()
+    keys = np.sort(sid_keys(sids, LEVELS))
+    keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])]  # sorted distinct SIDs (np.unique is 10x slower here)
+    node_offsets, tokens = [], []
+    radix = np.cumprod((1,) + LEVELS[::-1])[::-1]  # radix[d] = product of sizes below depth d
+    parent_keys = np.zeros(1, dtype=np.int64)
+    for d in range(1, len(LEVELS) + 1):
+        prefix = keys // radix[d]
+        new = np.concatenate([[True], prefix[1:] != prefix[:-1]])
+        child = prefix[new]
+        tokens.append((child % LEVELS[d - 1]).astype(np.int16))
+        counts = np.bincount(np.searchsorted(parent_keys, child // LEVELS[d - 1]), minlength=len(parent_keys))
+        node_offsets.append(np.cumsum(counts))
+        parent_keys = child
+    return time.perf_counter() - t
+
+
+def run_one(n: int, paths: int) -> dict:
+    spec = bench_spec()
+    rng = np.random.default_rng(0)
+    t = time.perf_counter()
+    table = sample_catalog(n, spec, dim=1, seed=0)
+    sids, ad_index = generated_sids(pl.DataFrame({"advertiser_id": table["advertiser_id"].to_numpy()}), paths, rng)
+    gen_s = time.perf_counter() - t
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    t = time.perf_counter()
+    columns = pl.from_arrow(table.select([a.name for a in spec.attributes]))
+    del table
+    load_s = time.perf_counter() - t
+    built = build_index(spec, columns, sids, ad_index, LEVELS)
+    floor_s = cd_only_floor(sids)
+    st = built.stats
+    seconds = {"load": load_s, **built.seconds}
+    return {
+        "ads": n, "sid_rows": len(sids), "paths": paths, "generate_s": gen_s, "seconds": seconds,
+        "total_s": sum(seconds.values()), "floor_s": floor_s, "core_vs_floor": built.seconds["trie"] / floor_s,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "rss_after_generate_gb": rss_before,
+        "bitmask_words": int(built.gtm.bitmask_table.shape[1]), "bloom_words": int(built.gtm.bloom_table.shape[1]),
+        "positions": [p.__dict__ for p in st.positions], "sids": st.sids, "num_nodes": st.num_nodes,
+        "table_bytes": st.bitmask_table_bytes + st.bloom_table_bytes,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ads", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    ap.add_argument("--paths", type=int, default=2)
+    ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help="write the results as JSON here")
+    args = ap.parse_args()
+    if args.single:
+        print(json.dumps(run_one(args.ads[0], args.paths)))
+        return 0
+    results = []
+    for n in args.ads:
+        print(f"building {n} ads ...", file=sys.stderr, flush=True)
+        out = subprocess.run([sys.executable, __file__, "--single", "--ads", str(n), "--paths", str(args.paths)],
+                             capture_output=True, text=True)
+        if out.returncode:
+            print(out.stderr, file=sys.stderr)
+            return out.returncode
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    stages = list(results[0]["seconds"])
+    print("| ads | SID rows | " + " | ".join(f"{s} s" for s in stages) + " | total s | CD-only floor s | core / floor | peak RSS GB |")
+    print("|" + "---|" * (len(stages) + 7))
+    for r in results:
+        print(f"| {r['ads']:,} | {r['sid_rows']:,} | " + " | ".join(f"{r['seconds'][s]:.2f}" for s in stages)
+              + f" | {r['total_s']:.1f} | {r['floor_s']:.2f} | {r['core_vs_floor']:.2f}x | {r['peak_rss_gb']:.2f} |")
+    for r in results:
+        print(f"\n{r['ads']:,} ads: {r['num_nodes']:,} nodes, {r['sids']:,} SIDs, matcher tables {r['table_bytes'] / 1e6:.0f} MB "
+              f"({r['bitmask_words']} bitmask + {r['bloom_words']} Bloom words per row)")
+        print("| position | parents | entries | bitmask MB before -> after dedup | Bloom MB before -> after | bitmask fill | Bloom fill |")
+        print("|---|---|---|---|---|---|---|")
+        for p in r["positions"]:
+            print(f"| {p['position']} | {p['parents']:,} | {p['entries']:,} | {p['bitmask_bytes_before'] / 1e6:.1f} -> "
+                  f"{p['bitmask_bytes_after'] / 1e6:.1f} | {p['bloom_bytes_before'] / 1e6:.1f} -> {p['bloom_bytes_after'] / 1e6:.1f} "
+                  f"| {p['bitmask_fill']:.3f} | {p['bloom_fill']:.3f} |")
+    big = results[-1]
+    print(f"\n{'PASS' if big['total_s'] <= 60 else 'MISS'}  {big['ads']:,} ads end to end <= 60 s: {big['total_s']:.1f} s")
+    print(f"{'PASS' if big['peak_rss_gb'] <= 8 else 'MISS'}  peak RSS <= 8 GB: {big['peak_rss_gb']:.2f} GB")
+    print(f"{'PASS' if big['core_vs_floor'] <= 4 else 'MISS'}  core <= 4x CD-only floor: {big['core_vs_floor']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
