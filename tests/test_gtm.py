@@ -312,3 +312,12 @@ def test_single_level_sids_with_kway():
     ads = [{"country": [c], "locations": None} for c in ("US", "CA")]
     check(Scenario(SPEC, ads, [(0,), (2,), (2,)], [0, 0, 1], (3,), [{"country": "CA", "locations": []}],
                    KWayConfig(k=(2,))))
+
+
+def test_bitmask_encoder_refuses_undeclared_values():
+    from sidindex.matchers.bitmask import bitmask_layout, encode_ad_rows
+
+    cat = pl.DataFrame({"country": [["US"], ["UK"]], "locations": [None, None]},
+                       schema={"country": pl.List(pl.String), "locations": pl.List(pl.String)})
+    with pytest.raises(ValueError, match="outside its declared values"):
+        encode_ad_rows(bitmask_layout(SPEC), cat)

@@ -66,16 +66,27 @@ class ListCodes:
 
 
 def list_codes(s, categories: tuple[str, ...] | None = None) -> ListCodes:
-    """Flatten a list<string> polars Series (see `ListCodes`).
+    """Flatten a list<string> polars Series (see `ListCodes`) with Arrow compute kernels.
 
     categories: the values the column may hold (a bitmask attribute's declared values, already
-    validated); `distinct` is then `categories` and codes index into it. Codes come from an Enum
-    cast, which maps strings to integers in native code.
+    validated); `distinct` is then `categories` and codes index into it.
     """
-    import polars as pl
+    import pyarrow as pa
+    import pyarrow.compute as pc
 
-    lengths = s.list.len().fill_null(0).cast(pl.Int64).to_numpy()
-    flat = s.explode().drop_nulls()
-    distinct = list(categories) if categories is not None else flat.unique(maintain_order=True).to_list()
-    codes = flat.cast(pl.Enum(distinct)).to_physical().cast(pl.Int64).to_numpy()
-    return ListCodes(lengths, distinct, codes)
+    arr = s.to_arrow()
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64)
+    flat = pc.list_flatten(arr)  # skips null lists
+    if categories is not None:
+        distinct = list(categories)
+        found = pc.index_in(flat, value_set=pa.array(distinct, type=flat.type))
+        if found.null_count:  # ingestion rejects these; never turn them into garbage bits
+            raise ValueError(f"column {s.name!r} holds values outside its declared values")
+        codes = found.to_numpy(zero_copy_only=False)
+    else:
+        encoded = pc.dictionary_encode(flat)
+        distinct = encoded.dictionary.to_pylist()
+        codes = encoded.indices.to_numpy(zero_copy_only=False)
+    return ListCodes(lengths, distinct, np.asarray(codes, dtype=np.int64))

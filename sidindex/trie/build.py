@@ -115,8 +115,7 @@ def build_gtm(
 
     # --- 2. SORT SID ROWS --- lexicographic order makes every prefix a contiguous run
     keys = sid_keys(sids, level_sizes)
-    order = np.argsort(keys, kind="stable")
-    keys = keys[order]
+    order, keys = _stable_sort(keys)
     leaf_start = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))  # (S,)
     uniq = sids[order[leaf_start]]  # (S, L) distinct SIDs, sorted
     del keys
@@ -200,6 +199,20 @@ def build_gtm(
         part_bitmask_index=part_bitmask_index if kway is not None else None,
         part_bloom_index=part_bloom_index if kway is not None else None,
     )
+
+
+def _stable_sort(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, keys[order]) for keys (P,) int64 >= 0, ties in input order.
+
+    When key * P + row fits in int64, one np.sort of those packed values replaces a stable argsort
+    (several times faster on tens of millions of keys).
+    """
+    p = len(keys)
+    if int(keys.max()) < (2**63 - 1) // max(p, 1) - 1:
+        packed = np.sort(keys * p + np.arange(p, dtype=np.int64))
+        return packed % p, packed // p
+    order = np.argsort(keys, kind="stable")
+    return order, keys[order]
 
 
 def _subtree_unions(rows: np.ndarray, ads_sorted: np.ndarray, leaf_ad_offsets: np.ndarray,
