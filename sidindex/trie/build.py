@@ -142,6 +142,7 @@ def build_gtm(
     tokens = np.concatenate([uniq[opens[d], d - 1] for d in range(1, L + 1)]).astype(np.int16)
     node_offsets = np.zeros(num_nodes + 1, dtype=np.int64)
     np.cumsum(np.bincount(parent, minlength=num_nodes), out=node_offsets[1:])
+    del node_of_row, uniq, parent
 
     # --- 5. SUBTREE UNIONS AND SID -> AD CSR --- leaves OR their ads' rows; each depth ORs its
     # children's unions (children of a node are contiguous: one parallel pass per depth). The stable
