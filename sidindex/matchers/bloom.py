@@ -83,6 +83,8 @@ class BloomQueries:
 
 
 def encode_request_queries(layout: BloomLayout, columns: pl.DataFrame) -> BloomQueries:
+    """Query rows for validated request columns: one row per request value of each bloom
+    attribute, or one all-ones row when the request has no value for it."""
     b = columns.height
     parts, counts = [], np.zeros((b, len(layout.names)), dtype=np.int64)
     for a, name in enumerate(layout.names):
