@@ -27,7 +27,7 @@ import polars as pl
 
 from sidindex.build import build_index
 from sidindex.sample import sample_catalog, sample_spec, zipf_weights
-from sidindex.sid.assign import sid_keys
+from sidindex.sid.assign import run_starts, sid_keys
 from sidindex.sid.hashing import hash_tokens
 from sidindex.targeting import BITMASK, Attribute, TargetingSpec
 
@@ -60,14 +60,13 @@ def cd_only_floor(sids: np.ndarray) -> float:
     """Seconds for a plain numpy CD-only CSR build: the least any trie build must do."""
     t = time.perf_counter()
     keys = np.sort(sid_keys(sids, LEVELS))
-    keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])]  # sorted distinct SIDs (np.unique is 10x slower here)
+    keys = keys[run_starts(keys)]  # sorted distinct SIDs
     node_offsets, tokens = [], []
     radix = np.cumprod((1,) + LEVELS[::-1])[::-1]  # radix[d] = product of sizes below depth d
     parent_keys = np.zeros(1, dtype=np.int64)
     for d in range(1, len(LEVELS) + 1):
         prefix = keys // radix[d]
-        new = np.concatenate([[True], prefix[1:] != prefix[:-1]])
-        child = prefix[new]
+        child = prefix[run_starts(prefix)]
         tokens.append((child % LEVELS[d - 1]).astype(np.int16))
         counts = np.bincount(np.searchsorted(parent_keys, child // LEVELS[d - 1]), minlength=len(parent_keys))
         node_offsets.append(np.cumsum(counts))

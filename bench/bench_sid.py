@@ -29,7 +29,7 @@ import polars as pl
 from sidindex.config import SIDConfig
 from sidindex.sample import sample_embeddings
 from sidindex.sid import assign_sids, hash_tokens, train_codebook
-from sidindex.sid.assign import sid_keys
+from sidindex.sid.assign import key_counts, sid_keys
 
 
 ENCODE_BLOCK = 65536
@@ -46,7 +46,7 @@ def unpack_rq_codes(codes: np.ndarray, nbits: int, levels: int) -> np.ndarray:
 def metrics(x: np.ndarray, recon: np.ndarray, tokens: np.ndarray, sizes: tuple[int, ...]) -> dict:
     """MSE, collision rate of the token tuples, and per-level utilisation / perplexity."""
     mse = float(np.mean(np.sum((x - recon) ** 2, axis=1, dtype=np.float64)))
-    _, counts = np.unique(sid_keys(tokens, sizes), return_counts=True)
+    _, counts = key_counts(sid_keys(tokens, sizes))
     out = {"mse": mse, "collision": float(counts[counts > 1].sum() / len(tokens))}
     for lv, k in enumerate(sizes):
         use = np.bincount(tokens[:, lv], minlength=k)
@@ -84,9 +84,8 @@ def ours(x, cfg: SIDConfig, hash_tok, label: str, rows: list, reps: int, paths_t
     sem = a.sids[:, :-1].astype(np.int64)
     recon = sum(c[sem[:, lv]] for lv, c in enumerate(cb.centroids))
     m = metrics(x, recon, sem, cb.level_sizes[:-1])
-    full = sid_keys(a.sids, cb.level_sizes)
-    _, counts = np.unique(full, return_counts=True)
-    m["collision_with_hash"] = float(counts[counts > 1].sum() / len(full))
+    _, counts = key_counts(sid_keys(a.sids, cb.level_sizes))
+    m["collision_with_hash"] = float(counts[counts > 1].sum() / len(a.sids))
     rows.append({"method": f"{label} (m=1)", "train_s": train_s, "encode_s": enc_s, **m})
     if paths_timing:
         rows.append({"method": f"{label} (m=2)", "train_s": float("nan"), "encode_s": enc2,

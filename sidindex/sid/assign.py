@@ -169,3 +169,20 @@ def sid_keys(sids: np.ndarray, level_sizes: tuple[int, ...]) -> np.ndarray:
     for level, size in enumerate(level_sizes):
         key = key * size + sids[:, level].astype(np.int64)
     return key
+
+
+def run_starts(sorted_keys: np.ndarray) -> np.ndarray:
+    """(S,) int64 positions where each run of equal values starts in sorted_keys (P,)."""
+    if not len(sorted_keys):
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]]))
+
+
+def key_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct keys ascending (S,), counts (S,) int64) of keys (P,).
+
+    Sort + run starts: numpy 2.4's np.unique takes a hash path that is ~20x slower on 10M+ keys.
+    """
+    ordered = np.sort(keys)
+    starts = run_starts(ordered)
+    return ordered[starts], np.diff(np.append(starts, len(ordered)))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sidindex.config import QualityThresholds
-from sidindex.sid.assign import SIDAssignment, sid_keys
+from sidindex.sid.assign import SIDAssignment, key_counts, sid_keys
 from sidindex.sid.codebook import Codebook
 
 NEAR_SECOND_RATIO = 1.05  # GR4AD-X: share of ads whose 2nd centroid is within 5% of the 1st
@@ -63,8 +63,9 @@ def sid_quality(assignment: SIDAssignment, codebook: Codebook, embedding: np.nda
     n = assignment.n_ads
     per_ad = np.bincount(assignment.ad_index, minlength=n)
     keys = sid_keys(sids, assignment.level_sizes)
-    uniq, first, counts = np.unique(keys, return_index=True, return_counts=True)
+    uniq, counts = key_counts(keys)
     top = int(np.argmax(counts))
+    top_row = int(np.flatnonzero(keys == uniq[top])[0])
     levels = []
     n_sem = len(codebook.centroids)
     for level, size in enumerate(assignment.level_sizes):
@@ -82,7 +83,7 @@ def sid_quality(assignment: SIDAssignment, codebook: Codebook, embedding: np.nda
         ads_per_sid_p50=float(np.percentile(counts, 50)),
         ads_per_sid_p99=float(np.percentile(counts, 99)),
         ads_per_sid_max=int(counts[top]),
-        largest_group_sid=tuple(int(t) for t in sids[first[top]]),
+        largest_group_sid=tuple(int(t) for t in sids[top_row]),
         largest_group_share=float(counts[top] / n),
         collision_rate=float(counts[counts > 1].sum() / len(sids)),
         levels=tuple(levels),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from sidindex.sid.assign import sid_keys
+from sidindex.sid.assign import run_starts, sid_keys
 from sidindex.trie.dedup import dedup_rows
 from sidindex.trie.kway import KWayConfig, partition
 
@@ -116,7 +116,7 @@ def build_gtm(
     # --- 2. SORT SID ROWS --- lexicographic order makes every prefix a contiguous run
     keys = sid_keys(sids, level_sizes)
     order, keys = _stable_sort(keys)
-    leaf_start = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))  # (S,)
+    leaf_start = run_starts(keys)  # (S,)
     uniq = sids[order[leaf_start]]  # (S, L) distinct SIDs, sorted
     del keys
 
