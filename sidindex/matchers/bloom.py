@@ -15,7 +15,7 @@ import mmh3
 import numpy as np
 import polars as pl
 
-from sidindex.matchers.bits import ListCodes, empty_rows, list_codes, or_value_bits, set_bits
+from sidindex.matchers.bits import ListCodes, empty_rows, list_codes, or_value_bits
 from sidindex.targeting import TargetingSpec
 
 BLOOM_SEED = 0xB1005EED
@@ -48,11 +48,6 @@ def value_positions(values: list[str], bits: int, hashes: int) -> np.ndarray:
     for i in range(hashes):
         out[:, i] = [mmh3.hash(v, BLOOM_SEED + i, signed=False) % bits for v in values]
     return out
-
-
-def _flat_positions(lc: ListCodes, bits: int, hashes: int) -> np.ndarray:
-    """(T, hashes) bit positions of a column's values in row order, hashing each distinct value once."""
-    return value_positions(lc.distinct, bits, hashes)[lc.codes]
 
 
 def encode_ad_rows(layout: BloomLayout, columns: pl.DataFrame, codes: dict[str, ListCodes] | None = None) -> np.ndarray:
@@ -90,16 +85,14 @@ def encode_request_queries(layout: BloomLayout, columns: pl.DataFrame) -> BloomQ
     for a, name in enumerate(layout.names):
         lo, hi = layout.word_offsets[a], layout.word_offsets[a + 1]
         lc = list_codes(columns.get_column(name))
-        lengths, pos = lc.lengths, _flat_positions(lc, layout.bits[a], layout.hashes[a])
-        n_q = np.maximum(lengths, 1)  # no values: one all-ones query (matches unrestricted only)
+        n_q = np.maximum(lc.lengths, 1)  # no values: one all-ones query (matches unrestricted only)
         rows = empty_rows(int(n_q.sum()), layout.words)
-        first = np.concatenate([[0], np.cumsum(n_q)[:-1]])
-        empty = lengths == 0
-        rows[first[empty], lo:hi] = np.uint64(0xFFFFFFFFFFFFFFFF)
-        # the k-th value of request r goes to query row first[r] + k
-        req = np.repeat(np.arange(b, dtype=np.int64), lengths)
-        k = np.arange(len(req)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        set_bits(rows, np.repeat(first[req] + k, layout.hashes[a]), 64 * lo + pos.reshape(-1))
+        # query rows in request order: one per value, or one all-ones row for a request without values
+        values_per_row = np.ones(len(rows), dtype=np.int64)
+        all_ones = np.concatenate([[0], np.cumsum(n_q)[:-1]])[lc.lengths == 0]
+        values_per_row[all_ones] = 0
+        rows[all_ones, lo:hi] = np.uint64(0xFFFFFFFFFFFFFFFF)
+        or_value_bits(rows, values_per_row, lc.codes, value_positions(lc.distinct, layout.bits[a], layout.hashes[a]), lo)
         parts.append(rows)
         counts[:, a] = n_q
     # attribute-major storage: attribute a's queries follow attribute a-1's
