@@ -78,7 +78,8 @@ def sample_embeddings(n: int, dim: int, rng: np.random.Generator, n_clusters: in
     rotated, decaying spectrum (about 2 / sqrt(i) on axis i); cluster sizes are Zipf. The
     within-cluster spread is comparable to the quantisation error of a 512^3 codebook, so SIDs do
     not collapse onto clusters (real embeddings are not a few tight blobs): at 1M ads x 64 dims
-    about 20% of SID rows share their semantic tokens.
+    about 40% of ads share their three semantic tokens with another ad, 2% their whole SID
+    (bench/bench_sid.py).
     """
     n_clusters = n_clusters or max(4, min(4096, n // 400))
     n_topics = max(2, int(np.sqrt(n_clusters)))
