@@ -9,7 +9,8 @@ Data: a generated catalog with GRACE-like widths (the sample spec plus an `inter
 catalog's strings. In the same process it times a plain numpy CD-only CSR build from the same SIDs
 (the STATIC-style floor: sort, unique prefixes per depth, offsets; no matchers) and reports the
 core (trie stage: SIDs and encoded rows to the finished index, k-way off) as a ratio to it.
-Each size runs in its own process, so peak RSS is that size's alone.
+Each size is generated in one process and written to files (an Arrow IPC catalog, the SIDs);
+a second process reads them ("load") and builds, so peak RSS is the build's alone.
 Targets (2 cores): 10M ads <= 60 s end to end, peak RSS <= 8 GB; core <= 4x the CD-only floor.
 """
 
@@ -20,10 +21,13 @@ import json
 import resource
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import polars as pl
+from pyarrow import feather
 
 from sidindex.build import build_index
 from sidindex.sample import sample_catalog, sample_spec, zipf_weights
@@ -74,54 +78,70 @@ def cd_only_floor(sids: np.ndarray) -> float:
     return time.perf_counter() - t
 
 
-def run_one(n: int, paths: int) -> dict:
+def generate(n: int, paths: int, out: Path) -> None:
+    """Write the benchmark's inputs to `out`: catalog.arrow (the targeting columns, as a catalog
+    file would hold them), sids.npy and ad_index.npy."""
     spec = bench_spec()
-    rng = np.random.default_rng(0)
-    t = time.perf_counter()
     table = sample_catalog(n, spec, dim=1, seed=0)
-    sids, ad_index = generated_sids(pl.DataFrame({"advertiser_id": table["advertiser_id"].to_numpy()}), paths, rng)
-    gen_s = time.perf_counter() - t
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    sids, ad_index = generated_sids(pl.DataFrame({"advertiser_id": table["advertiser_id"].to_numpy()}), paths,
+                                    np.random.default_rng(0))
+    feather.write_feather(table.select([a.name for a in spec.attributes]), out / "catalog.arrow", compression="uncompressed")
+    np.save(out / "sids.npy", sids)
+    np.save(out / "ad_index.npy", ad_index)
+
+
+def run_one(inputs: Path) -> dict:
+    """Build from the files `generate` wrote, in a process that holds nothing else."""
+    spec = bench_spec()
     t = time.perf_counter()
-    columns = pl.from_arrow(table.select([a.name for a in spec.attributes]))
-    del table
+    columns = pl.read_ipc(inputs / "catalog.arrow")
+    sids, ad_index = np.load(inputs / "sids.npy"), np.load(inputs / "ad_index.npy")
     load_s = time.perf_counter() - t
     built = build_index(spec, columns, sids, ad_index, LEVELS)
     floor_s = cd_only_floor(sids)
     st = built.stats
     seconds = {"load": load_s, **built.seconds}
     return {
-        "ads": n, "sid_rows": len(sids), "paths": paths, "generate_s": gen_s, "seconds": seconds,
+        "ads": columns.height, "sid_rows": len(sids), "seconds": seconds,
         "total_s": sum(seconds.values()), "floor_s": floor_s, "core_vs_floor": built.seconds["trie"] / floor_s,
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "rss_after_generate_gb": rss_before,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "bitmask_words": int(built.gtm.bitmask_table.shape[1]), "bloom_words": int(built.gtm.bloom_table.shape[1]),
         "positions": [p.__dict__ for p in st.positions], "sids": st.sids, "num_nodes": st.num_nodes,
         "table_bytes": st.bitmask_table_bytes + st.bloom_table_bytes,
     }
 
 
+def _child(*args: str) -> str:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"{' '.join(args)} failed:\n{out.stderr}")
+    return out.stdout
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ads", type=int, nargs="+", default=[1_000_000, 10_000_000])
     ap.add_argument("--paths", type=int, default=2)
-    ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--generate", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--single", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write the results as JSON here")
     args = ap.parse_args()
+    if args.generate:
+        generate(args.ads[0], args.paths, args.generate)
+        return 0
     if args.single:
-        print(json.dumps(run_one(args.ads[0], args.paths)))
+        print(json.dumps(run_one(args.single)))
         return 0
     results = []
     for n in args.ads:
-        print(f"building {n} ads ...", file=sys.stderr, flush=True)
-        out = subprocess.run([sys.executable, __file__, "--single", "--ads", str(n), "--paths", str(args.paths)],
-                             capture_output=True, text=True)
-        if out.returncode:
-            print(out.stderr, file=sys.stderr)
-            return out.returncode
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"generating {n:,} ads ...", file=sys.stderr, flush=True)
+            _child("--generate", tmp, "--ads", str(n), "--paths", str(args.paths))
+            print(f"building {n:,} ads ...", file=sys.stderr, flush=True)
+            results.append(json.loads(_child("--single", tmp).strip().splitlines()[-1]))
     stages = list(results[0]["seconds"])
     print("| ads | SID rows | " + " | ".join(f"{s} s" for s in stages) + " | total s | CD-only floor s | core / floor | peak RSS GB |")
-    print("|" + "---|" * (len(stages) + 7))
+    print("|" + "---|" * (len(stages) + 6))
     for r in results:
         print(f"| {r['ads']:,} | {r['sid_rows']:,} | " + " | ".join(f"{r['seconds'][s]:.2f}" for s in stages)
               + f" | {r['total_s']:.1f} | {r['floor_s']:.2f} | {r['core_vs_floor']:.2f}x | {r['peak_rss_gb']:.2f} |")

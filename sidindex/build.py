@@ -1,9 +1,10 @@
 """Build the GTM and exact indexes from validated catalog columns and a SID assignment.
 
 Stages (timed, so a build can report where its time goes):
+  flatten         each targeting column's strings -> integer codes (Arrow kernels, two columns at a
+                  time); a column is flattened once for its matcher rows and the exact index
   encode bitmask  ad bitmask rows        (N, W_bm)
-  encode bloom    ad Bloom rows          (N, W_bl); each bloom column is flattened once, for both
-                  this and the exact index
+  encode bloom    ad Bloom rows          (N, W_bl)
   exact index     sorted value hashes per ad and bloom attribute
   trie            CSR trie, subtree unions, k-way partitions, dedup, SID -> ad
   stats           GRACE Tables 1 and 2
@@ -12,16 +13,19 @@ Stages (timed, so a build can report where its time goes):
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 
+from sidindex.matchers.bitmask import bitmask_layout
+from sidindex.matchers.bitmask import encode_ad_rows as encode_bitmask
 from sidindex.matchers.bits import list_codes
-from sidindex.matchers.bitmask import bitmask_layout, encode_ad_rows as encode_bitmask
-from sidindex.matchers.bloom import bloom_layout, encode_ad_rows as encode_bloom
+from sidindex.matchers.bloom import bloom_layout
+from sidindex.matchers.bloom import encode_ad_rows as encode_bloom
 from sidindex.matchers.exact import ExactIndex, build_exact_index
-from sidindex.targeting import TargetingSpec
+from sidindex.targeting import BITMASK, TargetingSpec
 from sidindex.trie.build import GTMIndex, build_gtm
 from sidindex.trie.kway import KWayConfig
 from sidindex.trie.stats import GTMStats, gtm_stats
@@ -50,12 +54,17 @@ def build_index(spec: TargetingSpec, columns: pl.DataFrame, sids: np.ndarray, ad
         clock = now
 
     bm_layout, bl_layout = bitmask_layout(spec), bloom_layout(spec)
-    bm = encode_bitmask(bm_layout, columns)
+    with ThreadPoolExecutor(2) as pool:  # Arrow's kernels release the GIL
+        flat = pool.map(lambda a: list_codes(columns.get_column(a.name), a.values if a.kind == BITMASK else None),
+                        spec.attributes)
+        codes = dict(zip((a.name for a in spec.attributes), flat))
+    lap("flatten")
+    bm = encode_bitmask(bm_layout, columns, codes)
     lap("encode bitmask")
-    codes = {a.name: list_codes(columns.get_column(a.name)) for a in spec.bloom}
     bl = encode_bloom(bl_layout, columns, codes)
     lap("encode bloom")
     exact = build_exact_index(spec, columns, bm, codes)
+    del codes
     lap("exact index")
     bloom_bits = sum(bl_layout.bits)
     gtm = build_gtm(sids, ad_index, level_sizes, bm, bl, kway=kway, matcher_bits=bm_layout.bits + bloom_bits)

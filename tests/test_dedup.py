@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidindex.trie.dedup import dedup_rows
+from sidindex.trie.dedup import RowTable, dedup_rows
 
 
 @settings(max_examples=60, deadline=None)
@@ -30,3 +30,21 @@ def test_rows_differing_in_one_bit_stay_apart():
     table, index = dedup_rows(np.concatenate([rows, rows]))
     assert len(table) == 64
     np.testing.assert_array_equal(index, np.tile(np.arange(64), 2))
+
+
+@settings(max_examples=30, deadline=None)
+@given(batches=st.lists(st.integers(0, 40), min_size=1, max_size=6), distinct=st.integers(1, 30), seed=st.integers(0, 10_000))
+def test_row_table_grows_without_renumbering(batches, distinct, seed):
+    """Rows added in batches to a table that starts too small keep the numbers they were given."""
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(0, 2**64, size=(distinct, 2), dtype=np.uint64)
+    table = RowTable(2, 1)
+    added, numbers = [], []
+    for n in batches:
+        rows = pool[rng.integers(0, distinct, n)]
+        numbers.append(table.add(rows))
+        added.append(rows)
+    final = table.table()
+    for rows, idx in zip(added, numbers):
+        np.testing.assert_array_equal(final[idx], rows)
+    assert len(final) == len(np.unique(np.concatenate(added), axis=0))

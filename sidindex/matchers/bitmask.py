@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from sidindex.matchers.bits import empty_rows, list_codes, mask_row, or_value_bits, set_bits
+from sidindex.matchers.bits import (
+    ListCodes,
+    empty_rows,
+    list_codes,
+    mask_row,
+    or_value_bits,
+    set_bits,
+)
 from sidindex.targeting import TargetingSpec
 
 
@@ -44,12 +51,15 @@ def bitmask_layout(spec: TargetingSpec) -> BitmaskLayout:
     return BitmaskLayout(tuple(a.name for a in attrs), tuple(a.values for a in attrs), tuple(int(o) for o in offsets))
 
 
-def encode_ad_rows(layout: BitmaskLayout, columns: pl.DataFrame) -> np.ndarray:
-    """(N, W) uint64 ad rows from validated list<string> columns (one per bitmask attribute)."""
+def encode_ad_rows(layout: BitmaskLayout, columns: pl.DataFrame, codes: dict[str, ListCodes] | None = None) -> np.ndarray:
+    """(N, W) uint64 ad rows from validated list<string> columns (one per bitmask attribute).
+
+    codes: the columns already flattened against their declared values (`list_codes`)
+    """
     n = columns.height
     out = empty_rows(n, layout.words)
     for a, (name, values) in enumerate(zip(layout.names, layout.values)):
-        lc = list_codes(columns.get_column(name), categories=values)
+        lc = codes[name] if codes else list_codes(columns.get_column(name), categories=values)
         out[lc.lengths == 0] |= layout.segment_mask(a)
         bit = (layout.offsets[a] + np.arange(len(values), dtype=np.int64)).reshape(-1, 1)
         or_value_bits(out, lc.lengths, lc.codes, bit, 0)

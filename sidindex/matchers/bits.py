@@ -33,7 +33,7 @@ def set_bits(out, rows, bits):
 def or_value_bits(out, lengths, codes, value_bits, word_offset):
     """Row r ORs in the bits of its values: out[r] |= value_bits[codes[k]] for its run of codes.
 
-    out: (n, W) uint64; lengths: (n,) int64 values per row; codes: (T,) int64 in row order;
+    out: (n, W) uint64; lengths: (n,) int64 values per row; codes: (T,) integer, in row order;
     value_bits: (V, h) int64 bit positions of each distinct value (relative to word_offset * 64).
     Avoids materialising a (T * h,) row-index array.
     """
@@ -57,7 +57,7 @@ class ListCodes:
     """A list<string> column flattened for hashing each distinct value once.
 
     lengths: (n,) int64 values per row (null = 0); distinct: the distinct values;
-    codes: (T,) int64 index into `distinct` of every value, in row order.
+    codes: (T,) int32 index into `distinct` of every value, in row order.
     """
 
     lengths: np.ndarray
@@ -89,4 +89,4 @@ def list_codes(s, categories: tuple[str, ...] | None = None) -> ListCodes:
         encoded = pc.dictionary_encode(flat)
         distinct = encoded.dictionary.to_pylist()
         codes = encoded.indices.to_numpy(zero_copy_only=False)
-    return ListCodes(lengths, distinct, np.asarray(codes, dtype=np.int64))
+    return ListCodes(lengths, distinct, np.asarray(codes, dtype=np.int32))

@@ -165,9 +165,10 @@ def sid_table(assignment: SIDAssignment, ad_id: np.ndarray) -> pa.Table:
 
 def sid_keys(sids: np.ndarray, level_sizes: tuple[int, ...]) -> np.ndarray:
     """(P,) int64 mixed-radix keys that order SIDs (P, L) lexicographically; one key per SID."""
-    key = np.zeros(len(sids), dtype=np.int64)
-    for level, size in enumerate(level_sizes):
-        key = key * size + sids[:, level].astype(np.int64)
+    key = sids[:, 0].astype(np.int64)
+    for level in range(1, len(level_sizes)):  # in place: one (P,) array, however long the SID
+        key *= level_sizes[level]
+        key += sids[:, level]
     return key
 
 

@@ -11,13 +11,14 @@ W words per matcher row.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
 import numpy as np
 
 from sidindex.sid.assign import run_starts, sid_keys
-from sidindex.trie.dedup import dedup_rows
+from sidindex.trie.dedup import RowTable, insert_row
 from sidindex.trie.kway import KWayConfig, partition
 
 
@@ -116,73 +117,53 @@ def build_gtm(
     # --- 2. SORT SID ROWS --- lexicographic order makes every prefix a contiguous run
     keys = sid_keys(sids, level_sizes)
     order, keys = _stable_sort(keys)
-    leaf_start = run_starts(keys)  # (S,)
-    uniq = sids[order[leaf_start]]  # (S, L) distinct SIDs, sorted
+    leaf_start = run_starts(keys)  # (S,) first SID row of each distinct SID
+    S = len(leaf_start)
+
+    # --- 3. CSR, DEPTH BY DEPTH --- one pass over the distinct keys: a row opens a depth-d node
+    # iff it differs from the previous row in one of its first d tokens
+    leaf_keys = keys[leaf_start]
     del keys
-
-    # --- 3. ASSIGN NODE IDS, DEPTH BY DEPTH --- row i of `uniq` opens a new depth-d node iff it
-    # differs from row i-1 in one of its first d tokens, i.e. iff first_diff[i] < d
-    S = len(uniq)
-    first_diff = np.zeros(S, dtype=np.int8)  # row 0 opens a node at every depth
-    if S > 1:
-        first_diff[1:] = np.argmax(uniq[1:] != uniq[:-1], axis=1)
-    depth_offsets = np.zeros(L + 2, dtype=np.int64)
-    depth_offsets[1] = 1
-    opens = [np.zeros(1, dtype=np.int64)]  # per depth: rows of `uniq` that open a node
-    node_of_row = [np.zeros(S, dtype=np.int64)]  # per depth: node id of each row's prefix
-    for d in range(1, L + 1):
-        new = first_diff < d
-        opens.append(np.flatnonzero(new))
-        node_of_row.append(depth_offsets[d] + np.cumsum(new) - 1)
-        depth_offsets[d + 1] = depth_offsets[d] + len(opens[d])
+    depth_offsets, node_offsets, tokens, first_row = _trie_layout(_key_tokens(leaf_keys, level_sizes), kway is not None)
     num_nodes = int(depth_offsets[L + 1])
+    del leaf_keys
 
-    # --- 4. CSR --- entry e is node e + 1; its parent is the depth-(d-1) node of its first row
-    parent = np.concatenate([node_of_row[d - 1][opens[d]] for d in range(1, L + 1)])  # (E,)
-    tokens = np.concatenate([uniq[opens[d], d - 1] for d in range(1, L + 1)]).astype(np.int16)
-    node_offsets = np.zeros(num_nodes + 1, dtype=np.int64)
-    np.cumsum(np.bincount(parent, minlength=num_nodes), out=node_offsets[1:])
-    del node_of_row, uniq, parent
-
-    # --- 5. SUBTREE UNIONS AND SID -> AD CSR --- leaves OR their ads' rows; each depth ORs its
-    # children's unions (children of a node are contiguous: one parallel pass per depth). The stable
-    # sort kept each leaf's ads in ascending (ad, path) order.
+    # --- 4. SID -> AD CSR --- the stable sort kept each leaf's ads in ascending (ad, path) order
     ads_sorted = ad_index[order]
+    del order
     leaf_ad_offsets = np.append(leaf_start, len(sids)).astype(np.int64)
-    bm_union = _subtree_unions(bitmask_rows, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, L)
-    bl_union = _subtree_unions(bloom_rows, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, L)
+    del leaf_start
+
+    # --- 5. SUBTREE UNIONS, DEDUPLICATED AS THEY ARE MADE --- a leaf ORs its ads' rows, a node its
+    # children's unions; a leaf with one ad reuses that ad's row and a node with one child its
+    # child's row, so only real unions are computed and hashed. One thread per matcher kind.
+    own, capacity = _union_plan(ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, n_ads)
+    tables = [RowTable(rows.shape[1], capacity) for rows in (bitmask_rows, bloom_rows)]
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(_union_index, table, rows, own, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets)
+                for table, rows in zip(tables, (bitmask_rows, bloom_rows))]
+        bitmask_index, bloom_index = (job.result() for job in jobs)
+    bm_table, bl_table = tables
 
     # --- 6. K-WAY PARTITIONS (optional) --- members of an internal entry are its subtree's leaves
-    # (a contiguous leaf range), members of a leaf entry are its ads
-    part_offsets = None
-    part_bm = np.zeros((0, bm_union.shape[1]), dtype=np.uint64)
-    part_bl = np.zeros((0, bl_union.shape[1]), dtype=np.uint64)
+    # (a contiguous leaf range), members of a leaf entry are its ads; partition rows join the tables
+    part_offsets = part_bitmask_index = part_bloom_index = None
     if kway is not None:
-        bits = matcher_bits or 64 * (bm_union.shape[1] + bl_union.shape[1])
+        bits = matcher_bits or 64 * (bitmask_rows.shape[1] + bloom_rows.shape[1])
         first_leaf = depth_offsets[L] - 1  # entries from here on are leaves
-        none = [np.zeros(0, dtype=np.int64)]  # L == 1: no internal entries
-        leaf_lo = np.concatenate(none + [opens[d] for d in range(1, L)])
-        leaf_hi = np.concatenate(none + [np.append(opens[d][1:], S) for d in range(1, L)])
-        depth_of_entry = np.repeat(np.arange(1, L + 1), np.diff(depth_offsets[1:]))
-        k = np.array([kway.k_at(d - 1) for d in range(L + 1)], dtype=np.int64)[depth_of_entry]
+        depth_of_inner = np.repeat(np.arange(1, L), np.diff(depth_offsets[1:L + 1]))
+        next_first = np.append(first_row[1:], S)
+        next_first[depth_offsets[2:L + 1] - 2] = S  # each depth's last entry: its leaves run to the end
+        k = np.array([kway.k_at(d) for d in range(L)], dtype=np.int64)
         dyn = kway.mode == "dynamic"
-        c_in, pbm_in, pbl_in = partition(bm_union[first_leaf:], bl_union[first_leaf:], leaf_lo, leaf_hi,
-                                         k[:first_leaf], dyn, kway.target_fill, bits)
+        c_in, pbm_in, pbl_in = partition(bm_table.rows[bitmask_index[first_leaf:]], bl_table.rows[bloom_index[first_leaf:]],
+                                         first_row, next_first, k[depth_of_inner - 1], dyn, kway.target_fill, bits)
         c_leaf, pbm_leaf, pbl_leaf = partition(bitmask_rows[ads_sorted], bloom_rows[ads_sorted], leaf_ad_offsets[:-1],
-                                               leaf_ad_offsets[1:], k[first_leaf:], dyn, kway.target_fill, bits)
-        part_offsets = np.zeros(len(k) + 1, dtype=np.int64)
+                                               leaf_ad_offsets[1:], np.full(S, k[L - 1]), dyn, kway.target_fill, bits)
+        part_offsets = np.zeros(len(first_row) + S + 1, dtype=np.int64)
         np.cumsum(np.concatenate([c_in, c_leaf]), out=part_offsets[1:])
-        part_bm, part_bl = np.concatenate([pbm_in, pbm_leaf]), np.concatenate([pbl_in, pbl_leaf])
-
-    # --- 7. DEDUP MATCHER TABLES --- many subtrees share rows (e.g. all-ones for unrestricted);
-    # union and partition rows share one table per matcher kind
-    E = len(bm_union)
-    bitmask_table, idx = dedup_rows(np.concatenate([bm_union, part_bm]) if len(part_bm) else bm_union)
-    bitmask_index, part_bitmask_index = idx[:E], idx[E:]
-    del bm_union, part_bm
-    bloom_table, idx = dedup_rows(np.concatenate([bl_union, part_bl]) if len(part_bl) else bl_union)
-    bloom_index, part_bloom_index = idx[:E], idx[E:]
-    del bl_union, part_bl
+        part_bitmask_index = bm_table.add(np.concatenate([pbm_in, pbm_leaf]))
+        part_bloom_index = bl_table.add(np.concatenate([pbl_in, pbl_leaf]))
 
     return GTMIndex(
         level_sizes=tuple(int(s) for s in level_sizes),
@@ -191,57 +172,145 @@ def build_gtm(
         csr_tokens=tokens,
         bitmask_index=bitmask_index,
         bloom_index=bloom_index,
-        bitmask_table=bitmask_table,
-        bloom_table=bloom_table,
+        bitmask_table=bm_table.table(),
+        bloom_table=bl_table.table(),
         depth_offsets=depth_offsets,
         leaf_ad_offsets=leaf_ad_offsets,
-        leaf_ads=ads_sorted.astype(np.int64),
+        leaf_ads=ads_sorted.astype(np.int64, copy=False),
         part_offsets=part_offsets,
-        part_bitmask_index=part_bitmask_index if kway is not None else None,
-        part_bloom_index=part_bloom_index if kway is not None else None,
+        part_bitmask_index=part_bitmask_index,
+        part_bloom_index=part_bloom_index,
     )
 
 
 def _stable_sort(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(order, keys[order]) for keys (P,) int64 >= 0, ties in input order.
+    """(order, keys[order]) for keys (P,) int64 >= 0, ties in input order; `keys` is consumed.
 
-    When key * P + row fits in int64, one np.sort of those packed values replaces a stable argsort
-    (several times faster on tens of millions of keys).
+    When key * P + row fits in int64, one in-place np.sort of those packed values replaces a stable
+    argsort (several times faster on tens of millions of keys, and no extra arrays).
     """
     p = len(keys)
     if int(keys.max()) < (2**63 - 1) // max(p, 1) - 1:
-        packed = np.sort(keys * p + np.arange(p, dtype=np.int64))
-        return packed % p, packed // p
+        keys *= p
+        keys += np.arange(p, dtype=np.int64)
+        keys.sort()
+        order = keys % p
+        keys //= p
+        return order, keys
     order = np.argsort(keys, kind="stable")
     return order, keys[order]
 
 
-def _subtree_unions(rows: np.ndarray, ads_sorted: np.ndarray, leaf_ad_offsets: np.ndarray,
-                    node_offsets: np.ndarray, depth_offsets: np.ndarray, L: int) -> np.ndarray:
-    """(E, W) uint64 union row of every non-root node (entry e = node e + 1).
-
-    rows: (N, W) ad rows; ads_sorted: (P,) ads in SID order; leaf s owns ads_sorted[leaf_ad_offsets[s]:...].
-    """
-    out = np.empty((int(depth_offsets[L + 1]) - 1, rows.shape[1]), dtype=np.uint64)
-    _fill_unions(rows, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, L, out)
+def _key_tokens(keys: np.ndarray, level_sizes: tuple[int, ...]) -> np.ndarray:
+    """(S, L) int16 tokens of SID keys (S,) int64 (the inverse of `sid_keys`); `keys` is consumed.
+    numpy divides by a scalar without a hardware division per element."""
+    out = np.empty((len(keys), len(level_sizes)), dtype=np.int16)
+    for level in range(len(level_sizes) - 1, -1, -1):
+        out[:, level] = keys % level_sizes[level]
+        keys //= level_sizes[level]
     return out
 
 
-@numba.njit(parallel=True, cache=True)
-def _fill_unions(rows, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, L, out):
-    w = rows.shape[1]
-    first_leaf = depth_offsets[L]
-    for s in numba.prange(len(leaf_ad_offsets) - 1):  # leaves: OR of their ads' rows
-        e = first_leaf + s - 1
-        for j in range(w):
-            acc = np.uint64(0)
-            for i in range(leaf_ad_offsets[s], leaf_ad_offsets[s + 1]):
-                acc |= rows[ads_sorted[i], j]
-            out[e, j] = acc
-    for d in range(L - 1, 0, -1):  # inner nodes: OR of their (contiguous) children's unions
-        for v in numba.prange(depth_offsets[d], depth_offsets[d + 1]):
-            for j in range(w):
-                acc = np.uint64(0)
-                for c in range(node_offsets[v], node_offsets[v + 1]):
-                    acc |= out[c, j]
-                out[v - 1, j] = acc
+@numba.njit(cache=True)
+def _trie_layout(sids, with_first_row):
+    """CSR arrays from sorted distinct SIDs (S, L) int16.
+
+    Returns depth_offsets (L+2,) int64, node_offsets (num_nodes+1,) int64, tokens (E,) int16 and
+    first_row (E_inner,) int64: the first leaf under each non-leaf entry (empty unless asked for).
+    """
+    S, L = sids.shape
+    first_diff = np.zeros(S, dtype=np.int8)  # first level where row i differs from row i-1
+    opened = np.zeros(L + 1, dtype=np.int64)  # nodes per depth
+    opened[1:] = 1  # row 0 opens a node at every depth
+    for i in range(1, S):
+        fd = 0
+        while fd < L - 1 and sids[i, fd] == sids[i - 1, fd]:
+            fd += 1
+        first_diff[i] = fd
+        for d in range(fd + 1, L + 1):
+            opened[d] += 1
+    depth_offsets = np.zeros(L + 2, dtype=np.int64)
+    depth_offsets[1] = 1
+    for d in range(1, L + 1):
+        depth_offsets[d + 1] = depth_offsets[d] + opened[d]
+    num_nodes = depth_offsets[L + 1]
+    tokens = np.empty(num_nodes - 1, dtype=np.int16)
+    first_row = np.empty(depth_offsets[L] - 1 if with_first_row else 0, dtype=np.int64)
+    node_offsets = np.zeros(num_nodes + 1, dtype=np.int64)  # child counts (node v at v + 1), then their prefix sums
+    at = depth_offsets[:L + 1].copy()  # next node id per depth
+    last = np.zeros(L + 1, dtype=np.int64)  # the current node per depth (the root at depth 0)
+    for i in range(S):
+        for d in range(first_diff[i] + 1, L + 1):
+            node = at[d]
+            at[d] += 1
+            tokens[node - 1] = sids[i, d - 1]
+            node_offsets[last[d - 1] + 1] += 1
+            last[d] = node
+            if with_first_row and d < L:
+                first_row[node - 1] = i
+    for v in range(1, num_nodes + 1):
+        node_offsets[v] += node_offsets[v - 1]
+    return depth_offsets, node_offsets, tokens, first_row
+
+
+@numba.njit(cache=True)
+def _union_plan(ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, n_ads):
+    """What the union pass will insert: own (N,) bool, the ads that are a leaf's only ad (their rows
+    go in as they are, in catalog order), and the most distinct rows it can produce: those ads,
+    plus one per leaf with several ads and per inner node with several children."""
+    own = np.zeros(n_ads, dtype=np.bool_)
+    capacity = 0
+    for s in range(len(leaf_ad_offsets) - 1):
+        lo, hi = leaf_ad_offsets[s], leaf_ad_offsets[s + 1]
+        if hi - lo == 1:
+            capacity += not own[ads_sorted[lo]]
+            own[ads_sorted[lo]] = True
+        else:
+            capacity += 1
+    for v in range(1, depth_offsets[len(depth_offsets) - 2]):
+        capacity += node_offsets[v + 1] - node_offsets[v] > 1
+    return own, capacity
+
+
+def _union_index(table: RowTable, rows: np.ndarray, own: np.ndarray, ads_sorted: np.ndarray, leaf_ad_offsets: np.ndarray,
+                 node_offsets: np.ndarray, depth_offsets: np.ndarray) -> np.ndarray:
+    """Insert the subtree unions of ad rows (N, W) into `table` (sized by `_union_plan`);
+    returns (E,) int32 the table row of each entry's union (entry e = node e + 1)."""
+    index, table.count = _fill_union_index(rows, own, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets,
+                                           table.rows, table.slots, table.count)
+    return index
+
+
+@numba.njit(cache=True, nogil=True)
+def _fill_union_index(ad_rows, own, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, rows, slots, count):
+    L = len(depth_offsets) - 2
+    index = np.empty(depth_offsets[L + 1] - 1, dtype=np.int32)
+    ad_row = np.empty(len(ad_rows), dtype=np.int32)  # table row of each owned ad's row
+    for a in range(len(ad_rows)):  # catalog order: the ad rows are read sequentially
+        if own[a]:
+            ad_row[a], count = insert_row(ad_rows, a, rows, slots, count)
+    w = ad_rows.shape[1]
+    acc = np.empty((1, w), dtype=np.uint64)  # one scratch row (word loops: numba array ops would allocate)
+    first_leaf = depth_offsets[L] - 1
+    for s in range(len(leaf_ad_offsets) - 1):  # leaves: OR of their ads' rows
+        lo, hi = leaf_ad_offsets[s], leaf_ad_offsets[s + 1]
+        if hi - lo == 1:
+            index[first_leaf + s] = ad_row[ads_sorted[lo]]
+        else:
+            acc[:] = 0
+            for i in range(lo, hi):
+                for j in range(w):
+                    acc[0, j] |= ad_rows[ads_sorted[i], j]
+            index[first_leaf + s], count = insert_row(acc, 0, rows, slots, count)
+    for d in range(L - 1, 0, -1):  # inner nodes, deepest first: OR of their (contiguous) children's unions
+        for v in range(depth_offsets[d], depth_offsets[d + 1]):
+            lo, hi = node_offsets[v], node_offsets[v + 1]
+            if hi - lo == 1:
+                index[v - 1] = index[lo]
+            else:
+                acc[:] = 0
+                for c in range(lo, hi):
+                    for j in range(w):
+                        acc[0, j] |= rows[index[c], j]
+                index[v - 1], count = insert_row(acc, 0, rows, slots, count)
+    return index, count
