@@ -22,8 +22,8 @@ from rich.text import Text
 from sidindex.errors import QualityGateError, SidIndexError
 
 app = typer.Typer(help=__doc__.split("\n")[0] + "\n\nBuilds Semantic-ID indexes for eligibility-constrained "
-                  "generative ad retrieval. Start with `sidindex sample`, then `sidindex sid train` and "
-                  "`sidindex sid assign`.", no_args_is_help=True, add_completion=False)
+                  "generative ad retrieval. Start with `sidindex sample`, then `sidindex build`, "
+                  "`sidindex inspect` and `sidindex validate`.", no_args_is_help=True, add_completion=False)
 sid_app = typer.Typer(help="Semantic IDs: train a frozen codebook, assign SIDs to a catalog.", no_args_is_help=True)
 app.add_typer(sid_app, name="sid")
 
@@ -183,6 +183,93 @@ def sid_assign(
     else:
         _emit({k: v for k, v in summary.items() if k != "quality"}, False, "SIDs assigned")
         _print_quality(quality)
+
+
+SNAPSHOT_ARG = typer.Argument(..., help="A ROOT (its published snapshot, named by ROOT/CURRENT) or a snapshot directory.")
+
+
+@app.command()
+def build(
+    catalog: Path = CATALOG_OPT,
+    targeting: Path = typer.Option(..., "--targeting", help="Targeting spec (TOML); every attribute column is validated."),
+    root: Path = typer.Option(..., "--out", help="ROOT: snapshots go to ROOT/snapshots/<id>/, ROOT/CURRENT names the published one."),
+    config: Optional[Path] = CONFIG_OPT,
+    codebook: Optional[Path] = typer.Option(None, "--codebook", help="Frozen codebook to use (directory, or a ROOT "
+                                            "holding one). Default: the one in ROOT/codebooks, trained there if none."),
+    force: bool = typer.Option(False, "--force", help="Publish even when the inputs match the published snapshot."),
+    keep: int = typer.Option(3, "--keep", min=1, help="Published snapshots to keep (older ones are deleted)."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Build and publish a snapshot: the main job, end to end.
+
+    Validates the catalog, reuses the frozen codebook (or trains one on the first build), assigns
+    SIDs (quality gates: exit 3), builds the GTM trie and exact index, writes the snapshot, opens and
+    validates it, then publishes it atomically. An unchanged catalog with the same spec, config and
+    codebook publishes nothing (status "unchanged") unless --force. On any failure the published
+    snapshot stays as it was.
+    """
+    from sidindex.job import run_build
+
+    with _progress(not as_json and err.is_terminal) as progress:
+        report = run_build(catalog, targeting, root, config=config, codebook=codebook, force=force, keep=keep,
+                           progress=progress, waiting=lambda: err.print("waiting for another build on this ROOT ..."))
+    if as_json:
+        _emit(report, True, "")
+        return
+    _emit({k: v for k, v in report.items() if k != "seconds"}, False, f"snapshot {report['status']}")
+    t = Table(title="where the time went", title_justify="left")
+    t.add_column("stage")
+    t.add_column("seconds", justify="right")
+    for k, v in report["seconds"].items():
+        t.add_row(k, f"{v:.2f}")
+    out.print(t)
+
+
+@app.command()
+def validate(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
+    """Check a snapshot: manifest, every file's size and checksum, headers, and the index structure
+    (offsets monotone, every index in range). Exits 2 naming the first fault."""
+    from sidindex.snapshot import open_snapshot, resolve_snapshot
+
+    t0 = time.perf_counter()
+    snap = open_snapshot(resolve_snapshot(snapshot), verify=True)
+    _emit({"status": "ok", "snapshot_id": snap.id, "path": str(snap.path), "files": len(snap.manifest["files"]),
+           "bytes": sum(f["bytes"] for f in snap.manifest["files"].values()),
+           "seconds": round(time.perf_counter() - t0, 2)}, as_json, "snapshot valid")
+
+
+@app.command()
+def inspect(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
+    """Show a snapshot: build inputs, trie shape per position, matcher storage before and after dedup,
+    fill rates (union, and k-way partitions when built), SID statistics."""
+    from sidindex.snapshot import open_snapshot, resolve_snapshot
+
+    snap = open_snapshot(resolve_snapshot(snapshot), verify=False)
+    m = snap.manifest
+    st = m["stats"]
+    summary = {"snapshot_id": m["id"], "created": m["created"], "path": str(snap.path), "codebook_id": m["codebook_id"],
+               "input_fingerprint": m["input_fingerprint"][:16], "level_sizes": m["level_sizes"], **m["counts"],
+               "kway": m["kway"], "matcher_table_bytes": st["bitmask_table_bytes"] + st["bloom_table_bytes"],
+               "ads_per_sid": f"p50 {st['ads_per_sid_p50']:g}  p99 {st['ads_per_sid_p99']:g}  max {st['ads_per_sid_max']}",
+               "sids_per_ad": f"mean {st['sids_per_ad_mean']:.2f}  max {st['sids_per_ad_max']}"}
+    if as_json:
+        _emit({**summary, "positions": st["positions"]}, True, "")
+        return
+    _emit(summary, False, "snapshot")
+    t = Table(title="per transition position", title_justify="left")
+    cols = ["position", "parents", "entries", "bitmask KB before -> after", "Bloom KB before -> after",
+            "bitmask fill", "Bloom fill"] + (["partitions", "part bitmask fill", "part Bloom fill"] if m["kway"] else [])
+    for c in cols:
+        t.add_column(c, justify="right")
+    for p in st["positions"]:
+        row = [str(p["position"]), f"{p['parents']:,}", f"{p['entries']:,}",
+               f"{p['bitmask_bytes_before'] / 1e3:,.1f} -> {p['bitmask_bytes_after'] / 1e3:,.1f}",
+               f"{p['bloom_bytes_before'] / 1e3:,.1f} -> {p['bloom_bytes_after'] / 1e3:,.1f}",
+               f"{p['bitmask_fill']:.3f}", f"{p['bloom_fill']:.3f}"]
+        if m["kway"]:
+            row += [f"{p['partitions']:,}", f"{p['part_bitmask_fill']:.3f}", f"{p['part_bloom_fill']:.3f}"]
+        t.add_row(*row)
+    out.print(t)
 
 
 def _emit(summary: dict, as_json: bool, title: str) -> None:

@@ -20,6 +20,12 @@ Build-time settings only; query-time settings (beams, modes) belong to the runti
     min_level_codes = 2           # a trained level must use at least this many codes
     max_sid_share = 0.5           # no SID may hold more than this share of the ads
     min_level_perplexity = 1.5    # perplexity of code usage per semantic level
+
+    [kway]                        # optional: k-way partitioned matchers (see sidindex.trie.kway)
+    mode = "static"               # "static" (k per position) or "dynamic" (grow k up to k_max)
+    k = [64, 64, 32, 8]
+    k_max = 64
+    target_fill = 0.5
 """
 
 from __future__ import annotations
@@ -100,9 +106,39 @@ class QualityThresholds:
 
 
 @dataclass(frozen=True)
+class KWayConfig:
+    mode: str = "static"                  # "static" or "dynamic"
+    k: tuple[int, ...] = (64, 64, 32, 8)  # static: partitions per transition position
+    k_max: int = 64                       # dynamic
+    target_fill: float = 0.5              # dynamic
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("static", "dynamic"):
+            raise ConfigError(f"[kway] mode: expected 'static' or 'dynamic', got {self.mode!r}")
+        if not self.k or any(not isinstance(v, int) or v < 1 for v in self.k):
+            raise ConfigError(f"[kway] k: expected positive integers per position, got {list(self.k)!r}")
+        if not isinstance(self.k_max, int) or self.k_max < 1:
+            raise ConfigError(f"[kway] k_max: expected an integer >= 1, got {self.k_max!r}")
+        if not 0 < self.target_fill <= 1:
+            raise ConfigError(f"[kway] target_fill: expected a number in (0, 1], got {self.target_fill!r}")
+
+    def k_at(self, position: int) -> int:
+        """Partitions allowed at a transition position (static: the last k repeats)."""
+        if self.mode == "dynamic":
+            return self.k_max
+        return self.k[min(position, len(self.k) - 1)]
+
+
+@dataclass(frozen=True)
 class BuildConfig:
     sid: SIDConfig = field(default_factory=SIDConfig)
     quality: QualityThresholds = field(default_factory=QualityThresholds)
+    kway: KWayConfig | None = None  # k-way partitions, built when the config has a [kway] table
+
+    def to_dict(self) -> dict:
+        return {k: None if v is None else {f: list(x) if isinstance(x, tuple) else x
+                                           for f, x in dataclasses.asdict(v).items()}
+                for k, v in (("sid", self.sid), ("quality", self.quality), ("kway", self.kway))}
 
 
 def load_config(path: str | Path | None) -> BuildConfig:
@@ -110,10 +146,11 @@ def load_config(path: str | Path | None) -> BuildConfig:
     if path is None:
         return BuildConfig()
     doc = read_toml(path)
-    check_keys(doc, {"sid", "quality"}, str(path))
+    check_keys(doc, {"sid", "quality", "kway"}, str(path))
     sid = _section(doc, "sid", SIDConfig, path)
     quality = _section(doc, "quality", QualityThresholds, path)
-    return BuildConfig(sid=sid, quality=quality)
+    kway = _section(doc, "kway", KWayConfig, path) if "kway" in doc else None
+    return BuildConfig(sid=sid, quality=quality, kway=kway)
 
 
 def _section(doc: dict, name: str, cls: type, path: str | Path):

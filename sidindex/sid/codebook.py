@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from sidindex.config import SIDConfig
+from sidindex.artifact import fsync_path, read_manifest, sha256_file
 from sidindex.errors import ArtifactError, ConfigError
 from sidindex.sid.hashing import HASH_SEED, KEY_SEPARATOR
 from sidindex.sid.kmeans import nearest, train_level
@@ -32,7 +33,6 @@ from sidindex.sid.kmeans import nearest, train_level
 FORMAT = "sidindex.codebook"
 FORMAT_VERSION = 1
 MANIFEST = "codebook.json"
-MAX_MANIFEST_BYTES = 1 << 20
 
 Progress = Callable[[str, int, int], None]
 
@@ -141,17 +141,17 @@ def save_codebook(codebook: Codebook, root: str | Path) -> Path:
         for level, c in enumerate(codebook.centroids):
             name = f"level_{level}.npy"
             np.save(tmp / name, np.ascontiguousarray(c, dtype="<f4"), allow_pickle=False)
-            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name),
+            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name),
                            "shape": list(c.shape), "dtype": "float32"}
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "id": codebook.id,
                     **codebook.scheme(), "config": _config_dict(codebook.config),
                     "notes": list(codebook.notes), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         for p in tmp.iterdir():
-            _fsync(p)
-        _fsync(tmp)
+            fsync_path(p)
+        fsync_path(tmp)
         os.rename(tmp, final)
-        _fsync(parent)
+        fsync_path(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -176,19 +176,7 @@ def load_codebook(path: str | Path, *, verify: bool = True) -> Codebook:
     """Read a codebook directory (or a ROOT with one codebook), checking format, sizes and checksums."""
     path = resolve_codebook(path)
     mpath = path / MANIFEST
-    if mpath.stat().st_size > MAX_MANIFEST_BYTES:
-        raise ArtifactError(f"{mpath}: {mpath.stat().st_size} bytes, too large for a codebook manifest")
-    try:
-        m = json.loads(mpath.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"{mpath}: not valid JSON ({e})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise ArtifactError(f"{mpath}: not a sidindex codebook manifest")
-    version = m.get("format_version")
-    if version != FORMAT_VERSION:
-        newer = isinstance(version, int) and version > FORMAT_VERSION
-        raise ArtifactError(f"{mpath}: codebook format version {version!r}; this sidindex reads version "
-                            f"{FORMAT_VERSION}" + (" (written by a newer sidindex: upgrade)" if newer else ""))
+    m = read_manifest(mpath, FORMAT, FORMAT_VERSION, "codebook")
     try:
         sizes = [int(s) for s in m["level_sizes"]]
         dim = int(m["dim"])
@@ -202,7 +190,7 @@ def load_codebook(path: str | Path, *, verify: bool = True) -> Codebook:
             fpath = path / name
             if fpath.stat().st_size != entry["bytes"]:
                 raise ArtifactError(f"{fpath}: {fpath.stat().st_size} bytes, manifest says {entry['bytes']} (truncated?)")
-            if verify and _sha256(fpath) != entry["sha256"]:
+            if verify and sha256_file(fpath) != entry["sha256"]:
                 raise ArtifactError(f"{fpath}: checksum mismatch; the file is corrupt")
             try:
                 c = np.load(fpath, allow_pickle=False)
@@ -224,19 +212,3 @@ def load_codebook(path: str | Path, *, verify: bool = True) -> Codebook:
 
 def _config_dict(config: SIDConfig) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

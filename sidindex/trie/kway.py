@@ -16,36 +16,12 @@ Greedy, members in SID order. "Fill" is the share of set bits over all matcher b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numba
 import numpy as np
 
-from sidindex.errors import ConfigError
+from sidindex.config import KWayConfig
 
-
-@dataclass(frozen=True)
-class KWayConfig:
-    mode: str = "static"                  # "static" or "dynamic"
-    k: tuple[int, ...] = (64, 64, 32, 8)  # static: partitions per transition position
-    k_max: int = 64                       # dynamic
-    target_fill: float = 0.5              # dynamic
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("static", "dynamic"):
-            raise ConfigError(f"[kway] mode: expected 'static' or 'dynamic', got {self.mode!r}")
-        if not self.k or any(not isinstance(v, int) or v < 1 for v in self.k):
-            raise ConfigError(f"[kway] k: expected positive integers per position, got {list(self.k)!r}")
-        if not isinstance(self.k_max, int) or self.k_max < 1:
-            raise ConfigError(f"[kway] k_max: expected an integer >= 1, got {self.k_max!r}")
-        if not 0 < self.target_fill <= 1:
-            raise ConfigError(f"[kway] target_fill: expected a number in (0, 1], got {self.target_fill!r}")
-
-    def k_at(self, position: int) -> int:
-        """Partitions allowed at a transition position (static: the last k repeats)."""
-        if self.mode == "dynamic":
-            return self.k_max
-        return self.k[min(position, len(self.k) - 1)]
+__all__ = ["KWayConfig", "partition"]
 
 
 def partition(items_bm: np.ndarray, items_bl: np.ndarray, lo: np.ndarray, hi: np.ndarray, k: np.ndarray,

@@ -1,0 +1,116 @@
+"""The build job behind `sidindex build` and the scheduled rebuild (DESIGN.md §1, §7).
+
+    ingest + validate -> codebook (reuse the frozen one, or train) -> SIDs + quality gates ->
+    GTM + exact index -> write snapshot -> open and validate it -> publish -> retention
+
+Under ROOT's build lock. The input fingerprint (catalog bytes, targeting spec, build config,
+codebook id, snapshot format) is recorded in the manifest; when the published snapshot already
+has it, nothing new is published unless `force`. Any failure publishes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from sidindex.build import build_index
+from sidindex.config import load_config
+from sidindex.errors import QualityGateError
+from sidindex.ingest import read_catalog
+from sidindex.sid import assign_sids, hash_tokens, load_codebook, save_codebook, sid_quality, train_codebook
+from sidindex.sid.codebook import resolve_codebook
+from sidindex.snapshot.publish import build_lock, current_id, new_snapshot_id, publish
+from sidindex.snapshot.snapshot import FORMAT_VERSION, MANIFEST, open_snapshot, write_snapshot
+from sidindex.targeting import load_targeting
+
+Progress = Callable[[str, int, int], None]
+
+
+def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None = None, codebook: Path | None = None,
+              force: bool = False, keep: int = 3, progress: Progress | None = None,
+              waiting: Callable[[], None] | None = None) -> dict:
+    """Run the job; returns its report (status "published" or "unchanged", ids, counts, seconds)."""
+    progress = progress or (lambda *_: None)
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[stage] = round(now - clock, 3)
+        clock = now
+
+    cfg = load_config(config)
+    spec = load_targeting(targeting)
+    with build_lock(root, waiting):
+        clock = time.perf_counter()  # time spent waiting for the lock is not the build's
+        cb, cb_source = _codebook(root, codebook)
+        hash_keys = cb.hash_keys if cb else cfg.sid.hash_keys
+        cat = read_catalog(catalog, spec=spec, hash_keys=hash_keys, dim=cb.dim if cb else None)
+        lap("ingest")
+        if cb is None:
+            cb = train_codebook(cat.embedding, cfg.sid, progress)
+            save_codebook(cb, root)
+            cb_source = "trained"
+            lap("train codebook")
+        fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id)
+        report = {"root": str(root), "fingerprint": fingerprint, "codebook_id": cb.id, "codebook": cb_source,
+                  "ads": len(cat)}
+        published = current_id(root)
+        if not force and published and _published_fingerprint(root, published) == fingerprint:
+            return {"status": "unchanged", "snapshot_id": published, **report, "seconds": seconds}
+        tokens = hash_tokens(cat.columns, cb.hash_keys, cb.hash_size)
+        assignment = assign_sids(cb, cat.embedding, tokens, progress)
+        quality = sid_quality(assignment, cb, cat.embedding, cfg.quality)
+        if quality.failures:
+            raise QualityGateError("SID quality gate failed, nothing published: " + "; ".join(quality.failures))
+        lap("assign SIDs")
+        built = build_index(spec, cat.columns, assignment.sids, assignment.ad_index, cb.level_sizes, kway=cfg.kway)
+        seconds |= {f"build: {k}": round(v, 3) for k, v in built.seconds.items()}
+        clock = time.perf_counter()
+        snapshot_id = new_snapshot_id(fingerprint)
+        info = {"id": snapshot_id, "input_fingerprint": fingerprint, "codebook_id": cb.id,
+                "catalog": str(Path(catalog).resolve()), "build_config": cfg.to_dict(),
+                "counts": {"ads": len(cat), "sid_rows": int(len(assignment.sids)), "sids": built.stats.sids,
+                           "nodes": built.stats.num_nodes},
+                "stats": built.stats.to_dict(), "quality": quality.to_dict()}
+
+        def write(directory: Path) -> None:
+            write_snapshot(directory, built.gtm, built.exact, cat.ad_id, spec, info)
+            save_codebook(cb, directory)
+
+        path = publish(root, snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep)
+        lap("write + validate + publish")
+    return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
+            "sid_rows": int(len(assignment.sids)), "sids": built.stats.sids, "nodes": built.stats.num_nodes,
+            "matcher_bytes": built.stats.bitmask_table_bytes + built.stats.bloom_table_bytes, "seconds": seconds}
+
+
+def _codebook(root: Path, given: Path | None):
+    """(codebook, "given" | "reused") or (None, "") when ROOT has none and training is needed."""
+    if given is not None:
+        return load_codebook(given), "given"
+    if not any((root / "codebooks").glob("cb-*")):
+        return None, ""
+    return load_codebook(resolve_codebook(root)), "reused"
+
+
+def _fingerprint(catalog: Path, spec: dict, config: dict, codebook_id: str) -> str:
+    h = hashlib.sha256()
+    with open(catalog, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    h.update(json.dumps({"targeting": spec, "config": config, "codebook": codebook_id,
+                         "snapshot_format": FORMAT_VERSION}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _published_fingerprint(root: Path, snapshot_id: str) -> str | None:
+    """The fingerprint the published snapshot was built from."""
+    try:
+        return json.loads((root / "snapshots" / snapshot_id / MANIFEST).read_text()).get("input_fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None  # unreadable: build a new one rather than trust it

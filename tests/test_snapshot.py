@@ -1,0 +1,279 @@
+"""Snapshots: exact round trip, every corruption refused at open, a fuzzed reader that never
+crashes or lets a bad offset through, SIGKILL during build/publish, concurrent builds, and bad
+input through the CLI leaving the published snapshot untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sidindex.artifact import sha256_file
+from sidindex.build import build_index
+from sidindex.errors import ArtifactError
+from sidindex.ingest import read_catalog
+from sidindex.sid import assign_sids, hash_tokens, load_codebook
+from sidindex.snapshot import open_snapshot, resolve_snapshot
+from sidindex.snapshot.arrays import HEADER
+from sidindex.targeting import load_targeting
+
+CONFIG = "[sid]\nlevels = [16, 8, 8]\nhash_size = 128\npaths = 2\nmin_points_per_centroid = 10\n"
+KWAY_CONFIG = CONFIG + '[kway]\nmode = "static"\nk = [4, 4, 2, 2]\n'
+
+
+def cli(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sidindex", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def build_args(sample: Path, root: Path, config: Path, *extra) -> list:
+    return ["build", "--catalog", sample / "catalog.parquet", "--targeting", sample / "targeting.toml",
+            "--out", root, "--config", config, "--json", *extra]
+
+
+@pytest.fixture(scope="module")
+def built(sample_dir, tmp_path_factory):
+    """A ROOT with one published snapshot (k-way on), built through the CLI."""
+    base = tmp_path_factory.mktemp("snap")
+    (base / "build.toml").write_text(KWAY_CONFIG)
+    r = cli(*build_args(sample_dir, base / "root", base / "build.toml"))
+    assert r.returncode == 0, r.stderr
+    return base, json.loads(r.stdout)
+
+
+@pytest.fixture
+def snap_dir(built, tmp_path) -> Path:
+    """A private copy of the published snapshot directory, to corrupt."""
+    base, report = built
+    return Path(shutil.copytree(report["path"], tmp_path / "snap"))
+
+
+def test_round_trip_equals_in_memory_build(built, sample_dir):
+    base, report = built
+    assert report["status"] == "published"
+    snap = open_snapshot(resolve_snapshot(base / "root"))
+    assert snap.id == report["snapshot_id"] and snap.path == Path(report["path"])
+    spec = load_targeting(sample_dir / "targeting.toml")
+    cb = load_codebook(base / "root")
+    cat = read_catalog(sample_dir / "catalog.parquet", spec=spec, hash_keys=cb.hash_keys)
+    a = assign_sids(cb, cat.embedding, hash_tokens(cat.columns, cb.hash_keys, cb.hash_size))
+    from sidindex.config import load_config
+
+    ref = build_index(spec, cat.columns, a.sids, a.ad_index, cb.level_sizes, kway=load_config(base / "build.toml").kway)
+    for name in ("node_offsets", "csr_child_nodes", "csr_tokens", "bitmask_index", "bloom_index", "bitmask_table",
+                 "bloom_table", "depth_offsets", "leaf_ad_offsets", "leaf_ads", "part_offsets", "part_bitmask_index",
+                 "part_bloom_index"):
+        got, want = getattr(snap.gtm, name), getattr(ref.gtm, name)
+        assert got.dtype == want.dtype and np.array_equal(got, want), name
+        assert not got.flags.writeable, name  # read-only maps: nothing can modify a published file
+    for name in ("bitmask_rows", "hash_offsets", "hashes"):
+        assert np.array_equal(getattr(snap.exact, name), getattr(ref.exact, name)), name
+    assert np.array_equal(snap.ad_id, cat.ad_id)
+    assert snap.spec == spec and snap.manifest["codebook_id"] == cb.id
+    assert load_codebook(snap.path).id == cb.id  # the snapshot carries its codebook
+
+
+def test_unchanged_inputs_publish_nothing_unless_forced(built, sample_dir, tmp_path):
+    base, report = built
+    root = Path(shutil.copytree(base / "root", tmp_path / "root"))
+    r = cli(*build_args(sample_dir, root, base / "build.toml"))
+    assert r.returncode == 0, r.stderr
+    again = json.loads(r.stdout)
+    assert again["status"] == "unchanged" and again["snapshot_id"] == report["snapshot_id"]
+    assert again["codebook"] == "reused"
+    r = cli(*build_args(sample_dir, root, base / "build.toml", "--force", "--keep", "1"))
+    forced = json.loads(r.stdout)
+    assert forced["status"] == "published" and forced["snapshot_id"] != report["snapshot_id"]
+    assert (root / "CURRENT").read_text().strip() == forced["snapshot_id"]
+    assert sorted(p.name for p in (root / "snapshots").iterdir()) == [forced["snapshot_id"]]  # retention
+
+
+def _files(d: Path) -> list[Path]:
+    return sorted(p for p in d.iterdir() if p.is_file() and p.name != "manifest.json")
+
+
+def test_every_flipped_byte_and_truncation_is_refused(snap_dir):
+    rng = np.random.default_rng(0)
+    files = _files(snap_dir)
+    assert len(files) == 17  # 16 arrays (k-way on) + ads.arrow
+    for path in files:
+        data = path.read_bytes()
+        for pos in {0, len(data) - 1, *rng.integers(0, len(data), 3).tolist()}:
+            path.write_bytes(data[:pos] + bytes([data[pos] ^ 0x5A]) + data[pos + 1:])
+            with pytest.raises(ArtifactError, match=path.name):
+                open_snapshot(snap_dir)
+        for cut in (0, len(data) // 2, len(data) - 1):
+            path.write_bytes(data[:cut])
+            with pytest.raises(ArtifactError, match=path.name):
+                open_snapshot(snap_dir)
+        path.write_bytes(data)
+    open_snapshot(snap_dir)  # restored: opens again
+
+
+def _edit_manifest(snap_dir: Path, edit) -> None:
+    m = json.loads((snap_dir / "manifest.json").read_text())
+    edit(m)
+    (snap_dir / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["files"].__setitem__("../../etc/passwd", m["files"].pop("leaf_ads.bin")), "not allowed"),
+    (lambda m: m["files"].__setitem__("sub/leaf_ads.bin", m["files"].pop("leaf_ads.bin")), "not allowed"),
+    (lambda m: m["files"]["leaf_ads.bin"].__setitem__("shape", [10**15]), "malformed"),
+    (lambda m: m["files"]["csr_tokens.bin"].__setitem__("shape", [7]), "does not fit"),
+    (lambda m: m["files"]["bitmask_table.bin"].__setitem__("dtype", "|O"), "malformed"),
+    (lambda m: m.__setitem__("format_version", 99), "newer sidindex"),
+    (lambda m: m.__setitem__("format", "something"), "not a sidindex snapshot"),
+])
+def test_bad_manifest_is_refused_before_mapping(snap_dir, edit, message):
+    _edit_manifest(snap_dir, edit)
+    with pytest.raises(ArtifactError, match=message):
+        open_snapshot(snap_dir, verify=False)
+
+
+def _rewrite_array(snap_dir: Path, name: str, change) -> None:
+    """Change an array's values and re-sign the manifest, as a buggy or malicious writer would."""
+    path = snap_dir / f"{name}.bin"
+    raw = bytearray(path.read_bytes())
+    m = json.loads((snap_dir / "manifest.json").read_text())
+    entry = m["files"][path.name]
+    arr = np.frombuffer(raw, dtype=entry["dtype"], offset=HEADER).copy()
+    change(arr)
+    raw[HEADER:] = arr.tobytes()
+    path.write_bytes(bytes(raw))
+    entry["sha256"] = sha256_file(path)
+    (snap_dir / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("name, change", [
+    ("node_offsets", lambda a: a.__setitem__(3, a[-1] + 10)),
+    ("node_offsets", lambda a: a.__setitem__(-1, a[-1] - 1)),
+    ("leaf_ad_offsets", lambda a: a.__setitem__(2, a[1])),
+    ("leaf_ads", lambda a: a.__setitem__(0, 10**9)),
+    ("bitmask_index", lambda a: a.__setitem__(5, -1)),
+    ("bloom_index", lambda a: a.__setitem__(-1, 2**31 - 1)),
+    ("csr_tokens", lambda a: a.__setitem__(0, 5000)),
+    ("csr_child_nodes", lambda a: a.__setitem__(1, 0)),
+    ("depth_offsets", lambda a: a.__setitem__(2, a[3] + 1)),
+    ("part_offsets", lambda a: a.__setitem__(4, a[3])),
+    ("part_bloom_index", lambda a: a.__setitem__(0, 10**6)),
+    ("exact_hash_offsets", lambda a: a.__setitem__(7, 10**9)),
+])
+def test_out_of_range_structure_is_refused_even_with_valid_checksums(snap_dir, name, change):
+    _rewrite_array(snap_dir, name, change)
+    with pytest.raises(ArtifactError, match=f"{name}.bin"):
+        open_snapshot(snap_dir, verify=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_reader_without_checksums_never_crashes_or_lets_bad_offsets_through(snap_dir, data):
+    files = _files(snap_dir)
+    saved = {p: p.read_bytes() for p in files}
+    try:
+        for _ in range(data.draw(st.integers(1, 4))):
+            path = data.draw(st.sampled_from(files))
+            raw = bytearray(path.read_bytes())
+            if not raw:
+                continue
+            pos = data.draw(st.integers(0, len(raw) - 1))
+            raw[pos] = data.draw(st.integers(0, 255))
+            path.write_bytes(bytes(raw))
+        try:
+            snap = open_snapshot(snap_dir, verify=False)
+        except ArtifactError:
+            return
+        g = snap.gtm  # it opened: every index a kernel follows must be in range
+        E = len(g.csr_tokens)
+        assert g.node_offsets.min() >= 0 and g.node_offsets.max() <= E and np.all(np.diff(g.node_offsets) >= 0)
+        assert g.bitmask_index.max() < len(g.bitmask_table) and g.bitmask_index.min() >= 0
+        assert g.bloom_index.max() < len(g.bloom_table) and g.bloom_index.min() >= 0
+        assert np.all(np.diff(g.leaf_ad_offsets) >= 1) and g.leaf_ad_offsets[-1] == len(g.leaf_ads)
+        assert g.leaf_ads.min() >= 0 and g.leaf_ads.max() < len(snap.ad_id)
+        assert g.part_offsets[-1] == len(g.part_bitmask_index) and g.part_bloom_index.max() < len(g.bloom_table)
+        assert g.csr_tokens.min() >= 0 and g.csr_tokens.max() < max(g.level_sizes)
+    finally:
+        for p, b in saved.items():
+            p.write_bytes(b)
+
+
+def _published_is_valid(root: Path) -> str:
+    snap = open_snapshot(resolve_snapshot(root), verify=True)
+    return snap.id
+
+
+def test_sigkill_during_build_leaves_a_valid_published_snapshot(built, sample_dir, tmp_path):
+    base, report = built
+    root = Path(shutil.copytree(base / "root", tmp_path / "root"))
+    args = [sys.executable, "-m", "sidindex", *map(str, build_args(sample_dir, root, base / "build.toml", "--force", "--keep", "2"))]
+    t0 = time.perf_counter()
+    subprocess.run(args, capture_output=True, check=True, timeout=300)
+    full = time.perf_counter() - t0
+    seen = set()
+    for delay in np.linspace(0.3, 1.0, 10) * full:  # from interpreter start-up to the last rename
+        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        seen.add(_published_is_valid(root))
+    r = cli(*build_args(sample_dir, root, base / "build.toml", "--force", "--keep", "2"))  # a later build cleans up
+    assert r.returncode == 0, r.stderr
+    assert _published_is_valid(root) == json.loads(r.stdout)["snapshot_id"]
+    assert not list((root / "snapshots").glob(".tmp-*"))
+
+
+def test_concurrent_builds_serialise(built, sample_dir, tmp_path):
+    base, _ = built
+    root = Path(shutil.copytree(base / "root", tmp_path / "root"))
+    args = [sys.executable, "-m", "sidindex", *map(str, build_args(sample_dir, root, base / "build.toml", "--force", "--keep", "5"))]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    ids = {json.loads(o[0])["snapshot_id"] for o in outs}
+    assert len(ids) == 2 and _published_is_valid(root) in ids
+    for i in ids:
+        open_snapshot(root / "snapshots" / i)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda df: df.drop("country"), "country"),
+    (lambda df: df.with_columns(df["ad_id"].set(df["ad_id"].is_first_distinct().not_(), 0)), "ad_id"),
+])
+def test_bad_catalog_through_cli_leaves_published_snapshot_untouched(built, sample_dir, tmp_path, corrupt, message):
+    import polars as pl
+
+    base, report = built
+    root = Path(shutil.copytree(base / "root", tmp_path / "root"))
+    before = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != ".lock"}
+    df = pl.read_parquet(sample_dir / "catalog.parquet")
+    df = df.with_columns(pl.Series("ad_id", np.r_[df["ad_id"][1], df["ad_id"][1:].to_numpy()])) if message == "ad_id" else corrupt(df)
+    df.write_parquet(tmp_path / "bad.parquet")
+    r = cli("build", "--catalog", tmp_path / "bad.parquet", "--targeting", sample_dir / "targeting.toml",
+            "--out", root, "--config", base / "build.toml", "--force")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+    after = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+
+
+def test_validate_and_inspect_cli(built, snap_dir):
+    base, report = built
+    r = cli("validate", base / "root", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["snapshot_id"] == report["snapshot_id"]
+    r = cli("inspect", base / "root", "--json")
+    info = json.loads(r.stdout)
+    assert r.returncode == 0 and info["kway"] and len(info["positions"]) == 4
+    assert sum(p["entries"] for p in info["positions"]) == info["nodes"] - 1
+    (snap_dir / "leaf_ads.bin").write_bytes((snap_dir / "leaf_ads.bin").read_bytes()[:-3])
+    r = cli("validate", snap_dir)
+    assert r.returncode == 2 and "leaf_ads.bin" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert os.path.exists(snap_dir / "manifest.json")
