@@ -240,8 +240,8 @@ def validate(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
 
 @app.command()
 def inspect(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
-    """Show a snapshot: build inputs, trie shape per position, matcher storage before and after dedup,
-    fill rates (union, and k-way partitions when built), SID statistics."""
+    """Show a snapshot: build inputs, trie shape per position, matcher storage (KB with one row per
+    entry -> KB after dedup), fill rates (union, and k-way partitions when built), SID statistics."""
     from sidindex.snapshot import open_snapshot, resolve_snapshot
 
     snap = open_snapshot(resolve_snapshot(snapshot), verify=False)
@@ -257,7 +257,7 @@ def inspect(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
         return
     _emit(summary, False, "snapshot")
     t = Table(title="per transition position", title_justify="left")
-    cols = ["position", "parents", "entries", "bitmask KB before -> after", "Bloom KB before -> after",
+    cols = ["position", "parents", "entries", "bitmask KB", "Bloom KB",
             "bitmask fill", "Bloom fill"] + (["partitions", "part bitmask fill", "part Bloom fill"] if m["kway"] else [])
     for c in cols:
         t.add_column(c, justify="right")
