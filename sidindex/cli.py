@@ -227,8 +227,11 @@ def build(
 
 @app.command()
 def validate(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
-    """Check a snapshot: manifest, every file's size and checksum, headers, and the index structure
-    (offsets monotone, every index in range). Exits 2 naming the first fault."""
+    """Check a snapshot: checksums and structure; exit 2 naming the first fault.
+
+    Checks the manifest, every file's size and sha256, each array file's header, and the index
+    structure (offsets monotone, every index in range, children sorted).
+    """
     from sidindex.snapshot import open_snapshot, resolve_snapshot
 
     t0 = time.perf_counter()
@@ -240,8 +243,12 @@ def validate(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
 
 @app.command()
 def inspect(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
-    """Show a snapshot: build inputs, trie shape per position, matcher storage (KB with one row per
-    entry -> KB after dedup), fill rates (union, and k-way partitions when built), SID statistics."""
+    """Show a snapshot: trie shape, matcher storage, fill rates, SID statistics.
+
+    Build inputs (codebook, fingerprint), then per transition position: parents, entries, matcher
+    storage (KB with one row per entry -> KB after dedup), fill rates (union, and k-way partitions
+    when built).
+    """
     from sidindex.snapshot import open_snapshot, resolve_snapshot
 
     snap = open_snapshot(resolve_snapshot(snapshot), verify=False)
