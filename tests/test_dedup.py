@@ -4,7 +4,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidindex.trie.dedup import RowTable, dedup_rows
+from sidindex.trie.dedup import RowTable
+
+
+def dedup_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct rows, index) through a RowTable sized for all of `rows`."""
+    table = RowTable(rows.shape[1], len(rows))
+    index = table.add(rows)
+    return table.table(), index
 
 
 @settings(max_examples=60, deadline=None)

@@ -47,17 +47,6 @@ class RowTable:
         return self.rows[: self.count]
 
 
-def dedup_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Deduplicate rows (E, W) uint64.
-
-    Returns (table (R, W) uint64 of distinct rows in first-occurrence order, index (E,) int32)
-    with table[index] == rows.
-    """
-    table = RowTable(rows.shape[1], len(rows))
-    index = table.add(rows)
-    return table.table(), index
-
-
 @numba.njit(cache=True, nogil=True, inline="always")
 def insert_row(src, i, rows, slots, count):
     """Row number of src[i] (src: (n, W) uint64) in the table (rows, slots, count), inserting it if new.
