@@ -12,7 +12,6 @@ Stages (timed, so a build can report where its time goes):
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from sidindex.matchers.bloom import bloom_layout
 from sidindex.matchers.bloom import encode_ad_rows as encode_bloom
 from sidindex.matchers.exact import ExactIndex, build_exact_index
 from sidindex.targeting import BITMASK, TargetingSpec
+from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex, build_gtm
 from sidindex.trie.kway import KWayConfig
 from sidindex.trie.stats import GTMStats, gtm_stats
@@ -44,31 +44,23 @@ def build_index(spec: TargetingSpec, columns: pl.DataFrame, sids: np.ndarray, ad
     """columns: the catalog's targeting columns (validated, `Catalog.columns`), one row per ad
     sids: (P, L) int16 SID rows; ad_index: (P,) int64 row of each SID row's ad in `columns`
     """
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(stage: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[stage] = now - clock
-        clock = now
-
+    clock = StageClock()
     bm_layout, bl_layout = bitmask_layout(spec), bloom_layout(spec)
     with ThreadPoolExecutor(2) as pool:  # Arrow's kernels release the GIL
         flat = pool.map(lambda a: list_codes(columns.get_column(a.name), a.values if a.kind == BITMASK else None),
                         spec.attributes)
         codes = dict(zip((a.name for a in spec.attributes), flat))
-    lap("flatten")
+    clock.lap("flatten")
     bm = encode_bitmask(bm_layout, columns, codes)
-    lap("encode bitmask")
+    clock.lap("encode bitmask")
     bl = encode_bloom(bl_layout, columns, codes)
-    lap("encode bloom")
+    clock.lap("encode bloom")
     exact = build_exact_index(spec, columns, bm, codes)
     del codes
-    lap("exact index")
+    clock.lap("exact index")
     bloom_bits = sum(bl_layout.bits)
     gtm = build_gtm(sids, ad_index, level_sizes, bm, bl, kway=kway, matcher_bits=bm_layout.bits + bloom_bits)
-    lap("trie")
+    clock.lap("trie")
     stats = gtm_stats(gtm, bm_layout.bits, bloom_bits)
-    lap("stats")
-    return BuiltIndex(gtm, exact, stats, seconds)
+    clock.lap("stats")
+    return BuiltIndex(gtm, exact, stats, clock.seconds)

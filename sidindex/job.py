@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from sidindex.sid.codebook import resolve_codebook
 from sidindex.snapshot.publish import build_lock, current_id, new_snapshot_id, publish
 from sidindex.snapshot.snapshot import FORMAT_VERSION, MANIFEST, open_snapshot, write_snapshot
 from sidindex.targeting import load_targeting
+from sidindex.timing import StageClock
 
 Progress = Callable[[str, int, int], None]
 
@@ -34,43 +34,35 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
               waiting: Callable[[], None] | None = None) -> dict:
     """Run the job; returns its report (status "published" or "unchanged", ids, counts, seconds)."""
     progress = progress or (lambda *_: None)
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(stage: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[stage] = round(now - clock, 3)
-        clock = now
-
+    clock = StageClock()
     cfg = load_config(config)
     spec = load_targeting(targeting)
     with build_lock(root, waiting):
-        clock = time.perf_counter()  # time spent waiting for the lock is not the build's
+        clock.restart()  # time spent waiting for the lock is not the build's
         cb, cb_source = _codebook(root, codebook)
         hash_keys = cb.hash_keys if cb else cfg.sid.hash_keys
         cat = read_catalog(catalog, spec=spec, hash_keys=hash_keys, dim=cb.dim if cb else None)
-        lap("ingest")
+        clock.lap("ingest")
         if cb is None:
             cb = train_codebook(cat.embedding, cfg.sid, progress)
             save_codebook(cb, root)
             cb_source = "trained"
-            lap("train codebook")
+            clock.lap("train codebook")
         fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id)
         report = {"root": str(root), "fingerprint": fingerprint, "codebook_id": cb.id, "codebook": cb_source,
                   "ads": len(cat)}
         published = current_id(root)
         if not force and published and _published_fingerprint(root, published) == fingerprint:
-            return {"status": "unchanged", "snapshot_id": published, **report, "seconds": seconds}
+            return {"status": "unchanged", "snapshot_id": published, **report, "seconds": _rounded(clock)}
         tokens = hash_tokens(cat.columns, cb.hash_keys, cb.hash_size)
         assignment = assign_sids(cb, cat.embedding, tokens, progress)
         quality = sid_quality(assignment, cb, cat.embedding, cfg.quality)
         if quality.failures:
             raise QualityGateError("SID quality gate failed, nothing published: " + "; ".join(quality.failures))
-        lap("assign SIDs")
+        clock.lap("assign SIDs")
         built = build_index(spec, cat.columns, assignment.sids, assignment.ad_index, cb.level_sizes, kway=cfg.kway)
-        seconds |= {f"build: {k}": round(v, 3) for k, v in built.seconds.items()}
-        clock = time.perf_counter()
+        clock.seconds |= {f"build: {k}": v for k, v in built.seconds.items()}
+        clock.restart()
         snapshot_id = new_snapshot_id(fingerprint)
         info = {"id": snapshot_id, "input_fingerprint": fingerprint, "codebook_id": cb.id,
                 "catalog": str(Path(catalog).resolve()), "build_config": cfg.to_dict(),
@@ -83,10 +75,14 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
             save_codebook(cb, directory)
 
         path = publish(root, snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep)
-        lap("write + validate + publish")
+        clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
             "sid_rows": int(len(assignment.sids)), "sids": built.stats.sids, "nodes": built.stats.num_nodes,
-            "matcher_bytes": built.stats.bitmask_table_bytes + built.stats.bloom_table_bytes, "seconds": seconds}
+            "matcher_bytes": built.stats.bitmask_table_bytes + built.stats.bloom_table_bytes, "seconds": _rounded(clock)}
+
+
+def _rounded(clock: StageClock) -> dict[str, float]:
+    return {k: round(v, 3) for k, v in clock.seconds.items()}
 
 
 def _codebook(root: Path, given: Path | None):
