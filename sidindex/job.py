@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from sidindex.artifact import sha256_file
 from sidindex.build import build_index
 from sidindex.config import load_config
 from sidindex.errors import QualityGateError
@@ -95,10 +96,7 @@ def _codebook(root: Path, given: Path | None):
 
 
 def _fingerprint(catalog: Path, spec: dict, config: dict, codebook_id: str) -> str:
-    h = hashlib.sha256()
-    with open(catalog, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    h = hashlib.sha256(sha256_file(Path(catalog)).encode())
     h.update(json.dumps({"targeting": spec, "config": config, "codebook": codebook_id,
                          "snapshot_format": FORMAT_VERSION}, sort_keys=True).encode())
     return h.hexdigest()
