@@ -78,3 +78,13 @@ def encode_request_rows(layout: BitmaskLayout, columns: pl.DataFrame) -> np.ndar
                  .fill_null(unknown).to_numpy())
         set_bits(out, rows, layout.offsets[a] + codes)
     return out
+
+
+def attribute_passes(layout: BitmaskLayout, row: np.ndarray, user: np.ndarray) -> np.ndarray:
+    """(A,) bool: does matcher `row` (W,) uint64 pass user row `user` (W,) on each bitmask attribute.
+
+    The whole-row test (row & user) == user is the AND of these; explanations need each one.
+    """
+    hit = row & user
+    return np.array([np.array_equal(hit & layout.segment_mask(a), user & layout.segment_mask(a))
+                     for a in range(len(layout.names))], dtype=bool)

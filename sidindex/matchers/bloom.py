@@ -101,3 +101,16 @@ def encode_request_queries(layout: BloomLayout, columns: pl.DataFrame) -> BloomQ
     ranges = np.stack([ends - counts, ends], axis=-1)
     all_rows = np.concatenate(parts) if parts else empty_rows(0, layout.words)
     return BloomQueries(all_rows, ranges)
+
+
+def attribute_passes(layout: BloomLayout, row: np.ndarray, query_rows: np.ndarray, ranges: np.ndarray) -> np.ndarray:
+    """(A,) bool: does matcher `row` (W_bl,) uint64 pass each bloom attribute for one request.
+
+    query_rows: (Q, W_bl) uint64; ranges: (A, 2) int64 that request's queries per attribute
+    """
+    out = np.zeros(len(layout.names), dtype=bool)
+    for a in range(len(layout.names)):
+        lo, hi = layout.word_offsets[a], layout.word_offsets[a + 1]
+        q = query_rows[ranges[a, 0]:ranges[a, 1], lo:hi]
+        out[a] = bool(((row[lo:hi] & q) == q).all(axis=1).any())
+    return out

@@ -16,7 +16,13 @@ import numpy as np
 import polars as pl
 
 from sidindex.matchers.bits import ListCodes, list_codes
-from sidindex.matchers.bitmask import BitmaskLayout, bitmask_layout, encode_ad_rows, encode_request_rows
+from sidindex.matchers.bitmask import (
+    BitmaskLayout,
+    attribute_passes,
+    bitmask_layout,
+    encode_ad_rows,
+    encode_request_rows,
+)
 from sidindex.targeting import TargetingSpec
 
 EXACT_SEED = 0x5EED0E1
@@ -99,6 +105,17 @@ def eligible_mask(index: ExactIndex, requests: ExactRequests, request: int, ads:
     """(k,) bool: which of `ads` (k,) int64 are eligible for request `request` (DESIGN.md §3)."""
     return _eligible(index.bitmask_rows, index.hash_offsets, index.hashes, requests.user_rows[request],
                      requests.hash_offsets[:, request:request + 2], requests.hashes, np.asarray(ads, dtype=np.int64))
+
+
+def attribute_eligibility(index: ExactIndex, requests: ExactRequests, request: int, ad: int) -> np.ndarray:
+    """(A_bm + A_bl,) bool: does catalog row `ad` pass each attribute (bitmask ones, then bloom ones,
+    in spec order) for request `request`. Eligible iff all pass; explanations need each one."""
+    bloom = np.zeros(len(index.bloom_names), dtype=bool)
+    for a in range(len(index.bloom_names)):
+        own = index.hashes[index.hash_offsets[a, ad]:index.hash_offsets[a, ad + 1]]
+        asked = requests.hashes[requests.hash_offsets[a, request]:requests.hash_offsets[a, request + 1]]
+        bloom[a] = len(own) == 0 or bool(np.isin(asked, own).any())
+    return np.concatenate([attribute_passes(index.layout, index.bitmask_rows[ad], requests.user_rows[request]), bloom])
 
 
 @numba.njit(cache=True)

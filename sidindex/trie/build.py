@@ -71,15 +71,15 @@ class GTMIndex:
     def num_leaves(self) -> int:
         return len(self.leaf_ad_offsets) - 1
 
-    def leaf_sids(self) -> np.ndarray:
-        """(S, L) int16 the SID of each leaf, by walking parents up from the leaves."""
-        parent = np.searchsorted(self.node_offsets, np.arange(self.num_nodes - 1), side="right") - 1
+    def leaf_sids(self, leaves: np.ndarray | None = None) -> np.ndarray:
+        """(S', L) int16 the SID of each leaf in `leaves` (S',) int64 (default: all), walking parent
+        links up: entry e leads to node e + 1, and its parent is the node whose entries hold e."""
         L = self.sid_length
-        out = np.empty((self.num_leaves, L), dtype=np.int16)
-        node = np.arange(self.depth_offsets[L], self.depth_offsets[L + 1])
+        node = self.depth_offsets[L] + (np.arange(self.num_leaves) if leaves is None else np.asarray(leaves, np.int64))
+        out = np.empty((len(node), L), dtype=np.int16)
         for d in range(L - 1, -1, -1):
             out[:, d] = self.csr_tokens[node - 1]
-            node = parent[node - 1]
+            node = np.searchsorted(self.node_offsets, node - 1, side="right") - 1
         return out
 
 

@@ -1,0 +1,153 @@
+"""Why a SID (or an ad) is or is not reachable for one request: the trie walk, step by step.
+
+At each position of the SID the search can only take the token if
+  cd            the prefix exists in the catalog (a child entry of the current node),
+  cd+gtm        and the child's subtree-union matchers pass every attribute,
+  cd+gtm+kway   and ANY of the child's k-way partitions passes every attribute;
+and at the leaf the exact filter decides, ad by ad. An explanation tests each attribute on its own
+(instead of stopping at the first failing word, as the matcher does), so it can name every
+attribute that failed. Its verdicts agree with `sidindex.trie.match` and `sidindex.matchers.exact`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from sidindex.errors import InputError
+from sidindex.ingest import Requests
+from sidindex.matchers import bitmask, bloom
+from sidindex.matchers.exact import attribute_eligibility, encode_exact_requests
+from sidindex.snapshot import Snapshot
+from sidindex.trie.match import encode_gtm_requests
+
+
+@dataclass(frozen=True)
+class Step:
+    """Taking token `token` at `position` (0-based) after `prefix`.
+
+    failed_union: attributes the subtree-union matchers reject (None when the prefix is not in the catalog)
+    failed_partitions: per k-way partition, the attributes it rejects (None without k-way)
+    """
+
+    position: int
+    prefix: tuple[int, ...]
+    token: int
+    in_catalog: bool
+    failed_union: tuple[str, ...] | None
+    failed_partitions: tuple[tuple[str, ...], ...] | None
+
+    @property
+    def passes(self) -> dict[str, bool]:
+        gtm = self.in_catalog and not self.failed_union
+        out = {"cd": self.in_catalog, "cd+gtm": gtm}
+        if self.failed_partitions is not None:
+            out["cd+gtm+kway"] = gtm and any(not f for f in self.failed_partitions)
+        return out
+
+
+@dataclass(frozen=True)
+class AdCheck:
+    """The exact ad-level filter for one ad: eligible iff `failed` is empty."""
+
+    ad_id: int
+    failed: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SidExplanation:
+    sid: tuple[int, ...]
+    steps: tuple[Step, ...]  # stops at the first prefix that is not in the catalog
+    ads: tuple[AdCheck, ...]  # the SID's ads (empty when it is not in the catalog)
+
+    @property
+    def reached(self) -> dict[str, bool]:
+        """Whether beam search in each mode can generate this SID (given wide enough beams)."""
+        modes = self.steps[0].passes.keys()
+        return {m: len(self.steps) == len(self.sid) and all(s.passes[m] for s in self.steps) for m in modes}
+
+    def to_dict(self) -> dict:
+        return {"sid": list(self.sid), "reached": self.reached,
+                "steps": [{**asdict(s), "passes": s.passes} for s in self.steps],
+                "ads": [asdict(a) for a in self.ads],
+                "eligible_ads": sum(not a.failed for a in self.ads)}
+
+
+class Explainer:
+    """Explanations against one snapshot for one request (row `row` of a validated request table)."""
+
+    def __init__(self, snap: Snapshot, requests: Requests, row: int) -> None:
+        one = requests.columns.slice(row, 1)
+        self.snap = snap
+        self.gtm_req = encode_gtm_requests(snap.spec, one)
+        self.exact_req = encode_exact_requests(snap.exact, one)
+        self.bm_layout = bitmask.bitmask_layout(snap.spec)
+        self.bl_layout = bloom.bloom_layout(snap.spec)
+        self.names = self.bm_layout.names + self.bl_layout.names
+
+    def _failed(self, bm_row: int, bl_row: int) -> tuple[str, ...]:
+        g, r = self.snap.gtm, self.gtm_req
+        ok = np.concatenate([bitmask.attribute_passes(self.bm_layout, g.bitmask_table[bm_row], r.user_rows[0]),
+                             bloom.attribute_passes(self.bl_layout, g.bloom_table[bl_row], r.query_rows,
+                                                    r.query_ranges[0])])
+        return tuple(n for n, k in zip(self.names, ok) if not k)
+
+    def sid(self, sid: tuple[int, ...], ads: np.ndarray | None = None) -> SidExplanation:
+        """Walk `sid` down the trie; at its leaf check `ads` (catalog rows; default: all of the leaf's)."""
+        g = self.snap.gtm
+        if len(sid) != g.sid_length or not all(0 <= t < s for t, s in zip(sid, g.level_sizes)):
+            raise InputError(f"SID {list(sid)} does not fit this snapshot: {g.sid_length} tokens with level sizes "
+                             f"{list(g.level_sizes)}")
+        steps, node = [], 0
+        for d, token in enumerate(sid):
+            lo, hi = int(g.node_offsets[node]), int(g.node_offsets[node + 1])
+            e = lo + int(np.searchsorted(g.csr_tokens[lo:hi], token))
+            if e == hi or g.csr_tokens[e] != token:
+                steps.append(Step(d, tuple(sid[:d]), token, False, None, None))
+                return SidExplanation(tuple(sid), tuple(steps), ())
+            parts = None
+            if g.part_offsets is not None:
+                parts = tuple(self._failed(g.part_bitmask_index[p], g.part_bloom_index[p])
+                              for p in range(g.part_offsets[e], g.part_offsets[e + 1]))
+            steps.append(Step(d, tuple(sid[:d]), token, True, self._failed(g.bitmask_index[e], g.bloom_index[e]), parts))
+            node = int(g.csr_child_nodes[e])
+        leaf = node - int(g.depth_offsets[g.sid_length])
+        if ads is None:
+            ads = g.leaf_ads[g.leaf_ad_offsets[leaf]:g.leaf_ad_offsets[leaf + 1]]
+        checks = []
+        for row in np.unique(ads):
+            ok = attribute_eligibility(self.snap.exact, self.exact_req, 0, int(row))
+            checks.append(AdCheck(int(self.snap.ad_id[row]), tuple(n for n, k in zip(self.names, ok) if not k)))
+        return SidExplanation(tuple(sid), tuple(steps), tuple(checks))
+
+    def ad(self, ad_id: int) -> list[SidExplanation]:
+        """Every SID of ad `ad_id`, each walked down the trie and checked for that ad alone."""
+        g = self.snap.gtm
+        rows = np.flatnonzero(self.snap.ad_id == ad_id)
+        if len(rows) == 0:
+            raise InputError(f"ad {ad_id} is not in snapshot {self.snap.id}")
+        row = int(rows[0])
+        leaves = np.searchsorted(g.leaf_ad_offsets, np.flatnonzero(g.leaf_ads == row), side="right") - 1
+        return [self.sid(tuple(int(t) for t in sid), np.array([row])) for sid in g.leaf_sids(np.unique(leaves))]
+
+
+def request_row(requests: Requests, request_id: int | None) -> int:
+    """The row of `request_id`, or row 0 of a single-request table."""
+    if request_id is None:
+        if len(requests) != 1:
+            raise InputError(f"{requests.path}: holds {len(requests)} requests; choose one with --request-id "
+                             f"(e.g. {int(requests.request_id[0])})")
+        return 0
+    rows = np.flatnonzero(requests.request_id == request_id)
+    if len(rows) == 0:
+        raise InputError(f"{requests.path}: no request with request_id {request_id}")
+    return int(rows[0])
+
+
+def parse_sid(text: str) -> tuple[int, ...]:
+    """'12,40,7,300' (commas or spaces) -> (12, 40, 7, 300)."""
+    try:
+        return tuple(int(t) for t in text.replace(",", " ").split())
+    except ValueError:
+        raise InputError(f"--sid {text!r}: expected integer tokens separated by commas, e.g. 12,40,7,300") from None
