@@ -242,7 +242,12 @@ def validate(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
 
 
 @app.command()
-def inspect(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
+def inspect(
+    snapshot: Path = SNAPSHOT_ARG,
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw fill rate and storage per position to this "
+                                        "PNG (needs matplotlib: pip install 'sidindex[plot]')."),
+    as_json: bool = JSON_OPT,
+) -> None:
     """Show a snapshot: trie shape, matcher storage, fill rates, SID statistics.
 
     Build inputs (codebook, fingerprint), then per transition position: parents, entries, matcher
@@ -259,6 +264,11 @@ def inspect(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
                "kway": m["kway"], "matcher_table_bytes": st["bitmask_table_bytes"] + st["bloom_table_bytes"],
                "ads_per_sid": f"p50 {st['ads_per_sid_p50']:g}  p99 {st['ads_per_sid_p99']:g}  max {st['ads_per_sid_max']}",
                "sids_per_ad": f"mean {st['sids_per_ad_mean']:.2f}  max {st['sids_per_ad_max']}"}
+    if plot is not None:
+        from sidindex.plot import plot_positions
+
+        plot_positions(st["positions"], m["kway"], plot, f"snapshot {m['id']}: {m['counts']['ads']:,} ads")
+        summary["plot"] = str(plot)
     if as_json:
         _emit({**summary, "positions": st["positions"]}, True, "")
         return

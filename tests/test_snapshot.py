@@ -265,7 +265,7 @@ def test_bad_catalog_through_cli_leaves_published_snapshot_untouched(built, samp
     assert after == before
 
 
-def test_validate_and_inspect_cli(built, snap_dir):
+def test_validate_and_inspect_cli(built, snap_dir, tmp_path):
     base, report = built
     r = cli("validate", base / "root", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["snapshot_id"] == report["snapshot_id"]
@@ -273,7 +273,36 @@ def test_validate_and_inspect_cli(built, snap_dir):
     info = json.loads(r.stdout)
     assert r.returncode == 0 and info["kway"] and len(info["positions"]) == 4
     assert sum(p["entries"] for p in info["positions"]) == info["nodes"] - 1
+    r = cli("inspect", base / "root", "--plot", tmp_path / "fill.png")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "fill.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (snap_dir / "leaf_ads.bin").write_bytes((snap_dir / "leaf_ads.bin").read_bytes()[:-3])
     r = cli("validate", snap_dir)
     assert r.returncode == 2 and "leaf_ads.bin" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert os.path.exists(snap_dir / "manifest.json")
+
+
+def resident_kb(path: Path) -> int:
+    """KB of `path`'s pages mapped into this process (Rss of its mappings in /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_prefault_maps_every_page_and_reports_phases(built):
+    base, report = built
+    path = resolve_snapshot(base / "root")
+    table = (path / "bloom_table.bin").resolve()
+    lazy = open_snapshot(path, verify=False)
+    assert set(lazy.open_seconds) == {"manifest", "map", "structure"}
+    assert resident_kb(table) == 0  # validation reads the index arrays, never the tables
+    eager = open_snapshot(path, verify=True, prefault=True)
+    assert set(eager.open_seconds) == {"manifest", "checksums", "map", "structure", "prefault"}
+    assert resident_kb(table) * 1024 >= table.stat().st_size - 4096
+    np.testing.assert_array_equal(eager.gtm.bloom_table, lazy.gtm.bloom_table)

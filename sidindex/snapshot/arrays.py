@@ -71,3 +71,15 @@ def map_array(path: Path, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     except OSError as e:
         raise ArtifactError(f"{path}: cannot read ({e.strerror or e})") from None
     return np.frombuffer(mm, dtype=dtype, offset=HEADER).reshape(shape)
+
+
+def prefault_pages(array: np.ndarray) -> None:
+    """Fault in every page under a mapped array: ask the kernel to read ahead, then read one byte
+    per page (reading is what maps a page into this process; readahead alone does not)."""
+    base = array
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None) if isinstance(base, np.ndarray) else getattr(base, "obj", None)
+    if isinstance(base, mmap.mmap) and hasattr(mmap, "MADV_WILLNEED"):
+        base.madvise(mmap.MADV_WILLNEED)
+    flat = array.reshape(-1).view(np.uint8)
+    int(flat[::mmap.PAGESIZE].sum(dtype=np.uint64))

@@ -1,0 +1,50 @@
+"""Figures for `inspect --plot` (matplotlib, an optional extra: pip install 'sidindex[plot]')."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sidindex.errors import InputError
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise InputError("--plot needs matplotlib: pip install 'sidindex[plot]'") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_positions(positions: list[dict], kway: bool, path: Path, title: str) -> None:
+    """Fill rate and matcher storage per transition position (GRACE Tables 1 and 2) to a PNG.
+
+    positions: `GTMStats.to_dict()["positions"]` (a snapshot manifest's stats)
+    """
+    plt = _pyplot()
+    x = [p["position"] for p in positions]
+    fig, (fill, store) = plt.subplots(1, 2, figsize=(13, 4))
+    fill.plot(x, [p["bitmask_fill"] for p in positions], "o-", label="bitmask (union)")
+    fill.plot(x, [p["bloom_fill"] for p in positions], "s-", label="Bloom (union)")
+    if kway:
+        fill.plot(x, [p["part_bitmask_fill"] for p in positions], "o--", label="bitmask (k-way partitions)")
+        fill.plot(x, [p["part_bloom_fill"] for p in positions], "s--", label="Bloom (k-way partitions)")
+    fill.set(xlabel="transition position", ylabel="mean fill rate (share of bits set)", ylim=(0, 1.02),
+             title="matcher fill rate", xticks=x)
+    fill.legend(fontsize=8)
+    width = 0.2
+    for i, (key, label) in enumerate([("bitmask_bytes_before", "bitmask, one row per entry"),
+                                      ("bitmask_bytes_after", "bitmask, deduplicated"),
+                                      ("bloom_bytes_before", "Bloom, one row per entry"),
+                                      ("bloom_bytes_after", "Bloom, deduplicated")]):
+        store.bar([p + (i - 1.5) * width for p in x], [max(p[key], 1) / 1e6 for p in positions], width, label=label)
+    store.set(xlabel="transition position", ylabel="MB (log scale)", yscale="log", title="matcher storage", xticks=x)
+    store.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
