@@ -5,7 +5,7 @@
 
 Each size: the `bench_gtm` catalog and SIDs are generated in one process, built and written as a
 snapshot in a second; then each measurement runs in a fresh process after evicting the snapshot's
-files from the page cache (posix_fadvise DONTNEED), so every open starts cold:
+files from the page cache (posix_fadvise DONTNEED), so every open starts cold (median of 3):
   cold      open (verify off), then the first query faults its pages in from disk
   prefault  open with prefault on (every page read at open), then the first query
   verify    open with checksums on (the default: every byte hashed)
@@ -48,6 +48,7 @@ def write(inputs: Path, out: Path) -> None:
     write_snapshot(out, built.gtm, built.exact, np.arange(columns.height, dtype=np.int64), spec,
                    {"id": "bench", "input_fingerprint": "-", "codebook_id": None, "build_config": {},
                     "counts": {"ads": columns.height}, "stats": built.stats.to_dict()})
+    os.sync()  # no writeback left to compete with the cold reads measured next
 
 
 def evict(snapshot: Path) -> None:
@@ -80,8 +81,8 @@ def query(snap, requests, sids: np.ndarray) -> int:
     return found
 
 
-def measure(snapshot: Path, how: str) -> dict:
-    """One cold open (and first query) in this fresh process."""
+def measure(snapshot: Path, how: str, repeats: int = 3) -> dict:
+    """Cold opens (each followed by its first query) in this fresh process; the median of `repeats`."""
     from sidindex.matchers.exact import encode_exact_requests
     from sidindex.trie.match import encode_gtm_requests
 
@@ -94,14 +95,19 @@ def measure(snapshot: Path, how: str) -> dict:
     sids = warm.gtm.leaf_sids(leaves)
     query(warm, requests, sids)
     del warm
-    evict(snapshot)
-    t = time.perf_counter()
-    snap = open_snapshot(snapshot, verify=how == "verify", prefault=how == "prefault")
-    open_s = time.perf_counter() - t
-    t = time.perf_counter()
-    found = query(snap, requests, sids)
-    return {"open_s": open_s, "phases": snap.open_seconds, "query_s": time.perf_counter() - t, "found": found,
-            "bytes": sum(f["bytes"] for f in snap.manifest["files"].values())}
+    runs = []
+    for _ in range(repeats):
+        evict(snapshot)
+        t = time.perf_counter()
+        snap = open_snapshot(snapshot, verify=how == "verify", prefault=how == "prefault")
+        open_s = time.perf_counter() - t
+        t = time.perf_counter()
+        query(snap, requests, sids)
+        runs.append({"open_s": open_s, "query_s": time.perf_counter() - t, **snap.open_seconds})
+        del snap
+    med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+    return {"open_s": med.pop("open_s"), "query_s": med.pop("query_s"), "phases": med,
+            "bytes": sum(f["bytes"] for f in json.loads((snapshot / "manifest.json").read_text())["files"].values())}
 
 
 def _child(*args: str) -> str:

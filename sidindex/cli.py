@@ -23,7 +23,7 @@ from sidindex.errors import InputError, QualityGateError, SidIndexError
 
 app = typer.Typer(help=__doc__.split("\n")[0] + "\n\nBuilds Semantic-ID indexes for eligibility-constrained "
                   "generative ad retrieval. Start with `sidindex sample`, then `sidindex build`, "
-                  "`sidindex inspect`, `sidindex validate` and `sidindex explain`.", no_args_is_help=True, add_completion=False)
+                  "`sidindex inspect`, `sidindex validate`, `sidindex explain` and `sidindex retrieve`.", no_args_is_help=True, add_completion=False)
 sid_app = typer.Typer(help="Semantic IDs: train a frozen codebook, assign SIDs to a catalog.", no_args_is_help=True)
 app.add_typer(sid_app, name="sid")
 
@@ -330,6 +330,64 @@ def explain(
         _print_explanation(r, max_ads)
 
 
+@app.command()
+def retrieve(
+    snapshot: Path = SNAPSHOT_ARG,
+    requests: Path = typer.Option(..., "--requests", help="Request table (Parquet or Arrow IPC) with an `embedding` "
+                                  "column for the codebook scorer, see schemas/CONTRACTS.md."),
+    out_file: Path = typer.Option(..., "--out", help="Output file: .parquet, or Arrow IPC otherwise. Columns "
+                                  "request_id, rank, ad_id, sid, score."),
+    mode: str = typer.Option("cd+gtm", "--mode", help="none | cd | cd+gtm | cd+gtm+kway (needs a snapshot built "
+                             "with [kway])."),
+    beams: str = typer.Option("1,512,1024,1024", "--beams", help="Beam size per SID position: beams[0] is the root "
+                              "(1), beams[d] are kept after step d-1, beams[-1] after the last step."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N. On cuda the mask is the Triton kernel."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="Keep at most K ads per request (default: "
+                                        "every eligible ad the search reached)."),
+    batch_size: int = typer.Option(16, "--batch-size", min=1, help="Requests searched together."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Retrieve eligible ads: constrained beam search over SIDs, then SID -> ads and the exact filter.
+
+    Logits come from the codebook scorer (the request embedding's distance to each level's
+    centroids; the hash level is uniform). Every returned ad is eligible; a request whose beams all
+    die under the constraints gets fewer (or no) ads, counted in the summary; the search never
+    falls back to unconstrained decoding.
+    """
+    import pyarrow.parquet as pq
+    from pyarrow import feather
+
+    from runtime.loader import load
+    from runtime.retrieve import retrieve as run_retrieval
+    from runtime.search import parse_beams
+    from sidindex.ingest import read_requests
+
+    t0 = time.perf_counter()
+    index = load(snapshot, device, verify=False)
+    beam_sizes = parse_beams(beams, index.sid_length)
+    reqs = read_requests(requests, index.snapshot.spec)
+    load_s = time.perf_counter() - t0
+    with _progress(not as_json and err.is_terminal) as progress:
+        run = run_retrieval(index, reqs, mode=mode, beams=beam_sizes, top_k=top_k, batch_size=batch_size,
+                            progress=progress)
+    table = run.table(reqs.request_id)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.tmp")
+    if out_file.suffix == ".parquet":
+        pq.write_table(table, tmp)
+    else:
+        feather.write_feather(table, str(tmp), compression="uncompressed")
+    tmp.replace(out_file)
+    r = run.result
+    _emit({"snapshot_id": index.id, "device": str(index.device), "mode": mode, "beams": list(beam_sizes),
+           "requests": len(reqs), "rows": table.num_rows, "out": str(out_file),
+           "eligible_ads_per_request_mean": round(float(r.ads_eligible.mean()), 2),
+           "requests_without_ads": int((r.ads_eligible == 0).sum()),
+           "requests_whose_beams_all_died": int((r.sids == 0).sum()),
+           "seconds": {"load": round(load_s, 3), **{k: round(v, 3) for k, v in run.seconds.items()}}},
+          as_json, "retrieved")
+
+
 def _print_explanation(r, max_ads: int) -> None:
     def fails(names) -> str:
         return "pass" if not names else "fails " + ", ".join(names)
@@ -372,7 +430,10 @@ def _emit(summary: dict, as_json: bool, title: str) -> None:
 
 
 def _cell(v) -> str:
-    """Lists of strings (notes) one per line, lists of numbers comma-separated, '-' when empty."""
+    """Lists of strings (notes) one per line, lists of numbers comma-separated, '-' when empty;
+    tables as `key value` pairs."""
+    if isinstance(v, dict):
+        return "  ".join(f"{k} {x}" for k, x in v.items())
     if not isinstance(v, list):
         return str(v)
     if not v:

@@ -1,6 +1,14 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors; this must be set
+# before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np
 import polars as pl

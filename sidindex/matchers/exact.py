@@ -103,8 +103,14 @@ def encode_exact_requests(index: ExactIndex, columns: pl.DataFrame) -> ExactRequ
 
 def eligible_mask(index: ExactIndex, requests: ExactRequests, request: int, ads: np.ndarray) -> np.ndarray:
     """(k,) bool: which of `ads` (k,) int64 are eligible for request `request` (DESIGN.md §3)."""
-    return _eligible(index.bitmask_rows, index.hash_offsets, index.hashes, requests.user_rows[request],
-                     requests.hash_offsets[:, request:request + 2], requests.hashes, np.asarray(ads, dtype=np.int64))
+    ads = np.asarray(ads, dtype=np.int64)
+    return eligible_pairs(index, requests, np.full(len(ads), request, dtype=np.int64), ads)
+
+
+def eligible_pairs(index: ExactIndex, requests: ExactRequests, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
+    """(n,) bool: is ad `ads[i]` eligible for request `reqs[i]`; reqs, ads: (n,) int64."""
+    return _eligible(index.bitmask_rows, index.hash_offsets, index.hashes, requests.user_rows, requests.hash_offsets,
+                     requests.hashes, np.asarray(reqs, dtype=np.int64), np.asarray(ads, dtype=np.int64))
 
 
 def attribute_eligibility(index: ExactIndex, requests: ExactRequests, request: int, ad: int) -> np.ndarray:
@@ -119,11 +125,12 @@ def attribute_eligibility(index: ExactIndex, requests: ExactRequests, request: i
 
 
 @numba.njit(cache=True)
-def _eligible(rows, ad_off, ad_hashes, user, req_off, req_hashes, ads):
+def _eligible(rows, ad_off, ad_hashes, user_rows, req_off, req_hashes, reqs, ads):
     out = np.zeros(len(ads), dtype=np.bool_)
     n_attr = ad_off.shape[0]
     for i in range(len(ads)):
-        ad = ads[i]
+        ad, r = ads[i], reqs[i]
+        user = user_rows[r]
         ok = True
         for w in range(rows.shape[1]):  # bitmask: (row & user) == user, first failing word stops
             if rows[ad, w] & user[w] != user[w]:
@@ -134,7 +141,7 @@ def _eligible(rows, ad_off, ad_hashes, user, req_off, req_hashes, ads):
             lo, hi = ad_off[a, ad], ad_off[a, ad + 1]
             if hi > lo:
                 hit = False
-                for j in range(req_off[a, 0], req_off[a, 1]):
+                for j in range(req_off[a, r], req_off[a, r + 1]):
                     k = np.searchsorted(ad_hashes[lo:hi], req_hashes[j])
                     if k < hi - lo and ad_hashes[lo + k] == req_hashes[j]:
                         hit = True

@@ -28,7 +28,6 @@ from sidindex.config import SIDConfig
 from sidindex.artifact import fsync_path, read_manifest, sha256_file
 from sidindex.errors import ArtifactError, ConfigError
 from sidindex.sid.hashing import HASH_SEED, KEY_SEPARATOR
-from sidindex.sid.kmeans import nearest, train_level
 
 FORMAT = "sidindex.codebook"
 FORMAT_VERSION = 1
@@ -94,6 +93,8 @@ def train_codebook(embedding: np.ndarray, config: SIDConfig, progress: Progress 
     Level l is trained on the residuals left by levels < l (nearest-centroid assignment, the same
     rule `assign_sids` uses). Deterministic on the CPU for a given config (faiss k-means is seeded).
     """
+    from sidindex.sid.kmeans import nearest, train_level  # faiss: needed to train, not to load or assign
+
     n = len(embedding)
     rng = np.random.default_rng(config.seed)
     if n > config.train_sample:

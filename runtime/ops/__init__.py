@@ -1,0 +1,1 @@
+"""Device kernels of the runtime, each with a plain torch reference beside it."""

@@ -1,0 +1,103 @@
+"""The fused CD+GTM mask as a Triton kernel (GRACE 3.5, 4.4).
+
+One program per (beam, block of BLOCK child entries of the beam's trie node). Each lane is one
+child entry: CD is the entry existing at all; then the child's subtree-union bitmask row is tested
+word by word, a lane that fails loading nothing more (masked loads); only lanes still alive load
+Bloom rows, kept in registers while the request's queries stream past (ANY query of each
+attribute). With k-way partitions, lanes that pass the union test try their partitions until one
+passes. A surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every other
+token stays -inf. Bits are int64 (the uint64 rows reinterpreted): & and == are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MODES = {"cd": 0, "cd+gtm": 1, "cd+gtm+kway": 2}
+
+
+@triton.jit
+def _row_passes(ok, bm, bl, b, bm_table, bl_table, user_rows, query_rows, query_ranges, bl_woff,
+                W_BM: tl.constexpr, W_BL: tl.constexpr, A_BL: tl.constexpr, AW: tl.constexpr):
+    """ok & (bitmask row bm passes user row b) & (Bloom row bl passes every attribute), per lane."""
+    for w in tl.static_range(W_BM):
+        u = tl.load(user_rows + b * W_BM + w)
+        r = tl.load(bm_table + bm * W_BM + w, mask=ok, other=0)
+        ok = ok & ((r & u) == u)
+    wi = tl.arange(0, AW)
+    for a in tl.static_range(A_BL):
+        w_lo = tl.load(bl_woff + a)
+        wm = wi < tl.load(bl_woff + a + 1) - w_lo
+        rows = tl.load(bl_table + bl[:, None] * W_BL + w_lo + wi[None, :], mask=ok[:, None] & wm[None, :], other=0)
+        q_lo = tl.load(query_ranges + (b * A_BL + a) * 2)
+        q_hi = tl.load(query_ranges + (b * A_BL + a) * 2 + 1)
+        hit = tl.zeros_like(ok)
+        for q in range(q_lo, q_hi):
+            qw = tl.load(query_rows + q * W_BL + w_lo + wi, mask=wm, other=0)
+            good = ((rows & qw[None, :]) == qw[None, :]).to(tl.int32)
+            hit = hit | (tl.sum(good, axis=1) == AW)
+        ok = ok & hit
+    return ok
+
+
+@triton.jit
+def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request,
+                     node_offsets, csr_tokens, bm_index, bl_index, bm_table, bl_table,
+                     part_offsets, part_bm, part_bl, max_parts,
+                     user_rows, query_rows, query_ranges, bl_woff, V,
+                     MODE: tl.constexpr, W_BM: tl.constexpr, W_BL: tl.constexpr, A_BL: tl.constexpr,
+                     AW: tl.constexpr, BLOCK: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    score = tl.load(beam_score + m)
+    node = tl.load(beam_node + m)
+    lo = tl.load(node_offsets + node)
+    hi = tl.where(score > float("-inf"), tl.load(node_offsets + node + 1), lo)  # a dead beam has no children
+    e = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = e < hi
+    tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
+    if MODE >= 1:
+        b = tl.load(beam_request + m)
+        bm = tl.load(bm_index + e, mask=ok, other=0).to(tl.int64)
+        bl = tl.load(bl_index + e, mask=ok, other=0).to(tl.int64)
+        ok = _row_passes(ok, bm, bl, b, bm_table, bl_table, user_rows, query_rows, query_ranges, bl_woff,
+                         W_BM, W_BL, A_BL, AW)
+        if MODE == 2:
+            p_lo = tl.load(part_offsets + e, mask=ok, other=0)
+            n_p = tl.load(part_offsets + e + 1, mask=ok, other=0) - p_lo
+            any_part = tl.zeros_like(ok)
+            for k in range(0, max_parts):
+                has = ok & (k < n_p) & (any_part == 0)
+                pbm = tl.load(part_bm + p_lo + k, mask=has, other=0).to(tl.int64)
+                pbl = tl.load(part_bl + p_lo + k, mask=has, other=0).to(tl.int64)
+                any_part = any_part | _row_passes(has, pbm, pbl, b, bm_table, bl_table, user_rows, query_rows,
+                                                  query_ranges, bl_woff, W_BM, W_BL, A_BL, AW)
+            ok = any_part
+    val = score + tl.load(logp + m * V + tok, mask=ok, other=float("-inf"))
+    val = tl.where(val == val, val, float("-inf"))  # NaN never passes
+    tl.store(out + m * V + tok, val, mask=ok)
+
+
+def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
+                    beam_score: torch.Tensor, logp: torch.Tensor, mode: str, block: int = 128) -> torch.Tensor:
+    """Same contract as `gtm_mask_reference`. beam_request, beam_node: (M,) int64; beam_score: (M,)
+    float32; logp: (M, V) float32 contiguous."""
+    M, V = logp.shape
+    out = torch.full((M, V), float("-inf"), dtype=torch.float32, device=logp.device)
+    C = index.max_children[depth]
+    if M == 0 or C == 0:
+        return out
+    BLOCK = max(16, min(block, triton.next_power_of_2(C)))
+    woff = index.bloom_words
+    aw = max([hi - lo for lo, hi in zip(woff, woff[1:])] + [1])
+    kway = mode == "cd+gtm+kway"
+    parts = (index.part_offsets, index.part_bitmask_index, index.part_bloom_index) if kway else (index.node_offsets,) * 3
+    _gtm_mask_kernel[(M, triton.cdiv(C, BLOCK))](
+        out, logp, beam_score, beam_node, beam_request,
+        index.node_offsets, index.csr_tokens, index.bitmask_index, index.bloom_index, index.bitmask_table,
+        index.bloom_table, *parts, index.max_parts if kway else 0,
+        requests.user_rows, requests.query_rows, requests.query_ranges, index.bloom_word_offsets, V,
+        MODE=MODES[mode], W_BM=index.bitmask_table.shape[1], W_BL=index.bloom_table.shape[1], A_BL=len(woff) - 1,
+        AW=triton.next_power_of_2(aw), BLOCK=BLOCK)
+    return out

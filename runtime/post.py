@@ -1,0 +1,76 @@
+"""Post stage: SIDs -> ads -> exact filter -> ranked ads per request (DESIGN.md §3, §8).
+
+Runs on the host over the snapshot's memory maps: the SID -> ad CSR expands every live beam into
+its ads, an ad reached through several SIDs keeps its best score, and the exact ad-level filter
+drops every ineligible ad (Bloom false positives stop here). Ranked by score (descending), then
+ad_id. Vectorised passes over the expanded (request, ad) pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.search import Beams
+from sidindex.matchers.exact import ExactRequests, eligible_pairs
+from sidindex.snapshot import Snapshot
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """Rows of the result, ordered by (request, rank).
+
+    request: (n,) int64 request row; rank: (n,) int64 1-based; ad_row: (n,) int64 catalog row;
+    ad_id: (n,) int64; sid: (n, L) int64 the SID that reached the ad with the best score;
+    score: (n,) float32. Per request (B,) int64: sids (live SIDs the search returned),
+    ads_generated (ads under them, counted once per ad), ads_eligible (after the exact filter).
+    """
+
+    request: np.ndarray
+    rank: np.ndarray
+    ad_row: np.ndarray
+    ad_id: np.ndarray
+    sid: np.ndarray
+    score: np.ndarray
+    sids: np.ndarray
+    ads_generated: np.ndarray
+    ads_eligible: np.ndarray
+
+
+def expand(snap: Snapshot, requests: ExactRequests, beams: Beams, top_k: int | None = None) -> Retrieved:
+    """The eligible ads under the searched SIDs, ranked per request; `top_k` caps each request."""
+    g = snap.gtm
+    tokens, score, leaf = (t.cpu().numpy() for t in (beams.tokens, beams.score, beams.leaf))
+    B = len(score)
+    # 1. live beams on catalog SIDs
+    b, k = np.nonzero((leaf >= 0) & (score > -np.inf))
+    lf = leaf[b, k]
+    # 2. each beam -> its leaf's ads (a leaf lists each ad once)
+    start, count = g.leaf_ad_offsets[lf], g.leaf_ad_offsets[lf + 1] - g.leaf_ad_offsets[lf]
+    beam = np.repeat(np.arange(len(lf)), count)
+    first = np.cumsum(count) - count
+    ad = np.asarray(g.leaf_ads[np.repeat(start - first, count) + np.arange(int(count.sum()))], dtype=np.int64)
+    req, sc = b[beam], score[b[beam], k[beam]]
+    # 3. one row per (request, ad), the best-scoring SID's: sort by request, ad, then score descending
+    order = np.lexsort((-sc, ad, req))
+    req, ad, beam, sc = req[order], ad[order], beam[order], sc[order]
+    first_of = np.ones(len(req), dtype=bool)
+    first_of[1:] = (req[1:] != req[:-1]) | (ad[1:] != ad[:-1])
+    req, ad, beam, sc = req[first_of], ad[first_of], beam[first_of], sc[first_of]
+    generated = np.bincount(req, minlength=B)
+    # 4. the exact filter
+    ok = eligible_pairs(snap.exact, requests, req, ad)
+    req, ad, beam, sc = req[ok], ad[ok], beam[ok], sc[ok]
+    # 5. rank per request: score descending, then ad_id
+    ad_id = snap.ad_id[ad]
+    order = np.lexsort((ad_id, -sc, req))
+    req, ad, ad_id, beam, sc = req[order], ad[order], ad_id[order], beam[order], sc[order]
+    starts = np.searchsorted(req, np.arange(B))
+    rank = np.arange(len(req)) - starts[req] + 1
+    eligible = np.bincount(req, minlength=B)
+    if top_k is not None:
+        keep = rank <= top_k
+        req, ad, ad_id, beam, sc, rank = req[keep], ad[keep], ad_id[keep], beam[keep], sc[keep], rank[keep]
+    return Retrieved(req.astype(np.int64), rank.astype(np.int64), ad, np.asarray(ad_id, dtype=np.int64),
+                     tokens[b[beam], k[beam]], sc.astype(np.float32), np.bincount(b, minlength=B), generated, eligible)

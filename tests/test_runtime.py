@@ -1,0 +1,220 @@
+"""The runtime against independent references (DESIGN.md §3, §8).
+
+- The CD+GTM mask: the Triton kernel (under TRITON_INTERPRET=1 without a GPU) and the torch
+  reference equal each other and the numba CPU matcher, on random small indexes, in every mode.
+- Beam search equals a brute-force constrained beam search written here, in every mode.
+- With beams wider than the catalog, cd+gtm (and k-way) retrieval returns exactly the eligible ads
+  (invariant 1); every mode returns only eligible ads (invariant 2) and catalog SIDs (invariant 3).
+- NaN / -inf logits and beams that die never let a disallowed SID through.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.loader import load_index
+from runtime.ops.gtm_mask import gtm_mask
+from runtime.post import expand
+from runtime.requests import encode_requests
+from runtime.search import beam_search, parse_beams
+from sidindex.errors import ConfigError
+from sidindex.ingest import Requests
+from sidindex.snapshot.snapshot import Snapshot
+from sidindex.trie.match import passing_tokens
+from tests.test_gtm import Scenario, build, eligible, frame, scenarios
+
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEVICE = "cuda" if GPU else "cpu"
+MODES = ("cd", "cd+gtm", "cd+gtm+kway")
+
+
+class Case:
+    """A scenario built into an in-memory snapshot, loaded onto the test device."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.sc = sc
+        self.gtm, _, _, self.exact, self.greq, self.ereq = build(sc)
+        self.snap = Snapshot(Path("."), {"id": "test"}, sc.spec, self.gtm, self.exact,
+                             np.arange(len(sc.ads), dtype=np.int64))
+        self.index = load_index(self.snap, DEVICE)
+        self.requests = Requests("requests", np.arange(len(sc.requests)), None, frame(sc.spec, sc.requests, pl.String))
+        self.dreq = encode_requests(sc.spec, self.requests, DEVICE)
+
+    def allowed(self, r: int, prefix: tuple[int, ...], mode: str) -> list[int]:
+        """Tokens allowed after `prefix` for request r: any of the level's ("none"), or the CPU matcher's."""
+        if mode == "none":
+            return list(range(self.sc.level_sizes[len(prefix)]))
+        node = self.node(prefix)
+        if node is None:
+            return []
+        return passing_tokens(self.gtm, self.greq, r, node, mode).tolist()
+
+    def node(self, prefix: tuple[int, ...]) -> int | None:
+        g, node = self.gtm, 0
+        for t in prefix:
+            lo, hi = g.node_offsets[node], g.node_offsets[node + 1]
+            e = lo + np.searchsorted(g.csr_tokens[lo:hi], t)
+            if e == hi or g.csr_tokens[e] != t:
+                return None
+            node = int(g.csr_child_nodes[e])
+        return node
+
+
+# --- the mask -------------------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(scenarios(), st.integers(0, 2**32 - 1))
+def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed):
+    case = Case(sc)
+    g, B = case.gtm, len(sc.requests)
+    gen = torch.Generator().manual_seed(seed)
+    for d in range(g.sid_length):
+        nodes = np.arange(g.depth_offsets[d], g.depth_offsets[d + 1])
+        node = torch.tensor(np.tile(nodes, B), dtype=torch.int64)
+        req = torch.tensor(np.repeat(np.arange(B), len(nodes)), dtype=torch.int64)
+        score = torch.randn(len(node), generator=gen)
+        score[::3] = float("-inf")  # dead beams
+        logp = torch.randn(len(node), g.vocab_size, generator=gen)
+        logp[logp > 1.5] = float("nan")  # NaN log-probs never pass
+        for mode in MODES:
+            args = (case.index, case.dreq, d, req.to(DEVICE), node.to(DEVICE), score.to(DEVICE), logp.to(DEVICE), mode)
+            ref = gtm_mask(*args, impl="torch").cpu()
+            ker = gtm_mask(*args, impl="triton").cpu()
+            assert torch.equal(ref, ker), mode
+            for i in range(len(node)):
+                want = set() if score[i] == float("-inf") else {
+                    t for t in passing_tokens(g, case.greq, int(req[i]), int(node[i]), mode).tolist()
+                    if not math.isnan(logp[i, t])}
+                got = set(torch.nonzero(ref[i] > float("-inf")).flatten().tolist())
+                assert got == want, (mode, i)
+                for t in got:
+                    assert ref[i, t] == score[i] + logp[i, t]
+
+
+# --- beam search ------------------------------------------------------------------------------------
+
+class TableScorer:
+    """Logits that depend only on the prefix (a fixed random table), so a brute force can ask for
+    one prefix at a time what the batched search saw."""
+
+    def __init__(self, V: int, seed: int, nan_share: float = 0.0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(4, 257, V, generator=gen) * 3
+        if nan_share:
+            self.table[torch.rand(self.table.shape, generator=gen) < nan_share] = float("nan")
+
+    def __call__(self, step: int, prefix: torch.Tensor) -> torch.Tensor:
+        weights = torch.tensor([31, 7, 3][:prefix.shape[-1]], dtype=torch.int64, device=prefix.device)
+        key = (prefix * weights).sum(-1) + prefix.shape[-1]
+        return self.table[step % 4].to(prefix.device)[key % 257]
+
+    def one(self, prefix: tuple[int, ...]) -> torch.Tensor:
+        return torch.log_softmax(self(len(prefix), torch.tensor([[list(prefix)]], dtype=torch.int64))[0, 0], -1)
+
+
+def brute_force_search(case: Case, r: int, scorer: TableScorer, beams: tuple[int, ...], mode: str) -> dict:
+    """{SID: score} of the live final beams: per step every allowed child of every beam, best first."""
+    live = [((), 0.0)]
+    L = case.gtm.sid_length
+    for d in range(L):
+        cand = []
+        for prefix, score in live:
+            logp = scorer.one(prefix)
+            for t in case.allowed(r, prefix, mode):
+                s = score + float(logp[t])
+                if not math.isnan(s) and s > float("-inf"):
+                    cand.append((prefix + (t,), s))
+        cand.sort(key=lambda c: -c[1])
+        live = cand[:beams[d + 1] if d + 1 < L else beams[-1]]
+    return dict(live)
+
+
+def searched(case: Case, found, r: int) -> dict:
+    alive = found.alive[r].cpu()
+    return {tuple(found.tokens[r, k].tolist()): float(found.score[r, k]) for k in torch.nonzero(alive).flatten().tolist()}
+
+
+@settings(max_examples=25, deadline=None)
+@given(scenarios(max_ads=12), st.integers(0, 2**32 - 1), st.lists(st.integers(1, 6), min_size=3, max_size=3),
+       st.sampled_from([0.0, 0.3]))
+def test_beam_search_equals_brute_force(sc, seed, widths, nan_share):
+    case = Case(sc)
+    L = case.gtm.sid_length
+    beams = (1, *widths)[:L] + (widths[-1],) * max(0, L - 4)
+    scorer = TableScorer(case.gtm.vocab_size, seed, nan_share)
+    for mode in ("none",) + MODES:
+        impls = ["torch"] if mode == "none" else ["torch", "triton"]
+        for impl in impls:
+            found = beam_search(case.index, case.dreq, scorer, beams, mode, impl)
+            for r in range(len(sc.requests)):
+                got, want = searched(case, found, r), brute_force_search(case, r, scorer, beams, mode)
+                assert got.keys() == want.keys(), (mode, impl, r)
+                for sid in got:
+                    assert got[sid] == pytest.approx(want[sid], rel=1e-5, abs=1e-5)
+                if mode != "none":  # invariant 3: every live SID is in the catalog
+                    assert all(case.node(sid) is not None for sid in got)
+
+
+@settings(max_examples=30, deadline=None)
+@given(scenarios(max_ads=15), st.integers(0, 2**32 - 1))
+def test_wide_beams_return_exactly_the_eligible_ads(sc, seed):
+    case = Case(sc)
+    wide = (1,) + (10_000,) * (case.gtm.sid_length - 1)
+    scorer = TableScorer(case.gtm.vocab_size, seed)
+    for mode in ("none",) + MODES:
+        got = expand(case.snap, case.ereq, beam_search(case.index, case.dreq, scorer, wide, mode))
+        for r, req in enumerate(sc.requests):
+            truth = {a for a, ad in enumerate(sc.ads) if eligible(sc.spec, ad, req)}
+            ads = set(got.ad_row[got.request == r].tolist())
+            assert ads <= truth, mode  # invariant 2, every mode
+            if mode != "none":  # invariant 1: nothing eligible is lost
+                assert ads == truth, mode
+        ranks = [got.rank[got.request == r].tolist() for r in range(len(sc.requests))]
+        assert all(rk == list(range(1, len(rk) + 1)) for rk in ranks)
+        for r in range(len(sc.requests)):
+            assert np.all(np.diff(got.score[got.request == r]) <= 0)
+
+
+def test_dead_logits_never_let_a_disallowed_sid_through():
+    from tests.test_gtm import scenario
+
+    ads = [{"country": ["US"], "locations": []}, {"country": ["CA"], "locations": ["loc1"]}]
+    case = Case(scenario(ads, [(0, 0, 0), (2, 1, 3)], [0, 1], requests=[{"country": "GB", "locations": []},
+                                                                         {"country": "US", "locations": []}]))
+    V, wide = case.gtm.vocab_size, (1, 8, 8)
+
+    def constant(value):
+        return lambda step, prefix: torch.full(prefix.shape[:2] + (V,), value, device=prefix.device)
+
+    # request 0 (GB) has no eligible ad: cd+gtm returns nothing, never an unconstrained SID
+    found = beam_search(case.index, case.dreq, constant(0.0), wide, "cd+gtm")
+    assert not found.alive[0].any() and searched(case, found, 1) .keys() == {(0, 0, 0)}
+    # NaN everywhere: nothing passes in any mode
+    for mode in MODES:
+        assert not beam_search(case.index, case.dreq, constant(float("nan")), wide, mode).alive.any()
+
+    # -inf on every allowed token, finite elsewhere: the beams die instead of taking disallowed tokens
+    def against(step, prefix):
+        out = torch.zeros(prefix.shape[:2] + (V,), device=prefix.device)
+        allowed = {0: [0, 2], 1: [0, 1], 2: [0, 3]}[step]
+        out[..., allowed] = float("-inf")
+        return out
+
+    assert not beam_search(case.index, case.dreq, against, wide, "cd").alive.any()
+
+
+def test_parse_beams():
+    assert parse_beams("1,512,1024,1024", 4) == (1, 512, 1024, 1024)
+    for bad, message in [("1,2", "give 4"), ("2,4,4,4", "beams\\[0\\] must be 1"), ("1,x,2,2", "integers"),
+                         ("1,0,2,2", "positive")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_beams(bad, 4)
