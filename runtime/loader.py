@@ -31,7 +31,8 @@ class DeviceIndex:
     bitmask_index, bloom_index (E,) int32; bitmask_table (R_bm, W_bm), bloom_table (R_bl, W_bl)
     int64 (the uint64 rows' bits); entry_keys (E,) int64 = parent node * V + token, ascending (the
     entry of a (node, token) pair by binary search); part_* as in GTMIndex, or None.
-    max_children[d]: the widest fan-out of a depth-d node; max_parts: most partitions of an entry.
+    max_children[d]: the widest fan-out of a depth-d node (mean_children[d]: the mean, rounded up);
+    max_parts: most partitions of an entry.
     """
 
     snapshot: Snapshot
@@ -48,6 +49,7 @@ class DeviceIndex:
     bloom_word_offsets: torch.Tensor  # (A_bl+1,) int32 first word of each bloom attribute
     bloom_words: tuple[int, ...]  # the same, on the host
     max_children: tuple[int, ...]
+    mean_children: tuple[int, ...]  # mean fan-out of a depth-d node, rounded up
     leaf_start: int  # node id of leaf 0
     part_offsets: torch.Tensor | None = None
     part_bitmask_index: torch.Tensor | None = None
@@ -90,7 +92,9 @@ def load_index(snap: Snapshot, device: str | torch.device = "cpu") -> DeviceInde
     g = snap.gtm
     V = g.vocab_size
     fan_out = np.diff(g.node_offsets)
-    max_children = tuple(int(fan_out[g.depth_offsets[d]:g.depth_offsets[d + 1]].max()) for d in range(g.sid_length))
+    per_depth = [fan_out[g.depth_offsets[d]:g.depth_offsets[d + 1]] for d in range(g.sid_length)]
+    max_children = tuple(int(f.max()) for f in per_depth)
+    mean_children = tuple(int(-(-f.sum() // len(f))) for f in per_depth)
     names = ["node_offsets", "csr_child_nodes", "csr_tokens", "bitmask_index", "bloom_index", "bitmask_table",
              "bloom_table"]
     if g.part_offsets is not None:
@@ -107,7 +111,7 @@ def load_index(snap: Snapshot, device: str | torch.device = "cpu") -> DeviceInde
     moved = sum(int(getattr(g, n).nbytes) for n in names)
     return DeviceIndex(snap, device, g.level_sizes, bloom_word_offsets=torch.from_numpy(woff).to(device),
                        bloom_words=tuple(int(w) for w in woff),
-                       max_children=max_children, leaf_start=int(g.depth_offsets[g.sid_length]), max_parts=max_parts,
+                       max_children=max_children, mean_children=mean_children, leaf_start=int(g.depth_offsets[g.sid_length]), max_parts=max_parts,
                        load_info={"seconds": time.perf_counter() - t0, "bytes": moved}, **arrays)
 
 

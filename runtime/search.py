@@ -84,7 +84,8 @@ def beam_search(index: DeviceIndex, requests: DeviceRequests, scorer: Scorer, be
             cand = gtm_mask(index, requests, d, req.repeat_interleave(K), node.reshape(-1).clamp(min=0),
                             score.reshape(-1), logp, mode, impl)
         k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
-        score, flat = cand.reshape(B, K * V).topk(k_next, dim=1)
+        # only the last step's order matters (the result is ranked); unsorted top-k is cheaper
+        score, flat = cand.reshape(B, K * V).topk(k_next, dim=1, sorted=d == L - 1)
         parent, tok = flat // V, flat % V
         tokens = torch.cat([tokens.gather(1, parent[..., None].expand(-1, -1, d)), tok[..., None]], dim=2)
         node = _child(index, node.gather(1, parent), tok, score > NEG_INF)

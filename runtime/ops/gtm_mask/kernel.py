@@ -1,10 +1,11 @@
 """The fused CD+GTM mask as a Triton kernel (GRACE 3.5, 4.4).
 
-One program per (beam, block of BLOCK child entries of the beam's trie node). Each lane is one
-child entry: CD is the entry existing at all; then the child's subtree-union bitmask row is tested
-word by word, a lane that fails loading nothing more (masked loads); only lanes still alive load
-Bloom rows, kept in registers while the request's queries stream past (ANY query of each
-attribute). With k-way partitions, lanes that pass the union test try their partitions until one
+One program per (beam, block of BLOCK child entries of the beam's trie node); BLOCK follows the
+depth's mean fan-out, so few lanes idle. Each lane is one child entry: CD is the entry existing at
+all; then the child's subtree-union bitmask row is tested word by word, a lane that fails loading
+nothing more (masked loads); only lanes still alive load Bloom rows, kept in registers while the
+request's queries stream past (ANY query of each attribute), until every live lane has found
+one; a block with no live lane skips the stream. With k-way partitions, lanes that pass the union test try their partitions until one
 passes. A surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every other
 token stays -inf. Bits are int64 (the uint64 rows reinterpreted): & and == are the same.
 """
@@ -31,13 +32,17 @@ def _row_passes(ok, bm, bl, b, bm_table, bl_table, user_rows, query_rows, query_
         w_lo = tl.load(bl_woff + a)
         wm = wi < tl.load(bl_woff + a + 1) - w_lo
         rows = tl.load(bl_table + bl[:, None] * W_BL + w_lo + wi[None, :], mask=ok[:, None] & wm[None, :], other=0)
-        q_lo = tl.load(query_ranges + (b * A_BL + a) * 2)
+        q = tl.load(query_ranges + (b * A_BL + a) * 2)
         q_hi = tl.load(query_ranges + (b * A_BL + a) * 2 + 1)
         hit = tl.zeros_like(ok)
-        for q in range(q_lo, q_hi):
+        # stream the queries until every live lane has a hit (or none is left to test)
+        q = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, q, q_hi)
+        while q < q_hi:
             qw = tl.load(query_rows + q * W_BL + w_lo + wi, mask=wm, other=0)
             good = ((rows & qw[None, :]) == qw[None, :]).to(tl.int32)
             hit = hit | (tl.sum(good, axis=1) == AW)
+            left = tl.sum((ok & (hit == 0)).to(tl.int32), axis=0)
+            q = tl.where(left > 0, q + 1, q_hi)
         ok = ok & hit
     return ok
 
@@ -67,12 +72,15 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request,
             p_lo = tl.load(part_offsets + e, mask=ok, other=0)
             n_p = tl.load(part_offsets + e + 1, mask=ok, other=0) - p_lo
             any_part = tl.zeros_like(ok)
-            for k in range(0, max_parts):
+            k = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, 0, max_parts)
+            while k < max_parts:  # until each live lane found a passing partition or ran out of them
                 has = ok & (k < n_p) & (any_part == 0)
                 pbm = tl.load(part_bm + p_lo + k, mask=has, other=0).to(tl.int64)
                 pbl = tl.load(part_bl + p_lo + k, mask=has, other=0).to(tl.int64)
                 any_part = any_part | _row_passes(has, pbm, pbl, b, bm_table, bl_table, user_rows, query_rows,
                                                   query_ranges, bl_woff, W_BM, W_BL, A_BL, AW)
+                left = tl.sum((ok & (any_part == 0) & (k + 1 < n_p)).to(tl.int32), axis=0)
+                k = tl.where(left > 0, k + 1, max_parts)
             ok = any_part
     val = score + tl.load(logp + m * V + tok, mask=ok, other=float("-inf"))
     val = tl.where(val == val, val, float("-inf"))  # NaN never passes
@@ -88,7 +96,7 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
     C = index.max_children[depth]
     if M == 0 or C == 0:
         return out
-    BLOCK = max(16, min(block, triton.next_power_of_2(C)))
+    BLOCK = max(16, min(block, triton.next_power_of_2(C), triton.next_power_of_2(2 * index.mean_children[depth])))
     woff = index.bloom_words
     aw = max([hi - lo for lo, hi in zip(woff, woff[1:])] + [1])
     kway = mode == "cd+gtm+kway"
