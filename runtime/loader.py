@@ -9,7 +9,6 @@ exact filter) keeps reading the host memory maps. The snapshot was validated whe
 from __future__ import annotations
 
 import threading
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from sidindex.errors import SidIndexError
 from sidindex.matchers.bloom import bloom_layout
 from sidindex.snapshot import Snapshot, open_snapshot, resolve_snapshot
 from sidindex.snapshot.publish import current_id
+from sidindex.timing import StageClock
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,9 @@ class DeviceIndex:
         return len(self.level_sizes)
 
 
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A device tensor holding `a` (read-only memory map): through pinned memory to a GPU, or the
-    memory map itself on the CPU (no copy; nothing writes to it)."""
+def _stage(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host tensor holding `a` (a read-only memory map): a pinned copy, ready for DMA to a GPU, or
+    the memory map itself for the CPU (no copy; nothing writes to it)."""
     a = a.view(np.int64) if a.dtype == np.uint64 else a  # torch kernels handle bits as int64
     if device.type == "cpu":
         with warnings.catch_warnings():  # torch warns that the buffer is read-only; we never write
@@ -80,39 +80,49 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
             return torch.from_numpy(a)
     staged = torch.empty(a.shape, dtype=getattr(torch, str(a.dtype)), pin_memory=True)
     staged.numpy()[...] = a
-    return staged.to(device, non_blocking=True)
+    return staged
 
 
 def load_index(snap: Snapshot, device: str | torch.device = "cpu") -> DeviceIndex:
-    """Copy an opened snapshot's GTM index to `device` ("cpu", "cuda", "cuda:1", ...)."""
+    """Copy an opened snapshot's GTM index to `device` ("cpu", "cuda", "cuda:1", ...).
+
+    `load_info` of the result: bytes moved, and seconds in total and per phase (shape: a host pass
+    over the offsets; stage: reading the memory maps into pinned memory; transfer: host to device,
+    and the entry keys built there).
+    """
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SidIndexError("--device cuda: no CUDA device is available here (use --device cpu)")
-    t0 = time.perf_counter()
+    clock = StageClock()
     g = snap.gtm
     V = g.vocab_size
     fan_out = np.diff(g.node_offsets)
     per_depth = [fan_out[g.depth_offsets[d]:g.depth_offsets[d + 1]] for d in range(g.sid_length)]
     max_children = tuple(int(f.max()) for f in per_depth)
     mean_children = tuple(int(-(-f.sum() // len(f))) for f in per_depth)
+    max_parts = int(np.diff(g.part_offsets).max()) if g.part_offsets is not None and len(g.part_offsets) > 1 else 0
+    woff = np.asarray(bloom_layout(snap.spec).word_offsets, dtype=np.int32)
+    clock.lap("shape")
     names = ["node_offsets", "csr_child_nodes", "csr_tokens", "bitmask_index", "bloom_index", "bitmask_table",
              "bloom_table"]
     if g.part_offsets is not None:
         names += ["part_offsets", "part_bitmask_index", "part_bloom_index"]
-    arrays = {n: _to_device(getattr(g, n), device) for n in names}
+    staged = {n: _stage(getattr(g, n), device) for n in names}
+    clock.lap("stage")
+    arrays = {n: t.to(device, non_blocking=True) for n, t in staged.items()}
     # entry e's parent is the node whose child range holds it; entries are sorted by (parent, token)
     parent = torch.repeat_interleave(torch.arange(g.num_nodes, device=device), arrays["node_offsets"].diff())
     arrays["entry_keys"] = parent * V + arrays["csr_tokens"].long()
-    del parent
-    woff = np.asarray(bloom_layout(snap.spec).word_offsets, dtype=np.int32)
-    max_parts = int(np.diff(g.part_offsets).max()) if g.part_offsets is not None and len(g.part_offsets) > 1 else 0
+    del parent, staged
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    moved = sum(int(getattr(g, n).nbytes) for n in names)
+    clock.lap("transfer")
+    info = {"bytes": sum(int(getattr(g, n).nbytes) for n in names), "seconds": sum(clock.seconds.values()),
+            "phases": clock.seconds}
     return DeviceIndex(snap, device, g.level_sizes, bloom_word_offsets=torch.from_numpy(woff).to(device),
-                       bloom_words=tuple(int(w) for w in woff),
-                       max_children=max_children, mean_children=mean_children, leaf_start=int(g.depth_offsets[g.sid_length]), max_parts=max_parts,
-                       load_info={"seconds": time.perf_counter() - t0, "bytes": moved}, **arrays)
+                       bloom_words=tuple(int(w) for w in woff), max_children=max_children,
+                       mean_children=mean_children, leaf_start=int(g.depth_offsets[g.sid_length]),
+                       max_parts=max_parts, load_info=info, **arrays)
 
 
 def load(path: str | Path, device: str | torch.device = "cpu", *, verify: bool = True) -> DeviceIndex:

@@ -40,14 +40,14 @@ MODES = ("cd", "cd+gtm", "cd+gtm+kway")
 class Case:
     """A scenario built into an in-memory snapshot, loaded onto the test device."""
 
-    def __init__(self, sc: Scenario) -> None:
+    def __init__(self, sc: Scenario, device: str = DEVICE) -> None:
         self.sc = sc
         self.gtm, _, _, self.exact, self.greq, self.ereq = build(sc)
         self.snap = Snapshot(Path("."), {"id": "test"}, sc.spec, self.gtm, self.exact,
                              np.arange(len(sc.ads), dtype=np.int64))
-        self.index = load_index(self.snap, DEVICE)
+        self.index = load_index(self.snap, device)
         self.requests = Requests("requests", np.arange(len(sc.requests)), None, frame(sc.spec, sc.requests, pl.String))
-        self.dreq = encode_requests(sc.spec, self.requests, DEVICE)
+        self.dreq = encode_requests(sc.spec, self.requests, device)
 
     def allowed(self, r: int, prefix: tuple[int, ...], mode: str) -> list[int]:
         """Tokens allowed after `prefix` for request r: any of the level's ("none"), or the CPU matcher's."""
@@ -184,6 +184,22 @@ def test_wide_beams_return_exactly_the_eligible_ads(sc, seed):
             assert np.all(np.diff(got.score[got.request == r]) <= 0)
 
 
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@settings(max_examples=25, deadline=None)
+@given(scenarios(max_ads=15), st.integers(0, 2**32 - 1))
+def test_gpu_and_cpu_paths_give_the_same_beams(sc, seed):
+    gpu, cpu = Case(sc, "cuda"), Case(sc, "cpu")
+    scorer = TableScorer(gpu.gtm.vocab_size, seed)  # the same logits on both devices
+    for mode in ("none",) + MODES:
+        a = beam_search(gpu.index, gpu.dreq, scorer, (1, 3, 5, 5)[:gpu.gtm.sid_length], mode)
+        b = beam_search(cpu.index, cpu.dreq, scorer, (1, 3, 5, 5)[:gpu.gtm.sid_length], mode)
+        for r in range(len(sc.requests)):
+            got, want = searched(gpu, a, r), searched(cpu, b, r)
+            assert got.keys() == want.keys(), mode
+            for sid in got:
+                assert got[sid] == pytest.approx(want[sid], rel=1e-5, abs=1e-5)
+
+
 def test_dead_logits_never_let_a_disallowed_sid_through():
     from tests.test_gtm import scenario
 
@@ -218,3 +234,27 @@ def test_parse_beams():
                          ("1,0,2,2", "positive")]:
         with pytest.raises(ConfigError, match=message):
             parse_beams(bad, 4)
+
+
+def test_codebook_scorer_is_the_residual_distance():
+    from runtime.scorer import CodebookScorer
+    from sidindex.config import SIDConfig
+    from sidindex.sid.codebook import Codebook
+
+    rng = np.random.default_rng(0)
+    cents = (rng.standard_normal((5, 3)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32))
+    cb = Codebook(cents, 7, ("advertiser_id",), 1, None, SIDConfig())
+    x = torch.from_numpy(rng.standard_normal((2, 3)).astype(np.float32))
+    scorer = CodebookScorer(cb, x, temperature=2.0)
+    prefix = torch.tensor([[[1, 3], [4, 0]], [[0, 0], [2, 2]]])
+    for step in range(3):
+        got = torch.log_softmax(scorer(step, prefix[..., :step]), -1)
+        for b in range(2):
+            for k in range(2):
+                if step == 2:  # the hash level: uniform over its 7 tokens
+                    want = torch.full((7,), -math.log(7))
+                else:
+                    r = x[b] - sum(torch.from_numpy(cents[p][prefix[b, k, p]]) for p in range(step))
+                    want = torch.log_softmax(-((r - torch.from_numpy(cents[step])) ** 2).sum(1) / 2.0, 0)
+                torch.testing.assert_close(got[b, k, :len(want)], want, rtol=1e-4, atol=1e-4)
+                assert torch.all(got[b, k, len(want):] == float("-inf"))
