@@ -1,7 +1,8 @@
 """The runtime against independent references (DESIGN.md §3, §8).
 
-- The CD+GTM mask: the Triton kernel (under TRITON_INTERPRET=1 without a GPU) and the torch
-  reference equal each other and the numba CPU matcher, on random small indexes, in every mode.
+- The CD+GTM mask: the Triton kernel (under TRITON_INTERPRET=1 without a GPU), the torch
+  reference and the numba CPU path equal each other and the CPU matcher's verdicts, on random
+  small indexes, in every mode.
 - Beam search equals a brute-force constrained beam search written here, in every mode.
 - With beams wider than the catalog, cd+gtm (and k-way) retrieval returns exactly the eligible ads
   (invariant 1); every mode returns only eligible ads (invariant 2) and catalog SIDs (invariant 3).
@@ -75,6 +76,7 @@ class Case:
 @given(scenarios(), st.integers(0, 2**32 - 1))
 def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed):
     case = Case(sc)
+    cpu = Case(sc, "cpu") if GPU else case  # the numba path reads CPU tensors
     g, B = case.gtm, len(sc.requests)
     gen = torch.Generator().manual_seed(seed)
     for d in range(g.sid_length):
@@ -90,6 +92,7 @@ def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed):
             ref = gtm_mask(*args, impl="torch").cpu()
             ker = gtm_mask(*args, impl="triton").cpu()
             assert torch.equal(ref, ker), mode
+            assert torch.equal(ref, gtm_mask(cpu.index, cpu.dreq, d, req, node, score, logp, mode, impl="numba")), mode
             for i in range(len(node)):
                 want = set() if score[i] == float("-inf") else {
                     t for t in passing_tokens(g, case.greq, int(req[i]), int(node[i]), mode).tolist()
@@ -152,7 +155,7 @@ def test_beam_search_equals_brute_force(sc, seed, widths, nan_share):
     beams = (1, *widths)[:L] + (widths[-1],) * max(0, L - 4)
     scorer = TableScorer(case.gtm.vocab_size, seed, nan_share)
     for mode in ("none",) + MODES:
-        impls = ["torch"] if mode == "none" else ["torch", "triton"]
+        impls = ["torch"] if mode == "none" else ["torch", "triton"] + ([] if GPU else ["numba"])
         for impl in impls:
             found = beam_search(case.index, case.dreq, scorer, beams, mode, impl)
             for r in range(len(sc.requests)):
