@@ -111,8 +111,9 @@ def run_one(inputs: Path) -> dict:
     }
 
 
-def _child(*args: str) -> str:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+def run_child(script: str, *args: str) -> str:
+    """Run `script` with `args` in a fresh process (its memory and page faults are its own); stdout."""
+    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"{' '.join(args)} failed:\n{out.stderr}")
     return out.stdout
@@ -136,9 +137,9 @@ def main() -> int:
     for n in args.ads:
         with tempfile.TemporaryDirectory() as tmp:
             print(f"generating {n:,} ads ...", file=sys.stderr, flush=True)
-            _child("--generate", tmp, "--ads", str(n), "--paths", str(args.paths))
+            run_child(__file__, "--generate", tmp, "--ads", str(n), "--paths", str(args.paths))
             print(f"building {n:,} ads ...", file=sys.stderr, flush=True)
-            results.append(json.loads(_child("--single", tmp).strip().splitlines()[-1]))
+            results.append(json.loads(run_child(__file__, "--single", tmp).strip().splitlines()[-1]))
     stages = list(results[0]["seconds"])
     print("| ads | SID rows | " + " | ".join(f"{s} s" for s in stages) + " | total s | CD-only floor s | core / floor | peak RSS GB |")
     print("|" + "---|" * (len(stages) + 6))

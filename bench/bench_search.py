@@ -40,36 +40,25 @@ import polars as pl
 import torch
 
 import runtime.search as search_mod
-from bench.bench_gtm import LEVELS, bench_spec, generate
+from bench.bench_gtm import bench_spec, generate
+from bench.bench_snapshot import write
 from runtime.loader import load_index
 from runtime.requests import encode_requests
 from runtime.search import beam_search
-from sidindex.build import build_index
 from sidindex.config import KWayConfig
 from sidindex.ingest import Requests
 from sidindex.sample import location_vocabulary, sample_requests, zipf_weights
-from sidindex.snapshot import open_snapshot, write_snapshot
+from sidindex.snapshot import open_snapshot
 
 MODES = ("none", "cd", "cd+gtm", "cd+gtm+kway")
 KWAY = KWayConfig(mode="dynamic", k_max=16, target_fill=0.5)
 
 
 def build_snapshot(n: int, out: Path) -> dict:
-    """Generate, build and write a snapshot of n ads; seconds per stage."""
+    """Generate, build and write a snapshot of n ads into out/snapshot; seconds per stage."""
     t = time.perf_counter()
     generate(n, 2, out)
-    gen_s = time.perf_counter() - t
-    spec = bench_spec()
-    columns = pl.read_ipc(out / "catalog.arrow")
-    built = build_index(spec, columns, np.load(out / "sids.npy"), np.load(out / "ad_index.npy"), LEVELS, kway=KWAY)
-    snap = out / "snapshot"
-    snap.mkdir()
-    t = time.perf_counter()
-    write_snapshot(snap, built.gtm, built.exact, np.arange(columns.height, dtype=np.int64), spec,
-                   {"id": "bench", "input_fingerprint": "-", "codebook_id": None, "build_config": {},
-                    "counts": {"ads": columns.height}, "stats": built.stats.to_dict()})
-    return {"generate": gen_s, "build": sum(built.seconds.values()), "write": time.perf_counter() - t,
-            "sids": built.stats.sids, "nodes": built.stats.num_nodes}
+    return {"generate": time.perf_counter() - t, **write(out, out / "snapshot", kway=KWAY)}
 
 
 def bench_requests(B: int, n_locations: int, seed: int = 3) -> Requests:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import numpy as np
 import polars as pl
 
-from bench.bench_gtm import LEVELS, bench_spec, generate
+from bench.bench_gtm import LEVELS, bench_spec, generate, run_child
 from sidindex.build import build_index
 from sidindex.sample import sample_requests
 from sidindex.snapshot import open_snapshot, write_snapshot
@@ -40,15 +39,21 @@ from sidindex.snapshot import open_snapshot, write_snapshot
 QUERY_SIDS = 1000
 
 
-def write(inputs: Path, out: Path) -> None:
+def write(inputs: Path, out: Path, kway=None) -> dict:
+    """Build the index from the files `generate` wrote and write it as a snapshot in `out`; returns
+    seconds (build, write) and counts."""
     spec = bench_spec()
     columns = pl.read_ipc(inputs / "catalog.arrow")
-    built = build_index(spec, columns, np.load(inputs / "sids.npy"), np.load(inputs / "ad_index.npy"), LEVELS)
+    built = build_index(spec, columns, np.load(inputs / "sids.npy"), np.load(inputs / "ad_index.npy"), LEVELS,
+                        kway=kway)
     out.mkdir()
+    t = time.perf_counter()
     write_snapshot(out, built.gtm, built.exact, np.arange(columns.height, dtype=np.int64), spec,
                    {"id": "bench", "input_fingerprint": "-", "codebook_id": None, "build_config": {},
                     "counts": {"ads": columns.height}, "stats": built.stats.to_dict()})
     os.sync()  # no writeback left to compete with the cold reads measured next
+    return {"build": sum(built.seconds.values()), "write": time.perf_counter() - t, "sids": built.stats.sids,
+            "nodes": built.stats.num_nodes}
 
 
 def evict(snapshot: Path) -> None:
@@ -110,13 +115,6 @@ def measure(snapshot: Path, how: str, repeats: int = 3) -> dict:
             "bytes": sum(f["bytes"] for f in json.loads((snapshot / "manifest.json").read_text())["files"].values())}
 
 
-def _child(*args: str) -> str:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
-    if out.returncode:
-        sys.exit(f"{' '.join(args)} failed:\n{out.stderr}")
-    return out.stdout
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ads", type=int, nargs="+", default=[1_000_000, 10_000_000])
@@ -139,9 +137,9 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             print(f"generating and building {n:,} ads ...", file=sys.stderr, flush=True)
-            _child("--generate", str(tmp), "--ads", str(n))
-            _child("--write", str(tmp), str(tmp / "snapshot"))
-            results[n] = {how: json.loads(_child("--measure", str(tmp / "snapshot"), how).strip().splitlines()[-1])
+            run_child(__file__, "--generate", str(tmp), "--ads", str(n))
+            run_child(__file__, "--write", str(tmp), str(tmp / "snapshot"))
+            results[n] = {how: json.loads(run_child(__file__, "--measure", str(tmp / "snapshot"), how).strip().splitlines()[-1])
                           for how in ("cold", "prefault", "verify")}
     rows = [("snapshot GB", lambda r: r["cold"]["bytes"] / 1e9),
             ("open: manifest s", lambda r: r["cold"]["phases"]["manifest"]),
