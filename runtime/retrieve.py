@@ -36,8 +36,9 @@ class RetrievalRun:
                          "ad_id": pa.array(r.ad_id), "sid": sid, "score": pa.array(r.score)})
 
 
-def codebook_scorer(index: DeviceIndex, requests: Requests, rows: slice, temperature: float = 1.0) -> Scorer:
-    """The codebook scorer for requests[rows], from the codebook the snapshot carries."""
+def codebook_scorer(index: DeviceIndex, requests: Requests, temperature: float = 1.0):
+    """rows -> the codebook scorer for requests[rows], from the codebook the snapshot carries
+    (loaded and checked once)."""
     snap = index.snapshot
     if requests.embedding is None:
         raise InputError(f"{requests.path}: the codebook scorer needs an `embedding` column in the requests")
@@ -47,8 +48,12 @@ def codebook_scorer(index: DeviceIndex, requests: Requests, rows: slice, tempera
     cb = load_codebook(cb_dir)
     if cb.dim != requests.embedding.shape[1]:
         raise InputError(f"{requests.path}: embedding has {requests.embedding.shape[1]} dimensions, the codebook {cb.dim}")
-    emb = torch.from_numpy(np.ascontiguousarray(requests.embedding[rows], dtype=np.float32)).to(index.device)
-    return CodebookScorer(cb, emb, temperature)
+
+    def for_rows(rows: slice) -> Scorer:
+        emb = torch.from_numpy(np.ascontiguousarray(requests.embedding[rows], dtype=np.float32)).to(index.device)
+        return CodebookScorer(cb, emb, temperature)
+
+    return for_rows
 
 
 def retrieve(index: DeviceIndex, requests: Requests, *, mode: str = "cd+gtm", beams: tuple[int, ...] = DEFAULT_BEAMS,
@@ -56,9 +61,9 @@ def retrieve(index: DeviceIndex, requests: Requests, *, mode: str = "cd+gtm", be
              progress=None) -> RetrievalRun:
     """Ranked eligible ads for every request, `batch_size` requests per search.
 
-    scorer: (index, requests, rows) -> Scorer for those rows; default the codebook scorer
+    scorer: rows (a slice of the request table) -> Scorer for those rows; default the codebook scorer
     """
-    scorer = scorer or codebook_scorer
+    scorer = scorer or codebook_scorer(index, requests)
     spec = index.snapshot.spec
     dev_req = encode_requests(spec, requests, index.device)
     exact_req = encode_exact_requests(index.snapshot.exact, requests.columns)
@@ -67,7 +72,7 @@ def retrieve(index: DeviceIndex, requests: Requests, *, mode: str = "cd+gtm", be
     for lo in range(0, n, batch_size):
         hi = min(n, lo + batch_size)
         t = time.perf_counter()
-        found = beam_search(index, dev_req.slice(lo, hi), scorer(index, requests, slice(lo, hi)), beams, mode, impl)
+        found = beam_search(index, dev_req.slice(lo, hi), scorer(slice(lo, hi)), beams, mode, impl)
         if index.device.type == "cuda":
             torch.cuda.synchronize(index.device)
         seconds["search"] += time.perf_counter() - t

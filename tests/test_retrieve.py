@@ -67,7 +67,7 @@ def test_watcher_swaps_to_a_new_snapshot_and_refuses_a_corrupt_one(root, sample_
     # a request that took the old index finishes on it
     reqs = read_requests(sample_dir / "requests.parquet", old.snapshot.spec)
     found = beam_search(old, encode_requests(old.snapshot.spec, reqs, "cpu").slice(0, 2),
-                        codebook_scorer(old, reqs, slice(0, 2)), (1, 4, 8, 8), "cd+gtm")
+                        codebook_scorer(old, reqs)(slice(0, 2)), (1, 4, 8, 8), "cd+gtm")
     assert found.alive.any()
     # a corrupt snapshot published under a new id is not swapped in
     good = watcher.current
