@@ -40,7 +40,7 @@ def encode_requests(spec: TargetingSpec, requests: Requests, device: str | torch
 
     def put(a: np.ndarray) -> torch.Tensor:
         a = a.view(np.int64) if a.dtype == np.uint64 else a
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return torch.from_numpy(np.array(a, order="C")).to(device)  # a copy: the source may be read-only
 
     emb = None if requests.embedding is None else put(np.asarray(requests.embedding, dtype=np.float32))
     n_q = enc.query_ranges[..., 1] - enc.query_ranges[..., 0]
