@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.search import Beams
-from sidindex.matchers.exact import ExactRequests, eligible_pairs
+from sidindex.matchers.exact import STAGE_BITMASK, STAGE_BLOOM, ExactRequests, eligible_pairs, stage_flags
 from sidindex.snapshot import Snapshot
 
 
@@ -24,7 +24,9 @@ class Retrieved:
     request: (n,) int64 request row; rank: (n,) int64 1-based; ad_row: (n,) int64 catalog row;
     ad_id: (n,) int64; sid: (n, L) int64 the SID that reached the ad with the best score;
     score: (n,) float32. Per request (B,) int64: sids (live SIDs the search returned),
-    ads_generated (ads under them, counted once per ad), ads_eligible (after the exact filter).
+    ads_generated (ads under them, counted once per ad), ads_eligible (after the exact filter);
+    with `stages`, ads_bitmask / ads_bloom: generated ads that pass every bitmask / every bloom
+    attribute (each stage on its own), else None.
     """
 
     request: np.ndarray
@@ -36,10 +38,14 @@ class Retrieved:
     sids: np.ndarray
     ads_generated: np.ndarray
     ads_eligible: np.ndarray
+    ads_bitmask: np.ndarray | None = None
+    ads_bloom: np.ndarray | None = None
 
 
-def expand(snap: Snapshot, requests: ExactRequests, beams: Beams, top_k: int | None = None) -> Retrieved:
-    """The eligible ads under the searched SIDs, ranked per request; `top_k` caps each request."""
+def expand(snap: Snapshot, requests: ExactRequests, beams: Beams, top_k: int | None = None,
+           stages: bool = False) -> Retrieved:
+    """The eligible ads under the searched SIDs, ranked per request; `top_k` caps each request;
+    `stages` also counts the ads passing each stage (bitmask, bloom) on its own."""
     g = snap.gtm
     tokens, score, leaf = (t.cpu().numpy() for t in (beams.tokens, beams.score, beams.leaf))
     B = len(score)
@@ -60,7 +66,14 @@ def expand(snap: Snapshot, requests: ExactRequests, beams: Beams, top_k: int | N
     req, ad, beam, sc = req[first_of], ad[first_of], beam[first_of], sc[first_of]
     generated = np.bincount(req, minlength=B)
     # 4. the exact filter
-    ok = eligible_pairs(snap.exact, requests, req, ad)
+    per_stage = {}
+    if stages:
+        flags = stage_flags(snap.exact, requests, req, ad)
+        ok = flags == STAGE_BITMASK | STAGE_BLOOM
+        per_stage = {"ads_bitmask": np.bincount(req[(flags & STAGE_BITMASK) > 0], minlength=B),
+                     "ads_bloom": np.bincount(req[(flags & STAGE_BLOOM) > 0], minlength=B)}
+    else:
+        ok = eligible_pairs(snap.exact, requests, req, ad)
     req, ad, beam, sc = req[ok], ad[ok], beam[ok], sc[ok]
     # 5. rank per request: score descending, then ad_id
     ad_id = snap.ad_id[ad]
@@ -73,4 +86,5 @@ def expand(snap: Snapshot, requests: ExactRequests, beams: Beams, top_k: int | N
         keep = rank <= top_k
         req, ad, ad_id, beam, sc, rank = req[keep], ad[keep], ad_id[keep], beam[keep], sc[keep], rank[keep]
     return Retrieved(req.astype(np.int64), rank.astype(np.int64), ad, np.asarray(ad_id, dtype=np.int64),
-                     tokens[b[beam], k[beam]], sc.astype(np.float32), np.bincount(b, minlength=B), generated, eligible)
+                     tokens[b[beam], k[beam]], sc.astype(np.float32), np.bincount(b, minlength=B), generated, eligible,
+                     **per_stage)

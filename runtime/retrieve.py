@@ -58,7 +58,7 @@ def codebook_scorer(index: DeviceIndex, requests: Requests, temperature: float =
 
 def retrieve(index: DeviceIndex, requests: Requests, *, mode: str = "cd+gtm", beams: tuple[int, ...] = DEFAULT_BEAMS,
              top_k: int | None = None, batch_size: int = 16, scorer=None, impl: str = "auto",
-             progress=None) -> RetrievalRun:
+             stages: bool = False, progress=None) -> RetrievalRun:
     """Ranked eligible ads for every request, `batch_size` requests per search.
 
     scorer: rows (a slice of the request table) -> Scorer for those rows; default the codebook scorer
@@ -77,7 +77,7 @@ def retrieve(index: DeviceIndex, requests: Requests, *, mode: str = "cd+gtm", be
             torch.cuda.synchronize(index.device)
         seconds["search"] += time.perf_counter() - t
         t = time.perf_counter()
-        part = expand(index.snapshot, _rows(exact_req, lo, hi), found, top_k)
+        part = expand(index.snapshot, _rows(exact_req, lo, hi), found, top_k, stages)
         parts.append((lo, part))
         seconds["post"] += time.perf_counter() - t
         if progress:
@@ -94,6 +94,8 @@ def _concat(parts: list[tuple[int, Retrieved]]) -> Retrieved:
     """Batches -> one result; request rows shifted to the whole table's."""
     out = {}
     for f in fields(Retrieved):
-        vals = [getattr(p, f.name) + (lo if f.name == "request" else 0) for lo, p in parts]
-        out[f.name] = np.concatenate(vals)
+        vals = [getattr(p, f.name) for _, p in parts]
+        if f.name == "request":
+            vals = [v + lo for v, (lo, _) in zip(vals, parts)]
+        out[f.name] = None if vals[0] is None else np.concatenate(vals)
     return Retrieved(**out)

@@ -26,6 +26,11 @@ class CodebookScorer:
         self.sq_norms = [(c * c).sum(dim=1) for c in self.centroids]
         self.sizes, self.V, self.temperature = codebook.level_sizes, codebook.vocab_size, temperature
 
+    def prefix_independent(self, step: int) -> bool:
+        """True when the logits of `step` do not depend on the prefix (the hash level): an
+        exhaustive scan asks once instead of once per trie node."""
+        return step >= len(self.centroids)
+
     def __call__(self, step: int, prefix: torch.Tensor) -> torch.Tensor:
         B, K, _ = prefix.shape
         out = torch.full((B, K, self.V), float("-inf"), device=self.x.device)

@@ -87,6 +87,7 @@ def beam_search(index: DeviceIndex, requests: DeviceRequests, scorer: Scorer, be
         # only the last step's order matters (the result is ranked); unsorted top-k is cheaper
         score, flat = cand.reshape(B, K * V).topk(k_next, dim=1, sorted=d == L - 1)
         parent, tok = flat // V, flat % V
+        tok = torch.where(score > NEG_INF, tok, 0)  # a dead slot's token is arbitrary: keep it in every level's range
         tokens = torch.cat([tokens.gather(1, parent[..., None].expand(-1, -1, d)), tok[..., None]], dim=2)
         node = _child(index, node.gather(1, parent), tok, score > NEG_INF)
     leaf = torch.where(node >= 0, node - index.leaf_start, -1)

@@ -23,7 +23,7 @@ from sidindex.errors import InputError, QualityGateError, SidIndexError
 
 app = typer.Typer(help=__doc__.split("\n")[0] + "\n\nBuilds Semantic-ID indexes for eligibility-constrained "
                   "generative ad retrieval. Start with `sidindex sample`, then `sidindex build`, "
-                  "`sidindex inspect`, `sidindex validate`, `sidindex explain` and `sidindex retrieve`.", no_args_is_help=True, add_completion=False)
+                  "`sidindex inspect`, `sidindex validate`, `sidindex explain`, `sidindex retrieve` and `sidindex simulate`.", no_args_is_help=True, add_completion=False)
 sid_app = typer.Typer(help="Semantic IDs: train a frozen codebook, assign SIDs to a catalog.", no_args_is_help=True)
 app.add_typer(sid_app, name="sid")
 
@@ -386,6 +386,81 @@ def retrieve(
            "requests_whose_beams_all_died": int((r.sids == 0).sum()),
            "seconds": {"load": round(load_s, 3), **{k: round(v, 3) for k, v in run.seconds.items()}}},
           as_json, "retrieved")
+
+
+@app.command()
+def simulate(
+    snapshot: Path = SNAPSHOT_ARG,
+    requests: Path = typer.Option(..., "--requests", help="Request table with an `embedding` column (the codebook "
+                                  "scorer's input)."),
+    modes: Optional[str] = typer.Option(None, "--modes", help="Comma-separated modes (default: cd,cd+gtm, plus "
+                                        "cd+gtm+kway when the snapshot has partitions)."),
+    beams: str = typer.Option("1,512,1024,1024", "--beams", help="Beam size per SID position, as for retrieve."),
+    top_k: int = typer.Option(100, "--top-k", min=1, help="K of recall@K and of 'requests short of K'."),
+    max_requests: Optional[int] = typer.Option(None, "--max-requests", min=1, help="Use the first N requests only."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw pass rates and recall per mode to this PNG."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Pass rates and recall of eligible ads per mode (GRACE Table 3, and what it left out).
+
+    Per mode, over the ads the returned SIDs generate: the share passing every bitmask attribute,
+    every bloom attribute (each stage on its own) and both (final), overall and bucketed by how
+    many ads a request generated; eligible ads per request (mean, p10); requests short of K; and
+    recall@K against the K best eligible ads of the whole catalog under the same codebook scorer,
+    found exhaustively. Times are per request.
+    """
+    from runtime.loader import load
+    from runtime.search import parse_beams
+    from runtime.simulate import simulate as run_study
+    from sidindex.ingest import read_requests
+
+    index = load(snapshot, device, verify=False)
+    beam_sizes = parse_beams(beams, index.sid_length)
+    reqs = read_requests(requests, index.snapshot.spec)
+    if max_requests is not None and max_requests < len(reqs):
+        reqs = type(reqs)(reqs.path, reqs.request_id[:max_requests],
+                          None if reqs.embedding is None else reqs.embedding[:max_requests],
+                          reqs.columns.slice(0, max_requests))
+    kway = index.part_offsets is not None
+    chosen = tuple(m.strip() for m in modes.split(",")) if modes else ("cd", "cd+gtm") + (("cd+gtm+kway",) if kway else ())
+    with _progress(not as_json and err.is_terminal) as progress:
+        report = run_study(index, reqs, chosen, beam_sizes, top_k, progress=progress)
+    report["kway"] = (index.snapshot.manifest.get("build_config") or {}).get("kway") if kway else None
+    if plot is not None:
+        from sidindex.plot import plot_study
+
+        plot_study(report, plot)
+        report["plot"] = str(plot)
+    if as_json:
+        _emit(report, True, "")
+        return
+    _emit({k: round(v, 1) if isinstance(v, float) else v for k, v in report.items() if k != "modes"}, False,
+          "simulation")
+    t = Table(title=f"per mode ({report['requests']} requests): ads generated and their pass rates per stage, "
+              f"eligible ads per request, requests short of {top_k}, recall, ms per request", title_justify="left")
+    cols = ["mode", "generated", "bitmask", "bloom", "final", "eligible/req", "p10", f"<{top_k}", f"recall@{top_k}",
+            "search ms", "post ms"]
+    for c in cols:
+        t.add_column(c, justify="right")
+    for m in report["modes"]:
+        t.add_row(m["mode"], f"{m['ads_generated']:,}", _pct(m["bitmask_rate"]), _pct(m["bloom_rate"]),
+                  _pct(m["final_rate"]), f"{m['eligible_per_request_mean']:.1f}", f"{m['eligible_per_request_p10']:.0f}",
+                  str(m["requests_short_of_k"]), "-" if m[f"recall_at_{top_k}"] is None else f"{m[f'recall_at_{top_k}']:.3f}",
+                  f"{m['search_ms_per_request']:.1f}", f"{m['post_ms_per_request']:.1f}")
+    out.print(t)
+    b = Table(title="final rate by ads generated per request", title_justify="left")
+    for c in ("mode", "ads generated", "requests", "bitmask rate", "bloom rate", "final rate"):
+        b.add_column(c, justify="right")
+    for m in report["modes"]:
+        for k in m["buckets"]:
+            b.add_row(m["mode"], k["generated"], str(k["requests"]), _pct(k["bitmask_rate"]), _pct(k["bloom_rate"]),
+                      _pct(k["final_rate"]))
+    out.print(b)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
 
 
 def _print_explanation(r, max_ads: int) -> None:

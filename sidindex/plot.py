@@ -1,4 +1,4 @@
-"""Figures for `inspect --plot` (matplotlib, an optional extra: pip install 'sidindex[plot]')."""
+"""Figures for `inspect --plot` and `simulate --plot` (matplotlib, an optional extra: pip install 'sidindex[plot]')."""
 
 from __future__ import annotations
 
@@ -43,6 +43,31 @@ def plot_positions(positions: list[dict], kway: bool, path: Path, title: str) ->
     store.set(xlabel="transition position", ylabel="MB (log scale)", yscale="log", title="matcher storage", xticks=x)
     store.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def plot_study(report: dict, path: Path) -> None:
+    """Pass rates per stage and recall@K per mode (a `sidindex simulate` report) to a PNG."""
+    plt = _pyplot()
+    modes = report["modes"]
+    k = report["top_k"]
+    fig, (rates, recall) = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.25
+    for i, (key, label) in enumerate([("bitmask_rate", "bitmask stage"), ("bloom_rate", "bloom stage"),
+                                      ("final_rate", "final (eligible)")]):
+        rates.bar([j + (i - 1) * width for j in range(len(modes))], [m[key] or 0 for m in modes], width, label=label)
+    rates.set(xticks=range(len(modes)), xticklabels=[m["mode"] for m in modes], ylim=(0, 1.02),
+              ylabel="share of generated ads", title="pass rate of the ads the search generated")
+    rates.legend(fontsize=8)
+    recall.bar(range(len(modes)), [m[f"recall_at_{k}"] or 0 for m in modes], 0.5)
+    recall.set(xticks=range(len(modes)), xticklabels=[m["mode"] for m in modes], ylim=(0, 1.02),
+               ylabel=f"recall@{k}", title=f"recall@{k} of the best eligible ads (exhaustive)")
+    fig.suptitle(f"snapshot {report['snapshot_id']}: {report['requests']} requests, beams "
+                 f"{','.join(map(str, report['beams']))}", fontsize=10)
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)

@@ -124,29 +124,59 @@ def attribute_eligibility(index: ExactIndex, requests: ExactRequests, request: i
     return np.concatenate([attribute_passes(index.layout, index.bitmask_rows[ad], requests.user_rows[request]), bloom])
 
 
+STAGE_BITMASK, STAGE_BLOOM = 1, 2  # bits of `stage_flags`
+
+
+def stage_flags(index: ExactIndex, requests: ExactRequests, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
+    """(n,) uint8 per (request, ad) pair: STAGE_BITMASK set when the ad passes every bitmask
+    attribute, STAGE_BLOOM when it passes every bloom attribute (each tested on its own, for pass
+    rates per stage); eligible iff both are set."""
+    return _stage_flags(index.bitmask_rows, index.hash_offsets, index.hashes, requests.user_rows,
+                        requests.hash_offsets, requests.hashes, np.asarray(reqs, dtype=np.int64),
+                        np.asarray(ads, dtype=np.int64))
+
+
+@numba.njit(cache=True)
+def _bitmask_ok(rows, ad, user):
+    """(row & user) == user, word by word; the first failing word stops."""
+    for w in range(rows.shape[1]):
+        if rows[ad, w] & user[w] != user[w]:
+            return False
+    return True
+
+
+@numba.njit(cache=True)
+def _bloom_ok(ad_off, ad_hashes, ad, req_off, req_hashes, r):
+    """Every bloom attribute: the ad is unrestricted, or ANY request value is in its list."""
+    for a in range(ad_off.shape[0]):
+        lo, hi = ad_off[a, ad], ad_off[a, ad + 1]
+        if hi == lo:
+            continue
+        hit = False
+        for j in range(req_off[a, r], req_off[a, r + 1]):
+            k = np.searchsorted(ad_hashes[lo:hi], req_hashes[j])
+            if k < hi - lo and ad_hashes[lo + k] == req_hashes[j]:
+                hit = True
+                break
+        if not hit:
+            return False
+    return True
+
+
 @numba.njit(cache=True)
 def _eligible(rows, ad_off, ad_hashes, user_rows, req_off, req_hashes, reqs, ads):
     out = np.zeros(len(ads), dtype=np.bool_)
-    n_attr = ad_off.shape[0]
     for i in range(len(ads)):
         ad, r = ads[i], reqs[i]
-        user = user_rows[r]
-        ok = True
-        for w in range(rows.shape[1]):  # bitmask: (row & user) == user, first failing word stops
-            if rows[ad, w] & user[w] != user[w]:
-                ok = False
-                break
-        a = 0
-        while ok and a < n_attr:  # bloom attributes: unrestricted, or ANY request value in the ad's list
-            lo, hi = ad_off[a, ad], ad_off[a, ad + 1]
-            if hi > lo:
-                hit = False
-                for j in range(req_off[a, r], req_off[a, r + 1]):
-                    k = np.searchsorted(ad_hashes[lo:hi], req_hashes[j])
-                    if k < hi - lo and ad_hashes[lo + k] == req_hashes[j]:
-                        hit = True
-                        break
-                ok = hit
-            a += 1
-        out[i] = ok
+        out[i] = _bitmask_ok(rows, ad, user_rows[r]) and _bloom_ok(ad_off, ad_hashes, ad, req_off, req_hashes, r)
+    return out
+
+
+@numba.njit(cache=True)
+def _stage_flags(rows, ad_off, ad_hashes, user_rows, req_off, req_hashes, reqs, ads):
+    out = np.zeros(len(ads), dtype=np.uint8)
+    for i in range(len(ads)):
+        ad, r = ads[i], reqs[i]
+        out[i] = (STAGE_BITMASK if _bitmask_ok(rows, ad, user_rows[r]) else 0) | \
+            (STAGE_BLOOM if _bloom_ok(ad_off, ad_hashes, ad, req_off, req_hashes, r) else 0)
     return out

@@ -1,0 +1,141 @@
+"""The retrieval study behind `sidindex simulate`: pass rates per stage (GRACE Table 3) and recall of
+the best eligible ads, per mode, on one snapshot and request table.
+
+Per mode, retrieval runs as served (beam search, SIDs -> ads, exact filter) and counts, over the
+ads the returned SIDs generate (each ad once per request):
+  bitmask rate  share passing every bitmask attribute      (each stage tested on its own)
+  bloom rate    share passing every bloom attribute
+  final rate    share eligible (both)
+Recall@K compares the K best returned eligible ads with the K best eligible ads of the whole
+catalog under the same scorer, found exhaustively: every SID's log-probability is computed node by
+node down the trie (the scorer asked for every node of a depth at once), an ad scores its best SID,
+and the exact filter runs over every ad.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from runtime.loader import DeviceIndex
+from runtime.retrieve import codebook_scorer, retrieve
+from runtime.search import Scorer
+from sidindex.ingest import Requests
+from sidindex.matchers.exact import eligible_mask, encode_exact_requests
+
+BUCKETS = (0, 1, 100, 1_000, 10_000, 100_000)  # generated ads per request: [0, 1), [1, 100), ...
+
+
+def node_scores(index: DeviceIndex, scorer: Scorer, chunk: int = 16384) -> torch.Tensor:
+    """(num_nodes,) float32 accumulated log-probability of every trie node's prefix for one request
+    (a scorer for a batch of one); the root scores 0. Leaves are SIDs."""
+    g = index.snapshot.gtm
+    dev, V = index.device, index.vocab_size
+    no = torch.from_numpy(np.asarray(g.node_offsets)).to(dev)
+    tokens = index.csr_tokens.long()
+    score = torch.zeros(g.num_nodes, dtype=torch.float32, device=dev)
+    paths = torch.zeros(1, 0, dtype=torch.int64, device=dev)  # token path of each node of depth d
+    for d in range(g.sid_length):
+        lo, hi = int(g.depth_offsets[d]), int(g.depth_offsets[d + 1])
+        constant = getattr(scorer, "prefix_independent", lambda step: False)(d)
+        for s in range(lo, hi, chunk):
+            e = min(hi, s + chunk)
+            ask = paths[:1] if constant else paths[s - lo:e - lo]
+            logp = torch.log_softmax(scorer(d, ask[None]).float()[0], dim=-1)  # (n or 1, V)
+            e_lo, e_hi = int(g.node_offsets[s]), int(g.node_offsets[e])
+            parent = torch.repeat_interleave(torch.arange(s, e, device=dev), no[s + 1:e + 1] - no[s:e])
+            row = torch.zeros_like(parent) if constant else parent - s
+            score[e_lo + 1:e_hi + 1] = score[parent] + logp.reshape(-1, V)[row, tokens[e_lo:e_hi]]
+        if d + 1 < g.sid_length:  # children of depth d, in node order: parent's path + token
+            e_lo, e_hi = int(g.node_offsets[lo]), int(g.node_offsets[hi])
+            parent = torch.repeat_interleave(torch.arange(lo, hi, device=dev), no[lo + 1:hi + 1] - no[lo:hi]) - lo
+            paths = torch.cat([paths[parent], tokens[e_lo:e_hi, None]], dim=1)
+    return score
+
+
+def exhaustive_top_k(index: DeviceIndex, requests: Requests, k: int, scorer_for=None) -> list[np.ndarray]:
+    """Per request, the catalog rows of its k best eligible ads (score descending, then ad_id),
+    over the whole catalog. scorer_for: rows -> Scorer (default: the codebook scorer)."""
+    snap, g = index.snapshot, index.snapshot.gtm
+    scorer_for = scorer_for or codebook_scorer(index, requests)
+    exact_req = encode_exact_requests(snap.exact, requests.columns)
+    n_ads = len(snap.ad_id)
+    leaf_ads = torch.from_numpy(np.asarray(g.leaf_ads)).to(index.device)
+    per_leaf = torch.from_numpy(np.diff(g.leaf_ad_offsets)).to(index.device)
+    leaf0 = int(g.depth_offsets[g.sid_length])
+    every_ad = np.arange(n_ads, dtype=np.int64)
+    out = []
+    for r in range(len(requests)):
+        score = node_scores(index, scorer_for(slice(r, r + 1)))[leaf0:]
+        best = torch.full((n_ads,), float("-inf"), device=index.device)
+        best.scatter_reduce_(0, leaf_ads, torch.repeat_interleave(score, per_leaf), "amax")
+        best = best.cpu().numpy()
+        ok = np.flatnonzero(eligible_mask(snap.exact, exact_req, r, every_ad) & (best > -np.inf))
+        if len(ok) > k:  # the k best, plus every ad tied with the k-th
+            ok = ok[best[ok] >= np.partition(best[ok], len(ok) - k)[len(ok) - k]]
+        order = np.lexsort((snap.ad_id[ok], -best[ok]))
+        out.append(ok[order[:k]])
+    return out
+
+
+def simulate(index: DeviceIndex, requests: Requests, modes: tuple[str, ...], beams: tuple[int, ...], k: int,
+             batch_size: int = 16, scorer_for=None, progress=None) -> dict:
+    """The study's report (plain data, see the module docstring)."""
+    progress = progress or (lambda *_: None)
+    t = time.perf_counter()
+    truth = exhaustive_top_k(index, requests, k, scorer_for)
+    exhaustive_s = time.perf_counter() - t
+    progress("exhaustive", 1, 1)
+    n = len(requests)
+    report = {"snapshot_id": index.id, "requests": n, "beams": list(beams), "top_k": k,
+              "exhaustive_ms_per_request": 1e3 * exhaustive_s / n, "modes": []}
+    for mode in modes:
+        run = retrieve(index, requests, mode=mode, beams=beams, batch_size=batch_size, stages=True,
+                       scorer=scorer_for)
+        r = run.result
+        recall = []
+        for q in range(n):
+            best = truth[q]
+            if len(best) == 0:
+                continue
+            got = r.ad_row[(r.request == q) & (r.rank <= k)]
+            recall.append(len(np.intersect1d(got, best)) / len(best))
+        report["modes"].append({
+            "mode": mode, **_rates(r.ads_generated, r.ads_bitmask, r.ads_bloom, r.ads_eligible),
+            "eligible_per_request_mean": float(r.ads_eligible.mean()),
+            "eligible_per_request_p10": float(np.percentile(r.ads_eligible, 10)),
+            "requests_short_of_k": int((r.ads_eligible < k).sum()),
+            "requests_whose_beams_all_died": int((r.sids == 0).sum()),
+            f"recall_at_{k}": float(np.mean(recall)) if recall else None,
+            "requests_without_eligible_ads_in_catalog": int(sum(len(b) == 0 for b in truth)),
+            "search_ms_per_request": 1e3 * run.seconds["search"] / n,
+            "post_ms_per_request": 1e3 * run.seconds["post"] / n,
+            "buckets": _buckets(r.ads_generated, r.ads_bitmask, r.ads_bloom, r.ads_eligible)})
+        progress("modes", len(report["modes"]), len(modes))
+    return report
+
+
+def _rates(generated, bitmask, bloom, eligible) -> dict:
+    total = int(generated.sum())
+
+    def rate(x) -> float | None:
+        return float(x.sum() / total) if total else None
+
+    return {"ads_generated": total, "ads_bitmask": int(bitmask.sum()), "ads_bloom": int(bloom.sum()),
+            "ads_eligible": int(eligible.sum()), "bitmask_rate": rate(bitmask), "bloom_rate": rate(bloom),
+            "final_rate": rate(eligible)}
+
+
+def _buckets(generated, bitmask, bloom, eligible) -> list[dict]:
+    """The rates over requests grouped by how many ads their SIDs generated."""
+    out = []
+    edges = BUCKETS + (np.inf,)
+    for lo, hi in zip(edges, edges[1:]):
+        m = (generated >= lo) & (generated < hi)
+        if m.any():
+            label = f"{lo:,}+" if hi == np.inf else f"{lo:,}-{int(hi) - 1:,}"
+            out.append({"generated": label, "requests": int(m.sum()),
+                        **_rates(generated[m], bitmask[m], bloom[m], eligible[m])})
+    return out
