@@ -63,7 +63,7 @@ def parse_beams(text: str | tuple[int, ...] | list[int], sid_length: int) -> tup
 
 def beam_search(index: DeviceIndex, requests: DeviceRequests, scorer: Scorer, beams: tuple[int, ...] = DEFAULT_BEAMS,
                 mode: str = "cd+gtm", impl: str = "auto") -> Beams:
-    """Search SIDs for a batch of requests. impl: the mask implementation ("auto", "triton", "torch")."""
+    """Search SIDs for a batch of requests. impl: the mask implementation ("auto", "triton", "numba", "torch")."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     beams = parse_beams(beams, index.sid_length)

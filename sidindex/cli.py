@@ -418,10 +418,8 @@ def simulate(
     index = load(snapshot, device, verify=False)
     beam_sizes = parse_beams(beams, index.sid_length)
     reqs = read_requests(requests, index.snapshot.spec)
-    if max_requests is not None and max_requests < len(reqs):
-        reqs = type(reqs)(reqs.path, reqs.request_id[:max_requests],
-                          None if reqs.embedding is None else reqs.embedding[:max_requests],
-                          reqs.columns.slice(0, max_requests))
+    if max_requests is not None:
+        reqs = reqs.head(max_requests)
     kway = index.part_offsets is not None
     chosen = tuple(m.strip() for m in modes.split(",")) if modes else ("cd", "cd+gtm") + (("cd+gtm+kway",) if kway else ())
     with _progress(not as_json and err.is_terminal) as progress:

@@ -55,6 +55,11 @@ class Requests:
     def __len__(self) -> int:
         return len(self.request_id)
 
+    def head(self, n: int) -> Requests:
+        """The first n requests."""
+        return Requests(self.path, self.request_id[:n], None if self.embedding is None else self.embedding[:n],
+                        self.columns.slice(0, n))
+
 
 def read_table(path: str | Path) -> pl.DataFrame:
     """Read a Parquet or Arrow IPC (file or stream) table, chosen by its magic bytes."""

@@ -46,8 +46,7 @@ def study(sample_dir, tmp_path_factory):
     assert r.returncode == 0, r.stderr
     index = load(base / "root", "cpu")
     spec = index.snapshot.spec
-    reqs = read_requests(sample_dir / "requests.parquet", spec)
-    reqs = type(reqs)(reqs.path, reqs.request_id[:REQUESTS], reqs.embedding[:REQUESTS], reqs.columns.slice(0, REQUESTS))
+    reqs = read_requests(sample_dir / "requests.parquet", spec).head(REQUESTS)
     cb = load_codebook(base / "root")
     cat = read_catalog(sample_dir / "catalog.parquet", spec=spec, hash_keys=cb.hash_keys)
     a = assign_sids(cb, cat.embedding, hash_tokens(cat.columns, cb.hash_keys, cb.hash_size))
