@@ -424,7 +424,9 @@ def simulate(
     chosen = tuple(m.strip() for m in modes.split(",")) if modes else ("cd", "cd+gtm") + (("cd+gtm+kway",) if kway else ())
     with _progress(not as_json and err.is_terminal) as progress:
         report = run_study(index, reqs, chosen, beam_sizes, top_k, progress=progress)
-    report["kway"] = (index.snapshot.manifest.get("build_config") or {}).get("kway") if kway else None
+    cfg = (index.snapshot.manifest.get("build_config") or {}).get("kway") if kway else None
+    report["kway"] = None if not cfg else (f"static, k {cfg['k']}" if cfg.get("mode") == "static" else
+                                           f"dynamic, k_max {cfg.get('k_max')}, target fill {cfg.get('target_fill')}")
     if plot is not None:
         from sidindex.plot import plot_study
 

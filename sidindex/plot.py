@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from sidindex.errors import InputError
 
 
@@ -60,9 +62,9 @@ def plot_study(report: dict, path: Path) -> None:
     for i, (key, label) in enumerate([("bitmask_rate", "bitmask stage"), ("bloom_rate", "bloom stage"),
                                       ("final_rate", "final (eligible)")]):
         rates.bar([j + (i - 1) * width for j in range(len(modes))], [m[key] or 0 for m in modes], width, label=label)
-    rates.set(xticks=range(len(modes)), xticklabels=[m["mode"] for m in modes], ylim=(0, 1.02),
+    rates.set(xticks=range(len(modes)), xticklabels=[m["mode"] for m in modes], ylim=(0, 1.2), yticks=np.arange(0, 1.01, 0.2),
               ylabel="share of generated ads", title="pass rate of the ads the search generated")
-    rates.legend(fontsize=8)
+    rates.legend(fontsize=8, loc="upper center", ncol=3)  # above the bars: the y axis stops at 1
     recall.bar(range(len(modes)), [m[f"recall_at_{k}"] or 0 for m in modes], 0.5)
     recall.set(xticks=range(len(modes)), xticklabels=[m["mode"] for m in modes], ylim=(0, 1.02),
                ylabel=f"recall@{k}", title=f"recall@{k} of the best eligible ads (exhaustive)")
