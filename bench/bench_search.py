@@ -120,6 +120,28 @@ def graph_search_ms(index, dreq, scorer, beams, mode: str, reps: int) -> tuple[f
     return ms, bool(torch.equal(static.tokens, eager.tokens) and torch.equal(static.score, eager.score))
 
 
+def sweep_launch_shapes(index, dreq, scorer, beams, reps: int) -> dict:
+    """Mask ms per step for each (BLOCK, num_warps), cd and cd+gtm: checks the `launch_shape` choice."""
+    from runtime.ops.gtm_mask.kernel import gtm_mask_triton, launch_shape
+
+    out = {}
+    for mode in ("cd", "cd+gtm"):
+        calls = recorded_masks(index, dreq, scorer, beams, mode)
+        for d, c in enumerate(calls):
+            chosen = launch_shape(index, d)
+            for shape in [(b, w) for b in (16, 32, 64, 128) for w in (1, 2, 4)]:
+                if shape[0] > max(16, triton_next_pow2(index.max_children[d])):
+                    continue
+                ms = cuda_ms(lambda: gtm_mask_triton(*c[:8], shape=shape), reps)
+                out.setdefault(f"{mode} step {d}", []).append({"block": shape[0], "warps": shape[1], "ms": ms,
+                                                                "default": shape == chosen})
+    return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def profile_search(index, dreq, scorer, beams, mode: str, runs: int = 5) -> list[dict]:
     """GPU time per kernel over one search (mean of `runs`), largest first: what bounds the search."""
     from torch.profiler import ProfilerActivity, profile
@@ -198,6 +220,7 @@ def main() -> int:
             res["profile"] = profile_search(index, dreq, scorer, beams, "cd+gtm")
         except Exception as e:  # the profiler is a diagnostic; keep the measurements
             res["profile"] = [{"kernel": f"profiler failed: {type(e).__name__}: {e}"[:70], "us_per_search": 0, "calls": 0}]
+        res["sweep"] = sweep_launch_shapes(index, dreq, scorer, beams, args.reps)
         for mode in MODES:  # each search as one CUDA graph: possible only with no host sync in the loop
             try:
                 rows[mode]["graph_ms"], rows[mode]["graph_identical"] = graph_search_ms(index, dreq, scorer, beams,
@@ -222,6 +245,11 @@ def main() -> int:
               f"{r['torch_search_ms'] / r['search_ms']:.1f}x | {same} | {r['live_sids_per_request']:.0f} |")
     print("\nper-step mask ms (Triton): " + "  ".join(f"{m} {[round(x, 3) for x in r['mask_per_step_ms']]}"
                                                      for m, r in rows.items() if "mask_per_step_ms" in r))
+    print("\nmask ms per step by launch shape (BLOCK x warps; * marks the default):")
+    for key, variants in res["sweep"].items():
+        best = min(variants, key=lambda v: v["ms"])
+        print(f"  {key}: " + "  ".join(f"{v['block']}x{v['warps']}{'*' if v['default'] else ''} {v['ms']:.3f}"
+                                       for v in variants) + f"  | best {best['block']}x{best['warps']}")
     print("\nwhere a cd+gtm search spends GPU time (torch profiler, per search):")
     print("| kernel | us | calls |\n|---|---|---|")
     for p in res["profile"]:

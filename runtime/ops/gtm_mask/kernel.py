@@ -1,7 +1,7 @@
 """The fused CD+GTM mask as a Triton kernel (GRACE 3.5, 4.4).
 
 One program per (beam, block of BLOCK child entries of the beam's trie node); BLOCK follows the
-depth's mean fan-out, so few lanes idle. Each lane is one child entry: CD is the entry existing at
+depth's mean fan-out (`launch_shape`), so few lanes idle. Each lane is one child entry: CD is the entry existing at
 all; then the child's subtree-union bitmask row is tested word by word, a lane that fails loading
 nothing more (masked loads); only lanes still alive load Bloom rows, kept in registers while the
 request's queries stream past (ANY query of each attribute), until every live lane has found
@@ -87,16 +87,25 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request,
     tl.store(out + m * V + tok, val, mask=ok)
 
 
+def launch_shape(index, depth: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for a depth: a block about the depth's mean fan-out, so few lanes idle,
+    and warps to match (a small block on many warps only replicates its lanes)."""
+    C = index.max_children[depth]
+    block = max(16, min(128, triton.next_power_of_2(C), triton.next_power_of_2(index.mean_children[depth])))
+    return block, max(1, min(4, block // 32))
+
+
 def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
-                    beam_score: torch.Tensor, logp: torch.Tensor, mode: str, block: int = 128) -> torch.Tensor:
+                    beam_score: torch.Tensor, logp: torch.Tensor, mode: str,
+                    shape: tuple[int, int] | None = None) -> torch.Tensor:
     """Same contract as `gtm_mask_reference`. beam_request, beam_node: (M,) int64; beam_score: (M,)
-    float32; logp: (M, V) float32 contiguous."""
+    float32; logp: (M, V) float32 contiguous. shape: (BLOCK, num_warps), default `launch_shape`."""
     M, V = logp.shape
     out = torch.full((M, V), float("-inf"), dtype=torch.float32, device=logp.device)
     C = index.max_children[depth]
     if M == 0 or C == 0:
         return out
-    BLOCK = max(16, min(block, triton.next_power_of_2(C), triton.next_power_of_2(2 * index.mean_children[depth])))
+    BLOCK, warps = shape or launch_shape(index, depth)
     woff = index.bloom_words
     aw = max([hi - lo for lo, hi in zip(woff, woff[1:])] + [1])
     kway = mode == "cd+gtm+kway"
@@ -107,5 +116,5 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         index.bloom_table, *parts, index.max_parts if kway else 0,
         requests.user_rows, requests.query_rows, requests.query_ranges, index.bloom_word_offsets, V,
         MODE=MODES[mode], W_BM=index.bitmask_table.shape[1], W_BL=index.bloom_table.shape[1], A_BL=len(woff) - 1,
-        AW=triton.next_power_of_2(aw), BLOCK=BLOCK)
+        AW=triton.next_power_of_2(aw), BLOCK=BLOCK, num_warps=warps)
     return out
