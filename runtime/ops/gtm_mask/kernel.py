@@ -4,7 +4,7 @@ One program per (beam, block of BLOCK child entries of the beam's trie node); BL
 depth's mean fan-out (`launch_shape`), so few lanes idle. Each lane is one child entry: CD is the entry existing at
 all; then the child's subtree-union bitmask row is tested word by word, a lane that fails loading
 nothing more (masked loads); only lanes still alive load Bloom rows, kept in registers while the
-request's queries stream past (ANY query of each attribute), until every live lane has found
+request's queries stream past four at a time (ANY query of each attribute), until every live lane has found
 one; a block with no live lane skips the stream. With k-way partitions, lanes that pass the union test try their partitions until one
 passes. A surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every other
 token stays -inf. Bits are int64 (the uint64 rows reinterpreted): & and == are the same.
@@ -21,7 +21,8 @@ MODES = {"cd": 0, "cd+gtm": 1, "cd+gtm+kway": 2}
 
 @triton.jit
 def _row_passes(ok, bm, bl, b, bm_table, bl_table, user_rows, query_rows, query_ranges, bl_woff,
-                W_BM: tl.constexpr, W_BL: tl.constexpr, A_BL: tl.constexpr, AW: tl.constexpr):
+                W_BM: tl.constexpr, W_BL: tl.constexpr, A_BL: tl.constexpr, AW: tl.constexpr,
+                QSTEP: tl.constexpr):
     """ok & (bitmask row bm passes user row b) & (Bloom row bl passes every attribute), per lane."""
     for w in tl.static_range(W_BM):
         u = tl.load(user_rows + b * W_BM + w)
@@ -35,14 +36,16 @@ def _row_passes(ok, bm, bl, b, bm_table, bl_table, user_rows, query_rows, query_
         q = tl.load(query_ranges + (b * A_BL + a) * 2)
         q_hi = tl.load(query_ranges + (b * A_BL + a) * 2 + 1)
         hit = tl.zeros_like(ok)
-        # stream the queries until every live lane has a hit (or none is left to test)
+        # stream the queries, QSTEP at a time (independent loads in flight), until every live lane
+        # has a hit or none is left to test
         q = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, q, q_hi)
         while q < q_hi:
-            qw = tl.load(query_rows + q * W_BL + w_lo + wi, mask=wm, other=0)
-            good = ((rows & qw[None, :]) == qw[None, :]).to(tl.int32)
-            hit = hit | (tl.sum(good, axis=1) == AW)
+            for i in tl.static_range(QSTEP):
+                qw = tl.load(query_rows + (q + i) * W_BL + w_lo + wi, mask=wm & (wi * 0 + q + i < q_hi), other=0)
+                need = AW + tl.where(q + i < q_hi, 0, 1)  # past the last query nothing can match
+                hit = hit | (tl.sum(((rows & qw[None, :]) == qw[None, :]).to(tl.int32), axis=1) == need)
             left = tl.sum((ok & (hit == 0)).to(tl.int32), axis=0)
-            q = tl.where(left > 0, q + 1, q_hi)
+            q = tl.where(left > 0, q + QSTEP, q_hi)
         ok = ok & hit
     return ok
 
@@ -53,7 +56,7 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request,
                      part_offsets, part_bm, part_bl, max_parts,
                      user_rows, query_rows, query_ranges, bl_woff, V,
                      MODE: tl.constexpr, W_BM: tl.constexpr, W_BL: tl.constexpr, A_BL: tl.constexpr,
-                     AW: tl.constexpr, BLOCK: tl.constexpr):
+                     AW: tl.constexpr, BLOCK: tl.constexpr, QSTEP: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     score = tl.load(beam_score + m)
     node = tl.load(beam_node + m)
@@ -67,7 +70,7 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request,
         bm = tl.load(bm_index + e, mask=ok, other=0).to(tl.int64)
         bl = tl.load(bl_index + e, mask=ok, other=0).to(tl.int64)
         ok = _row_passes(ok, bm, bl, b, bm_table, bl_table, user_rows, query_rows, query_ranges, bl_woff,
-                         W_BM, W_BL, A_BL, AW)
+                         W_BM, W_BL, A_BL, AW, QSTEP)
         if MODE == 2:
             p_lo = tl.load(part_offsets + e, mask=ok, other=0)
             n_p = tl.load(part_offsets + e + 1, mask=ok, other=0) - p_lo
@@ -78,7 +81,7 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request,
                 pbm = tl.load(part_bm + p_lo + k, mask=has, other=0).to(tl.int64)
                 pbl = tl.load(part_bl + p_lo + k, mask=has, other=0).to(tl.int64)
                 any_part = any_part | _row_passes(has, pbm, pbl, b, bm_table, bl_table, user_rows, query_rows,
-                                                  query_ranges, bl_woff, W_BM, W_BL, A_BL, AW)
+                                                  query_ranges, bl_woff, W_BM, W_BL, A_BL, AW, QSTEP)
                 left = tl.sum((ok & (any_part == 0) & (k + 1 < n_p)).to(tl.int32), axis=0)
                 k = tl.where(left > 0, k + 1, max_parts)
             ok = any_part
@@ -116,5 +119,5 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         index.bloom_table, *parts, index.max_parts if kway else 0,
         requests.user_rows, requests.query_rows, requests.query_ranges, index.bloom_word_offsets, V,
         MODE=MODES[mode], W_BM=index.bitmask_table.shape[1], W_BL=index.bloom_table.shape[1], A_BL=len(woff) - 1,
-        AW=triton.next_power_of_2(aw), BLOCK=BLOCK, num_warps=warps)
+        AW=triton.next_power_of_2(aw), BLOCK=BLOCK, QSTEP=4, num_warps=warps)
     return out
