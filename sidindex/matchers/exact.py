@@ -26,6 +26,7 @@ from sidindex.matchers.bitmask import (
 from sidindex.targeting import TargetingSpec
 
 EXACT_SEED = 0x5EED0E1
+STAGE_BITMASK, STAGE_BLOOM = 1, 2  # bits of `stage_flags`
 
 
 def value_hashes(values: list[str]) -> np.ndarray:
@@ -109,8 +110,10 @@ def eligible_mask(index: ExactIndex, requests: ExactRequests, request: int, ads:
 
 def eligible_pairs(index: ExactIndex, requests: ExactRequests, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
     """(n,) bool: is ad `ads[i]` eligible for request `reqs[i]`; reqs, ads: (n,) int64."""
-    return _eligible(index.bitmask_rows, index.hash_offsets, index.hashes, requests.user_rows, requests.hash_offsets,
-                     requests.hashes, np.asarray(reqs, dtype=np.int64), np.asarray(ads, dtype=np.int64))
+    flags = _stage_flags(index.bitmask_rows, index.hash_offsets, index.hashes, requests.user_rows,
+                         requests.hash_offsets, requests.hashes, np.asarray(reqs, dtype=np.int64),
+                         np.asarray(ads, dtype=np.int64), False)
+    return flags == STAGE_BITMASK | STAGE_BLOOM
 
 
 def attribute_eligibility(index: ExactIndex, requests: ExactRequests, request: int, ad: int) -> np.ndarray:
@@ -124,16 +127,13 @@ def attribute_eligibility(index: ExactIndex, requests: ExactRequests, request: i
     return np.concatenate([attribute_passes(index.layout, index.bitmask_rows[ad], requests.user_rows[request]), bloom])
 
 
-STAGE_BITMASK, STAGE_BLOOM = 1, 2  # bits of `stage_flags`
-
-
 def stage_flags(index: ExactIndex, requests: ExactRequests, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
     """(n,) uint8 per (request, ad) pair: STAGE_BITMASK set when the ad passes every bitmask
     attribute, STAGE_BLOOM when it passes every bloom attribute (each tested on its own, for pass
     rates per stage); eligible iff both are set."""
     return _stage_flags(index.bitmask_rows, index.hash_offsets, index.hashes, requests.user_rows,
                         requests.hash_offsets, requests.hashes, np.asarray(reqs, dtype=np.int64),
-                        np.asarray(ads, dtype=np.int64))
+                        np.asarray(ads, dtype=np.int64), True)
 
 
 @numba.njit(cache=True)
@@ -164,19 +164,13 @@ def _bloom_ok(ad_off, ad_hashes, ad, req_off, req_hashes, r):
 
 
 @numba.njit(cache=True)
-def _eligible(rows, ad_off, ad_hashes, user_rows, req_off, req_hashes, reqs, ads):
-    out = np.zeros(len(ads), dtype=np.bool_)
-    for i in range(len(ads)):
-        ad, r = ads[i], reqs[i]
-        out[i] = _bitmask_ok(rows, ad, user_rows[r]) and _bloom_ok(ad_off, ad_hashes, ad, req_off, req_hashes, r)
-    return out
-
-
-@numba.njit(cache=True)
-def _stage_flags(rows, ad_off, ad_hashes, user_rows, req_off, req_hashes, reqs, ads):
+def _stage_flags(rows, ad_off, ad_hashes, user_rows, req_off, req_hashes, reqs, ads, every_stage):
+    """STAGE_* bits per pair; without every_stage, an ad failing its bitmask skips the bloom test."""
     out = np.zeros(len(ads), dtype=np.uint8)
     for i in range(len(ads)):
         ad, r = ads[i], reqs[i]
-        out[i] = (STAGE_BITMASK if _bitmask_ok(rows, ad, user_rows[r]) else 0) | \
-            (STAGE_BLOOM if _bloom_ok(ad_off, ad_hashes, ad, req_off, req_hashes, r) else 0)
+        f = STAGE_BITMASK if _bitmask_ok(rows, ad, user_rows[r]) else 0
+        if (f or every_stage) and _bloom_ok(ad_off, ad_hashes, ad, req_off, req_hashes, r):
+            f |= STAGE_BLOOM
+        out[i] = f
     return out
