@@ -15,6 +15,7 @@ and the exact filter runs over every ad.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,30 +29,52 @@ from sidindex.matchers.exact import eligible_mask, encode_exact_requests
 BUCKETS = (0, 1, 100, 1_000, 10_000, 100_000)  # generated ads per request: [0, 1), [1, 100), ...
 
 
-def node_scores(index: DeviceIndex, scorer: Scorer, chunk: int = 16384) -> torch.Tensor:
-    """(num_nodes,) float32 accumulated log-probability of every trie node's prefix for one request
-    (a scorer for a batch of one); the root scores 0. Leaves are SIDs."""
-    g = index.snapshot.gtm
-    dev, V = index.device, index.vocab_size
-    no = torch.from_numpy(np.asarray(g.node_offsets)).to(dev)
+@dataclass(frozen=True)
+class TrieLevel:
+    """The nodes of one depth, for scoring them all: nodes [lo, hi), their token paths (hi-lo, d)
+    int64, and the parent node of each of their child entries [e_lo, e_hi)."""
+
+    lo: int
+    hi: int
+    paths: torch.Tensor
+    e_lo: int
+    e_hi: int
+    parent: torch.Tensor
+
+
+def trie_levels(index: DeviceIndex) -> list[TrieLevel]:
+    """The trie depth by depth (request-independent: built once per study)."""
+    g, dev = index.snapshot.gtm, index.device
     tokens = index.csr_tokens.long()
-    score = torch.zeros(g.num_nodes, dtype=torch.float32, device=dev)
-    paths = torch.zeros(1, 0, dtype=torch.int64, device=dev)  # token path of each node of depth d
+    paths = torch.zeros(1, 0, dtype=torch.int64, device=dev)
+    out = []
     for d in range(g.sid_length):
         lo, hi = int(g.depth_offsets[d]), int(g.depth_offsets[d + 1])
+        e_lo, e_hi = int(g.node_offsets[lo]), int(g.node_offsets[hi])
+        parent = torch.repeat_interleave(torch.arange(lo, hi, device=dev), index.node_offsets[lo + 1:hi + 1]
+                                         - index.node_offsets[lo:hi])
+        out.append(TrieLevel(lo, hi, paths, e_lo, e_hi, parent))
+        if d + 1 < g.sid_length:  # children of depth d, in node order: parent's path + token
+            paths = torch.cat([paths[parent - lo], tokens[e_lo:e_hi, None]], dim=1)
+    return out
+
+
+def node_scores(index: DeviceIndex, scorer: Scorer, levels: list[TrieLevel], chunk: int = 16384) -> torch.Tensor:
+    """(num_nodes,) float32 accumulated log-probability of every trie node's prefix for one request
+    (a scorer for a batch of one); the root scores 0. Leaves are SIDs. levels: `trie_levels`."""
+    g = index.snapshot.gtm
+    tokens = index.csr_tokens.long()
+    score = torch.zeros(g.num_nodes, dtype=torch.float32, device=index.device)
+    for d, lv in enumerate(levels):
         constant = getattr(scorer, "prefix_independent", lambda step: False)(d)
-        for s in range(lo, hi, chunk):
-            e = min(hi, s + chunk)
-            ask = paths[:1] if constant else paths[s - lo:e - lo]
+        for s in range(lv.lo, lv.hi, chunk):
+            e = min(lv.hi, s + chunk)
+            ask = lv.paths[:1] if constant else lv.paths[s - lv.lo:e - lv.lo]
             logp = torch.log_softmax(scorer(d, ask[None]).float()[0], dim=-1)  # (n or 1, V)
             e_lo, e_hi = int(g.node_offsets[s]), int(g.node_offsets[e])
-            parent = torch.repeat_interleave(torch.arange(s, e, device=dev), no[s + 1:e + 1] - no[s:e])
+            parent = lv.parent[e_lo - lv.e_lo:e_hi - lv.e_lo]
             row = torch.zeros_like(parent) if constant else parent - s
-            score[e_lo + 1:e_hi + 1] = score[parent] + logp.reshape(-1, V)[row, tokens[e_lo:e_hi]]
-        if d + 1 < g.sid_length:  # children of depth d, in node order: parent's path + token
-            e_lo, e_hi = int(g.node_offsets[lo]), int(g.node_offsets[hi])
-            parent = torch.repeat_interleave(torch.arange(lo, hi, device=dev), no[lo + 1:hi + 1] - no[lo:hi]) - lo
-            paths = torch.cat([paths[parent], tokens[e_lo:e_hi, None]], dim=1)
+            score[e_lo + 1:e_hi + 1] = score[parent] + logp[row, tokens[e_lo:e_hi]]
     return score
 
 
@@ -66,9 +89,10 @@ def exhaustive_top_k(index: DeviceIndex, requests: Requests, k: int, scorer_for=
     per_leaf = torch.from_numpy(np.diff(g.leaf_ad_offsets)).to(index.device)
     leaf0 = int(g.depth_offsets[g.sid_length])
     every_ad = np.arange(n_ads, dtype=np.int64)
+    levels = trie_levels(index)
     out = []
     for r in range(len(requests)):
-        score = node_scores(index, scorer_for(slice(r, r + 1)))[leaf0:]
+        score = node_scores(index, scorer_for(slice(r, r + 1)), levels)[leaf0:]
         best = torch.full((n_ads,), float("-inf"), device=index.device)
         best.scatter_reduce_(0, leaf_ads, torch.repeat_interleave(score, per_leaf), "amax")
         best = best.cpu().numpy()
