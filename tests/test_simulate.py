@@ -9,10 +9,8 @@ import math
 import subprocess
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
-import polars as pl
 import pytest
 import torch
 
@@ -23,7 +21,7 @@ from runtime.search import beam_search
 from runtime.simulate import exhaustive_top_k, simulate
 from sidindex.ingest import read_catalog, read_requests
 from sidindex.sid import assign_sids, hash_tokens, load_codebook
-from sidindex.targeting import BITMASK, load_targeting
+from sidindex.targeting import BITMASK
 from tests.test_gtm import eligible
 
 CONFIG = ('[sid]\nlevels = [16, 8, 8]\nhash_size = 64\npaths = 2\nmin_points_per_centroid = 10\n'
