@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import polars as pl
 
@@ -88,3 +89,13 @@ def attribute_passes(layout: BitmaskLayout, row: np.ndarray, user: np.ndarray) -
     hit = row & user
     return np.array([np.array_equal(hit & layout.segment_mask(a), user & layout.segment_mask(a))
                      for a in range(len(layout.names))], dtype=bool)
+
+
+@numba.njit(cache=True)
+def row_passes(rows, r, user):
+    """(rows[r] & user) == user, word by word; the first failing word stops. rows: (n, W) uint64
+    (or int64 bits), user: (W,). The test every matcher and the exact filter share."""
+    for w in range(rows.shape[1]):
+        if rows[r, w] & user[w] != user[w]:
+            return False
+    return True

@@ -22,6 +22,7 @@ from sidindex.matchers.bitmask import (
     bitmask_layout,
     encode_ad_rows,
     encode_request_rows,
+    row_passes,
 )
 from sidindex.targeting import TargetingSpec
 
@@ -137,15 +138,6 @@ def stage_flags(index: ExactIndex, requests: ExactRequests, reqs: np.ndarray, ad
 
 
 @numba.njit(cache=True)
-def _bitmask_ok(rows, ad, user):
-    """(row & user) == user, word by word; the first failing word stops."""
-    for w in range(rows.shape[1]):
-        if rows[ad, w] & user[w] != user[w]:
-            return False
-    return True
-
-
-@numba.njit(cache=True)
 def _bloom_ok(ad_off, ad_hashes, ad, req_off, req_hashes, r):
     """Every bloom attribute: the ad is unrestricted, or ANY request value is in its list."""
     for a in range(ad_off.shape[0]):
@@ -169,7 +161,7 @@ def _stage_flags(rows, ad_off, ad_hashes, user_rows, req_off, req_hashes, reqs, 
     out = np.zeros(len(ads), dtype=np.uint8)
     for i in range(len(ads)):
         ad, r = ads[i], reqs[i]
-        f = STAGE_BITMASK if _bitmask_ok(rows, ad, user_rows[r]) else 0
+        f = STAGE_BITMASK if row_passes(rows, ad, user_rows[r]) else 0
         if (f or every_stage) and _bloom_ok(ad_off, ad_hashes, ad, req_off, req_hashes, r):
             f |= STAGE_BLOOM
         out[i] = f

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import polars as pl
 
-from sidindex.matchers.bitmask import bitmask_layout, encode_request_rows
+from sidindex.matchers.bitmask import bitmask_layout, encode_request_rows, row_passes
 from sidindex.matchers.bloom import bloom_layout, encode_request_queries
 from sidindex.targeting import TargetingSpec
 from sidindex.trie.build import GTMIndex
@@ -65,9 +65,8 @@ def passing_tokens(index: GTMIndex, requests: GTMRequests, request: int, node: i
 @numba.njit(cache=True)
 def _row_passes(bm_table, r_bm, bl_table, r_bl, woff, user, q_rows, q_ranges):
     """Bitmask row r_bm and Bloom row r_bl pass every attribute for one request."""
-    for w in range(bm_table.shape[1]):
-        if bm_table[r_bm, w] & user[w] != user[w]:
-            return False
+    if not row_passes(bm_table, r_bm, user):
+        return False
     for a in range(len(woff) - 1):
         hit = False
         for q in range(q_ranges[a, 0], q_ranges[a, 1]):
