@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import numpy as np
 import polars as pl
 import torch
+import triton
 
 import runtime.search as search_mod
 from bench.bench_gtm import bench_spec, generate
@@ -130,16 +131,12 @@ def sweep_launch_shapes(index, dreq, scorer, beams, reps: int) -> dict:
         for d, c in enumerate(calls):
             chosen = launch_shape(index, d)
             for shape in [(b, w) for b in (16, 32, 64, 128) for w in (1, 2, 4)]:
-                if shape[0] > max(16, triton_next_pow2(index.max_children[d])):
+                if shape[0] > max(16, triton.next_power_of_2(index.max_children[d])):
                     continue
                 ms = cuda_ms(lambda: gtm_mask_triton(*c[:8], shape=shape), reps)
                 out.setdefault(f"{mode} step {d}", []).append({"block": shape[0], "warps": shape[1], "ms": ms,
                                                                 "default": shape == chosen})
     return out
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def profile_search(index, dreq, scorer, beams, mode: str, runs: int = 5) -> list[dict]:
