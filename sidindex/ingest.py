@@ -3,6 +3,10 @@
 One validator per table converts, checks and returns arrays the rest of the pipeline can rely on
 (`Catalog`, `Requests`). Every failure is an `InputError` naming the file, the column, a row
 (0-based, as in a data frame) and the offending value. Legend: N ads, B requests, D embedding dims.
+
+Bounds checked here so that later stages cannot fail obscurely: ids must fit int64 (a uint64 id above
+2**63 - 1 is refused, not wrapped), and every embedding element (catalog and requests) must be finite
+with an absolute value of at most `MAX_ABS_EMBEDDING` (1e6).
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ from sidindex.errors import InputError
 from sidindex.targeting import BITMASK, TargetingSpec
 
 MAX_REQUEST_VALUES = 64
+# Embedding elements are refused beyond this absolute value. faiss k-means and the SID assignment compute
+# squared distances in float32: with |x| <= 1e6 a squared distance stays below 4e12 * D, finite for any
+# realistic D, while 1e19 overflows to inf and aborts the process inside faiss (SIGABRT, no message).
+# Real embeddings are normalised or close to it; a value this large is a unit or export bug.
+MAX_ABS_EMBEDDING = 1e6
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -25,7 +35,7 @@ class Catalog:
     """A validated catalog.
 
     ad_id:     (N,) int64, unique
-    embedding: (N, D) float32, finite
+    embedding: (N, D) float32, finite, |x| <= MAX_ABS_EMBEDDING
     columns:   the hash-key, targeting and `value` columns, validated, in file row order
     """
 
@@ -43,7 +53,7 @@ class Requests:
     """A validated request table.
 
     request_id: (B,) int64, unique
-    embedding:  (B, D) float32 or None when the table has no embedding column
+    embedding:  (B, D) float32, finite, |x| <= MAX_ABS_EMBEDDING; None when the table has no embedding column
     columns:    one column per targeting attribute (string for bitmask, list<string> for bloom)
     """
 
@@ -170,10 +180,22 @@ class _Validator:
             raise self.fail(s.name, row, "is null; this column must have a value in every row")
 
     def int64(self, name: str) -> np.ndarray:
+        """(rows,) int64. Any integer type is accepted when every value fits int64 (e.g. uint64 ids
+        below 2**63); a value outside it is refused rather than wrapped or left to a failing cast."""
         s = self.column(name)
         if not s.dtype.is_integer():
             raise self.fail(name, None, f"has type {s.dtype}, expected an integer type (int64)")
         self.no_nulls(s)
+        # Compare only on the side that can overflow: a negative literal does not fit a uint64 column.
+        outside = []
+        if s.max() > INT64_MAX:
+            outside.append(int((s > INT64_MAX).arg_true()[0]))
+        if s.min() < INT64_MIN:
+            outside.append(int((s < INT64_MIN).arg_true()[0]))
+        if outside:
+            row = min(outside)
+            raise self.fail(name, row, f"value {s[row]} does not fit int64 (ids must be in [-2**63, 2**63)); "
+                                       "map the ids into that range or correct the row")
         return s.cast(pl.Int64).to_numpy()
 
     def float64(self, name: str) -> pl.Series:
@@ -238,6 +260,12 @@ class _Validator:
         return s
 
     def vector(self, name: str, dim: int | None) -> np.ndarray:
+        """(rows, D) float32, every element finite and within +-MAX_ABS_EMBEDDING.
+
+        D is `dim` when given, else the length of row 0. The bound is checked on the float32 values, and
+        a value reported is the one in the file: a float64 1e300 that becomes inf in float32 is named as
+        1e+300 beyond the bound, not as inf.
+        """
         s = self.column(name)
         dt = s.dtype
         if not (isinstance(dt, (pl.List, pl.Array)) and dt.inner.is_numeric()):
@@ -254,10 +282,18 @@ class _Validator:
             raise self.fail(name, row, f"has {lengths[row]} values, expected {expected} ({origin})")
         flat = s.explode() if isinstance(dt, pl.List) else s.arr.explode()
         x = flat.cast(pl.Float32).to_numpy().reshape(len(s), expected)
-        bad = ~np.isfinite(x).all(axis=1)
+        # One pass catches NaN (every comparison is False), inf, and values beyond the bound.
+        bad = ~(np.abs(x) <= MAX_ABS_EMBEDDING).all(axis=1)
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            col = int(np.flatnonzero(~np.isfinite(x[row]))[0])
-            raise self.fail(name, row, f"element {col} is {x[row, col]} (null, NaN or inf); "
-                                       "embeddings must be finite")
+            col = int(np.flatnonzero(~(np.abs(x[row]) <= MAX_ABS_EMBEDDING))[0])
+            # The value as in the file, in its own dtype (so a float32 1e19 prints as 1e+19).
+            value = flat.slice(row * expected + col, 1).to_numpy()[0]
+            if not np.isfinite(float(value)):  # a null element reads as NaN
+                raise self.fail(name, row, f"element {col} is {x[row, col]} (null, NaN or inf); "
+                                           "embeddings must be finite")
+            raise self.fail(name, row, f"element {col} is {value!s}, beyond the allowed range "
+                                       f"[-{MAX_ABS_EMBEDDING:g}, {MAX_ABS_EMBEDDING:g}] (MAX_ABS_EMBEDDING: larger "
+                                       "values overflow float32 distance arithmetic). Normalise or rescale the "
+                                       "embeddings, or correct the row.")
         return np.ascontiguousarray(x, dtype=np.float32)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -63,3 +65,10 @@ def clustered(n: int, dim: int, seed: int) -> np.ndarray:
     from sidindex.sample import sample_embeddings
 
     return sample_embeddings(n, dim, np.random.default_rng(seed), n_clusters=6)
+
+
+def run_cli(*args, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    """Run the installed `sidindex` console script, as a user would."""
+    exe = shutil.which("sidindex")
+    assert exe, "the sidindex console script is not installed (pip install -e .)"
+    return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=timeout, **kw)

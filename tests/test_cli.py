@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from sidindex.sid import load_codebook
+from tests.conftest import run_cli
 
 
-def run(*args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sidindex", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
+def run(*args) -> subprocess.CompletedProcess:
+    return run_cli(*args, timeout=300)
 
 
 @pytest.fixture(scope="module")

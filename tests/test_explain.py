@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from sidindex.matchers.exact import eligible_mask
 from sidindex.snapshot.snapshot import Snapshot
 from sidindex.trie.match import passing_tokens
 from tests.test_gtm import BITMASK, Scenario, build, eligible, frame, scenarios
+from tests.conftest import run_cli
 
 
 def failing_attributes(spec, ad: dict, req: dict) -> tuple[str, ...]:
@@ -93,7 +93,7 @@ def test_request_row_and_parse_sid():
 
 
 def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sidindex", *map(str, args)], capture_output=True, text=True, timeout=300)
+    return run_cli(*args, timeout=300)
 
 
 def test_explain_cli(sample_dir, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,13 +23,14 @@ from sidindex.snapshot import resolve_snapshot
 from sidindex.snapshot.publish import CURRENT
 from sidindex.targeting import load_targeting
 from tests.test_gtm import eligible
+from tests.conftest import run_cli
 
 CONFIG = ('[sid]\nlevels = [16, 8, 8]\nhash_size = 128\npaths = 2\nmin_points_per_centroid = 10\n'
           '[kway]\nmode = "dynamic"\nk_max = 4\n')
 
 
 def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sidindex", *map(str, args)], capture_output=True, text=True, timeout=600)
+    return run_cli(*args, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from collections import defaultdict
 
 import numpy as np
@@ -23,6 +22,7 @@ from sidindex.ingest import read_catalog, read_requests
 from sidindex.sid import assign_sids, hash_tokens, load_codebook
 from sidindex.targeting import BITMASK
 from tests.test_gtm import eligible
+from tests.conftest import run_cli
 
 CONFIG = ('[sid]\nlevels = [16, 8, 8]\nhash_size = 64\npaths = 2\nmin_points_per_centroid = 10\n'
           '[kway]\nmode = "static"\nk = [4, 4, 2, 2]\n')
@@ -30,7 +30,7 @@ REQUESTS = 12
 
 
 def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sidindex", *map(str, args)], capture_output=True, text=True, timeout=600)
+    return run_cli(*args, timeout=600)
 
 
 @pytest.fixture(scope="module")

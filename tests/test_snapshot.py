@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,14 +25,14 @@ from sidindex.sid import assign_sids, hash_tokens, load_codebook
 from sidindex.snapshot import open_snapshot, resolve_snapshot
 from sidindex.snapshot.arrays import HEADER
 from sidindex.targeting import load_targeting
+from tests.conftest import run_cli
 
 CONFIG = "[sid]\nlevels = [16, 8, 8]\nhash_size = 128\npaths = 2\nmin_points_per_centroid = 10\n"
 KWAY_CONFIG = CONFIG + '[kway]\nmode = "static"\nk = [4, 4, 2, 2]\n'
 
 
 def cli(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sidindex", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, **kw)
+    return run_cli(*args, timeout=300, **kw)
 
 
 def build_args(sample: Path, root: Path, config: Path, *extra) -> list:
@@ -215,7 +214,7 @@ def _published_is_valid(root: Path) -> str:
 def test_sigkill_during_build_leaves_a_valid_published_snapshot(built, sample_dir, tmp_path):
     base, report = built
     root = Path(shutil.copytree(base / "root", tmp_path / "root"))
-    args = [sys.executable, "-m", "sidindex", *map(str, build_args(sample_dir, root, base / "build.toml", "--force", "--keep", "2"))]
+    args = [shutil.which("sidindex"), *map(str, build_args(sample_dir, root, base / "build.toml", "--force", "--keep", "2"))]
     t0 = time.perf_counter()
     subprocess.run(args, capture_output=True, check=True, timeout=300)
     full = time.perf_counter() - t0
@@ -235,7 +234,7 @@ def test_sigkill_during_build_leaves_a_valid_published_snapshot(built, sample_di
 def test_concurrent_builds_serialise(built, sample_dir, tmp_path):
     base, _ = built
     root = Path(shutil.copytree(base / "root", tmp_path / "root"))
-    args = [sys.executable, "-m", "sidindex", *map(str, build_args(sample_dir, root, base / "build.toml", "--force", "--keep", "5"))]
+    args = [shutil.which("sidindex"), *map(str, build_args(sample_dir, root, base / "build.toml", "--force", "--keep", "5"))]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]

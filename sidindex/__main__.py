@@ -1,3 +1,0 @@
-from sidindex.cli import main
-
-main()

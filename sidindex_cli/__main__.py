@@ -1,0 +1,3 @@
+from sidindex_cli.app import main
+
+main()

@@ -1,0 +1,164 @@
+"""Commands that make artifacts: `sample`, `sid train`, `sid assign`, `build`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from sidindex.errors import QualityGateError
+from sidindex_cli.options import CATALOG_OPT, CONFIG_OPT, JSON_OPT, TARGETING_OPT, progress_bar
+from sidindex_cli.render import emit, err, out
+from sidindex_cli.render import print_quality
+
+app = typer.Typer()
+sid_app = typer.Typer(help="Semantic IDs: train a frozen codebook, assign SIDs to a catalog.", no_args_is_help=True)
+app.add_typer(sid_app, name="sid")
+
+
+@app.command()
+def sample(
+    out_dir: Path = typer.Option(..., "--out", help="Directory to write catalog.parquet, requests.parquet, targeting.toml."),
+    ads: int = typer.Option(5000, "--ads", min=1, help="Number of ads."),
+    requests: int = typer.Option(1000, "--requests", min=1, help="Number of requests."),
+    dim: int = typer.Option(64, "--dim", min=1, help="Embedding dimension."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Random seed; the same seed gives the same files."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Generate a synthetic catalog, targeting spec and requests.
+
+    Clustered anisotropic embeddings; Zipf targeting over five bitmask attributes (country ~250
+    values, age, gender, language, platform) and one bloom attribute (locations, 40k values, heavy
+    tail); advertisers with many ads each; a `value` column.
+    """
+    from sidindex.sample import write_sample
+
+    t0 = time.perf_counter()
+    paths = write_sample(out_dir, ads, requests, dim=dim, seed=seed)
+    summary = {"ads": ads, "requests": requests, "dim": dim, "seconds": round(time.perf_counter() - t0, 2),
+               **{f"{k}_file": str(v) for k, v in paths.items()}}
+    emit(summary, as_json, "sample written")
+
+
+@sid_app.command("train")
+def sid_train(
+    catalog: Path = CATALOG_OPT,
+    root: Path = typer.Option(..., "--out", help="ROOT directory; the codebook goes to ROOT/codebooks/<id>/."),
+    targeting: Optional[Path] = TARGETING_OPT,
+    config: Optional[Path] = CONFIG_OPT,
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Train a frozen residual k-means codebook from a catalog's embeddings.
+
+    Trains rarely: the codebook fixes every ad's SIDs, and the generative model is trained on them.
+    Training is deterministic for a given config. Levels shrink on small catalogs (about 39
+    training points per centroid) and the summary says so.
+    """
+    from sidindex.config import load_config
+    from sidindex.ingest import read_catalog
+    from sidindex.sid import save_codebook, train_codebook
+    from sidindex.targeting import load_targeting
+
+    cfg = load_config(config)
+    spec = load_targeting(targeting) if targeting else None
+    t0 = time.perf_counter()
+    cat = read_catalog(catalog, spec=spec, hash_keys=cfg.sid.hash_keys)
+    with progress_bar(not as_json and err.is_terminal) as progress:
+        cb = train_codebook(cat.embedding, cfg.sid, progress)
+    path = save_codebook(cb, root)
+    summary = {"codebook_id": cb.id, "path": str(path), "ads": len(cat), "dim": cb.dim,
+               "level_sizes": list(cb.level_sizes), "paths": cb.paths, "balanced": cfg.sid.balanced,
+               "notes": list(cb.notes), "seconds": round(time.perf_counter() - t0, 2)}
+    emit(summary, as_json, "codebook trained")
+
+
+@sid_app.command("assign")
+def sid_assign(
+    catalog: Path = CATALOG_OPT,
+    codebook: Path = typer.Option(..., "--codebook", help="Codebook directory, or a ROOT holding exactly one."),
+    out_file: Path = typer.Option(..., "--out", help="Output Parquet file: ad_id, path, sid (L plain int16 tokens)."),
+    targeting: Optional[Path] = TARGETING_OPT,
+    config: Optional[Path] = CONFIG_OPT,
+    report: Optional[Path] = typer.Option(None, "--report", help="Also write the quality report as JSON here."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Assign SIDs to every ad with a frozen codebook, and report their quality.
+
+    Each ad gets one SID per path (its m nearest first-level centroids, each quantised down on its
+    own, sharing the hashed last token). The SID scheme comes from the codebook; of --config only
+    [quality] applies. Exits 3 without writing --out when a quality gate fails (e.g. a level
+    collapsed to one code).
+    """
+    import pyarrow.parquet as pq
+
+    from sidindex.config import load_config
+    from sidindex.ingest import read_catalog
+    from sidindex.sid import assign_sids, hash_tokens, load_codebook, sid_quality, sid_table
+    from sidindex.targeting import load_targeting
+
+    cfg = load_config(config)
+    cb = load_codebook(codebook)
+    spec = load_targeting(targeting) if targeting else None
+    t0 = time.perf_counter()
+    cat = read_catalog(catalog, spec=spec, hash_keys=cb.hash_keys, dim=cb.dim)
+    with progress_bar(not as_json and err.is_terminal) as progress:
+        tokens = hash_tokens(cat.columns, cb.hash_keys, cb.hash_size)
+        assignment = assign_sids(cb, cat.embedding, tokens, progress)
+    seconds = time.perf_counter() - t0
+    quality = sid_quality(assignment, cb, cat.embedding, cfg.quality)
+    if report:
+        report.write_text(json.dumps(quality.to_dict(), indent=2))
+    if quality.failures:
+        raise QualityGateError("SID quality gate failed: " + "; ".join(quality.failures))
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.tmp")
+    pq.write_table(sid_table(assignment, cat.ad_id), tmp)
+    tmp.replace(out_file)
+    summary = {"codebook_id": cb.id, "out": str(out_file), "ads": len(cat), "sid_rows": quality.n_sid_rows,
+               "seconds": round(seconds, 2), "quality": quality.to_dict()}
+    if as_json:
+        emit(summary, True, "")
+    else:
+        emit({k: v for k, v in summary.items() if k != "quality"}, False, "SIDs assigned")
+        print_quality(quality)
+
+
+@app.command()
+def build(
+    catalog: Path = CATALOG_OPT,
+    targeting: Path = typer.Option(..., "--targeting", help="Targeting spec (TOML); every attribute column is validated."),
+    root: Path = typer.Option(..., "--out", help="ROOT: snapshots go to ROOT/snapshots/<id>/, ROOT/CURRENT names the published one."),
+    config: Optional[Path] = CONFIG_OPT,
+    codebook: Optional[Path] = typer.Option(None, "--codebook", help="Frozen codebook to use (directory, or a ROOT "
+                                            "holding one). Default: the one in ROOT/codebooks, trained there if none."),
+    force: bool = typer.Option(False, "--force", help="Publish even when the inputs match the published snapshot."),
+    keep: int = typer.Option(3, "--keep", min=1, help="Published snapshots to keep (older ones are deleted)."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Build and publish a snapshot: the main job, end to end.
+
+    Validates the catalog, reuses the frozen codebook (or trains one on the first build), assigns
+    SIDs (quality gates: exit 3), builds the GTM trie and exact index, writes the snapshot, opens and
+    validates it, then publishes it atomically. An unchanged catalog with the same spec, config and
+    codebook publishes nothing (status "unchanged") unless --force. On any failure the published
+    snapshot stays as it was.
+    """
+    from sidindex.job import run_build
+
+    with progress_bar(not as_json and err.is_terminal) as progress:
+        report = run_build(catalog, targeting, root, config=config, codebook=codebook, force=force, keep=keep,
+                           progress=progress, waiting=lambda: err.print("waiting for another build on this ROOT ..."))
+    if as_json:
+        emit(report, True, "")
+        return
+    emit({k: v for k, v in report.items() if k != "seconds"}, False, f"snapshot {report['status']}")
+    t = Table(title="where the time went", title_justify="left")
+    t.add_column("stage")
+    t.add_column("seconds", justify="right")
+    for k, v in report["seconds"].items():
+        t.add_row(k, f"{v:.2f}")
+    out.print(t)

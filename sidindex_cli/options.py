@@ -1,0 +1,38 @@
+"""Options shared by several commands, and the progress bar they draw on stderr."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from sidindex_cli.render import err
+
+CATALOG_OPT = typer.Option(..., "--catalog", help="Catalog file (Parquet or Arrow IPC), see schemas/CONTRACTS.md.",
+                           exists=False, dir_okay=False)
+TARGETING_OPT = typer.Option(None, "--targeting",
+                             help="Targeting spec (TOML). When given, the whole catalog is validated against it.")
+CONFIG_OPT = typer.Option(None, "--config", help="Build config (TOML): [sid] scheme and [quality] gates. "
+                                                 "Default: the built-in defaults (see sidindex.config).")
+JSON_OPT = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of tables.")
+SNAPSHOT_ARG = typer.Argument(..., help="A ROOT (its published snapshot, named by ROOT/CURRENT) or a snapshot directory.")
+
+
+@contextmanager
+def progress_bar(enabled: bool) -> Iterator:
+    """A progress callback `(stage, done, total)` drawn on stderr when enabled (a terminal, no --json)."""
+    if not enabled:
+        yield lambda *_: None
+        return
+    with Progress(TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=err, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        yield update

@@ -1,0 +1,145 @@
+"""Commands that run the serving path: `retrieve`, `simulate`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, progress_bar
+from sidindex_cli.render import emit, err, out
+from sidindex_cli.render import pct
+
+app = typer.Typer()
+
+
+@app.command()
+def retrieve(
+    snapshot: Path = SNAPSHOT_ARG,
+    requests: Path = typer.Option(..., "--requests", help="Request table (Parquet or Arrow IPC) with an `embedding` "
+                                  "column for the codebook scorer, see schemas/CONTRACTS.md."),
+    out_file: Path = typer.Option(..., "--out", help="Output file: .parquet, or Arrow IPC otherwise. Columns "
+                                  "request_id, rank, ad_id, sid, score."),
+    mode: str = typer.Option("cd+gtm", "--mode", help="none | cd | cd+gtm | cd+gtm+kway (needs a snapshot built "
+                             "with [kway])."),
+    beams: str = typer.Option("1,512,1024,1024", "--beams", help="Beam size per SID position: beams[0] is the root "
+                              "(1), beams[d] are kept after step d-1, beams[-1] after the last step."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N. On cuda the mask is the Triton kernel."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="Keep at most K ads per request (default: "
+                                        "every eligible ad the search reached)."),
+    batch_size: int = typer.Option(16, "--batch-size", min=1, help="Requests searched together."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Retrieve eligible ads: constrained beam search over SIDs, then SID -> ads and the exact filter.
+
+    Logits come from the codebook scorer (the request embedding's distance to each level's
+    centroids; the hash level is uniform). Every returned ad is eligible; a request whose beams all
+    die under the constraints gets fewer (or no) ads, counted in the summary; the search never
+    falls back to unconstrained decoding.
+    """
+    import pyarrow.parquet as pq
+    from pyarrow import feather
+
+    from runtime.loader import load
+    from runtime.retrieve import retrieve as run_retrieval
+    from runtime.search import parse_beams
+    from sidindex.ingest import read_requests
+
+    t0 = time.perf_counter()
+    index = load(snapshot, device, verify=False)
+    beam_sizes = parse_beams(beams, index.sid_length)
+    reqs = read_requests(requests, index.snapshot.spec)
+    load_s = time.perf_counter() - t0
+    with progress_bar(not as_json and err.is_terminal) as progress:
+        run = run_retrieval(index, reqs, mode=mode, beams=beam_sizes, top_k=top_k, batch_size=batch_size,
+                            progress=progress)
+    table = run.table(reqs.request_id)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.tmp")
+    if out_file.suffix == ".parquet":
+        pq.write_table(table, tmp)
+    else:
+        feather.write_feather(table, str(tmp), compression="uncompressed")
+    tmp.replace(out_file)
+    r = run.result
+    emit({"snapshot_id": index.id, "device": str(index.device), "mode": mode, "beams": list(beam_sizes),
+           "requests": len(reqs), "rows": table.num_rows, "out": str(out_file),
+           "eligible_ads_per_request_mean": round(float(r.ads_eligible.mean()), 2),
+           "requests_without_ads": int((r.ads_eligible == 0).sum()),
+           "requests_whose_beams_all_died": int((r.sids == 0).sum()),
+           "seconds": {"load": round(load_s, 3), **{k: round(v, 3) for k, v in run.seconds.items()}}},
+          as_json, "retrieved")
+
+
+@app.command()
+def simulate(
+    snapshot: Path = SNAPSHOT_ARG,
+    requests: Path = typer.Option(..., "--requests", help="Request table with an `embedding` column (the codebook "
+                                  "scorer's input)."),
+    modes: Optional[str] = typer.Option(None, "--modes", help="Comma-separated modes (default: cd,cd+gtm, plus "
+                                        "cd+gtm+kway when the snapshot has partitions)."),
+    beams: str = typer.Option("1,512,1024,1024", "--beams", help="Beam size per SID position, as for retrieve."),
+    top_k: int = typer.Option(100, "--top-k", min=1, help="K of recall@K and of 'requests short of K'."),
+    max_requests: Optional[int] = typer.Option(None, "--max-requests", min=1, help="Use the first N requests only."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw pass rates and recall per mode to this PNG."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Pass rates and recall of eligible ads per mode (GRACE Table 3, and what it left out).
+
+    Per mode, over the ads the returned SIDs generate: the share passing every bitmask attribute,
+    every bloom attribute (each stage on its own) and both (final), overall and bucketed by how
+    many ads a request generated; eligible ads per request (mean, p10); requests short of K; and
+    recall@K against the K best eligible ads of the whole catalog under the same codebook scorer,
+    found exhaustively. Times are per request.
+    """
+    from runtime.loader import load
+    from runtime.search import parse_beams
+    from runtime.simulate import simulate as run_study
+    from sidindex.ingest import read_requests
+
+    index = load(snapshot, device, verify=False)
+    beam_sizes = parse_beams(beams, index.sid_length)
+    reqs = read_requests(requests, index.snapshot.spec)
+    if max_requests is not None:
+        reqs = reqs.head(max_requests)
+    kway = index.part_offsets is not None
+    chosen = tuple(m.strip() for m in modes.split(",")) if modes else ("cd", "cd+gtm") + (("cd+gtm+kway",) if kway else ())
+    with progress_bar(not as_json and err.is_terminal) as progress:
+        report = run_study(index, reqs, chosen, beam_sizes, top_k, progress=progress)
+    cfg = (index.snapshot.manifest.get("build_config") or {}).get("kway") if kway else None
+    report["kway"] = None if not cfg else (f"static, k {cfg['k']}" if cfg.get("mode") == "static" else
+                                           f"dynamic, k_max {cfg.get('k_max')}, target fill {cfg.get('target_fill')}")
+    if plot is not None:
+        from sidindex_cli.plot import plot_study
+
+        plot_study(report, plot)
+        report["plot"] = str(plot)
+    if as_json:
+        emit(report, True, "")
+        return
+    emit({k: round(v, 1) if isinstance(v, float) else v for k, v in report.items() if k != "modes"}, False,
+          "simulation")
+    t = Table(title=f"per mode ({report['requests']} requests): ads generated and their pass rates per stage, "
+              f"eligible ads per request, requests short of {top_k}, recall, ms per request", title_justify="left")
+    cols = ["mode", "generated", "bitmask", "bloom", "final", "eligible/req", "p10", f"<{top_k}", f"recall@{top_k}",
+            "search ms", "post ms"]
+    for c in cols:
+        t.add_column(c, justify="right")
+    for m in report["modes"]:
+        t.add_row(m["mode"], f"{m['ads_generated']:,}", pct(m["bitmask_rate"]), pct(m["bloom_rate"]),
+                  pct(m["final_rate"]), f"{m['eligible_per_request_mean']:.1f}", f"{m['eligible_per_request_p10']:.0f}",
+                  str(m["requests_short_of_k"]), "-" if m[f"recall_at_{top_k}"] is None else f"{m[f'recall_at_{top_k}']:.3f}",
+                  f"{m['search_ms_per_request']:.1f}", f"{m['post_ms_per_request']:.1f}")
+    out.print(t)
+    b = Table(title="final rate by ads generated per request", title_justify="left")
+    for c in ("mode", "ads generated", "requests", "bitmask rate", "bloom rate", "final rate"):
+        b.add_column(c, justify="right")
+    for m in report["modes"]:
+        for k in m["buckets"]:
+            b.add_row(m["mode"], k["generated"], str(k["requests"]), pct(k["bitmask_rate"]), pct(k["bloom_rate"]),
+                      pct(k["final_rate"]))
+    out.print(b)
