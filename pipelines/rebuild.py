@@ -13,14 +13,25 @@ JOB.toml:
     reports   = "/srv/sidindex/reports"       # optional: default ROOT/reports
 
 Each run writes one JSON report (reports/<UTC time>.json, and reports/latest.json) whatever the
-outcome, and exits with a code an orchestrator can act on:
+outcome, an unexpected exception included, prints a one-line JSON summary on stdout, and exits with
+a code an orchestrator can act on:
     0  published a new snapshot        10  inputs unchanged, nothing published
     2  bad input, config or artifact   3   a quality gate failed (nothing published)
+       (a bad job file too)
     1  anything else (a bug, a full disk); the previous snapshot stays published
+
+Two cases print one line on stderr (and never a traceback):
+- the job file cannot be loaded (missing, a directory, not UTF-8, not TOML, bad keys): there is no
+  reports directory to write to; exit 2.
+- the reports directory cannot be written (read-only, no permission, a file in the way): the line
+  names the directory and the OS error, and stdout carries the whole report (with "report_error")
+  instead of the summary. The exit code is the build's own when the build failed (2, 3 or 1), and 1
+  when it published or found nothing to do: a run whose report is lost is not a clean success.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -36,12 +47,22 @@ _KEYS = {"catalog", "targeting", "root", "config", "codebook", "keep", "force", 
 
 
 def load_job(path: Path) -> dict:
-    doc = read_toml(path)
+    """Read and check JOB.toml; every problem with it, an unreadable file included, is a `ConfigError`."""
+    try:
+        doc = read_toml(path)
+    except UnicodeDecodeError as e:  # tomllib decodes the bytes as UTF-8 itself
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the job file as UTF-8") from None
+    except OSError as e:  # a directory, no permission, an I/O error
+        raise ConfigError(f"{path}: cannot be read ({e.strerror or e}); expected a TOML job file") from None
     check_keys(doc, _KEYS, str(path))
     for key in ("catalog", "targeting", "root"):
         if not isinstance(doc.get(key), str):
             raise ConfigError(f"{path}: '{key}' is required (a path)")
-    if not isinstance(doc.get("keep", 3), int) or doc.get("keep", 3) < 1:
+    for key in ("config", "codebook", "reports"):
+        if not isinstance(doc.get(key, ""), str):
+            raise ConfigError(f"{path}: '{key}' must be a path (a string)")
+    keep = doc.get("keep", 3)
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ConfigError(f"{path}: 'keep' must be an integer >= 1")
     if not isinstance(doc.get("force", False), bool):
         raise ConfigError(f"{path}: 'force' must be true or false")
@@ -49,12 +70,17 @@ def load_job(path: Path) -> dict:
 
 
 def run(job_path: Path) -> tuple[int, dict]:
-    """Run one rebuild; returns (exit code, report)."""
+    """Run one rebuild; returns (exit code, report).
+
+    Once the job file is loaded, report["reports"] is the reports directory and the report is written
+    there; when that fails, report["report_error"] says why and the code follows the module docstring.
+    """
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     report: dict = {"job": str(job_path), "started": started}
     job: dict = {}
     try:
         job = load_job(job_path)
+        report["reports"] = str(Path(job.get("reports") or Path(job["root"]) / "reports"))
         opt = {k: Path(job[k]) for k in ("config", "codebook") if k in job}
         report |= run_build(Path(job["catalog"]), Path(job["targeting"]), Path(job["root"]), keep=job.get("keep", 3),
                             force=job.get("force", False), **opt)
@@ -62,23 +88,37 @@ def run(job_path: Path) -> tuple[int, dict]:
     except SidIndexError as e:
         report |= {"status": "failed", "error": str(e), "error_type": type(e).__name__}
         code = e.exit_code
-    except Exception as e:  # noqa: BLE001 - the report must say what happened, whatever it was
-        report |= {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    # BaseException, not Exception: the report must say what happened whatever it was, and a Rust panic
+    # in polars (pyo3's PanicException), SystemExit from a library or Ctrl-C are not Exceptions.
+    except BaseException as e:  # noqa: BLE001
+        report |= {"status": "failed", "error": f"{type(e).__name__}: {e}", "error_type": type(e).__name__,
+                   "traceback": traceback.format_exc()}
         code = 1
     report |= {"exit_code": code, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if "root" in job:
-        _write_report(Path(job.get("reports") or Path(job["root"]) / "reports"), report)
+    if "reports" in report:
+        directory = Path(report["reports"])
+        try:
+            _write_report(directory, report)
+        except OSError as e:  # read-only, no permission, a file where the directory should be, disk full
+            code = code if code not in (0, UNCHANGED) else 1
+            report |= {"exit_code": code,
+                       "report_error": f"{directory}: cannot write the run report there ({e.strerror or e})"}
     return code, report
 
 
 def _write_report(directory: Path, report: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(report, indent=1)
+    text = json.dumps(report, indent=1, default=str)  # default=str: a stray Path or numpy scalar is no crash
     stamp = report["started"].replace(":", "").replace("-", "")
     for name in (f"{stamp}-{time.time_ns() % 10**9:09d}.json", "latest.json"):
         tmp = directory / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(directory / name)
+        try:
+            tmp.write_text(text)
+            tmp.replace(directory / name)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,8 +127,19 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     code, report = run(Path(argv[0]))
-    print(json.dumps({k: report.get(k) for k in ("status", "snapshot_id", "exit_code", "error") if k in report}))
+    if "report_error" in report:
+        _one_line(f"error: {report['report_error']}; the report follows on stdout")
+        print(json.dumps(report, default=str))  # the only copy of it
+        return code
+    if "reports" not in report:  # the job file itself is bad: no report anywhere but here
+        _one_line(f"error: {report.get('error')}")
+    print(json.dumps({k: report.get(k) for k in ("status", "snapshot_id", "exit_code", "error") if k in report},
+                     default=str))
     return code
+
+
+def _one_line(message: str) -> None:
+    print(" ".join(message.split("\n")), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Versioned contracts for everything sidindex reads and writes.
 
-This package is the single source for the input tables (catalog, requests), the targeting spec and
-the SID table: `sidindex.ingest` and `sidindex.targeting` validate against these definitions, and
+This package is the single source for the input tables (catalog, requests), the targeting spec,
+the SID table and the snapshot artifact (`schemas.artifacts`): `sidindex.ingest` and `sidindex.targeting` validate against these definitions, and
 `python -m schemas` renders them into ``schemas/CONTRACTS.md``.
 """
 

@@ -1,4 +1,4 @@
-"""Table and spec contracts.
+"""Table and spec contracts (the inputs; the artifacts sidindex writes are in `schemas.artifacts`).
 
 A `Field` names a column (or a spec key), its logical type, whether it must be present and whether
 it may be null. Names in angle brackets are templates: ``<bitmask attribute>`` stands for one column
@@ -49,9 +49,10 @@ CATALOG = Contract(
     version=1,
     doc="One row per ad; Parquet or Arrow IPC.",
     fields=(
-        Field("ad_id", "int64", True, False, "Unique ad identifier."),
+        Field("ad_id", "int64", True, False, "Unique ad identifier; an unsigned id must fit int64 (below 2**63)."),
         Field("embedding", "vector<float32>", True, False,
-              "Ad embedding used for the semantic SID levels; one length for all rows, finite."),
+              "Ad embedding used for the semantic SID levels; one length for all rows, finite, every element "
+              "within [-1e6, 1e6] (larger values overflow the float32 distances of k-means)."),
         Field("<hash key>", "int|string", True, False,
               "Columns named by the codebook's `hash_keys` (default `advertiser_id`); their values "
               "are hashed into the final SID level."),
@@ -69,14 +70,15 @@ REQUESTS = Contract(
     version=1,
     doc="One row per retrieval request; Parquet or Arrow IPC.",
     fields=(
-        Field("request_id", "int64", True, False, "Unique request identifier."),
+        Field("request_id", "int64", True, False, "Unique request identifier; must fit int64."),
         Field("<bitmask attribute>", "string", True, True,
               "The request's value; null or undeclared = unknown (matches unrestricted ads only)."),
         Field("<bloom attribute>", "list<string>", True, True,
               "The request's values (at most `max_request_values`, default 64); null or empty "
               "matches unrestricted ads only."),
         Field("embedding", "vector<float32>", False, True,
-              "Request embedding, used by the codebook scorer; same length as the codebook's."),
+              "Request embedding, used by the codebook scorer; same length as the codebook's, finite, within "
+              "[-1e6, 1e6]."),
     ),
 )
 
@@ -114,8 +116,11 @@ CONTRACTS = (CATALOG, REQUESTS, TARGETING_ATTRIBUTE, SID_TABLE)
 
 def render_markdown() -> str:
     """Render every contract as Markdown (the text of ``schemas/CONTRACTS.md``)."""
-    out = ["# Data contracts", "",
-           "Generated from `schemas/contracts.py` by `python -m schemas`; do not edit by hand.", ""]
+    from schemas.artifacts import render_artifacts
+
+    out = ["# Data and artifact contracts", "",
+           "Generated from `schemas/contracts.py` and `schemas/artifacts.py` by `python -m schemas`; do not edit "
+           "by hand.", ""]
     for c in CONTRACTS:
         out += [f"## {c.name} (version {c.version})", "", c.doc, "",
                 "| field | type | required | nullable | meaning |",
@@ -124,4 +129,4 @@ def render_markdown() -> str:
             out.append(f"| `{f.name}` | `{f.type.replace('|', chr(92) + '|')}` | {'yes' if f.required else 'no'} | "
                        f"{'yes' if f.nullable else 'no'} | {f.doc} |")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out + render_artifacts())

@@ -1,27 +1,88 @@
-"""Helpers shared by on-disk artifacts (codebooks, snapshots): checksums, fsync, manifests.
+"""On-disk artifacts (codebooks, snapshots): the one place for reading files safely, sealing
+manifests, checksumming and publishing directories atomically.
 
-A manifest is a small JSON document naming its format and format version; readers refuse other
-formats, say plainly when a file comes from a newer writer, and never read an oversized manifest.
+Reading. Only regular files are opened, never through a symbolic link, and without blocking (a
+FIFO where a file should be is refused at once, not waited on); reads are bounded, so a file
+replaced by /dev/zero or a huge file cannot exhaust memory.
+
+Sealed manifests. A manifest is canonical JSON (sorted keys, one-space indent, ASCII) carrying
+`checksum`, the sha256 of the canonical text of everything else. A reader refuses anything that is
+not byte-for-byte the canonical form of what it parsed, so a flipped byte anywhere (whitespace
+included) is refused; duplicate keys and nesting deeper than `MAX_DEPTH` are refused before any
+recursion can fail.
+
+Directories. Every file of an artifact directory but its manifest is listed in the manifest with
+its size and sha256; `verify_files` refuses a file missing, changed, unlisted, or not a regular
+file. `publish_dir` fsyncs a filled temporary directory and renames it into place.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sidindex.errors import ArtifactError
 
-MAX_MANIFEST_BYTES = 16 << 20
+MAX_MANIFEST_BYTES = 4 << 20
+MAX_DEPTH = 16
+CHECKSUM_KEY = "checksum"
+_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of the regular file at `path` (the caller closes it).
+
+    Refuses a symbolic link (as the last component), a FIFO, a device, a directory or a socket
+    without blocking, naming the path.
+    """
+    try:
+        fd = os.open(path, _FLAGS)
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ArtifactError(f"{path}: is a symbolic link; artifacts are read from regular files only") from None
+        raise ArtifactError(f"{path}: cannot be opened ({e.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise ArtifactError(f"{path}: is {kind}; artifacts are read from regular files only")
+    return fd
+
+
+def read_bounded(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file at `path`, refused when longer than `limit`."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ArtifactError(f"{path}: {size} bytes, more than the {limit} a file of this kind may hold")
+        data = os.read(fd, limit + 1)
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot be read ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # grew since fstat
+        raise ArtifactError(f"{path}: more than the {limit} bytes a file of this kind may hold")
+    return data
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """Hex sha256 of the regular file at `path`."""
+    fd = open_regular(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot be read ({e.strerror})") from None
+    finally:
+        os.close(fd)
 
 
 def fsync_path(path: Path) -> None:
@@ -33,23 +94,153 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def read_manifest(path: Path, fmt: str, version: int, what: str) -> dict:
-    """The JSON manifest at `path`, checked to be format `fmt` at `version`."""
+# --- sealed manifests -------------------------------------------------------------------------
+
+def _canonical(doc: dict) -> bytes:
+    return (json.dumps(doc, indent=1, sort_keys=True, ensure_ascii=True, allow_nan=False) + "\n").encode("ascii")
+
+
+def seal(doc: dict) -> bytes:
+    """The manifest text of `doc` (which must not hold CHECKSUM_KEY), with its checksum added."""
+    body = {k: v for k, v in doc.items() if k != CHECKSUM_KEY}
+    return _canonical({**body, CHECKSUM_KEY: hashlib.sha256(_canonical(body)).hexdigest()})
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {dup!r} appears twice")
+    return out
+
+
+def _depth(text: bytes) -> int:
+    """Deepest bracket nesting of JSON text, strings skipped (bounded before parsing recurses)."""
+    deepest = depth = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:
+                escaped = True
+            elif c == 0x22:
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def read_json(path: Path, what: str) -> tuple[dict, bytes]:
+    """(document, raw bytes) of the JSON object at `path`: bounded, nesting bounded, no duplicate keys."""
+    raw = read_bounded(path, MAX_MANIFEST_BYTES)
+    if _depth(raw) > MAX_DEPTH:
+        raise ArtifactError(f"{path}: nested deeper than {MAX_DEPTH} levels; not a sidindex {what} manifest")
     try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ArtifactError(f"{path}: not valid {what} manifest JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ArtifactError(f"{path}: not a sidindex {what} manifest (not a JSON object)")
+    return doc, raw
+
+
+def unseal(path: Path, what: str) -> dict:
+    """The sealed manifest at `path`: `read_json`, then byte-for-byte canonical with the right checksum."""
+    doc, raw = read_json(path, what)
+    if not isinstance(doc.get(CHECKSUM_KEY), str):
+        raise ArtifactError(f"{path}: not a sealed sidindex {what} manifest (no '{CHECKSUM_KEY}')")
+    try:
+        canonical = seal(doc)
+    except ValueError as e:  # NaN or infinity
+        raise ArtifactError(f"{path}: not a sidindex {what} manifest ({e})") from None
+    if canonical != raw:
+        raise ArtifactError(f"{path}: the {what} manifest is corrupt (its checksum or its bytes do not match)")
+    return doc
+
+
+def check_format(path: Path, doc: dict, fmt: str, version: int, what: str, gone: dict[int, str] | None = None) -> None:
+    """Refuse a manifest of another format, or of another format version (saying which to do)."""
+    if doc.get("format") != fmt:
+        raise ArtifactError(f"{path}: not a sidindex {what} manifest (format {doc.get('format')!r})")
+    found = doc.get("format_version")
+    if found == version:
+        return
+    if isinstance(found, int) and found > version:
+        raise ArtifactError(f"{path}: {what} format version {found}; this sidindex reads version {version} "
+                            "(written by a newer sidindex: upgrade sidindex)")
+    hint = (gone or {}).get(found) if isinstance(found, int) else None
+    raise ArtifactError(f"{path}: {what} format version {found!r}; this sidindex reads version {version}"
+                        + (f" ({hint})" if hint else ""))
+
+
+# --- directories ------------------------------------------------------------------------------
+
+def _walk(directory: Path, skip: str) -> dict[str, Path]:
+    """Every entry below `directory` as relative POSIX path -> path, except `skip`; refuses
+    anything that is not a regular file or a directory (symlinks included), naming it."""
+    out: dict[str, Path] = {}
+    try:
+        entries = list(os.scandir(directory))
+    except OSError as e:
+        raise ArtifactError(f"{directory}: cannot be listed ({e.strerror})") from None
+    for entry in entries:
+        path = Path(entry.path)
+        if entry.is_symlink():
+            raise ArtifactError(f"{path}: is a symbolic link; an artifact holds regular files only")
+        if entry.is_dir(follow_symlinks=False):
+            out |= {f"{entry.name}/{k}": p for k, p in _walk(path, "").items()}
+        elif entry.is_file(follow_symlinks=False):
+            if entry.name != skip:
+                out[entry.name] = path
+        else:
+            raise ArtifactError(f"{path}: is not a regular file; an artifact holds regular files only")
+    return out
+
+
+def list_files(directory: Path, skip: str) -> dict[str, dict]:
+    """{relative path: {"bytes", "sha256"}} of every file below `directory` but `skip`."""
+    files = _walk(directory, skip)
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
+        digests = dict(zip(files, pool.map(sha256_file, files.values())))
+    return {name: {"bytes": path.stat().st_size, "sha256": digests[name]} for name, path in sorted(files.items())}
+
+
+def verify_files(directory: Path, listed: dict[str, dict], skip: str, *, checksums: bool = True) -> None:
+    """Refuse unless the files below `directory` (but `skip`) are exactly `listed`, each of the
+    listed size and, with `checksums`, sha256 (read in parallel)."""
+    found = _walk(directory, skip)
+    unlisted = sorted(set(found) - set(listed))
+    if unlisted:
+        raise ArtifactError(f"{directory / unlisted[0]}: not listed in the manifest; an artifact holds only the "
+                            "files its manifest lists")
+    for name, entry in listed.items():
+        path = directory / name
+        if name not in found:
+            raise ArtifactError(f"{path}: missing (the manifest lists it)")
         size = path.stat().st_size
-    except FileNotFoundError:
-        raise ArtifactError(f"{path}: missing; not a sidindex {what}") from None
-    if size > MAX_MANIFEST_BYTES:
-        raise ArtifactError(f"{path}: {size} bytes, too large for a {what} manifest")
-    try:
-        m = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(m, dict) or m.get("format") != fmt:
-        raise ArtifactError(f"{path}: not a sidindex {what} manifest")
-    found = m.get("format_version")
-    if found != version:
-        newer = isinstance(found, int) and found > version
-        raise ArtifactError(f"{path}: {what} format version {found!r}; this sidindex reads version {version}"
-                            + (" (written by a newer sidindex: upgrade sidindex)" if newer else ""))
-    return m
+        if size != entry["bytes"]:
+            raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced?)")
+    if checksums:
+        names = list(listed)
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            digests = pool.map(sha256_file, (directory / n for n in names))
+            for name, digest in zip(names, digests):
+                if digest != listed[name]["sha256"]:
+                    raise ArtifactError(f"{directory / name}: checksum mismatch; the file is corrupt")
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """fsync every file and directory below the filled `tmp`, rename it to `final`, fsync the parent.
+    A crash at any point leaves either no `final` or a complete one."""
+    for p in sorted(tmp.rglob("*"), reverse=True):  # files before the directories holding them
+        fsync_path(p)
+    fsync_path(tmp)
+    os.rename(tmp, final)
+    fsync_path(final.parent)

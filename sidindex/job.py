@@ -22,8 +22,10 @@ from sidindex.errors import QualityGateError
 from sidindex.ingest import read_catalog
 from sidindex.sid import assign_sids, hash_tokens, load_codebook, save_codebook, sid_quality, train_codebook
 from sidindex.sid.codebook import resolve_codebook
-from sidindex.snapshot.publish import build_lock, current_id, new_snapshot_id, publish
-from sidindex.snapshot.snapshot import FORMAT_VERSION, MANIFEST, open_snapshot, write_snapshot
+from sidindex.errors import ArtifactError
+from sidindex.root import Root, new_snapshot_id
+from sidindex.snapshot import Manifest, open_snapshot, write_snapshot
+from schemas.artifacts import SNAPSHOT_VERSION
 from sidindex.targeting import load_targeting
 from sidindex.timing import StageClock
 
@@ -38,22 +40,24 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
     clock = StageClock()
     cfg = load_config(config)
     spec = load_targeting(targeting)
-    with build_lock(root, waiting):
+    layout = Root(root)
+    with layout.lock(waiting):
         clock.restart()  # time spent waiting for the lock is not the build's
-        cb, cb_source = _codebook(root, codebook)
+        layout.clean_temporaries()
+        cb, cb_source = _codebook(layout, codebook)
         hash_keys = cb.hash_keys if cb else cfg.sid.hash_keys
         cat = read_catalog(catalog, spec=spec, hash_keys=hash_keys, dim=cb.dim if cb else None)
         clock.lap("ingest")
         if cb is None:
             cb = train_codebook(cat.embedding, cfg.sid, progress)
-            save_codebook(cb, root)
+            save_codebook(cb, layout.path)
             cb_source = "trained"
             clock.lap("train codebook")
         fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id)
         report = {"root": str(root), "fingerprint": fingerprint, "codebook_id": cb.id, "codebook": cb_source,
                   "ads": len(cat)}
-        published = current_id(root)
-        if not force and published and _published_fingerprint(root, published) == fingerprint:
+        published = _current(layout)
+        if not force and published and _published_fingerprint(layout, published) == fingerprint:
             return {"status": "unchanged", "snapshot_id": published, **report, "seconds": _rounded(clock)}
         tokens = hash_tokens(cat.columns, cb.hash_keys, cb.hash_size)
         assignment = assign_sids(cb, cat.embedding, tokens, progress)
@@ -65,17 +69,16 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
         clock.seconds |= {f"build: {k}": v for k, v in built.seconds.items()}
         clock.restart()
         snapshot_id = new_snapshot_id(fingerprint)
-        info = {"id": snapshot_id, "input_fingerprint": fingerprint, "codebook_id": cb.id,
-                "catalog": str(Path(catalog).resolve()), "build_config": cfg.to_dict(),
-                "counts": {"ads": len(cat), "sid_rows": int(len(assignment.sids)), "sids": built.stats.sids,
-                           "nodes": built.stats.num_nodes},
-                "stats": built.stats.to_dict(), "quality": quality.to_dict()}
+        counts = {"ads": len(cat), "sid_rows": int(len(assignment.sids)), "sids": built.stats.sids,
+                  "nodes": built.stats.num_nodes}
 
         def write(directory: Path) -> None:
-            write_snapshot(directory, built.gtm, built.exact, cat.ad_id, spec, info)
-            save_codebook(cb, directory)
+            write_snapshot(directory, built.gtm, built.exact, cat.ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
+                           input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()),
+                           build_config=cfg.to_dict(), counts=counts, stats=built.stats.to_dict(),
+                           quality=quality.to_dict())
 
-        path = publish(root, snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep)
+        path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep)
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
             "sid_rows": int(len(assignment.sids)), "sids": built.stats.sids, "nodes": built.stats.num_nodes,
@@ -86,25 +89,33 @@ def _rounded(clock: StageClock) -> dict[str, float]:
     return {k: round(v, 3) for k, v in clock.seconds.items()}
 
 
-def _codebook(root: Path, given: Path | None):
+def _codebook(root: Root, given: Path | None):
     """(codebook, "given" | "reused") or (None, "") when ROOT has none and training is needed."""
     if given is not None:
         return load_codebook(given), "given"
-    if not any((root / "codebooks").glob("cb-*")):
+    if not any(root.codebooks.glob("cb-*")):
         return None, ""
-    return load_codebook(resolve_codebook(root)), "reused"
+    return load_codebook(resolve_codebook(root.path)), "reused"
 
 
 def _fingerprint(catalog: Path, spec: dict, config: dict, codebook_id: str) -> str:
     h = hashlib.sha256(sha256_file(Path(catalog)).encode())
     h.update(json.dumps({"targeting": spec, "config": config, "codebook": codebook_id,
-                         "snapshot_format": FORMAT_VERSION}, sort_keys=True).encode())
+                         "snapshot_format": SNAPSHOT_VERSION}, sort_keys=True).encode())
     return h.hexdigest()
 
 
-def _published_fingerprint(root: Path, snapshot_id: str) -> str | None:
-    """The fingerprint the published snapshot was built from."""
+def _current(root: Root) -> str | None:
+    """The published id; None when CURRENT is unreadable (a new build replaces it)."""
     try:
-        return json.loads((root / "snapshots" / snapshot_id / MANIFEST).read_text()).get("input_fingerprint")
-    except (OSError, ValueError, AttributeError):
-        return None  # unreadable: build a new one rather than trust it
+        return root.current_id()
+    except ArtifactError:
+        return None
+
+
+def _published_fingerprint(root: Root, snapshot_id: str) -> str | None:
+    """The fingerprint the published snapshot was built from (None when it cannot be read: build anew)."""
+    try:
+        return Manifest.read(root.snapshot_dir(snapshot_id)).input_fingerprint
+    except ArtifactError:
+        return None

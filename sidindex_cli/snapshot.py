@@ -7,28 +7,30 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
 from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG
-from sidindex_cli.render import emit, out
+from sidindex.errors import ArtifactError
+from sidindex_cli.render import emit, print_positions
 
 app = typer.Typer()
 
 
 @app.command()
 def validate(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
-    """Check a snapshot: checksums and structure; exit 2 naming the first fault.
+    """Check a snapshot: every byte and the structure; exit 2 naming the first fault.
 
-    Checks the manifest, every file's size and sha256, each array file's header, and the index
-    structure (offsets monotone, every index in range, children sorted).
+    Checks the manifest (sealed by its own checksum, strict keys, id = directory name), that the
+    directory holds exactly the files it lists (regular files, no links), each file's size and
+    sha256 (the carried codebook included), each Arrow file's schema and lengths, and the index
+    structure (offsets rising without wrap-around, every index in range, every relation between
+    arrays; see schemas/CONTRACTS.md).
     """
-    from sidindex.snapshot import open_snapshot, resolve_snapshot
+    from sidindex.snapshot import open_snapshot
 
     t0 = time.perf_counter()
-    snap = open_snapshot(resolve_snapshot(snapshot), verify=True)
-    emit({"status": "ok", "snapshot_id": snap.id, "path": str(snap.path), "files": len(snap.manifest["files"]),
-           "bytes": sum(f["bytes"] for f in snap.manifest["files"].values()),
-           "seconds": round(time.perf_counter() - t0, 2)}, as_json, "snapshot valid")
+    snap = open_snapshot(snapshot, verify=True)
+    emit({"status": "ok", "snapshot_id": snap.id, "path": str(snap.path), "files": len(snap.manifest.files),
+          "bytes": snap.manifest.total_bytes, "seconds": round(time.perf_counter() - t0, 2)}, as_json, "snapshot valid")
 
 
 @app.command()
@@ -42,38 +44,30 @@ def inspect(
 
     Build inputs (codebook, fingerprint), then per transition position: parents, entries, matcher
     storage (KB with one row per entry -> KB after dedup), fill rates (union, and k-way partitions
-    when built).
+    when built). Structure is validated as always; checksums are left to `sidindex validate`.
     """
-    from sidindex.snapshot import open_snapshot, resolve_snapshot
+    from sidindex.snapshot import open_snapshot
 
-    snap = open_snapshot(resolve_snapshot(snapshot), verify=False)
+    snap = open_snapshot(snapshot, verify=False)
     m = snap.manifest
-    st = m["stats"]
-    summary = {"snapshot_id": m["id"], "created": m["created"], "path": str(snap.path), "codebook_id": m["codebook_id"],
-               "input_fingerprint": m["input_fingerprint"][:16], "level_sizes": m["level_sizes"], **m["counts"],
-               "kway": m["kway"], "matcher_table_bytes": st["bitmask_table_bytes"] + st["bloom_table_bytes"],
-               "ads_per_sid": f"p50 {st['ads_per_sid_p50']:g}  p99 {st['ads_per_sid_p99']:g}  max {st['ads_per_sid_max']}",
-               "sids_per_ad": f"mean {st['sids_per_ad_mean']:.2f}  max {st['sids_per_ad_max']}"}
-    if plot is not None:
-        from sidindex_cli.plot import plot_positions
+    try:
+        st = m.stats
+        positions = st["positions"]
+        summary = {"snapshot_id": m.id, "created": m.created, "path": str(snap.path), "codebook_id": m.codebook_id,
+                   "input_fingerprint": m.input_fingerprint[:16], "level_sizes": list(m.level_sizes), **m.counts,
+                   "kway": m.kway, "matcher_table_bytes": st["bitmask_table_bytes"] + st["bloom_table_bytes"],
+                   "ads_per_sid": f"p50 {st['ads_per_sid_p50']:g}  p99 {st['ads_per_sid_p99']:g}  "
+                                  f"max {st['ads_per_sid_max']}",
+                   "sids_per_ad": f"mean {st['sids_per_ad_mean']:.2f}  max {st['sids_per_ad_max']}"}
+        if plot is not None:
+            from sidindex_cli.plot import plot_positions
 
-        plot_positions(st["positions"], m["kway"], plot, f"snapshot {m['id']}: {m['counts']['ads']:,} ads")
-        summary["plot"] = str(plot)
-    if as_json:
-        emit({**summary, "positions": st["positions"]}, True, "")
-        return
-    emit(summary, False, "snapshot")
-    t = Table(title="per transition position", title_justify="left")
-    cols = ["position", "parents", "entries", "bitmask KB", "Bloom KB",
-            "bitmask fill", "Bloom fill"] + (["partitions", "part bitmask fill", "part Bloom fill"] if m["kway"] else [])
-    for c in cols:
-        t.add_column(c, justify="right")
-    for p in st["positions"]:
-        row = [str(p["position"]), f"{p['parents']:,}", f"{p['entries']:,}",
-               f"{p['bitmask_bytes_before'] / 1e3:,.1f} -> {p['bitmask_bytes_after'] / 1e3:,.1f}",
-               f"{p['bloom_bytes_before'] / 1e3:,.1f} -> {p['bloom_bytes_after'] / 1e3:,.1f}",
-               f"{p['bitmask_fill']:.3f}", f"{p['bloom_fill']:.3f}"]
-        if m["kway"]:
-            row += [f"{p['partitions']:,}", f"{p['part_bitmask_fill']:.3f}", f"{p['part_bloom_fill']:.3f}"]
-        t.add_row(*row)
-    out.print(t)
+            plot_positions(positions, m.kway, plot, f"snapshot {m.id}: {m.counts['ads']:,} ads")
+            summary["plot"] = str(plot)
+        if as_json:
+            emit({**summary, "positions": positions}, True, "")
+            return
+        emit(summary, False, "snapshot")
+        print_positions(positions, m.kway)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArtifactError(f"{snap.path / 'manifest.json'}: its statistics are malformed ({type(e).__name__}: {e})") from None

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidindex.config import SIDConfig
+from sidindex.artifact import seal
 from sidindex.errors import ArtifactError
 from sidindex.sid import (HASH_SEED, Codebook, assign_sids, hash_tokens, load_codebook, resolve_codebook,
                           save_codebook, sid_table, train_codebook)
@@ -159,23 +160,36 @@ def test_corrupt_codebooks_are_refused(tmp_path, data):
     with pytest.raises(ArtifactError, match=r"level_1.npy: checksum mismatch"):
         load_codebook(path)
     level.write_bytes(bytes(raw[:-8]))
-    with pytest.raises(ArtifactError, match=r"level_1.npy: \d+ bytes, manifest says \d+ \(truncated\?\)"):
+    with pytest.raises(ArtifactError, match=r"level_1.npy: \d+ bytes, the manifest says \d+ \(truncated"):
         load_codebook(path)
 
 
-def test_newer_or_foreign_manifests_are_refused(tmp_path, data):
+def test_newer_foreign_or_edited_manifests_are_refused(tmp_path, data):
     _, _, cb = data
     path = save_codebook(cb, tmp_path)
     manifest = json.loads((path / "codebook.json").read_text())
-    (path / "codebook.json").write_text(json.dumps({**manifest, "format_version": 99}))
-    with pytest.raises(ArtifactError, match=r"format version 99; this sidindex reads version 1 \(written by a newer"):
+    (path / "codebook.json").write_bytes(seal({**manifest, "format_version": 99}))
+    with pytest.raises(ArtifactError, match=r"format version 99; this sidindex reads version 2 \(written by a newer"):
         load_codebook(path)
-    (path / "codebook.json").write_text(json.dumps({**manifest, "level_sizes": [16, 8, 5, 64]}))
+    (path / "codebook.json").write_bytes(seal({**manifest, "level_sizes": [16, 8, 5, 64]}))
     with pytest.raises(ArtifactError, match=r"level_2.npy: holds float32\(4, 6\), expected float32\(5, 6\)"):
         load_codebook(path)
-    (path / "codebook.json").write_text("{not json")
-    with pytest.raises(ArtifactError, match="not valid JSON"):
+    (path / "codebook.json").write_text(json.dumps({**manifest, "paths": 1}, indent=1, sort_keys=True) + "\n")
+    with pytest.raises(ArtifactError, match="codebook manifest is corrupt"):  # edited without its checksum
         load_codebook(path)
+    (path / "codebook.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="not valid codebook manifest JSON"):
+        load_codebook(path)
+
+
+def test_version_1_codebooks_stay_readable(tmp_path, data):
+    """Codebooks fix a deployed model's SIDs: those written before manifests were sealed still load."""
+    _, _, cb = data
+    path = save_codebook(cb, tmp_path)
+    manifest = json.loads((path / "codebook.json").read_text())
+    del manifest["checksum"]
+    (path / "codebook.json").write_text(json.dumps({**manifest, "format_version": 1}, indent=2))
+    assert load_codebook(path).id == cb.id
 
 
 def test_root_with_several_codebooks_asks_which(tmp_path, data):

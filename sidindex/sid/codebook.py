@@ -24,14 +24,26 @@ from typing import Callable
 
 import numpy as np
 
+from sidindex.artifact import (
+    CHECKSUM_KEY,
+    check_format,
+    list_files,
+    open_regular,
+    publish_dir,
+    read_json,
+    seal,
+    unseal,
+    verify_files,
+)
 from sidindex.config import SIDConfig
-from sidindex.artifact import fsync_path, read_manifest, sha256_file
 from sidindex.errors import ArtifactError, ConfigError
 from sidindex.sid.hashing import HASH_SEED, KEY_SEPARATOR
 
 FORMAT = "sidindex.codebook"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sealed manifest (1 is still read)
 MANIFEST = "codebook.json"
+_KEYS = {"format", "format_version", "id", "dim", "level_sizes", "hash_keys", "hash_seed", "hash_key_separator",
+         "paths", "path_ratio", "config", "notes", "files"}
 
 Progress = Callable[[str, int, int], None]
 
@@ -131,28 +143,22 @@ def save_codebook(codebook: Codebook, root: str | Path) -> Path:
     Saving a codebook whose id already exists leaves the existing directory as it is (same id,
     same content).
     """
-    parent = Path(root) / "codebooks"
+    from sidindex.root import TMP_PREFIX, Root
+
+    parent = Root(root).codebooks
     parent.mkdir(parents=True, exist_ok=True)
     final = parent / codebook.id
     if final.exists():
         return final
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
+    tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=parent))
     try:
-        files = {}
         for level, c in enumerate(codebook.centroids):
-            name = f"level_{level}.npy"
-            np.save(tmp / name, np.ascontiguousarray(c, dtype="<f4"), allow_pickle=False)
-            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name),
-                           "shape": list(c.shape), "dtype": "float32"}
+            np.save(tmp / f"level_{level}.npy", np.ascontiguousarray(c, dtype="<f4"), allow_pickle=False)
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "id": codebook.id,
                     **codebook.scheme(), "config": _config_dict(codebook.config),
-                    "notes": list(codebook.notes), "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        for p in tmp.iterdir():
-            fsync_path(p)
-        fsync_path(tmp)
-        os.rename(tmp, final)
-        fsync_path(parent)
+                    "notes": list(codebook.notes), "files": list_files(tmp, MANIFEST)}
+        (tmp / MANIFEST).write_bytes(seal(manifest))
+        publish_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -161,10 +167,12 @@ def save_codebook(codebook: Codebook, root: str | Path) -> Path:
 
 def resolve_codebook(path: str | Path) -> Path:
     """A codebook directory from either that directory or a ROOT holding exactly one codebook."""
+    from sidindex.root import Root
+
     path = Path(path)
-    if (path / MANIFEST).is_file():
+    if os.path.lexists(path / MANIFEST):
         return path
-    books = sorted(p for p in (path / "codebooks").glob("cb-*") if (p / MANIFEST).is_file())
+    books = sorted(p for p in Root(path).codebooks.glob("cb-*") if (p / MANIFEST).is_file())
     if len(books) == 1:
         return books[0]
     if not books:
@@ -173,30 +181,45 @@ def resolve_codebook(path: str | Path) -> Path:
                         "pass the directory of the one to use")
 
 
+def _read_manifest(mpath: Path) -> dict:
+    """The codebook manifest: sealed (version 2), or version 1 (unsealed; its files carry sha256
+    sums), so codebooks that fix deployed models' SIDs stay readable."""
+    doc, _ = read_json(mpath, "codebook")
+    version = doc.get("format_version")
+    if version == 1:
+        check_format(mpath, doc, FORMAT, 1, "codebook")
+    else:
+        check_format(mpath, doc, FORMAT, FORMAT_VERSION, "codebook")
+        doc = unseal(mpath, "codebook")
+    keys = _KEYS | ({CHECKSUM_KEY} if version == FORMAT_VERSION else set())
+    if set(doc) != keys:
+        raise ArtifactError(f"{mpath}: keys do not match the codebook format (missing {sorted(keys - set(doc))}, "
+                            f"unexpected {sorted(set(doc) - keys)})")
+    return doc
+
+
 def load_codebook(path: str | Path, *, verify: bool = True) -> Codebook:
-    """Read a codebook directory (or a ROOT with one codebook), checking format, sizes and checksums."""
+    """Read a codebook directory (or a ROOT with one codebook), checking its manifest, its files
+    (listed, regular, sizes; with `verify` their sha256), shapes and its content id."""
     path = resolve_codebook(path)
     mpath = path / MANIFEST
-    m = read_manifest(mpath, FORMAT, FORMAT_VERSION, "codebook")
+    m = _read_manifest(mpath)
     try:
         sizes = [int(s) for s in m["level_sizes"]]
         dim = int(m["dim"])
         if m["hash_seed"] != HASH_SEED or m["hash_key_separator"] != KEY_SEPARATOR:
             raise ArtifactError(f"{mpath}: hash seed or key format differs from this sidindex's")
+        listed = {n: {"bytes": e["bytes"], "sha256": e["sha256"]} for n, e in m["files"].items()}
+        verify_files(path, listed, MANIFEST, checksums=verify)
         config = SIDConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in m["config"].items()})
         centroids = []
         for level, k in enumerate(sizes[:-1]):
-            name = f"level_{level}.npy"
-            entry = m["files"][name]
-            fpath = path / name
-            if fpath.stat().st_size != entry["bytes"]:
-                raise ArtifactError(f"{fpath}: {fpath.stat().st_size} bytes, manifest says {entry['bytes']} (truncated?)")
-            if verify and sha256_file(fpath) != entry["sha256"]:
-                raise ArtifactError(f"{fpath}: checksum mismatch; the file is corrupt")
-            try:
-                c = np.load(fpath, allow_pickle=False)
-            except ValueError as e:
-                raise ArtifactError(f"{fpath}: not a valid array file ({e})") from None
+            fpath = path / f"level_{level}.npy"
+            with os.fdopen(open_regular(fpath), "rb") as f:
+                try:
+                    c = np.load(f, allow_pickle=False)
+                except ValueError as e:
+                    raise ArtifactError(f"{fpath}: not a valid array file ({e})") from None
             if c.dtype != np.float32 or c.shape != (k, dim):
                 raise ArtifactError(f"{fpath}: holds {c.dtype}{c.shape}, expected float32({k}, {dim})")
             if not np.isfinite(c).all():
@@ -204,7 +227,7 @@ def load_codebook(path: str | Path, *, verify: bool = True) -> Codebook:
             centroids.append(c)
         cb = Codebook(tuple(centroids), sizes[-1], tuple(m["hash_keys"]), int(m["paths"]),
                       m["path_ratio"], config, tuple(m["notes"]))
-    except (KeyError, TypeError, ValueError, FileNotFoundError, ConfigError) as e:
+    except (KeyError, TypeError, ValueError, ConfigError, OSError) as e:
         raise ArtifactError(f"{mpath}: malformed or incomplete codebook ({type(e).__name__}: {e})") from None
     if cb.id != m["id"]:
         raise ArtifactError(f"{mpath}: content does not match its id {m['id']!r}")

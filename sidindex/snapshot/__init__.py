@@ -1,6 +1,11 @@
-"""Versioned snapshots of a built index: write, validate, memory-map, publish (DESIGN.md §7)."""
+"""Versioned snapshots of a built index: write, validate, memory-map (DESIGN.md §7); publishing
+and retention are `sidindex.root.Root`'s."""
 
-from sidindex.snapshot.publish import publish, resolve_snapshot
+from sidindex.snapshot.manifest import Manifest
 from sidindex.snapshot.snapshot import Snapshot, open_snapshot, write_snapshot
 
-__all__ = ["Snapshot", "open_snapshot", "publish", "resolve_snapshot", "write_snapshot"]
+from sidindex.root import Root
+
+resolve_snapshot = Root.resolve  # transitional name, replaced by Root.resolve
+
+__all__ = ["Manifest", "Snapshot", "open_snapshot", "write_snapshot"]

@@ -1,85 +1,83 @@
-"""Raw array files: a 64-byte header, then the array's bytes (C order, little-endian).
+"""Snapshot arrays as Arrow IPC files (layout in `schemas.artifacts.ArrayFile`).
 
-    offset  size  field
-    0       8     magic b"SIDXARR\\0"
-    8       4     format version (uint32 LE)
-    12      8     dtype, numpy str padded with NUL (e.g. "<u8")
-    20      4     ndim (uint32 LE, 1..4)
-    24      32    shape, 4 x uint64 LE (unused dims 0)
-    56      8     reserved, zero
-
-Reading memory-maps the file read-only (pages are shared by every process that opens it, and
-nothing is parsed or copied); the header is checked against the manifest's dtype and shape and
-the file's size before any array is made from it.
+Writing: one record batch, one column, uncompressed, so the column's values are one contiguous,
+aligned buffer of the file. Mapping: the file is opened as a regular file (never a link or a FIFO),
+memory-mapped read-only, and the array is a numpy view of the column's values buffer: nothing is
+parsed or copied, and the pages are shared by every process mapping the file. Before a view is
+made the file must hold exactly one batch of the expected column type, without nulls, whose
+buffers hold the length it claims (`RecordBatch.validate`) and the length the manifest says.
 """
 
 from __future__ import annotations
 
-import math
 import mmap
-import struct
+import os
+
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
+from schemas.artifacts import ArrayFile
+from sidindex.artifact import open_regular
 from sidindex.errors import ArtifactError
 
-MAGIC = b"SIDXARR\0"
-VERSION = 1
-HEADER = 64
-DTYPES = ("<i2", "<i4", "<i8", "<u8", "<f4", "|u1")  # what snapshots hold; nothing else is mapped
-_FMT = "<8sI8sI4Q8x"
+
+def _arrow_type(spec: ArrayFile, width: int | None) -> pa.DataType:
+    value = pa.from_numpy_dtype(np.dtype(spec.dtype))
+    return value if width is None else pa.list_(value, width)
 
 
-def write_array(path: Path, array: np.ndarray) -> None:
-    """Write `array` to a new file at `path` (the caller fsyncs)."""
-    a = np.ascontiguousarray(array)
-    dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
-    if dt.str not in DTYPES or not 1 <= a.ndim <= 4:
-        raise ValueError(f"cannot store {a.dtype}{a.shape} in a snapshot")
-    shape = list(a.shape) + [0] * (4 - a.ndim)
-    with path.open("xb") as f:
-        f.write(struct.pack(_FMT, MAGIC, VERSION, dt.str.encode(), a.ndim, *shape))
-        f.write(memoryview(a.astype(dt, copy=False).reshape(-1)).cast("B"))
+def write_array(directory: Path, spec: ArrayFile, array: np.ndarray) -> None:
+    """Write `array` (1-D, or 2-D for a spec with a width) as `directory/spec.file` (the caller fsyncs)."""
+    a = np.ascontiguousarray(array, dtype=spec.dtype)
+    if a.ndim != (1 if spec.width is None else 2):
+        raise ValueError(f"{spec.name}: expected {'1' if spec.width is None else '2'} dimensions, got {a.shape}")
+    values = pa.array(a.reshape(-1))
+    column = values if spec.width is None else pa.FixedSizeListArray.from_arrays(values, a.shape[1])
+    table = pa.table({spec.column_name: column})
+    with pa.OSFile(str(directory / spec.file), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
 
 
-def map_array(path: Path, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A read-only view of the array in `path`, which must hold exactly dtype and shape."""
+def map_array(directory: Path, spec: ArrayFile, shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only view of the array in `directory/spec.file`, which must hold exactly `shape`."""
+    path = directory / spec.file
+    fd = open_regular(path)
     try:
-        with path.open("rb") as f:
-            size = f.seek(0, 2)
-            if size < HEADER:
-                raise ArtifactError(f"{path}: {size} bytes, shorter than the {HEADER}-byte header (truncated?)")
-            f.seek(0)
-            magic, version, dt, ndim, *dims = struct.unpack(_FMT, f.read(HEADER))
-            if magic != MAGIC:
-                raise ArtifactError(f"{path}: not a sidindex array file (bad magic number)")
-            if version != VERSION:
-                newer = " (written by a newer sidindex: upgrade sidindex)" if version > VERSION else ""
-                raise ArtifactError(f"{path}: array format version {version}; this sidindex reads {VERSION}{newer}")
-            found = (dt.rstrip(b"\0").decode("ascii", "replace"), tuple(dims[:ndim]) if 1 <= ndim <= 4 else None)
-            if found != (dtype, tuple(shape)):
-                raise ArtifactError(f"{path}: header says {found[0]}{found[1]}, the manifest {dtype}{tuple(shape)}")
-            want = HEADER + math.prod(shape) * np.dtype(dtype).itemsize  # Python ints: no overflow
-            if size != want:
-                raise ArtifactError(f"{path}: {size} bytes, expected {want} for {dtype}{tuple(shape)} (truncated?)")
-            if size == HEADER:  # an empty array: nothing to map
-                empty = np.zeros(shape, dtype=dtype)
-                empty.flags.writeable = False
-                return empty
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if os.fstat(fd).st_size == 0:
+            raise ArtifactError(f"{path}: empty; not an Arrow IPC file")
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     except OSError as e:
-        raise ArtifactError(f"{path}: cannot read ({e.strerror or e})") from None
-    return np.frombuffer(mm, dtype=dtype, offset=HEADER).reshape(shape)
+        raise ArtifactError(f"{path}: cannot be mapped ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    width = shape[1] if len(shape) == 2 else None
+    want = _arrow_type(spec, width)
+    try:
+        reader = pa.ipc.open_file(pa.py_buffer(mm))
+        if reader.num_record_batches != 1:
+            raise ArtifactError(f"{path}: holds {reader.num_record_batches} record batches, expected 1")
+        batch = reader.get_batch(0)
+        batch.validate()  # buffer sizes agree with the lengths they claim: nothing reads past them
+        schema = batch.schema
+        if len(schema) != 1 or schema[0].name != spec.column_name or schema[0].type != want:
+            found = ", ".join(f"{f.name}: {f.type}" for f in schema)
+            raise ArtifactError(f"{path}: holds columns ({found}), expected ({spec.column_name}: {want})")
+        column = batch.column(0)
+        if column.null_count or (width is not None and column.values.null_count):
+            raise ArtifactError(f"{path}: column {spec.column_name!r} holds nulls")
+        if len(column) != shape[0]:
+            raise ArtifactError(f"{path}: {len(column)} rows, the manifest says {shape[0]}")
+        values = column if width is None else column.flatten()
+        out = values.to_numpy(zero_copy_only=True)
+    except (pa.ArrowException, OSError, ValueError) as e:  # a corrupt file: pyarrow validates, never trusts it
+        raise ArtifactError(f"{path}: not a valid Arrow IPC array file ({str(e).splitlines()[0][:200]})") from None
+    return out.reshape(shape)
 
 
 def prefault_pages(array: np.ndarray) -> None:
-    """Fault in every page under a mapped array: ask the kernel to read ahead, then read one byte
-    per page (reading is what maps a page into this process; readahead alone does not)."""
-    base = array
-    while base is not None and not isinstance(base, mmap.mmap):
-        base = getattr(base, "base", None) if isinstance(base, np.ndarray) else getattr(base, "obj", None)
-    if isinstance(base, mmap.mmap) and hasattr(mmap, "MADV_WILLNEED"):
-        base.madvise(mmap.MADV_WILLNEED)
+    """Fault in every page under a mapped array (reading one byte per page maps it into this
+    process; the kernel reads ahead around it)."""
     flat = array.reshape(-1).view(np.uint8)
     int(flat[::mmap.PAGESIZE].sum(dtype=np.uint64))

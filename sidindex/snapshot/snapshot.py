@@ -1,56 +1,39 @@
-"""A snapshot directory: the GTM index, the exact index and the ad table of one build.
+"""A snapshot directory: the GTM index, the exact index, the ad table and the codebook of one build
+(layout and relations: `schemas.artifacts`).
 
-    manifest.json        format, version, id, build inputs (fingerprint, targeting spec, codebook
-                         id, config), counts, statistics, and every file with dtype, shape, size
-                         and sha256
-    <array>.bin          raw arrays (`sidindex.snapshot.arrays`), named as in `GTMIndex`, plus
-                         exact_bitmask_rows, exact_hash_offsets, exact_hashes
-    ads.arrow            Arrow IPC file: ad_id of each catalog row (leaf_ads index it)
-    codebooks/<id>/      the frozen codebook the SIDs came from, when the build had one
-
-Opening checks the manifest (names confined to the directory, dtypes and shapes that agree with
-each other), optionally the checksums, then memory-maps every file (checking its header and size)
-and validates the structure (`sidindex.snapshot.validate`) before anything can read an index
-from it. Nothing is unpickled.
+Opening checks, in order, before any index can be read: the manifest (`Manifest.read`: sealed,
+strict, its id the directory's name), the shapes it declares against each other and the spec, the
+directory's files against its list (regular files only, nothing unlisted, sizes; with `verify`,
+every sha256), then maps each Arrow file and validates the structure (`check_structure`). The
+carried codebook is loaded into memory, so a served snapshot never reads its directory again.
+Nothing is unpickled.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
-from sidindex.artifact import read_manifest, sha256_file
-from sidindex.errors import ArtifactError
+from schemas.artifacts import MANIFEST_FILE, MATCHER_PLANES, SNAPSHOT_ARRAYS
+from sidindex.artifact import list_files, verify_files
+from sidindex.errors import ArtifactError, SidIndexError
 from sidindex.matchers.bitmask import bitmask_layout
+from sidindex.matchers.bloom import bloom_layout
 from sidindex.matchers.exact import ExactIndex
-from sidindex.snapshot.arrays import DTYPES, map_array, prefault_pages, write_array
+from sidindex.root import Root
+from sidindex.sid.codebook import Codebook, load_codebook, save_codebook
+from sidindex.snapshot.arrays import map_array, prefault_pages, write_array
+from sidindex.snapshot.manifest import ArrayShape, FileEntry, Manifest
 from sidindex.snapshot.validate import check_structure
 from sidindex.targeting import TargetingSpec, spec_from_dict
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
 
-FORMAT = "sidindex.snapshot"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-ADS = "ads.arrow"
-MAX_DIM = 1 << 40  # no snapshot array is longer; a larger shape is a corrupt manifest
-
-# name -> (dtype, ndim); the optional k-way arrays come together or not at all
-ARRAYS = {
-    "node_offsets": ("<i8", 1), "csr_child_nodes": ("<i4", 1), "csr_tokens": ("<i2", 1),
-    "bitmask_index": ("<i4", 1), "bloom_index": ("<i4", 1), "bitmask_table": ("<u8", 2), "bloom_table": ("<u8", 2),
-    "depth_offsets": ("<i8", 1), "leaf_ad_offsets": ("<i8", 1), "leaf_ads": ("<i8", 1),
-    "exact_bitmask_rows": ("<u8", 2), "exact_hash_offsets": ("<i8", 2), "exact_hashes": ("<u8", 1),
-}
-KWAY_ARRAYS = {"part_offsets": ("<i8", 1), "part_bitmask_index": ("<i4", 1), "part_bloom_index": ("<i4", 1)}
-_NAME = re.compile(r"^[a-z][a-z0-9_]*\.(bin|arrow)$")
+_SPECS = {a.name: a for a in SNAPSHOT_ARRAYS}
+_RETRIES = 3  # a ROOT's CURRENT re-read this often when retention prunes the snapshot mid-open
 
 
 @dataclass(frozen=True)
@@ -58,160 +41,143 @@ class Snapshot:
     """An opened snapshot. Arrays are read-only memory maps of its files."""
 
     path: Path
-    manifest: dict
+    manifest: Manifest
     spec: TargetingSpec
     gtm: GTMIndex
     exact: ExactIndex
     ad_id: np.ndarray  # (N,) int64
-    open_seconds: dict[str, float] = field(default_factory=dict)  # manifest, checksums, map, structure, prefault
+    codebook: Codebook | None
+    open_seconds: dict[str, float] = field(default_factory=dict)  # manifest, files, map, structure, prefault
 
     @property
     def id(self) -> str:
-        return self.manifest["id"]
+        return self.manifest.id
 
 
-def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, spec: TargetingSpec,
-                   info: dict) -> dict:
-    """Write the files of a snapshot into the new, empty `directory`; returns the manifest.
+def _arrays(gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> dict[str, np.ndarray]:
+    """Every array of a snapshot by its contract name."""
+    out = {a.name: getattr(gtm, a.name) for a in SNAPSHOT_ARRAYS if hasattr(gtm, a.name)}
+    out |= {"exact_bitmask_rows": exact.bitmask_rows, "exact_hash_offsets": exact.hash_offsets.reshape(-1),
+            "exact_hashes": exact.hashes, "ads": np.asarray(ad_id)}
+    return {k: v for k, v in out.items() if v is not None}
 
-    info: id, input_fingerprint, codebook_id, build config, stats... (merged into the manifest)
-    """
-    arrays = {name: getattr(gtm, name) for name in ARRAYS if not name.startswith("exact_")}
-    arrays |= {"exact_bitmask_rows": exact.bitmask_rows, "exact_hash_offsets": exact.hash_offsets,
-               "exact_hashes": exact.hashes}
-    if gtm.part_offsets is not None:
-        arrays |= {name: getattr(gtm, name) for name in KWAY_ARRAYS}
-    files = {}
+
+def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, spec: TargetingSpec, *,
+                   snapshot_id: str, codebook: Codebook | None = None, input_fingerprint: str = "",
+                   catalog: str = "", build_config: dict | None = None, counts: dict | None = None,
+                   stats: dict | None = None, quality: dict | None = None) -> Manifest:
+    """Write the files of a snapshot into the new, empty `directory` (named `snapshot_id`) and
+    return its manifest (written last, as manifest.json)."""
+    arrays = _arrays(gtm, exact, ad_id)
     for name, a in arrays.items():
-        dtype = (ARRAYS | KWAY_ARRAYS)[name][0]
-        path = directory / f"{name}.bin"
-        write_array(path, np.asarray(a).astype(dtype, copy=False))
-        files[path.name] = {"dtype": dtype, "shape": list(a.shape), "bytes": path.stat().st_size,
-                            "sha256": sha256_file(path)}
-    with pa.OSFile(str(directory / ADS), "wb") as sink:
-        table = pa.table({"ad_id": pa.array(np.asarray(ad_id, dtype=np.int64))})
-        with pa.ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table)
-    files[ADS] = {"rows": len(ad_id), "bytes": (directory / ADS).stat().st_size, "sha256": sha256_file(directory / ADS)}
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                **info, "level_sizes": list(gtm.level_sizes), "targeting": spec.to_dict(),
-                "kway": gtm.part_offsets is not None, "files": files}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        write_array(directory, _SPECS[name], a)
+    if codebook is not None:
+        save_codebook(codebook, directory)
+    S = gtm.num_leaves
+    manifest = Manifest(
+        id=snapshot_id, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        input_fingerprint=input_fingerprint, catalog=catalog, codebook_id=codebook.id if codebook else None,
+        build_config=build_config or {}, targeting=spec.to_dict(), level_sizes=tuple(gtm.level_sizes),
+        kway=gtm.part_offsets is not None,
+        counts=counts or {"ads": len(ad_id), "sid_rows": len(gtm.leaf_ads), "sids": S, "nodes": gtm.num_nodes},
+        stats=stats or {}, quality=quality,
+        arrays={n: ArrayShape(len(a), a.shape[1] if a.ndim == 2 else None) for n, a in arrays.items()},
+        files={n: FileEntry(**e) for n, e in list_files(directory, MANIFEST_FILE).items()})
+    (directory / MANIFEST_FILE).write_bytes(manifest.to_bytes())
     return manifest
 
 
 def open_snapshot(path: str | Path, *, verify: bool = True, prefault: bool = False) -> Snapshot:
-    """Open a snapshot directory (not a ROOT: see `resolve_snapshot`).
+    """Open a ROOT's published snapshot (its CURRENT) or a snapshot directory.
 
     verify:   also check every file's sha256 (reads every byte; structure is always validated)
-    prefault: read every page of every file into memory now, so the first queries do not wait on
-              page faults (the pages are shared with other processes mapping the same files)
-    Time per phase is in the result's `open_seconds`: mapping does not grow with snapshot size;
-    structure validation reads the index arrays (vectorised), checksums and prefault every byte.
+    prefault: read every page of every array now, so the first queries do not wait on page faults
+    A ROOT whose snapshot retention deletes while it is being opened is read again (CURRENT then
+    names a newer one). Seconds per phase are in the result's `open_seconds`.
     """
-    path = Path(path)
+    for attempt in range(_RETRIES):
+        directory = Root.resolve(path)
+        try:
+            return _open(directory, verify, prefault)
+        except ArtifactError:
+            if directory == Path(path) or directory.is_dir() or attempt == _RETRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _open(directory: Path, verify: bool, prefault: bool) -> Snapshot:
     clock = StageClock()
-    mpath = path / MANIFEST
-    m = read_manifest(mpath, FORMAT, FORMAT_VERSION, "snapshot")
+    m = Manifest.read(directory)
+    where = directory / MANIFEST_FILE
     try:
-        spec = spec_from_dict(m["targeting"], where=f"{mpath} targeting")
-        level_sizes = tuple(m["level_sizes"])
-        files = m["files"]
-        kway = m["kway"]
-    except (KeyError, TypeError) as e:
-        raise ArtifactError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
-    specs = _check_manifest(mpath, files, level_sizes, spec, kway)
+        spec = spec_from_dict(m.targeting, where=f"{where} targeting")
+    except SidIndexError as e:
+        raise ArtifactError(str(e)) from None
+    _check_shapes(where, m, spec)
     clock.lap("manifest")
-    if verify:
-        for name, entry in files.items():
-            fpath = path / name
-            size = fpath.stat().st_size if fpath.is_file() else None
-            if size != entry["bytes"]:
-                raise ArtifactError(f"{fpath}: {size} bytes, the manifest says {entry['bytes']} (missing or truncated?)")
-            if sha256_file(fpath) != entry["sha256"]:
-                raise ArtifactError(f"{fpath}: checksum mismatch; the file is corrupt")
-        clock.lap("checksums")
-    arrays = {name: map_array(path / f"{name}.bin", dtype, shape) for name, (dtype, shape) in specs.items()}
-    ad_id = _map_ads(path / ADS, files[ADS]["rows"])
-    gtm = GTMIndex(level_sizes=level_sizes, **{k: v for k, v in arrays.items() if not k.startswith("exact_")})
-    exact = ExactIndex(bitmask_layout(spec), tuple(a.name for a in spec.bloom), arrays["exact_bitmask_rows"],
-                       arrays["exact_hash_offsets"], arrays["exact_hashes"])
+    verify_files(directory, {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in m.files.items()}, MANIFEST_FILE,
+                 checksums=verify)
+    clock.lap("checksums" if verify else "files")
+    arrays = {n: map_array(directory, _SPECS[n], s.shape) for n, s in m.arrays.items()}
+    ad_id = arrays.pop("ads")
+    A = len(spec.bloom)
+    exact = ExactIndex(bitmask_layout(spec), tuple(a.name for a in spec.bloom), arrays.pop("exact_bitmask_rows"),
+                       arrays.pop("exact_hash_offsets").reshape(A, len(ad_id) + 1), arrays.pop("exact_hashes"))
+    gtm = GTMIndex(level_sizes=m.level_sizes, **arrays)
     clock.lap("map")
-    check_structure(path, gtm, exact, len(ad_id))
+    check_structure(directory, gtm, exact, ad_id, m.counts)
+    codebook = _codebook(directory, m)
     clock.lap("structure")
     if prefault:
-        for a in (*arrays.values(), ad_id):
+        for a in (*arrays.values(), exact.bitmask_rows, exact.hash_offsets, exact.hashes, ad_id):
             prefault_pages(a)
         clock.lap("prefault")
-    return Snapshot(path, m, spec, gtm, exact, ad_id, clock.seconds)
+    return Snapshot(directory, m, spec, gtm, exact, ad_id, codebook, clock.seconds)
 
 
-def _check_manifest(mpath: Path, files: object, level_sizes: tuple, spec: TargetingSpec, kway: object,
-                    ) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """(dtype, shape) of every array, after checking the manifest's file list agrees with itself."""
-    def bad(msg: str) -> ArtifactError:
-        return ArtifactError(f"{mpath}: {msg}")
+def _codebook(directory: Path, m: Manifest) -> Codebook | None:
+    """The carried codebook, in memory (its files were listed and checked with the snapshot's)."""
+    if m.codebook_id is None:
+        return None
+    cb_dir = directory / "codebooks" / m.codebook_id
+    if not any(n.startswith(f"codebooks/{m.codebook_id}/") for n in m.files):
+        raise ArtifactError(f"{cb_dir}: the snapshot's codebook {m.codebook_id!r} is not in it")
+    cb = load_codebook(cb_dir, verify=False)
+    if cb.id != m.codebook_id or cb.level_sizes != m.level_sizes:
+        raise ArtifactError(f"{directory / MANIFEST_FILE}: level_sizes {list(m.level_sizes)} or codebook id "
+                            f"{m.codebook_id!r} disagree with the carried codebook ({cb.id}, {list(cb.level_sizes)})")
+    return cb
 
-    if not isinstance(files, dict) or not isinstance(kway, bool):
-        raise bad("'files' must be a table of files and 'kway' true or false")
-    if not level_sizes or not all(isinstance(s, int) and 1 <= s <= 32768 for s in level_sizes):
-        raise bad(f"level_sizes {list(level_sizes)!r} are not SID level sizes")
-    expected = ARRAYS | (KWAY_ARRAYS if kway else {})
-    names = {f"{n}.bin" for n in expected} | {ADS}
-    for name in files:
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise bad(f"file name {name!r} is not allowed (names are plain, inside the snapshot directory)")
-    if set(files) != names:
-        missing, extra = sorted(names - set(files)), sorted(set(files) - names)
-        raise bad(f"file list does not match the format (missing {missing}, unexpected {extra})")
-    specs = {}
-    for name, (dtype, ndim) in expected.items():
-        e = files[f"{name}.bin"]
-        shape = e.get("shape") if isinstance(e, dict) else None
-        if (not isinstance(e, dict) or e.get("dtype") != dtype or dtype not in DTYPES or not isinstance(shape, list)
-                or len(shape) != ndim or not all(isinstance(d, int) and 0 <= d <= MAX_DIM for d in shape)
-                or not isinstance(e.get("bytes"), int) or not isinstance(e.get("sha256"), str)):
-            raise bad(f"entry for {name}.bin is malformed: expected {dtype} with {ndim} dimension(s) of sane size, "
-                      "bytes and sha256")
-        specs[name] = (dtype, tuple(shape))
-    ads = files[ADS]
-    if not isinstance(ads, dict) or not all(isinstance(ads.get(k), int) for k in ("rows", "bytes")) or not 0 <= ads["rows"] <= MAX_DIM:
-        raise bad(f"entry for {ADS} is malformed")
-    # shapes that must agree, checked before any file is mapped
-    n = ads["rows"]
-    L = len(level_sizes)
-    num_nodes = specs["node_offsets"][1][0] - 1
-    E = specs["csr_tokens"][1][0]
+
+def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
+    """The shapes the manifest declares agree with each other, the spec and the counts (before
+    anything is mapped: a structure check may then rely on them)."""
+    s = {n: a.rows for n, a in m.arrays.items()}
+    width = {n: a.width for n, a in m.arrays.items()}
+    L, N = len(m.level_sizes), s["ads"]
+    num_nodes = s["node_offsets"] - 1
+    E = num_nodes - 1
+    plane_words = {"bitmask": bitmask_layout(spec).words, "bloom": bloom_layout(spec).words}
     agree = [
-        ("depth_offsets", specs["depth_offsets"][1] == (L + 2,)),
-        ("node_offsets", num_nodes >= 1 and E == num_nodes - 1),
-        ("csr_child_nodes", specs["csr_child_nodes"][1] == (E,)),
-        ("bitmask_index", specs["bitmask_index"][1] == (E,)),
-        ("bloom_index", specs["bloom_index"][1] == (E,)),
-        ("bitmask_table", specs["bitmask_table"][1][1] == bitmask_layout(spec).words),
-        ("bloom_table", specs["bloom_table"][1][1] == max(1, sum(a.bits // 64 for a in spec.bloom))),
-        ("exact_bitmask_rows", specs["exact_bitmask_rows"][1] == (n, bitmask_layout(spec).words)),
-        ("exact_hash_offsets", specs["exact_hash_offsets"][1] == (len(spec.bloom), n + 1)),
+        ("depth_offsets", s["depth_offsets"] == L + 2),
+        ("node_offsets", num_nodes >= L + 1),
+        ("csr_child_nodes", s["csr_child_nodes"] == E),
+        ("csr_tokens", s["csr_tokens"] == E),
+        ("leaf_ad_offsets", s["leaf_ad_offsets"] >= 2),
+        ("leaf_ads", s["leaf_ads"] >= 1),
+        ("exact_bitmask_rows", s["exact_bitmask_rows"] == N and width["exact_bitmask_rows"] == plane_words["bitmask"]),
+        ("exact_hash_offsets", s["exact_hash_offsets"] == len(spec.bloom) * (N + 1)),
     ]
-    if kway:
-        agree.append(("part_offsets", specs["part_offsets"][1] == (E + 1,)))
-        T = specs["part_bitmask_index"][1]
-        agree.append(("part_bloom_index", specs["part_bloom_index"][1] == T))
+    for p in MATCHER_PLANES:
+        agree += [(f"{p}_index", s[f"{p}_index"] == E), (f"{p}_table", width[f"{p}_table"] == plane_words[p])]
+        if m.kway:
+            agree.append((f"part_{p}_index", s[f"part_{p}_index"] == s[f"part_{MATCHER_PLANES[0]}_index"]))
+    if m.kway:
+        agree.append(("part_offsets", s["part_offsets"] == E + 1))
     for name, ok in agree:
         if not ok:
-            raise bad(f"shape of {name}.bin {list(specs[name][1])} does not fit the rest of the snapshot")
-    if math.prod(specs["leaf_ads"][1]) == 0:
-        raise bad("leaf_ads.bin is empty: a snapshot holds at least one SID")
-    return specs
-
-
-def _map_ads(path: Path, rows: int) -> np.ndarray:
-    """(N,) int64 ad ids from the Arrow IPC file, memory-mapped (no copy)."""
-    try:
-        table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
-        col = table.column("ad_id")
-    except (pa.ArrowException, KeyError, OSError) as e:
-        raise ArtifactError(f"{path}: not a valid ads table ({e})") from None
-    if table.num_rows != rows or col.type != pa.int64() or col.null_count:
-        raise ArtifactError(f"{path}: expected {rows} non-null int64 ad ids, found {table.num_rows} of {col.type}")
-    return col.to_numpy() if col.num_chunks == 1 else np.concatenate([c.to_numpy() for c in col.chunks])
+            raise ArtifactError(f"{where}: the shape of {name} ({m.arrays[name].shape}) does not fit the rest of "
+                                "the snapshot")
+    missing = sorted(_SPECS[n].file for n in m.arrays if _SPECS[n].file not in m.files)
+    if missing:
+        raise ArtifactError(f"{where}: the file list lacks {missing}")

@@ -1,64 +1,99 @@
-"""Structural validation of an index read from disk: every offset monotone and in range, every
-row index inside its table, the CSR shaped as `GTMIndex` documents. A kernel or a numba loop
-indexes with these values unchecked, so nothing reaches them before this passes. Vectorised:
-a few passes over each array."""
+"""Structural validation of an index read from disk (the relations of `schemas.artifacts`).
+
+A kernel, a numba loop or a torch gather indexes with these values unchecked, so nothing reaches
+them before this passes. No check does arithmetic on a value it has not bounded yet: monotonicity
+compares neighbours (`a[1:] >= a[:-1]`), never `np.diff(a) >= 0`, which wraps around int64 for a
+pair like (2**63 - 1, -2) and would let it through. Vectorised: a few passes over each array.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 
+from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import ArtifactError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.trie.build import GTMIndex
 
 
-def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, n_ads: int) -> None:
-    """Raise ArtifactError naming the first array that breaks the index's invariants."""
+def _rising(a: np.ndarray, strict: bool = False) -> bool:
+    return bool(np.all(a[1:] > a[:-1])) if strict else bool(np.all(a[1:] >= a[:-1]))
+
+
+def _offsets(a: np.ndarray, end: int, strict: bool) -> bool:
+    """Offsets of a CSR: start at 0, rise (strictly: no empty run), end at `end`."""
+    return len(a) >= 1 and int(a[0]) == 0 and int(a[-1]) == end and _rising(a, strict)
+
+
+def _in_range(a: np.ndarray, size: int) -> bool:
+    return len(a) == 0 or (int(a.min()) >= 0 and int(a.max()) < size)
+
+
+def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: dict) -> None:
+    """Raise ArtifactError naming the first array that breaks a relation."""
     def need(ok: bool, name: str, what: str) -> None:
         if not ok:
-            raise ArtifactError(f"{path / (name + '.bin')}: {what}; the snapshot is corrupt")
+            raise ArtifactError(f"{path / (name + '.arrow')}: {what}; the snapshot is corrupt")
 
     L = gtm.sid_length
     do, no = gtm.depth_offsets, gtm.node_offsets
-    num_nodes, E = len(no) - 1, len(gtm.csr_tokens)
-    need(do[0] == 0 and do[1] == 1 and bool(np.all(np.diff(do) >= 1)) and do[-1] == num_nodes, "depth_offsets",
-         "depth ranges must start at the root, hold at least one node each and end at the node count")
-    need(no[0] == 0 and bool(np.all(np.diff(no) >= 0)) and no[-1] == E, "node_offsets",
-         "child offsets must rise from 0 to the entry count")
-    # children of depth-d nodes are exactly the depth-(d+1) nodes; leaves have none
+    num_nodes, E, N = len(no) - 1, len(gtm.csr_tokens), len(ad_id)
+    # 1. depths, then node offsets: after these every offset lies in [0, E] and every depth range in
+    #    [0, num_nodes], so the passes below may index and subtract with them
+    need(int(do[0]) == 0 and int(do[1]) == 1 and int(do[-1]) == num_nodes and _rising(do, strict=True),
+         "depth_offsets", "depth ranges must start at the root, hold at least one node each and end at the node count")
+    need(_offsets(no, E, strict=False), "node_offsets", "child offsets must rise from 0 to the entry count")
     need(bool(np.all(no[do[:L + 1]] == do[1:L + 2] - 1)), "node_offsets", "children do not follow depth order")
     need(bool(np.array_equal(gtm.csr_child_nodes, np.arange(1, num_nodes, dtype=np.int32))), "csr_child_nodes",
          "child node ids must be 1..num_nodes-1 in entry order")
+    # 2. tokens: in their level's range, sorted and distinct within a node
     depth = np.repeat(np.arange(L), np.diff(do[1:]))  # level of each entry's token
     tok = gtm.csr_tokens
     need(bool(np.all((tok >= 0) & (tok < np.asarray(gtm.level_sizes)[depth]))), "csr_tokens",
          "a token lies outside its level's vocabulary")
-    parent_start = np.zeros(E, dtype=bool)
-    parent_start[no[:-1][no[:-1] < E]] = True
-    need(bool(np.all((tok[1:] > tok[:-1]) | parent_start[1:])), "csr_tokens", "children of a node must be sorted and distinct")
-    _in_range(need, "bitmask_index", gtm.bitmask_index, len(gtm.bitmask_table))
-    _in_range(need, "bloom_index", gtm.bloom_index, len(gtm.bloom_table))
-    S = int(do[L + 1] - do[L])
+    first_child = np.zeros(E, dtype=bool)
+    first_child[no[:-1][no[:-1] < E]] = True
+    need(bool(np.all((tok[1:] > tok[:-1]) | first_child[1:])), "csr_tokens", "children of a node must be sorted "
+         "and distinct")
+    # 3. matcher rows, per plane
+    for p in MATCHER_PLANES:
+        rows = len(getattr(gtm, f"{p}_table"))
+        need(_in_range(getattr(gtm, f"{p}_index"), rows), f"{p}_index", f"a row index lies outside [0, {rows})")
+    # 4. SIDs -> ads
+    S = num_nodes - int(do[L])
     lo = gtm.leaf_ad_offsets
-    need(len(lo) == S + 1 and lo[0] == 0 and bool(np.all(np.diff(lo) >= 1)) and lo[-1] == len(gtm.leaf_ads),
-         "leaf_ad_offsets", "each SID must own at least one ad, offsets rising to the number of SID rows")
-    _in_range(need, "leaf_ads", gtm.leaf_ads, n_ads)
+    need(len(lo) == S + 1 and _offsets(lo, len(gtm.leaf_ads), strict=True), "leaf_ad_offsets",
+         "each SID must own at least one ad, offsets rising to the number of SID rows")
+    need(_in_range(gtm.leaf_ads, N), "leaf_ads", f"an ad row lies outside [0, {N})")
+    leaf_start = np.zeros(len(gtm.leaf_ads), dtype=bool)
+    leaf_start[lo[:-1]] = True
+    need(bool(np.all((gtm.leaf_ads[1:] > gtm.leaf_ads[:-1]) | leaf_start[1:])), "leaf_ads",
+         "ads must be ascending and distinct within a SID")
+    # 5. k-way partitions
     if gtm.part_offsets is not None:
-        po = gtm.part_offsets
         T = len(gtm.part_bitmask_index)
-        need(po[0] == 0 and bool(np.all(np.diff(po) >= 1)) and po[-1] == T, "part_offsets",
+        need(_offsets(gtm.part_offsets, T, strict=True), "part_offsets",
              "each entry must have at least one partition, offsets rising to the partition count")
-        _in_range(need, "part_bitmask_index", gtm.part_bitmask_index, len(gtm.bitmask_table))
-        _in_range(need, "part_bloom_index", gtm.part_bloom_index, len(gtm.bloom_table))
-    ho = exact.hash_offsets
-    if ho.size:
-        ok = ho[0, 0] == 0 and ho[-1, -1] == len(exact.hashes) and bool(np.all(np.diff(ho, axis=1) >= 0))
-        ok = ok and bool(np.all(ho[1:, 0] == ho[:-1, -1]))
-        need(ok, "exact_hash_offsets", "hash offsets must rise through every attribute to the number of hashes")
-
-
-def _in_range(need, name: str, values: np.ndarray, size: int) -> None:
-    need(len(values) == 0 or (int(values.min()) >= 0 and int(values.max()) < size), name,
-         f"a row index lies outside [0, {size})")
+        for p in MATCHER_PLANES:
+            rows = len(getattr(gtm, f"{p}_table"))
+            need(_in_range(getattr(gtm, f"part_{p}_index"), rows), f"part_{p}_index",
+                 f"a row index lies outside [0, {rows})")
+    # 6. the exact index: one rising run of hash offsets, hashes sorted within each (attribute, ad)
+    ho, hashes = exact.hash_offsets.reshape(-1), exact.hashes
+    need(len(ho) == 0 and len(hashes) == 0 or _offsets(ho, len(hashes), strict=False), "exact_hash_offsets",
+         "hash offsets must rise through every attribute from 0 to the number of hashes")
+    A = len(exact.bloom_names)
+    need(A < 2 or bool(np.all(exact.hash_offsets[1:, 0] == exact.hash_offsets[:-1, -1])), "exact_hash_offsets",
+         "each attribute's hashes must start where the previous attribute's end")
+    run_start = np.zeros(len(hashes), dtype=bool)
+    run_start[ho[ho < len(hashes)]] = True
+    need(bool(np.all((hashes[1:] >= hashes[:-1]) | run_start[1:])), "exact_hashes",
+         "an ad's hashes must be sorted within each attribute")
+    # 7. ads: unique ids (rows of every output name them), counts as the manifest says
+    need(pl.Series(ad_id).n_unique() == N, "ads", "ad_id values must be unique")
+    found = {"ads": N, "sid_rows": len(gtm.leaf_ads), "sids": S, "nodes": num_nodes}
+    if counts != found:
+        raise ArtifactError(f"{path / 'manifest.json'}: counts {counts} disagree with the arrays {found}")

@@ -1,0 +1,164 @@
+"""Artifact contracts: the files of a snapshot directory, their columns, dtypes and shapes, the
+relations between them, and the manifest's keys. `sidindex.snapshot` writes, maps and validates
+snapshots from these definitions; `python -m schemas` renders them into ``schemas/CONTRACTS.md``,
+complete enough for a reader in another language.
+
+Shapes use these letters: L SID length, num_nodes trie nodes (root included), E = num_nodes - 1
+child entries, S SIDs (leaves), P SID rows (ad, path), N ads, T k-way partitions, R rows of a
+deduplicated matcher table, W_bm / W_bl words of a bitmask / Bloom row, A_bl Bloom attributes, H
+exact hashes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SNAPSHOT_FORMAT = "sidindex.snapshot"
+SNAPSHOT_VERSION = 2
+GONE_VERSIONS = {1: "raw .bin arrays, no longer read: rebuild the snapshot from its catalog"}
+MANIFEST_FILE = "manifest.json"
+
+# Matcher kinds. Each plane has a deduplicated row table, a row index per child entry and, with
+# k-way partitions, a row index per partition; a candidate passes when every plane passes.
+MATCHER_PLANES = ("bitmask", "bloom")
+PLANE_WIDTH = {"bitmask": "W_bm", "bloom": "W_bl"}
+
+ARROW_TYPES = {"<i2": "int16", "<i4": "int32", "<i8": "int64", "<u8": "uint64"}
+
+
+@dataclass(frozen=True)
+class ArrayFile:
+    """One array, stored as `<name>.arrow`: an uncompressed Arrow IPC file holding one record
+    batch with one non-null column `column`. 1-D arrays are a primitive column of `rows` values; a
+    2-D array (rows, width) is a `fixed_size_list<dtype>[width]` column of `rows` rows."""
+
+    name: str
+    dtype: str  # numpy dtype string, little-endian
+    rows: str  # length, in the legend's letters
+    width: str | None  # row width of a 2-D array, or None
+    doc: str
+    group: str = "index"  # "kway": present together, in snapshots built with partitions
+    column: str = ""
+
+    @property
+    def file(self) -> str:
+        return f"{self.name}.arrow"
+
+    @property
+    def column_name(self) -> str:
+        return self.column or self.name
+
+    @property
+    def arrow_type(self) -> str:
+        t = ARROW_TYPES[self.dtype]
+        return t if self.width is None else f"fixed_size_list<{t}>[{self.width}]"
+
+
+def _planes() -> tuple[ArrayFile, ...]:
+    out = []
+    for p in MATCHER_PLANES:
+        out += [ArrayFile(f"{p}_index", "<i4", "E", None, f"Row of `{p}_table` holding child entry e's subtree union."),
+                ArrayFile(f"{p}_table", "<u8", f"R_{p}", PLANE_WIDTH[p],
+                          f"Deduplicated {p} matcher rows (DESIGN.md §4); every row distinct.")]
+    for p in MATCHER_PLANES:
+        out.append(ArrayFile(f"part_{p}_index", "<i4", "T", None, f"Row of `{p}_table` of each k-way partition.",
+                             group="kway"))
+    return tuple(out)
+
+
+SNAPSHOT_ARRAYS = (
+    ArrayFile("node_offsets", "<i8", "num_nodes + 1", None,
+              "Child entries of node i are [node_offsets[i], node_offsets[i+1]); node 0 is the root."),
+    ArrayFile("csr_child_nodes", "<i4", "E", None,
+              "Child node of entry e; nodes are numbered depth by depth, so this is e + 1."),
+    ArrayFile("csr_tokens", "<i2", "E", None, "Token leading to entry e's child; sorted within each node."),
+    ArrayFile("depth_offsets", "<i8", "L + 2", None, "Nodes of depth d are [depth_offsets[d], depth_offsets[d+1])."),
+    ArrayFile("leaf_ad_offsets", "<i8", "S + 1", None,
+              "Ads of leaf s (node depth_offsets[L] + s) are leaf_ads[leaf_ad_offsets[s]:leaf_ad_offsets[s+1]]."),
+    ArrayFile("leaf_ads", "<i8", "P", None, "Catalog rows (rows of `ads.arrow`), ascending within each leaf."),
+    *_planes(),
+    ArrayFile("part_offsets", "<i8", "E + 1", None,
+              "Partitions of entry e are [part_offsets[e], part_offsets[e+1]).", group="kway"),
+    ArrayFile("exact_bitmask_rows", "<u8", "N", "W_bm", "Each ad's own bitmask row (exact)."),
+    ArrayFile("exact_hash_offsets", "<i8", "A_bl * (N + 1)", None,
+              "Attribute-major: the hashes of ad i for Bloom attribute a are "
+              "exact_hashes[o[a*(N+1)+i] : o[a*(N+1)+i+1]]; one run rising from 0 to H."),
+    ArrayFile("exact_hashes", "<u8", "H", None,
+              "mmh3 x64_128 (seed 0x5EED0E1, first 64 bits) of an ad's values, ascending within each ad."),
+    ArrayFile("ads", "<i8", "N", None, "ad_id of each catalog row; unique.", column="ad_id"),
+)
+
+SNAPSHOT_RELATIONS = (
+    "depth_offsets: [0] = 0, [1] = 1, strictly rising, [L+1] = num_nodes.",
+    "node_offsets: [0] = 0, rising, [num_nodes] = E; node_offsets[depth_offsets[d]] = depth_offsets[d+1] - 1 "
+    "(the children of depth d are exactly the nodes of depth d+1; leaves have none).",
+    "csr_child_nodes[e] = e + 1.",
+    "csr_tokens: entry e of depth d (its child lies at depth d+1) holds a token in [0, level_sizes[d]); strictly "
+    "rising within each node.",
+    "<plane>_index and part_<plane>_index: in [0, rows of <plane>_table); row width W_bm = max(1, ceil(bitmask "
+    "bits / 64)), W_bl = max(1, sum of Bloom bits / 64) from the targeting spec.",
+    "leaf_ad_offsets: S + 1 = num_nodes - depth_offsets[L] + 1 entries, [0] = 0, strictly rising (every SID has "
+    "an ad), last = P; leaf_ads in [0, N), strictly rising within a leaf.",
+    "part_offsets: [0] = 0, strictly rising (every entry has a partition), last = T.",
+    "exact_hash_offsets: rising from 0 to H over all A_bl * (N + 1) values, attribute a's last equal to "
+    "attribute a+1's first; exact_hashes rising within each (attribute, ad) run.",
+    "ads: N = rows of exact_bitmask_rows; ad_id unique.",
+    "level_sizes (manifest): L values in [1, 32768], equal to the carried codebook's.",
+    "manifest counts: ads = N, sid_rows = P, sids = S, nodes = num_nodes.",
+)
+
+
+@dataclass(frozen=True)
+class ManifestKey:
+    key: str
+    type: str
+    doc: str
+
+
+MANIFEST_KEYS = (
+    ManifestKey("format", "string", f"`{SNAPSHOT_FORMAT}`."),
+    ManifestKey("format_version", "int", f"{SNAPSHOT_VERSION}; a reader refuses other versions."),
+    ManifestKey("id", "string", "Snapshot id, equal to the directory name: `YYYYMMDDTHHMMSSffffffZ-<8 hex>`."),
+    ManifestKey("created", "string", "UTC time of the build, ISO 8601."),
+    ManifestKey("input_fingerprint", "string", "sha256 over the catalog bytes, spec, config, codebook id, format."),
+    ManifestKey("catalog", "string", "Path of the catalog the build read."),
+    ManifestKey("codebook_id", "string | null", "The frozen codebook, carried in `codebooks/<id>/` (null: none)."),
+    ManifestKey("build_config", "object", "The build configuration ([sid], [quality], [kway])."),
+    ManifestKey("targeting", "object", "The targeting spec: `version` and the `attribute` list."),
+    ManifestKey("level_sizes", "list<int>", "Vocabulary size of each SID level (L values)."),
+    ManifestKey("kway", "bool", "Whether the `kway` arrays are present."),
+    ManifestKey("counts", "object", "ads, sid_rows, sids, nodes."),
+    ManifestKey("stats", "object", "Build statistics (GRACE Tables 1 and 2)."),
+    ManifestKey("quality", "object | null", "The SID quality report of the build."),
+    ManifestKey("arrays", "object", "Per array name: `rows` and `width` (null for 1-D)."),
+    ManifestKey("files", "object", "Every file below the directory but manifest.json (the carried codebook "
+                                   "included): relative path -> `bytes`, `sha256`."),
+    ManifestKey("checksum", "string", "sha256 of the canonical manifest without this key (below)."),
+)
+
+MANIFEST_DOC = (
+    "`manifest.json` is canonical JSON: keys sorted, one-space indent, ASCII only, a final newline, exactly "
+    "the text `json.dumps(m, indent=1, sort_keys=True, ensure_ascii=True) + \"\\n\"`; `checksum` is the sha256 "
+    "of that text for the manifest without `checksum`. A reader refuses a manifest that is not byte-for-byte "
+    "canonical, has unknown, missing or duplicate keys, an id other than its directory's name, or lists "
+    "other files than the directory holds."
+)
+
+
+def render_artifacts() -> list[str]:
+    """The snapshot contract as Markdown lines."""
+    out = [f"## snapshot directory (format `{SNAPSHOT_FORMAT}`, version {SNAPSHOT_VERSION})", "",
+           "A snapshot is a directory `ROOT/snapshots/<id>/` holding `manifest.json`, one Arrow IPC file per "
+           "array below, and the frozen codebook in `codebooks/<codebook_id>/` (`codebook.json` and "
+           "`level_<l>.npy`). Every `.arrow` file opens with `pyarrow.ipc.open_file(pyarrow.memory_map(path))`, "
+           "`polars.read_ipc` and, through Arrow, duckdb.", "",
+           __doc__.split("\n\n")[1].replace("\n", " "), "",
+           "| file | column | Arrow type | rows | present | meaning |", "| --- | --- | --- | --- | --- | --- |"]
+    for a in SNAPSHOT_ARRAYS:
+        present = "with k-way partitions" if a.group == "kway" else "always"
+        out.append(f"| `{a.file}` | `{a.column_name}` | `{a.arrow_type}` | {a.rows} | {present} | {a.doc} |")
+    out += ["", "Relations a reader may rely on (`sidindex validate` checks every one before any index is used):", ""]
+    out += [f"- {r}" for r in SNAPSHOT_RELATIONS]
+    out += ["", "### manifest.json", "", MANIFEST_DOC, "", "| key | type | meaning |", "| --- | --- | --- |"]
+    out += [f"| `{k.key}` | `{k.type.replace('|', chr(92) + '|')}` | {k.doc} |" for k in MANIFEST_KEYS]
+    return out + [""]

@@ -1,0 +1,153 @@
+"""The snapshot manifest: one typed, sealed record of a snapshot (keys in `schemas.artifacts`).
+
+`Manifest.read` refuses anything but an exact, intact manifest of this format version: sealed
+(`sidindex.artifact.unseal`: bounded, canonical, checksummed, no duplicate keys), with exactly the
+contract's keys, each of its type, and an id equal to its directory's name. Everything after it
+reads typed attributes, never keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from schemas.artifacts import (
+    GONE_VERSIONS,
+    MANIFEST_FILE,
+    MANIFEST_KEYS,
+    SNAPSHOT_ARRAYS,
+    SNAPSHOT_FORMAT,
+    SNAPSHOT_VERSION,
+)
+from sidindex.artifact import CHECKSUM_KEY, check_format, read_json, seal, unseal
+from sidindex.errors import ArtifactError
+from sidindex.root import SNAPSHOT_ID, TMP_PREFIX
+
+MAX_ROWS = 1 << 40  # no snapshot array is longer; a larger count is a corrupt manifest
+MAX_LEVEL_SIZE = 32768  # tokens are int16
+_KEYS = {k.key for k in MANIFEST_KEYS}
+_ARRAYS = {a.name: a for a in SNAPSHOT_ARRAYS}
+
+
+@dataclass(frozen=True)
+class ArrayShape:
+    rows: int
+    width: int | None  # row width of a 2-D array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows,) if self.width is None else (self.rows, self.width)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A snapshot's manifest. `arrays` maps each array name (`schemas.artifacts.SNAPSHOT_ARRAYS`)
+    present to its shape; `files` every file of the directory but manifest.json."""
+
+    id: str
+    created: str
+    input_fingerprint: str
+    catalog: str
+    codebook_id: str | None
+    build_config: dict
+    targeting: dict
+    level_sizes: tuple[int, ...]
+    kway: bool
+    counts: dict
+    stats: dict
+    quality: dict | None
+    arrays: dict[str, ArrayShape]
+    files: dict[str, FileEntry]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files.values())
+
+    def to_bytes(self) -> bytes:
+        """The sealed manifest.json text."""
+        doc = asdict(self)
+        doc["level_sizes"] = list(self.level_sizes)
+        return seal({"format": SNAPSHOT_FORMAT, "format_version": SNAPSHOT_VERSION, **doc})
+
+    @classmethod
+    def read(cls, directory: Path) -> Manifest:
+        """The manifest of the snapshot `directory`, checked as the module docstring says."""
+        path = directory / MANIFEST_FILE
+        if not directory.is_dir():
+            raise ArtifactError(f"{directory}: no such snapshot (pruned by retention, or never published); "
+                                "open its ROOT again for the current one")
+        doc, _ = read_json(path, "snapshot")
+        if CHECKSUM_KEY not in doc:  # written before manifests were sealed: say which version it is
+            check_format(path, doc, SNAPSHOT_FORMAT, SNAPSHOT_VERSION, "snapshot", GONE_VERSIONS)
+        doc = unseal(path, "snapshot")
+        check_format(path, doc, SNAPSHOT_FORMAT, SNAPSHOT_VERSION, "snapshot", GONE_VERSIONS)
+        return _parse(path, doc, directory.name.removeprefix(TMP_PREFIX))  # checked before publishing too
+
+
+def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
+    def bad(msg: str) -> ArtifactError:
+        return ArtifactError(f"{path}: {msg}")
+
+    if set(doc) != _KEYS:
+        missing, extra = sorted(_KEYS - set(doc)), sorted(set(doc) - _KEYS)
+        raise bad(f"keys do not match the snapshot format (missing {missing}, unexpected {extra})")
+    types = {"id": str, "created": str, "input_fingerprint": str, "catalog": str, "build_config": dict,
+             "targeting": dict, "level_sizes": list, "kway": bool, "counts": dict, "stats": dict,
+             "arrays": dict, "files": dict}
+    for key, t in types.items():
+        if not isinstance(doc[key], t):
+            raise bad(f"'{key}' must be of type {t.__name__}, not {type(doc[key]).__name__}")
+    if not (doc["codebook_id"] is None or isinstance(doc["codebook_id"], str)):
+        raise bad("'codebook_id' must be a string or null")
+    if not (doc["quality"] is None or isinstance(doc["quality"], dict)):
+        raise bad("'quality' must be an object or null")
+    if not SNAPSHOT_ID.match(doc["id"]) or doc["id"] != dirname:
+        raise bad(f"id {doc['id'][:80]!r} does not name this snapshot directory ({dirname!r})")
+    sizes = doc["level_sizes"]
+    if not sizes or not all(_is_int(s) and 1 <= s <= MAX_LEVEL_SIZE for s in sizes):
+        raise bad(f"level_sizes {sizes[:8]!r} are not SID level sizes (each in 1..{MAX_LEVEL_SIZE})")
+    return Manifest(
+        **{k: doc[k] for k in ("id", "created", "input_fingerprint", "catalog", "codebook_id", "build_config",
+                               "targeting", "kway", "counts", "stats", "quality")},
+        level_sizes=tuple(sizes), arrays=_arrays(bad, doc["arrays"], doc["kway"]), files=_files(bad, doc["files"]))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _arrays(bad, arrays: dict, kway: bool) -> dict[str, ArrayShape]:
+    expected = {n for n, a in _ARRAYS.items() if a.group != "kway" or kway}
+    if set(arrays) != expected:
+        missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
+        raise bad(f"array list does not match the format (missing {missing}, unexpected {extra})")
+    out = {}
+    for name, e in arrays.items():
+        two_d = _ARRAYS[name].width is not None
+        if (not isinstance(e, dict) or set(e) != {"rows", "width"} or not _is_int(e["rows"])
+                or not 0 <= e["rows"] <= MAX_ROWS
+                or not (_is_int(e["width"]) and 1 <= e["width"] <= 4096 if two_d else e["width"] is None)):
+            raise bad(f"array {name!r}: expected rows in 0..{MAX_ROWS}" + (" and a width in 1..4096" if two_d else
+                                                                           " and width null"))
+        out[name] = ArrayShape(e["rows"], e["width"])
+    return out
+
+
+def _files(bad, files: dict) -> dict[str, FileEntry]:
+    out = {}
+    for name, e in files.items():
+        parts = name.split("/")
+        if not parts or any(p in ("", ".", "..") or p.startswith(".") for p in parts) or "\\" in name:
+            raise bad(f"file name {name[:80]!r} is not a plain path inside the snapshot directory")
+        if (not isinstance(e, dict) or set(e) != {"bytes", "sha256"} or not _is_int(e["bytes"]) or e["bytes"] < 0
+                or not isinstance(e["sha256"], str) or len(e["sha256"]) != 64):
+            raise bad(f"entry for file {name!r} must be {{bytes, sha256}}")
+        out[name] = FileEntry(e["bytes"], e["sha256"])
+    return out
+
