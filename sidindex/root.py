@@ -43,6 +43,12 @@ def new_snapshot_id(fingerprint: str) -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now % 1 * 1e6):06d}Z-{fingerprint[:8]}"
 
 
+def pruned(directory: Path) -> ArtifactError:
+    """The error for a snapshot directory that is gone: retention deletes old snapshots under readers."""
+    return ArtifactError(f"{directory}: no such snapshot (pruned by retention, or never published); open its ROOT "
+                         "again for the current one")
+
+
 class Root:
     """The directory layout above; methods that change it expect `lock()` to be held."""
 
@@ -90,6 +96,10 @@ class Root:
             return root.snapshot_dir(root.current_id())
         if os.path.lexists(path / Root.MANIFEST):
             return path
+        if not os.path.lexists(path):
+            if SNAPSHOT_ID.match(path.name):
+                raise pruned(path)
+            raise ArtifactError(f"{path}: no such file or directory")
         if root.snapshots.is_dir():
             raise ArtifactError(f"{path}: a ROOT with no published snapshot (no CURRENT)")
         raise ArtifactError(f"{path}: neither a ROOT (with CURRENT) nor a snapshot directory (with {Root.MANIFEST})")

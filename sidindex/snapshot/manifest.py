@@ -21,7 +21,7 @@ from schemas.artifacts import (
 )
 from sidindex.artifact import CHECKSUM_KEY, check_format, read_json, seal, unseal
 from sidindex.errors import ArtifactError
-from sidindex.root import SNAPSHOT_ID, TMP_PREFIX
+from sidindex.root import SNAPSHOT_ID, TMP_PREFIX, pruned
 
 MAX_ROWS = 1 << 40  # no snapshot array is longer; a larger count is a corrupt manifest
 MAX_LEVEL_SIZE = 32768  # tokens are int16
@@ -80,8 +80,7 @@ class Manifest:
         """The manifest of the snapshot `directory`, checked as the module docstring says."""
         path = directory / MANIFEST_FILE
         if not directory.is_dir():
-            raise ArtifactError(f"{directory}: no such snapshot (pruned by retention, or never published); "
-                                "open its ROOT again for the current one")
+            raise pruned(directory)
         doc, _ = read_json(path, "snapshot")
         if CHECKSUM_KEY not in doc:  # written before manifests were sealed: say which version it is
             check_format(path, doc, SNAPSHOT_FORMAT, SNAPSHOT_VERSION, "snapshot", GONE_VERSIONS)
