@@ -44,19 +44,19 @@ import runtime.search as search_mod
 from bench.bench_gtm import bench_spec, generate
 from bench.bench_snapshot import write
 from runtime.loader import load_index
-from runtime.requests import encode_requests
+from runtime.requests import to_device
 from runtime.search import beam_search
 from sidindex.config import KWayConfig
 from sidindex.ingest import Requests
+from sidindex.modes import Mode
+from sidindex.requests import encode_requests
 from sidindex.sample import location_vocabulary, sample_requests, zipf_weights
 from sidindex.snapshot import open_snapshot
-
-MODES = ("none", "cd", "cd+gtm", "cd+gtm+kway")
 KWAY = KWayConfig(mode="dynamic", k_max=16, target_fill=0.5)
 
 
 def build_snapshot(n: int, out: Path) -> dict:
-    """Generate, build and write a snapshot of n ads into out/snapshot; seconds per stage."""
+    """Generate, build and write a snapshot of n ads under out/snapshot; seconds per stage, its path."""
     t = time.perf_counter()
     generate(n, 2, out)
     return {"generate": time.perf_counter() - t, **write(out, out / "snapshot", kway=KWAY)}
@@ -105,7 +105,7 @@ def recorded_masks(index, dreq, scorer, beams, mode) -> list[tuple]:
     return calls
 
 
-def graph_search_ms(index, dreq, scorer, beams, mode: str, reps: int) -> tuple[float, bool]:
+def graph_search_ms(index, dreq, scorer, beams, mode: Mode, reps: int) -> tuple[float, bool]:
     """Median ms of replaying the whole search captured as a CUDA graph, and whether the replay
     gives the eager search's beams."""
     side = torch.cuda.Stream()
@@ -126,7 +126,7 @@ def sweep_launch_shapes(index, dreq, scorer, beams, reps: int) -> dict:
     from runtime.ops.gtm_mask.kernel import gtm_mask_triton, launch_shape
 
     out = {}
-    for mode in ("cd", "cd+gtm"):
+    for mode in (Mode.CD, Mode.CD_GTM):
         calls = recorded_masks(index, dreq, scorer, beams, mode)
         for d, c in enumerate(calls):
             chosen = launch_shape(index, d)
@@ -139,7 +139,7 @@ def sweep_launch_shapes(index, dreq, scorer, beams, reps: int) -> dict:
     return out
 
 
-def profile_search(index, dreq, scorer, beams, mode: str, runs: int = 5) -> list[dict]:
+def profile_search(index, dreq, scorer, beams, mode: Mode, runs: int = 5) -> list[dict]:
     """GPU time per kernel over one search (mean of `runs`), largest first: what bounds the search."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -176,13 +176,13 @@ def main() -> int:
         print(f"building {args.ads:,} ads ...", file=sys.stderr, flush=True)
         res["build"] = build_snapshot(args.ads, tmp)
         t = time.perf_counter()
-        snap = open_snapshot(tmp / "snapshot", verify=True)
+        snap = open_snapshot(res["build"]["path"], verify=True)
         res["open_s"] = time.perf_counter() - t
         res["open_phases"] = snap.open_seconds
         index = load_index(snap, dev)
         res["load"] = index.load_info
         print(f"loaded {index.load_info['bytes'] / 1e9:.2f} GB in {index.load_info['seconds']:.2f} s", file=sys.stderr)
-        dreq = encode_requests(snap.spec, bench_requests(args.batch, args.locations), dev)
+        dreq = to_device(encode_requests(bench_requests(args.batch, args.locations), snap.spec), dev)
         V, B = index.vocab_size, args.batch
         gen = torch.Generator(device=dev).manual_seed(0)
         k, logits = 1, []
@@ -194,8 +194,8 @@ def main() -> int:
             return logits[step]
 
         rows = {}
-        for mode in MODES:
-            r = rows[mode] = {}
+        for mode in Mode:
+            r = rows[mode.value] = {}
             r["search_ms"] = cuda_ms(lambda: beam_search(index, dreq, scorer, beams, mode, "triton"), args.reps)
             r["torch_search_ms"] = cuda_ms(lambda: beam_search(index, dreq, scorer, beams, mode, "torch"),
                                            args.torch_reps, warmup=1)
@@ -203,7 +203,7 @@ def main() -> int:
             slow = beam_search(index, dreq, scorer, beams, mode, "torch")
             r["identical"] = bool(torch.equal(fast.tokens, slow.tokens) and torch.equal(fast.score, slow.score))
             r["live_sids_per_request"] = float(fast.alive.sum(1).float().mean())
-            if mode != "none":
+            if mode.constrained:
                 calls = recorded_masks(index, dreq, scorer, beams, mode)
                 r["mask_ms"] = sum(cuda_ms(lambda c=c: search_mod.gtm_mask(*c[:8], impl="triton"), args.reps)
                                    for c in calls)
@@ -211,20 +211,20 @@ def main() -> int:
                                                  args.torch_reps, warmup=1) for c in calls)
                 r["mask_per_step_ms"] = [cuda_ms(lambda c=c: search_mod.gtm_mask(*c[:8], impl="triton"), args.reps)
                                          for c in calls]
-            print(f"{mode}: {r}", file=sys.stderr, flush=True)
+            print(f"{mode.value}: {r}", file=sys.stderr, flush=True)
         res["modes"] = rows
         try:  # GPU time per kernel, free of launch overhead: the mask kernel's own cost per mode
-            res["profile"] = profile_search(index, dreq, scorer, beams, "cd+gtm")
-            res["profile_cd"] = profile_search(index, dreq, scorer, beams, "cd")
+            res["profile"] = profile_search(index, dreq, scorer, beams, Mode.CD_GTM)
+            res["profile_cd"] = profile_search(index, dreq, scorer, beams, Mode.CD)
         except Exception as e:  # the profiler is a diagnostic; keep the measurements
             res["profile"] = [{"kernel": f"profiler failed: {type(e).__name__}: {e}"[:70], "us_per_search": 0, "calls": 0}]
         res["sweep"] = sweep_launch_shapes(index, dreq, scorer, beams, args.reps)
-        for mode in MODES:  # each search as one CUDA graph: possible only with no host sync in the loop
+        for mode in Mode:  # each search as one CUDA graph: possible only with no host sync in the loop
+            r = rows[mode.value]
             try:
-                rows[mode]["graph_ms"], rows[mode]["graph_identical"] = graph_search_ms(index, dreq, scorer, beams,
-                                                                                       mode, args.reps)
+                r["graph_ms"], r["graph_identical"] = graph_search_ms(index, dreq, scorer, beams, mode, args.reps)
             except Exception as e:  # report, do not hide: a failing capture means a sync crept in
-                rows[mode]["graph_error"] = f"{type(e).__name__}: {e}"
+                r["graph_error"] = f"{type(e).__name__}: {e}"
     print(f"\n{res['gpu']}: {args.ads:,} ads ({res['build']['sids']:,} SIDs, {res['build']['nodes']:,} nodes), "
           f"B={B}, beams {args.beams}, V={V}, {args.locations} request locations")
     print(f"load onto the GPU: {res['load']['bytes'] / 1e9:.2f} GB in {res['load']['seconds']:.2f} s "

@@ -1,25 +1,31 @@
-"""Snapshot open benchmark: open time per phase and first-query time, 1M vs 10M ads in one run.
+"""Snapshot benchmark: write, open (per phase), verify, first query and load onto a device, 1M vs
+10M ads, and the same against an earlier revision's snapshot format measured in the same run.
 
-    python bench/bench_snapshot.py                    # 1M and 10M ads (about 5 minutes)
-    python bench/bench_snapshot.py --ads 200000 2000000
+    python bench/bench_snapshot.py                                # 1M and 10M ads (about 8 minutes)
+    python bench/bench_snapshot.py --ads 200000 2000000 --baseline 43830fa
 
-Each size: the `bench_gtm` catalog and SIDs are generated in one process, built and written as a
-snapshot in a second; then each measurement runs in a fresh process after evicting the snapshot's
-files from the page cache (posix_fadvise DONTNEED), so every open starts cold (median of 3):
+Each size: the `bench_gtm` catalog and SIDs are generated once, then for each tree (the working
+tree, and with --baseline that revision checked out into a temporary worktree, whose `sidindex`
+and `runtime` the child processes import instead) the index is built and written as a snapshot in a
+child process, and each measurement runs in a fresh process after evicting the snapshot's files from
+the page cache (posix_fadvise DONTNEED), so every open starts cold (median of 3):
   cold      open (verify off), then the first query faults its pages in from disk
   prefault  open with prefault on (every page read at open), then the first query
   verify    open with checksums on (the default: every byte hashed)
-A query is 1,000 random catalog SIDs walked for one request: the CD+GTM matcher at each node on the
-path, then the exact filter on the SID's ads (what one request's search and post stage touch).
-The ratio column divides each 10M figure by the 1M one measured in the same run: mapping should
-stay flat, while structure validation, checksums and prefault read the arrays and grow with them.
+  load      open (verify off), then load the index onto the device (`runtime.loader.load_index`;
+            cuda when there is one, else cpu)
+A query walks 1,000 random catalog SIDs down the trie for one request, reading each entry's matcher
+rows and the exact rows of the SID's ads (the pages one request's search and post stage touch).
+Ratios: each 10M figure over the 1M one, and each figure over the baseline's (same size, same run).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,97 +33,152 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if os.environ.get("SIDINDEX_BENCH_TREE"):  # a child measuring another revision imports its packages
+    sys.path.insert(0, os.environ["SIDINDEX_BENCH_TREE"])
 
 import numpy as np
 import polars as pl
 
 from bench.bench_gtm import LEVELS, bench_spec, generate, run_child
-from sidindex.build import build_index
-from sidindex.sample import sample_requests
-from sidindex.snapshot import open_snapshot, write_snapshot
 
 QUERY_SIDS = 1000
+SNAPSHOT_ID = "20260101T000000000000Z-00000000"  # a snapshot's directory is named by its id
+HOWS = ("cold", "prefault", "verify", "load")
 
 
 def write(inputs: Path, out: Path, kway=None) -> dict:
-    """Build the index from the files `generate` wrote and write it as a snapshot in `out`; returns
-    seconds (build, write) and counts."""
+    """Build the index from the files `generate` wrote and write it as the snapshot `out/SNAPSHOT_ID`
+    with whichever `sidindex` this process imports; returns seconds (build, write), bytes and the
+    snapshot's path."""
+    from sidindex.build import build_index
+    from sidindex.snapshot import write_snapshot
+
     spec = bench_spec()
     columns = pl.read_ipc(inputs / "catalog.arrow")
     built = build_index(spec, columns, np.load(inputs / "sids.npy"), np.load(inputs / "ad_index.npy"), LEVELS,
                         kway=kway)
-    out.mkdir()
+    directory = out / SNAPSHOT_ID
+    directory.mkdir(parents=True)
+    ad_id = np.arange(columns.height, dtype=np.int64)
     t = time.perf_counter()
-    write_snapshot(out, built.gtm, built.exact, np.arange(columns.height, dtype=np.int64), spec,
-                   {"id": "bench", "input_fingerprint": "-", "codebook_id": None, "build_config": {},
-                    "counts": {"ads": columns.height}, "stats": built.stats.to_dict()})
+    if "snapshot_id" in inspect.signature(write_snapshot).parameters:
+        write_snapshot(directory, built.gtm, built.exact, ad_id, spec, snapshot_id=SNAPSHOT_ID,
+                       stats=built.stats.to_dict())
+    else:  # the raw-array format (before Arrow IPC): an info dict
+        write_snapshot(directory, built.gtm, built.exact, ad_id, spec,
+                       {"id": SNAPSHOT_ID, "input_fingerprint": "-", "codebook_id": None, "build_config": {},
+                        "counts": {"ads": columns.height}, "stats": built.stats.to_dict()})
+    seconds = time.perf_counter() - t
     os.sync()  # no writeback left to compete with the cold reads measured next
-    return {"build": sum(built.seconds.values()), "write": time.perf_counter() - t, "sids": built.stats.sids,
-            "nodes": built.stats.num_nodes}
+    return {"build": sum(built.seconds.values()), "write": seconds, "path": str(directory),
+            "sids": built.stats.sids, "nodes": built.stats.num_nodes,
+            "bytes": sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())}
 
 
 def evict(snapshot: Path) -> None:
     """Drop the snapshot's files from the page cache (clean pages; nothing has them mapped)."""
-    for f in snapshot.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    for f in snapshot.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
-def query(snap, requests, sids: np.ndarray) -> int:
-    """Walk each SID for request 0 (CD+GTM at every node, then the exact filter); eligible ads found."""
-    from sidindex.matchers.exact import eligible_mask
-    from sidindex.trie.match import passing_tokens
-
-    g, found = snap.gtm, 0
+def query(snap, sids: np.ndarray) -> int:
+    """Walk each SID down the trie reading every entry's matcher rows, then its ads' exact rows."""
+    g, touched = snap.gtm, 0
     for sid in sids:
         node = 0
         for token in sid:
-            if token not in passing_tokens(g, requests[0], 0, node, "cd+gtm"):
-                break
-            lo = g.node_offsets[node]
-            node = int(g.csr_child_nodes[lo + np.searchsorted(g.csr_tokens[lo:g.node_offsets[node + 1]], token)])
-        else:
-            leaf = node - g.depth_offsets[g.sid_length]
-            ads = g.leaf_ads[g.leaf_ad_offsets[leaf]:g.leaf_ad_offsets[leaf + 1]]
-            found += int(eligible_mask(snap.exact, requests[1], 0, ads).sum())
-    return found
+            lo, hi = int(g.node_offsets[node]), int(g.node_offsets[node + 1])
+            e = lo + int(np.searchsorted(g.csr_tokens[lo:hi], token))
+            touched += int(g.bitmask_table[g.bitmask_index[e]][0] & 1) + int(g.bloom_table[g.bloom_index[e]][0] & 1)
+            node = int(g.csr_child_nodes[e])
+        leaf = node - int(g.depth_offsets[g.sid_length])
+        ads = g.leaf_ads[g.leaf_ad_offsets[leaf]:g.leaf_ad_offsets[leaf + 1]]
+        touched += int(snap.exact.bitmask_rows[ads, 0].sum() & 1)
+    return touched
 
 
 def measure(snapshot: Path, how: str, repeats: int = 3) -> dict:
-    """Cold opens (each followed by its first query) in this fresh process; the median of `repeats`."""
-    from sidindex.matchers.exact import encode_exact_requests
-    from sidindex.trie.match import encode_gtm_requests
+    """Cold opens (each followed by its first query, or a load) in this fresh process; medians."""
+    from sidindex.snapshot import open_snapshot
 
-    spec = bench_spec()
-    req = pl.from_arrow(sample_requests(1, spec, dim=1, seed=5)).select([a.name for a in spec.attributes])
-    # compile the numba matchers on a throwaway open, then evict again: only the snapshot is cold
     warm = open_snapshot(snapshot, verify=False)
-    requests = (encode_gtm_requests(spec, req), encode_exact_requests(warm.exact, req))
-    leaves = np.random.default_rng(7).integers(0, warm.gtm.num_leaves, QUERY_SIDS)
-    sids = warm.gtm.leaf_sids(leaves)
-    query(warm, requests, sids)
+    sids = warm.gtm.leaf_sids(np.random.default_rng(7).integers(0, warm.gtm.num_leaves, QUERY_SIDS))
     del warm
     runs = []
     for _ in range(repeats):
         evict(snapshot)
         t = time.perf_counter()
         snap = open_snapshot(snapshot, verify=how == "verify", prefault=how == "prefault")
-        open_s = time.perf_counter() - t
+        run = {"open_s": time.perf_counter() - t, **snap.open_seconds}
         t = time.perf_counter()
-        query(snap, requests, sids)
-        runs.append({"open_s": open_s, "query_s": time.perf_counter() - t, **snap.open_seconds})
+        if how == "load":
+            import torch
+
+            from runtime.loader import load_index
+
+            load_index(snap, "cuda" if torch.cuda.is_available() else "cpu")
+            run["load_s"] = time.perf_counter() - t
+        else:
+            query(snap, sids)
+            run["query_s"] = time.perf_counter() - t
+        runs.append(run)
         del snap
-    med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
-    return {"open_s": med.pop("open_s"), "query_s": med.pop("query_s"), "phases": med,
-            "bytes": sum(f["bytes"] for f in json.loads((snapshot / "manifest.json").read_text())["files"].values())}
+    return {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+
+
+def checkout(rev: str, into: Path) -> Path:
+    """`rev` of this repository as a plain tree under `into` (git archive: no worktree bookkeeping),
+    or `rev` itself when it is a directory holding such a tree (where no git repository travels)."""
+    if Path(rev).is_dir():
+        return Path(rev).resolve()
+    repo = Path(__file__).resolve().parents[1]
+    tree = into / "baseline"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+def child(tree: Path | None, *args: str) -> dict:
+    """Run this file in a child process importing `tree`'s packages (None: the working tree)."""
+    env = dict(os.environ)
+    env.pop("SIDINDEX_BENCH_TREE", None)
+    if tree is not None:
+        env["SIDINDEX_BENCH_TREE"] = str(tree)
+    out = subprocess.run([sys.executable, __file__, *args], env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def phase(r: dict, how: str, *names: str) -> float:
+    return sum(r[how].get(n, 0.0) for n in names)
+
+
+ROWS = [
+    ("snapshot GB", lambda r: r["write"]["bytes"] / 1e9),
+    ("write s", lambda r: r["write"]["write"]),
+    ("open: manifest + file list s", lambda r: phase(r, "cold", "manifest", "files")),
+    ("open: map s", lambda r: phase(r, "cold", "map")),
+    ("open: structure validation s", lambda r: phase(r, "cold", "structure")),
+    ("open, verify off (total) s", lambda r: r["cold"]["open_s"]),
+    ("first query, cold s", lambda r: r["cold"]["query_s"]),
+    ("open: prefault s", lambda r: phase(r, "prefault", "prefault")),
+    ("first query after prefault s", lambda r: r["prefault"]["query_s"]),
+    ("open: checksums s", lambda r: phase(r, "verify", "checksums")),
+    ("open, verify on (total) s", lambda r: r["verify"]["open_s"]),
+    ("load onto the device s", lambda r: r["load"]["load_s"]),
+]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ads", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    ap.add_argument("--baseline", help="a git revision whose snapshot format to measure alongside, e.g. 43830fa "
+                                       "(or a directory holding that revision's packages)")
     ap.add_argument("--generate", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--write", type=Path, nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)
@@ -127,44 +188,43 @@ def main() -> int:
         generate(args.ads[0], 2, args.generate)
         return 0
     if args.write:
-        write(*args.write)
+        print(json.dumps(write(*args.write)))
         return 0
     if args.measure:
         print(json.dumps(measure(Path(args.measure[0]), args.measure[1])))
         return 0
-    results = {}
-    for n in args.ads:
-        with tempfile.TemporaryDirectory() as tmp:
-            tmp = Path(tmp)
-            print(f"generating and building {n:,} ads ...", file=sys.stderr, flush=True)
-            run_child(__file__, "--generate", str(tmp), "--ads", str(n))
-            run_child(__file__, "--write", str(tmp), str(tmp / "snapshot"))
-            results[n] = {how: json.loads(run_child(__file__, "--measure", str(tmp / "snapshot"), how).strip().splitlines()[-1])
-                          for how in ("cold", "prefault", "verify")}
-    rows = [("snapshot GB", lambda r: r["cold"]["bytes"] / 1e9),
-            ("open: manifest s", lambda r: r["cold"]["phases"]["manifest"]),
-            ("open: map s", lambda r: r["cold"]["phases"]["map"]),
-            ("open: structure validation s", lambda r: r["cold"]["phases"]["structure"]),
-            ("open, verify off (total) s", lambda r: r["cold"]["open_s"]),
-            ("first query, cold s", lambda r: r["cold"]["query_s"]),
-            ("open: prefault s", lambda r: r["prefault"]["phases"]["prefault"]),
-            ("first query after prefault s", lambda r: r["prefault"]["query_s"]),
-            ("open: checksums s", lambda r: r["verify"]["phases"]["checksums"]),
-            ("open, verify on (total) s", lambda r: r["verify"]["open_s"])]
-    sizes = list(results)
-    print("| | " + " | ".join(f"{n:,} ads" for n in sizes) + (" | ratio |" if len(sizes) > 1 else " |"))
-    print("|---|" + "---|" * (len(sizes) + (len(sizes) > 1)))
-    for name, get in rows:
-        vals = [get(results[n]) for n in sizes]
-        ratio = f" | {vals[-1] / vals[0]:.2f}x" if len(sizes) > 1 and vals[0] > 0 else (" | -" if len(sizes) > 1 else "")
-        print(f"| {name} | " + " | ".join(f"{v:.4f}" for v in vals) + ratio + " |")
-    if len(sizes) > 1:
-        small, big = (results[n]["cold"]["phases"]["manifest"] + results[n]["cold"]["phases"]["map"] for n in (sizes[0], sizes[-1]))
-        grow = sizes[-1] / sizes[0]
-        print(f"\n{'PASS' if big <= 2 * small + 0.01 else 'MISS'}  manifest + map does not grow with size: "
-              f"{small * 1e3:.1f} ms -> {big * 1e3:.1f} ms for {grow:.0f}x the ads")
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        base = Path(args.baseline).name if args.baseline else ""
+        trees = {"current": None} | ({f"baseline {base}": checkout(args.baseline, scratch)} if args.baseline else {})
+        for n in args.ads:
+            inputs = scratch / f"inputs-{n}"
+            inputs.mkdir()
+            print(f"generating {n:,} ads ...", file=sys.stderr, flush=True)
+            run_child(__file__, "--generate", str(inputs), "--ads", str(n))
+            for name, tree in trees.items():
+                print(f"  {name}: build, write, measure ...", file=sys.stderr, flush=True)
+                out = scratch / f"snap-{n}-{name.split()[0]}"
+                r = {"write": child(tree, "--write", str(inputs), str(out))}
+                r |= {how: child(tree, "--measure", str(out / SNAPSHOT_ID), how) for how in HOWS}
+                results[f"{name} {n:,}"] = r
+    cols = list(results)
+    header = "| | " + " | ".join(cols)
+    ratios = []
+    if len(args.ads) > 1:
+        ratios.append((f"{args.ads[-1]:,} / {args.ads[0]:,}", f"current {args.ads[-1]:,}", f"current {args.ads[0]:,}"))
+    if args.baseline:
+        ratios += [(f"current / baseline at {n:,}", f"current {n:,}", f"baseline {base} {n:,}") for n in args.ads]
+    print(header + "".join(f" | {r[0]}" for r in ratios) + " |")
+    print("|---|" + "---|" * (len(cols) + len(ratios)))
+    for label, get in ROWS:
+        vals = {c: get(results[c]) for c in cols}
+        cells = [f"{vals[c]:.4f}" for c in cols]
+        cells += [f"{vals[a] / vals[b]:.2f}x" if vals[b] > 0 else "-" for _, a, b in ratios]
+        print(f"| {label} | " + " | ".join(cells) + " |")
     if args.json:
-        Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2))
+        Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 
 

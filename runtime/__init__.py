@@ -1,15 +1,53 @@
 """The serving runtime (torch, triton): load snapshots onto a device, constrained beam search,
-SID -> ad expansion (DESIGN.md §8).
+SID -> ad expansion (DESIGN.md §8, §12).
 
-    loader      snapshot -> device tensors; SnapshotWatcher swaps to newly published snapshots
-    requests    a request batch encoded for the matchers
+A serving host needs only this namespace:
+
+    import runtime
+    index = runtime.load(ROOT_OR_SNAPSHOT, "cuda")      # or runtime.SnapshotWatcher(ROOT, "cuda")
+    reqs = runtime.read_requests("requests.parquet", index)
+    run = runtime.retrieve(index, reqs, mode="cd+gtm", beams=(1, 512, 1024, 1024))
+
+Modules:
+    loader      snapshot -> ServedIndex on a device; SnapshotWatcher swaps to newly published snapshots
+    requests    read a request file; a batch's encoding (`sidindex.requests`) onto the device
     ops/        the fused CD+GTM mask: Triton kernel, torch reference, numba CPU path
-    search      beam search in modes none, cd, cd+gtm, cd+gtm+kway
+    search      beam search in every Mode (`sidindex.modes`); the Scorer protocol
     scorer      the built-in codebook scorer
     post        SIDs -> ads, best score per ad, exact filter, ranking
     retrieve    all of it over a request table, in batches
+    simulate    pass rates and recall per mode (`sidindex simulate`)
 
 Layering (DESIGN.md §2): `runtime` reads artifacts only through `sidindex`'s readers and never
 re-implements their formats; the `sidindex` library never imports `runtime` (only the CLI's
-`retrieve` command does, when it runs).
+serving commands do, when they run). Triton is imported only when a kernel first runs on CUDA.
 """
+
+from runtime.loader import ServedIndex, SnapshotWatcher, load, load_index
+from runtime.requests import read_requests, to_device
+from runtime.retrieve import RetrievalRun, codebook_scorer, retrieve
+from runtime.scorer import CodebookScorer
+from runtime.search import Beams, Scorer, beam_search, parse_beams
+from sidindex.modes import Mode, parse_mode
+from sidindex.requests import EncodedRequests, encode_requests
+
+__all__ = [
+    "Beams",
+    "CodebookScorer",
+    "EncodedRequests",
+    "Mode",
+    "RetrievalRun",
+    "Scorer",
+    "ServedIndex",
+    "SnapshotWatcher",
+    "beam_search",
+    "codebook_scorer",
+    "encode_requests",
+    "load",
+    "load_index",
+    "parse_beams",
+    "parse_mode",
+    "read_requests",
+    "retrieve",
+    "to_device",
+]

@@ -1,13 +1,16 @@
 """Snapshots onto a device, and a watcher that swaps to newly published ones (DESIGN.md §8).
 
-`load_index` copies the arrays the search reads (the GTM trie and matcher tables) from the
-snapshot's memory maps through pinned host memory to the device; the post stage (SID -> ads,
-exact filter) keeps reading the host memory maps. The snapshot was validated when it was opened
-(`sidindex.snapshot.open_snapshot`), so nothing unchecked reaches a kernel.
+`load_index` moves the arrays the search reads (the GTM trie and matcher tables) from the
+snapshot's memory maps through pinned host memory to the device; the post stage (SID -> ads, exact
+filter) keeps reading the host memory maps. The snapshot was validated when it was opened
+(`sidindex.snapshot.open_snapshot`), which also loaded its codebook into memory, so nothing
+unchecked reaches a kernel and nothing reads the snapshot's files by path after `load`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -16,58 +19,90 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sidindex.errors import SidIndexError
-from sidindex.matchers.bloom import bloom_layout
-from sidindex.snapshot import Snapshot, open_snapshot, resolve_snapshot
-from sidindex.snapshot.publish import current_id
+from sidindex.errors import ConfigError, SidIndexError
+from sidindex.root import Root
+from sidindex.sid import Codebook
+from sidindex.snapshot import Snapshot, open_snapshot
+from sidindex.targeting import TargetingSpec
 from sidindex.timing import StageClock
+from sidindex.trie.build import GTMIndex
+
+# GTMIndex arrays the post stage reads on the host; every other one moves to the device
+HOST_ARRAYS = ("depth_offsets", "leaf_ad_offsets", "leaf_ads")
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 @dataclass(frozen=True)
-class DeviceIndex:
-    """The GTM index as device tensors (names as in `sidindex.trie.build.GTMIndex`).
+class ServedIndex:
+    """A snapshot as served on one device.
 
-    node_offsets (num_nodes+1,) int64; csr_child_nodes (E,) int32; csr_tokens (E,) int16;
-    bitmask_index, bloom_index (E,) int32; bitmask_table (R_bm, W_bm), bloom_table (R_bl, W_bl)
-    int64 (the uint64 rows' bits); entry_keys (E,) int64 = parent node * V + token, ascending (the
-    entry of a (node, token) pair by binary search); part_* as in GTMIndex, or None.
-    max_children[d]: the widest fan-out of a depth-d node (mean_children[d]: the mean, rounded up);
-    max_parts: most partitions of an entry.
+    gtm: the snapshot's GTMIndex with the arrays the search reads as tensors on `device`
+         (node_offsets (num_nodes+1,) int64; csr_child_nodes (E,) int32; csr_tokens (E,) int16;
+         bitmask_index, bloom_index (E,) int32; bitmask_table (R_bm, W_bm), bloom_table (R_bl, W_bl)
+         int64, the uint64 rows' bits; part_* as in GTMIndex, or None); HOST_ARRAYS stay the host
+         memory maps. The host index is `snapshot.gtm`.
+    entry_keys: (E,) int64 = parent node * V + token, ascending (the entry of a (node, token) pair
+         by binary search).
+    max_children[d]: the widest fan-out of a depth-d node; mean_children[d]: the mean, rounded up;
+    max_parts: most partitions of an entry; leaf_start: node id of leaf 0 (the kernels' launch
+    shapes and the search's bounds, known on the host).
+    load_info: bytes moved, and seconds in total and per phase.
     """
 
     snapshot: Snapshot
     device: torch.device
-    level_sizes: tuple[int, ...]
-    node_offsets: torch.Tensor
-    csr_child_nodes: torch.Tensor
-    csr_tokens: torch.Tensor
-    bitmask_index: torch.Tensor
-    bloom_index: torch.Tensor
-    bitmask_table: torch.Tensor
-    bloom_table: torch.Tensor
+    gtm: GTMIndex
     entry_keys: torch.Tensor
-    bloom_word_offsets: torch.Tensor  # (A_bl+1,) int32 first word of each bloom attribute
-    bloom_words: tuple[int, ...]  # the same, on the host
     max_children: tuple[int, ...]
-    mean_children: tuple[int, ...]  # mean fan-out of a depth-d node, rounded up
-    leaf_start: int  # node id of leaf 0
-    part_offsets: torch.Tensor | None = None
-    part_bitmask_index: torch.Tensor | None = None
-    part_bloom_index: torch.Tensor | None = None
-    max_parts: int = 0
-    load_info: dict = field(default_factory=dict)  # seconds, bytes moved
+    mean_children: tuple[int, ...]
+    max_parts: int
+    leaf_start: int
+    load_info: dict = field(default_factory=dict)
 
     @property
     def id(self) -> str:
         return self.snapshot.id
 
     @property
+    def codebook(self) -> Codebook | None:
+        """The codebook the snapshot carries, in memory since it was opened (the codebook scorer's)."""
+        return self.snapshot.codebook
+
+    @property
+    def spec(self) -> TargetingSpec:
+        return self.snapshot.spec
+
+    @property
+    def level_sizes(self) -> tuple[int, ...]:
+        return self.gtm.level_sizes
+
+    @property
     def vocab_size(self) -> int:
-        return max(self.level_sizes)
+        return self.gtm.vocab_size
 
     @property
     def sid_length(self) -> int:
-        return len(self.level_sizes)
+        return self.gtm.sid_length
+
+    @property
+    def kway(self) -> bool:
+        """The snapshot has k-way partitions (mode cd+gtm+kway can run)."""
+        return self.gtm.part_offsets is not None
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """'cpu', 'cuda' or 'cuda:N' as a torch device that exists on this host (ConfigError otherwise)."""
+    text = str(device)
+    if not _DEVICE.fullmatch(text):
+        raise ConfigError(f"device {text!r} is not supported; use cpu, cuda or cuda:N (N the index of a GPU)")
+    dev = torch.device(text)
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ConfigError(f"device {text!r}: no CUDA device is available on this host; use cpu")
+        if (dev.index or 0) >= n:
+            raise ConfigError(f"device {text!r}: this host has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+    return dev
 
 
 def _stage(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -83,52 +118,45 @@ def _stage(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return staged
 
 
-def load_index(snap: Snapshot, device: str | torch.device = "cpu") -> DeviceIndex:
-    """Copy an opened snapshot's GTM index to `device` ("cpu", "cuda", "cuda:1", ...).
+def load_index(snap: Snapshot, device: str | torch.device = "cpu") -> ServedIndex:
+    """Move an opened snapshot's GTM index to `device` ("cpu", "cuda", "cuda:1", ...).
 
     `load_info` of the result: bytes moved, and seconds in total and per phase (shape: a host pass
     over the offsets; stage: reading the memory maps into pinned memory; transfer: host to device,
     and the entry keys built there).
     """
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SidIndexError("--device cuda: no CUDA device is available here (use --device cpu)")
+    device = parse_device(device)
     clock = StageClock()
     g = snap.gtm
-    V = g.vocab_size
     fan_out = np.diff(g.node_offsets)
     per_depth = [fan_out[g.depth_offsets[d]:g.depth_offsets[d + 1]] for d in range(g.sid_length)]
     max_children = tuple(int(f.max()) for f in per_depth)
     mean_children = tuple(int(-(-f.sum() // len(f))) for f in per_depth)
     max_parts = int(np.diff(g.part_offsets).max()) if g.part_offsets is not None and len(g.part_offsets) > 1 else 0
-    woff = np.asarray(bloom_layout(snap.spec).word_offsets, dtype=np.int32)
     clock.lap("shape")
-    names = ["node_offsets", "csr_child_nodes", "csr_tokens", "bitmask_index", "bloom_index", "bitmask_table",
-             "bloom_table"]
-    if g.part_offsets is not None:
-        names += ["part_offsets", "part_bitmask_index", "part_bloom_index"]
+    names = [f.name for f in dataclasses.fields(g)
+             if isinstance(getattr(g, f.name), np.ndarray) and f.name not in HOST_ARRAYS]
     staged = {n: _stage(getattr(g, n), device) for n in names}
     clock.lap("stage")
-    arrays = {n: t.to(device, non_blocking=True) for n, t in staged.items()}
+    moved = {n: t.to(device, non_blocking=True) for n, t in staged.items()}
     # entry e's parent is the node whose child range holds it; entries are sorted by (parent, token)
-    parent = torch.repeat_interleave(torch.arange(g.num_nodes, device=device), arrays["node_offsets"].diff())
-    arrays["entry_keys"] = parent * V + arrays["csr_tokens"].long()
+    parent = torch.repeat_interleave(torch.arange(g.num_nodes, device=device), moved["node_offsets"].diff())
+    entry_keys = parent * g.vocab_size + moved["csr_tokens"].long()
     del parent, staged
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     clock.lap("transfer")
     info = {"bytes": sum(int(getattr(g, n).nbytes) for n in names), "seconds": sum(clock.seconds.values()),
             "phases": clock.seconds}
-    return DeviceIndex(snap, device, g.level_sizes, bloom_word_offsets=torch.from_numpy(woff).to(device),
-                       bloom_words=tuple(int(w) for w in woff), max_children=max_children,
-                       mean_children=mean_children, leaf_start=int(g.depth_offsets[g.sid_length]),
-                       max_parts=max_parts, load_info=info, **arrays)
+    return ServedIndex(snap, device, dataclasses.replace(g, **moved), entry_keys, max_children, mean_children,
+                       max_parts, int(g.depth_offsets[g.sid_length]), info)
 
 
-def load(path: str | Path, device: str | torch.device = "cpu", *, verify: bool = True) -> DeviceIndex:
+def load(path: str | Path, device: str | torch.device = "cpu", *, verify: bool = True) -> ServedIndex:
     """Open (validating structure, and checksums unless verify=False) and load a ROOT's current
     snapshot or a snapshot directory."""
-    return load_index(open_snapshot(resolve_snapshot(path), verify=verify), device)
+    device = parse_device(device)  # before the work of opening
+    return load_index(open_snapshot(path, verify=verify), device)
 
 
 class SnapshotWatcher:
@@ -136,26 +164,35 @@ class SnapshotWatcher:
 
     A request takes `watcher.current` once and runs to the end on it: a swap replaces the
     attribute, never the object, so the old index is freed only when its last request drops it.
-    A new snapshot that fails to open or validate is not swapped in; `last_error` says why and the
-    old one keeps serving.
+    Whatever a new snapshot holds, the old one keeps serving unless the new one loaded completely;
+    `last_error` then says why it did not.
     """
 
     def __init__(self, root: str | Path, device: str | torch.device = "cpu", *, verify: bool = True) -> None:
-        self.root, self.device, self.verify = Path(root), torch.device(device), verify
-        self.current: DeviceIndex = load(self.root, self.device, verify=verify)
+        self.root, self.device, self.verify = Root(root), parse_device(device), verify
+        self.current: ServedIndex = load(self.root.path, self.device, verify=verify)
         self.last_error: str | None = None
         self._lock = threading.Lock()
 
     def poll(self) -> bool:
-        """Check CURRENT; load and swap in a newly published snapshot. True when it swapped."""
-        with self._lock:
-            try:
-                published = current_id(self.root)
-                if published is None or published == self.current.id:
-                    return False
-                new = load(self.root / "snapshots" / published, self.device, verify=self.verify)
-            except (SidIndexError, OSError) as e:
-                self.last_error = f"kept serving snapshot {self.current.id}: {e}"
+        """Check CURRENT; load and swap in a newly published snapshot. True when it swapped.
+
+        Never raises, and never waits for another poll: one already running makes this one return
+        False at once.
+        """
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            published = self.root.current_id()
+            if published is None or published == self.current.id:
                 return False
+            new = load(self.root.snapshot_dir(published), self.device, verify=self.verify)
+        except Exception as e:  # a serving process must outlive any snapshot (a bad file, a bug in a reader)
+            why = e if isinstance(e, SidIndexError) else f"{type(e).__name__} while polling {self.root.path}: {e}"
+            self.last_error = f"kept serving snapshot {self.current.id}: {why}"
+            return False
+        else:
             self.current, self.last_error = new, None
             return True
+        finally:
+            self._lock.release()

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.loader import ServedIndex
 from runtime.search import Beams
-from sidindex.matchers.exact import STAGE_BITMASK, STAGE_BLOOM, ExactRequests, eligible_pairs, stage_flags
-from sidindex.snapshot import Snapshot
+from sidindex.matchers.exact import STAGE_BITMASK, STAGE_BLOOM, eligible_pairs, stage_flags
+from sidindex.requests import EncodedRequests
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,14 @@ class Retrieved:
     ads_bloom: np.ndarray | None = None
 
 
-def expand(snap: Snapshot, requests: ExactRequests, beams: Beams, top_k: int | None = None,
+def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: int | None = None,
            stages: bool = False) -> Retrieved:
     """The eligible ads under the searched SIDs, ranked per request; `top_k` caps each request;
-    `stages` also counts the ads passing each stage (bitmask, bloom) on its own."""
-    g = snap.gtm
+    `stages` also counts the ads passing each stage (bitmask, bloom) on its own.
+
+    requests: the searched batch's encoding on the host (the exact filter reads it there).
+    """
+    snap, g = index.snapshot, index.gtm  # the SID -> ad arrays of `g` are the host memory maps
     tokens, score, leaf = (t.cpu().numpy() for t in (beams.tokens, beams.score, beams.leaf))
     B = len(score)
     # 1. live beams on catalog SIDs

@@ -1,48 +1,32 @@
-"""A batch of requests encoded onto the device for the matchers (DESIGN.md §4, §8)."""
+"""Requests for serving: read a request file against an index, and move a batch's encoding
+(`sidindex.requests.EncodedRequests`) to the device the kernels run on (DESIGN.md §8)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from runtime.loader import ServedIndex
 from sidindex.ingest import Requests
-from sidindex.targeting import TargetingSpec
-from sidindex.trie.match import encode_gtm_requests
+from sidindex.ingest import read_requests as read_request_table
+from sidindex.requests import EncodedRequests
 
 
-@dataclass(frozen=True)
-class DeviceRequests:
-    """user_rows: (B, W_bm) int64 (the uint64 bits); query_rows: (Q, W_bl) int64 Bloom query rows;
-    query_ranges: (B, A_bl, 2) int64 [start, end) of request b's queries for bloom attribute a
-    (never empty: a request without values has one all-ones query); embedding: (B, D) float32 or None."""
-
-    user_rows: torch.Tensor
-    query_rows: torch.Tensor
-    query_ranges: torch.Tensor
-    embedding: torch.Tensor | None
-    max_queries: int  # the most queries any request has for one attribute (known on the host)
-
-    @property
-    def batch(self) -> int:
-        return self.user_rows.shape[0]
-
-    def slice(self, lo: int, hi: int) -> DeviceRequests:
-        """Requests lo..hi-1 (query rows stay shared; ranges index into them)."""
-        return DeviceRequests(self.user_rows[lo:hi], self.query_rows, self.query_ranges[lo:hi],
-                              None if self.embedding is None else self.embedding[lo:hi], self.max_queries)
+def read_requests(path: str | Path, index: ServedIndex) -> Requests:
+    """The request table at `path`, validated against the index's targeting spec."""
+    return read_request_table(path, index.spec)
 
 
-def encode_requests(spec: TargetingSpec, requests: Requests, device: str | torch.device = "cpu") -> DeviceRequests:
-    """Encode a validated request table (`sidindex.ingest.read_requests`) onto `device`."""
-    enc = encode_gtm_requests(spec, requests.columns)
-
+def to_device(requests: EncodedRequests, device: str | torch.device) -> EncodedRequests:
+    """The same requests with every array the kernels read as a tensor on `device` (uint64 bits as
+    int64); the `host_only` arrays (the exact filter's) stay numpy arrays on the host."""
     def put(a: np.ndarray) -> torch.Tensor:
         a = a.view(np.int64) if a.dtype == np.uint64 else a
         return torch.from_numpy(np.array(a, order="C")).to(device)  # a copy: the source may be read-only
 
-    emb = None if requests.embedding is None else put(np.asarray(requests.embedding, dtype=np.float32))
-    n_q = enc.query_ranges[..., 1] - enc.query_ranges[..., 0]
-    return DeviceRequests(put(enc.user_rows), put(enc.query_rows), put(enc.query_ranges.astype(np.int64)), emb,
-                          int(n_q.max()) if n_q.size else 0)
+    return dataclasses.replace(requests, **{
+        f.name: put(getattr(requests, f.name)) for f in dataclasses.fields(requests)
+        if isinstance(getattr(requests, f.name), np.ndarray) and f.name not in requests.host_only})

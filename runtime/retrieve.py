@@ -9,15 +9,15 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from runtime.loader import DeviceIndex
+from runtime.loader import ServedIndex
 from runtime.post import Retrieved, expand
-from runtime.requests import encode_requests
+from runtime.requests import to_device
 from runtime.scorer import CodebookScorer
-from runtime.search import DEFAULT_BEAMS, Scorer, beam_search
+from runtime.search import DEFAULT_BEAMS, Scorer, beam_search, parse_beams
 from sidindex.errors import ArtifactError, InputError
 from sidindex.ingest import Requests
-from sidindex.matchers.exact import encode_exact_requests
-from sidindex.sid import load_codebook
+from sidindex.modes import Mode, parse_mode
+from sidindex.requests import EncodedRequests, encode_requests
 
 
 @dataclass
@@ -36,58 +36,55 @@ class RetrievalRun:
                          "ad_id": pa.array(r.ad_id), "sid": sid, "score": pa.array(r.score)})
 
 
-def codebook_scorer(index: DeviceIndex, requests: Requests, temperature: float = 1.0):
-    """rows -> the codebook scorer for requests[rows], from the codebook the snapshot carries
-    (loaded and checked once)."""
-    snap = index.snapshot
+def codebook_scorer(index: ServedIndex, requests: EncodedRequests, temperature: float = 1.0):
+    """rows -> the codebook scorer for requests[rows], from the codebook the index loaded with the
+    snapshot (nothing is read from disk). requests: the encoding whose `embedding` to score, best
+    on the index's device (`runtime.requests.to_device`)."""
+    cb = index.codebook
+    if cb is None:
+        raise ArtifactError(f"{index.snapshot.path}: carries no codebook; the codebook scorer needs one "
+                            "(serve a snapshot built with a codebook, or bring your own scorer)")
     if requests.embedding is None:
-        raise InputError(f"{requests.path}: the codebook scorer needs an `embedding` column in the requests")
-    cb_dir = snap.path / "codebooks" / str(snap.manifest.get("codebook_id"))
-    if not cb_dir.is_dir():
-        raise ArtifactError(f"{snap.path}: carries no codebook (expected {cb_dir}); the codebook scorer needs it")
-    cb = load_codebook(cb_dir)
-    if cb.dim != requests.embedding.shape[1]:
-        raise InputError(f"{requests.path}: embedding has {requests.embedding.shape[1]} dimensions, the codebook {cb.dim}")
+        raise InputError(f"{requests.source}: the codebook scorer needs an `embedding` column in the requests")
+    if requests.embedding.shape[1] != cb.dim:
+        raise InputError(f"{requests.source}: embedding has {requests.embedding.shape[1]} dimensions, the codebook "
+                         f"{cb.dim}")
+    emb = torch.as_tensor(requests.embedding, dtype=torch.float32, device=index.device)
 
     def for_rows(rows: slice) -> Scorer:
-        emb = torch.from_numpy(np.ascontiguousarray(requests.embedding[rows], dtype=np.float32)).to(index.device)
-        return CodebookScorer(cb, emb, temperature)
+        return CodebookScorer(cb, emb[rows], temperature)
 
     return for_rows
 
 
-def retrieve(index: DeviceIndex, requests: Requests, *, mode: str = "cd+gtm", beams: tuple[int, ...] = DEFAULT_BEAMS,
-             top_k: int | None = None, batch_size: int = 16, scorer=None, impl: str = "auto",
-             stages: bool = False, progress=None) -> RetrievalRun:
+def retrieve(index: ServedIndex, requests: Requests, *, mode: Mode | str = Mode.CD_GTM,
+             beams: tuple[int, ...] | str = DEFAULT_BEAMS, top_k: int | None = None, batch_size: int = 16,
+             scorer=None, impl: str = "auto", stages: bool = False, progress=None) -> RetrievalRun:
     """Ranked eligible ads for every request, `batch_size` requests per search.
 
+    requests: validated against the index's spec (`runtime.read_requests`).
     scorer: rows (a slice of the request table) -> Scorer for those rows; default the codebook scorer
     """
-    scorer = scorer or codebook_scorer(index, requests)
-    spec = index.snapshot.spec
-    dev_req = encode_requests(spec, requests, index.device)
-    exact_req = encode_exact_requests(index.snapshot.exact, requests.columns)
+    mode = parse_mode(mode, kway_available=index.kway)
+    beams = parse_beams(beams, index.sid_length)
+    host = encode_requests(requests, index.spec)
+    dev = to_device(host, index.device)
+    scorer = scorer or codebook_scorer(index, dev)
     parts, seconds = [], {"search": 0.0, "post": 0.0}
     n = len(requests)
     for lo in range(0, n, batch_size):
         hi = min(n, lo + batch_size)
         t = time.perf_counter()
-        found = beam_search(index, dev_req.slice(lo, hi), scorer(slice(lo, hi)), beams, mode, impl)
+        found = beam_search(index, dev.slice(lo, hi), scorer(slice(lo, hi)), beams, mode, impl)
         if index.device.type == "cuda":
             torch.cuda.synchronize(index.device)
         seconds["search"] += time.perf_counter() - t
         t = time.perf_counter()
-        part = expand(index.snapshot, _rows(exact_req, lo, hi), found, top_k, stages)
-        parts.append((lo, part))
+        parts.append((lo, expand(index, host.slice(lo, hi), found, top_k, stages)))
         seconds["post"] += time.perf_counter() - t
         if progress:
             progress("retrieve", hi, n)
     return RetrievalRun(_concat(parts), seconds)
-
-
-def _rows(req, lo: int, hi: int):
-    """ExactRequests of requests lo..hi-1."""
-    return type(req)(req.user_rows[lo:hi], req.hash_offsets[:, lo:hi + 1], req.hashes)
 
 
 def _concat(parts: list[tuple[int, Retrieved]]) -> Retrieved:

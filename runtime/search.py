@@ -15,22 +15,39 @@ unconstrained decoding. Scores are accumulated log-probabilities.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 import torch
 
-from runtime.loader import DeviceIndex
+from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask import gtm_mask
-from runtime.requests import DeviceRequests
 from sidindex.errors import ConfigError
+from sidindex.modes import Mode, parse_mode
+from sidindex.requests import EncodedRequests
 
-MODES = ("none", "cd", "cd+gtm", "cd+gtm+kway")
 DEFAULT_BEAMS = (1, 512, 1024, 1024)
 NEG_INF = float("-inf")
+# Bytes a candidate (one beam x token pair of a step) costs: the scorer's logits, their log-softmax
+# and the masked scores (float32 each), and top-k's working copy (a float32 value and an int64
+# index, as a sort needs). An estimate of the widest step, not a bound.
+CANDIDATE_BYTES = 4 + 4 + 4 + 4 + 8
 
-# scorer(step, prefix) -> logits: prefix (B, K, step) int64 tokens so far -> (B, K, V) float logits
-Scorer = Callable[[int, torch.Tensor], torch.Tensor]
+
+class Scorer(Protocol):
+    """The decoder seam (DESIGN.md §12): logits for every active beam of one step.
+
+    step: 0..L-1; prefix: (B, K, step) int64 the tokens of each request's K beams so far (K = 1 at
+    step 0). Returns (B, K, V) float logits; a token beyond the level's size should get -inf, and
+    dead beams may get any logits. `runtime.CodebookScorer` is the built-in one. A scorer that
+    ignores the prefix:
+
+        def uniform(step: int, prefix: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(*prefix.shape[:2], index.vocab_size, device=prefix.device)
+    """
+
+    def __call__(self, step: int, prefix: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -53,21 +70,88 @@ def parse_beams(text: str | tuple[int, ...] | list[int], sid_length: int) -> tup
     try:
         beams = tuple(int(b) for b in (text.replace(",", " ").split() if isinstance(text, str) else text))
     except ValueError:
-        raise ConfigError(f"--beams {text!r}: expected integers separated by commas, e.g. 1,512,1024,1024") from None
+        raise ConfigError(f"beams {text!r}: expected integers separated by commas, e.g. 1,512,1024,1024") from None
     if len(beams) != sid_length or any(b < 1 for b in beams):
-        raise ConfigError(f"--beams {text!r}: give {sid_length} positive beam sizes, one per SID position")
+        raise ConfigError(f"beams {text!r}: give {sid_length} positive beam sizes, one per SID position")
     if beams[0] != 1:
-        raise ConfigError(f"--beams {text!r}: the first step starts from the root, so beams[0] must be 1")
+        raise ConfigError(f"beams {text!r}: the first step starts from the root, so beams[0] must be 1")
     return beams
 
 
-def beam_search(index: DeviceIndex, requests: DeviceRequests, scorer: Scorer, beams: tuple[int, ...] = DEFAULT_BEAMS,
-                mode: str = "cd+gtm", impl: str = "auto") -> Beams:
-    """Search SIDs for a batch of requests. impl: the mask implementation ("auto", "triton", "numba", "torch")."""
-    if mode not in MODES:
-        raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+def step_beams(beams: tuple[int, ...], vocab_size: int) -> tuple[int, ...]:
+    """Beams entering each step: one root beam, then at most beams[d], and never more than the
+    previous step's candidates."""
+    out = [1]
+    for b in beams[1:]:
+        out.append(min(b, out[-1] * vocab_size))
+    return tuple(out)
+
+
+def search_bytes(beams: tuple[int, ...], batch: int, vocab_size: int) -> int:
+    """About the bytes the widest step of a search allocates: batch x K x V candidates."""
+    return batch * max(step_beams(beams, vocab_size)) * vocab_size * CANDIDATE_BYTES
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes a search can still allocate on `device`: free device memory plus what torch's caching
+    allocator holds unused (CUDA); MemAvailable of /proc/meminfo, else the free pages (the CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(beams: tuple[int, ...], batch: int, vocab_size: int, device: torch.device) -> None:
+    """Refuse a search whose widest step would not fit the memory free on `device`, before it
+    allocates anything, saying which beams (or batch) would."""
+    need, free = search_bytes(beams, batch, vocab_size), free_bytes(device)
+    if need <= free:
+        return
+
+    def uniform(width: int) -> tuple[int, ...]:
+        return (1,) + (width,) * (len(beams) - 1)
+
+    lo, hi = 0, max(beams)  # the widest uniform beams that fit, by bisection: lo fits (or is 0), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if search_bytes(uniform(mid), batch, vocab_size) <= free else (lo, mid)
+    advice = f"beams up to {','.join(map(str, uniform(lo)))} fit" if lo and len(beams) > 1 else ""
+    per_batch = free // (need // batch)
+    if 1 <= per_batch < batch:
+        fewer = f"batches of at most {per_batch} request{'s' if per_batch > 1 else ''}"
+        advice += f" (or {fewer})" if advice else f"{fewer} fit"
+    raise ConfigError(f"beams {','.join(map(str, beams))} need about {_size(need)} for {batch} requests at once; "
+                      f"about {_size(free)} are free on {device}; {advice or 'free memory first'}")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= scale:
+            return f"{n / scale:,.0f} {unit}" if n >= 10 * scale else f"{n / scale:.1f} {unit}"
+    return f"{n:,} bytes"
+
+
+def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
+                beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
+                impl: str = "auto") -> Beams:
+    """Search SIDs for a batch of requests.
+
+    requests: on the index's device (`runtime.requests.to_device`). impl: the mask implementation
+    ("auto", "triton", "numba", "torch"). A search whose widest step would not fit the free memory
+    is refused (ConfigError) before it allocates.
+    """
+    mode = parse_mode(mode, kway_available=index.kway)
     beams = parse_beams(beams, index.sid_length)
     B, V, L, dev = requests.batch, index.vocab_size, index.sid_length, index.device
+    if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # a capture replays a checked search
+        check_fits(beams, B, V, dev)
     node = torch.zeros(B, 1, dtype=torch.int64, device=dev)
     score = torch.zeros(B, 1, dtype=torch.float32, device=dev)
     tokens = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)
@@ -75,14 +159,14 @@ def beam_search(index: DeviceIndex, requests: DeviceRequests, scorer: Scorer, be
     for d in range(L):
         K = node.shape[1]
         logp = torch.log_softmax(scorer(d, tokens).float(), dim=-1).reshape(B * K, V)
-        if mode == "none":  # any in-vocabulary token of this level
-            cand = score.reshape(-1, 1) + logp
-            cand = torch.where(torch.isnan(cand), NEG_INF, cand)
-            cand[:, index.level_sizes[d]:] = NEG_INF
-        else:
+        if mode.constrained:
             # dead beams (-inf) sit at node -1; they read the root's offsets and pass nothing
             cand = gtm_mask(index, requests, d, req.repeat_interleave(K), node.reshape(-1).clamp(min=0),
                             score.reshape(-1), logp, mode, impl)
+        else:  # any in-vocabulary token of this level
+            cand = score.reshape(-1, 1) + logp
+            cand = torch.where(torch.isnan(cand), NEG_INF, cand)
+            cand[:, index.level_sizes[d]:] = NEG_INF
         k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
         # only the last step's order matters (the result is ranked); unsorted top-k is cheaper
         score, flat = cand.reshape(B, K * V).topk(k_next, dim=1, sorted=d == L - 1)
@@ -94,10 +178,10 @@ def beam_search(index: DeviceIndex, requests: DeviceRequests, scorer: Scorer, be
     return Beams(tokens, score, leaf)
 
 
-def _child(index: DeviceIndex, node: torch.Tensor, tok: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+def _child(index: ServedIndex, node: torch.Tensor, tok: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
     """The trie node reached from `node` by `tok` (same shape), -1 where there is none (or the beam
     is dead): binary search of (node, token) in the sorted entry keys."""
     key = node * index.vocab_size + tok
     e = torch.searchsorted(index.entry_keys, key).clamp(max=len(index.entry_keys) - 1)
     found = alive & (node >= 0) & (index.entry_keys[e] == key)
-    return torch.where(found, index.csr_child_nodes[e].long(), -1)
+    return torch.where(found, index.gtm.csr_child_nodes[e].long(), -1)

@@ -20,11 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.loader import DeviceIndex
+from runtime.loader import ServedIndex
+from runtime.requests import to_device
 from runtime.retrieve import codebook_scorer, retrieve
-from runtime.search import Scorer
+from runtime.search import Scorer, parse_beams
 from sidindex.ingest import Requests
-from sidindex.matchers.exact import eligible_mask, encode_exact_requests
+from sidindex.matchers.exact import eligible_mask
+from sidindex.modes import Mode, parse_mode
+from sidindex.requests import encode_requests
 
 BUCKETS = (0, 1, 100, 1_000, 10_000, 100_000)  # generated ads per request: [0, 1), [1, 100), ...
 
@@ -42,28 +45,28 @@ class TrieLevel:
     parent: torch.Tensor
 
 
-def trie_levels(index: DeviceIndex) -> list[TrieLevel]:
+def trie_levels(index: ServedIndex) -> list[TrieLevel]:
     """The trie depth by depth (request-independent: built once per study)."""
-    g, dev = index.snapshot.gtm, index.device
-    tokens = index.csr_tokens.long()
+    g, host, dev = index.gtm, index.snapshot.gtm, index.device  # host: offsets read as Python ints
+    tokens = g.csr_tokens.long()
     paths = torch.zeros(1, 0, dtype=torch.int64, device=dev)
     out = []
     for d in range(g.sid_length):
         lo, hi = int(g.depth_offsets[d]), int(g.depth_offsets[d + 1])
-        e_lo, e_hi = int(g.node_offsets[lo]), int(g.node_offsets[hi])
-        parent = torch.repeat_interleave(torch.arange(lo, hi, device=dev), index.node_offsets[lo + 1:hi + 1]
-                                         - index.node_offsets[lo:hi])
+        e_lo, e_hi = int(host.node_offsets[lo]), int(host.node_offsets[hi])
+        parent = torch.repeat_interleave(torch.arange(lo, hi, device=dev), g.node_offsets[lo + 1:hi + 1]
+                                         - g.node_offsets[lo:hi])
         out.append(TrieLevel(lo, hi, paths, e_lo, e_hi, parent))
         if d + 1 < g.sid_length:  # children of depth d, in node order: parent's path + token
             paths = torch.cat([paths[parent - lo], tokens[e_lo:e_hi, None]], dim=1)
     return out
 
 
-def node_scores(index: DeviceIndex, scorer: Scorer, levels: list[TrieLevel], chunk: int = 16384) -> torch.Tensor:
+def node_scores(index: ServedIndex, scorer: Scorer, levels: list[TrieLevel], chunk: int = 16384) -> torch.Tensor:
     """(num_nodes,) float32 accumulated log-probability of every trie node's prefix for one request
     (a scorer for a batch of one); the root scores 0. Leaves are SIDs. levels: `trie_levels`."""
-    g = index.snapshot.gtm
-    tokens = index.csr_tokens.long()
+    g = index.snapshot.gtm  # the host index: offsets read as Python ints
+    tokens = index.gtm.csr_tokens.long()
     score = torch.zeros(g.num_nodes, dtype=torch.float32, device=index.device)
     for d, lv in enumerate(levels):
         constant = getattr(scorer, "prefix_independent", lambda step: False)(d)
@@ -78,25 +81,24 @@ def node_scores(index: DeviceIndex, scorer: Scorer, levels: list[TrieLevel], chu
     return score
 
 
-def exhaustive_top_k(index: DeviceIndex, requests: Requests, k: int, scorer_for=None) -> list[np.ndarray]:
+def exhaustive_top_k(index: ServedIndex, requests: Requests, k: int, scorer_for=None) -> list[np.ndarray]:
     """Per request, the catalog rows of its k best eligible ads (score descending, then ad_id),
     over the whole catalog. scorer_for: rows -> Scorer (default: the codebook scorer)."""
-    snap, g = index.snapshot, index.snapshot.gtm
-    scorer_for = scorer_for or codebook_scorer(index, requests)
-    exact_req = encode_exact_requests(snap.exact, requests.columns)
+    snap, g = index.snapshot, index.gtm
+    host = encode_requests(requests, index.spec)
+    scorer_for = scorer_for or codebook_scorer(index, to_device(host, index.device))
     n_ads = len(snap.ad_id)
     leaf_ads = torch.from_numpy(np.asarray(g.leaf_ads)).to(index.device)
     per_leaf = torch.from_numpy(np.diff(g.leaf_ad_offsets)).to(index.device)
-    leaf0 = int(g.depth_offsets[g.sid_length])
     every_ad = np.arange(n_ads, dtype=np.int64)
     levels = trie_levels(index)
     out = []
     for r in range(len(requests)):
-        score = node_scores(index, scorer_for(slice(r, r + 1)), levels)[leaf0:]
+        score = node_scores(index, scorer_for(slice(r, r + 1)), levels)[index.leaf_start:]
         best = torch.full((n_ads,), float("-inf"), device=index.device)
         best.scatter_reduce_(0, leaf_ads, torch.repeat_interleave(score, per_leaf), "amax")
         best = best.cpu().numpy()
-        ok = np.flatnonzero(eligible_mask(snap.exact, exact_req, r, every_ad) & (best > -np.inf))
+        ok = np.flatnonzero(eligible_mask(snap.exact, host, r, every_ad) & (best > -np.inf))
         if len(ok) > k:  # the k best, plus every ad tied with the k-th
             ok = ok[best[ok] >= np.partition(best[ok], len(ok) - k)[len(ok) - k]]
         order = np.lexsort((snap.ad_id[ok], -best[ok]))
@@ -104,9 +106,11 @@ def exhaustive_top_k(index: DeviceIndex, requests: Requests, k: int, scorer_for=
     return out
 
 
-def simulate(index: DeviceIndex, requests: Requests, modes: tuple[str, ...], beams: tuple[int, ...], k: int,
-             batch_size: int = 16, scorer_for=None, progress=None) -> dict:
+def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ...], beams: tuple[int, ...] | str,
+             k: int, batch_size: int = 16, scorer_for=None, progress=None) -> dict:
     """The study's report (plain data, see the module docstring)."""
+    modes = tuple(parse_mode(m, kway_available=index.kway) for m in modes)
+    beams = parse_beams(beams, index.sid_length)
     progress = progress or (lambda *_: None)
     t = time.perf_counter()
     truth = exhaustive_top_k(index, requests, k, scorer_for)
@@ -127,7 +131,7 @@ def simulate(index: DeviceIndex, requests: Requests, modes: tuple[str, ...], bea
             got = r.ad_row[(r.request == q) & (r.rank <= k)]
             recall.append(len(np.intersect1d(got, best)) / len(best))
         report["modes"].append({
-            "mode": mode, **_rates(r.ads_generated, r.ads_bitmask, r.ads_bloom, r.ads_eligible),
+            "mode": mode.value, **_rates(r.ads_generated, r.ads_bitmask, r.ads_bloom, r.ads_eligible),
             "eligible_per_request_mean": float(r.ads_eligible.mean()),
             "eligible_per_request_p10": float(np.percentile(r.ads_eligible, 10)),
             "requests_short_of_k": int((r.ads_eligible < k).sum()),

@@ -18,10 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from sidindex.matchers.bitmask import bitmask_layout
 from sidindex.matchers.bitmask import encode_ad_rows as encode_bitmask
 from sidindex.matchers.bits import list_codes
-from sidindex.matchers.bloom import bloom_layout
 from sidindex.matchers.bloom import encode_ad_rows as encode_bloom
 from sidindex.matchers.exact import ExactIndex, build_exact_index
 from sidindex.targeting import BITMASK, TargetingSpec
@@ -45,7 +43,7 @@ def build_index(spec: TargetingSpec, columns: pl.DataFrame, sids: np.ndarray, ad
     sids: (P, L) int16 SID rows; ad_index: (P,) int64 row of each SID row's ad in `columns`
     """
     clock = StageClock()
-    bm_layout, bl_layout = bitmask_layout(spec), bloom_layout(spec)
+    bm_layout, bl_layout = spec.bitmask_layout, spec.bloom_layout
     with ThreadPoolExecutor(2) as pool:  # Arrow's kernels release the GIL
         flat = pool.map(lambda a: list_codes(columns.get_column(a.name), a.values if a.kind == BITMASK else None),
                         spec.attributes)

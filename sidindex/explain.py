@@ -11,16 +11,17 @@ attribute that failed. Its verdicts agree with `sidindex.trie.match` and `sidind
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from sidindex.errors import InputError
 from sidindex.ingest import Requests
 from sidindex.matchers import bitmask, bloom
-from sidindex.matchers.exact import attribute_eligibility, encode_exact_requests
+from sidindex.matchers.exact import attribute_eligibility
+from sidindex.modes import Mode, parse_mode, served_modes
+from sidindex.requests import encode_requests
 from sidindex.snapshot import Snapshot
-from sidindex.trie.match import encode_gtm_requests
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,8 @@ class Step:
     """Taking token `token` at `position` (0-based) after `prefix`.
 
     failed_union: attributes the subtree-union matchers reject (None when the prefix is not in the catalog)
-    failed_partitions: per k-way partition, the attributes it rejects (None without k-way)
+    failed_partitions: per k-way partition, the attributes it rejects (None without k-way; empty when
+                       the prefix is not in the catalog)
     """
 
     position: int
@@ -38,13 +40,17 @@ class Step:
     failed_union: tuple[str, ...] | None
     failed_partitions: tuple[tuple[str, ...], ...] | None
 
+    def allows(self, mode: Mode | str) -> bool:
+        """Whether beam search in `mode` can take this token (`mode` needs k-way partitions only
+        when the snapshot has them)."""
+        mode = parse_mode(mode, kway_available=self.failed_partitions is not None)
+        return ((self.in_catalog or not mode.constrained) and not (mode.gtm and self.failed_union)
+                and not (mode.kway and all(self.failed_partitions)))
+
     @property
     def passes(self) -> dict[str, bool]:
-        gtm = self.in_catalog and not self.failed_union
-        out = {"cd": self.in_catalog, "cd+gtm": gtm}
-        if self.failed_partitions is not None:
-            out["cd+gtm+kway"] = gtm and any(not f for f in self.failed_partitions)
-        return out
+        """The verdict of every constrained mode the snapshot can serve, by mode name."""
+        return {m.value: self.allows(m) for m in served_modes(self.failed_partitions is not None)}
 
 
 @dataclass(frozen=True)
@@ -78,18 +84,16 @@ class Explainer:
     """Explanations against one snapshot for one request (row `row` of a validated request table)."""
 
     def __init__(self, snap: Snapshot, requests: Requests, row: int) -> None:
-        one = requests.columns.slice(row, 1)
         self.snap = snap
-        self.gtm_req = encode_gtm_requests(snap.spec, one)
-        self.exact_req = encode_exact_requests(snap.exact, one)
-        self.bm_layout = bitmask.bitmask_layout(snap.spec)
-        self.bl_layout = bloom.bloom_layout(snap.spec)
-        self.names = self.bm_layout.names + self.bl_layout.names
+        one = replace(requests, request_id=requests.request_id[row:row + 1], embedding=None,
+                      columns=requests.columns.slice(row, 1))
+        self.req = encode_requests(one, snap.spec)  # request 0 of it
+        self.names = snap.spec.bitmask_layout.names + snap.spec.bloom_layout.names
 
     def _failed(self, bm_row: int, bl_row: int) -> tuple[str, ...]:
-        g, r = self.snap.gtm, self.gtm_req
-        ok = np.concatenate([bitmask.attribute_passes(self.bm_layout, g.bitmask_table[bm_row], r.user_rows[0]),
-                             bloom.attribute_passes(self.bl_layout, g.bloom_table[bl_row], r.query_rows,
+        g, r, spec = self.snap.gtm, self.req, self.snap.spec
+        ok = np.concatenate([bitmask.attribute_passes(spec.bitmask_layout, g.bitmask_table[bm_row], r.user_rows[0]),
+                             bloom.attribute_passes(spec.bloom_layout, g.bloom_table[bl_row], r.query_rows,
                                                     r.query_ranges[0])])
         return tuple(n for n, k in zip(self.names, ok) if not k)
 
@@ -103,8 +107,8 @@ class Explainer:
         for d, token in enumerate(sid):
             lo, hi = int(g.node_offsets[node]), int(g.node_offsets[node + 1])
             e = lo + int(np.searchsorted(g.csr_tokens[lo:hi], token))
-            if e == hi or g.csr_tokens[e] != token:
-                steps.append(Step(d, tuple(sid[:d]), token, False, None, None))
+            if e == hi or g.csr_tokens[e] != token:  # no entry: no partition of it can pass either
+                steps.append(Step(d, tuple(sid[:d]), token, False, None, None if g.part_offsets is None else ()))
                 return SidExplanation(tuple(sid), tuple(steps), ())
             parts = None
             if g.part_offsets is not None:
@@ -117,7 +121,7 @@ class Explainer:
             ads = g.leaf_ads[g.leaf_ad_offsets[leaf]:g.leaf_ad_offsets[leaf + 1]]
         checks = []
         for row in np.unique(ads):
-            ok = attribute_eligibility(self.snap.exact, self.exact_req, 0, int(row))
+            ok = attribute_eligibility(self.snap.exact, self.req, 0, int(row))
             checks.append(AdCheck(int(self.snap.ad_id[row]), tuple(n for n, k in zip(self.names, ok) if not k)))
         return SidExplanation(tuple(sid), tuple(steps), tuple(checks))
 

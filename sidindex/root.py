@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from schemas.artifacts import MANIFEST_FILE
 from sidindex.artifact import fsync_path, publish_dir, read_bounded
 from sidindex.errors import ArtifactError
 
@@ -51,8 +52,6 @@ def pruned(directory: Path) -> ArtifactError:
 
 class Root:
     """The directory layout above; methods that change it expect `lock()` to be held."""
-
-    MANIFEST = "manifest.json"  # the file that makes a directory a snapshot
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -94,7 +93,7 @@ class Root:
         root = Root(path)
         if os.path.lexists(root.current_file):
             return root.snapshot_dir(root.current_id())
-        if os.path.lexists(path / Root.MANIFEST):
+        if os.path.lexists(path / MANIFEST_FILE):
             return path
         if not os.path.lexists(path):
             if SNAPSHOT_ID.match(path.name):
@@ -102,7 +101,7 @@ class Root:
             raise ArtifactError(f"{path}: no such file or directory")
         if root.snapshots.is_dir():
             raise ArtifactError(f"{path}: a ROOT with no published snapshot (no CURRENT)")
-        raise ArtifactError(f"{path}: neither a ROOT (with CURRENT) nor a snapshot directory (with {Root.MANIFEST})")
+        raise ArtifactError(f"{path}: neither a ROOT (with CURRENT) nor a snapshot directory (with {MANIFEST_FILE})")
 
     # --- writing ----------------------------------------------------------------------------
 

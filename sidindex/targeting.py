@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from schemas import TARGETING_ATTRIBUTE
 from sidindex.errors import InputError
 from sidindex.tomlio import check_keys, read_toml
+
+if TYPE_CHECKING:
+    from sidindex.matchers.bitmask import BitmaskLayout
+    from sidindex.matchers.bloom import BloomLayout
 
 BITMASK = "bitmask"
 BLOOM = "bloom"
@@ -44,6 +50,20 @@ class TargetingSpec:
     @property
     def bloom(self) -> tuple[Attribute, ...]:
         return tuple(a for a in self.attributes if a.kind == BLOOM)
+
+    # The matcher layouts, derived once per spec. The layout modules import this one, hence the
+    # imports inside (cached_property writes the instance dict, which a frozen dataclass allows).
+    @cached_property
+    def bitmask_layout(self) -> BitmaskLayout:
+        from sidindex.matchers.bitmask import bitmask_layout
+
+        return bitmask_layout(self)
+
+    @cached_property
+    def bloom_layout(self) -> BloomLayout:
+        from sidindex.matchers.bloom import bloom_layout
+
+        return bloom_layout(self)
 
     def to_dict(self) -> dict:
         """The spec as plain TOML/JSON-serialisable data; `spec_from_dict` inverts it."""

@@ -34,11 +34,11 @@ def explain(
     """
     from sidindex.explain import Explainer, parse_sid, request_row
     from sidindex.ingest import read_requests
-    from sidindex.snapshot import open_snapshot, resolve_snapshot
+    from sidindex.snapshot import open_snapshot
 
     if (sid is None) == (ad is None):
         raise InputError("explain: give exactly one of --sid S and --ad A")
-    snap = open_snapshot(resolve_snapshot(snapshot), verify=False)
+    snap = open_snapshot(snapshot, verify=False)  # a ROOT's published snapshot, or a snapshot directory
     reqs = read_requests(request, snap.spec)
     row = request_row(reqs, request_id)
     ex = Explainer(snap, reqs, row)

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, progress_bar
 from sidindex_cli.render import emit, err, out
 from sidindex_cli.render import pct
@@ -23,8 +24,8 @@ def retrieve(
                                   "column for the codebook scorer, see schemas/CONTRACTS.md."),
     out_file: Path = typer.Option(..., "--out", help="Output file: .parquet, or Arrow IPC otherwise. Columns "
                                   "request_id, rank, ad_id, sid, score."),
-    mode: str = typer.Option("cd+gtm", "--mode", help="none | cd | cd+gtm | cd+gtm+kway (needs a snapshot built "
-                             "with [kway])."),
+    mode: str = typer.Option("cd+gtm", "--mode", help=" | ".join(m.value for m in Mode) + " (a mode that tests k-way "
+                             "partitions needs a snapshot built with [kway])."),
     beams: str = typer.Option("1,512,1024,1024", "--beams", help="Beam size per SID position: beams[0] is the root "
                               "(1), beams[d] are kept after step d-1, beams[-1] after the last step."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N. On cuda the mask is the Triton kernel."),
@@ -43,19 +44,17 @@ def retrieve(
     import pyarrow.parquet as pq
     from pyarrow import feather
 
-    from runtime.loader import load
-    from runtime.retrieve import retrieve as run_retrieval
-    from runtime.search import parse_beams
-    from sidindex.ingest import read_requests
+    import runtime
 
+    chosen = parse_mode(mode)  # a typo fails before the snapshot loads; retrieve checks it against the index
     t0 = time.perf_counter()
-    index = load(snapshot, device, verify=False)
-    beam_sizes = parse_beams(beams, index.sid_length)
-    reqs = read_requests(requests, index.snapshot.spec)
+    index = runtime.load(snapshot, device, verify=False)
+    beam_sizes = runtime.parse_beams(beams, index.sid_length)
+    reqs = runtime.read_requests(requests, index)
     load_s = time.perf_counter() - t0
     with progress_bar(not as_json and err.is_terminal) as progress:
-        run = run_retrieval(index, reqs, mode=mode, beams=beam_sizes, top_k=top_k, batch_size=batch_size,
-                            progress=progress)
+        run = runtime.retrieve(index, reqs, mode=chosen, beams=beam_sizes, top_k=top_k, batch_size=batch_size,
+                               progress=progress)
     table = run.table(reqs.request_id)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.with_name(f".{out_file.name}.tmp")
@@ -65,7 +64,7 @@ def retrieve(
         feather.write_feather(table, str(tmp), compression="uncompressed")
     tmp.replace(out_file)
     r = run.result
-    emit({"snapshot_id": index.id, "device": str(index.device), "mode": mode, "beams": list(beam_sizes),
+    emit({"snapshot_id": index.id, "device": str(index.device), "mode": chosen.value, "beams": list(beam_sizes),
            "requests": len(reqs), "rows": table.num_rows, "out": str(out_file),
            "eligible_ads_per_request_mean": round(float(r.ads_eligible.mean()), 2),
            "requests_without_ads": int((r.ads_eligible == 0).sum()),
@@ -79,8 +78,8 @@ def simulate(
     snapshot: Path = SNAPSHOT_ARG,
     requests: Path = typer.Option(..., "--requests", help="Request table with an `embedding` column (the codebook "
                                   "scorer's input)."),
-    modes: Optional[str] = typer.Option(None, "--modes", help="Comma-separated modes (default: cd,cd+gtm, plus "
-                                        "cd+gtm+kway when the snapshot has partitions)."),
+    modes: Optional[str] = typer.Option(None, "--modes", help="Comma-separated modes (default: every constrained "
+                                        "mode the snapshot can serve: cd,cd+gtm, plus cd+gtm+kway with partitions)."),
     beams: str = typer.Option("1,512,1024,1024", "--beams", help="Beam size per SID position, as for retrieve."),
     top_k: int = typer.Option(100, "--top-k", min=1, help="K of recall@K and of 'requests short of K'."),
     max_requests: Optional[int] = typer.Option(None, "--max-requests", min=1, help="Use the first N requests only."),
@@ -96,21 +95,19 @@ def simulate(
     recall@K against the K best eligible ads of the whole catalog under the same codebook scorer,
     found exhaustively. Times are per request.
     """
-    from runtime.loader import load
-    from runtime.search import parse_beams
+    import runtime
     from runtime.simulate import simulate as run_study
-    from sidindex.ingest import read_requests
 
-    index = load(snapshot, device, verify=False)
-    beam_sizes = parse_beams(beams, index.sid_length)
-    reqs = read_requests(requests, index.snapshot.spec)
+    named = tuple(parse_mode(m.strip()) for m in modes.split(",")) if modes else None  # typos fail before loading
+    index = runtime.load(snapshot, device, verify=False)
+    beam_sizes = runtime.parse_beams(beams, index.sid_length)
+    reqs = runtime.read_requests(requests, index)
     if max_requests is not None:
         reqs = reqs.head(max_requests)
-    kway = index.part_offsets is not None
-    chosen = tuple(m.strip() for m in modes.split(",")) if modes else ("cd", "cd+gtm") + (("cd+gtm+kway",) if kway else ())
+    chosen = named or served_modes(index.kway)
     with progress_bar(not as_json and err.is_terminal) as progress:
         report = run_study(index, reqs, chosen, beam_sizes, top_k, progress=progress)
-    cfg = (index.snapshot.manifest.get("build_config") or {}).get("kway") if kway else None
+    cfg = index.snapshot.manifest.build_config.get("kway") if index.kway else None
     report["kway"] = None if not cfg else (f"static, k {cfg['k']}" if cfg.get("mode") == "static" else
                                            f"dynamic, k_max {cfg.get('k_max')}, target fill {cfg.get('target_fill')}")
     if plot is not None:

@@ -18,7 +18,7 @@ from sidindex.ingest import Requests
 from sidindex.matchers.exact import eligible_mask
 from sidindex.snapshot.snapshot import Snapshot
 from sidindex.trie.match import passing_tokens
-from tests.test_gtm import BITMASK, Scenario, build, eligible, frame, scenarios
+from tests.test_gtm import BITMASK, MANIFEST, Scenario, build, eligible, requests_of, scenarios
 from tests.conftest import run_cli
 
 
@@ -30,10 +30,10 @@ def failing_attributes(spec, ad: dict, req: dict) -> tuple[str, ...]:
 
 
 def explainer(sc: Scenario, r: int) -> tuple[Explainer, object]:
-    index, bm, bl, exact, greq, ereq = build(sc)
-    snap = Snapshot(Path("."), {"id": "test"}, sc.spec, index, exact, np.arange(len(sc.ads), dtype=np.int64) + 100)
-    req = Requests("requests", np.arange(len(sc.requests), dtype=np.int64), None, frame(sc.spec, sc.requests, pl.String))
-    return Explainer(snap, req, r), (index, exact, greq, ereq)
+    index, bm, bl, exact, enc = build(sc)
+    snap = Snapshot(Path("."), MANIFEST, sc.spec, index, exact, np.arange(len(sc.ads), dtype=np.int64) + 100,
+                    codebook=None)
+    return Explainer(snap, requests_of(sc), r), (index, exact, enc)
 
 
 @settings(max_examples=60, deadline=None)
@@ -41,20 +41,20 @@ def explainer(sc: Scenario, r: int) -> tuple[Explainer, object]:
 def test_explanations_agree_with_matcher_and_definition(sc):
     L = len(sc.level_sizes)
     for r, req in enumerate(sc.requests):
-        ex, (index, exact, greq, ereq) = explainer(sc, r)
+        ex, (index, exact, enc) = explainer(sc, r)
         for leaf, sid in enumerate(index.leaf_sids()):
             e = ex.sid(tuple(int(t) for t in sid))
             assert len(e.steps) == L
             node = 0
             for step in e.steps:  # each step's verdict per mode is the matcher's
                 for mode, ok in step.passes.items():
-                    assert ok == (step.token in passing_tokens(index, greq, r, node, mode))
+                    assert ok == (step.token in passing_tokens(index, enc, r, node, mode))
                 lo = index.node_offsets[node]
                 node = int(index.csr_child_nodes[lo + np.searchsorted(index.csr_tokens[lo:index.node_offsets[node + 1]],
                                                                       step.token)])
             ads = index.leaf_ads[index.leaf_ad_offsets[leaf]:index.leaf_ad_offsets[leaf + 1]]
             assert [a.ad_id - 100 for a in e.ads] == sorted(set(ads.tolist()))
-            ok = eligible_mask(exact, ereq, r, np.array([a.ad_id - 100 for a in e.ads]))
+            ok = eligible_mask(exact, enc, r, np.array([a.ad_id - 100 for a in e.ads]))
             for check, good in zip(e.ads, ok):
                 assert (not check.failed) == good
                 assert check.failed == failing_attributes(sc.spec, sc.ads[check.ad_id - 100], req)
@@ -70,6 +70,10 @@ def test_sid_not_in_catalog_stops_at_the_first_missing_prefix():
     ex, _ = explainer(sc, 0)
     e = ex.sid((2, 0, 3))
     assert [s.in_catalog for s in e.steps] == [True, False] and e.ads == ()
+    assert e.reached == {"cd": False, "cd+gtm": False, "cd+gtm+kway": False}
+    e = ex.sid((2, 1, 0))  # only the last token leaves the catalog: every mode's verdict is there for it
+    assert [s.in_catalog for s in e.steps] == [True, True, False]
+    assert e.steps[-1].passes == {"cd": False, "cd+gtm": False, "cd+gtm+kway": False}
     assert e.reached == {"cd": False, "cd+gtm": False, "cd+gtm+kway": False}
     with pytest.raises(InputError, match="does not fit"):
         ex.sid((2, 1))

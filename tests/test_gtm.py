@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import reduce
 from operator import or_
+from types import SimpleNamespace
 
 import mmh3
 import numpy as np
@@ -17,13 +18,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidindex.errors import ConfigError
+from sidindex.ingest import Requests
 from sidindex.matchers.bitmask import bitmask_layout, encode_ad_rows as bitmask_rows
 from sidindex.matchers.bloom import BLOOM_SEED, bloom_layout, encode_ad_rows as bloom_rows
-from sidindex.matchers.exact import build_exact_index, eligible_mask, encode_exact_requests
+from sidindex.matchers.exact import build_exact_index, eligible_mask
+from sidindex.requests import encode_requests
 from sidindex.targeting import BITMASK, BLOOM, Attribute, TargetingSpec
 from sidindex.trie import build_gtm
 from sidindex.trie.kway import KWayConfig
-from sidindex.trie.match import encode_gtm_requests, passing_tokens
+from sidindex.trie.match import passing_tokens
 from sidindex.trie.stats import gtm_stats
 
 VOCAB = [f"loc{i}" for i in range(12)]
@@ -131,22 +135,31 @@ def frame(spec: TargetingSpec, rows: list[dict], bitmask_type) -> pl.DataFrame:
     return pl.DataFrame(cols, height=len(rows))
 
 
+def requests_of(sc: Scenario) -> Requests:
+    """The scenario's requests as a validated request table."""
+    rows = frame(sc.spec, sc.requests, pl.String)
+    return Requests("requests", np.arange(len(sc.requests), dtype=np.int64), None, rows)
+
+
+MANIFEST = SimpleNamespace(id="test")  # what an in-memory Snapshot of a scenario reads of its manifest
+
+
 def build(sc: Scenario):
+    """(GTM index, ad bitmask rows, ad Bloom rows, exact index, the requests' encoding)."""
     cat = frame(sc.spec, sc.ads, pl.List(pl.String))
-    req = frame(sc.spec, sc.requests, pl.String)
-    bm = bitmask_rows(bitmask_layout(sc.spec), cat)
-    bl = bloom_rows(bloom_layout(sc.spec), cat)
-    bits = bitmask_layout(sc.spec).bits + sum(a.bits for a in sc.spec.bloom)
+    bm = bitmask_rows(sc.spec.bitmask_layout, cat)
+    bl = bloom_rows(sc.spec.bloom_layout, cat)
+    bits = sc.spec.bitmask_layout.bits + sum(a.bits for a in sc.spec.bloom)
     index = build_gtm(np.array(sc.sids, dtype=np.int16), np.array(sc.sid_ads, dtype=np.int64),
                       sc.level_sizes, bm, bl, kway=sc.kway, matcher_bits=bits)
     exact = build_exact_index(sc.spec, cat, bm)
-    return index, bm, bl, exact, encode_gtm_requests(sc.spec, req), encode_exact_requests(exact, req)
+    return index, bm, bl, exact, encode_requests(requests_of(sc), sc.spec)
 
 
 # --- the checks --------------------------------------------------------------------------------
 
 def check(sc: Scenario) -> None:
-    index, bm, bl, exact, greq, ereq = build(sc)
+    index, bm, bl, exact, enc = build(sc)
     L = len(sc.level_sizes)
     sid_set = set(sc.sids)
 
@@ -199,15 +212,15 @@ def check(sc: Scenario) -> None:
     for r, req in enumerate(sc.requests):
         truth = [eligible(sc.spec, ad, req) for ad in sc.ads]
         # (3) the exact ad filter equals the eligibility definition
-        assert list(eligible_mask(exact, ereq, r, np.arange(len(sc.ads)))) == truth
+        assert list(eligible_mask(exact, enc, r, np.arange(len(sc.ads)))) == truth
         # (1) no false negative, and CD passes exactly the real continuations
         for node, prefix in prefix_of_node.items():
             if len(prefix) == L:
                 continue
             real = sorted({s[len(prefix)] for s in sid_set if s[:len(prefix)] == prefix})
-            assert list(passing_tokens(index, greq, r, node, "cd")) == real
-            gtm = set(passing_tokens(index, greq, r, node, "cd+gtm").tolist())
-            kway = set(passing_tokens(index, greq, r, node, "cd+gtm+kway").tolist())
+            assert list(passing_tokens(index, enc, r, node, "cd")) == real
+            gtm = set(passing_tokens(index, enc, r, node, "cd+gtm").tolist())
+            kway = set(passing_tokens(index, enc, r, node, "cd+gtm+kway").tolist())
             assert kway <= gtm <= set(real)
             need = {s[len(prefix)] for a, s in zip(sc.sid_ads, sc.sids) if s[:len(prefix)] == prefix and truth[a]}
             assert need <= kway, f"eligible prefix {prefix} + token rejected"
@@ -257,9 +270,9 @@ def test_ad_with_hundreds_of_locations_and_requests_with_0_and_64_locations():
                 {"country": "US", "locations": [f"far{i}" for i in range(64)]}]
     sc = scenario(ads, [(0, 0, 0), (0, 1, 2)], [0, 1], requests=requests)
     check(sc)
-    index, _, _, exact, greq, ereq = build(sc)
-    assert list(eligible_mask(exact, ereq, 1, np.array([0, 1]))) == [True, False]
-    assert list(eligible_mask(exact, ereq, 0, np.array([0, 1]))) == [False, False]
+    index, _, _, exact, enc = build(sc)
+    assert list(eligible_mask(exact, enc, 1, np.array([0, 1]))) == [True, False]
+    assert list(eligible_mask(exact, enc, 0, np.array([0, 1]))) == [False, False]
 
 
 def test_levels_of_different_sizes():
@@ -301,10 +314,10 @@ def test_kway_rejects_what_the_union_cannot(kway):
     requests = [{"country": "US", "locations": ["loc2"]}, {"country": "CA", "locations": ["loc2"]}]
     sc = Scenario(SPEC, ads, [(0, 0, 0), (0, 1, 1)], [0, 1], (3, 2, 4), requests, kway)
     check(sc)
-    index, _, _, _, greq, _ = build(sc)
-    assert list(passing_tokens(index, greq, 0, 0, "cd+gtm")) == [0]
-    assert list(passing_tokens(index, greq, 0, 0, "cd+gtm+kway")) == []
-    assert list(passing_tokens(index, greq, 1, 0, "cd+gtm+kway")) == [0]
+    index, _, _, _, enc = build(sc)
+    assert list(passing_tokens(index, enc, 0, 0, "cd+gtm")) == [0]
+    assert list(passing_tokens(index, enc, 0, 0, "cd+gtm+kway")) == []
+    assert list(passing_tokens(index, enc, 1, 0, "cd+gtm+kway")) == [0]
     assert np.diff(index.part_offsets)[0] == 2  # the root's child split its two leaves
 
 
@@ -314,10 +327,18 @@ def test_single_level_sids_with_kway():
                    KWayConfig(k=(2,))))
 
 
-def test_bitmask_encoder_refuses_undeclared_values():
-    from sidindex.matchers.bitmask import bitmask_layout, encode_ad_rows
+def test_the_spec_carries_its_layouts_and_the_matcher_parses_its_mode():
+    assert SPEC.bitmask_layout is SPEC.bitmask_layout and SPEC.bitmask_layout == bitmask_layout(SPEC)
+    assert SPEC.bloom_layout is SPEC.bloom_layout and SPEC.bloom_layout == bloom_layout(SPEC)
+    index, *_, enc = build(scenario([{"country": ["CA"], "locations": ["loc1"]}], [(2, 1, 3)], [0]))
+    with pytest.raises(ConfigError, match="mode must be one of"):
+        passing_tokens(index, enc, 0, 0, "cd+bogus")
+    with pytest.raises(ConfigError, match="does not walk the trie"):
+        passing_tokens(index, enc, 0, 0, "none")
 
+
+def test_bitmask_encoder_refuses_undeclared_values():
     cat = pl.DataFrame({"country": [["US"], ["UK"]], "locations": [None, None]},
                        schema={"country": pl.List(pl.String), "locations": pl.List(pl.String)})
     with pytest.raises(ValueError, match="outside its declared values"):
-        encode_ad_rows(bitmask_layout(SPEC), cat)
+        bitmask_rows(SPEC.bitmask_layout, cat)

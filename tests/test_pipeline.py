@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipelines import rebuild as rebuild_module
-from sidindex.snapshot import open_snapshot, resolve_snapshot
+from sidindex.snapshot import open_snapshot
 
 
 def rebuild(job: Path) -> subprocess.CompletedProcess:
@@ -28,7 +28,7 @@ def test_rebuild_publishes_then_reports_unchanged_then_fails_cleanly(sample_dir,
     assert r.returncode == 0, r.stderr
     first = json.loads((root / "reports" / "latest.json").read_text())
     assert first["status"] == "published" and first["exit_code"] == 0
-    assert open_snapshot(resolve_snapshot(root)).id == first["snapshot_id"]
+    assert open_snapshot(root).id == first["snapshot_id"]
 
     r = rebuild(job)
     assert r.returncode == 10, r.stderr
@@ -38,7 +38,7 @@ def test_rebuild_publishes_then_reports_unchanged_then_fails_cleanly(sample_dir,
     r = rebuild(job)
     failed = json.loads((root / "reports" / "latest.json").read_text())
     assert r.returncode == 2 and failed["status"] == "failed" and "missing.parquet" in failed["error"]
-    assert open_snapshot(resolve_snapshot(root)).id == first["snapshot_id"]  # still published
+    assert open_snapshot(root).id == first["snapshot_id"]  # still published
     assert len(list((root / "reports").glob("2*.json"))) == 3
 
 

@@ -14,13 +14,8 @@ import polars as pl
 import pytest
 import torch
 
-from runtime.loader import SnapshotWatcher, load
-from runtime.requests import encode_requests
-from runtime.retrieve import codebook_scorer
-from runtime.search import beam_search
-from sidindex.ingest import read_requests
-from sidindex.snapshot import resolve_snapshot
-from sidindex.snapshot.publish import CURRENT
+from runtime import SnapshotWatcher, beam_search, codebook_scorer, encode_requests, load, read_requests, to_device
+from sidindex.root import Root
 from sidindex.targeting import load_targeting
 from tests.test_gtm import eligible
 from tests.conftest import run_cli
@@ -33,14 +28,18 @@ def cli(*args) -> subprocess.CompletedProcess:
     return run_cli(*args, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def root(sample_dir, tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("retrieve")
-    (base / "build.toml").write_text(CONFIG)
+def build_root(sample_dir: Path, base: Path, config: str) -> Path:
+    """The sample catalog built with build config `config` and published into base/root."""
+    (base / "build.toml").write_text(config)
     r = cli("build", "--catalog", sample_dir / "catalog.parquet", "--targeting", sample_dir / "targeting.toml",
             "--out", base / "root", "--config", base / "build.toml", "--json")
     assert r.returncode == 0, r.stderr
     return base / "root"
+
+
+@pytest.fixture(scope="module")
+def root(sample_dir, tmp_path_factory) -> Path:
+    return build_root(sample_dir, tmp_path_factory.mktemp("retrieve"), CONFIG)
 
 
 def test_load_copies_the_index(root):
@@ -48,11 +47,15 @@ def test_load_copies_the_index(root):
     g = index.snapshot.gtm
     for name in ("node_offsets", "csr_child_nodes", "csr_tokens", "bitmask_index", "bloom_table", "part_offsets"):
         a = getattr(g, name)
-        np.testing.assert_array_equal(getattr(index, name).numpy(), a.view(np.int64) if a.dtype == np.uint64 else a)
+        np.testing.assert_array_equal(getattr(index.gtm, name).numpy(), a.view(np.int64) if a.dtype == np.uint64 else a)
+    for name in ("depth_offsets", "leaf_ad_offsets", "leaf_ads"):  # the post stage's, left on the host
+        assert getattr(index.gtm, name) is getattr(g, name)
     parent = np.repeat(np.arange(g.num_nodes), np.diff(g.node_offsets))
     np.testing.assert_array_equal(index.entry_keys.numpy(), parent * g.vocab_size + g.csr_tokens)
     assert np.all(np.diff(index.entry_keys.numpy()) > 0)
-    assert index.load_info["bytes"] > 0 and set(index.load_info["phases"]) == {"shape", "stage", "transfer"}
+    assert index.load_info["bytes"] > 0
+    assert set(index.load_info["phases"]) == {"shape", "stage", "transfer"}
+    assert index.codebook is not None and index.codebook.level_sizes == index.level_sizes
 
 
 def test_watcher_swaps_to_a_new_snapshot_and_refuses_a_corrupt_one(root, sample_dir, tmp_path):
@@ -65,20 +68,20 @@ def test_watcher_swaps_to_a_new_snapshot_and_refuses_a_corrupt_one(root, sample_
     assert r.returncode == 0, r.stderr
     assert watcher.poll() and watcher.current.id == json.loads(r.stdout)["snapshot_id"] != old.id
     # a request that took the old index finishes on it
-    reqs = read_requests(sample_dir / "requests.parquet", old.snapshot.spec)
-    found = beam_search(old, encode_requests(old.snapshot.spec, reqs, "cpu").slice(0, 2),
-                        codebook_scorer(old, reqs)(slice(0, 2)), (1, 4, 8, 8), "cd+gtm")
+    reqs = to_device(encode_requests(read_requests(sample_dir / "requests.parquet", old), old.spec), "cpu")
+    found = beam_search(old, reqs.slice(0, 2), codebook_scorer(old, reqs)(slice(0, 2)), (1, 4, 8, 8), "cd+gtm")
     assert found.alive.any()
-    # a corrupt snapshot published under a new id is not swapped in
+    # a corrupt snapshot published (here: the first one, a file of it spoiled) is not swapped in
     good = watcher.current
-    bad_id = "29991231T000000000000Z-deadbeef"
-    bad = Path(shutil.copytree(resolve_snapshot(work), work / "snapshots" / bad_id))
-    data = bytearray((bad / "bloom_table.bin").read_bytes())
+    table = Root(work).snapshot_dir(old.id) / "bloom_table.arrow"
+    data = bytearray(table.read_bytes())
     data[-1] ^= 0xFF
-    (bad / "bloom_table.bin").write_bytes(bytes(data))
-    (work / CURRENT).write_text(bad_id)
+    spoiled = table.with_name("spoiled")
+    spoiled.write_bytes(bytes(data))
+    spoiled.replace(table)  # a new file: the old index's memory maps keep the old one
+    Root(work).current_file.write_text(old.id)
     assert not watcher.poll()
-    assert watcher.current is good and "bloom_table.bin" in watcher.last_error and good.id in watcher.last_error
+    assert watcher.current is good and "bloom_table.arrow" in watcher.last_error and good.id in watcher.last_error
 
 
 def test_retrieve_cli_returns_only_eligible_ads(root, sample_dir, tmp_path):

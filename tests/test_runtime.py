@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-import polars as pl
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,17 +24,17 @@ from hypothesis import strategies as st
 from runtime.loader import load_index
 from runtime.ops.gtm_mask import gtm_mask
 from runtime.post import expand
-from runtime.requests import encode_requests
+from runtime.requests import to_device
 from runtime.search import beam_search, parse_beams
 from sidindex.errors import ConfigError
-from sidindex.ingest import Requests
+from sidindex.modes import Mode
 from sidindex.snapshot.snapshot import Snapshot
 from sidindex.trie.match import passing_tokens
-from tests.test_gtm import Scenario, build, eligible, frame, scenarios
+from tests.test_gtm import MANIFEST, Scenario, build, eligible, scenarios
 
 GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if GPU else "cpu"
-MODES = ("cd", "cd+gtm", "cd+gtm+kway")
+MODES = (Mode.CD, Mode.CD_GTM, Mode.CD_GTM_KWAY)
 
 
 class Case:
@@ -43,21 +42,20 @@ class Case:
 
     def __init__(self, sc: Scenario, device: str = DEVICE) -> None:
         self.sc = sc
-        self.gtm, _, _, self.exact, self.greq, self.ereq = build(sc)
-        self.snap = Snapshot(Path("."), {"id": "test"}, sc.spec, self.gtm, self.exact,
-                             np.arange(len(sc.ads), dtype=np.int64))
+        self.gtm, _, _, self.exact, self.req = build(sc)
+        self.snap = Snapshot(Path("."), MANIFEST, sc.spec, self.gtm, self.exact, np.arange(len(sc.ads), dtype=np.int64),
+                             codebook=None)
         self.index = load_index(self.snap, device)
-        self.requests = Requests("requests", np.arange(len(sc.requests)), None, frame(sc.spec, sc.requests, pl.String))
-        self.dreq = encode_requests(sc.spec, self.requests, device)
+        self.dreq = to_device(self.req, device)
 
-    def allowed(self, r: int, prefix: tuple[int, ...], mode: str) -> list[int]:
+    def allowed(self, r: int, prefix: tuple[int, ...], mode: Mode) -> list[int]:
         """Tokens allowed after `prefix` for request r: any of the level's ("none"), or the CPU matcher's."""
-        if mode == "none":
+        if not mode.constrained:
             return list(range(self.sc.level_sizes[len(prefix)]))
         node = self.node(prefix)
         if node is None:
             return []
-        return passing_tokens(self.gtm, self.greq, r, node, mode).tolist()
+        return passing_tokens(self.gtm, self.req, r, node, mode).tolist()
 
     def node(self, prefix: tuple[int, ...]) -> int | None:
         g, node = self.gtm, 0
@@ -95,7 +93,7 @@ def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed):
             assert torch.equal(ref, gtm_mask(cpu.index, cpu.dreq, d, req, node, score, logp, mode, impl="numba")), mode
             for i in range(len(node)):
                 want = set() if score[i] == float("-inf") else {
-                    t for t in passing_tokens(g, case.greq, int(req[i]), int(node[i]), mode).tolist()
+                    t for t in passing_tokens(g, case.req, int(req[i]), int(node[i]), mode).tolist()
                     if not math.isnan(logp[i, t])}
                 got = set(torch.nonzero(ref[i] > float("-inf")).flatten().tolist())
                 assert got == want, (mode, i)
@@ -124,7 +122,7 @@ class TableScorer:
         return torch.log_softmax(self(len(prefix), torch.tensor([[list(prefix)]], dtype=torch.int64))[0, 0], -1)
 
 
-def brute_force_search(case: Case, r: int, scorer: TableScorer, beams: tuple[int, ...], mode: str) -> dict:
+def brute_force_search(case: Case, r: int, scorer: TableScorer, beams: tuple[int, ...], mode: Mode) -> dict:
     """{SID: score} of the live final beams: per step every allowed child of every beam, best first."""
     live = [((), 0.0)]
     L = case.gtm.sid_length
@@ -154,8 +152,8 @@ def test_beam_search_equals_brute_force(sc, seed, widths, nan_share):
     L = case.gtm.sid_length
     beams = (1, *widths)[:L] + (widths[-1],) * max(0, L - 4)
     scorer = TableScorer(case.gtm.vocab_size, seed, nan_share)
-    for mode in ("none",) + MODES:
-        impls = ["torch"] if mode == "none" else ["torch", "triton"] + ([] if GPU else ["numba"])
+    for mode in Mode:
+        impls = ["torch"] if not mode.constrained else ["torch", "triton"] + ([] if GPU else ["numba"])
         for impl in impls:
             found = beam_search(case.index, case.dreq, scorer, beams, mode, impl)
             for r in range(len(sc.requests)):
@@ -163,7 +161,7 @@ def test_beam_search_equals_brute_force(sc, seed, widths, nan_share):
                 assert got.keys() == want.keys(), (mode, impl, r)
                 for sid in got:
                     assert got[sid] == pytest.approx(want[sid], rel=1e-5, abs=1e-5)
-                if mode != "none":  # invariant 3: every live SID is in the catalog
+                if mode.constrained:  # invariant 3: every live SID is in the catalog
                     assert all(case.node(sid) is not None for sid in got)
 
 
@@ -173,13 +171,13 @@ def test_wide_beams_return_exactly_the_eligible_ads(sc, seed):
     case = Case(sc)
     wide = (1,) + (10_000,) * (case.gtm.sid_length - 1)
     scorer = TableScorer(case.gtm.vocab_size, seed)
-    for mode in ("none",) + MODES:
-        got = expand(case.snap, case.ereq, beam_search(case.index, case.dreq, scorer, wide, mode))
+    for mode in Mode:
+        got = expand(case.index, case.req, beam_search(case.index, case.dreq, scorer, wide, mode))
         for r, req in enumerate(sc.requests):
             truth = {a for a, ad in enumerate(sc.ads) if eligible(sc.spec, ad, req)}
             ads = set(got.ad_row[got.request == r].tolist())
             assert ads <= truth, mode  # invariant 2, every mode
-            if mode != "none":  # invariant 1: nothing eligible is lost
+            if mode.constrained:  # invariant 1: nothing eligible is lost
                 assert ads == truth, mode
         ranks = [got.rank[got.request == r].tolist() for r in range(len(sc.requests))]
         assert all(rk == list(range(1, len(rk) + 1)) for rk in ranks)
@@ -193,7 +191,7 @@ def test_wide_beams_return_exactly_the_eligible_ads(sc, seed):
 def test_gpu_and_cpu_paths_give_the_same_beams(sc, seed):
     gpu, cpu = Case(sc, "cuda"), Case(sc, "cpu")
     scorer = TableScorer(gpu.gtm.vocab_size, seed)  # the same logits on both devices
-    for mode in ("none",) + MODES:
+    for mode in Mode:
         a = beam_search(gpu.index, gpu.dreq, scorer, (1, 3, 5, 5)[:gpu.gtm.sid_length], mode)
         b = beam_search(cpu.index, cpu.dreq, scorer, (1, 3, 5, 5)[:gpu.gtm.sid_length], mode)
         for r in range(len(sc.requests)):
@@ -215,7 +213,7 @@ def test_dead_logits_never_let_a_disallowed_sid_through():
         return lambda step, prefix: torch.full(prefix.shape[:2] + (V,), value, device=prefix.device)
 
     # request 0 (GB) has no eligible ad: cd+gtm returns nothing, never an unconstrained SID
-    found = beam_search(case.index, case.dreq, constant(0.0), wide, "cd+gtm")
+    found = beam_search(case.index, case.dreq, constant(0.0), wide, Mode.CD_GTM)
     assert not found.alive[0].any() and searched(case, found, 1) .keys() == {(0, 0, 0)}
     # NaN everywhere: nothing passes in any mode
     for mode in MODES:
@@ -228,7 +226,7 @@ def test_dead_logits_never_let_a_disallowed_sid_through():
         out[..., allowed] = float("-inf")
         return out
 
-    assert not beam_search(case.index, case.dreq, against, wide, "cd").alive.any()
+    assert not beam_search(case.index, case.dreq, against, wide, Mode.CD).alive.any()
 
 
 def test_parse_beams():

@@ -13,12 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.loader import load
-from runtime.requests import encode_requests
-from runtime.retrieve import codebook_scorer
-from runtime.search import beam_search
+from runtime import beam_search, codebook_scorer, encode_requests, load, read_requests, to_device
 from runtime.simulate import exhaustive_top_k, simulate
-from sidindex.ingest import read_catalog, read_requests
+from sidindex.ingest import read_catalog
 from sidindex.sid import assign_sids, hash_tokens, load_codebook
 from sidindex.targeting import BITMASK
 from tests.test_gtm import eligible
@@ -44,7 +41,7 @@ def study(sample_dir, tmp_path_factory):
     assert r.returncode == 0, r.stderr
     index = load(base / "root", "cpu")
     spec = index.snapshot.spec
-    reqs = read_requests(sample_dir / "requests.parquet", spec).head(REQUESTS)
+    reqs = read_requests(sample_dir / "requests.parquet", index).head(REQUESTS)
     cb = load_codebook(base / "root")
     cat = read_catalog(sample_dir / "catalog.parquet", spec=spec, hash_keys=cb.hash_keys)
     a = assign_sids(cb, cat.embedding, hash_tokens(cat.columns, cb.hash_keys, cb.hash_size))
@@ -69,9 +66,9 @@ def test_rates_equal_counts_made_independently(study, sample_dir):
     report = simulate(index, reqs, ("cd", "cd+gtm", "cd+gtm+kway"), beams, k)
     rows = cat.columns.to_dicts()
     req_rows = reqs.columns.to_dicts()
-    dreq = encode_requests(spec, reqs, "cpu")
+    dreq = to_device(encode_requests(reqs, spec), "cpu")
     for m in report["modes"]:
-        found = beam_search(index, dreq, codebook_scorer(index, reqs)(slice(0, REQUESTS)), beams, m["mode"])
+        found = beam_search(index, dreq, codebook_scorer(index, dreq)(slice(0, REQUESTS)), beams, m["mode"])
         gen = bm = bl = el = 0
         per_request = []
         for q in range(REQUESTS):
@@ -100,8 +97,9 @@ def test_exhaustive_top_k_equals_scoring_every_sid_alone(study):
     rows, req_rows = cat.columns.to_dicts(), reqs.columns.to_dicts()
     k = 7
     got = exhaustive_top_k(index, reqs, k)
+    dreq = to_device(encode_requests(reqs, spec), "cpu")
     for q in range(3):
-        scorer = codebook_scorer(index, reqs)(slice(q, q + 1))
+        scorer = codebook_scorer(index, dreq)(slice(q, q + 1))
         best = {}
         for sid, ads in ads_of.items():
             s = sum(float(torch.log_softmax(scorer(d, torch.tensor([[list(sid[:d])]], dtype=torch.int64))[0, 0], -1)[sid[d]])

@@ -3,12 +3,14 @@
 Bloom rows may pass an ad whose locations do not match (false positives); the exact filter stops
 them at the ad level. Per ad: its bitmask row (bitmask attributes are exact), and per bloom
 attribute the sorted 64-bit hashes of its values: mmh3 x64_128 (seed EXACT_SEED), first 64 bits,
-unsigned (exact up to 64-bit hash collisions). Legend: N ads, B requests, A bloom attributes.
+unsigned (exact up to 64-bit hash collisions). A request batch brings its user rows and hashes in
+`sidindex.requests.EncodedRequests` (host arrays). Legend: N ads, B requests, A bloom attributes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mmh3
 import numba
@@ -16,15 +18,11 @@ import numpy as np
 import polars as pl
 
 from sidindex.matchers.bits import ListCodes, list_codes
-from sidindex.matchers.bitmask import (
-    BitmaskLayout,
-    attribute_passes,
-    bitmask_layout,
-    encode_ad_rows,
-    encode_request_rows,
-    row_passes,
-)
+from sidindex.matchers.bitmask import BitmaskLayout, attribute_passes, encode_ad_rows, row_passes
 from sidindex.targeting import TargetingSpec
+
+if TYPE_CHECKING:
+    from sidindex.requests import EncodedRequests
 
 EXACT_SEED = 0x5EED0E1
 STAGE_BITMASK, STAGE_BLOOM = 1, 2  # bits of `stage_flags`
@@ -52,9 +50,10 @@ def _sort_segments(values, offsets):
         values[offsets[i]:offsets[i + 1]] = np.sort(values[offsets[i]:offsets[i + 1]])
 
 
-def _stack_lists(columns: pl.DataFrame, names: tuple[str, ...], codes: dict[str, ListCodes] | None = None,
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-attribute hash lists stacked: offsets (A, n+1) into one concatenated hashes array."""
+def hash_lists(columns: pl.DataFrame, names: tuple[str, ...], codes: dict[str, ListCodes] | None = None,
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The exact hashes of list<string> columns `names` (ads' or requests'): offsets (A, n+1) int64
+    into one concatenated hashes (T,) uint64, sorted within each row and attribute."""
     offsets = np.zeros((len(names), columns.height + 1), dtype=np.int64)
     parts, base = [], 0
     for a, name in enumerate(names):
@@ -77,39 +76,25 @@ class ExactIndex:
     hashes: np.ndarray
 
 
-@dataclass(frozen=True)
-class ExactRequests:
-    """user_rows: (B, W_bm) uint64; hash_offsets: (A, B+1) into hashes (T,) uint64 (sorted per request)."""
-
-    user_rows: np.ndarray
-    hash_offsets: np.ndarray
-    hashes: np.ndarray
-
-
 def build_exact_index(spec: TargetingSpec, columns: pl.DataFrame, bitmask_rows: np.ndarray | None = None,
                       codes: dict[str, ListCodes] | None = None) -> ExactIndex:
     """The exact index of validated catalog columns; pass `bitmask_rows` and the bloom columns'
     `codes` when already computed."""
-    layout = bitmask_layout(spec)
+    layout = spec.bitmask_layout
     if bitmask_rows is None:
         bitmask_rows = encode_ad_rows(layout, columns)
-    names = tuple(a.name for a in spec.bloom)
-    offsets, hashes = _stack_lists(columns, names, codes)
+    names = spec.bloom_layout.names
+    offsets, hashes = hash_lists(columns, names, codes)
     return ExactIndex(layout, names, bitmask_rows, offsets, hashes)
 
 
-def encode_exact_requests(index: ExactIndex, columns: pl.DataFrame) -> ExactRequests:
-    offsets, hashes = _stack_lists(columns, index.bloom_names)
-    return ExactRequests(encode_request_rows(index.layout, columns), offsets, hashes)
-
-
-def eligible_mask(index: ExactIndex, requests: ExactRequests, request: int, ads: np.ndarray) -> np.ndarray:
+def eligible_mask(index: ExactIndex, requests: EncodedRequests, request: int, ads: np.ndarray) -> np.ndarray:
     """(k,) bool: which of `ads` (k,) int64 are eligible for request `request` (DESIGN.md §3)."""
     ads = np.asarray(ads, dtype=np.int64)
     return eligible_pairs(index, requests, np.full(len(ads), request, dtype=np.int64), ads)
 
 
-def eligible_pairs(index: ExactIndex, requests: ExactRequests, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
+def eligible_pairs(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
     """(n,) bool: is ad `ads[i]` eligible for request `reqs[i]`; reqs, ads: (n,) int64."""
     flags = _stage_flags(index.bitmask_rows, index.hash_offsets, index.hashes, requests.user_rows,
                          requests.hash_offsets, requests.hashes, np.asarray(reqs, dtype=np.int64),
@@ -117,7 +102,7 @@ def eligible_pairs(index: ExactIndex, requests: ExactRequests, reqs: np.ndarray,
     return flags == STAGE_BITMASK | STAGE_BLOOM
 
 
-def attribute_eligibility(index: ExactIndex, requests: ExactRequests, request: int, ad: int) -> np.ndarray:
+def attribute_eligibility(index: ExactIndex, requests: EncodedRequests, request: int, ad: int) -> np.ndarray:
     """(A_bm + A_bl,) bool: does catalog row `ad` pass each attribute (bitmask ones, then bloom ones,
     in spec order) for request `request`. Eligible iff all pass; explanations need each one."""
     bloom = np.zeros(len(index.bloom_names), dtype=bool)
@@ -128,7 +113,7 @@ def attribute_eligibility(index: ExactIndex, requests: ExactRequests, request: i
     return np.concatenate([attribute_passes(index.layout, index.bitmask_rows[ad], requests.user_rows[request]), bloom])
 
 
-def stage_flags(index: ExactIndex, requests: ExactRequests, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
+def stage_flags(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
     """(n,) uint8 per (request, ad) pair: STAGE_BITMASK set when the ad passes every bitmask
     attribute, STAGE_BLOOM when it passes every bloom attribute (each tested on its own, for pass
     rates per stage); eligible iff both are set."""

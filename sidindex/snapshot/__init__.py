@@ -4,8 +4,4 @@ and retention are `sidindex.root.Root`'s."""
 from sidindex.snapshot.manifest import Manifest
 from sidindex.snapshot.snapshot import Snapshot, open_snapshot, write_snapshot
 
-from sidindex.root import Root
-
-resolve_snapshot = Root.resolve  # transitional name, replaced by Root.resolve
-
 __all__ = ["Manifest", "Snapshot", "open_snapshot", "write_snapshot"]

@@ -48,6 +48,9 @@ def map_array(directory: Path, spec: ArrayFile, shape: tuple[int, ...]) -> np.nd
         if os.fstat(fd).st_size == 0:
             raise ArtifactError(f"{path}: empty; not an Arrow IPC file")
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        # only the Arrow metadata is read here (the footer at the end, the batch header at the start):
+        # fault in just those pages, not the kernel's read-around window of data around each
+        mm.madvise(mmap.MADV_RANDOM)
     except OSError as e:
         raise ArtifactError(f"{path}: cannot be mapped ({e.strerror})") from None
     finally:
@@ -71,6 +74,7 @@ def map_array(directory: Path, spec: ArrayFile, shape: tuple[int, ...]) -> np.nd
             raise ArtifactError(f"{path}: {len(column)} rows, the manifest says {shape[0]}")
         values = column if width is None else column.flatten()
         out = values.to_numpy(zero_copy_only=True)
+        mm.madvise(mmap.MADV_NORMAL)  # the data is read in order (validation, staging): read ahead again
     except (pa.ArrowException, OSError, ValueError) as e:  # a corrupt file: pyarrow validates, never trusts it
         raise ArtifactError(f"{path}: not a valid Arrow IPC array file ({str(e).splitlines()[0][:200]})") from None
     return out.reshape(shape)

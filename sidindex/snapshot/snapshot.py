@@ -20,8 +20,6 @@ import numpy as np
 from schemas.artifacts import MANIFEST_FILE, MATCHER_PLANES, SNAPSHOT_ARRAYS
 from sidindex.artifact import list_files, verify_files
 from sidindex.errors import ArtifactError, SidIndexError
-from sidindex.matchers.bitmask import bitmask_layout
-from sidindex.matchers.bloom import bloom_layout
 from sidindex.matchers.exact import ExactIndex
 from sidindex.root import Root
 from sidindex.sid.codebook import Codebook, load_codebook, save_codebook
@@ -121,7 +119,7 @@ def _open(directory: Path, verify: bool, prefault: bool) -> Snapshot:
     arrays = {n: map_array(directory, _SPECS[n], s.shape) for n, s in m.arrays.items()}
     ad_id = arrays.pop("ads")
     A = len(spec.bloom)
-    exact = ExactIndex(bitmask_layout(spec), tuple(a.name for a in spec.bloom), arrays.pop("exact_bitmask_rows"),
+    exact = ExactIndex(spec.bitmask_layout, tuple(a.name for a in spec.bloom), arrays.pop("exact_bitmask_rows"),
                        arrays.pop("exact_hash_offsets").reshape(A, len(ad_id) + 1), arrays.pop("exact_hashes"))
     gtm = GTMIndex(level_sizes=m.level_sizes, **arrays)
     clock.lap("map")
@@ -139,7 +137,7 @@ def _codebook(directory: Path, m: Manifest) -> Codebook | None:
     """The carried codebook, in memory (its files were listed and checked with the snapshot's)."""
     if m.codebook_id is None:
         return None
-    cb_dir = directory / "codebooks" / m.codebook_id
+    cb_dir = Root(directory).codebooks / m.codebook_id  # carried as a ROOT keeps it
     if not any(n.startswith(f"codebooks/{m.codebook_id}/") for n in m.files):
         raise ArtifactError(f"{cb_dir}: the snapshot's codebook {m.codebook_id!r} is not in it")
     cb = load_codebook(cb_dir, verify=False)
@@ -157,7 +155,7 @@ def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
     L, N = len(m.level_sizes), s["ads"]
     num_nodes = s["node_offsets"] - 1
     E = num_nodes - 1
-    plane_words = {"bitmask": bitmask_layout(spec).words, "bloom": bloom_layout(spec).words}
+    plane_words = {"bitmask": spec.bitmask_layout.words, "bloom": spec.bloom_layout.words}
     agree = [
         ("depth_offsets", s["depth_offsets"] == L + 2),
         ("node_offsets", num_nodes >= L + 1),

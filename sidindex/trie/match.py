@@ -10,55 +10,30 @@ Unions and partitions are conservative (false positives only), so an eligible pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numba
 import numpy as np
-import polars as pl
 
-from sidindex.matchers.bitmask import bitmask_layout, encode_request_rows, row_passes
-from sidindex.matchers.bloom import bloom_layout, encode_request_queries
-from sidindex.targeting import TargetingSpec
+from sidindex.errors import ConfigError
+from sidindex.matchers.bitmask import row_passes
+from sidindex.modes import Mode, parse_mode
+from sidindex.requests import EncodedRequests
 from sidindex.trie.build import GTMIndex
 
-MODES = ("cd", "cd+gtm", "cd+gtm+kway")
 
-
-@dataclass(frozen=True)
-class GTMRequests:
-    """user_rows: (B, W_bm) uint64; query_rows: (Q, W_bl) uint64; query_ranges: (B, A, 2) int64;
-    word_offsets: (A+1,) int64 first word of each bloom attribute."""
-
-    user_rows: np.ndarray
-    query_rows: np.ndarray
-    query_ranges: np.ndarray
-    word_offsets: np.ndarray
-
-
-def encode_gtm_requests(spec: TargetingSpec, columns: pl.DataFrame) -> GTMRequests:
-    """Encode validated request columns (see `sidindex.ingest.read_requests`)."""
-    bl = bloom_layout(spec)
-    q = encode_request_queries(bl, columns)
-    return GTMRequests(encode_request_rows(bitmask_layout(spec), columns), q.rows, q.ranges,
-                       np.asarray(bl.word_offsets, dtype=np.int64))
-
-
-def passing_tokens(index: GTMIndex, requests: GTMRequests, request: int, node: int, mode: str) -> np.ndarray:
-    """(k,) int16 tokens of `node`'s children that pass `mode` for request `request`, ascending."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+def passing_tokens(index: GTMIndex, requests: EncodedRequests, request: int, node: int, mode: Mode | str) -> np.ndarray:
+    """(k,) int16 tokens of `node`'s children that pass `mode` (a constrained one) for request
+    `request` of `requests` (host arrays), ascending."""
+    mode = parse_mode(mode, kway_available=index.part_offsets is not None)
+    if not mode.constrained:
+        raise ConfigError(f"mode {mode.value} does not walk the trie; passing tokens exist for constrained modes only")
     lo, hi = index.node_offsets[node], index.node_offsets[node + 1]
-    if mode == "cd":
+    if not mode.gtm:
         return index.csr_tokens[lo:hi]
-    kway = mode == "cd+gtm+kway"
-    if kway and index.part_offsets is None:
-        raise ValueError("this index was built without k-way partitions")
     empty = np.zeros(0, dtype=np.int64)
+    parts = (index.part_offsets, index.part_bitmask_index, index.part_bloom_index) if mode.kway else (empty,) * 3
     ok = _pass_entries(lo, hi, index.bitmask_index, index.bloom_index, index.bitmask_table, index.bloom_table,
                        requests.word_offsets, requests.user_rows[request], requests.query_rows,
-                       requests.query_ranges[request], kway,
-                       index.part_offsets if kway else empty, index.part_bitmask_index if kway else empty,
-                       index.part_bloom_index if kway else empty)
+                       requests.query_ranges[request], mode.kway, *parts)
     return index.csr_tokens[lo:hi][ok]
 
 

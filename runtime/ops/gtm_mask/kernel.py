@@ -1,13 +1,15 @@
 """The fused CD+GTM mask as a Triton kernel (GRACE 3.5, 4.4).
 
 One program per (beam, block of BLOCK child entries of the beam's trie node); BLOCK follows the
-depth's mean fan-out (`launch_shape`), so few lanes idle. Each lane is one child entry: CD is the entry existing at
-all; then the child's subtree-union bitmask row is tested word by word, a lane that fails loading
-nothing more (masked loads); only lanes still alive load Bloom rows, kept in registers while the
-request's queries stream past four at a time (ANY query of each attribute), until every live lane has found
-one; a block with no live lane skips the stream. With k-way partitions, lanes that pass the union test try their partitions until one
-passes. A surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every other
-token stays -inf. Bits are int64 (the uint64 rows reinterpreted): & and == are the same.
+depth's mean fan-out (`launch_shape`), so few lanes idle. Each lane is one child entry: CD is the
+entry existing at all; then (GTM) the child's subtree-union bitmask row is tested word by word, a
+lane that fails loading nothing more (masked loads); only lanes still alive load Bloom rows, kept in
+registers while the request's queries stream past four at a time (ANY query of each attribute),
+until every live lane has found one; a block with no live lane skips the stream. With k-way
+partitions (KWAY), lanes that pass the union test try their partitions until one passes. A
+surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every other token stays
+-inf. GTM and KWAY are compile-time flags, the Mode's properties. Bits are int64 (the uint64 rows
+reinterpreted): & and == are the same.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-MODES = {"cd": 0, "cd+gtm": 1, "cd+gtm+kway": 2}
+from sidindex.modes import Mode
 
 
 @triton.jit
@@ -55,8 +57,8 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request,
                      node_offsets, csr_tokens, bm_index, bl_index, bm_table, bl_table,
                      part_offsets, part_bm, part_bl, max_parts,
                      user_rows, query_rows, query_ranges, bl_woff, V,
-                     MODE: tl.constexpr, W_BM: tl.constexpr, W_BL: tl.constexpr, A_BL: tl.constexpr,
-                     AW: tl.constexpr, BLOCK: tl.constexpr, QSTEP: tl.constexpr):
+                     GTM: tl.constexpr, KWAY: tl.constexpr, W_BM: tl.constexpr, W_BL: tl.constexpr,
+                     A_BL: tl.constexpr, AW: tl.constexpr, BLOCK: tl.constexpr, QSTEP: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     score = tl.load(beam_score + m)
     node = tl.load(beam_node + m)
@@ -65,13 +67,13 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request,
     e = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = e < hi
     tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
-    if MODE >= 1:
+    if GTM:
         b = tl.load(beam_request + m)
         bm = tl.load(bm_index + e, mask=ok, other=0).to(tl.int64)
         bl = tl.load(bl_index + e, mask=ok, other=0).to(tl.int64)
         ok = _row_passes(ok, bm, bl, b, bm_table, bl_table, user_rows, query_rows, query_ranges, bl_woff,
                          W_BM, W_BL, A_BL, AW, QSTEP)
-        if MODE == 2:
+        if KWAY:
             p_lo = tl.load(part_offsets + e, mask=ok, other=0)
             n_p = tl.load(part_offsets + e + 1, mask=ok, other=0) - p_lo
             any_part = tl.zeros_like(ok)
@@ -99,7 +101,7 @@ def launch_shape(index, depth: int) -> tuple[int, int]:
 
 
 def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
-                    beam_score: torch.Tensor, logp: torch.Tensor, mode: str,
+                    beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode,
                     shape: tuple[int, int] | None = None) -> torch.Tensor:
     """Same contract as `gtm_mask_reference`. beam_request, beam_node: (M,) int64; beam_score: (M,)
     float32; logp: (M, V) float32 contiguous. shape: (BLOCK, num_warps), default `launch_shape`."""
@@ -109,15 +111,15 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
     if M == 0 or C == 0:
         return out
     BLOCK, warps = shape or launch_shape(index, depth)
-    woff = index.bloom_words
+    g = index.gtm
+    woff = index.spec.bloom_layout.word_offsets  # the requests' layout, known on the host
     aw = max([hi - lo for lo, hi in zip(woff, woff[1:])] + [1])
-    kway = mode == "cd+gtm+kway"
-    parts = (index.part_offsets, index.part_bitmask_index, index.part_bloom_index) if kway else (index.node_offsets,) * 3
+    parts = (g.part_offsets, g.part_bitmask_index, g.part_bloom_index) if mode.kway else (g.node_offsets,) * 3
     _gtm_mask_kernel[(M, triton.cdiv(C, BLOCK))](
         out, logp, beam_score, beam_node, beam_request,
-        index.node_offsets, index.csr_tokens, index.bitmask_index, index.bloom_index, index.bitmask_table,
-        index.bloom_table, *parts, index.max_parts if kway else 0,
-        requests.user_rows, requests.query_rows, requests.query_ranges, index.bloom_word_offsets, V,
-        MODE=MODES[mode], W_BM=index.bitmask_table.shape[1], W_BL=index.bloom_table.shape[1], A_BL=len(woff) - 1,
-        AW=triton.next_power_of_2(aw), BLOCK=BLOCK, QSTEP=4, num_warps=warps)
+        g.node_offsets, g.csr_tokens, g.bitmask_index, g.bloom_index, g.bitmask_table,
+        g.bloom_table, *parts, index.max_parts if mode.kway else 0,
+        requests.user_rows, requests.query_rows, requests.query_ranges, requests.word_offsets, V,
+        GTM=mode.gtm, KWAY=mode.kway, W_BM=g.bitmask_table.shape[1], W_BL=g.bloom_table.shape[1],
+        A_BL=len(woff) - 1, AW=triton.next_power_of_2(aw), BLOCK=BLOCK, QSTEP=4, num_warps=warps)
     return out

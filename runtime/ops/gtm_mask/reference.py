@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import torch
 
+from sidindex.modes import Mode
+
 NEG_INF = float("-inf")
 
 
 def _passes(index, requests, bm_rows: torch.Tensor, bl_rows: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
     """(m, C) bool: matcher rows (m, C) of each beam's request `req` (m,) pass every attribute."""
+    g = index.gtm
     user = requests.user_rows[req][:, None, :]                              # (m, 1, W_bm)
-    rows = index.bitmask_table[bm_rows]                                     # (m, C, W_bm)
+    rows = g.bitmask_table[bm_rows]                                         # (m, C, W_bm)
     ok = ((rows & user) == user).all(dim=-1)
-    woff = index.bloom_words
+    woff = index.spec.bloom_layout.word_offsets  # the requests' layout, known on the host
     for a in range(len(woff) - 1):
         lo, hi = woff[a], woff[a + 1]
         ranges = requests.query_ranges[req, a]                              # (m, 2)
@@ -23,38 +26,39 @@ def _passes(index, requests, bm_rows: torch.Tensor, bl_rows: torch.Tensor, req: 
         j = torch.arange(requests.max_queries, device=req.device)
         q_idx = (ranges[:, :1] + j).clamp(max=len(requests.query_rows) - 1)  # (m, Qmax)
         q = requests.query_rows[q_idx, lo:hi][:, None]                     # (m, 1, Qmax, w)
-        r = index.bloom_table[bl_rows][..., None, lo:hi]                   # (m, C, 1, w)
+        r = g.bloom_table[bl_rows][..., None, lo:hi]                       # (m, C, 1, w)
         hit = ((r & q) == q).all(dim=-1) & (j < n_q[:, None])[:, None, :]  # (m, C, Qmax)
         ok &= hit.any(dim=-1)
     return ok
 
 
 def gtm_mask_reference(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
-                       beam_score: torch.Tensor, logp: torch.Tensor, mode: str, chunk: int = 256) -> torch.Tensor:
+                       beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, chunk: int = 256) -> torch.Tensor:
     """(M, V) float32 candidate scores: beam_score + logp at the tokens of the node's children that
     pass `mode`, -inf elsewhere (and for NaN scores, and for dead beams whose score is -inf)."""
     M, V = logp.shape
+    g = index.gtm
     out = torch.full((M, V + 1), NEG_INF, dtype=torch.float32, device=logp.device)  # column V: a sink
     C = index.max_children[depth]
     j = torch.arange(C, device=logp.device)
     for s in range(0, M, chunk):
         node, score, req = beam_node[s:s + chunk], beam_score[s:s + chunk], beam_request[s:s + chunk]
-        lo = index.node_offsets[node]
-        ok = (j < (index.node_offsets[node + 1] - lo)[:, None]) & (score > NEG_INF)[:, None]  # (m, C)
+        lo = g.node_offsets[node]
+        ok = (j < (g.node_offsets[node + 1] - lo)[:, None]) & (score > NEG_INF)[:, None]  # (m, C)
         e = torch.where(ok, lo[:, None] + j, 0)
-        if mode != "cd":
-            ok &= _passes(index, requests, index.bitmask_index[e].long(), index.bloom_index[e].long(), req)
-        if mode == "cd+gtm+kway":
-            p_lo = index.part_offsets[e]
-            n_p = index.part_offsets[e + 1] - p_lo
+        if mode.gtm:
+            ok &= _passes(index, requests, g.bitmask_index[e].long(), g.bloom_index[e].long(), req)
+        if mode.kway:
+            p_lo = g.part_offsets[e]
+            n_p = g.part_offsets[e + 1] - p_lo
             any_part = torch.zeros_like(ok)
             for k in range(index.max_parts):
                 has = ok & (k < n_p)
                 p = torch.where(has, p_lo + k, 0)
-                any_part |= has & _passes(index, requests, index.part_bitmask_index[p].long(),
-                                          index.part_bloom_index[p].long(), req)
+                any_part |= has & _passes(index, requests, g.part_bitmask_index[p].long(),
+                                          g.part_bloom_index[p].long(), req)
             ok = any_part
-        tok = index.csr_tokens[e].long()
+        tok = g.csr_tokens[e].long()
         val = score[:, None] + logp[s:s + chunk].gather(1, tok)
         val = torch.where(ok & ~torch.isnan(val), val, NEG_INF)
         out[s:s + chunk].scatter_(1, torch.where(ok, tok, V), val)

@@ -1,0 +1,225 @@
+"""A value fuzzer for snapshots: array *values* chosen to break arithmetic (int extremes, wrap-around
+pairs, -1, 2**31, off-by-one lengths, NaN and huge shapes), written as valid Arrow files with every
+checksum recomputed and the manifest sealed again, so each mutation reaches the structure checks
+and, past them, the loader, retrieval and explanations.
+
+Oracle. For the arrays that hold structure (offsets, row indexes, tokens, child ids, SID -> ad
+rows, shapes, the codebook) the only allowed outcomes are a clear refusal (`SidIndexError`) or
+results identical to the untouched snapshot's. The arrays that hold data (matcher bits, exact rows
+and hashes, ad ids) may take any value a build could write, so a change there may change results:
+then retrieval must still run and return only ads that the mutated snapshot's own exact index
+calls eligible. Never a crash (the test process would die), a hang or another exception type.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import runtime
+from schemas.artifacts import SNAPSHOT_ARRAYS
+from sidindex.errors import SidIndexError
+from sidindex.explain import Explainer
+from sidindex.matchers.exact import eligible_pairs
+from sidindex.requests import encode_requests
+from sidindex.snapshot import open_snapshot
+from tests.conftest import run_cli
+from tests.test_snapshot import reseal, rewrite_array
+
+CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_centroid = 4\n'
+          '[kway]\nmode = "dynamic"\nk_max = 4\n')
+MODES = ("cd", "cd+gtm", "cd+gtm+kway")
+BEAMS = (1, 8, 64, 384)  # wider than every depth of the catalog: every eligible ad of every mode
+DATA = {"bitmask_table", "bloom_table", "exact_bitmask_rows", "exact_hashes", "ads"}
+ARRAYS = {a.name: a for a in SNAPSHOT_ARRAYS}
+INT_EXTREMES = {
+    "<i2": (-1, -(2**15), 2**15 - 1, 2**14),
+    "<i4": (-1, -(2**31), 2**31 - 1, 2**30, 10**6),
+    "<i8": (-1, -(2**63), 2**63 - 1, 2**31, 2**32, -(2**31), 10**12),
+    "<u8": (0, 2**64 - 1, 2**63, 1),
+}
+WRAP_PAIRS = {"<i8": ((2**63 - 1, -2), (-2, 2**63 - 1), (2**62, -(2**62))), "<i4": ((2**31 - 1, -2), (-2, 2**31 - 1)),
+              "<i2": ((2**15 - 1, -2),)}
+
+
+@pytest.fixture(scope="module")
+def fuzz_root(tmp_path_factory, sample_dir):
+    """A small published snapshot (k-way on), its requests, and the results every mutation is held to."""
+    import polars as pl
+
+    base = tmp_path_factory.mktemp("fuzz")
+    pl.read_parquet(sample_dir / "catalog.parquet").head(160).write_parquet(base / "catalog.parquet")
+    pl.read_parquet(sample_dir / "requests.parquet").head(6).write_parquet(base / "requests.parquet")
+    (base / "build.toml").write_text(CONFIG)
+    r = run_cli("build", "--catalog", base / "catalog.parquet", "--targeting", sample_dir / "targeting.toml",
+                "--out", base / "root", "--config", base / "build.toml", "--json")
+    assert r.returncode == 0, r.stderr
+    snap_dir = Path(json.loads(r.stdout)["path"])
+    return snap_dir, base / "requests.parquet", outcome(snap_dir, base / "requests.parquet")
+
+
+def outcome(snap_dir: Path, requests: Path) -> dict:
+    """Open, load, retrieve in every mode and explain: the results a user would see, as plain data."""
+    snap = open_snapshot(snap_dir, verify=False)  # checksums were recomputed: structure is what is tested
+    index = runtime.load_index(snap, "cpu")
+    reqs = runtime.read_requests(requests, index)
+    out = {}
+    for mode in MODES:
+        table = runtime.retrieve(index, reqs, mode=mode, beams=BEAMS).table(reqs.request_id)
+        out[mode] = table.to_pydict()
+        eligible = eligible_pairs(snap.exact, encode_requests(reqs, snap.spec),
+                                  _rows(reqs.request_id, table["request_id"].to_numpy()),
+                                  _rows(snap.ad_id, table["ad_id"].to_numpy()))
+        assert eligible.all(), f"mode {mode} returned an ad its own exact index calls ineligible"
+    ex = Explainer(snap, reqs, 0)
+    sids = snap.gtm.leaf_sids(np.arange(min(3, snap.gtm.num_leaves)))
+    out["explain"] = [ex.sid(tuple(int(t) for t in s)).to_dict() for s in sids]
+    out["explain_ad"] = [e.to_dict() for e in ex.ad(int(snap.ad_id[0]))]
+    return out
+
+
+def _rows(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Row of each of `ids` in the unique `keys`."""
+    order = np.argsort(keys)
+    return order[np.searchsorted(keys[order], ids)]
+
+
+_ORIGINAL: dict[tuple[Path, str], np.ndarray] = {}
+
+
+def current(snap_dir: Path, name: str) -> np.ndarray:
+    """A writable copy of array `name` of the untouched snapshot (each case starts from it)."""
+    if (snap_dir, name) not in _ORIGINAL:
+        snap = open_snapshot(snap_dir, verify=False)
+        arrays = {"ads": snap.ad_id, "exact_bitmask_rows": snap.exact.bitmask_rows, "exact_hashes": snap.exact.hashes,
+                  "exact_hash_offsets": snap.exact.hash_offsets.reshape(-1)}
+        _ORIGINAL[snap_dir, name] = np.array(arrays[name] if name in arrays else getattr(snap.gtm, name))
+    return _ORIGINAL[snap_dir, name].copy()
+
+
+def judge(fuzz_root, name: str, mutate) -> str:
+    """Apply `mutate(snap_dir)`, run everything a user runs, restore; returns "refused" or "served"."""
+    snap_dir, requests, reference = fuzz_root
+    saved = {p: p.read_bytes() for p in snap_dir.rglob("*") if p.is_file()}
+    try:
+        mutate(snap_dir)
+        try:
+            got = outcome(snap_dir, requests)
+        except SidIndexError:
+            return "refused"
+        if name not in DATA:
+            assert got == reference, f"a mutation of {name} changed the results without being refused"
+        return "served"
+    finally:
+        for p in [p for p in snap_dir.rglob("*") if p.is_file() and p not in saved]:
+            p.unlink()
+        for p, b in saved.items():
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(b)
+
+
+def _set(name: str, at: tuple[int, ...], values: tuple):
+    def mutate(snap_dir: Path) -> None:
+        a = current(snap_dir, name)
+        flat = a.reshape(-1)
+        for i, v in zip(at, values):
+            flat[i] = np.array(v).astype(a.dtype)
+        rewrite_array(snap_dir, name, a)
+    return mutate
+
+
+def _positions(n: int) -> list[int]:
+    return sorted({p % n for p in (0, 1, 2, n // 4, n // 3, n // 2, 3 * n // 4, n - 2, n - 1)}) if n else []
+
+
+def _cases(fuzz_root):
+    snap_dir = fuzz_root[0]
+    for name, spec in ARRAYS.items():
+        n = current(snap_dir, name).size
+        for pos, v in itertools.product(_positions(n), INT_EXTREMES[spec.dtype]):
+            yield name, f"{name}[{pos}] = {v}", _set(name, (pos,), (v,))
+        for pos, pair in itertools.product(_positions(n - 1), WRAP_PAIRS.get(spec.dtype, ())):
+            yield name, f"{name}[{pos}:{pos + 2}] = {pair}", _set(name, (pos, pos + 1), pair)
+        yield name, f"{name}: one row more", lambda d, name=name: rewrite_array(d, name, _grow(current(d, name)))
+        yield name, f"{name}: one row less", lambda d, name=name: rewrite_array(d, name, current(d, name)[:-1])
+        yield name, f"{name}: empty", lambda d, name=name: rewrite_array(d, name, current(d, name)[:0])
+        for rows in (2**31, 2**40, 2**40 + 1):
+            yield name, f"{name}: the manifest says {rows} rows", \
+                lambda d, name=name, rows=rows: rewrite_array(d, name, current(d, name), rows=rows)
+
+
+def _grow(a: np.ndarray) -> np.ndarray:
+    return np.concatenate([a, a[-1:]])
+
+
+def test_value_fuzzer_every_array_and_relation(fuzz_root):
+    outcomes = {"refused": 0, "served": 0}
+    by_array: dict[str, set[str]] = {}
+    for name, label, mutate in _cases(fuzz_root):
+        verdict = judge(fuzz_root, name, mutate)
+        outcomes[verdict] += 1
+        by_array.setdefault(name, set()).add(verdict)
+    assert sum(outcomes.values()) > 1000, outcomes
+    for name in ARRAYS:  # a structure array whose every extreme value is served would check nothing
+        assert "refused" in by_array[name], name
+
+
+def _codebook_level(snap_dir: Path) -> Path:
+    return next(snap_dir.glob("codebooks/*/level_1.npy"))
+
+
+def _poison_centroid(value: float):
+    def mutate(snap_dir: Path) -> None:
+        path = _codebook_level(snap_dir)
+        c = np.load(path)
+        c[0, 0] = value
+        path.unlink()
+        np.save(path, c)
+        cb = path.parent / "codebook.json"
+        from sidindex.artifact import list_files, seal
+
+        m = json.loads(cb.read_text())
+        m["files"] = list_files(path.parent, "codebook.json")
+        cb.write_bytes(seal(m))
+        reseal(snap_dir)
+    return mutate
+
+
+@pytest.mark.parametrize("mutate", [
+    _poison_centroid(float("nan")), _poison_centroid(float("inf")), _poison_centroid(3e38), _poison_centroid(0.0),
+    lambda d: reseal(d, lambda m: m.__setitem__("level_sizes", [s + 1 for s in m["level_sizes"]])),
+    lambda d: reseal(d, lambda m: m.__setitem__("level_sizes", m["level_sizes"][:-1])),
+    lambda d: reseal(d, lambda m: m.__setitem__("level_sizes", [2**15 + 1] * 4)),
+    lambda d: reseal(d, lambda m: m.__setitem__("codebook_id", "cb-0000000000000000")),
+    lambda d: reseal(d, lambda m: m.__setitem__("kway", False)),
+    lambda d: reseal(d, lambda m: m["targeting"]["attribute"].pop()),
+    lambda d: shutil.rmtree(next(d.glob("codebooks/*"))),
+])
+def test_manifest_and_codebook_values_are_refused(fuzz_root, mutate):
+    assert judge(fuzz_root, "manifest", mutate) == "refused"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_extreme_values_in_random_places(fuzz_root, data):
+    """Several arrays mutated at once at random positions with values drawn from the extremes."""
+    snap_dir = fuzz_root[0]
+    names = data.draw(st.lists(st.sampled_from(sorted(ARRAYS)), min_size=1, max_size=3, unique=True))
+    steps = []
+    for name in names:
+        n = current(snap_dir, name).size
+        if n == 0:
+            continue
+        pos = data.draw(st.integers(0, n - 1))
+        value = data.draw(st.sampled_from(INT_EXTREMES[ARRAYS[name].dtype]))
+        steps.append(_set(name, (pos,), (value,)))
+    label = "+".join(names) if not set(names) & DATA else next(iter(DATA & set(names)))
+    judge(fuzz_root, label, lambda d: [s(d) for s in steps])
