@@ -8,8 +8,8 @@ replaced by /dev/zero or a huge file cannot exhaust memory.
 Sealed manifests. A manifest is canonical JSON (sorted keys, one-space indent, ASCII) carrying
 `checksum`, the sha256 of the canonical text of everything else. A reader refuses anything that is
 not byte-for-byte the canonical form of what it parsed, so a flipped byte anywhere (whitespace
-included) is refused; duplicate keys and nesting deeper than `MAX_DEPTH` are refused before any
-recursion can fail.
+included) is refused; duplicate keys and deep nesting are refused with a message, never an
+exception of another type.
 
 Directories. Every file of an artifact directory but its manifest is listed in the manifest with
 its size and sha256; `verify_files` refuses a file missing, changed, unlisted, or not a regular
@@ -29,7 +29,6 @@ from pathlib import Path
 from sidindex.errors import ArtifactError
 
 MAX_MANIFEST_BYTES = 4 << 20
-MAX_DEPTH = 16
 CHECKSUM_KEY = "checksum"
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
@@ -115,37 +114,15 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
-def _depth(text: bytes) -> int:
-    """Deepest bracket nesting of JSON text, strings skipped (bounded before parsing recurses)."""
-    deepest = depth = 0
-    in_string = escaped = False
-    for c in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == 0x5C:
-                escaped = True
-            elif c == 0x22:
-                in_string = False
-        elif c == 0x22:
-            in_string = True
-        elif c in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
-
-
 def read_json(path: Path, what: str) -> tuple[dict, bytes]:
-    """(document, raw bytes) of the JSON object at `path`: bounded, nesting bounded, no duplicate keys."""
+    """(document, raw bytes) of the JSON object at `path`: bounded in size and nesting, no duplicate keys."""
     raw = read_bounded(path, MAX_MANIFEST_BYTES)
-    if _depth(raw) > MAX_DEPTH:
-        raise ArtifactError(f"{path}: nested deeper than {MAX_DEPTH} levels; not a sidindex {what} manifest")
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as e:
         raise ArtifactError(f"{path}: not valid {what} manifest JSON ({e})") from None
+    except RecursionError:  # the parser's own bound on nesting, long before memory or the stack
+        raise ArtifactError(f"{path}: nested too deeply; not a sidindex {what} manifest") from None
     if not isinstance(doc, dict):
         raise ArtifactError(f"{path}: not a sidindex {what} manifest (not a JSON object)")
     return doc, raw

@@ -172,7 +172,7 @@ def _nested(snap_dir: Path) -> None:
      "disagree with the carried codebook"),
     (lambda d: reseal(d, lambda m: m["counts"].__setitem__("ads", 5)), "counts"),
     (_dup_key, "appears twice"),
-    (_nested, "nested deeper"),
+    (_nested, "nested too deeply"),
     (lambda d: (d / "manifest.json").write_bytes(b"\xff\xfe{}"), "not valid snapshot manifest JSON"),
     (lambda d: (d / "manifest.json").write_bytes((d / "manifest.json").read_bytes().replace(b"\n", b"\r\n", 1)),
      "corrupt"),

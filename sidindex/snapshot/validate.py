@@ -8,6 +8,7 @@ pair like (2**63 - 1, -2) and would let it through. Vectorised: a few passes ove
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -32,24 +33,57 @@ def _in_range(a: np.ndarray, size: int) -> bool:
     return len(a) == 0 or (int(a.min()) >= 0 and int(a.max()) < size)
 
 
-def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: dict) -> None:
-    """Raise ArtifactError naming the first array that breaks a relation."""
-    def need(ok: bool, name: str, what: str) -> None:
-        if not ok:
-            raise ArtifactError(f"{path / (name + '.arrow')}: {what}; the snapshot is corrupt")
+class _Need:
+    """need(ok, name, what): raise ArtifactError naming array `name`'s file unless ok."""
 
-    L = gtm.sid_length
-    do, no = gtm.depth_offsets, gtm.node_offsets
-    num_nodes, E, N = len(no) - 1, len(gtm.csr_tokens), len(ad_id)
-    # 1. depths, then node offsets: after these every offset lies in [0, E] and every depth range in
-    #    [0, num_nodes], so the passes below may index and subtract with them
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self, ok: bool, name: str, what: str) -> None:
+        if not ok:
+            raise ArtifactError(f"{self.path / (name + '.arrow')}: {what}; the snapshot is corrupt")
+
+
+def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: dict) -> None:
+    """Raise ArtifactError naming the first array that breaks a relation.
+
+    Depth ranges first (every other check indexes with them); then independent groups of checks in
+    parallel threads (numpy releases the GIL, and a cold snapshot's pages fault in side by side);
+    the first failing group, in the order below, is reported.
+    """
+    need = _Need(path)
+    do, num_nodes = gtm.depth_offsets, len(gtm.node_offsets) - 1
     need(int(do[0]) == 0 and int(do[1]) == 1 and int(do[-1]) == num_nodes and _rising(do, strict=True),
          "depth_offsets", "depth ranges must start at the root, hold at least one node each and end at the node count")
+    groups = (_trie, _planes, _leaves, _partitions, _exact, _ads)
+
+    def run(group) -> ArtifactError | None:
+        try:
+            group(need, gtm, exact, ad_id)
+        except ArtifactError as e:
+            return e
+        return None
+
+    with ThreadPoolExecutor(len(groups)) as pool:
+        faults = list(pool.map(run, groups))
+    fault = next((f for f in faults if f is not None), None)
+    if fault is not None:
+        raise fault
+    found = {"ads": len(ad_id), "sid_rows": len(gtm.leaf_ads), "sids": num_nodes - int(do[gtm.sid_length]),
+             "nodes": num_nodes}
+    if counts != found:
+        raise ArtifactError(f"{path / 'manifest.json'}: counts {counts} disagree with the arrays {found}")
+
+
+def _trie(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+    """Node offsets, child ids and tokens. After the offsets every one lies in [0, E], so the token
+    checks may index with them."""
+    L, do, no = gtm.sid_length, gtm.depth_offsets, gtm.node_offsets
+    num_nodes, E = len(no) - 1, len(gtm.csr_tokens)
     need(_offsets(no, E, strict=False), "node_offsets", "child offsets must rise from 0 to the entry count")
     need(bool(np.all(no[do[:L + 1]] == do[1:L + 2] - 1)), "node_offsets", "children do not follow depth order")
     need(bool(np.array_equal(gtm.csr_child_nodes, np.arange(1, num_nodes, dtype=np.int32))), "csr_child_nodes",
          "child node ids must be 1..num_nodes-1 in entry order")
-    # 2. tokens: in their level's range, sorted and distinct within a node
     depth = np.repeat(np.arange(L), np.diff(do[1:]))  # level of each entry's token
     tok = gtm.csr_tokens
     need(bool(np.all((tok >= 0) & (tok < np.asarray(gtm.level_sizes)[depth]))), "csr_tokens",
@@ -58,13 +92,19 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
     first_child[no[:-1][no[:-1] < E]] = True
     need(bool(np.all((tok[1:] > tok[:-1]) | first_child[1:])), "csr_tokens", "children of a node must be sorted "
          "and distinct")
-    # 3. matcher rows, per plane
+
+
+def _planes(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+    """Every entry's matcher rows, per plane, inside their tables."""
     for p in MATCHER_PLANES:
         rows = len(getattr(gtm, f"{p}_table"))
         need(_in_range(getattr(gtm, f"{p}_index"), rows), f"{p}_index", f"a row index lies outside [0, {rows})")
-    # 4. SIDs -> ads
-    S = num_nodes - int(do[L])
-    lo = gtm.leaf_ad_offsets
+
+
+def _leaves(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+    """SIDs -> ads: every SID owns ads, rows inside the ad table, ascending and distinct per SID."""
+    N, lo = len(ad_id), gtm.leaf_ad_offsets
+    S = len(gtm.node_offsets) - 1 - int(gtm.depth_offsets[gtm.sid_length])
     need(len(lo) == S + 1 and _offsets(lo, len(gtm.leaf_ads), strict=True), "leaf_ad_offsets",
          "each SID must own at least one ad, offsets rising to the number of SID rows")
     need(_in_range(gtm.leaf_ads, N), "leaf_ads", f"an ad row lies outside [0, {N})")
@@ -72,28 +112,35 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
     leaf_start[lo[:-1]] = True
     need(bool(np.all((gtm.leaf_ads[1:] > gtm.leaf_ads[:-1]) | leaf_start[1:])), "leaf_ads",
          "ads must be ascending and distinct within a SID")
-    # 5. k-way partitions
-    if gtm.part_offsets is not None:
-        T = len(gtm.part_bitmask_index)
-        need(_offsets(gtm.part_offsets, T, strict=True), "part_offsets",
-             "each entry must have at least one partition, offsets rising to the partition count")
-        for p in MATCHER_PLANES:
-            rows = len(getattr(gtm, f"{p}_table"))
-            need(_in_range(getattr(gtm, f"part_{p}_index"), rows), f"part_{p}_index",
-                 f"a row index lies outside [0, {rows})")
-    # 6. the exact index: one rising run of hash offsets, hashes sorted within each (attribute, ad)
+
+
+def _partitions(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+    """k-way partitions: at least one per entry, rows inside their tables."""
+    if gtm.part_offsets is None:
+        return
+    T = len(gtm.part_bitmask_index)
+    need(_offsets(gtm.part_offsets, T, strict=True), "part_offsets",
+         "each entry must have at least one partition, offsets rising to the partition count")
+    for p in MATCHER_PLANES:
+        rows = len(getattr(gtm, f"{p}_table"))
+        need(_in_range(getattr(gtm, f"part_{p}_index"), rows), f"part_{p}_index",
+             f"a row index lies outside [0, {rows})")
+
+
+def _exact(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+    """The exact index: one rising run of hash offsets through every attribute, hashes sorted
+    within each (attribute, ad) run (the exact filter binary-searches them)."""
     ho, hashes = exact.hash_offsets.reshape(-1), exact.hashes
     need(len(ho) == 0 and len(hashes) == 0 or _offsets(ho, len(hashes), strict=False), "exact_hash_offsets",
          "hash offsets must rise through every attribute from 0 to the number of hashes")
-    A = len(exact.bloom_names)
-    need(A < 2 or bool(np.all(exact.hash_offsets[1:, 0] == exact.hash_offsets[:-1, -1])), "exact_hash_offsets",
-         "each attribute's hashes must start where the previous attribute's end")
+    need(len(exact.bloom_names) < 2 or bool(np.all(exact.hash_offsets[1:, 0] == exact.hash_offsets[:-1, -1])),
+         "exact_hash_offsets", "each attribute's hashes must start where the previous attribute's end")
     run_start = np.zeros(len(hashes), dtype=bool)
     run_start[ho[ho < len(hashes)]] = True
     need(bool(np.all((hashes[1:] >= hashes[:-1]) | run_start[1:])), "exact_hashes",
          "an ad's hashes must be sorted within each attribute")
-    # 7. ads: unique ids (rows of every output name them), counts as the manifest says
-    need(pl.Series(ad_id).n_unique() == N, "ads", "ad_id values must be unique")
-    found = {"ads": N, "sid_rows": len(gtm.leaf_ads), "sids": S, "nodes": num_nodes}
-    if counts != found:
-        raise ArtifactError(f"{path / 'manifest.json'}: counts {counts} disagree with the arrays {found}")
+
+
+def _ads(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+    """Unique ad ids: every output row names its ad by id."""
+    need(pl.Series(ad_id).n_unique() == len(ad_id), "ads", "ad_id values must be unique")
