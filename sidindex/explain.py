@@ -140,18 +140,10 @@ def request_row(requests: Requests, request_id: int | None) -> int:
     """The row of `request_id`, or row 0 of a single-request table."""
     if request_id is None:
         if len(requests) != 1:
-            raise InputError(f"{requests.path}: holds {len(requests)} requests; choose one with --request-id "
+            raise InputError(f"{requests.path}: holds {len(requests)} requests; choose one by its request_id "
                              f"(e.g. {int(requests.request_id[0])})")
         return 0
     rows = np.flatnonzero(requests.request_id == request_id)
     if len(rows) == 0:
         raise InputError(f"{requests.path}: no request with request_id {request_id}")
     return int(rows[0])
-
-
-def parse_sid(text: str) -> tuple[int, ...]:
-    """'12,40,7,300' (commas or spaces) -> (12, 40, 7, 300)."""
-    try:
-        return tuple(int(t) for t in text.replace(",", " ").split())
-    except ValueError:
-        raise InputError(f"--sid {text!r}: expected integer tokens separated by commas, e.g. 12,40,7,300") from None

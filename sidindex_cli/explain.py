@@ -32,7 +32,7 @@ def explain(
     pass (cd+gtm+kway, when built). Then the exact filter, ad by ad, naming the attributes an
     ineligible ad fails. With --ad, every SID of that ad is explained for that ad alone.
     """
-    from sidindex.explain import Explainer, parse_sid, request_row
+    from sidindex.explain import Explainer, request_row
     from sidindex.ingest import read_requests
     from sidindex.snapshot import open_snapshot
 
@@ -53,3 +53,11 @@ def explain(
         f"{k}={v}" if not isinstance(v, list) else f"{k}=[{len(v)} values]" for k, v in values.items()), highlight=False)
     for r in results:
         print_explanation(r, max_ads)
+
+
+def parse_sid(text: str) -> tuple[int, ...]:
+    """'12,40,7,300' (commas or spaces) -> (12, 40, 7, 300)."""
+    try:
+        return tuple(int(t) for t in text.replace(",", " ").split())
+    except ValueError:
+        raise InputError(f"--sid {text!r}: expected integer tokens separated by commas, e.g. 12,40,7,300") from None

@@ -12,7 +12,8 @@ import polars as pl
 import pytest
 from hypothesis import given, settings
 
-from sidindex.explain import Explainer, parse_sid, request_row
+from sidindex.explain import Explainer, request_row
+from sidindex_cli.explain import parse_sid
 from sidindex.errors import InputError
 from sidindex.ingest import Requests
 from sidindex.matchers.exact import eligible_mask
@@ -87,7 +88,7 @@ def test_sid_not_in_catalog_stops_at_the_first_missing_prefix():
 def test_request_row_and_parse_sid():
     req = Requests("r.parquet", np.array([7, 9]), None, pl.DataFrame({"x": [1, 2]}))
     assert request_row(req, 9) == 1
-    with pytest.raises(InputError, match="--request-id"):
+    with pytest.raises(InputError, match="choose one by its request_id"):
         request_row(req, None)
     with pytest.raises(InputError, match="no request with request_id 8"):
         request_row(req, 8)
@@ -120,7 +121,7 @@ def test_explain_cli(sample_dir, tmp_path):
     r = cli("explain", root, "--request", requests, "--request-id", 3, "--sid", sid)
     assert r.returncode == 0, r.stderr
     assert f"SID {sid}" in r.stdout and "exact filter" in r.stdout and "k-way partitions" in r.stdout
-    for args, message in [(("--sid", sid), "choose one with --request-id"),
+    for args, message in [(("--sid", sid), "choose one by its request_id"),
                           (("--request-id", 3), "exactly one of --sid S and --ad A"),
                           (("--request-id", 3, "--ad", -1), "ad -1 is not in snapshot"),
                           (("--request-id", 3, "--sid", "1,2"), "does not fit this snapshot")]:
