@@ -26,6 +26,7 @@ from sidindex.root import SNAPSHOT_ID, TMP_PREFIX, pruned
 MAX_ROWS = 1 << 40  # no snapshot array is longer; a larger count is a corrupt manifest
 MAX_LEVEL_SIZE = 32768  # tokens are int16
 _KEYS = {k.key for k in MANIFEST_KEYS}
+_JSON_TYPES = {"string": str, "int": int, "bool": bool, "object": dict, "list<int>": list, "null": type(None)}
 _ARRAYS = {a.name: a for a in SNAPSHOT_ARRAYS}
 
 
@@ -96,16 +97,10 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
     if set(doc) != _KEYS:
         missing, extra = sorted(_KEYS - set(doc)), sorted(set(doc) - _KEYS)
         raise bad(f"keys do not match the snapshot format (missing {missing}, unexpected {extra})")
-    types = {"id": str, "created": str, "input_fingerprint": str, "catalog": str, "build_config": dict,
-             "targeting": dict, "level_sizes": list, "kway": bool, "counts": dict, "stats": dict,
-             "arrays": dict, "files": dict}
-    for key, t in types.items():
-        if not isinstance(doc[key], t):
-            raise bad(f"'{key}' must be of type {t.__name__}, not {type(doc[key]).__name__}")
-    if not (doc["codebook_id"] is None or isinstance(doc["codebook_id"], str)):
-        raise bad("'codebook_id' must be a string or null")
-    if not (doc["quality"] is None or isinstance(doc["quality"], dict)):
-        raise bad("'quality' must be an object or null")
+    for k in MANIFEST_KEYS:  # each key of the JSON type the contract gives it
+        allowed = tuple(_JSON_TYPES[t.strip()] for t in k.type.split("|"))
+        if not isinstance(doc[k.key], allowed) or (int in allowed and isinstance(doc[k.key], bool)):
+            raise bad(f"'{k.key}' must be {k.type}, not {type(doc[k.key]).__name__}")
     if not SNAPSHOT_ID.match(doc["id"]) or doc["id"] != dirname:
         raise bad(f"id {doc['id'][:80]!r} does not name this snapshot directory ({dirname!r})")
     sizes = doc["level_sizes"]
