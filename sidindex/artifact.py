@@ -161,9 +161,15 @@ def check_format(path: Path, doc: dict, fmt: str, version: int, what: str, gone:
 
 # --- directories ------------------------------------------------------------------------------
 
-def _walk(directory: Path, skip: str) -> dict[str, Path]:
+MAX_NESTING = 4  # an artifact's own folders (a snapshot's codebooks/<id>/) are two deep
+
+
+def _walk(directory: Path, skip: str, depth: int = 0) -> dict[str, Path]:
     """Every entry below `directory` as relative POSIX path -> path, except `skip`; refuses
-    anything that is not a regular file or a directory (symlinks included), naming it."""
+    anything that is not a regular file or a directory (symlinks included), and folders nested
+    deeper than an artifact's, naming it."""
+    if depth > MAX_NESTING:
+        raise ArtifactError(f"{directory}: folders nested deeper than any artifact's")
     out: dict[str, Path] = {}
     try:
         entries = list(os.scandir(directory))
@@ -174,7 +180,7 @@ def _walk(directory: Path, skip: str) -> dict[str, Path]:
         if entry.is_symlink():
             raise ArtifactError(f"{path}: is a symbolic link; an artifact holds regular files only")
         if entry.is_dir(follow_symlinks=False):
-            out |= {f"{entry.name}/{k}": p for k, p in _walk(path, "").items()}
+            out |= {f"{entry.name}/{k}": p for k, p in _walk(path, "", depth + 1).items()}
         elif entry.is_file(follow_symlinks=False):
             if entry.name != skip:
                 out[entry.name] = path

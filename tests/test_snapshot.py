@@ -181,6 +181,7 @@ def _nested(snap_dir: Path) -> None:
      "corrupt"),
     (lambda d: (d / "extra.arrow").write_bytes(b"x"), "extra.arrow: not listed"),
     (lambda d: (d / "codebooks" / "stray.npy").write_bytes(b"x"), "stray.npy: not listed"),
+    (lambda d: (d / "/".join("n" * 8)).mkdir(parents=True), "nested deeper"),
 ])
 def test_manifest_is_sealed_and_strict(snap_dir, corrupt, message):
     corrupt(snap_dir)
