@@ -125,3 +125,31 @@ def test_bad_config_and_missing_codebook(trained, tmp_path):
 def test_help(cmd):
     r = run(*cmd, "--help")
     assert r.returncode == 0 and "Usage" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["build", "--bogus-flag"], "No such option: --bogus-flag"),
+    (["frobnicate"], "No such command 'frobnicate'"),
+    (["retrieve", "x", "--requests", "r", "--out", "o", "--top-k", "0"], "Invalid value for '--top-k'"),
+    (["sample", "--out", "d", "--ads", "many"], "Invalid value for '--ads'"),
+    (["build", "--catalog", "c.parquet"], "Missing option"),
+    (["validate"], "Missing argument"),
+])
+def test_usage_errors_are_one_line_and_exit_2(args, message):
+    """The installed console script, not only the typer app: typer no longer installs click, and an
+    error path that imported it turned every usage error into a traceback."""
+    r = run(*args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr + r.stdout
+    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+
+
+def test_no_arguments_prints_help_and_exits_2():
+    r = run()
+    assert r.returncode == 2 and "Usage" in r.stdout and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("cmd", [["build"], ["inspect"], ["validate"], ["explain"], ["retrieve"], ["simulate"]])
+def test_every_command_has_help(cmd):
+    r = run(*cmd, "--help")
+    assert r.returncode == 0 and "Usage" in r.stdout
