@@ -8,12 +8,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
 from sidindex.errors import QualityGateError
 from sidindex_cli.options import CATALOG_OPT, CONFIG_OPT, JSON_OPT, TARGETING_OPT, progress_bar
-from sidindex_cli.render import emit, err, out
-from sidindex_cli.render import print_quality
+from sidindex_cli.render import emit, err, print_quality, print_seconds
 
 app = typer.Typer()
 sid_app = typer.Typer(help="Semantic IDs: train a frozen codebook, assign SIDs to a catalog.", no_args_is_help=True)
@@ -156,9 +154,4 @@ def build(
         emit(report, True, "")
         return
     emit({k: v for k, v in report.items() if k != "seconds"}, False, f"snapshot {report['status']}")
-    t = Table(title="where the time went", title_justify="left")
-    t.add_column("stage")
-    t.add_column("seconds", justify="right")
-    for k, v in report["seconds"].items():
-        t.add_row(k, f"{v:.2f}")
-    out.print(t)
+    print_seconds(report["seconds"])

@@ -116,3 +116,37 @@ def print_positions(positions: list[dict], kway: bool) -> None:
             row += [f"{p['partitions']:,}", f"{p['part_bitmask_fill']:.3f}", f"{p['part_bloom_fill']:.3f}"]
         t.add_row(*row)
     out.print(t)
+
+
+def print_study(report: dict, top_k: int) -> None:
+    """The per-mode and per-bucket tables of `simulate` (`runtime.simulate.simulate`'s report)."""
+    t = Table(title=f"per mode ({report['requests']} requests): ads generated and their pass rates per stage, "
+              f"eligible ads per request, requests short of {top_k}, recall, ms per request", title_justify="left")
+    cols = ["mode", "generated", "bitmask", "bloom", "final", "eligible/req", "p10", f"<{top_k}", f"recall@{top_k}",
+            "search ms", "post ms"]
+    for c in cols:
+        t.add_column(c, justify="right")
+    for m in report["modes"]:
+        t.add_row(m["mode"], f"{m['ads_generated']:,}", pct(m["bitmask_rate"]), pct(m["bloom_rate"]),
+                  pct(m["final_rate"]), f"{m['eligible_per_request_mean']:.1f}", f"{m['eligible_per_request_p10']:.0f}",
+                  str(m["requests_short_of_k"]), "-" if m[f"recall_at_{top_k}"] is None else f"{m[f'recall_at_{top_k}']:.3f}",
+                  f"{m['search_ms_per_request']:.1f}", f"{m['post_ms_per_request']:.1f}")
+    out.print(t)
+    b = Table(title="final rate by ads generated per request", title_justify="left")
+    for c in ("mode", "ads generated", "requests", "bitmask rate", "bloom rate", "final rate"):
+        b.add_column(c, justify="right")
+    for m in report["modes"]:
+        for k in m["buckets"]:
+            b.add_row(m["mode"], k["generated"], str(k["requests"]), pct(k["bitmask_rate"]), pct(k["bloom_rate"]),
+                      pct(k["final_rate"]))
+    out.print(b)
+
+
+def print_seconds(seconds: dict[str, float]) -> None:
+    """Seconds per stage of a job, as a table."""
+    t = Table(title="where the time went", title_justify="left")
+    t.add_column("stage")
+    t.add_column("seconds", justify="right")
+    for k, v in seconds.items():
+        t.add_row(k, f"{v:.2f}")
+    out.print(t)

@@ -7,12 +7,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
 from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, progress_bar
-from sidindex_cli.render import emit, err, out
-from sidindex_cli.render import pct
+from sidindex_cli.render import emit, err, print_study
 
 app = typer.Typer()
 
@@ -120,23 +118,4 @@ def simulate(
         return
     emit({k: round(v, 1) if isinstance(v, float) else v for k, v in report.items() if k != "modes"}, False,
           "simulation")
-    t = Table(title=f"per mode ({report['requests']} requests): ads generated and their pass rates per stage, "
-              f"eligible ads per request, requests short of {top_k}, recall, ms per request", title_justify="left")
-    cols = ["mode", "generated", "bitmask", "bloom", "final", "eligible/req", "p10", f"<{top_k}", f"recall@{top_k}",
-            "search ms", "post ms"]
-    for c in cols:
-        t.add_column(c, justify="right")
-    for m in report["modes"]:
-        t.add_row(m["mode"], f"{m['ads_generated']:,}", pct(m["bitmask_rate"]), pct(m["bloom_rate"]),
-                  pct(m["final_rate"]), f"{m['eligible_per_request_mean']:.1f}", f"{m['eligible_per_request_p10']:.0f}",
-                  str(m["requests_short_of_k"]), "-" if m[f"recall_at_{top_k}"] is None else f"{m[f'recall_at_{top_k}']:.3f}",
-                  f"{m['search_ms_per_request']:.1f}", f"{m['post_ms_per_request']:.1f}")
-    out.print(t)
-    b = Table(title="final rate by ads generated per request", title_justify="left")
-    for c in ("mode", "ads generated", "requests", "bitmask rate", "bloom rate", "final rate"):
-        b.add_column(c, justify="right")
-    for m in report["modes"]:
-        for k in m["buckets"]:
-            b.add_row(m["mode"], k["generated"], str(k["requests"]), pct(k["bitmask_rate"]), pct(k["bloom_rate"]),
-                      pct(k["final_rate"]))
-    out.print(b)
+    print_study(report, top_k)
