@@ -172,24 +172,30 @@ class SnapshotWatcher:
         self.root, self.device, self.verify = Root(root), parse_device(device), verify
         self.current: ServedIndex = load(self.root.path, self.device, verify=verify)
         self.last_error: str | None = None
+        self._refused: str | None = None  # the published id that failed: not loaded again until CURRENT moves
         self._lock = threading.Lock()
 
     def poll(self) -> bool:
         """Check CURRENT; load and swap in a newly published snapshot. True when it swapped.
 
         Never raises, and never waits for another poll: one already running makes this one return
-        False at once.
+        False at once. A published snapshot that failed to load is not read again until CURRENT
+        names another one (a broken snapshot would otherwise be hashed in full at every poll).
         """
         if not self._lock.acquire(blocking=False):
             return False
+        published = None
         try:
             published = self.root.current_id()
-            if published is None or published == self.current.id:
+            if published != self._refused:
+                self._refused = None  # CURRENT moved: whatever it names next is tried
+            if published is None or published in (self.current.id, self._refused):
                 return False
             new = load(self.root.snapshot_dir(published), self.device, verify=self.verify)
         except Exception as e:  # a serving process must outlive any snapshot (a bad file, a bug in a reader)
             why = e if isinstance(e, SidIndexError) else f"{type(e).__name__} while polling {self.root.path}: {e}"
             self.last_error = f"kept serving snapshot {self.current.id}: {why}"
+            self._refused = published
             return False
         else:
             self.current, self.last_error = new, None

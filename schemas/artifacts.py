@@ -88,6 +88,8 @@ SNAPSHOT_ARRAYS = (
     ArrayFile("ads", "<i8", "N", None, "ad_id of each catalog row; unique.", column="ad_id"),
 )
 
+ARRAYS_BY_NAME = {a.name: a for a in SNAPSHOT_ARRAYS}
+
 SNAPSHOT_RELATIONS = (
     "depth_offsets: [0] = 0, [1] = 1, strictly rising, [L+1] = num_nodes.",
     "node_offsets: [0] = 0, rising, [num_nodes] = E; node_offsets[depth_offsets[d]] = depth_offsets[d+1] - 1 "

@@ -5,7 +5,7 @@ Reading. Only regular files are opened, never through a symbolic link, and witho
 FIFO where a file should be is refused at once, not waited on); reads are bounded, so a file
 replaced by /dev/zero or a huge file cannot exhaust memory.
 
-Sealed manifests. A manifest is canonical JSON (sorted keys, one-space indent, ASCII) carrying
+Sealed manifests (`seal`, `read_sealed`). A manifest is canonical JSON (sorted keys, one-space indent, ASCII) carrying
 `checksum`, the sha256 of the canonical text of everything else. A reader refuses anything that is
 not byte-for-byte the canonical form of what it parsed, so a flipped byte anywhere (whitespace
 included) is refused; duplicate keys and deep nesting are refused with a message, never an
@@ -33,14 +33,14 @@ CHECKSUM_KEY = "checksum"
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
-def open_regular(path: Path) -> int:
+def open_regular(path: Path, *, follow_links: bool = False) -> int:
     """A read-only descriptor of the regular file at `path` (the caller closes it).
 
-    Refuses a symbolic link (as the last component), a FIFO, a device, a directory or a socket
-    without blocking, naming the path.
+    Refuses a FIFO, a device, a directory or a socket without blocking, and a symbolic link (as
+    the last component) unless `follow_links` (a user's input, not an artifact), naming the path.
     """
     try:
-        fd = os.open(path, _FLAGS)
+        fd = os.open(path, _FLAGS & ~os.O_NOFOLLOW if follow_links else _FLAGS)
     except FileNotFoundError:
         raise ArtifactError(f"{path}: missing") from None
     except OSError as e:
@@ -72,9 +72,9 @@ def read_bounded(path: Path, limit: int) -> bytes:
     return data
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of the regular file at `path`."""
-    fd = open_regular(path)
+def sha256_file(path: Path, *, follow_links: bool = False) -> str:
+    """Hex sha256 of the regular file at `path` (through a link only with `follow_links`)."""
+    fd = open_regular(path, follow_links=follow_links)
     h = hashlib.sha256()
     try:
         while block := os.read(fd, 1 << 20):
@@ -130,24 +130,31 @@ def read_json(path: Path, what: str) -> tuple[dict, bytes]:
     return doc, raw
 
 
-def unseal(path: Path, what: str) -> dict:
-    """The sealed manifest at `path`: `read_json`, then byte-for-byte canonical with the right checksum."""
+def read_sealed(path: Path, fmt: str, version: int, what: str, *, gone: dict[int, str] | None = None,
+                unsealed: int | None = None) -> dict:
+    """The manifest at `path`, of format `fmt` at `version`: `read_json`, then byte-for-byte
+    canonical with the right checksum. A manifest without a checksum is refused saying which format
+    version it is, unless it is of version `unsealed` (an older format still read as it is)."""
     doc, raw = read_json(path, what)
-    if not isinstance(doc.get(CHECKSUM_KEY), str):
-        raise ArtifactError(f"{path}: not a sealed sidindex {what} manifest (no '{CHECKSUM_KEY}')")
+    if CHECKSUM_KEY not in doc:
+        check_format(path, doc, fmt, unsealed if unsealed is not None else version, what, gone)
+        if unsealed is None:
+            raise ArtifactError(f"{path}: not a sealed sidindex {what} manifest (no '{CHECKSUM_KEY}')")
+        return doc
     try:
         canonical = seal(doc)
-    except ValueError as e:  # NaN or infinity
+    except (TypeError, ValueError) as e:  # NaN or infinity, a checksum that is not a string
         raise ArtifactError(f"{path}: not a sidindex {what} manifest ({e})") from None
     if canonical != raw:
         raise ArtifactError(f"{path}: the {what} manifest is corrupt (its checksum or its bytes do not match)")
+    check_format(path, doc, fmt, version, what, gone)
     return doc
 
 
 def check_format(path: Path, doc: dict, fmt: str, version: int, what: str, gone: dict[int, str] | None = None) -> None:
     """Refuse a manifest of another format, or of another format version (saying which to do)."""
     if doc.get("format") != fmt:
-        raise ArtifactError(f"{path}: not a sidindex {what} manifest (format {doc.get('format')!r})")
+        raise ArtifactError(f"{path}: not a sidindex {what} manifest (format {str(doc.get('format'))[:80]!r})")
     found = doc.get("format_version")
     if found == version:
         return
@@ -155,7 +162,7 @@ def check_format(path: Path, doc: dict, fmt: str, version: int, what: str, gone:
         raise ArtifactError(f"{path}: {what} format version {found}; this sidindex reads version {version} "
                             "(written by a newer sidindex: upgrade sidindex)")
     hint = (gone or {}).get(found) if isinstance(found, int) else None
-    raise ArtifactError(f"{path}: {what} format version {found!r}; this sidindex reads version {version}"
+    raise ArtifactError(f"{path}: {what} format version {str(found)[:40]!r}; this sidindex reads version {version}"
                         + (f" ({hint})" if hint else ""))
 
 
@@ -214,11 +221,13 @@ def verify_files(directory: Path, listed: dict[str, dict], skip: str, *, checksu
             raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced?)")
     if checksums:
         names = list(listed)
-        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-            digests = pool.map(sha256_file, (directory / n for n in names))
-            for name, digest in zip(names, digests):
+        pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1))
+        try:
+            for name, digest in zip(names, pool.map(sha256_file, (directory / n for n in names))):
                 if digest != listed[name]["sha256"]:
                     raise ArtifactError(f"{directory / name}: checksum mismatch; the file is corrupt")
+        finally:
+            pool.shutdown(cancel_futures=True)  # a mismatch need not wait for every other byte
 
 
 def publish_dir(tmp: Path, final: Path) -> None:

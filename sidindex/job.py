@@ -15,17 +15,15 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from schemas.artifacts import SNAPSHOT_VERSION
 from sidindex.artifact import sha256_file
 from sidindex.build import build_index
 from sidindex.config import load_config
-from sidindex.errors import QualityGateError
+from sidindex.errors import ArtifactError, QualityGateError
 from sidindex.ingest import read_catalog
-from sidindex.sid import assign_sids, hash_tokens, load_codebook, save_codebook, sid_quality, train_codebook
-from sidindex.sid.codebook import resolve_codebook
-from sidindex.errors import ArtifactError
 from sidindex.root import Root, new_snapshot_id
+from sidindex.sid import assign_sids, hash_tokens, load_codebook, save_codebook, sid_quality, train_codebook
 from sidindex.snapshot import Manifest, open_snapshot, write_snapshot
-from schemas.artifacts import SNAPSHOT_VERSION
 from sidindex.targeting import load_targeting
 from sidindex.timing import StageClock
 
@@ -43,7 +41,6 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
     layout = Root(root)
     with layout.lock(waiting):
         clock.restart()  # time spent waiting for the lock is not the build's
-        layout.clean_temporaries()
         cb, cb_source = _codebook(layout, codebook)
         hash_keys = cb.hash_keys if cb else cfg.sid.hash_keys
         cat = read_catalog(catalog, spec=spec, hash_keys=hash_keys, dim=cb.dim if cb else None)
@@ -95,11 +92,11 @@ def _codebook(root: Root, given: Path | None):
         return load_codebook(given), "given"
     if not any(root.codebooks.glob("cb-*")):
         return None, ""
-    return load_codebook(resolve_codebook(root.path)), "reused"
+    return load_codebook(root.path), "reused"
 
 
 def _fingerprint(catalog: Path, spec: dict, config: dict, codebook_id: str) -> str:
-    h = hashlib.sha256(sha256_file(Path(catalog)).encode())
+    h = hashlib.sha256(sha256_file(Path(catalog), follow_links=True).encode())  # a link to the latest export
     h.update(json.dumps({"targeting": spec, "config": config, "codebook": codebook_id,
                          "snapshot_format": SNAPSHOT_VERSION}, sort_keys=True).encode())
     return h.hexdigest()

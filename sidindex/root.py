@@ -79,12 +79,17 @@ class Root:
         return name
 
     def history(self) -> list[str]:
-        """Published ids, oldest first (what HISTORY records; ids it cannot parse are skipped)."""
+        """Published ids, oldest first. Without a readable HISTORY (a ROOT from before it, or a
+        damaged one) the snapshot directories stand in, in time order (their ids sort by time), with
+        CURRENT last: retention then keeps the newest, never all but CURRENT."""
         try:
             raw = read_bounded(self.history_file, _HISTORY_BYTES)
+            return [s for s in raw.decode("ascii", "replace").split() if SNAPSHOT_ID.match(s)]
         except ArtifactError:
-            return []
-        return [s for s in raw.decode("ascii", "replace").split() if SNAPSHOT_ID.match(s)]
+            ids = sorted(p.name for p in self.snapshots.iterdir() if SNAPSHOT_ID.match(p.name)) \
+                if self.snapshots.is_dir() else []
+            current = self.current_id()
+            return [i for i in ids if i != current] + ([current] if current else [])
 
     @staticmethod
     def resolve(path: str | Path) -> Path:
@@ -92,7 +97,13 @@ class Root:
         path = Path(path)
         root = Root(path)
         if os.path.lexists(root.current_file):
-            return root.snapshot_dir(root.current_id())
+            current = root.current_id()
+            if current is None:
+                raise ArtifactError(f"{path}: a ROOT with no published snapshot (no CURRENT)")
+            directory = root.snapshot_dir(current)
+            if directory.is_symlink():
+                raise ArtifactError(f"{directory}: is a symbolic link; a ROOT's snapshots are its own directories")
+            return directory
         if os.path.lexists(path / MANIFEST_FILE):
             return path
         if not os.path.lexists(path):

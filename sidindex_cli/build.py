@@ -58,6 +58,7 @@ def sid_train(
     """
     from sidindex.config import load_config
     from sidindex.ingest import read_catalog
+    from sidindex.root import Root
     from sidindex.sid import save_codebook, train_codebook
     from sidindex.targeting import load_targeting
 
@@ -67,7 +68,8 @@ def sid_train(
     cat = read_catalog(catalog, spec=spec, hash_keys=cfg.sid.hash_keys)
     with progress_bar(not as_json and err.is_terminal) as progress:
         cb = train_codebook(cat.embedding, cfg.sid, progress)
-    path = save_codebook(cb, root)
+    with Root(root).lock(lambda: err.print("waiting for a build on this ROOT ...")):  # builds clean temporaries
+        path = save_codebook(cb, root)
     summary = {"codebook_id": cb.id, "path": str(path), "ads": len(cat), "dim": cb.dim,
                "level_sizes": list(cb.level_sizes), "paths": cb.paths, "balanced": cfg.sid.balanced,
                "notes": list(cb.notes), "seconds": round(time.perf_counter() - t0, 2)}

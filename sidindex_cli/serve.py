@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from sidindex.errors import ArtifactError
 from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, progress_bar
 from sidindex_cli.render import emit, err, print_study
@@ -105,9 +106,7 @@ def simulate(
     chosen = named or served_modes(index.kway)
     with progress_bar(not as_json and err.is_terminal) as progress:
         report = run_study(index, reqs, chosen, beam_sizes, top_k, progress=progress)
-    cfg = index.snapshot.manifest.build_config.get("kway") if index.kway else None
-    report["kway"] = None if not cfg else (f"static, k {cfg['k']}" if cfg.get("mode") == "static" else
-                                           f"dynamic, k_max {cfg.get('k_max')}, target fill {cfg.get('target_fill')}")
+    report["kway"] = _kway_label(index.snapshot) if index.kway else None
     if plot is not None:
         from sidindex_cli.plot import plot_study
 
@@ -119,3 +118,13 @@ def simulate(
     emit({k: round(v, 1) if isinstance(v, float) else v for k, v in report.items() if k != "modes"}, False,
           "simulation")
     print_study(report, top_k)
+
+
+def _kway_label(snap) -> str | None:
+    """How the snapshot's k-way partitions were built, from its build config, for the report."""
+    cfg = snap.manifest.build_config.get("kway")
+    try:
+        return None if not cfg else (f"static, k {cfg['k']}" if cfg.get("mode") == "static" else
+                                     f"dynamic, k_max {cfg.get('k_max')}, target fill {cfg.get('target_fill')}")
+    except (AttributeError, KeyError, TypeError) as e:
+        raise ArtifactError(f"{snap.path / 'manifest.json'}: its k-way build config is malformed ({e})") from None

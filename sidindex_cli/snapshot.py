@@ -1,4 +1,4 @@
-"""Commands that read a snapshot: `inspect`, `validate`, `explain`."""
+"""Commands that read a snapshot: `inspect`, `validate` (`explain` has its own module)."""
 
 from __future__ import annotations
 
@@ -69,5 +69,5 @@ def inspect(
             return
         emit(summary, False, "snapshot")
         print_positions(positions, m.kway)
-    except (KeyError, TypeError, ValueError) as e:
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ArtifactError(f"{snap.path / 'manifest.json'}: its statistics are malformed ({type(e).__name__}: {e})") from None

@@ -5,6 +5,7 @@ reader racing retention either gets the current snapshot or a clear "pruned" err
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -121,3 +122,22 @@ def test_builds_killed_at_any_point_leave_no_orphan_or_temporary_after_the_next(
     assert not [p for p in root.rglob("*") if p.name.startswith(".tmp-") or p.name.endswith(".tmp")]
     assert set(layout.history()) == _present(layout) and len(_present(layout)) <= 2
     assert open_snapshot(root, verify=True).id == layout.current_id()
+
+
+def test_a_root_without_history_keeps_its_newest_snapshots(tmp_path):
+    """A ROOT written before HISTORY existed (or whose HISTORY is damaged): its snapshot directories,
+    in time order, stand in for it; retention keeps the newest, not CURRENT alone."""
+    root = Root(tmp_path / "root")
+    a, b, c, d = _ids(4)
+    with root.lock():
+        for sid in (a, b, c):
+            _publish(root, sid, keep=5)
+    root.history_file.unlink()
+    with root.lock():
+        _publish(root, d, keep=3)
+    assert _present(root) == {b, c, d} and root.history() == [b, c, d]
+    root.history_file.unlink()
+    os.mkfifo(root.history_file)  # unreadable: never waited on, and retention still keeps the newest
+    with root.lock():
+        _publish(root, new_snapshot_id("abababab"), keep=2)
+    assert len(_present(root)) == 2 and d in _present(root)

@@ -223,3 +223,18 @@ def test_cli_errors_are_one_line(root, sample_dir, tmp_path, args, message):
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr + r.stdout and not (tmp_path / "x.parquet").exists()
+
+
+def test_a_snapshot_that_failed_to_load_is_not_read_again_until_current_moves(root, tmp_path, monkeypatch):
+    """With checksums on, every poll would otherwise hash a broken snapshot in full again."""
+    work = Root(shutil.copytree(root, tmp_path / "root"))
+    watcher = runtime.SnapshotWatcher(work.path, "cpu")
+    other = next(p for p in work.snapshots.iterdir() if p.name != watcher.current.id)
+    _corrupt_codebook(work, other)
+    real_load, calls = loader.load, []
+    monkeypatch.setattr(loader, "load", lambda *a, **kw: calls.append(a[0]) or real_load(*a, **kw))
+    assert watcher.poll() is False and watcher.poll() is False and len(calls) == 1
+    work.current_file.write_text(watcher.current.id)  # CURRENT moves on (back): nothing to load
+    assert watcher.poll() is False and len(calls) == 1
+    work.current_file.write_text(other.name)  # named again after moving: tried again
+    assert watcher.poll() is False and len(calls) == 2

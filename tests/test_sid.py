@@ -229,3 +229,38 @@ def test_sid_table_follows_the_contract(data):
     assert t.num_rows == len(a.sids)
     np.testing.assert_array_equal(t["ad_id"].to_numpy(), ad_id[a.ad_index])
     np.testing.assert_array_equal(np.stack(t["sid"].to_numpy(zero_copy_only=False)), a.sids)
+
+
+def _plant(path, name: str, raw: bytes) -> None:
+    """Replace a codebook file and reseal its manifest, as a buggy or malicious writer would."""
+    from sidindex.artifact import list_files
+
+    (path / name).write_bytes(raw)
+    m = json.loads((path / "codebook.json").read_text())
+    m["files"] = list_files(path, "codebook.json")
+    (path / "codebook.json").write_bytes(seal(m))
+
+
+def test_crafted_centroid_files_are_refused_before_any_data_is_read(tmp_path, data):
+    """A .npy header may claim any shape: it is checked against the manifest and the file's size
+    first (no MemoryError, no attribute error on an .npz)."""
+    import io
+
+    _, _, cb = data
+    path = save_codebook(cb, tmp_path)
+    dim = cb.dim
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10**13, dim)})
+    _plant(path, "level_1.npy", header.getvalue())  # magic and header, no data
+    with pytest.raises(ArtifactError, match=r"level_1.npy: holds float32\(10000000000000, "):
+        load_codebook(path)
+    zipped = io.BytesIO()
+    np.savez(zipped, c=cb.centroids[1])
+    _plant(path, "level_1.npy", zipped.getvalue())
+    with pytest.raises(ArtifactError, match="level_1.npy: not a valid array file"):
+        load_codebook(path)
+    buf = io.BytesIO()
+    np.save(buf, cb.centroids[1])
+    _plant(path, "level_1.npy", buf.getvalue()[:-4])
+    with pytest.raises(ArtifactError, match="level_1.npy: its size does not fit"):
+        load_codebook(path)

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.artifacts import SNAPSHOT_ARRAYS
+from schemas.artifacts import ARRAYS_BY_NAME, SNAPSHOT_ARRAYS
 from sidindex.artifact import list_files, seal
 from sidindex.build import build_index
 from sidindex.errors import ArtifactError
@@ -139,7 +139,7 @@ def reseal(snap_dir: Path, edit=None) -> None:
 
 def rewrite_array(snap_dir: Path, name: str, array: np.ndarray, rows: int | None = None) -> None:
     """Replace an array's file with `array` (the manifest's rows follow unless `rows` is given) and reseal."""
-    spec = next(a for a in SNAPSHOT_ARRAYS if a.name == name)
+    spec = ARRAYS_BY_NAME[name]
     (snap_dir / spec.file).unlink()
     write_array(snap_dir, spec, array)
     reseal(snap_dir, lambda m: m["arrays"][name].__setitem__("rows", len(array) if rows is None else rows))
@@ -415,3 +415,30 @@ def test_prefault_maps_every_page_and_reports_phases(built):
     assert set(eager.open_seconds) == {"manifest", "checksums", "map", "structure", "prefault"}
     assert resident_kb(table) * 1024 >= table.stat().st_size - 4096
     np.testing.assert_array_equal(eager.gtm.bloom_table, lazy.gtm.bloom_table)
+
+
+def test_a_compressed_array_file_is_refused(snap_dir):
+    """A compressed file would decode onto the heap (its size unbounded by the file's) instead of
+    being mapped: refused, even with every checksum right."""
+    import pyarrow as pa
+
+    spec = ARRAYS_BY_NAME["exact_hashes"]
+    values = open_snapshot(snap_dir).exact.hashes.copy()
+    (snap_dir / spec.file).unlink()
+    table = pa.table({spec.column_name: pa.array(values)})
+    with pa.OSFile(str(snap_dir / spec.file), "wb") as sink, \
+            pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_table(table)
+    reseal(snap_dir)
+    with pytest.raises(ArtifactError, match="exact_hashes.arrow: its values are not stored plainly"):
+        open_snapshot(snap_dir)
+
+
+def test_a_catalog_behind_a_symbolic_link_builds(sample_dir, tmp_path):
+    """Links are refused inside artifacts, not in a user's inputs (a link to the latest export)."""
+    (tmp_path / "build.toml").write_text(CONFIG)
+    (tmp_path / "latest.parquet").symlink_to(sample_dir / "catalog.parquet")
+    r = cli("build", "--catalog", tmp_path / "latest.parquet", "--targeting", sample_dir / "targeting.toml",
+            "--out", tmp_path / "root", "--config", tmp_path / "build.toml", "--json")
+    assert r.returncode == 0, r.stderr
+    assert open_snapshot(tmp_path / "root").id == json.loads(r.stdout)["snapshot_id"]

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import runtime
-from schemas.artifacts import SNAPSHOT_ARRAYS
+from schemas.artifacts import ARRAYS_BY_NAME
 from sidindex.errors import SidIndexError
 from sidindex.explain import Explainer
 from sidindex.matchers.exact import eligible_pairs
@@ -38,7 +38,7 @@ CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_
 MODES = ("cd", "cd+gtm", "cd+gtm+kway")
 BEAMS = (1, 8, 64, 384)  # wider than every depth of the catalog: every eligible ad of every mode
 DATA = {"bitmask_table", "bloom_table", "exact_bitmask_rows", "exact_hashes", "ads"}
-ARRAYS = {a.name: a for a in SNAPSHOT_ARRAYS}
+ARRAYS = ARRAYS_BY_NAME
 INT_EXTREMES = {
     "<i2": (-1, -(2**15), 2**15 - 1, 2**14),
     "<i4": (-1, -(2**31), 2**31 - 1, 2**30, 10**6),

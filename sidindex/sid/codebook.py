@@ -26,13 +26,11 @@ import numpy as np
 
 from sidindex.artifact import (
     CHECKSUM_KEY,
-    check_format,
     list_files,
     open_regular,
     publish_dir,
-    read_json,
+    read_sealed,
     seal,
-    unseal,
     verify_files,
 )
 from sidindex.config import SIDConfig
@@ -159,6 +157,11 @@ def save_codebook(codebook: Codebook, root: str | Path) -> Path:
                     "notes": list(codebook.notes), "files": list_files(tmp, MANIFEST)}
         (tmp / MANIFEST).write_bytes(seal(manifest))
         publish_dir(tmp, final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if final.is_dir():  # saved meanwhile by another writer: the same id is the same content
+            return final
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -184,17 +187,13 @@ def resolve_codebook(path: str | Path) -> Path:
 def _read_manifest(mpath: Path) -> dict:
     """The codebook manifest: sealed (version 2), or version 1 (unsealed; its files carry sha256
     sums), so codebooks that fix deployed models' SIDs stay readable."""
-    doc, _ = read_json(mpath, "codebook")
-    version = doc.get("format_version")
-    if version == 1:
-        check_format(mpath, doc, FORMAT, 1, "codebook")
-    else:
-        check_format(mpath, doc, FORMAT, FORMAT_VERSION, "codebook")
-        doc = unseal(mpath, "codebook")
-    keys = _KEYS | ({CHECKSUM_KEY} if version == FORMAT_VERSION else set())
+    doc = read_sealed(mpath, FORMAT, FORMAT_VERSION, "codebook", unsealed=1)
+    keys = _KEYS | ({CHECKSUM_KEY} if doc["format_version"] == FORMAT_VERSION else set())
     if set(doc) != keys:
         raise ArtifactError(f"{mpath}: keys do not match the codebook format (missing {sorted(keys - set(doc))}, "
                             f"unexpected {sorted(set(doc) - keys)})")
+    if not isinstance(doc["files"], dict) or not isinstance(doc["config"], dict):
+        raise ArtifactError(f"{mpath}: 'files' and 'config' must be objects")
     return doc
 
 
@@ -214,16 +213,9 @@ def load_codebook(path: str | Path, *, verify: bool = True) -> Codebook:
         config = SIDConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in m["config"].items()})
         centroids = []
         for level, k in enumerate(sizes[:-1]):
-            fpath = path / f"level_{level}.npy"
-            with os.fdopen(open_regular(fpath), "rb") as f:
-                try:
-                    c = np.load(f, allow_pickle=False)
-                except ValueError as e:
-                    raise ArtifactError(f"{fpath}: not a valid array file ({e})") from None
-            if c.dtype != np.float32 or c.shape != (k, dim):
-                raise ArtifactError(f"{fpath}: holds {c.dtype}{c.shape}, expected float32({k}, {dim})")
+            c = _read_centroids(path / f"level_{level}.npy", k, dim)
             if not np.isfinite(c).all():
-                raise ArtifactError(f"{fpath}: holds non-finite centroids")
+                raise ArtifactError(f"{path / f'level_{level}.npy'}: holds non-finite centroids")
             centroids.append(c)
         cb = Codebook(tuple(centroids), sizes[-1], tuple(m["hash_keys"]), int(m["paths"]),
                       m["path_ratio"], config, tuple(m["notes"]))
@@ -232,6 +224,25 @@ def load_codebook(path: str | Path, *, verify: bool = True) -> Codebook:
     if cb.id != m["id"]:
         raise ArtifactError(f"{mpath}: content does not match its id {m['id']!r}")
     return cb
+
+
+def _read_centroids(path: Path, k: int, dim: int) -> np.ndarray:
+    """(k, dim) float32 centroids from a .npy file whose header says exactly that, checked before
+    any data is read (a header may claim any shape) and against the file's size."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        try:
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(np.lib.format.read_magic(f))
+            if read_header is None:
+                raise ValueError("unknown .npy format version")
+            shape, fortran, dtype = read_header(f)  # bounded: numpy refuses oversized headers
+        except ValueError as e:  # not .npy (an .npz, a text file, a bad header)
+            raise ArtifactError(f"{path}: not a valid array file ({e})") from None
+        if dtype != np.dtype("<f4") or fortran or shape != (k, dim):
+            raise ArtifactError(f"{path}: holds {dtype}{shape}, expected float32({k}, {dim})")
+        if os.fstat(f.fileno()).st_size != f.tell() + k * dim * 4:
+            raise ArtifactError(f"{path}: its size does not fit float32({k}, {dim}) (truncated?)")
+        return np.fromfile(f, dtype="<f4", count=k * dim).reshape(k, dim)
 
 
 def _config_dict(config: SIDConfig) -> dict:

@@ -75,6 +75,11 @@ def map_array(directory: Path, spec: ArrayFile, shape: tuple[int, ...]) -> np.nd
         values = column if width is None else column.flatten()
         out = values.to_numpy(zero_copy_only=True)
         mm.madvise(mmap.MADV_NORMAL)  # the data is read in order (validation, staging): read ahead again
+        base = pa.py_buffer(mm).address
+        if out.size and not base <= out.ctypes.data <= base + len(mm) - out.nbytes:
+            # a compressed (or byte-swapped) file decodes onto the heap: unbounded, and not the map
+            raise ArtifactError(f"{path}: its values are not stored plainly in the file (compressed?); snapshot "
+                                "arrays are uncompressed Arrow IPC")
     except (pa.ArrowException, OSError, ValueError) as e:  # a corrupt file: pyarrow validates, never trusts it
         raise ArtifactError(f"{path}: not a valid Arrow IPC array file ({str(e).splitlines()[0][:200]})") from None
     return out.reshape(shape)

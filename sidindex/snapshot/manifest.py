@@ -1,7 +1,7 @@
 """The snapshot manifest: one typed, sealed record of a snapshot (keys in `schemas.artifacts`).
 
 `Manifest.read` refuses anything but an exact, intact manifest of this format version: sealed
-(`sidindex.artifact.unseal`: bounded, canonical, checksummed, no duplicate keys), with exactly the
+(`sidindex.artifact.read_sealed`: bounded, canonical, checksummed, no duplicate keys), with exactly the
 contract's keys, each of its type, and an id equal to its directory's name. Everything after it
 reads typed attributes, never keys.
 """
@@ -12,14 +12,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from schemas.artifacts import (
+    ARRAYS_BY_NAME,
     GONE_VERSIONS,
     MANIFEST_FILE,
     MANIFEST_KEYS,
-    SNAPSHOT_ARRAYS,
     SNAPSHOT_FORMAT,
     SNAPSHOT_VERSION,
 )
-from sidindex.artifact import CHECKSUM_KEY, check_format, read_json, seal, unseal
+from sidindex.artifact import read_sealed, seal
 from sidindex.errors import ArtifactError
 from sidindex.root import SNAPSHOT_ID, TMP_PREFIX, pruned
 
@@ -27,7 +27,6 @@ MAX_ROWS = 1 << 40  # no snapshot array is longer; a larger count is a corrupt m
 MAX_LEVEL_SIZE = 32768  # tokens are int16
 _KEYS = {k.key for k in MANIFEST_KEYS}
 _JSON_TYPES = {"string": str, "int": int, "bool": bool, "object": dict, "list<int>": list, "null": type(None)}
-_ARRAYS = {a.name: a for a in SNAPSHOT_ARRAYS}
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A snapshot's manifest. `arrays` maps each array name (`schemas.artifacts.SNAPSHOT_ARRAYS`)
+    """A snapshot's manifest. `arrays` maps each array name (`schemas.artifacts.SNAPSHOTARRAYS_BY_NAME`)
     present to its shape; `files` every file of the directory but manifest.json."""
 
     id: str
@@ -82,11 +81,7 @@ class Manifest:
         path = directory / MANIFEST_FILE
         if not directory.is_dir():
             raise pruned(directory)
-        doc, _ = read_json(path, "snapshot")
-        if CHECKSUM_KEY not in doc:  # written before manifests were sealed: say which version it is
-            check_format(path, doc, SNAPSHOT_FORMAT, SNAPSHOT_VERSION, "snapshot", GONE_VERSIONS)
-        doc = unseal(path, "snapshot")
-        check_format(path, doc, SNAPSHOT_FORMAT, SNAPSHOT_VERSION, "snapshot", GONE_VERSIONS)
+        doc = read_sealed(path, SNAPSHOT_FORMAT, SNAPSHOT_VERSION, "snapshot", gone=GONE_VERSIONS)
         return _parse(path, doc, directory.name.removeprefix(TMP_PREFIX))  # checked before publishing too
 
 
@@ -117,13 +112,13 @@ def _is_int(x: object) -> bool:
 
 
 def _arrays(bad, arrays: dict, kway: bool) -> dict[str, ArrayShape]:
-    expected = {n for n, a in _ARRAYS.items() if a.group != "kway" or kway}
+    expected = {n for n, a in ARRAYS_BY_NAME.items() if a.group != "kway" or kway}
     if set(arrays) != expected:
         missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
         raise bad(f"array list does not match the format (missing {missing}, unexpected {extra})")
     out = {}
     for name, e in arrays.items():
-        two_d = _ARRAYS[name].width is not None
+        two_d = ARRAYS_BY_NAME[name].width is not None
         if (not isinstance(e, dict) or set(e) != {"rows", "width"} or not _is_int(e["rows"])
                 or not 0 <= e["rows"] <= MAX_ROWS
                 or not (_is_int(e["width"]) and 1 <= e["width"] <= 4096 if two_d else e["width"] is None)):

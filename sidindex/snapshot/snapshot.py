@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas.artifacts import MANIFEST_FILE, MATCHER_PLANES, SNAPSHOT_ARRAYS
+from schemas.artifacts import ARRAYS_BY_NAME, MANIFEST_FILE, MATCHER_PLANES, SNAPSHOT_ARRAYS
 from sidindex.artifact import list_files, verify_files
 from sidindex.errors import ArtifactError, SidIndexError
 from sidindex.matchers.exact import ExactIndex
@@ -30,7 +30,6 @@ from sidindex.targeting import TargetingSpec, spec_from_dict
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
 
-_SPECS = {a.name: a for a in SNAPSHOT_ARRAYS}
 _RETRIES = 3  # a ROOT's CURRENT re-read this often when retention prunes the snapshot mid-open
 
 
@@ -68,7 +67,7 @@ def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.
     return its manifest (written last, as manifest.json)."""
     arrays = _arrays(gtm, exact, ad_id)
     for name, a in arrays.items():
-        write_array(directory, _SPECS[name], a)
+        write_array(directory, ARRAYS_BY_NAME[name], a)
     if codebook is not None:
         save_codebook(codebook, directory)
     S = gtm.num_leaves
@@ -116,7 +115,7 @@ def _open(directory: Path, verify: bool, prefault: bool) -> Snapshot:
     verify_files(directory, {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in m.files.items()}, MANIFEST_FILE,
                  checksums=verify)
     clock.lap("checksums" if verify else "files")
-    arrays = {n: map_array(directory, _SPECS[n], s.shape) for n, s in m.arrays.items()}
+    arrays = {n: map_array(directory, ARRAYS_BY_NAME[n], s.shape) for n, s in m.arrays.items()}
     ad_id = arrays.pop("ads")
     A = len(spec.bloom)
     exact = ExactIndex(spec.bitmask_layout, tuple(a.name for a in spec.bloom), arrays.pop("exact_bitmask_rows"),
@@ -176,6 +175,6 @@ def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
         if not ok:
             raise ArtifactError(f"{where}: the shape of {name} ({m.arrays[name].shape}) does not fit the rest of "
                                 "the snapshot")
-    missing = sorted(_SPECS[n].file for n in m.arrays if _SPECS[n].file not in m.files)
+    missing = sorted(ARRAYS_BY_NAME[n].file for n in m.arrays if ARRAYS_BY_NAME[n].file not in m.files)
     if missing:
         raise ArtifactError(f"{where}: the file list lacks {missing}")

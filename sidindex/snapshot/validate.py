@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from schemas.artifacts import MATCHER_PLANES
+from schemas.artifacts import ARRAYS_BY_NAME, MANIFEST_FILE, MATCHER_PLANES
 from sidindex.errors import ArtifactError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.trie.build import GTMIndex
@@ -41,7 +41,7 @@ class _Need:
 
     def __call__(self, ok: bool, name: str, what: str) -> None:
         if not ok:
-            raise ArtifactError(f"{self.path / (name + '.arrow')}: {what}; the snapshot is corrupt")
+            raise ArtifactError(f"{self.path / ARRAYS_BY_NAME[name].file}: {what}; the snapshot is corrupt")
 
 
 def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: dict) -> None:
@@ -72,7 +72,7 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
     found = {"ads": len(ad_id), "sid_rows": len(gtm.leaf_ads), "sids": num_nodes - int(do[gtm.sid_length]),
              "nodes": num_nodes}
     if counts != found:
-        raise ArtifactError(f"{path / 'manifest.json'}: counts {counts} disagree with the arrays {found}")
+        raise ArtifactError(f"{path / MANIFEST_FILE}: counts {counts} disagree with the arrays {found}")
 
 
 def _trie(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
