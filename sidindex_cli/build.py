@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from sidindex.errors import QualityGateError
-from sidindex_cli.options import CATALOG_OPT, CONFIG_OPT, JSON_OPT, TARGETING_OPT, progress_bar
+from sidindex_cli.options import CATALOG_OPT, CONFIG_OPT, JSON_OPT, TARGETING_OPT, progress_bar, write_table
 from sidindex_cli.render import emit, err, print_quality, print_seconds
 
 app = typer.Typer()
@@ -93,8 +93,6 @@ def sid_assign(
     [quality] applies. Exits 3 without writing --out when a quality gate fails (e.g. a level
     collapsed to one code).
     """
-    import pyarrow.parquet as pq
-
     from sidindex.config import load_config
     from sidindex.ingest import read_catalog
     from sidindex.sid import assign_sids, hash_tokens, load_codebook, sid_quality, sid_table
@@ -114,10 +112,7 @@ def sid_assign(
         report.write_text(json.dumps(quality.to_dict(), indent=2))
     if quality.failures:
         raise QualityGateError("SID quality gate failed: " + "; ".join(quality.failures))
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(f".{out_file.name}.tmp")
-    pq.write_table(sid_table(assignment, cat.ad_id), tmp)
-    tmp.replace(out_file)
+    write_table(sid_table(assignment, cat.ad_id), out_file)
     summary = {"codebook_id": cb.id, "out": str(out_file), "ads": len(cat), "sid_rows": quality.n_sid_rows,
                "seconds": round(seconds, 2), "quality": quality.to_dict()}
     if as_json:

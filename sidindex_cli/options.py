@@ -1,8 +1,10 @@
-"""Options shared by several commands, and the progress bar they draw on stderr."""
+"""Options shared by several commands, the progress bar they draw on stderr, and how they write
+an output table."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import typer
@@ -36,3 +38,18 @@ def progress_bar(enabled: bool) -> Iterator:
             bar.update(tasks[stage], completed=done, total=total)
 
         yield update
+
+
+def write_table(table, path: Path) -> None:
+    """Write a pyarrow table to `path` (.parquet, else uncompressed Arrow IPC) under a temporary
+    name, then rename it into place: a reader never sees half a file."""
+    import pyarrow.parquet as pq
+    from pyarrow import feather
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if path.suffix == ".parquet":
+        pq.write_table(table, tmp)
+    else:
+        feather.write_feather(table, str(tmp), compression="uncompressed")
+    tmp.replace(path)

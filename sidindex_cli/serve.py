@@ -10,7 +10,7 @@ import typer
 
 from sidindex.errors import ArtifactError
 from sidindex.modes import Mode, parse_mode, served_modes
-from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, progress_bar
+from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, progress_bar, write_table
 from sidindex_cli.render import emit, err, print_study
 
 app = typer.Typer()
@@ -40,8 +40,6 @@ def retrieve(
     die under the constraints gets fewer (or no) ads, counted in the summary; the search never
     falls back to unconstrained decoding.
     """
-    import pyarrow.parquet as pq
-    from pyarrow import feather
 
     import runtime
 
@@ -55,13 +53,7 @@ def retrieve(
         run = runtime.retrieve(index, reqs, mode=chosen, beams=beam_sizes, top_k=top_k, batch_size=batch_size,
                                progress=progress)
     table = run.table(reqs.request_id)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(f".{out_file.name}.tmp")
-    if out_file.suffix == ".parquet":
-        pq.write_table(table, tmp)
-    else:
-        feather.write_feather(table, str(tmp), compression="uncompressed")
-    tmp.replace(out_file)
+    write_table(table, out_file)
     r = run.result
     emit({"snapshot_id": index.id, "device": str(index.device), "mode": chosen.value, "beams": list(beam_sizes),
            "requests": len(reqs), "rows": table.num_rows, "out": str(out_file),
