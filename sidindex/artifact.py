@@ -23,7 +23,9 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from sidindex.errors import ArtifactError
@@ -196,17 +198,28 @@ def _walk(directory: Path, skip: str, depth: int = 0) -> dict[str, Path]:
     return out
 
 
+@contextmanager
+def _digests(paths: list[Path]) -> Iterator[Iterator[str]]:
+    """The sha256 of each of `paths`, in order, hashed in parallel threads (hashlib releases the
+    GIL); leaving early cancels the hashing not yet started."""
+    pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1))
+    try:
+        yield pool.map(sha256_file, paths)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
 def list_files(directory: Path, skip: str) -> dict[str, dict]:
     """{relative path: {"bytes", "sha256"}} of every file below `directory` but `skip`."""
-    files = _walk(directory, skip)
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
-        digests = dict(zip(files, pool.map(sha256_file, files.values())))
-    return {name: {"bytes": path.stat().st_size, "sha256": digests[name]} for name, path in sorted(files.items())}
+    files = dict(sorted(_walk(directory, skip).items()))
+    with _digests(list(files.values())) as digests:
+        return {name: {"bytes": path.stat().st_size, "sha256": digest}
+                for (name, path), digest in zip(files.items(), digests)}
 
 
 def verify_files(directory: Path, listed: dict[str, dict], skip: str, *, checksums: bool = True) -> None:
     """Refuse unless the files below `directory` (but `skip`) are exactly `listed`, each of the
-    listed size and, with `checksums`, sha256 (read in parallel)."""
+    listed size and, with `checksums`, sha256 (read in parallel, stopping at the first mismatch)."""
     found = _walk(directory, skip)
     unlisted = sorted(set(found) - set(listed))
     if unlisted:
@@ -220,14 +233,10 @@ def verify_files(directory: Path, listed: dict[str, dict], skip: str, *, checksu
         if size != entry["bytes"]:
             raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced?)")
     if checksums:
-        names = list(listed)
-        pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1))
-        try:
-            for name, digest in zip(names, pool.map(sha256_file, (directory / n for n in names))):
+        with _digests([directory / n for n in listed]) as digests:
+            for name, digest in zip(listed, digests):
                 if digest != listed[name]["sha256"]:
                     raise ArtifactError(f"{directory / name}: checksum mismatch; the file is corrupt")
-        finally:
-            pool.shutdown(cancel_futures=True)  # a mismatch need not wait for every other byte
 
 
 def publish_dir(tmp: Path, final: Path) -> None:

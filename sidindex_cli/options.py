@@ -19,6 +19,9 @@ TARGETING_OPT = typer.Option(None, "--targeting",
 CONFIG_OPT = typer.Option(None, "--config", help="Build config (TOML): [sid] scheme and [quality] gates. "
                                                  "Default: the built-in defaults (see sidindex.config).")
 JSON_OPT = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of tables.")
+BEAMS_OPT = typer.Option("1,512,1024,1024", "--beams", help="Beam size per SID position: beams[0] is the root "
+                         "(1), beams\\[d] are kept after step d-1, beams[-1] after the last step.")
+DEVICE_OPT = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N. On cuda the mask is the Triton kernel.")
 SNAPSHOT_ARG = typer.Argument(..., help="A ROOT (its published snapshot, named by ROOT/CURRENT) or a snapshot directory.")
 
 

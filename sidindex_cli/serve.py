@@ -10,7 +10,7 @@ import typer
 
 from sidindex.errors import ArtifactError
 from sidindex.modes import Mode, parse_mode, served_modes
-from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, progress_bar, write_table
+from sidindex_cli.options import BEAMS_OPT, DEVICE_OPT, JSON_OPT, SNAPSHOT_ARG, progress_bar, write_table
 from sidindex_cli.render import emit, err, print_study
 
 app = typer.Typer()
@@ -25,9 +25,8 @@ def retrieve(
                                   "request_id, rank, ad_id, sid, score."),
     mode: str = typer.Option("cd+gtm", "--mode", help=" | ".join(m.value for m in Mode) + " (a mode that tests k-way "
                              "partitions needs a snapshot built with [kway])."),
-    beams: str = typer.Option("1,512,1024,1024", "--beams", help="Beam size per SID position: beams[0] is the root "
-                              "(1), beams[d] are kept after step d-1, beams[-1] after the last step."),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N. On cuda the mask is the Triton kernel."),
+    beams: str = BEAMS_OPT,
+    device: str = DEVICE_OPT,
     top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="Keep at most K ads per request (default: "
                                         "every eligible ad the search reached)."),
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Requests searched together."),
@@ -71,10 +70,10 @@ def simulate(
                                   "scorer's input)."),
     modes: Optional[str] = typer.Option(None, "--modes", help="Comma-separated modes (default: every constrained "
                                         "mode the snapshot can serve: cd,cd+gtm, plus cd+gtm+kway with partitions)."),
-    beams: str = typer.Option("1,512,1024,1024", "--beams", help="Beam size per SID position, as for retrieve."),
+    beams: str = BEAMS_OPT,
     top_k: int = typer.Option(100, "--top-k", min=1, help="K of recall@K and of 'requests short of K'."),
     max_requests: Optional[int] = typer.Option(None, "--max-requests", min=1, help="Use the first N requests only."),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
+    device: str = DEVICE_OPT,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw pass rates and recall per mode to this PNG."),
     as_json: bool = JSON_OPT,
 ) -> None:

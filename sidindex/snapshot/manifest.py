@@ -20,11 +20,12 @@ from schemas.artifacts import (
     SNAPSHOT_VERSION,
 )
 from sidindex.artifact import read_sealed, seal
+from sidindex.config import MAX_TOKEN
 from sidindex.errors import ArtifactError
 from sidindex.root import SNAPSHOT_ID, TMP_PREFIX, pruned
 
 MAX_ROWS = 1 << 40  # no snapshot array is longer; a larger count is a corrupt manifest
-MAX_LEVEL_SIZE = 32768  # tokens are int16
+MAX_LEVEL_SIZE = MAX_TOKEN + 1  # tokens are int16
 _KEYS = {k.key for k in MANIFEST_KEYS}
 _JSON_TYPES = {"string": str, "int": int, "bool": bool, "object": dict, "list<int>": list, "null": type(None)}
 
