@@ -29,6 +29,7 @@ import numpy as np
 import polars as pl
 from pyarrow import feather
 
+from schemas.artifacts import MATCHER_PLANES
 from sidindex.build import build_index
 from sidindex.sample import sample_catalog, sample_spec, zipf_weights
 from sidindex.sid.assign import run_starts, sid_keys
@@ -105,9 +106,9 @@ def run_one(inputs: Path) -> dict:
         "ads": columns.height, "sid_rows": len(sids), "seconds": seconds,
         "total_s": sum(seconds.values()), "floor_s": floor_s, "core_vs_floor": built.seconds["trie"] / floor_s,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-        "bitmask_words": int(built.gtm.bitmask_table.shape[1]), "bloom_words": int(built.gtm.bloom_table.shape[1]),
-        "positions": [p.__dict__ for p in st.positions], "sids": st.sids, "num_nodes": st.num_nodes,
-        "table_bytes": st.bitmask_table_bytes + st.bloom_table_bytes,
+        **{f"{p.name}_words": int(p.table.shape[1]) for p in built.gtm.planes},
+        "positions": [p.to_dict() for p in st.positions], "sids": st.sids, "num_nodes": st.num_nodes,
+        "table_bytes": st.matcher_bytes,
     }
 
 
@@ -147,14 +148,17 @@ def main() -> int:
         print(f"| {r['ads']:,} | {r['sid_rows']:,} | " + " | ".join(f"{r['seconds'][s]:.2f}" for s in stages)
               + f" | {r['total_s']:.1f} | {r['floor_s']:.2f} | {r['core_vs_floor']:.2f}x | {r['peak_rss_gb']:.2f} |")
     for r in results:
+        words = " + ".join(f"{r[f'{p}_words']} {p}" for p in MATCHER_PLANES)
         print(f"\n{r['ads']:,} ads: {r['num_nodes']:,} nodes, {r['sids']:,} SIDs, matcher tables {r['table_bytes'] / 1e6:.0f} MB "
-              f"({r['bitmask_words']} bitmask + {r['bloom_words']} Bloom words per row)")
-        print("| position | parents | entries | bitmask MB before -> after dedup | Bloom MB before -> after | bitmask fill | Bloom fill |")
-        print("|---|---|---|---|---|---|---|")
+              f"({words} words per row)")
+        print("| position | parents | entries | " + " | ".join(f"{p} MB before -> after dedup" for p in MATCHER_PLANES)
+              + " | " + " | ".join(f"{p} fill" for p in MATCHER_PLANES) + " |")
+        print("|---|---|---|" + "---|" * (2 * len(MATCHER_PLANES)))
         for p in r["positions"]:
-            print(f"| {p['position']} | {p['parents']:,} | {p['entries']:,} | {p['bitmask_bytes_before'] / 1e6:.1f} -> "
-                  f"{p['bitmask_bytes_after'] / 1e6:.1f} | {p['bloom_bytes_before'] / 1e6:.1f} -> {p['bloom_bytes_after'] / 1e6:.1f} "
-                  f"| {p['bitmask_fill']:.3f} | {p['bloom_fill']:.3f} |")
+            print(f"| {p['position']} | {p['parents']:,} | {p['entries']:,} | "
+                  + " | ".join(f"{p[f'{m}_bytes_before'] / 1e6:.1f} -> {p[f'{m}_bytes_after'] / 1e6:.1f}"
+                               for m in MATCHER_PLANES)
+                  + " | " + " | ".join(f"{p[f'{m}_fill']:.3f}" for m in MATCHER_PLANES) + " |")
     big = results[-1]
     print(f"\n{'PASS' if big['total_s'] <= 60 else 'MISS'}  {big['ads']:,} ads end to end <= 60 s: {big['total_s']:.1f} s")
     print(f"{'PASS' if big['peak_rss_gb'] <= 8 else 'MISS'}  peak RSS <= 8 GB: {big['peak_rss_gb']:.2f} GB")

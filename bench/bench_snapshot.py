@@ -89,12 +89,14 @@ def evict(snapshot: Path) -> None:
 def query(snap, sids: np.ndarray) -> int:
     """Walk each SID down the trie reading every entry's matcher rows, then its ads' exact rows."""
     g, touched = snap.gtm, 0
+    planes = ([(p.table, p.index) for p in g.planes] if hasattr(g, "planes")  # a baseline tree's index has no planes
+              else [(g.bitmask_table, g.bitmask_index), (g.bloom_table, g.bloom_index)])
     for sid in sids:
         node = 0
         for token in sid:
             lo, hi = int(g.node_offsets[node]), int(g.node_offsets[node + 1])
             e = lo + int(np.searchsorted(g.csr_tokens[lo:hi], token))
-            touched += int(g.bitmask_table[g.bitmask_index[e]][0] & 1) + int(g.bloom_table[g.bloom_index[e]][0] & 1)
+            touched += sum(int(table[index[e]][0] & 1) for table, index in planes)
             node = int(g.csr_child_nodes[e])
         leaf = node - int(g.depth_offsets[g.sid_length])
         ads = g.leaf_ads[g.leaf_ad_offsets[leaf]:g.leaf_ad_offsets[leaf + 1]]

@@ -9,7 +9,6 @@ unchecked reaches a kernel and nothing reads the snapshot's files by path after 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import threading
 import warnings
@@ -19,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime.ops.gtm_mask.planes import TableStack, stack_tables
+from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import ConfigError, SidIndexError
 from sidindex.root import Root
 from sidindex.sid import Codebook
@@ -38,9 +39,10 @@ class ServedIndex:
 
     gtm: the snapshot's GTMIndex with the arrays the search reads as tensors on `device`
          (node_offsets (num_nodes+1,) int64; csr_child_nodes (E,) int32; csr_tokens (E,) int16;
-         bitmask_index, bloom_index (E,) int32; bitmask_table (R_bm, W_bm), bloom_table (R_bl, W_bl)
-         int64, the uint64 rows' bits; part_* as in GTMIndex, or None); HOST_ARRAYS stay the host
-         memory maps. The host index is `snapshot.gtm`.
+         per plane its index (E,) int32, part_index (T,) int32 or None and table (R_p, W_p) int64,
+         the uint64 rows' bits); HOST_ARRAYS stay the host memory maps. The host index is `snapshot.gtm`.
+    tables: on a GPU, the planes stacked for the Triton kernel (the planes' tensors are views of
+         it, so nothing is held twice); None on the CPU, whose arrays are the memory maps themselves.
     entry_keys: (E,) int64 = parent node * V + token, ascending (the entry of a (node, token) pair
          by binary search).
     max_children[d]: the widest fan-out of a depth-d node; mean_children[d]: the mean, rounded up;
@@ -57,6 +59,7 @@ class ServedIndex:
     mean_children: tuple[int, ...]
     max_parts: int
     leaf_start: int
+    tables: TableStack | None = None
     load_info: dict = field(default_factory=dict)
 
     @property
@@ -134,11 +137,21 @@ def load_index(snap: Snapshot, device: str | torch.device = "cpu") -> ServedInde
     mean_children = tuple(int(-(-f.sum() // len(f))) for f in per_depth)
     max_parts = int(np.diff(g.part_offsets).max()) if g.part_offsets is not None and len(g.part_offsets) > 1 else 0
     clock.lap("shape")
-    names = [f.name for f in dataclasses.fields(g)
-             if isinstance(getattr(g, f.name), np.ndarray) and f.name not in HOST_ARRAYS]
-    staged = {n: _stage(getattr(g, n), device) for n in names}
+    names = [n for n in g.arrays() if n not in HOST_ARRAYS]
+    staged = {n: _stage(a, device) for n, a in g.arrays().items() if n not in HOST_ARRAYS}
     clock.lap("stage")
-    moved = {n: t.to(device, non_blocking=True) for n, t in staged.items()}
+    tables = None
+    if device.type == "cuda":  # the planes into one stack, the rest as they are
+        parts = [staged.pop(f"part_{p}_index") for p in MATCHER_PLANES] if g.part_offsets is not None else None
+        tables = stack_tables([staged.pop(f"{p}_table") for p in MATCHER_PLANES],
+                              [staged.pop(f"{p}_index") for p in MATCHER_PLANES], parts, device)
+        moved = {n: t.to(device, non_blocking=True) for n, t in staged.items()}
+        for i, p in enumerate(MATCHER_PLANES):
+            moved |= {f"{p}_table": tables.tables[i], f"{p}_index": tables.index[i]}
+            if parts is not None:
+                moved[f"part_{p}_index"] = tables.part_index[i]
+    else:
+        moved = staged
     # entry e's parent is the node whose child range holds it; entries are sorted by (parent, token)
     parent = torch.repeat_interleave(torch.arange(g.num_nodes, device=device), moved["node_offsets"].diff())
     entry_keys = parent * g.vocab_size + moved["csr_tokens"].long()
@@ -146,10 +159,12 @@ def load_index(snap: Snapshot, device: str | torch.device = "cpu") -> ServedInde
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     clock.lap("transfer")
-    info = {"bytes": sum(int(getattr(g, n).nbytes) for n in names), "seconds": sum(clock.seconds.values()),
+    info = {"bytes": sum(int(g.arrays()[n].nbytes) for n in names), "seconds": sum(clock.seconds.values()),
             "phases": clock.seconds}
-    return ServedIndex(snap, device, dataclasses.replace(g, **moved), entry_keys, max_children, mean_children,
-                       max_parts, int(g.depth_offsets[g.sid_length]), info)
+    host = {n: getattr(g, n) for n in HOST_ARRAYS}
+    gtm = GTMIndex.from_arrays(g.level_sizes, moved | host, MATCHER_PLANES)
+    return ServedIndex(snap, device, gtm, entry_keys, max_children, mean_children, max_parts,
+                       int(g.depth_offsets[g.sid_length]), tables, info)
 
 
 def load(path: str | Path, device: str | torch.device = "cpu", *, verify: bool = True) -> ServedIndex:

@@ -14,7 +14,8 @@ import numpy as np
 
 from runtime.loader import ServedIndex
 from runtime.search import Beams
-from sidindex.matchers.exact import STAGE_BITMASK, STAGE_BLOOM, eligible_pairs, stage_flags
+from schemas.artifacts import MATCHER_PLANES
+from sidindex.matchers.exact import ALL_STAGES, eligible_pairs, stage_flags
 from sidindex.requests import EncodedRequests
 
 
@@ -26,8 +27,8 @@ class Retrieved:
     ad_id: (n,) int64; sid: (n, L) int64 the SID that reached the ad with the best score;
     score: (n,) float32. Per request (B,) int64: sids (live SIDs the search returned),
     ads_generated (ads under them, counted once per ad), ads_eligible (after the exact filter);
-    with `stages`, ads_bitmask / ads_bloom: generated ads that pass every bitmask / every bloom
-    attribute (each stage on its own), else None.
+    with `stages`, ads_per_stage: per matcher plane (by name), the generated ads passing its
+    attributes exactly (each stage on its own), else None.
     """
 
     request: np.ndarray
@@ -39,14 +40,13 @@ class Retrieved:
     sids: np.ndarray
     ads_generated: np.ndarray
     ads_eligible: np.ndarray
-    ads_bitmask: np.ndarray | None = None
-    ads_bloom: np.ndarray | None = None
+    ads_per_stage: dict[str, np.ndarray] | None = None
 
 
 def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: int | None = None,
            stages: bool = False) -> Retrieved:
     """The eligible ads under the searched SIDs, ranked per request; `top_k` caps each request;
-    `stages` also counts the ads passing each stage (bitmask, bloom) on its own.
+    `stages` also counts the ads passing each stage (a matcher plane's attributes) on its own.
 
     requests: the searched batch's encoding on the host (the exact filter reads it there).
     """
@@ -73,9 +73,9 @@ def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: i
     per_stage = {}
     if stages:
         flags = stage_flags(snap.exact, requests, req, ad)
-        ok = flags == STAGE_BITMASK | STAGE_BLOOM
-        per_stage = {"ads_bitmask": np.bincount(req[(flags & STAGE_BITMASK) > 0], minlength=B),
-                     "ads_bloom": np.bincount(req[(flags & STAGE_BLOOM) > 0], minlength=B)}
+        ok = flags == ALL_STAGES
+        per_stage = {"ads_per_stage": {p: np.bincount(req[(flags & (1 << i)) > 0], minlength=B)
+                                       for i, p in enumerate(MATCHER_PLANES)}}
     else:
         ok = eligible_pairs(snap.exact, requests, req, ad)
     req, ad, beam, sc = req[ok], ad[ok], beam[ok], sc[ok]

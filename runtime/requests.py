@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from runtime.loader import ServedIndex
+from runtime.ops.gtm_mask.planes import stack_queries
 from sidindex.ingest import Requests
 from sidindex.ingest import read_requests as read_request_table
 from sidindex.requests import EncodedRequests
@@ -21,12 +22,11 @@ def read_requests(path: str | Path, index: ServedIndex) -> Requests:
 
 
 def to_device(requests: EncodedRequests, device: str | torch.device) -> EncodedRequests:
-    """The same requests with every array the kernels read as a tensor on `device` (uint64 bits as
-    int64); the `host_only` arrays (the exact filter's) stay numpy arrays on the host."""
+    """The same requests with the planes' query rows and ranges as tensors on `device` (uint64 bits
+    as int64), and stacked for the Triton kernel; the exact filter's arrays stay on the host."""
     def put(a: np.ndarray) -> torch.Tensor:
         a = a.view(np.int64) if a.dtype == np.uint64 else a
         return torch.from_numpy(np.array(a, order="C")).to(device)  # a copy: the source may be read-only
 
-    return dataclasses.replace(requests, **{
-        f.name: put(getattr(requests, f.name)) for f in dataclasses.fields(requests)
-        if isinstance(getattr(requests, f.name), np.ndarray) and f.name not in requests.host_only})
+    planes = tuple(dataclasses.replace(q, rows=put(q.rows), ranges=put(q.ranges)) for q in requests.planes)
+    return dataclasses.replace(requests, planes=planes, stacked=stack_queries(planes, device))

@@ -94,5 +94,10 @@ def _concat(parts: list[tuple[int, Retrieved]]) -> Retrieved:
         vals = [getattr(p, f.name) for _, p in parts]
         if f.name == "request":
             vals = [v + lo for v, (lo, _) in zip(vals, parts)]
-        out[f.name] = None if vals[0] is None else np.concatenate(vals)
+        if vals[0] is None:
+            out[f.name] = None
+        elif isinstance(vals[0], dict):  # per stage
+            out[f.name] = {k: np.concatenate([v[k] for v in vals]) for k in vals[0]}
+        else:
+            out[f.name] = np.concatenate(vals)
     return Retrieved(**out)

@@ -3,9 +3,9 @@ the best eligible ads, per mode, on one snapshot and request table.
 
 Per mode, retrieval runs as served (beam search, SIDs -> ads, exact filter) and counts, over the
 ads the returned SIDs generate (each ad once per request):
-  bitmask rate  share passing every bitmask attribute      (each stage tested on its own)
-  bloom rate    share passing every bloom attribute
-  final rate    share eligible (both)
+  <plane> rate  share passing every attribute of a matcher plane   (each stage tested on its own):
+                bitmask rate, bloom rate
+  final rate    share eligible (every stage)
 Recall@K compares the K best returned eligible ads with the K best eligible ads of the whole
 catalog under the same scorer, found exhaustively: every SID's log-probability is computed node by
 node down the trie (the scorer asked for every node of a depth at once), an ad scores its best SID,
@@ -131,7 +131,7 @@ def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ..
             got = r.ad_row[(r.request == q) & (r.rank <= k)]
             recall.append(len(np.intersect1d(got, best)) / len(best))
         report["modes"].append({
-            "mode": mode.value, **_rates(r.ads_generated, r.ads_bitmask, r.ads_bloom, r.ads_eligible),
+            "mode": mode.value, **_rates(r.ads_generated, r.ads_per_stage, r.ads_eligible),
             "eligible_per_request_mean": float(r.ads_eligible.mean()),
             "eligible_per_request_p10": float(np.percentile(r.ads_eligible, 10)),
             "requests_short_of_k": int((r.ads_eligible < k).sum()),
@@ -140,23 +140,23 @@ def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ..
             "requests_without_eligible_ads_in_catalog": int(sum(len(b) == 0 for b in truth)),
             "search_ms_per_request": 1e3 * run.seconds["search"] / n,
             "post_ms_per_request": 1e3 * run.seconds["post"] / n,
-            "buckets": _buckets(r.ads_generated, r.ads_bitmask, r.ads_bloom, r.ads_eligible)})
+            "buckets": _buckets(r.ads_generated, r.ads_per_stage, r.ads_eligible)})
         progress("modes", len(report["modes"]), len(modes))
     return report
 
 
-def _rates(generated, bitmask, bloom, eligible) -> dict:
+def _rates(generated, stages: dict[str, np.ndarray], eligible) -> dict:
     total = int(generated.sum())
 
     def rate(x) -> float | None:
         return float(x.sum() / total) if total else None
 
-    return {"ads_generated": total, "ads_bitmask": int(bitmask.sum()), "ads_bloom": int(bloom.sum()),
-            "ads_eligible": int(eligible.sum()), "bitmask_rate": rate(bitmask), "bloom_rate": rate(bloom),
+    return {"ads_generated": total, **{f"ads_{p}": int(x.sum()) for p, x in stages.items()},
+            "ads_eligible": int(eligible.sum()), **{f"{p}_rate": rate(x) for p, x in stages.items()},
             "final_rate": rate(eligible)}
 
 
-def _buckets(generated, bitmask, bloom, eligible) -> list[dict]:
+def _buckets(generated, stages: dict[str, np.ndarray], eligible) -> list[dict]:
     """The rates over requests grouped by how many ads their SIDs generated."""
     out = []
     edges = BUCKETS + (np.inf,)
@@ -165,5 +165,5 @@ def _buckets(generated, bitmask, bloom, eligible) -> list[dict]:
         if m.any():
             label = f"{lo:,}+" if hi == np.inf else f"{lo:,}-{int(hi) - 1:,}"
             out.append({"generated": label, "requests": int(m.sum()),
-                        **_rates(generated[m], bitmask[m], bloom[m], eligible[m])})
+                        **_rates(generated[m], {p: x[m] for p, x in stages.items()}, eligible[m])})
     return out

@@ -3,8 +3,7 @@
 Stages (timed, so a build can report where its time goes):
   flatten         each targeting column's strings -> integer codes (Arrow kernels, two columns at a
                   time); a column is flattened once for its matcher rows and the exact index
-  encode bitmask  ad bitmask rows        (N, W_bm)
-  encode bloom    ad Bloom rows          (N, W_bl)
+  encode <plane>  the ads' rows of each matcher plane (N, W_p): bitmask, bloom
   exact index     sorted value hashes per ad and bloom attribute
   trie            CSR trie, subtree unions, k-way partitions, dedup, SID -> ad
   stats           GRACE Tables 1 and 2
@@ -18,11 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from sidindex.matchers.bitmask import encode_ad_rows as encode_bitmask
 from sidindex.matchers.bits import list_codes
-from sidindex.matchers.bloom import encode_ad_rows as encode_bloom
 from sidindex.matchers.exact import ExactIndex, build_exact_index
-from sidindex.targeting import BITMASK, TargetingSpec
+from sidindex.matchers.kinds import KINDS
+from sidindex.targeting import TargetingSpec
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex, build_gtm
 from sidindex.trie.kway import KWayConfig
@@ -43,22 +41,21 @@ def build_index(spec: TargetingSpec, columns: pl.DataFrame, sids: np.ndarray, ad
     sids: (P, L) int16 SID rows; ad_index: (P,) int64 row of each SID row's ad in `columns`
     """
     clock = StageClock()
-    bm_layout, bl_layout = spec.bitmask_layout, spec.bloom_layout
     with ThreadPoolExecutor(2) as pool:  # Arrow's kernels release the GIL
-        flat = pool.map(lambda a: list_codes(columns.get_column(a.name), a.values if a.kind == BITMASK else None),
-                        spec.attributes)
+        # declared values (a categorical kind's) fix the codes; free strings are coded as met
+        flat = pool.map(lambda a: list_codes(columns.get_column(a.name), a.values or None), spec.attributes)
         codes = dict(zip((a.name for a in spec.attributes), flat))
     clock.lap("flatten")
-    bm = encode_bitmask(bm_layout, columns, codes)
-    clock.lap("encode bitmask")
-    bl = encode_bloom(bl_layout, columns, codes)
-    clock.lap("encode bloom")
-    exact = build_exact_index(spec, columns, bm, codes)
+    ad_rows = {}
+    for kind, layout in zip(KINDS, spec.layouts):
+        ad_rows[kind.name] = kind.encode_ads(layout, columns, codes)
+        clock.lap(f"encode {kind.name}")
+    exact = build_exact_index(spec, columns, ad_rows, codes)
     del codes
     clock.lap("exact index")
-    bloom_bits = sum(bl_layout.bits)
-    gtm = build_gtm(sids, ad_index, level_sizes, bm, bl, kway=kway, matcher_bits=bm_layout.bits + bloom_bits)
+    bits = tuple(layout.bits for layout in spec.layouts)
+    gtm = build_gtm(sids, ad_index, level_sizes, ad_rows, kway=kway, matcher_bits=sum(bits))
     clock.lap("trie")
-    stats = gtm_stats(gtm, bm_layout.bits, bloom_bits)
+    stats = gtm_stats(gtm, bits)
     clock.lap("stats")
     return BuiltIndex(gtm, exact, stats, clock.seconds)

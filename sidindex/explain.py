@@ -17,8 +17,8 @@ import numpy as np
 
 from sidindex.errors import InputError
 from sidindex.ingest import Requests
-from sidindex.matchers import bitmask, bloom
 from sidindex.matchers.exact import attribute_eligibility
+from sidindex.matchers.kinds import KINDS
 from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex.requests import encode_requests
 from sidindex.snapshot import Snapshot
@@ -88,13 +88,12 @@ class Explainer:
         one = replace(requests, request_id=requests.request_id[row:row + 1], embedding=None,
                       columns=requests.columns.slice(row, 1))
         self.req = encode_requests(one, snap.spec)  # request 0 of it
-        self.names = snap.spec.bitmask_layout.names + snap.spec.bloom_layout.names
+        self.names = tuple(n for layout in snap.spec.layouts for n in layout.names)  # plane by plane
 
-    def _failed(self, bm_row: int, bl_row: int) -> tuple[str, ...]:
-        g, r, spec = self.snap.gtm, self.req, self.snap.spec
-        ok = np.concatenate([bitmask.attribute_passes(spec.bitmask_layout, g.bitmask_table[bm_row], r.user_rows[0]),
-                             bloom.attribute_passes(spec.bloom_layout, g.bloom_table[bl_row], r.query_rows,
-                                                    r.query_ranges[0])])
+    def _failed(self, rows: list[int]) -> tuple[str, ...]:
+        """The attributes whose matcher rows (`rows`: one per plane) reject the request."""
+        ok = np.concatenate([kind.attribute_passes(layout, plane.table[r], q, 0) for kind, layout, plane, q, r
+                             in zip(KINDS, self.snap.spec.layouts, self.snap.gtm.planes, self.req.planes, rows)])
         return tuple(n for n, k in zip(self.names, ok) if not k)
 
     def sid(self, sid: tuple[int, ...], ads: np.ndarray | None = None) -> SidExplanation:
@@ -112,9 +111,9 @@ class Explainer:
                 return SidExplanation(tuple(sid), tuple(steps), ())
             parts = None
             if g.part_offsets is not None:
-                parts = tuple(self._failed(g.part_bitmask_index[p], g.part_bloom_index[p])
+                parts = tuple(self._failed([pl.part_index[p] for pl in g.planes])
                               for p in range(g.part_offsets[e], g.part_offsets[e + 1]))
-            steps.append(Step(d, tuple(sid[:d]), token, True, self._failed(g.bitmask_index[e], g.bloom_index[e]), parts))
+            steps.append(Step(d, tuple(sid[:d]), token, True, self._failed([pl.index[e] for pl in g.planes]), parts))
             node = int(g.csr_child_nodes[e])
         leaf = node - int(g.depth_offsets[g.sid_length])
         if ads is None:

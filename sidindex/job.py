@@ -79,7 +79,7 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
             "sid_rows": int(len(assignment.sids)), "sids": built.stats.sids, "nodes": built.stats.num_nodes,
-            "matcher_bytes": built.stats.bitmask_table_bytes + built.stats.bloom_table_bytes, "seconds": _rounded(clock)}
+            "matcher_bytes": built.stats.matcher_bytes, "seconds": _rounded(clock)}
 
 
 def _rounded(clock: StageClock) -> dict[str, float]:

@@ -45,25 +45,31 @@ class TargetingSpec:
 
     @property
     def bitmask(self) -> tuple[Attribute, ...]:
-        return tuple(a for a in self.attributes if a.kind == BITMASK)
+        return self.of_kind(BITMASK)
 
     @property
     def bloom(self) -> tuple[Attribute, ...]:
-        return tuple(a for a in self.attributes if a.kind == BLOOM)
+        return self.of_kind(BLOOM)
 
-    # The matcher layouts, derived once per spec. The layout modules import this one, hence the
-    # imports inside (cached_property writes the instance dict, which a frozen dataclass allows).
+    def of_kind(self, kind: str) -> tuple[Attribute, ...]:
+        return tuple(a for a in self.attributes if a.kind == kind)
+
+    # The matcher layouts, derived once per spec. The matcher modules import this one, hence the
+    # import inside (cached_property writes the instance dict, which a frozen dataclass allows).
     @cached_property
+    def layouts(self) -> tuple:
+        """Each matcher kind's layout, in plane order (`sidindex.matchers.kinds.KINDS`)."""
+        from sidindex.matchers.kinds import KINDS
+
+        return tuple(k.layout(self) for k in KINDS)
+
+    @property
     def bitmask_layout(self) -> BitmaskLayout:
-        from sidindex.matchers.bitmask import bitmask_layout
+        return self.layouts[0]
 
-        return bitmask_layout(self)
-
-    @cached_property
+    @property
     def bloom_layout(self) -> BloomLayout:
-        from sidindex.matchers.bloom import bloom_layout
-
-        return bloom_layout(self)
+        return self.layouts[1]
 
     def to_dict(self) -> dict:
         """The spec as plain TOML/JSON-serialisable data; `spec_from_dict` inverts it."""

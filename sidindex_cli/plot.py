@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import InputError
 
 
@@ -28,20 +29,19 @@ def plot_positions(positions: list[dict], kway: bool, path: Path, title: str) ->
     plt = _pyplot()
     x = [p["position"] for p in positions]
     fig, (fill, store) = plt.subplots(1, 2, figsize=(13, 4))
-    fill.plot(x, [p["bitmask_fill"] for p in positions], "o-", label="bitmask (union)")
-    fill.plot(x, [p["bloom_fill"] for p in positions], "s-", label="Bloom (union)")
-    if kway:
-        fill.plot(x, [p["part_bitmask_fill"] for p in positions], "o--", label="bitmask (k-way partitions)")
-        fill.plot(x, [p["part_bloom_fill"] for p in positions], "s--", label="Bloom (k-way partitions)")
+    for m, marker in zip(MATCHER_PLANES, "os^dv"):
+        fill.plot(x, [p[f"{m}_fill"] for p in positions], f"{marker}-", label=f"{m} (union)")
+        if kway:
+            fill.plot(x, [p[f"part_{m}_fill"] for p in positions], f"{marker}--", label=f"{m} (k-way partitions)")
     fill.set(xlabel="transition position", ylabel="mean fill rate (share of bits set)", ylim=(0, 1.02),
              title="matcher fill rate", xticks=x)
     fill.legend(fontsize=8)
-    width = 0.2
-    for i, (key, label) in enumerate([("bitmask_bytes_before", "bitmask, one row per entry"),
-                                      ("bitmask_bytes_after", "bitmask, deduplicated"),
-                                      ("bloom_bytes_before", "Bloom, one row per entry"),
-                                      ("bloom_bytes_after", "Bloom, deduplicated")]):
-        store.bar([p + (i - 1.5) * width for p in x], [max(p[key], 1) / 1e6 for p in positions], width, label=label)
+    bars = [(f"{m}_bytes_{when}", f"{m}, {label}") for m in MATCHER_PLANES
+            for when, label in (("before", "one row per entry"), ("after", "deduplicated"))]
+    width = 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        store.bar([p + (i - (len(bars) - 1) / 2) * width for p in x], [max(p[key], 1) / 1e6 for p in positions], width,
+                  label=label)
     store.set(xlabel="transition position", ylabel="MB (log scale)", yscale="log", title="matcher storage", xticks=x)
     store.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.suptitle(title, fontsize=10)
@@ -58,13 +58,14 @@ def plot_study(report: dict, path: Path) -> None:
     modes = report["modes"]
     k = report["top_k"]
     fig, (rates, recall) = plt.subplots(1, 2, figsize=(12, 4))
-    width = 0.25
-    for i, (key, label) in enumerate([("bitmask_rate", "bitmask stage"), ("bloom_rate", "bloom stage"),
-                                      ("final_rate", "final (eligible)")]):
-        rates.bar([j + (i - 1) * width for j in range(len(modes))], [m[key] or 0 for m in modes], width, label=label)
+    bars = [(f"{p}_rate", f"{p} stage") for p in MATCHER_PLANES] + [("final_rate", "final (eligible)")]
+    width = 0.75 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        rates.bar([j + (i - (len(bars) - 1) / 2) * width for j in range(len(modes))], [m[key] or 0 for m in modes],
+                  width, label=label)
     rates.set(xticks=range(len(modes)), xticklabels=[m["mode"] for m in modes], ylim=(0, 1.2), yticks=np.arange(0, 1.01, 0.2),
               ylabel="share of generated ads", title="pass rate of the ads the search generated")
-    rates.legend(fontsize=8, loc="upper center", ncol=3)  # above the bars: the y axis stops at 1
+    rates.legend(fontsize=8, loc="upper center", ncol=len(bars))  # above the bars: the y axis stops at 1
     recall.bar(range(len(modes)), [m[f"recall_at_{k}"] or 0 for m in modes], 0.5)
     recall.set(xticks=range(len(modes)), xticklabels=[m["mode"] for m in modes], ylim=(0, 1.02),
                ylabel=f"recall@{k}", title=f"recall@{k} of the best eligible ads (exhaustive)")

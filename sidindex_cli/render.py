@@ -11,6 +11,8 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from schemas.artifacts import MATCHER_PLANES
+
 out = Console()
 err = Console(stderr=True)
 
@@ -103,17 +105,18 @@ def print_explanation(r, max_ads: int) -> None:
 def print_positions(positions: list[dict], kway: bool) -> None:
     """The per-position table of `inspect` (a snapshot's `stats["positions"]`)."""
     t = Table(title="per transition position", title_justify="left")
-    cols = ["position", "parents", "entries", "bitmask KB", "Bloom KB",
-            "bitmask fill", "Bloom fill"] + (["partitions", "part bitmask fill", "part Bloom fill"] if kway else [])
+    cols = ["position", "parents", "entries", *(f"{p} KB" for p in MATCHER_PLANES),
+            *(f"{p} fill" for p in MATCHER_PLANES)]
+    if kway:
+        cols += ["partitions", *(f"part {p} fill" for p in MATCHER_PLANES)]
     for c in cols:
         t.add_column(c, justify="right")
     for p in positions:
         row = [str(p["position"]), f"{p['parents']:,}", f"{p['entries']:,}",
-               f"{p['bitmask_bytes_before'] / 1e3:,.1f} -> {p['bitmask_bytes_after'] / 1e3:,.1f}",
-               f"{p['bloom_bytes_before'] / 1e3:,.1f} -> {p['bloom_bytes_after'] / 1e3:,.1f}",
-               f"{p['bitmask_fill']:.3f}", f"{p['bloom_fill']:.3f}"]
+               *(f"{p[f'{m}_bytes_before'] / 1e3:,.1f} -> {p[f'{m}_bytes_after'] / 1e3:,.1f}" for m in MATCHER_PLANES),
+               *(f"{p[f'{m}_fill']:.3f}" for m in MATCHER_PLANES)]
         if kway:
-            row += [f"{p['partitions']:,}", f"{p['part_bitmask_fill']:.3f}", f"{p['part_bloom_fill']:.3f}"]
+            row += [f"{p['partitions']:,}", *(f"{p[f'part_{m}_fill']:.3f}" for m in MATCHER_PLANES)]
         t.add_row(*row)
     out.print(t)
 
@@ -122,22 +125,22 @@ def print_study(report: dict, top_k: int) -> None:
     """The per-mode and per-bucket tables of `simulate` (`runtime.simulate.simulate`'s report)."""
     t = Table(title=f"per mode ({report['requests']} requests): ads generated and their pass rates per stage, "
               f"eligible ads per request, requests short of {top_k}, recall, ms per request", title_justify="left")
-    cols = ["mode", "generated", "bitmask", "bloom", "final", "eligible/req", "p10", f"<{top_k}", f"recall@{top_k}",
+    cols = ["mode", "generated", *MATCHER_PLANES, "final", "eligible/req", "p10", f"<{top_k}", f"recall@{top_k}",
             "search ms", "post ms"]
     for c in cols:
         t.add_column(c, justify="right")
     for m in report["modes"]:
-        t.add_row(m["mode"], f"{m['ads_generated']:,}", pct(m["bitmask_rate"]), pct(m["bloom_rate"]),
+        t.add_row(m["mode"], f"{m['ads_generated']:,}", *(pct(m[f"{p}_rate"]) for p in MATCHER_PLANES),
                   pct(m["final_rate"]), f"{m['eligible_per_request_mean']:.1f}", f"{m['eligible_per_request_p10']:.0f}",
                   str(m["requests_short_of_k"]), "-" if m[f"recall_at_{top_k}"] is None else f"{m[f'recall_at_{top_k}']:.3f}",
                   f"{m['search_ms_per_request']:.1f}", f"{m['post_ms_per_request']:.1f}")
     out.print(t)
     b = Table(title="final rate by ads generated per request", title_justify="left")
-    for c in ("mode", "ads generated", "requests", "bitmask rate", "bloom rate", "final rate"):
+    for c in ("mode", "ads generated", "requests", *(f"{p} rate" for p in MATCHER_PLANES), "final rate"):
         b.add_column(c, justify="right")
     for m in report["modes"]:
         for k in m["buckets"]:
-            b.add_row(m["mode"], k["generated"], str(k["requests"]), pct(k["bitmask_rate"]), pct(k["bloom_rate"]),
+            b.add_row(m["mode"], k["generated"], str(k["requests"]), *(pct(k[f"{p}_rate"]) for p in MATCHER_PLANES),
                       pct(k["final_rate"]))
     out.print(b)
 

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from schemas.artifacts import MATCHER_PLANES
 from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG
 from sidindex.errors import ArtifactError
 from sidindex_cli.render import emit, print_positions
@@ -55,7 +56,7 @@ def inspect(
         positions = st["positions"]
         summary = {"snapshot_id": m.id, "created": m.created, "path": str(snap.path), "codebook_id": m.codebook_id,
                    "input_fingerprint": m.input_fingerprint[:16], "level_sizes": list(m.level_sizes), **m.counts,
-                   "kway": m.kway, "matcher_table_bytes": st["bitmask_table_bytes"] + st["bloom_table_bytes"],
+                   "kway": m.kway, "matcher_table_bytes": sum(st[f"{p}_table_bytes"] for p in MATCHER_PLANES),
                    "ads_per_sid": f"p50 {st['ads_per_sid_p50']:g}  p99 {st['ads_per_sid_p99']:g}  "
                                   f"max {st['ads_per_sid_max']}",
                    "sids_per_ad": f"mean {st['sids_per_ad_mean']:.2f}  max {st['sids_per_ad_max']}"}

@@ -151,8 +151,8 @@ def build(sc: Scenario):
     bl = bloom_rows(sc.spec.bloom_layout, cat)
     bits = sc.spec.bitmask_layout.bits + sum(a.bits for a in sc.spec.bloom)
     index = build_gtm(np.array(sc.sids, dtype=np.int16), np.array(sc.sid_ads, dtype=np.int64),
-                      sc.level_sizes, bm, bl, kway=sc.kway, matcher_bits=bits)
-    exact = build_exact_index(sc.spec, cat, bm)
+                      sc.level_sizes, {"bitmask": bm, "bloom": bl}, kway=sc.kway, matcher_bits=bits)
+    exact = build_exact_index(sc.spec, cat, {"bitmask": bm})
     return index, bm, bl, exact, encode_requests(requests_of(sc), sc.spec)
 
 
@@ -183,8 +183,9 @@ def check(sc: Scenario) -> None:
         assert list(ads) == sorted(a for a, t in zip(sc.sid_ads, sc.sids) if t == s)
 
     # (2) + (4) every entry's matchers equal the OR over its subtree's ads; tables have unique rows
-    assert len({r.tobytes() for r in index.bitmask_table}) == len(index.bitmask_table)
-    assert len({r.tobytes() for r in index.bloom_table}) == len(index.bloom_table)
+    bm_plane, bl_plane = index.planes
+    assert len({r.tobytes() for r in bm_plane.table}) == len(bm_plane.table)
+    assert len({r.tobytes() for r in bl_plane.table}) == len(bl_plane.table)
     prefix_of_node = {0: ()}
     for node in range(index.num_nodes):
         for e in range(index.node_offsets[node], index.node_offsets[node + 1]):
@@ -197,13 +198,13 @@ def check(sc: Scenario) -> None:
             for a in ads:
                 want_bm |= ref_bitmask_row(sc.spec, sc.ads[a])
                 want_bl |= ref_bloom_row(sc.spec, sc.ads[a])
-            assert as_int(index.bitmask_table[index.bitmask_index[e]]) == want_bm
-            assert as_int(index.bloom_table[index.bloom_index[e]]) == want_bl
+            assert as_int(bm_plane.table[bm_plane.index[e]]) == want_bm
+            assert as_int(bl_plane.table[bl_plane.index[e]]) == want_bl
             # (6) k-way: 1..k partitions that OR to the union, each ad wholly inside one of them
             parts = range(index.part_offsets[e], index.part_offsets[e + 1])
             assert 1 <= len(parts) <= sc.kway.k_at(len(prefix) - 1)
-            p_bm = [as_int(index.bitmask_table[index.part_bitmask_index[p]]) for p in parts]
-            p_bl = [as_int(index.bloom_table[index.part_bloom_index[p]]) for p in parts]
+            p_bm = [as_int(bm_plane.table[bm_plane.part_index[p]]) for p in parts]
+            p_bl = [as_int(bl_plane.table[bl_plane.part_index[p]]) for p in parts]
             assert reduce(or_, p_bm) == want_bm and reduce(or_, p_bl) == want_bl
             for a in ads:
                 a_bm, a_bl = ref_bitmask_row(sc.spec, sc.ads[a]), ref_bloom_row(sc.spec, sc.ads[a])
@@ -253,7 +254,7 @@ def test_all_ads_unrestricted_share_one_matcher_row():
     sc = scenario(ads, [(i % 3, i % 2, i % 4) for i in range(6)], list(range(6)))
     check(sc)
     index = build(sc)[0]
-    assert len(index.bitmask_table) == 1 and len(index.bloom_table) == 1
+    assert [len(p.table) for p in index.planes] == [1, 1]
 
 
 def test_all_ads_share_one_sid():
@@ -284,26 +285,29 @@ def test_stats_count_entries_and_dedup():
     ads = [{"country": None, "locations": None}, {"country": ["US"], "locations": ["loc1"]}]
     sc = scenario(ads, [(0, 0, 0), (0, 0, 1), (1, 1, 1)], [0, 1, 1])
     index = build(sc)[0]
-    st_ = gtm_stats(index, bitmask_bits=4, bloom_bits=256)
+    st_ = gtm_stats(index, (4, 256))
     assert [p.entries for p in st_.positions] == [2, 2, 3]
     assert [p.parents for p in st_.positions] == [1, 2, 2]
     # position 0: child 0 holds both ads (all-ones union), child 1 only ad 1 -> 2 distinct rows
-    assert st_.positions[0].bitmask_bytes_before == 16 and st_.positions[0].bitmask_bytes_after == 16
-    assert st_.positions[2].bitmask_bytes_after == 16  # leaves: unrestricted row, ad 1's row
-    assert st_.positions[0].bitmask_fill == pytest.approx((4 / 4 + 1 / 4) / 2)
+    bm0 = st_.positions[0].planes["bitmask"]
+    assert bm0.bytes_before == 16 and bm0.bytes_after == 16
+    assert st_.positions[2].planes["bitmask"].bytes_after == 16  # leaves: unrestricted row, ad 1's row
+    assert bm0.fill == pytest.approx((4 / 4 + 1 / 4) / 2)
     assert st_.ads_per_sid_max == 1 and st_.sids == 3 and st_.sids_per_ad_max == 2
-    assert st_.bitmask_table_bytes == len(index.bitmask_table) * 8
+    assert st_.table_bytes["bitmask"] == len(index.planes[0].table) * 8
     # k-way (2, 2, 1): ad 0's all-ones rows cover ad 1, so no entry needs a second partition
     assert [p.partitions for p in st_.positions] == [2, 2, 3]
-    assert st_.positions[0].part_bitmask_fill == pytest.approx((4 / 4 + 1 / 4) / 2)
+    assert bm0.part_fill == pytest.approx((4 / 4 + 1 / 4) / 2)
+    flat = st_.to_dict()["positions"][0]  # how a manifest names them
+    assert flat["bitmask_bytes_after"] == 16 and flat["part_bitmask_fill"] == bm0.part_fill
 
 
 def test_build_rejects_bad_arguments():
     bm = np.zeros((2, 1), dtype=np.uint64)
     with pytest.raises(ValueError, match="level 1 tokens"):
-        build_gtm(np.array([[0, 5]], dtype=np.int16), np.array([0]), (2, 3), bm, bm)
+        build_gtm(np.array([[0, 5]], dtype=np.int16), np.array([0]), (2, 3), {"bitmask": bm, "bloom": bm})
     with pytest.raises(ValueError, match="ad_index must index"):
-        build_gtm(np.array([[0, 1]], dtype=np.int16), np.array([7]), (2, 3), bm, bm)
+        build_gtm(np.array([[0, 1]], dtype=np.int16), np.array([7]), (2, 3), {"bitmask": bm, "bloom": bm})
 
 
 @pytest.mark.parametrize("kway", [KWayConfig(k=(2, 2, 2)), KWayConfig(mode="dynamic", k_max=4, target_fill=0.015)])

@@ -77,7 +77,7 @@ def test_round_trip_equals_in_memory_build(built, sample_dir):
     for name in ("node_offsets", "csr_child_nodes", "csr_tokens", "bitmask_index", "bloom_index", "bitmask_table",
                  "bloom_table", "depth_offsets", "leaf_ad_offsets", "leaf_ads", "part_offsets", "part_bitmask_index",
                  "part_bloom_index"):
-        got, want = getattr(snap.gtm, name), getattr(ref.gtm, name)
+        got, want = snap.gtm.arrays()[name], ref.gtm.arrays()[name]
         assert got.dtype == want.dtype and np.array_equal(got, want), name
         assert not got.flags.writeable, name  # read-only maps: nothing can modify a published file
     for name in ("bitmask_rows", "hash_offsets", "hashes"):
@@ -253,9 +253,7 @@ def test_old_bin_snapshot_is_refused_with_a_rebuild_message(snap_dir):
 ])
 def test_out_of_range_structure_is_refused_even_with_valid_checksums(snap_dir, name, change):
     snap = open_snapshot(snap_dir)
-    arrays = {"ads": snap.ad_id, "exact_hash_offsets": snap.exact.hash_offsets.reshape(-1),
-              "exact_hashes": snap.exact.hashes}
-    a = np.array(arrays[name] if name in arrays else getattr(snap.gtm, name))
+    a = np.array(snap.arrays()[name])
     change(a)
     del snap
     rewrite_array(snap_dir, name, a)
@@ -270,10 +268,9 @@ def test_arrow_files_are_read_by_pyarrow_polars_and_duckdb(snap_dir):
     import pyarrow as pa
 
     snap = open_snapshot(snap_dir)
-    arrays = {"ads": snap.ad_id, "exact_bitmask_rows": snap.exact.bitmask_rows,
-              "exact_hash_offsets": snap.exact.hash_offsets.reshape(-1), "exact_hashes": snap.exact.hashes}
+    arrays = snap.arrays()
     for spec in SNAPSHOT_ARRAYS:
-        want = arrays[spec.name] if spec.name in arrays else getattr(snap.gtm, spec.name)
+        want = arrays[spec.name]
         arrow_table = pa.ipc.open_file(pa.memory_map(str(snap_dir / spec.file))).read_all()
         col = arrow_table.column(spec.column_name)
         got = np.asarray(col.to_pylist(), dtype=spec.dtype)
@@ -304,11 +301,12 @@ def test_fuzzed_reader_without_checksums_never_crashes_or_lets_bad_offsets_throu
         g = snap.gtm  # it opened: every index a kernel follows must be in range
         E = len(g.csr_tokens)
         assert g.node_offsets.min() >= 0 and g.node_offsets.max() <= E and np.all(g.node_offsets[1:] >= g.node_offsets[:-1])
-        assert g.bitmask_index.max() < len(g.bitmask_table) and g.bitmask_index.min() >= 0
-        assert g.bloom_index.max() < len(g.bloom_table) and g.bloom_index.min() >= 0
+        for p in g.planes:
+            assert p.index.max() < len(p.table) and p.index.min() >= 0
+            assert p.part_index.max() < len(p.table) and p.part_index.min() >= 0
         assert np.all(g.leaf_ad_offsets[1:] > g.leaf_ad_offsets[:-1]) and g.leaf_ad_offsets[-1] == len(g.leaf_ads)
         assert g.leaf_ads.min() >= 0 and g.leaf_ads.max() < len(snap.ad_id)
-        assert g.part_offsets[-1] == len(g.part_bitmask_index) and g.part_bloom_index.max() < len(g.bloom_table)
+        assert g.part_offsets[-1] == len(g.planes[0].part_index) == len(g.planes[1].part_index)
         assert g.csr_tokens.min() >= 0 and g.csr_tokens.max() < max(g.level_sizes)
     finally:
         for p, b in saved.items():
@@ -414,7 +412,7 @@ def test_prefault_maps_every_page_and_reports_phases(built):
     eager = open_snapshot(path, verify=True, prefault=True)
     assert set(eager.open_seconds) == {"manifest", "checksums", "map", "structure", "prefault"}
     assert resident_kb(table) * 1024 >= table.stat().st_size - 4096
-    np.testing.assert_array_equal(eager.gtm.bloom_table, lazy.gtm.bloom_table)
+    np.testing.assert_array_equal(eager.gtm.planes[1].table, lazy.gtm.planes[1].table)
 
 
 def test_a_compressed_array_file_is_refused(snap_dir):

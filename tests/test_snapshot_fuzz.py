@@ -98,9 +98,7 @@ def current(snap_dir: Path, name: str) -> np.ndarray:
     """A writable copy of array `name` of the untouched snapshot (each case starts from it)."""
     if (snap_dir, name) not in _ORIGINAL:
         snap = open_snapshot(snap_dir, verify=False)
-        arrays = {"ads": snap.ad_id, "exact_bitmask_rows": snap.exact.bitmask_rows, "exact_hashes": snap.exact.hashes,
-                  "exact_hash_offsets": snap.exact.hash_offsets.reshape(-1)}
-        _ORIGINAL[snap_dir, name] = np.array(arrays[name] if name in arrays else getattr(snap.gtm, name))
+        _ORIGINAL[snap_dir, name] = np.array(snap.arrays()[name])
     return _ORIGINAL[snap_dir, name].copy()
 
 

@@ -3,14 +3,14 @@
 Per bitmask attribute, in spec order, a segment of (declared values + 1 "unknown") bits; segments
 are concatenated and packed into W uint64 words. An ad sets the bits of its values, or the whole
 segment when unrestricted; a request sets exactly one bit per segment (its value, or "unknown"
-for a null or undeclared value). An ad passes iff (ad_row & user_row) == user_row.
+for a null or undeclared value). An ad passes iff (ad_row & user_row) == user_row: as a matcher
+plane (`sidindex.matchers.plane`), one word group whose only query is the user row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import polars as pl
 
@@ -22,6 +22,7 @@ from sidindex.matchers.bits import (
     or_value_bits,
     set_bits,
 )
+from sidindex.matchers.plane import MatcherKind, PlaneQueries, one_query_each
 from sidindex.targeting import TargetingSpec
 
 
@@ -67,8 +68,9 @@ def encode_ad_rows(layout: BitmaskLayout, columns: pl.DataFrame, codes: dict[str
     return out
 
 
-def encode_request_rows(layout: BitmaskLayout, columns: pl.DataFrame) -> np.ndarray:
-    """(B, W) uint64 user rows from string columns; null or undeclared values set the unknown bit."""
+def encode_request_queries(layout: BitmaskLayout, columns: pl.DataFrame) -> PlaneQueries:
+    """Each request's user row (B, W) uint64 as its one query; null or undeclared values set the
+    unknown bit."""
     b = columns.height
     out = empty_rows(b, layout.words)
     rows = np.arange(b, dtype=np.int64)
@@ -78,24 +80,18 @@ def encode_request_rows(layout: BitmaskLayout, columns: pl.DataFrame) -> np.ndar
                  .replace_strict(list(values), range(len(values)), default=unknown, return_dtype=pl.Int64)
                  .fill_null(unknown).to_numpy())
         set_bits(out, rows, layout.offsets[a] + codes)
-    return out
+    return one_query_each(out)
 
 
-def attribute_passes(layout: BitmaskLayout, row: np.ndarray, user: np.ndarray) -> np.ndarray:
-    """(A,) bool: does matcher `row` (W,) uint64 pass user row `user` (W,) on each bitmask attribute.
+def attribute_passes(layout: BitmaskLayout, row: np.ndarray, queries: PlaneQueries, request: int) -> np.ndarray:
+    """(A,) bool: does matcher `row` (W,) uint64 pass request `request` on each bitmask attribute.
 
     The whole-row test (row & user) == user is the AND of these; explanations need each one.
     """
+    user = queries.rows[queries.ranges[request, 0, 0]]
     hit = row & user
     return np.array([np.array_equal(hit & layout.segment_mask(a), user & layout.segment_mask(a))
                      for a in range(len(layout.names))], dtype=bool)
 
 
-@numba.njit(cache=True)
-def row_passes(rows, r, user):
-    """(rows[r] & user) == user, word by word; the first failing word stops. rows: (n, W) uint64
-    (or int64 bits), user: (W,). The test every matcher and the exact filter share."""
-    for w in range(rows.shape[1]):
-        if rows[r, w] & user[w] != user[w]:
-            return False
-    return True
+KIND = MatcherKind("bitmask", bitmask_layout, encode_ad_rows, encode_request_queries, attribute_passes)

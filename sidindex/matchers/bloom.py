@@ -4,7 +4,8 @@ A value sets `hashes` bit positions: mmh3_x86_32(UTF-8 value, seed=BLOOM_SEED + 
 for i in 0..hashes-1. An ad row is the OR of its values' rows, all ones when unrestricted. Every
 bloom attribute gets bits/64 words; the attributes' words are concatenated in spec order into one
 row of W_bl words. A request has one query row per value (an all-ones row when it has none); an
-ad passes an attribute iff ANY query q of it has (row & q) == q on that attribute's words.
+ad passes an attribute iff ANY query q of it has (row & q) == q on that attribute's words: as a
+matcher plane (`sidindex.matchers.plane`), one word group per attribute.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import polars as pl
 
 from sidindex.matchers.bits import ListCodes, empty_rows, list_codes, or_value_bits
+from sidindex.matchers.plane import MatcherKind, PlaneQueries, group_passes
 from sidindex.targeting import TargetingSpec
 
 BLOOM_SEED = 0xB1005EED
@@ -23,16 +25,21 @@ BLOOM_SEED = 0xB1005EED
 
 @dataclass(frozen=True)
 class BloomLayout:
-    """word_offsets: (A+1,) first word of each bloom attribute in the concatenated row."""
+    """attribute_bits, hashes: per attribute; word_offsets: (A+1,) first word of each bloom
+    attribute in the concatenated row."""
 
     names: tuple[str, ...]
-    bits: tuple[int, ...]
+    attribute_bits: tuple[int, ...]
     hashes: tuple[int, ...]
     word_offsets: tuple[int, ...]
 
     @property
     def words(self) -> int:
         return max(1, self.word_offsets[-1])
+
+    @property
+    def bits(self) -> int:
+        return sum(self.attribute_bits)
 
 
 def bloom_layout(spec: TargetingSpec) -> BloomLayout:
@@ -61,25 +68,13 @@ def encode_ad_rows(layout: BloomLayout, columns: pl.DataFrame, codes: dict[str, 
         lo, hi = layout.word_offsets[a], layout.word_offsets[a + 1]
         lc = codes[name] if codes else list_codes(columns.get_column(name))
         out[lc.lengths == 0, lo:hi] = np.uint64(0xFFFFFFFFFFFFFFFF)
-        or_value_bits(out, lc.lengths, lc.codes, value_positions(lc.distinct, layout.bits[a], layout.hashes[a]), lo)
+        or_value_bits(out, lc.lengths, lc.codes, value_positions(lc.distinct, layout.attribute_bits[a], layout.hashes[a]), lo)
     return out
 
 
-@dataclass(frozen=True)
-class BloomQueries:
-    """Query rows of a request batch.
-
-    rows:   (Q, W_bl) uint64; a query of attribute a only has bits in a's words
-    ranges: (B, A, 2) int64 [start, end) of request b's queries for attribute a (never empty)
-    """
-
-    rows: np.ndarray
-    ranges: np.ndarray
-
-
-def encode_request_queries(layout: BloomLayout, columns: pl.DataFrame) -> BloomQueries:
+def encode_request_queries(layout: BloomLayout, columns: pl.DataFrame) -> PlaneQueries:
     """Query rows for validated request columns: one row per request value of each bloom
-    attribute, or one all-ones row when the request has no value for it."""
+    attribute (a word group), or one all-ones row when the request has no value for it."""
     b = columns.height
     parts, counts = [], np.zeros((b, len(layout.names)), dtype=np.int64)
     for a, name in enumerate(layout.names):
@@ -92,7 +87,7 @@ def encode_request_queries(layout: BloomLayout, columns: pl.DataFrame) -> BloomQ
         all_ones = np.concatenate([[0], np.cumsum(n_q)[:-1]])[lc.lengths == 0]
         values_per_row[all_ones] = 0
         rows[all_ones, lo:hi] = np.uint64(0xFFFFFFFFFFFFFFFF)
-        or_value_bits(rows, values_per_row, lc.codes, value_positions(lc.distinct, layout.bits[a], layout.hashes[a]), lo)
+        or_value_bits(rows, values_per_row, lc.codes, value_positions(lc.distinct, layout.attribute_bits[a], layout.hashes[a]), lo)
         parts.append(rows)
         counts[:, a] = n_q
     # attribute-major storage: attribute a's queries follow attribute a-1's
@@ -100,17 +95,13 @@ def encode_request_queries(layout: BloomLayout, columns: pl.DataFrame) -> BloomQ
     ends = base + np.cumsum(counts, axis=0)
     ranges = np.stack([ends - counts, ends], axis=-1)
     all_rows = np.concatenate(parts) if parts else empty_rows(0, layout.words)
-    return BloomQueries(all_rows, ranges)
+    return PlaneQueries(all_rows, ranges.astype(np.int64, copy=False), np.array(layout.word_offsets, dtype=np.int64))
 
 
-def attribute_passes(layout: BloomLayout, row: np.ndarray, query_rows: np.ndarray, ranges: np.ndarray) -> np.ndarray:
-    """(A,) bool: does matcher `row` (W_bl,) uint64 pass each bloom attribute for one request.
+def attribute_passes(layout: BloomLayout, row: np.ndarray, queries: PlaneQueries, request: int) -> np.ndarray:
+    """(A,) bool: does matcher `row` (W_bl,) uint64 pass each bloom attribute (a word group) for
+    request `request`."""
+    return group_passes(row, queries, request)
 
-    query_rows: (Q, W_bl) uint64; ranges: (A, 2) int64 that request's queries per attribute
-    """
-    out = np.zeros(len(layout.names), dtype=bool)
-    for a in range(len(layout.names)):
-        lo, hi = layout.word_offsets[a], layout.word_offsets[a + 1]
-        q = query_rows[ranges[a, 0]:ranges[a, 1], lo:hi]
-        out[a] = bool(((row[lo:hi] & q) == q).all(axis=1).any())
-    return out
+
+KIND = MatcherKind("bloom", bloom_layout, encode_ad_rows, encode_request_queries, attribute_passes)

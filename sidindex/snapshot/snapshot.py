@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas.artifacts import ARRAYS_BY_NAME, MANIFEST_FILE, MATCHER_PLANES, SNAPSHOT_ARRAYS
+from schemas.artifacts import ARRAYS_BY_NAME, MANIFEST_FILE, MATCHER_PLANES
 from sidindex.artifact import list_files, verify_files
 from sidindex.errors import ArtifactError, SidIndexError
 from sidindex.matchers.exact import ExactIndex
@@ -50,10 +50,14 @@ class Snapshot:
     def id(self) -> str:
         return self.manifest.id
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every array by its contract name (`schemas.artifacts`)."""
+        return _arrays(self.gtm, self.exact, self.ad_id)
+
 
 def _arrays(gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> dict[str, np.ndarray]:
     """Every array of a snapshot by its contract name."""
-    out = {a.name: getattr(gtm, a.name) for a in SNAPSHOT_ARRAYS if hasattr(gtm, a.name)}
+    out = gtm.arrays()
     out |= {"exact_bitmask_rows": exact.bitmask_rows, "exact_hash_offsets": exact.hash_offsets.reshape(-1),
             "exact_hashes": exact.hashes, "ads": np.asarray(ad_id)}
     return {k: v for k, v in out.items() if v is not None}
@@ -120,7 +124,7 @@ def _open(directory: Path, verify: bool, prefault: bool) -> Snapshot:
     A = len(spec.bloom)
     exact = ExactIndex(spec.bitmask_layout, tuple(a.name for a in spec.bloom), arrays.pop("exact_bitmask_rows"),
                        arrays.pop("exact_hash_offsets").reshape(A, len(ad_id) + 1), arrays.pop("exact_hashes"))
-    gtm = GTMIndex(level_sizes=m.level_sizes, **arrays)
+    gtm = GTMIndex.from_arrays(m.level_sizes, arrays, MATCHER_PLANES)
     clock.lap("map")
     check_structure(directory, gtm, exact, ad_id, m.counts)
     codebook = _codebook(directory, m)
@@ -154,7 +158,7 @@ def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
     L, N = len(m.level_sizes), s["ads"]
     num_nodes = s["node_offsets"] - 1
     E = num_nodes - 1
-    plane_words = {"bitmask": spec.bitmask_layout.words, "bloom": spec.bloom_layout.words}
+    plane_words = dict(zip(MATCHER_PLANES, (layout.words for layout in spec.layouts)))
     agree = [
         ("depth_offsets", s["depth_offsets"] == L + 2),
         ("node_offsets", num_nodes >= L + 1),

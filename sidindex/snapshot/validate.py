@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from schemas.artifacts import ARRAYS_BY_NAME, MANIFEST_FILE, MATCHER_PLANES
+from schemas.artifacts import ARRAYS_BY_NAME, MANIFEST_FILE
 from sidindex.errors import ArtifactError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.trie.build import GTMIndex
@@ -96,9 +96,8 @@ def _trie(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> N
 
 def _planes(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """Every entry's matcher rows, per plane, inside their tables."""
-    for p in MATCHER_PLANES:
-        rows = len(getattr(gtm, f"{p}_table"))
-        need(_in_range(getattr(gtm, f"{p}_index"), rows), f"{p}_index", f"a row index lies outside [0, {rows})")
+    for p in gtm.planes:
+        need(_in_range(p.index, len(p.table)), f"{p.name}_index", f"a row index lies outside [0, {len(p.table)})")
 
 
 def _leaves(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
@@ -118,13 +117,12 @@ def _partitions(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray
     """k-way partitions: at least one per entry, rows inside their tables."""
     if gtm.part_offsets is None:
         return
-    T = len(gtm.part_bitmask_index)
+    T = len(gtm.planes[0].part_index)
     need(_offsets(gtm.part_offsets, T, strict=True), "part_offsets",
          "each entry must have at least one partition, offsets rising to the partition count")
-    for p in MATCHER_PLANES:
-        rows = len(getattr(gtm, f"{p}_table"))
-        need(_in_range(getattr(gtm, f"part_{p}_index"), rows), f"part_{p}_index",
-             f"a row index lies outside [0, {rows})")
+    for p in gtm.planes:
+        need(_in_range(p.part_index, len(p.table)), f"part_{p.name}_index",
+             f"a row index lies outside [0, {len(p.table)})")
 
 
 def _exact(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:

@@ -23,37 +23,65 @@ from sidindex.trie.kway import KWayConfig, partition
 
 
 @dataclass(frozen=True)
+class MatcherPlane:
+    """One matcher kind's rows in the index (`sidindex.matchers.plane`; stored as `<name>_table`,
+    `<name>_index`, `part_<name>_index`).
+
+    table:      (R, W) uint64 deduplicated rows
+    index:      (E,) int32 row of each child entry's subtree union
+    part_index: (T,) int32 row of each k-way partition, or None
+    """
+
+    name: str
+    table: np.ndarray
+    index: np.ndarray
+    part_index: np.ndarray | None = None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {f"{self.name}_index": self.index, f"{self.name}_table": self.table}
+        return out if self.part_index is None else out | {f"part_{self.name}_index": self.part_index}
+
+
+@dataclass(frozen=True)
 class GTMIndex:
     """The index the runtime masks beam search with.
 
     node_offsets:    (num_nodes+1,) int64; node i's child entries are [node_offsets[i], node_offsets[i+1])
     csr_child_nodes: (E,) int32 child node of each entry (E = num_nodes - 1)
     csr_tokens:      (E,) int16 token leading to it
-    bitmask_index:   (E,) int32 row in bitmask_table of the child's subtree union
-    bloom_index:     (E,) int32 row in bloom_table
-    bitmask_table:   (R_bm, W_bm) uint64 deduplicated rows
-    bloom_table:     (R_bl, W_bl) uint64 deduplicated rows
+    planes:          the matcher planes, in `schemas.artifacts.MATCHER_PLANES` order
     depth_offsets:   (L+2,) int64; nodes of depth d are [depth_offsets[d], depth_offsets[d+1])
     leaf_ad_offsets: (S+1,) int64; leaf s (node depth_offsets[L] + s) holds ads
     leaf_ads:        (P,) int64 catalog rows, ascending within each leaf
     part_offsets:    (E+1,) int64 or None; entry e's k-way partitions are [part_offsets[e], part_offsets[e+1])
-    part_bitmask_index, part_bloom_index: (T,) int32 rows in the tables of each partition
     """
 
     level_sizes: tuple[int, ...]
     node_offsets: np.ndarray
     csr_child_nodes: np.ndarray
     csr_tokens: np.ndarray
-    bitmask_index: np.ndarray
-    bloom_index: np.ndarray
-    bitmask_table: np.ndarray
-    bloom_table: np.ndarray
+    planes: tuple[MatcherPlane, ...]
     depth_offsets: np.ndarray
     leaf_ad_offsets: np.ndarray
     leaf_ads: np.ndarray
     part_offsets: np.ndarray | None = None
-    part_bitmask_index: np.ndarray | None = None
-    part_bloom_index: np.ndarray | None = None
+
+    _TRIE = ("node_offsets", "csr_child_nodes", "csr_tokens", "depth_offsets", "leaf_ad_offsets", "leaf_ads",
+             "part_offsets")
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every array by its snapshot name (`schemas.artifacts`)."""
+        out = {n: getattr(self, n) for n in self._TRIE if getattr(self, n) is not None}
+        for p in self.planes:
+            out |= p.arrays()
+        return out
+
+    @classmethod
+    def from_arrays(cls, level_sizes: tuple[int, ...], arrays: dict, plane_names: tuple[str, ...]) -> GTMIndex:
+        """The inverse of `arrays` (of numpy arrays or tensors alike)."""
+        planes = tuple(MatcherPlane(p, arrays[f"{p}_table"], arrays[f"{p}_index"], arrays.get(f"part_{p}_index"))
+                       for p in plane_names)
+        return cls(level_sizes=tuple(level_sizes), planes=planes, **{n: arrays.get(n) for n in cls._TRIE})
 
     @property
     def sid_length(self) -> int:
@@ -87,8 +115,7 @@ def build_gtm(
     sids: np.ndarray,
     ad_index: np.ndarray,
     level_sizes: tuple[int, ...],
-    bitmask_rows: np.ndarray,
-    bloom_rows: np.ndarray,
+    ad_rows: dict[str, np.ndarray],
     *,
     kway: KWayConfig | None = None,
     matcher_bits: int | None = None,
@@ -97,9 +124,9 @@ def build_gtm(
 
     sids:         (P, L) int16 SID rows; token l in [0, level_sizes[l])
     ad_index:     (P,) int64 catalog row of each SID row's ad
-    bitmask_rows: (N, W_bm) uint64 ad bitmask rows; bloom_rows: (N, W_bl) uint64 ad Bloom rows
+    ad_rows:      per matcher plane, in plane order: (N, W_p) uint64 the ads' rows
     kway:         add k-way partitions (the union arrays are always built)
-    matcher_bits: meaningful bits of a bitmask + Bloom row, for k-way fill rates (default: all words)
+    matcher_bits: meaningful bits of all planes' rows together, for k-way fill rates (default: all words)
     """
     # --- 1. CHECK ARGUMENTS --- before any work, so a bad call fails fast and clearly
     L = len(level_sizes)
@@ -107,9 +134,9 @@ def build_gtm(
         raise ValueError(f"sids must be a non-empty (P, {L}) array, got shape {sids.shape}")
     if ad_index.shape != (len(sids),):
         raise ValueError(f"ad_index must have shape ({len(sids)},), got {ad_index.shape}")
-    n_ads = len(bitmask_rows)
-    if len(bloom_rows) != n_ads or ad_index.min() < 0 or ad_index.max() >= n_ads:
-        raise ValueError("ad_index must index rows of bitmask_rows and bloom_rows, which must have one row per ad")
+    n_ads = len(next(iter(ad_rows.values())))
+    if any(len(r) != n_ads for r in ad_rows.values()) or ad_index.min() < 0 or ad_index.max() >= n_ads:
+        raise ValueError("ad_index must index rows of ad_rows, which must have one row per ad in every plane")
     for d, size in enumerate(level_sizes):
         if sids[:, d].min() < 0 or sids[:, d].max() >= size:
             raise ValueError(f"level {d} tokens must lie in [0, {size})")
@@ -136,51 +163,58 @@ def build_gtm(
 
     # --- 5. SUBTREE UNIONS, DEDUPLICATED AS THEY ARE MADE --- a leaf ORs its ads' rows, a node its
     # children's unions; a leaf with one ad reuses that ad's row and a node with one child its
-    # child's row, so only real unions are computed and hashed. One thread per matcher kind.
+    # child's row, so only real unions are computed and hashed. One thread per matcher plane.
     own, capacity = _union_plan(ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, n_ads)
-    tables = [RowTable(rows.shape[1], capacity) for rows in (bitmask_rows, bloom_rows)]
-    with ThreadPoolExecutor(2) as pool:
+    tables = [RowTable(rows.shape[1], capacity) for rows in ad_rows.values()]
+    with ThreadPoolExecutor(len(tables)) as pool:
         jobs = [pool.submit(_union_index, table, rows, own, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets)
-                for table, rows in zip(tables, (bitmask_rows, bloom_rows))]
-        bitmask_index, bloom_index = (job.result() for job in jobs)
-    bm_table, bl_table = tables
+                for table, rows in zip(tables, ad_rows.values())]
+        index = [job.result() for job in jobs]
 
     # --- 6. K-WAY PARTITIONS (optional) --- members of an internal entry are its subtree's leaves
-    # (a contiguous leaf range), members of a leaf entry are its ads; partition rows join the tables
-    part_offsets = part_bitmask_index = part_bloom_index = None
+    # (a contiguous leaf range), members of a leaf entry are its ads; a member's row is every
+    # plane's words side by side, and partition rows join each plane's table
+    part_offsets, part_index = None, [None] * len(tables)
     if kway is not None:
-        bits = matcher_bits or 64 * (bitmask_rows.shape[1] + bloom_rows.shape[1])
+        widths = [rows.shape[1] for rows in ad_rows.values()]
+        bits = matcher_bits or 64 * sum(widths)
         first_leaf = depth_offsets[L] - 1  # entries from here on are leaves
         depth_of_inner = np.repeat(np.arange(1, L), np.diff(depth_offsets[1:L + 1]))
         next_first = np.append(first_row[1:], S)
         next_first[depth_offsets[2:L + 1] - 2] = S  # each depth's last entry: its leaves run to the end
         k = np.array([kway.k_at(d) for d in range(L)], dtype=np.int64)
         dyn = kway.mode == "dynamic"
-        c_in, pbm_in, pbl_in = partition(bm_table.rows[bitmask_index[first_leaf:]], bl_table.rows[bloom_index[first_leaf:]],
-                                         first_row, next_first, k[depth_of_inner - 1], dyn, kway.target_fill, bits)
-        c_leaf, pbm_leaf, pbl_leaf = partition(bitmask_rows[ads_sorted], bloom_rows[ads_sorted], leaf_ad_offsets[:-1],
-                                               leaf_ad_offsets[1:], np.full(S, k[L - 1]), dyn, kway.target_fill, bits)
+        leaf_rows = _side_by_side([t.rows[i[first_leaf:]] for t, i in zip(tables, index)])
+        c_in, p_in = partition(leaf_rows, first_row, next_first, k[depth_of_inner - 1], dyn, kway.target_fill, bits)
+        del leaf_rows
+        ad_members = _side_by_side([rows[ads_sorted] for rows in ad_rows.values()])
+        c_leaf, p_leaf = partition(ad_members, leaf_ad_offsets[:-1], leaf_ad_offsets[1:], np.full(S, k[L - 1]), dyn,
+                                   kway.target_fill, bits)
+        del ad_members
         part_offsets = np.zeros(len(first_row) + S + 1, dtype=np.int64)
         np.cumsum(np.concatenate([c_in, c_leaf]), out=part_offsets[1:])
-        part_bitmask_index = bm_table.add(np.concatenate([pbm_in, pbm_leaf]))
-        part_bloom_index = bl_table.add(np.concatenate([pbl_in, pbl_leaf]))
+        lo = np.cumsum([0, *widths])
+        part_index = [t.add(np.ascontiguousarray(np.concatenate([p_in[:, a:b], p_leaf[:, a:b]])))
+                      for t, a, b in zip(tables, lo[:-1], lo[1:])]
 
+    planes = tuple(MatcherPlane(name, t.table(), i, p)
+                   for name, t, i, p in zip(ad_rows, tables, index, part_index))
     return GTMIndex(
         level_sizes=tuple(int(s) for s in level_sizes),
         node_offsets=node_offsets,
         csr_child_nodes=np.arange(1, num_nodes, dtype=np.int32),
         csr_tokens=tokens,
-        bitmask_index=bitmask_index,
-        bloom_index=bloom_index,
-        bitmask_table=bm_table.table(),
-        bloom_table=bl_table.table(),
+        planes=planes,
         depth_offsets=depth_offsets,
         leaf_ad_offsets=leaf_ad_offsets,
         leaf_ads=ads_sorted.astype(np.int64, copy=False),
         part_offsets=part_offsets,
-        part_bitmask_index=part_bitmask_index,
-        part_bloom_index=part_bloom_index,
     )
+
+
+def _side_by_side(parts: list[np.ndarray]) -> np.ndarray:
+    """(n, sum W_p) uint64: the planes' rows (n, W_p) side by side (one row per k-way member)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 
 
 def _stable_sort(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -24,23 +24,22 @@ from sidindex.config import KWayConfig
 __all__ = ["KWayConfig", "partition"]
 
 
-def partition(items_bm: np.ndarray, items_bl: np.ndarray, lo: np.ndarray, hi: np.ndarray, k: np.ndarray,
-              dynamic: bool, target_fill: float, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def partition(items: np.ndarray, lo: np.ndarray, hi: np.ndarray, k: np.ndarray, dynamic: bool,
+              target_fill: float, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """Partition each entry's members.
 
-    items_bm: (I, W_bm), items_bl: (I, W_bl) uint64 member rows; entry j owns members [lo[j], hi[j])
-    k: (J,) int64 partitions allowed per entry; bits: matcher bits per member (bitmask + Bloom)
-    Returns (counts (J,) int64, part_bm (T, W_bm), part_bl (T, W_bl)) with entry j's partitions at
+    items: (I, W) uint64 member rows (every matcher plane's words side by side); entry j owns
+    members [lo[j], hi[j]); k: (J,) int64 partitions allowed per entry; bits: matcher bits per member
+    Returns (counts (J,) int64, parts (T, W) uint64) with entry j's partitions at
     [offsets[j], offsets[j] + counts[j]), offsets = exclusive cumsum of counts.
     """
     cap = np.minimum(k, hi - lo)
     start = np.zeros(len(cap) + 1, dtype=np.int64)
     np.cumsum(cap, out=start[1:])
-    part_bm = np.zeros((start[-1], items_bm.shape[1]), dtype=np.uint64)
-    part_bl = np.zeros((start[-1], items_bl.shape[1]), dtype=np.uint64)
-    counts = _greedy(items_bm, items_bl, lo, hi, cap, start, dynamic, target_fill, bits, part_bm, part_bl)
+    parts = np.zeros((start[-1], items.shape[1]), dtype=np.uint64)
+    counts = _greedy(items, lo, hi, cap, start, dynamic, target_fill, bits, parts)
     keep = np.repeat(start[:-1], counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
-    return counts, part_bm[keep], part_bl[keep]
+    return counts, parts[keep]
 
 
 @numba.njit(inline="always")
@@ -52,9 +51,9 @@ def _popcount(x):
 
 
 @numba.njit(parallel=True, cache=True)
-def _greedy(items_bm, items_bl, lo, hi, cap, start, dynamic, target_fill, bits, part_bm, part_bl):
+def _greedy(items, lo, hi, cap, start, dynamic, target_fill, bits, parts):
     counts = np.zeros(len(lo), dtype=np.int64)
-    wbm, wbl = items_bm.shape[1], items_bl.shape[1]
+    W = items.shape[1]
     for j in numba.prange(len(lo)):
         base = start[j]
         used = 0
@@ -63,10 +62,8 @@ def _greedy(items_bm, items_bl, lo, hi, cap, start, dynamic, target_fill, bits, 
             best, best_growth = -1, np.int64(1) << 62
             for p in range(used):
                 g = np.int64(0)
-                for w in range(wbm):
-                    g += _popcount(items_bm[i, w] & ~part_bm[base + p, w])
-                for w in range(wbl):
-                    g += _popcount(items_bl[i, w] & ~part_bl[base + p, w])
+                for w in range(W):
+                    g += _popcount(items[i, w] & ~parts[base + p, w])
                 if g < best_growth:
                     best, best_growth = p, g
             if best < 0:
@@ -77,15 +74,11 @@ def _greedy(items_bm, items_bl, lo, hi, cap, start, dynamic, target_fill, bits, 
                 open_new = used < cap[j] and best_growth > 0
             if open_new:
                 best, best_growth = used, np.int64(0)
-                for w in range(wbm):
-                    best_growth += _popcount(items_bm[i, w])
-                for w in range(wbl):
-                    best_growth += _popcount(items_bl[i, w])
+                for w in range(W):
+                    best_growth += _popcount(items[i, w])
                 used += 1
-            for w in range(wbm):
-                part_bm[base + best, w] |= items_bm[i, w]
-            for w in range(wbl):
-                part_bl[base + best, w] |= items_bl[i, w]
+            for w in range(W):
+                parts[base + best, w] |= items[i, w]
             fill[best] += best_growth
         counts[j] = used
     return counts

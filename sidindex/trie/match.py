@@ -2,19 +2,17 @@
 
 For one request at one trie node it returns the child tokens that pass:
   cd      the child exists (catalog validity: the SID prefix is real)
-  cd+gtm  and the child's subtree-union matchers pass: bitmask (row & user) == user, word by word,
-          first failing word stops; then per bloom attribute ANY query q with (row & q) == q.
-  cd+gtm+kway  and ANY of the child's k-way partitions passes ALL attributes (the union test first).
+  cd+gtm  and the child's subtree-union rows pass every matcher plane (`sidindex.matchers.plane`)
+  cd+gtm+kway  and ANY of the child's k-way partitions passes every plane (the union test first).
 Unions and partitions are conservative (false positives only), so an eligible prefix always passes.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from sidindex.errors import ConfigError
-from sidindex.matchers.bitmask import row_passes
+from sidindex.matchers.plane import PlaneQueries, pairs_pass
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests
 from sidindex.trie.build import GTMIndex
@@ -29,46 +27,28 @@ def passing_tokens(index: GTMIndex, requests: EncodedRequests, request: int, nod
     lo, hi = index.node_offsets[node], index.node_offsets[node + 1]
     if not mode.gtm:
         return index.csr_tokens[lo:hi]
-    empty = np.zeros(0, dtype=np.int64)
-    parts = (index.part_offsets, index.part_bitmask_index, index.part_bloom_index) if mode.kway else (empty,) * 3
-    ok = _pass_entries(lo, hi, index.bitmask_index, index.bloom_index, index.bitmask_table, index.bloom_table,
-                       requests.word_offsets, requests.user_rows[request], requests.query_rows,
-                       requests.query_ranges[request], mode.kway, *parts)
+    entries = np.arange(lo, hi, dtype=np.int64)
+    ok = entries_pass(index, requests.planes, entries, np.full(len(entries), request, dtype=np.int64), mode.kway)
     return index.csr_tokens[lo:hi][ok]
 
 
-@numba.njit(cache=True)
-def _row_passes(bm_table, r_bm, bl_table, r_bl, woff, user, q_rows, q_ranges):
-    """Bitmask row r_bm and Bloom row r_bl pass every attribute for one request."""
-    if not row_passes(bm_table, r_bm, user):
-        return False
-    for a in range(len(woff) - 1):
-        hit = False
-        for q in range(q_ranges[a, 0], q_ranges[a, 1]):
-            good = True
-            for w in range(woff[a], woff[a + 1]):
-                if bl_table[r_bl, w] & q_rows[q, w] != q_rows[q, w]:
-                    good = False
-                    break
-            if good:
-                hit = True
-                break
-        if not hit:
-            return False
-    return True
-
-
-@numba.njit(cache=True)
-def _pass_entries(lo, hi, bm_index, bl_index, bm_table, bl_table, woff, user, q_rows, q_ranges,
-                  kway, part_offsets, part_bm, part_bl):
-    out = np.zeros(hi - lo, dtype=np.bool_)
-    for e in range(lo, hi):
-        ok = _row_passes(bm_table, bm_index[e], bl_table, bl_index[e], woff, user, q_rows, q_ranges)
-        if ok and kway:
-            ok = False
-            for p in range(part_offsets[e], part_offsets[e + 1]):
-                if _row_passes(bm_table, part_bm[p], bl_table, part_bl[p], woff, user, q_rows, q_ranges):
-                    ok = True
-                    break
-        out[e - lo] = ok
-    return out
+def entries_pass(index: GTMIndex, queries: tuple[PlaneQueries, ...], entries: np.ndarray, reqs: np.ndarray,
+                 kway: bool) -> np.ndarray:
+    """(n,) bool: child entry entries[i] passes request reqs[i] (entries, reqs: (n,) int64) on its
+    subtree-union rows of every plane and, with `kway`, on ANY of its partitions as well."""
+    ok = np.ones(len(entries), dtype=np.bool_)
+    for plane, q in zip(index.planes, queries):
+        pairs_pass(plane.table, plane.index[entries], reqs, q, ok)
+    if not kway:
+        return ok
+    # every partition of every surviving entry, grouped by entry (each entry has at least one)
+    live = np.flatnonzero(ok)
+    first = index.part_offsets[entries[live]]
+    count = index.part_offsets[entries[live] + 1] - first
+    starts = np.cumsum(count) - count
+    parts = np.repeat(first - starts, count) + np.arange(int(count.sum()))
+    part_ok = np.ones(len(parts), dtype=np.bool_)
+    for plane, q in zip(index.planes, queries):
+        pairs_pass(plane.table, plane.part_index[parts], np.repeat(reqs[live], count), q, part_ok)
+    ok[live] = np.logical_or.reduceat(part_ok, starts) if len(live) else ok[live]
+    return ok

@@ -1,46 +1,39 @@
-"""The CD+GTM mask on the CPU: the numba matcher of `sidindex.trie.match` run over every beam, for
-hosts without a GPU. Same contract and result as the torch reference and the Triton kernel."""
+"""The CD+GTM mask on the CPU: the matcher of `sidindex.trie.match` over every beam's child
+entries at once, for hosts without a GPU. Same contract and result as the torch reference and the
+Triton kernel."""
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 
+from sidindex.matchers.plane import PlaneQueries
 from sidindex.modes import Mode
-from sidindex.trie.match import _pass_entries
+from sidindex.trie.match import entries_pass
 
 
 def gtm_mask_cpu(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
                  beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode) -> torch.Tensor:
     """Same contract as `gtm_mask_reference`; CPU tensors."""
     M, V = logp.shape
-    g = index.gtm
+    g = index.snapshot.gtm  # the host index: the same arrays as index.gtm's, as numpy
+    score, node, req = beam_score.numpy(), beam_node.numpy(), beam_request.numpy()
+    # 1. every child entry of every live beam
+    beam = np.flatnonzero(score > -np.inf)  # a dead beam has no children
+    first = g.node_offsets[node[beam]]
+    count = g.node_offsets[node[beam] + 1] - first
+    beam = np.repeat(beam, count)
+    entries = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
+    # 2. the matchers
+    if mode.gtm:
+        queries = tuple(PlaneQueries(q.rows.numpy().view(np.uint64), q.ranges.numpy(), q.word_offsets)
+                        for q in requests.planes)
+        ok = entries_pass(g, queries, entries, req[beam], mode.kway)
+        beam, entries = beam[ok], entries[ok]
+    # 3. survivors score beam_score + logp at their token; NaN never passes
+    tok = g.csr_tokens[entries].astype(np.int64)
+    lp = logp.float().numpy()
+    val = score[beam] + lp[beam, tok]
     out = torch.full((M, V), float("-inf"), dtype=torch.float32)
-    empty = np.zeros(0, dtype=np.int64)
-    parts = [t.numpy() for t in (g.part_offsets, g.part_bitmask_index, g.part_bloom_index)] if mode.kway \
-        else [empty] * 3
-    _mask(out.numpy(), logp.float().contiguous().numpy(), beam_score.numpy(), beam_node.numpy(), beam_request.numpy(),
-          g.node_offsets.numpy(), g.csr_tokens.numpy(), g.bitmask_index.numpy(), g.bloom_index.numpy(),
-          g.bitmask_table.numpy(), g.bloom_table.numpy(), requests.word_offsets.numpy(), requests.user_rows.numpy(),
-          requests.query_rows.numpy(), requests.query_ranges.numpy(), mode.gtm, mode.kway, *parts)
+    out.numpy()[beam, tok] = np.where(np.isnan(val), -np.inf, val)
     return out
-
-
-@numba.njit(cache=True)
-def _mask(out, logp, score, node, req, node_offsets, tokens, bm_index, bl_index, bm_table, bl_table, woff, user_rows,
-          q_rows, q_ranges, gtm, kway, part_offsets, part_bm, part_bl):
-    for m in range(len(node)):
-        if not score[m] > -np.inf:  # a dead beam has no children
-            continue
-        lo, hi = node_offsets[node[m]], node_offsets[node[m] + 1]
-        if gtm:
-            ok = _pass_entries(lo, hi, bm_index, bl_index, bm_table, bl_table, woff, user_rows[req[m]], q_rows,
-                               q_ranges[req[m]], kway, part_offsets, part_bm, part_bl)
-        else:
-            ok = np.ones(hi - lo, dtype=np.bool_)
-        for i in range(hi - lo):
-            if ok[i]:
-                t = tokens[lo + i]
-                v = score[m] + logp[m, t]
-                out[m, t] = v if v == v else -np.inf  # NaN never passes

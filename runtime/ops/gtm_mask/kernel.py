@@ -2,14 +2,16 @@
 
 One program per (beam, block of BLOCK child entries of the beam's trie node); BLOCK follows the
 depth's mean fan-out (`launch_shape`), so few lanes idle. Each lane is one child entry: CD is the
-entry existing at all; then (GTM) the child's subtree-union bitmask row is tested word by word, a
-lane that fails loading nothing more (masked loads); only lanes still alive load Bloom rows, kept in
-registers while the request's queries stream past four at a time (ANY query of each attribute),
-until every live lane has found one; a block with no live lane skips the stream. With k-way
-partitions (KWAY), lanes that pass the union test try their partitions until one passes. A
-surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every other token stays
--inf. GTM and KWAY are compile-time flags, the Mode's properties. Bits are int64 (the uint64 rows
-reinterpreted): & and == are the same.
+entry existing at all; then (GTM) the matcher planes' test (`sidindex.matchers.plane`), word group
+by word group: a lane loads its row's words of the group (masked: a lane that already failed loads
+nothing) and keeps them in registers while the request's queries of the group stream past four at
+a time, until every live lane has a hit; a block with no live lane skips the stream. The planes
+are read through their stacks (`planes.TableStack`, `planes.QueryStack`), so one kernel serves
+any set of planes; the bitmask plane is a single group with one query, so it goes first and
+prunes. With k-way partitions (KWAY), lanes that pass the union test try their partitions until
+one passes. A surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every
+other token stays -inf. GTM and KWAY are compile-time flags, the Mode's properties. Bits are int64
+(the uint64 rows reinterpreted): & and == are the same.
 """
 
 from __future__ import annotations
@@ -18,32 +20,34 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.ops.gtm_mask.planes import stack_tables
 from sidindex.modes import Mode
 
 
 @triton.jit
-def _row_passes(ok, bm, bl, b, bm_table, bl_table, user_rows, query_rows, query_ranges, bl_woff,
-                W_BM: tl.constexpr, W_BL: tl.constexpr, A_BL: tl.constexpr, AW: tl.constexpr,
-                QSTEP: tl.constexpr):
-    """ok & (bitmask row bm passes user row b) & (Bloom row bl passes every attribute), per lane."""
-    for w in tl.static_range(W_BM):
-        u = tl.load(user_rows + b * W_BM + w)
-        r = tl.load(bm_table + bm * W_BM + w, mask=ok, other=0)
-        ok = ok & ((r & u) == u)
+def _rows_pass(ok, idx, stride, pos, b, words, tmeta, q_words, q_base, groups, q_ranges,
+               G: tl.constexpr, AW: tl.constexpr, QSTEP: tl.constexpr):
+    """ok & (each lane's rows pass request b on every word group). A lane's row of plane p is
+    idx[p * stride + pos]."""
     wi = tl.arange(0, AW)
-    for a in tl.static_range(A_BL):
-        w_lo = tl.load(bl_woff + a)
-        wm = wi < tl.load(bl_woff + a + 1) - w_lo
-        rows = tl.load(bl_table + bl[:, None] * W_BL + w_lo + wi[None, :], mask=ok[:, None] & wm[None, :], other=0)
-        q = tl.load(query_ranges + (b * A_BL + a) * 2)
-        q_hi = tl.load(query_ranges + (b * A_BL + a) * 2 + 1)
+    for g in tl.static_range(G):
+        p = tl.load(groups + g * 3)
+        w_lo = tl.load(groups + g * 3 + 1)
+        wm = wi < tl.load(groups + g * 3 + 2)
+        t_lo = tl.load(tmeta + p * 2)
+        W = tl.load(tmeta + p * 2 + 1)
+        q_lo = tl.load(q_base + p)
+        r = tl.load(idx + p * stride + pos, mask=ok, other=0).to(tl.int64)
+        rows = tl.load(words + t_lo + r[:, None] * W + w_lo + wi[None, :], mask=ok[:, None] & wm[None, :], other=0)
+        q = tl.load(q_ranges + (b * G + g) * 2)
+        q_hi = tl.load(q_ranges + (b * G + g) * 2 + 1)
         hit = tl.zeros_like(ok)
         # stream the queries, QSTEP at a time (independent loads in flight), until every live lane
         # has a hit or none is left to test
         q = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, q, q_hi)
         while q < q_hi:
             for i in tl.static_range(QSTEP):
-                qw = tl.load(query_rows + (q + i) * W_BL + w_lo + wi, mask=wm & (wi * 0 + q + i < q_hi), other=0)
+                qw = tl.load(q_words + q_lo + (q + i) * W + w_lo + wi, mask=wm & (wi * 0 + q + i < q_hi), other=0)
                 need = AW + tl.where(q + i < q_hi, 0, 1)  # past the last query nothing can match
                 hit = hit | (tl.sum(((rows & qw[None, :]) == qw[None, :]).to(tl.int32), axis=1) == need)
             left = tl.sum((ok & (hit == 0)).to(tl.int32), axis=0)
@@ -53,12 +57,11 @@ def _row_passes(ok, bm, bl, b, bm_table, bl_table, user_rows, query_rows, query_
 
 
 @triton.jit
-def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request,
-                     node_offsets, csr_tokens, bm_index, bl_index, bm_table, bl_table,
-                     part_offsets, part_bm, part_bl, max_parts,
-                     user_rows, query_rows, query_ranges, bl_woff, V,
-                     GTM: tl.constexpr, KWAY: tl.constexpr, W_BM: tl.constexpr, W_BL: tl.constexpr,
-                     A_BL: tl.constexpr, AW: tl.constexpr, BLOCK: tl.constexpr, QSTEP: tl.constexpr):
+def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offsets, csr_tokens,
+                     words, tmeta, index, E, part_offsets, part_index, T, max_parts,
+                     q_words, q_base, groups, q_ranges, V,
+                     GTM: tl.constexpr, KWAY: tl.constexpr, G: tl.constexpr, AW: tl.constexpr,
+                     BLOCK: tl.constexpr, QSTEP: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     score = tl.load(beam_score + m)
     node = tl.load(beam_node + m)
@@ -69,10 +72,7 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request,
     tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
     if GTM:
         b = tl.load(beam_request + m)
-        bm = tl.load(bm_index + e, mask=ok, other=0).to(tl.int64)
-        bl = tl.load(bl_index + e, mask=ok, other=0).to(tl.int64)
-        ok = _row_passes(ok, bm, bl, b, bm_table, bl_table, user_rows, query_rows, query_ranges, bl_woff,
-                         W_BM, W_BL, A_BL, AW, QSTEP)
+        ok = _rows_pass(ok, index, E, e, b, words, tmeta, q_words, q_base, groups, q_ranges, G, AW, QSTEP)
         if KWAY:
             p_lo = tl.load(part_offsets + e, mask=ok, other=0)
             n_p = tl.load(part_offsets + e + 1, mask=ok, other=0) - p_lo
@@ -80,10 +80,8 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request,
             k = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, 0, max_parts)
             while k < max_parts:  # until each live lane found a passing partition or ran out of them
                 has = ok & (k < n_p) & (any_part == 0)
-                pbm = tl.load(part_bm + p_lo + k, mask=has, other=0).to(tl.int64)
-                pbl = tl.load(part_bl + p_lo + k, mask=has, other=0).to(tl.int64)
-                any_part = any_part | _row_passes(has, pbm, pbl, b, bm_table, bl_table, user_rows, query_rows,
-                                                  query_ranges, bl_woff, W_BM, W_BL, A_BL, AW, QSTEP)
+                any_part = any_part | _rows_pass(has, part_index, T, p_lo + k, b, words, tmeta, q_words, q_base,
+                                                 groups, q_ranges, G, AW, QSTEP)
                 left = tl.sum((ok & (any_part == 0) & (k + 1 < n_p)).to(tl.int32), axis=0)
                 k = tl.where(left > 0, k + 1, max_parts)
             ok = any_part
@@ -111,15 +109,18 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
     if M == 0 or C == 0:
         return out
     BLOCK, warps = shape or launch_shape(index, depth)
-    g = index.gtm
-    woff = index.spec.bloom_layout.word_offsets  # the requests' layout, known on the host
-    aw = max([hi - lo for lo, hi in zip(woff, woff[1:])] + [1])
-    parts = (g.part_offsets, g.part_bitmask_index, g.part_bloom_index) if mode.kway else (g.node_offsets,) * 3
+    g, q = index.gtm, requests.stacked
+    t = index.tables
+    if t is None:  # an index served on the CPU (the interpreter's tests) is stacked here, once per call
+        planes = g.planes
+        t = stack_tables([p.table for p in planes], [p.index for p in planes],
+                         [p.part_index for p in planes] if g.part_offsets is not None else None, logp.device)
+    kway = mode.kway
     _gtm_mask_kernel[(M, triton.cdiv(C, BLOCK))](
-        out, logp, beam_score, beam_node, beam_request,
-        g.node_offsets, g.csr_tokens, g.bitmask_index, g.bloom_index, g.bitmask_table,
-        g.bloom_table, *parts, index.max_parts if mode.kway else 0,
-        requests.user_rows, requests.query_rows, requests.query_ranges, requests.word_offsets, V,
-        GTM=mode.gtm, KWAY=mode.kway, W_BM=g.bitmask_table.shape[1], W_BL=g.bloom_table.shape[1],
-        A_BL=len(woff) - 1, AW=triton.next_power_of_2(aw), BLOCK=BLOCK, QSTEP=4, num_warps=warps)
+        out, logp, beam_score, beam_node, beam_request, g.node_offsets, g.csr_tokens,
+        t.words, t.meta, t.index, t.index.shape[1], g.part_offsets if kway else g.node_offsets,
+        t.part_index if kway else t.index, t.part_index.shape[1] if kway else 0, index.max_parts if kway else 0,
+        q.words, q.base, q.groups, q.ranges, V,
+        GTM=mode.gtm, KWAY=kway, G=q.groups.shape[0], AW=triton.next_power_of_2(q.group_words), BLOCK=BLOCK,
+        QSTEP=4, num_warps=warps)
     return out

@@ -1,6 +1,6 @@
 """Plain torch reference of the CD+GTM mask: gathers every child entry of every beam into dense
-(M, C) tensors and tests them with whole-tensor ops. Obviously correct, memory-hungry (the Bloom
-test materialises (beams, children, queries, words)), so it runs over chunks of beams. It is the
+(M, C) tensors and tests them with whole-tensor ops. Obviously correct, memory-hungry (a word group
+materialises (beams, children, queries, words)), so it runs over chunks of beams. It is the
 CPU path and what the Triton kernel is tested and benchmarked against."""
 
 from __future__ import annotations
@@ -12,23 +12,20 @@ from sidindex.modes import Mode
 NEG_INF = float("-inf")
 
 
-def _passes(index, requests, bm_rows: torch.Tensor, bl_rows: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
-    """(m, C) bool: matcher rows (m, C) of each beam's request `req` (m,) pass every attribute."""
-    g = index.gtm
-    user = requests.user_rows[req][:, None, :]                              # (m, 1, W_bm)
-    rows = g.bitmask_table[bm_rows]                                         # (m, C, W_bm)
-    ok = ((rows & user) == user).all(dim=-1)
-    woff = index.spec.bloom_layout.word_offsets  # the requests' layout, known on the host
-    for a in range(len(woff) - 1):
-        lo, hi = woff[a], woff[a + 1]
-        ranges = requests.query_ranges[req, a]                              # (m, 2)
-        n_q = ranges[:, 1] - ranges[:, 0]
-        j = torch.arange(requests.max_queries, device=req.device)
-        q_idx = (ranges[:, :1] + j).clamp(max=len(requests.query_rows) - 1)  # (m, Qmax)
-        q = requests.query_rows[q_idx, lo:hi][:, None]                     # (m, 1, Qmax, w)
-        r = g.bloom_table[bl_rows][..., None, lo:hi]                       # (m, C, 1, w)
-        hit = ((r & q) == q).all(dim=-1) & (j < n_q[:, None])[:, None, :]  # (m, C, Qmax)
-        ok &= hit.any(dim=-1)
+def _passes(index, requests, rows: list[torch.Tensor], req: torch.Tensor) -> torch.Tensor:
+    """(m, C) bool: the matcher rows `rows` (per plane (m, C) int64) pass each beam's request
+    `req` (m,) on every word group of every plane (`sidindex.matchers.plane`)."""
+    ok = torch.ones(rows[0].shape, dtype=torch.bool, device=req.device)
+    for plane, q, r in zip(index.gtm.planes, requests.planes, rows):
+        table = plane.table[r]                                              # (m, C, W)
+        j = torch.arange(q.max_queries, device=req.device)
+        for g, (lo, hi) in enumerate(zip(q.word_offsets[:-1], q.word_offsets[1:])):
+            ranges = q.ranges[req, g]                                       # (m, 2)
+            q_idx = (ranges[:, :1] + j).clamp(max=len(q.rows) - 1)          # (m, Qmax)
+            qr = q.rows[q_idx, lo:hi][:, None]                              # (m, 1, Qmax, w)
+            tr = table[..., None, lo:hi]                                    # (m, C, 1, w)
+            hit = ((tr & qr) == qr).all(dim=-1) & (j < (ranges[:, 1] - ranges[:, 0])[:, None])[:, None, :]
+            ok &= hit.any(dim=-1)                                           # ANY query of the group
     return ok
 
 
@@ -47,7 +44,7 @@ def gtm_mask_reference(index, requests, depth: int, beam_request: torch.Tensor, 
         ok = (j < (g.node_offsets[node + 1] - lo)[:, None]) & (score > NEG_INF)[:, None]  # (m, C)
         e = torch.where(ok, lo[:, None] + j, 0)
         if mode.gtm:
-            ok &= _passes(index, requests, g.bitmask_index[e].long(), g.bloom_index[e].long(), req)
+            ok &= _passes(index, requests, [p.index[e].long() for p in g.planes], req)
         if mode.kway:
             p_lo = g.part_offsets[e]
             n_p = g.part_offsets[e + 1] - p_lo
@@ -55,8 +52,7 @@ def gtm_mask_reference(index, requests, depth: int, beam_request: torch.Tensor, 
             for k in range(index.max_parts):
                 has = ok & (k < n_p)
                 p = torch.where(has, p_lo + k, 0)
-                any_part |= has & _passes(index, requests, g.part_bitmask_index[p].long(),
-                                          g.part_bloom_index[p].long(), req)
+                any_part |= has & _passes(index, requests, [pl.part_index[p].long() for pl in g.planes], req)
             ok = any_part
         tok = g.csr_tokens[e].long()
         val = score[:, None] + logp[s:s + chunk].gather(1, tok)

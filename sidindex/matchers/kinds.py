@@ -1,0 +1,13 @@
+"""The matcher kinds, in plane order (`schemas.artifacts.MATCHER_PLANES`): the one list everything
+that builds, stores or tests matcher rows iterates over. A new kind: its attribute in
+`sidindex.targeting`, a module here exporting its `MatcherKind`, its exact test in
+`sidindex.matchers.exact`, its plane in `schemas.artifacts`, and an entry below."""
+
+from __future__ import annotations
+
+from schemas.artifacts import MATCHER_PLANES
+from sidindex.matchers import bitmask, bloom
+from sidindex.matchers.plane import MatcherKind
+
+KINDS: tuple[MatcherKind, ...] = (bitmask.KIND, bloom.KIND)
+assert tuple(k.name for k in KINDS) == MATCHER_PLANES, "matcher kinds and snapshot planes disagree"

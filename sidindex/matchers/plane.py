@@ -1,0 +1,122 @@
+"""Matcher planes: the one test every matcher kind reduces to (DESIGN.md §4).
+
+A plane is a matcher kind's rows: (n, W) uint64 per ad, per subtree union, per k-way partition. A
+request brings, for each of the plane's word groups, a set of query rows; a row passes the request
+iff for EVERY group some query q has (row & q) == q on that group's words:
+
+    bitmask  one group holding every word; the request's user row is its only query
+    bloom    one group per attribute (its words); a query per request value
+
+The trie build, the CPU matcher, the exact filter, explanations, the torch reference and the
+Triton kernel all run this one test, over the planes in `schemas.artifacts.MATCHER_PLANES` order;
+a new matcher kind supplies the rows and the queries, never a new test.
+
+Legend: B requests, G word groups, Q query rows, W words per row, n pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numba
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PlaneQueries:
+    """A request batch's queries against one plane.
+
+    rows:         (Q, W) uint64 query rows, shared by the batch (`ranges` index them); a query of
+                  group g only has bits in g's words
+    ranges:       (B, G, 2) int64 [start, end) of request b's queries for group g; never empty
+    word_offsets: (G+1,) int64 the words of group g are [word_offsets[g], word_offsets[g+1])
+    """
+
+    rows: np.ndarray
+    ranges: np.ndarray
+    word_offsets: np.ndarray
+
+    @property
+    def max_queries(self) -> int:
+        """The most queries one request has for one group."""
+        n = (self.ranges[..., 1] - self.ranges[..., 0]).reshape(-1)  # numpy or torch
+        return int(n.max()) if len(n) else 0
+
+    def slice(self, lo: int, hi: int) -> PlaneQueries:
+        """Requests lo..hi-1 (the query rows stay shared)."""
+        return replace(self, ranges=self.ranges[lo:hi])
+
+
+@dataclass(frozen=True)
+class MatcherKind:
+    """What a matcher kind supplies (`sidindex.matchers.kinds.KINDS` lists them in plane order).
+
+    name:             the attribute kind and the plane's name in snapshots
+    layout:           TargetingSpec -> the kind's layout (`names` of its attributes, `words` per
+                      row, meaningful `bits` per row), derived once per spec (`TargetingSpec.layouts`)
+    encode_ads:       (layout, catalog columns, flattened codes or None) -> (N, W) uint64 ad rows
+    encode_requests:  (layout, request columns) -> PlaneQueries
+    attribute_passes: (layout, row (W,), PlaneQueries, request) -> (A,) bool per attribute (explanations)
+    """
+
+    name: str
+    layout: Callable[[Any], Any]
+    encode_ads: Callable[..., np.ndarray]
+    encode_requests: Callable[..., PlaneQueries]
+    attribute_passes: Callable[..., np.ndarray]
+
+
+def one_query_each(rows: np.ndarray) -> PlaneQueries:
+    """Queries of a plane tested as one group, request b's only query being rows[b] (B, W)."""
+    b = np.arange(len(rows), dtype=np.int64)
+    return PlaneQueries(rows, np.stack([b, b + 1], axis=-1)[:, None, :],
+                        np.array([0, rows.shape[1]], dtype=np.int64))
+
+
+def group_passes(row: np.ndarray, queries: PlaneQueries, request: int) -> np.ndarray:
+    """(G,) bool: does `row` (W,) uint64 pass each word group for request `request`."""
+    out = np.zeros(len(queries.word_offsets) - 1, dtype=bool)
+    for g, (lo, hi) in enumerate(zip(queries.word_offsets[:-1], queries.word_offsets[1:])):
+        q = queries.rows[queries.ranges[request, g, 0]:queries.ranges[request, g, 1], lo:hi]
+        out[g] = bool(((row[lo:hi] & q) == q).all(axis=1).any())
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def row_passes(table, r, q_rows, ranges, woff):
+    """table[r] passes one request: for every group g ANY query q in [ranges[g, 0], ranges[g, 1])
+    has (row & q) == q on words woff[g]:woff[g+1]; a failing word stops that query.
+    table: (R, W) uint64; q_rows: (Q, W) uint64; ranges: (G, 2) int64; woff: (G+1,) int64."""
+    for g in range(len(woff) - 1):
+        hit = False
+        for q in range(ranges[g, 0], ranges[g, 1]):
+            good = True
+            for w in range(woff[g], woff[g + 1]):
+                if table[r, w] & q_rows[q, w] != q_rows[q, w]:
+                    good = False
+                    break
+            if good:
+                hit = True
+                break
+        if not hit:
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _pairs_pass(table, rows, reqs, q_rows, ranges, woff, ok):
+    for i in range(len(rows)):
+        if ok[i]:
+            ok[i] = row_passes(table, rows[i], q_rows, ranges[reqs[i]], woff)
+
+
+def pairs_pass(table: np.ndarray, rows: np.ndarray, reqs: np.ndarray, queries: PlaneQueries,
+               ok: np.ndarray | None = None) -> np.ndarray:
+    """(n,) bool: row rows[i] of `table` (R, W) uint64 passes request reqs[i]; rows, reqs: (n,)
+    integer. `ok` (n,) bool: only these pairs are tested (the result is written into it)."""
+    ok = np.ones(len(rows), dtype=np.bool_) if ok is None else ok
+    _pairs_pass(table, np.asarray(rows, dtype=np.int64), np.asarray(reqs, dtype=np.int64), queries.rows,
+                queries.ranges, queries.word_offsets, ok)
+    return ok
