@@ -32,11 +32,13 @@ class PlaneQueries:
                   group g only has bits in g's words
     ranges:       (B, G, 2) int64 [start, end) of request b's queries for group g; never empty
     word_offsets: (G+1,) int64 the words of group g are [word_offsets[g], word_offsets[g+1])
+    single:       every request has exactly one query per group (kernels then skip the ANY loop)
     """
 
     rows: np.ndarray
     ranges: np.ndarray
     word_offsets: np.ndarray
+    single: bool = False
 
     @property
     def max_queries(self) -> int:
@@ -72,7 +74,7 @@ def one_query_each(rows: np.ndarray) -> PlaneQueries:
     """Queries of a plane tested as one group, request b's only query being rows[b] (B, W)."""
     b = np.arange(len(rows), dtype=np.int64)
     return PlaneQueries(rows, np.stack([b, b + 1], axis=-1)[:, None, :],
-                        np.array([0, rows.shape[1]], dtype=np.int64))
+                        np.array([0, rows.shape[1]], dtype=np.int64), single=True)
 
 
 def group_passes(row: np.ndarray, queries: PlaneQueries, request: int) -> np.ndarray:

@@ -4,10 +4,11 @@ Triton kernel."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
-from sidindex.matchers.plane import PlaneQueries
 from sidindex.modes import Mode
 from sidindex.trie.match import entries_pass
 
@@ -26,7 +27,7 @@ def gtm_mask_cpu(index, requests, depth: int, beam_request: torch.Tensor, beam_n
     entries = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
     # 2. the matchers
     if mode.gtm:
-        queries = tuple(PlaneQueries(q.rows.numpy().view(np.uint64), q.ranges.numpy(), q.word_offsets)
+        queries = tuple(dataclasses.replace(q, rows=q.rows.numpy().view(np.uint64), ranges=q.ranges.numpy())
                         for q in requests.planes)
         ok = entries_pass(g, queries, entries, req[beam], mode.kway)
         beam, entries = beam[ok], entries[ok]

@@ -2,13 +2,13 @@
 
 One program per (beam, block of BLOCK child entries of the beam's trie node); BLOCK follows the
 depth's mean fan-out (`launch_shape`), so few lanes idle. Each lane is one child entry: CD is the
-entry existing at all; then (GTM) the matcher planes' test (`sidindex.matchers.plane`), word group
-by word group: a lane loads its row's words of the group (masked: a lane that already failed loads
-nothing) and keeps them in registers while the request's queries of the group stream past four at
-a time, until every live lane has a hit; a block with no live lane skips the stream. The planes
-are read through their stacks (`planes.TableStack`, `planes.QueryStack`), so one kernel serves
-any set of planes; the bitmask plane is a single group with one query, so it goes first and
-prunes. With k-way partitions (KWAY), lanes that pass the union test try their partitions until
+entry existing at all; then (GTM) the matcher planes' test (`sidindex.matchers.plane`), plane by
+plane and word group by word group, the kernel compiled for the planes' layout (constexpr tuples).
+A plane with one query per request (bitmask) is tested word by word, a lane that failed loading
+nothing more (masked loads); otherwise a lane keeps its row's words of the group in registers
+while the request's queries stream past four at a time, until every live lane has a hit; a block
+with no live lane skips the stream. The planes are read through their stacks
+(`planes.TableStack`, `planes.QueryStack`), so one kernel serves any set of planes. With k-way partitions (KWAY), lanes that pass the union test try their partitions until
 one passes. A surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every
 other token stays -inf. GTM and KWAY are compile-time flags, the Mode's properties. Bits are int64
 (the uint64 rows reinterpreted): & and == are the same.
@@ -25,30 +25,29 @@ from sidindex.modes import Mode
 
 
 @triton.jit
-def _rows_pass(ok, idx, stride, pos, b, words, tmeta, q_words, q_base, groups, q_ranges,
-               G: tl.constexpr, AW: tl.constexpr, QSTEP: tl.constexpr):
-    """ok & (each lane's rows pass request b on every word group). A lane's row of plane p is
-    idx[p * stride + pos]."""
-    wi = tl.arange(0, AW)
-    for g in tl.static_range(G):
-        p = tl.load(groups + g * 3)
-        w_lo = tl.load(groups + g * 3 + 1)
-        wm = wi < tl.load(groups + g * 3 + 2)
-        t_lo = tl.load(tmeta + p * 2)
-        W = tl.load(tmeta + p * 2 + 1)
-        q_lo = tl.load(q_base + p)
-        r = tl.load(idx + p * stride + pos, mask=ok, other=0).to(tl.int64)
-        rows = tl.load(words + t_lo + r[:, None] * W + w_lo + wi[None, :], mask=ok[:, None] & wm[None, :], other=0)
-        q = tl.load(q_ranges + (b * G + g) * 2)
-        q_hi = tl.load(q_ranges + (b * G + g) * 2 + 1)
+def _group_pass(ok, row, q_lo, q_range, W: tl.constexpr, W_LO: tl.constexpr, N_W: tl.constexpr, A_W: tl.constexpr,
+                ONE: tl.constexpr, QSTEP: tl.constexpr):
+    """ok & (each lane's `row` passes ANY of the queries q_range[0]..q_range[1]-1 on the group's
+    words W_LO..W_LO+N_W-1); rows and queries are W words wide, A_W is N_W rounded up to a power of 2."""
+    q = tl.load(q_range)
+    if ONE:  # one query: word by word, a lane that failed loads nothing more
+        for w in tl.static_range(N_W):
+            u = tl.load(q_lo + q * W + W_LO + w)
+            x = tl.load(row + W_LO + w, mask=ok, other=0)
+            ok = ok & ((x & u) == u)
+    else:  # ANY query: the rows' words stay in registers while the queries stream past
+        wi = tl.arange(0, A_W)
+        wm = wi < N_W
+        rows = tl.load(row[:, None] + W_LO + wi[None, :], mask=ok[:, None] & wm[None, :], other=0)
+        q_hi = tl.load(q_range + 1)
         hit = tl.zeros_like(ok)
-        # stream the queries, QSTEP at a time (independent loads in flight), until every live lane
-        # has a hit or none is left to test
+        # QSTEP queries at a time (independent loads in flight), until every live lane has a hit
+        # or none is left to test
         q = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, q, q_hi)
         while q < q_hi:
             for i in tl.static_range(QSTEP):
-                qw = tl.load(q_words + q_lo + (q + i) * W + w_lo + wi, mask=wm & (wi * 0 + q + i < q_hi), other=0)
-                need = AW + tl.where(q + i < q_hi, 0, 1)  # past the last query nothing can match
+                qw = tl.load(q_lo + (q + i) * W + W_LO + wi, mask=wm & (wi * 0 + q + i < q_hi), other=0)
+                need = A_W + tl.where(q + i < q_hi, 0, 1)  # past the last query nothing can match
                 hit = hit | (tl.sum(((rows & qw[None, :]) == qw[None, :]).to(tl.int32), axis=1) == need)
             left = tl.sum((ok & (hit == 0)).to(tl.int32), axis=0)
             q = tl.where(left > 0, q + QSTEP, q_hi)
@@ -57,10 +56,31 @@ def _rows_pass(ok, idx, stride, pos, b, words, tmeta, q_words, q_base, groups, q
 
 
 @triton.jit
+def _rows_pass(ok, idx, stride, pos, b, words, t_base, q_words, q_base, q_ranges,
+               WIDTHS: tl.constexpr, SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr,
+               GW: tl.constexpr, GA: tl.constexpr, QSTEP: tl.constexpr):
+    """ok & (each lane's rows pass request b on every word group of every plane). A lane's row of
+    plane p is idx[p * stride + pos]. Layout tuples (`planes.GroupLayout`): per plane its width and
+    whether it has one query per group; per group its plane, first word, words, and words rounded
+    up to a power of two."""
+    G: tl.constexpr = len(GP)
+    for p in tl.static_range(len(WIDTHS)):
+        r = tl.load(idx + p * stride + pos, mask=ok, other=0).to(tl.int64)
+        row = words + tl.load(t_base + p) + r * WIDTHS[p]  # each lane's row of plane p
+        q_lo = q_words + tl.load(q_base + p)
+        for g in tl.static_range(G):
+            if GP[g] == p:  # resolved at compile time
+                ok = _group_pass(ok, row, q_lo, q_ranges + (b * G + g) * 2, WIDTHS[p], GLO[g], GW[g], GA[g],
+                                 SINGLE[p], QSTEP)
+    return ok
+
+
+@triton.jit
 def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offsets, csr_tokens,
-                     words, tmeta, index, E, part_offsets, part_index, T, max_parts,
-                     q_words, q_base, groups, q_ranges, V,
-                     GTM: tl.constexpr, KWAY: tl.constexpr, G: tl.constexpr, AW: tl.constexpr,
+                     words, t_base, index, E, part_offsets, part_index, T, max_parts,
+                     q_words, q_base, q_ranges, V,
+                     GTM: tl.constexpr, KWAY: tl.constexpr, WIDTHS: tl.constexpr, SINGLE: tl.constexpr,
+                     GP: tl.constexpr, GLO: tl.constexpr, GW: tl.constexpr, GA: tl.constexpr,
                      BLOCK: tl.constexpr, QSTEP: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     score = tl.load(beam_score + m)
@@ -72,7 +92,8 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
     tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
     if GTM:
         b = tl.load(beam_request + m)
-        ok = _rows_pass(ok, index, E, e, b, words, tmeta, q_words, q_base, groups, q_ranges, G, AW, QSTEP)
+        ok = _rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges,
+                        WIDTHS, SINGLE, GP, GLO, GW, GA, QSTEP)
         if KWAY:
             p_lo = tl.load(part_offsets + e, mask=ok, other=0)
             n_p = tl.load(part_offsets + e + 1, mask=ok, other=0) - p_lo
@@ -80,8 +101,8 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
             k = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, 0, max_parts)
             while k < max_parts:  # until each live lane found a passing partition or ran out of them
                 has = ok & (k < n_p) & (any_part == 0)
-                any_part = any_part | _rows_pass(has, part_index, T, p_lo + k, b, words, tmeta, q_words, q_base,
-                                                 groups, q_ranges, G, AW, QSTEP)
+                any_part = any_part | _rows_pass(has, part_index, T, p_lo + k, b, words, t_base, q_words, q_base,
+                                                 q_ranges, WIDTHS, SINGLE, GP, GLO, GW, GA, QSTEP)
                 left = tl.sum((ok & (any_part == 0) & (k + 1 < n_p)).to(tl.int32), axis=0)
                 k = tl.where(left > 0, k + 1, max_parts)
             ok = any_part
@@ -115,12 +136,13 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         planes = g.planes
         t = stack_tables([p.table for p in planes], [p.index for p in planes],
                          [p.part_index for p in planes] if g.part_offsets is not None else None, logp.device)
-    kway = mode.kway
+    kway, lay = mode.kway, q.layout
     _gtm_mask_kernel[(M, triton.cdiv(C, BLOCK))](
         out, logp, beam_score, beam_node, beam_request, g.node_offsets, g.csr_tokens,
-        t.words, t.meta, t.index, t.index.shape[1], g.part_offsets if kway else g.node_offsets,
+        t.words, t.base, t.index, t.index.shape[1], g.part_offsets if kway else g.node_offsets,
         t.part_index if kway else t.index, t.part_index.shape[1] if kway else 0, index.max_parts if kway else 0,
-        q.words, q.base, q.groups, q.ranges, V,
-        GTM=mode.gtm, KWAY=kway, G=q.groups.shape[0], AW=triton.next_power_of_2(q.group_words), BLOCK=BLOCK,
+        q.words, q.base, q.ranges, V,
+        GTM=mode.gtm, KWAY=kway, WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane, GLO=lay.group_lo,
+        GW=lay.group_words, GA=tuple(triton.next_power_of_2(max(w, 1)) for w in lay.group_words), BLOCK=BLOCK,
         QSTEP=4, num_warps=warps)
     return out

@@ -1,6 +1,7 @@
-"""The matcher planes as the Triton kernel reads them: every plane's rows in one flat buffer with a
-small table of where each plane and word group starts, so one kernel serves any set of planes
-(`sidindex.matchers.plane`). Rows are int64 (the uint64 bits reinterpreted).
+"""The matcher planes as the Triton kernel reads them: every plane's rows in one flat buffer with
+where each plane starts, and the planes' word groups as a host-side `GroupLayout` the kernel is
+compiled for, so one kernel serves any set of planes (`sidindex.matchers.plane`). Rows are int64
+(the uint64 bits reinterpreted).
 
 Legend: P planes, G word groups of all planes, E child entries, T k-way partitions.
 """
@@ -18,17 +19,34 @@ class TableStack:
     """An index's matcher tables, stacked.
 
     words:      (sum of R_p * W_p,) int64 every plane's table, row-major, back to back
-    meta:       (P, 2) int64 per plane: its first word in `words`, its row width W_p
+    base:       (P,) int64 first word of each plane's table in `words`
     index:      (P, E) int32 row of each child entry's union, per plane
     part_index: (P, T) int32 row of each partition, per plane, or None
     tables:     per plane, (R_p, W_p) views of `words` (what the other paths read)
     """
 
     words: torch.Tensor
-    meta: torch.Tensor
+    base: torch.Tensor
     index: torch.Tensor
     part_index: torch.Tensor | None
     tables: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """The planes' word groups, as the kernel is compiled for them (tuples: constexpr arguments).
+
+    widths:      per plane, its row width W_p
+    single:      per plane, whether each request has exactly one query per group
+    group_plane, group_lo, group_words: per group (planes in order), its plane, its first word
+                 within a row and its number of words
+    """
+
+    widths: tuple[int, ...]
+    single: tuple[bool, ...]
+    group_plane: tuple[int, ...]
+    group_lo: tuple[int, ...]
+    group_words: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -37,16 +55,15 @@ class QueryStack:
 
     words:  (sum of Q_p * W_p,) int64 every plane's query rows, back to back
     base:   (P,) int64 first word of each plane's query rows
-    groups: (G, 3) int64 per word group, planes in order: its plane, first word within a row, words
-    ranges: (B, G, 2) int64 [start, end) of request b's queries for group g (rows of its plane)
-    group_words: the most words of one group (the kernel's tile width)
+    ranges: (B, G, 2) int64 [start, end) of request b's queries for group g (rows of its plane),
+            the groups of all planes in order
+    layout: the groups, on the host
     """
 
     words: torch.Tensor
     base: torch.Tensor
-    groups: torch.Tensor
     ranges: torch.Tensor
-    group_words: int
+    layout: GroupLayout
 
     def slice(self, lo: int, hi: int) -> QueryStack:
         """Requests lo..hi-1 (the query rows stay shared)."""
@@ -67,7 +84,6 @@ def stack_tables(tables: list[torch.Tensor], index: list[torch.Tensor], part_ind
     """Stack per-plane tables (R_p, W_p) int64, entry indexes (E,) int32 and partition indexes (T,)
     int32 (host or device tensors) onto `device`, each copied once."""
     words, starts = _flat(tables, device)
-    meta = torch.tensor([[s, t.shape[1]] for s, t in zip(starts, tables)], dtype=torch.int64, device=device)
     views = tuple(words[s:s + t.numel()].view(t.shape) for s, t in zip(starts, tables))
 
     def rows(parts):
@@ -76,15 +92,17 @@ def stack_tables(tables: list[torch.Tensor], index: list[torch.Tensor], part_ind
             out[p].copy_(src, non_blocking=True)
         return out
 
-    return TableStack(words, meta, rows(index), None if part_index is None else rows(part_index), views)
+    return TableStack(words, torch.tensor(starts, dtype=torch.int64, device=device), rows(index), None if part_index is None else rows(part_index), views)
 
 
 def stack_queries(planes, device) -> QueryStack:
     """Stack a batch's per-plane queries (`PlaneQueries` of tensors on `device`, word offsets on the host)."""
     words, starts = _flat([q.rows for q in planes], device)
-    groups = [(p, int(lo), int(hi - lo)) for p, q in enumerate(planes)
-              for lo, hi in zip(q.word_offsets[:-1], q.word_offsets[1:])]
+    woff = [[int(w) for w in q.word_offsets] for q in planes]
+    layout = GroupLayout(widths=tuple(int(q.rows.shape[1]) for q in planes),
+                         single=tuple(bool(q.single) for q in planes),
+                         group_plane=tuple(p for p, w in enumerate(woff) for _ in w[:-1]),
+                         group_lo=tuple(lo for w in woff for lo in w[:-1]),
+                         group_words=tuple(hi - lo for w in woff for lo, hi in zip(w[:-1], w[1:])))
     return QueryStack(words, torch.tensor(starts, dtype=torch.int64, device=device),
-                      torch.tensor(groups, dtype=torch.int64, device=device).reshape(-1, 3),
-                      torch.cat([q.ranges for q in planes], dim=1),
-                      max([n for _, _, n in groups] + [1]))
+                      torch.cat([q.ranges for q in planes], dim=1), layout)
