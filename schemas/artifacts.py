@@ -5,8 +5,8 @@ complete enough for a reader in another language.
 
 Shapes use these letters: L SID length, num_nodes trie nodes (root included), E = num_nodes - 1
 child entries, S SIDs (leaves), P SID rows (ad, path), N ads, T k-way partitions, R rows of a
-deduplicated matcher table, W_bm / W_bl words of a bitmask / Bloom row, A_bl Bloom attributes, H
-exact hashes.
+deduplicated matcher table, W_p words of a row of matcher plane p (W_bitmask, W_bloom), A_p
+attributes of plane p, H_p exact hashes of plane p.
 """
 
 from __future__ import annotations
@@ -14,14 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SNAPSHOT_FORMAT = "sidindex.snapshot"
-SNAPSHOT_VERSION = 2
-GONE_VERSIONS = {1: "raw .bin arrays, no longer read: rebuild the snapshot from its catalog"}
+SNAPSHOT_VERSION = 3
+GONE_VERSIONS = {1: "raw .bin arrays, no longer read: rebuild the snapshot from its catalog",
+                 2: "exact arrays not yet named by matcher plane, no longer read: rebuild the snapshot from its catalog"}
 MANIFEST_FILE = "manifest.json"
 
 # Matcher kinds. Each plane has a deduplicated row table, a row index per child entry and, with
-# k-way partitions, a row index per partition; a candidate passes when every plane passes.
+# k-way partitions, a row index per partition; a candidate passes when every plane passes. The
+# exact ad-level filter keeps, per plane, either the ads' own rows (EXACT_ROWS: the plane's test
+# is exact) or the sorted hashes of each ad's values per attribute (EXACT_VALUES).
 MATCHER_PLANES = ("bitmask", "bloom")
-PLANE_WIDTH = {"bitmask": "W_bm", "bloom": "W_bl"}
+EXACT_ROWS, EXACT_VALUES = "rows", "values"
+EXACT_FORM = {"bitmask": EXACT_ROWS, "bloom": EXACT_VALUES}
 
 ARROW_TYPES = {"<i2": "int16", "<i4": "int32", "<i8": "int64", "<u8": "uint64"}
 
@@ -58,11 +62,26 @@ def _planes() -> tuple[ArrayFile, ...]:
     out = []
     for p in MATCHER_PLANES:
         out += [ArrayFile(f"{p}_index", "<i4", "E", None, f"Row of `{p}_table` holding child entry e's subtree union."),
-                ArrayFile(f"{p}_table", "<u8", f"R_{p}", PLANE_WIDTH[p],
+                ArrayFile(f"{p}_table", "<u8", f"R_{p}", f"W_{p}",
                           f"Deduplicated {p} matcher rows (DESIGN.md §4); every row distinct.")]
     for p in MATCHER_PLANES:
         out.append(ArrayFile(f"part_{p}_index", "<i4", "T", None, f"Row of `{p}_table` of each k-way partition.",
                              group="kway"))
+    return tuple(out)
+
+
+def _exact() -> tuple[ArrayFile, ...]:
+    out = []
+    for p in MATCHER_PLANES:
+        if EXACT_FORM[p] == EXACT_ROWS:
+            out.append(ArrayFile(f"exact_{p}_rows", "<u8", "N", f"W_{p}", f"Each ad's own {p} row (exact)."))
+        else:
+            out += [ArrayFile(f"exact_{p}_hash_offsets", "<i8", f"A_{p} * (N + 1)", None,
+                              f"Attribute-major: the hashes of ad i for {p} attribute a are exact_{p}_hashes"
+                              f"[o[a*(N+1)+i] : o[a*(N+1)+i+1]]; one run rising from 0 to H_{p}."),
+                    ArrayFile(f"exact_{p}_hashes", "<u8", f"H_{p}", None,
+                              "mmh3 x64_128 (seed 0x5EED0E1, first 64 bits) of an ad's values, ascending within "
+                              "each ad.")]
     return tuple(out)
 
 
@@ -79,12 +98,7 @@ SNAPSHOT_ARRAYS = (
     *_planes(),
     ArrayFile("part_offsets", "<i8", "E + 1", None,
               "Partitions of entry e are [part_offsets[e], part_offsets[e+1]).", group="kway"),
-    ArrayFile("exact_bitmask_rows", "<u8", "N", "W_bm", "Each ad's own bitmask row (exact)."),
-    ArrayFile("exact_hash_offsets", "<i8", "A_bl * (N + 1)", None,
-              "Attribute-major: the hashes of ad i for Bloom attribute a are "
-              "exact_hashes[o[a*(N+1)+i] : o[a*(N+1)+i+1]]; one run rising from 0 to H."),
-    ArrayFile("exact_hashes", "<u8", "H", None,
-              "mmh3 x64_128 (seed 0x5EED0E1, first 64 bits) of an ad's values, ascending within each ad."),
+    *_exact(),
     ArrayFile("ads", "<i8", "N", None, "ad_id of each catalog row; unique.", column="ad_id"),
 )
 
@@ -97,14 +111,15 @@ SNAPSHOT_RELATIONS = (
     "csr_child_nodes[e] = e + 1.",
     "csr_tokens: entry e of depth d (its child lies at depth d+1) holds a token in [0, level_sizes[d]); strictly "
     "rising within each node.",
-    "<plane>_index and part_<plane>_index: in [0, rows of <plane>_table); row width W_bm = max(1, ceil(bitmask "
-    "bits / 64)), W_bl = max(1, sum of Bloom bits / 64) from the targeting spec.",
+    "<plane>_index and part_<plane>_index: in [0, rows of <plane>_table); row width W_bitmask = max(1, "
+    "ceil(bitmask bits / 64)), W_bloom = max(1, sum of Bloom bits / 64) from the targeting spec.",
     "leaf_ad_offsets: S + 1 = num_nodes - depth_offsets[L] + 1 entries, [0] = 0, strictly rising (every SID has "
     "an ad), last = P; leaf_ads in [0, N), strictly rising within a leaf.",
     "part_offsets: [0] = 0, strictly rising (every entry has a partition), last = T.",
-    "exact_hash_offsets: rising from 0 to H over all A_bl * (N + 1) values, attribute a's last equal to "
-    "attribute a+1's first; exact_hashes rising within each (attribute, ad) run.",
-    "ads: N = rows of exact_bitmask_rows; ad_id unique.",
+    "exact_<plane>_rows: N rows of W_<plane> words.",
+    "exact_<plane>_hash_offsets: rising from 0 to H_<plane> over all A_<plane> * (N + 1) values, attribute a's "
+    "last equal to attribute a+1's first; exact_<plane>_hashes rising within each (attribute, ad) run.",
+    "ads: N values; ad_id unique.",
     "level_sizes (manifest): L values in [1, 32768], equal to the carried codebook's.",
     "manifest counts: ads = N, sid_rows = P, sids = S, nodes = num_nodes.",
 )

@@ -19,7 +19,7 @@ import polars as pl
 
 from schemas import CATALOG, REQUESTS
 from sidindex.errors import InputError
-from sidindex.targeting import BITMASK, TargetingSpec
+from sidindex.targeting import TargetingSpec
 
 MAX_REQUEST_VALUES = 64
 # Embedding elements are refused beyond this absolute value. faiss k-means and the SID assignment compute
@@ -118,8 +118,7 @@ def read_catalog(
         keep.append(v.hash_key(key))
     if spec is not None:
         for a in spec.attributes:
-            keep.append(v.string_list(a.name, declared=a.values if a.kind == BITMASK else None,
-                                      declared_in=spec.source))
+            keep.append(v.string_list(a.name, declared=a.values or None, declared_in=spec.source))
     if "value" in df.columns and "value" not in hash_keys:
         keep.append(v.float64("value"))
     return Catalog(str(path), ad_id, embedding, pl.DataFrame(keep))
@@ -145,7 +144,7 @@ def read_requests(
     embedding = v.vector("embedding", dim) if "embedding" in df.columns else None
     keep = []
     for a in spec.attributes:
-        if a.kind == BITMASK:
+        if a.one_request_value:
             keep.append(v.string(a.name))
         else:
             keep.append(v.string_list(a.name, declared=None, max_len=max_values))

@@ -24,7 +24,8 @@ class EncodedRequests:
 
     source:       the request table they came from (named in messages)
     planes:       the batch's queries against each matcher plane, in plane order (`PlaneQueries`)
-    exact:        the batch's values for the exact ad-level filter
+    exact:        per plane, the batch's values for the exact ad-level filter (None for a plane
+                  whose exact test reads its queries)
     embedding:    (B, D) float32, or None when the table has no embedding column
     stacked:      None on the host; on a device (`runtime.requests.to_device`, where the planes'
                   rows and ranges are tensors) the planes stacked as the Triton kernel reads them
@@ -32,7 +33,7 @@ class EncodedRequests:
 
     source: str
     planes: tuple[PlaneQueries, ...]
-    exact: ExactQueries
+    exact: tuple[ExactQueries | None, ...]
     embedding: np.ndarray | None
     stacked: Any = None
 
@@ -42,7 +43,7 @@ class EncodedRequests:
 
     def slice(self, lo: int, hi: int) -> EncodedRequests:
         """Requests lo..hi-1 (query rows and hashes stay shared; ranges and offsets index them)."""
-        return replace(self, planes=tuple(p.slice(lo, hi) for p in self.planes), exact=self.exact.slice(lo, hi),
+        return replace(self, planes=tuple(p.slice(lo, hi) for p in self.planes), exact=tuple(e and e.slice(lo, hi) for e in self.exact),
                        stacked=None if self.stacked is None else self.stacked.slice(lo, hi),
                        embedding=None if self.embedding is None else self.embedding[lo:hi])
 

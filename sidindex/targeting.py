@@ -24,6 +24,8 @@ BLOOM = "bloom"
 DEFAULT_BLOOM_BITS = 256
 DEFAULT_BLOOM_HASHES = 2
 MAX_BLOOM_HASHES = 16
+# Per kind: a request brings one value (a string) for its attributes, or a list of values
+ONE_REQUEST_VALUE = {BITMASK: True, BLOOM: False}
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,11 @@ class Attribute:
     values: tuple[str, ...] = ()
     bits: int = 0
     hashes: int = 0
+
+    @property
+    def one_request_value(self) -> bool:
+        """A request brings one value for this attribute (else a list of values)."""
+        return ONE_REQUEST_VALUE[self.kind]
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,10 @@ def test_round_trip_equals_in_memory_build(built, sample_dir):
         got, want = snap.gtm.arrays()[name], ref.gtm.arrays()[name]
         assert got.dtype == want.dtype and np.array_equal(got, want), name
         assert not got.flags.writeable, name  # read-only maps: nothing can modify a published file
-    for name in ("bitmask_rows", "hash_offsets", "hashes"):
-        assert np.array_equal(getattr(snap.exact, name), getattr(ref.exact, name)), name
+    assert snap.exact.arrays().keys() == ref.exact.arrays().keys() == {
+        "exact_bitmask_rows", "exact_bloom_hash_offsets", "exact_bloom_hashes"}
+    for name, want in ref.exact.arrays().items():
+        assert np.array_equal(snap.exact.arrays()[name], want), name
     assert np.array_equal(snap.ad_id, cat.ad_id)
     assert snap.spec == spec and snap.manifest.codebook_id == cb.id
     assert load_codebook(snap.path).id == cb.id and snap.codebook.id == cb.id  # the snapshot carries its codebook
@@ -152,7 +154,7 @@ def test_rewriting_helpers_reach_the_structure_checks(snap_dir):
 
 def _dup_key(snap_dir: Path) -> None:
     raw = (snap_dir / "manifest.json").read_text()
-    (snap_dir / "manifest.json").write_text(raw.replace(' "format_version": 2,', ' "format_version": 2,\n "format_version": 2,'))
+    (snap_dir / "manifest.json").write_text(raw.replace(' "format_version": 3,', ' "format_version": 3,\n "format_version": 3,'))
 
 
 def _nested(snap_dir: Path) -> None:
@@ -165,6 +167,7 @@ def _nested(snap_dir: Path) -> None:
     (lambda d: reseal(d, lambda m: m.__setitem__("id", "20200101T000000000000Z-00000000")), "does not name this"),
     (lambda d: reseal(d, lambda m: m.__setitem__("format_version", 99)), "newer sidindex"),
     (lambda d: reseal(d, lambda m: m.__setitem__("format_version", 1)), "rebuild the snapshot"),
+    (lambda d: reseal(d, lambda m: m.__setitem__("format_version", 2)), "rebuild the snapshot"),
     (lambda d: reseal(d, lambda m: m.__setitem__("format", "something")), "not a sidindex snapshot"),
     (lambda d: reseal(d, lambda m: m["arrays"]["leaf_ads"].__setitem__("rows", 10**15)), "expected rows"),
     (lambda d: reseal(d, lambda m: m["arrays"]["csr_tokens"].__setitem__("rows", 7)), "does not fit"),
@@ -246,9 +249,9 @@ def test_old_bin_snapshot_is_refused_with_a_rebuild_message(snap_dir):
     ("part_offsets", lambda a: a.__setitem__(4, a[3])),
     ("part_offsets", lambda a: a.__setitem__(slice(4, 6), (2**63 - 1, -2))),
     ("part_bloom_index", lambda a: a.__setitem__(0, 10**6)),
-    ("exact_hash_offsets", lambda a: a.__setitem__(7, 10**9)),
-    ("exact_hash_offsets", lambda a: a.__setitem__(slice(7, 9), (2**63 - 1, -2))),
-    ("exact_hashes", lambda a: a.__setitem__(slice(None), np.sort(a)[::-1])),
+    ("exact_bloom_hash_offsets", lambda a: a.__setitem__(7, 10**9)),
+    ("exact_bloom_hash_offsets", lambda a: a.__setitem__(slice(7, 9), (2**63 - 1, -2))),
+    ("exact_bloom_hashes", lambda a: a.__setitem__(slice(None), np.sort(a)[::-1])),
     ("ads", lambda a: a.__setitem__(slice(None), 0)),
 ])
 def test_out_of_range_structure_is_refused_even_with_valid_checksums(snap_dir, name, change):
@@ -420,15 +423,15 @@ def test_a_compressed_array_file_is_refused(snap_dir):
     being mapped: refused, even with every checksum right."""
     import pyarrow as pa
 
-    spec = ARRAYS_BY_NAME["exact_hashes"]
-    values = open_snapshot(snap_dir).exact.hashes.copy()
+    spec = ARRAYS_BY_NAME["exact_bloom_hashes"]
+    values = open_snapshot(snap_dir).arrays()[spec.name].copy()
     (snap_dir / spec.file).unlink()
     table = pa.table({spec.column_name: pa.array(values)})
     with pa.OSFile(str(snap_dir / spec.file), "wb") as sink, \
             pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
         writer.write_table(table)
     reseal(snap_dir)
-    with pytest.raises(ArtifactError, match="exact_hashes.arrow: its values are not stored plainly"):
+    with pytest.raises(ArtifactError, match="exact_bloom_hashes.arrow: its values are not stored plainly"):
         open_snapshot(snap_dir)
 
 

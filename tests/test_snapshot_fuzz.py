@@ -37,7 +37,7 @@ CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_
           '[kway]\nmode = "dynamic"\nk_max = 4\n')
 MODES = ("cd", "cd+gtm", "cd+gtm+kway")
 BEAMS = (1, 8, 64, 384)  # wider than every depth of the catalog: every eligible ad of every mode
-DATA = {"bitmask_table", "bloom_table", "exact_bitmask_rows", "exact_hashes", "ads"}
+DATA = {"bitmask_table", "bloom_table", "exact_bitmask_rows", "exact_bloom_hashes", "ads"}
 ARRAYS = ARRAYS_BY_NAME
 INT_EXTREMES = {
     "<i2": (-1, -(2**15), 2**15 - 1, 2**14),

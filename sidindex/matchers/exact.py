@@ -1,11 +1,14 @@
 """The exact per-ad targeting index and the ad-level filter (DESIGN.md §3, §4).
 
-Bloom rows may pass an ad whose locations do not match (false positives); the exact filter stops
-them at the ad level. Per ad: its bitmask row (bitmask attributes are exact), and per bloom
-attribute the sorted 64-bit hashes of its values: mmh3 x64_128 (seed EXACT_SEED), first 64 bits,
-unsigned (exact up to 64-bit hash collisions). A request batch brings its bitmask queries and its
-`ExactQueries` in `sidindex.requests.EncodedRequests` (host arrays). Stage flags have one bit per
-matcher plane, in plane order. Legend: N ads, B requests, A bloom attributes.
+Matcher rows may pass an ad that does not match (Bloom false positives); the exact filter stops
+them at the ad level, plane by plane, in one of two forms (`schemas.artifacts.EXACT_FORM`):
+  rows    the ads' own rows of the plane, tested with the planes' test (bitmask rows are exact)
+  values  per attribute, the sorted 64-bit hashes of each ad's values: mmh3 x64_128 (seed
+          EXACT_SEED), first 64 bits, unsigned (exact up to 64-bit hash collisions); an ad passes an
+          attribute when it has no values or ANY request value is among them (bloom)
+A request batch brings its plane queries and, for `values` planes, its `ExactQueries` in
+`sidindex.requests.EncodedRequests` (host arrays). Stage flags have one bit per plane, in plane
+order. Legend: N ads, B requests, A a plane's attributes, T hashes.
 """
 
 from __future__ import annotations
@@ -19,16 +22,16 @@ import numpy as np
 import polars as pl
 
 from sidindex.matchers.bits import ListCodes, list_codes
-from sidindex.matchers.bitmask import BitmaskLayout, attribute_passes, encode_ad_rows
-from sidindex.matchers.plane import row_passes
+from schemas.artifacts import EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
+from sidindex.matchers.kinds import KINDS
+from sidindex.matchers.plane import pairs_pass
 from sidindex.targeting import TargetingSpec
 
 if TYPE_CHECKING:
     from sidindex.requests import EncodedRequests
 
 EXACT_SEED = 0x5EED0E1
-STAGE_BITMASK, STAGE_BLOOM = 1, 2  # bits of `stage_flags`: 1 << plane
-ALL_STAGES = STAGE_BITMASK | STAGE_BLOOM
+ALL_STAGES = (1 << len(MATCHER_PLANES)) - 1  # `stage_flags` of an eligible pair: bit p for plane p
 
 
 def value_hashes(values: list[str]) -> np.ndarray:
@@ -69,8 +72,8 @@ def hash_lists(columns: pl.DataFrame, names: tuple[str, ...], codes: dict[str, L
 
 @dataclass(frozen=True)
 class ExactQueries:
-    """A request batch's exact values: hash_offsets (A, B+1) int64 into hashes (T,) uint64, each
-    request's value hashes per bloom attribute, sorted."""
+    """A request batch's values for one `values` plane: hash_offsets (A, B+1) int64 into hashes
+    (T,) uint64, each request's value hashes per attribute, sorted."""
 
     hash_offsets: np.ndarray
     hashes: np.ndarray
@@ -79,32 +82,68 @@ class ExactQueries:
         return ExactQueries(self.hash_offsets[:, lo:hi + 1], self.hashes)
 
 
-def encode_exact_queries(spec: TargetingSpec, columns: pl.DataFrame) -> ExactQueries:
-    """The exact values of validated request columns."""
-    return ExactQueries(*hash_lists(columns, spec.bloom_layout.names))
+def encode_exact_queries(spec: TargetingSpec, columns: pl.DataFrame) -> tuple[ExactQueries | None, ...]:
+    """Per plane, the exact values of validated request columns (None for a `rows` plane, whose
+    exact test reads the plane's queries)."""
+    return tuple(None if EXACT_FORM[k.name] == EXACT_ROWS else ExactQueries(*hash_lists(columns, layout.names))
+                 for k, layout in zip(KINDS, spec.layouts))
+
+
+@dataclass(frozen=True)
+class ExactPlane:
+    """One plane's exact data: `rows` (N, W) uint64 for a `rows` plane; for a `values` plane
+    hash_offsets (A, N+1) int64 into hashes (T,) uint64, an ad's hashes sorted (an ad with no values
+    for attribute a is unrestricted on a)."""
+
+    name: str
+    rows: np.ndarray | None = None
+    hash_offsets: np.ndarray | None = None
+    hashes: np.ndarray | None = None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The plane's arrays by their snapshot names (`schemas.artifacts`)."""
+        if self.rows is not None:
+            return {f"exact_{self.name}_rows": self.rows}
+        return {f"exact_{self.name}_hash_offsets": self.hash_offsets.reshape(-1), f"exact_{self.name}_hashes": self.hashes}
 
 
 @dataclass(frozen=True)
 class ExactIndex:
-    """bitmask_rows: (N, W_bm) uint64; hash_offsets: (A, N+1) int64 into hashes (T,) uint64, an
-    ad's hashes sorted; an ad with no values for attribute a is unrestricted on a."""
+    """The exact data of every plane, in plane order, and the spec they encode."""
 
-    layout: BitmaskLayout
-    bloom_names: tuple[str, ...]
-    bitmask_rows: np.ndarray
-    hash_offsets: np.ndarray
-    hashes: np.ndarray
+    spec: TargetingSpec
+    planes: tuple[ExactPlane, ...]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {n: a for p in self.planes for n, a in p.arrays().items()}
+
+    @classmethod
+    def from_arrays(cls, spec: TargetingSpec, arrays: dict[str, np.ndarray], n_ads: int) -> ExactIndex:
+        """The inverse of `arrays` (shapes already checked against the spec)."""
+        planes = []
+        for p, layout in zip(MATCHER_PLANES, spec.layouts):
+            if EXACT_FORM[p] == EXACT_ROWS:
+                planes.append(ExactPlane(p, rows=arrays[f"exact_{p}_rows"]))
+            else:
+                planes.append(ExactPlane(p, hash_offsets=arrays[f"exact_{p}_hash_offsets"].reshape(len(layout.names),
+                                                                                               n_ads + 1),
+                                         hashes=arrays[f"exact_{p}_hashes"]))
+        return cls(spec, tuple(planes))
 
 
 def build_exact_index(spec: TargetingSpec, columns: pl.DataFrame, ad_rows: dict[str, np.ndarray] | None = None,
                       codes: dict[str, ListCodes] | None = None) -> ExactIndex:
     """The exact index of validated catalog columns; pass the matcher planes' `ad_rows` and the
     columns' `codes` when already computed."""
-    layout = spec.bitmask_layout
-    bitmask_rows = ad_rows["bitmask"] if ad_rows else encode_ad_rows(layout, columns)
-    names = spec.bloom_layout.names
-    offsets, hashes = hash_lists(columns, names, codes)
-    return ExactIndex(layout, names, bitmask_rows, offsets, hashes)
+    planes = []
+    for kind, layout in zip(KINDS, spec.layouts):
+        if EXACT_FORM[kind.name] == EXACT_ROWS:
+            rows = ad_rows[kind.name] if ad_rows else kind.encode_ads(layout, columns, codes)
+            planes.append(ExactPlane(kind.name, rows=rows))
+        else:
+            offsets, hashes = hash_lists(columns, layout.names, codes)
+            planes.append(ExactPlane(kind.name, hash_offsets=offsets, hashes=hashes))
+    return ExactIndex(spec, tuple(planes))
 
 
 def eligible_mask(index: ExactIndex, requests: EncodedRequests, request: int, ads: np.ndarray) -> np.ndarray:
@@ -115,62 +154,65 @@ def eligible_mask(index: ExactIndex, requests: EncodedRequests, request: int, ad
 
 def eligible_pairs(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
     """(n,) bool: is ad `ads[i]` eligible for request `reqs[i]`; reqs, ads: (n,) int64."""
-    return _flags(index, requests, reqs, ads, False) == ALL_STAGES
-
-
-def attribute_eligibility(index: ExactIndex, requests: EncodedRequests, request: int, ad: int) -> np.ndarray:
-    """(A_bm + A_bl,) bool: does catalog row `ad` pass each attribute (bitmask ones, then bloom ones,
-    in spec order) for request `request`. Eligible iff all pass; explanations need each one."""
-    ex = requests.exact
-    bloom = np.zeros(len(index.bloom_names), dtype=bool)
-    for a in range(len(index.bloom_names)):
-        own = index.hashes[index.hash_offsets[a, ad]:index.hash_offsets[a, ad + 1]]
-        asked = ex.hashes[ex.hash_offsets[a, request]:ex.hash_offsets[a, request + 1]]
-        bloom[a] = len(own) == 0 or bool(np.isin(asked, own).any())
-    return np.concatenate([attribute_passes(index.layout, index.bitmask_rows[ad], requests.planes[0], request), bloom])
+    return _flags(index, requests, reqs, ads, every_stage=False) == ALL_STAGES
 
 
 def stage_flags(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
-    """(n,) uint8 per (request, ad) pair: STAGE_BITMASK set when the ad passes every bitmask
-    attribute, STAGE_BLOOM when it passes every bloom attribute (each tested on its own, for pass
-    rates per stage); eligible iff all are set (ALL_STAGES)."""
-    return _flags(index, requests, reqs, ads, True)
+    """(n,) uint8 per (request, ad) pair: bit p set when the ad passes every attribute of plane p
+    (each plane tested on its own, for pass rates per stage); eligible iff all are (ALL_STAGES)."""
+    return _flags(index, requests, reqs, ads, every_stage=True)
 
 
-def _flags(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: np.ndarray, every_stage: bool):
-    bm, ex = requests.planes[0], requests.exact
-    return _stage_flags(index.bitmask_rows, index.hash_offsets, index.hashes, bm.rows, bm.ranges, bm.word_offsets,
-                        ex.hash_offsets, ex.hashes, np.asarray(reqs, dtype=np.int64), np.asarray(ads, dtype=np.int64),
-                        every_stage)
-
-
-@numba.njit(cache=True)
-def _bloom_ok(ad_off, ad_hashes, ad, req_off, req_hashes, r):
-    """Every bloom attribute: the ad is unrestricted, or ANY request value is in its list."""
-    for a in range(ad_off.shape[0]):
-        lo, hi = ad_off[a, ad], ad_off[a, ad + 1]
-        if hi == lo:
+def attribute_eligibility(index: ExactIndex, requests: EncodedRequests, request: int, ad: int) -> np.ndarray:
+    """(A_all,) bool: does catalog row `ad` pass each attribute (plane by plane, in each plane's
+    layout order) for request `request`. Eligible iff all pass; explanations need each one."""
+    out = []
+    for kind, layout, plane, q, ex in zip(KINDS, index.spec.layouts, index.planes, requests.planes, requests.exact):
+        if plane.rows is not None:
+            out.append(kind.attribute_passes(layout, plane.rows[ad], q, request))
             continue
-        hit = False
-        for j in range(req_off[a, r], req_off[a, r + 1]):
-            k = np.searchsorted(ad_hashes[lo:hi], req_hashes[j])
-            if k < hi - lo and ad_hashes[lo + k] == req_hashes[j]:
-                hit = True
-                break
-        if not hit:
-            return False
-    return True
+        for a in range(len(layout.names)):
+            own = plane.hashes[plane.hash_offsets[a, ad]:plane.hash_offsets[a, ad + 1]]
+            asked = ex.hashes[ex.hash_offsets[a, request]:ex.hash_offsets[a, request + 1]]
+            out.append([len(own) == 0 or bool(np.isin(asked, own).any())])
+    return np.concatenate(out).astype(bool)
+
+
+def _flags(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: np.ndarray,
+           every_stage: bool) -> np.ndarray:
+    """Stage bits per pair; without `every_stage`, a pair failing a plane skips the later ones."""
+    reqs, ads = np.asarray(reqs, dtype=np.int64), np.asarray(ads, dtype=np.int64)
+    flags = np.zeros(len(ads), dtype=np.uint8)
+    alive = np.ones(len(ads), dtype=np.bool_)
+    for p, (plane, q, ex) in enumerate(zip(index.planes, requests.planes, requests.exact)):
+        ok = np.ones(len(ads), dtype=np.bool_) if every_stage else alive.copy()
+        if plane.rows is not None:
+            pairs_pass(plane.rows, ads, reqs, q, ok)
+        else:
+            _values_pass(plane.hash_offsets, plane.hashes, ads, ex.hash_offsets, ex.hashes, reqs, ok)
+        flags |= ok.astype(np.uint8) << p
+        alive &= ok
+    return flags
 
 
 @numba.njit(cache=True)
-def _stage_flags(rows, ad_off, ad_hashes, q_rows, q_ranges, woff, req_off, req_hashes, reqs, ads, every_stage):
-    """STAGE_* bits per pair; without every_stage, an ad failing its bitmask skips the bloom test.
-    The bitmask test is the matcher planes' test on the ads' own (exact) rows."""
-    out = np.zeros(len(ads), dtype=np.uint8)
+def _values_pass(ad_off, ad_hashes, ads, req_off, req_hashes, reqs, ok):
+    """ok[i] &= for every attribute, ad ads[i] is unrestricted or ANY value of request reqs[i] is
+    among its (sorted) hashes; pairs already not ok are skipped."""
     for i in range(len(ads)):
+        if not ok[i]:
+            continue
         ad, r = ads[i], reqs[i]
-        f = STAGE_BITMASK if row_passes(rows, ad, q_rows, q_ranges[r], woff) else 0
-        if (f or every_stage) and _bloom_ok(ad_off, ad_hashes, ad, req_off, req_hashes, r):
-            f |= STAGE_BLOOM
-        out[i] = f
-    return out
+        for a in range(ad_off.shape[0]):
+            lo, hi = ad_off[a, ad], ad_off[a, ad + 1]
+            if hi == lo:
+                continue
+            hit = False
+            for j in range(req_off[a, r], req_off[a, r + 1]):
+                k = np.searchsorted(ad_hashes[lo:hi], req_hashes[j])
+                if k < hi - lo and ad_hashes[lo + k] == req_hashes[j]:
+                    hit = True
+                    break
+            if not hit:
+                ok[i] = False
+                break

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas.artifacts import ARRAYS_BY_NAME, MANIFEST_FILE, MATCHER_PLANES
+from schemas.artifacts import ARRAYS_BY_NAME, EXACT_FORM, EXACT_ROWS, MANIFEST_FILE, MATCHER_PLANES
 from sidindex.artifact import list_files, verify_files
 from sidindex.errors import ArtifactError, SidIndexError
 from sidindex.matchers.exact import ExactIndex
@@ -57,10 +57,7 @@ class Snapshot:
 
 def _arrays(gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> dict[str, np.ndarray]:
     """Every array of a snapshot by its contract name."""
-    out = gtm.arrays()
-    out |= {"exact_bitmask_rows": exact.bitmask_rows, "exact_hash_offsets": exact.hash_offsets.reshape(-1),
-            "exact_hashes": exact.hashes, "ads": np.asarray(ad_id)}
-    return {k: v for k, v in out.items() if v is not None}
+    return gtm.arrays() | exact.arrays() | {"ads": np.asarray(ad_id)}
 
 
 def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, spec: TargetingSpec, *,
@@ -120,17 +117,15 @@ def _open(directory: Path, verify: bool, prefault: bool) -> Snapshot:
                  checksums=verify)
     clock.lap("checksums" if verify else "files")
     arrays = {n: map_array(directory, ARRAYS_BY_NAME[n], s.shape) for n, s in m.arrays.items()}
-    ad_id = arrays.pop("ads")
-    A = len(spec.bloom)
-    exact = ExactIndex(spec.bitmask_layout, tuple(a.name for a in spec.bloom), arrays.pop("exact_bitmask_rows"),
-                       arrays.pop("exact_hash_offsets").reshape(A, len(ad_id) + 1), arrays.pop("exact_hashes"))
+    ad_id = arrays["ads"]
+    exact = ExactIndex.from_arrays(spec, arrays, len(ad_id))
     gtm = GTMIndex.from_arrays(m.level_sizes, arrays, MATCHER_PLANES)
     clock.lap("map")
     check_structure(directory, gtm, exact, ad_id, m.counts)
     codebook = _codebook(directory, m)
     clock.lap("structure")
     if prefault:
-        for a in (*arrays.values(), exact.bitmask_rows, exact.hash_offsets, exact.hashes, ad_id):
+        for a in arrays.values():
             prefault_pages(a)
         clock.lap("prefault")
     return Snapshot(directory, m, spec, gtm, exact, ad_id, codebook, clock.seconds)
@@ -158,7 +153,6 @@ def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
     L, N = len(m.level_sizes), s["ads"]
     num_nodes = s["node_offsets"] - 1
     E = num_nodes - 1
-    plane_words = dict(zip(MATCHER_PLANES, (layout.words for layout in spec.layouts)))
     agree = [
         ("depth_offsets", s["depth_offsets"] == L + 2),
         ("node_offsets", num_nodes >= L + 1),
@@ -166,11 +160,13 @@ def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
         ("csr_tokens", s["csr_tokens"] == E),
         ("leaf_ad_offsets", s["leaf_ad_offsets"] >= 2),
         ("leaf_ads", s["leaf_ads"] >= 1),
-        ("exact_bitmask_rows", s["exact_bitmask_rows"] == N and width["exact_bitmask_rows"] == plane_words["bitmask"]),
-        ("exact_hash_offsets", s["exact_hash_offsets"] == len(spec.bloom) * (N + 1)),
     ]
-    for p in MATCHER_PLANES:
-        agree += [(f"{p}_index", s[f"{p}_index"] == E), (f"{p}_table", width[f"{p}_table"] == plane_words[p])]
+    for p, layout in zip(MATCHER_PLANES, spec.layouts):
+        agree += [(f"{p}_index", s[f"{p}_index"] == E), (f"{p}_table", width[f"{p}_table"] == layout.words)]
+        if EXACT_FORM[p] == EXACT_ROWS:
+            agree.append((f"exact_{p}_rows", s[f"exact_{p}_rows"] == N and width[f"exact_{p}_rows"] == layout.words))
+        else:
+            agree.append((f"exact_{p}_hash_offsets", s[f"exact_{p}_hash_offsets"] == len(layout.names) * (N + 1)))
         if m.kway:
             agree.append((f"part_{p}_index", s[f"part_{p}_index"] == s[f"part_{MATCHER_PLANES[0]}_index"]))
     if m.kway:

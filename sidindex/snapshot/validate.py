@@ -126,17 +126,21 @@ def _partitions(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray
 
 
 def _exact(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
-    """The exact index: one rising run of hash offsets through every attribute, hashes sorted
-    within each (attribute, ad) run (the exact filter binary-searches them)."""
-    ho, hashes = exact.hash_offsets.reshape(-1), exact.hashes
-    need(len(ho) == 0 and len(hashes) == 0 or _offsets(ho, len(hashes), strict=False), "exact_hash_offsets",
-         "hash offsets must rise through every attribute from 0 to the number of hashes")
-    need(len(exact.bloom_names) < 2 or bool(np.all(exact.hash_offsets[1:, 0] == exact.hash_offsets[:-1, -1])),
-         "exact_hash_offsets", "each attribute's hashes must start where the previous attribute's end")
-    run_start = np.zeros(len(hashes), dtype=bool)
-    run_start[ho[ho < len(hashes)]] = True
-    need(bool(np.all((hashes[1:] >= hashes[:-1]) | run_start[1:])), "exact_hashes",
-         "an ad's hashes must be sorted within each attribute")
+    """The exact index, per `values` plane: one rising run of hash offsets through every attribute,
+    hashes sorted within each (attribute, ad) run (the exact filter binary-searches them)."""
+    for p in exact.planes:
+        if p.hash_offsets is None:
+            continue
+        offsets, hashes = f"exact_{p.name}_hash_offsets", f"exact_{p.name}_hashes"
+        ho, h = p.hash_offsets.reshape(-1), p.hashes
+        need(len(ho) == 0 and len(h) == 0 or _offsets(ho, len(h), strict=False), offsets,
+             "hash offsets must rise through every attribute from 0 to the number of hashes")
+        need(len(p.hash_offsets) < 2 or bool(np.all(p.hash_offsets[1:, 0] == p.hash_offsets[:-1, -1])), offsets,
+             "each attribute's hashes must start where the previous attribute's end")
+        run_start = np.zeros(len(h), dtype=bool)
+        run_start[ho[ho < len(h)]] = True
+        need(bool(np.all((h[1:] >= h[:-1]) | run_start[1:])), hashes, "an ad's hashes must be sorted within each "
+             "attribute")
 
 
 def _ads(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
