@@ -89,8 +89,10 @@ def evict(snapshot: Path) -> None:
 def query(snap, sids: np.ndarray) -> int:
     """Walk each SID down the trie reading every entry's matcher rows, then its ads' exact rows."""
     g, touched = snap.gtm, 0
-    planes = ([(p.table, p.index) for p in g.planes] if hasattr(g, "planes")  # a baseline tree's index has no planes
-              else [(g.bitmask_table, g.bitmask_index), (g.bloom_table, g.bloom_index)])
+    if hasattr(g, "planes"):
+        planes, exact_rows = [(p.table, p.index) for p in g.planes], snap.exact.planes[0].rows
+    else:  # a baseline tree's index, from before matcher planes
+        planes, exact_rows = [(g.bitmask_table, g.bitmask_index), (g.bloom_table, g.bloom_index)], snap.exact.bitmask_rows
     for sid in sids:
         node = 0
         for token in sid:
@@ -100,7 +102,7 @@ def query(snap, sids: np.ndarray) -> int:
             node = int(g.csr_child_nodes[e])
         leaf = node - int(g.depth_offsets[g.sid_length])
         ads = g.leaf_ads[g.leaf_ad_offsets[leaf]:g.leaf_ad_offsets[leaf + 1]]
-        touched += int(snap.exact.bitmask_rows[ads, 0].sum() & 1)
+        touched += int(exact_rows[ads, 0].sum() & 1)
     return touched
 
 
