@@ -190,7 +190,7 @@ def main() -> int:
             logits.append(torch.randn(B, k, V, device=dev, generator=gen) * 2)
             k = min(beams[d + 1] if d + 1 < len(beams) else beams[-1], k * V)
 
-        def scorer(step, prefix):
+        def scorer(step, tokens, parent):
             return logits[step]
 
         rows = {}

@@ -13,7 +13,8 @@ Modules:
     requests    read a request file; a batch's encoding (`sidindex.requests`) onto the device
     ops/        the fused CD+GTM mask: Triton kernel, torch reference, numba CPU path
     search      beam search in every Mode (`sidindex.modes`); the Scorer protocol
-    scorer      the built-in codebook scorer
+    scorer      the built-in codebook scorer; users' scorers named MODULE:FACTORY
+    decoder     a reference transformer decoder with a KV cache: the worked example of a model
     post        SIDs -> ads, best score per ad, exact filter, ranking
     retrieve    all of it over a request table, in batches
     simulate    pass rates and recall per mode (`sidindex simulate`)
@@ -25,7 +26,7 @@ serving commands do, when they run). Triton is imported only when a kernel first
 
 from runtime.loader import ServedIndex, SnapshotWatcher, load, load_index
 from runtime.requests import read_requests, to_device
-from runtime.retrieve import RetrievalRun, codebook_scorer, retrieve
+from runtime.retrieve import RetrievalRun, codebook_scorer, factory_scorer, retrieve
 from runtime.scorer import CodebookScorer
 from runtime.search import Beams, Scorer, beam_search, parse_beams
 from sidindex.modes import Mode, parse_mode
@@ -42,6 +43,7 @@ __all__ = [
     "SnapshotWatcher",
     "beam_search",
     "codebook_scorer",
+    "factory_scorer",
     "encode_requests",
     "load",
     "load_index",

@@ -12,7 +12,7 @@ import torch
 from runtime.loader import ServedIndex
 from runtime.post import Retrieved, expand
 from runtime.requests import to_device
-from runtime.scorer import CodebookScorer
+from runtime.scorer import CodebookScorer, ScorerFactory, load_factory
 from runtime.search import DEFAULT_BEAMS, Scorer, beam_search, parse_beams
 from sidindex.errors import ArtifactError, InputError
 from sidindex.ingest import Requests
@@ -57,6 +57,22 @@ def codebook_scorer(index: ServedIndex, requests: EncodedRequests, temperature: 
     return for_rows
 
 
+def factory_scorer(factory: str | ScorerFactory, index: ServedIndex, requests: Requests):
+    """rows -> the scorer that the user's factory 'MODULE:FACTORY' (`runtime.scorer.load_factory`)
+    makes for requests[rows], given those rows with every column of the request file as a
+    pyarrow.Table, the index's device and level sizes. Errors name the factory (ScorerError)."""
+    named = load_factory(factory) if isinstance(factory, str) else factory
+    if requests.table is None:
+        raise InputError(f"{requests.path}: a scorer factory needs the request file's rows (read them with "
+                         "runtime.read_requests)")
+
+    def for_rows(rows: slice) -> Scorer:
+        batch = requests.table.slice(rows.start, rows.stop - rows.start).to_arrow()
+        return named.for_batch(batch, index.device, index.level_sizes)
+
+    return for_rows
+
+
 def retrieve(index: ServedIndex, requests: Requests, *, mode: Mode | str = Mode.CD_GTM,
              beams: tuple[int, ...] | str = DEFAULT_BEAMS, top_k: int | None = None, batch_size: int = 16,
              scorer=None, impl: str = "auto", stages: bool = False, progress=None) -> RetrievalRun:
@@ -64,6 +80,7 @@ def retrieve(index: ServedIndex, requests: Requests, *, mode: Mode | str = Mode.
 
     requests: validated against the index's spec (`runtime.read_requests`).
     scorer: rows (a slice of the request table) -> Scorer for those rows; default the codebook scorer
+            (`factory_scorer` makes one from a user's 'MODULE:FACTORY')
     """
     mode = parse_mode(mode, kway_available=index.kway)
     beams = parse_beams(beams, index.sid_length)

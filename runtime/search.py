@@ -36,18 +36,22 @@ CANDIDATE_BYTES = 4 + 4 + 4 + 4 + 8
 
 
 class Scorer(Protocol):
-    """The decoder seam (DESIGN.md §12): logits for every active beam of one step.
+    """The decoder seam (DESIGN.md §12): logits for every beam of one step.
 
-    step: 0..L-1; prefix: (B, K, step) int64 the tokens of each request's K beams so far (K = 1 at
-    step 0). Returns (B, K, V) float logits; a token beyond the level's size should get -inf, and
-    dead beams may get any logits. `runtime.CodebookScorer` is the built-in one. A scorer that
-    ignores the prefix:
+    step: 0..L-1; tokens: (B, K, step) int64 the tokens of each request's K beams so far (K = 1 at
+    step 0); parent: (B, K) int64, the beam of the previous call (an index into request b's
+    previous K beams) that beam k extends, or None when there are no previous beams to reuse (step
+    0, and every call of the exhaustive scan in `runtime.simulate`): a decoder with a KV cache
+    reorders its cache with `parent` and runs only the new token, and computes from `tokens` when
+    `parent` is None. Returns (B, K, V) float logits; a token beyond the level's size should get
+    -inf, and dead beams may get any logits. `runtime.CodebookScorer` is the built-in one,
+    `runtime.decoder.ReferenceDecoder` a transformer with a KV cache. A scorer that ignores both:
 
-        def uniform(step: int, prefix: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(*prefix.shape[:2], index.vocab_size, device=prefix.device)
+        def uniform(step: int, tokens: torch.Tensor, parent: torch.Tensor | None) -> torch.Tensor:
+            return torch.zeros(*tokens.shape[:2], index.vocab_size, device=tokens.device)
     """
 
-    def __call__(self, step: int, prefix: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, step: int, tokens: torch.Tensor, parent: torch.Tensor | None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -156,9 +160,10 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     score = torch.zeros(B, 1, dtype=torch.float32, device=dev)
     tokens = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)
     req = torch.arange(B, device=dev)
+    parent = None
     for d in range(L):
         K = node.shape[1]
-        logp = torch.log_softmax(scorer(d, tokens).float(), dim=-1).reshape(B * K, V)
+        logp = torch.log_softmax(scorer(d, tokens, parent).float(), dim=-1).reshape(B * K, V)
         if mode.constrained:
             # dead beams (-inf) sit at node -1; they read the root's offsets and pass nothing
             cand = gtm_mask(index, requests, d, req.repeat_interleave(K), node.reshape(-1).clamp(min=0),

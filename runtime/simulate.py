@@ -73,7 +73,8 @@ def node_scores(index: ServedIndex, scorer: Scorer, levels: list[TrieLevel], chu
         for s in range(lv.lo, lv.hi, chunk):
             e = min(lv.hi, s + chunk)
             ask = lv.paths[:1] if constant else lv.paths[s - lv.lo:e - lv.lo]
-            logp = torch.log_softmax(scorer(d, ask[None]).float()[0], dim=-1)  # (n or 1, V)
+            # no previous beams to reuse: the chunks of a depth are not one call's beams
+            logp = torch.log_softmax(scorer(d, ask[None], None).float()[0], dim=-1)  # (n or 1, V)
             e_lo, e_hi = int(g.node_offsets[s]), int(g.node_offsets[e])
             parent = lv.parent[e_lo - lv.e_lo:e_hi - lv.e_lo]
             row = torch.zeros_like(parent) if constant else parent - s

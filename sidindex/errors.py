@@ -22,6 +22,11 @@ class ArtifactError(SidIndexError):
     """A codebook or other artifact on disk is missing, corrupt or of an unknown format."""
 
 
+class ScorerError(SidIndexError):
+    """A user's scorer (a model plugged into the search) could not be loaded, failed, or returned
+    logits of the wrong shape or dtype."""
+
+
 class QualityGateError(SidIndexError):
     """The SID quality report crossed a configured fail threshold."""
 

@@ -11,7 +11,7 @@ attribute that failed. Its verdicts agree with `sidindex.trie.match` and `sidind
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -85,9 +85,7 @@ class Explainer:
 
     def __init__(self, snap: Snapshot, requests: Requests, row: int) -> None:
         self.snap = snap
-        one = replace(requests, request_id=requests.request_id[row:row + 1], embedding=None,
-                      columns=requests.columns.slice(row, 1))
-        self.req = encode_requests(one, snap.spec)  # request 0 of it
+        self.req = encode_requests(requests.rows(row, row + 1), snap.spec)  # request 0 of it
         self.names = tuple(n for layout in snap.spec.layouts for n in layout.names)  # plane by plane
 
     def _failed(self, rows: list[int]) -> tuple[str, ...]:

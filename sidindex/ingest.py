@@ -56,20 +56,27 @@ class Requests:
     request_id: (B,) int64, unique
     embedding:  (B, D) float32, finite, |x| <= MAX_ABS_EMBEDDING; None when the table has no embedding column
     columns:    one column per targeting attribute (string for bitmask, list<string> for bloom)
+    table:      the file's rows with every column as read, extra columns included (a user's scorer
+                reads them, e.g. history token ids); None when the requests were built in memory
     """
 
     path: str
     request_id: np.ndarray
     embedding: np.ndarray | None
     columns: pl.DataFrame
+    table: pl.DataFrame | None = None
 
     def __len__(self) -> int:
         return len(self.request_id)
 
     def head(self, n: int) -> Requests:
         """The first n requests."""
-        return Requests(self.path, self.request_id[:n], None if self.embedding is None else self.embedding[:n],
-                        self.columns.slice(0, n))
+        return self.rows(0, n)
+
+    def rows(self, lo: int, hi: int) -> Requests:
+        """Requests lo..hi-1."""
+        return Requests(self.path, self.request_id[lo:hi], None if self.embedding is None else self.embedding[lo:hi],
+                        self.columns.slice(lo, hi - lo), None if self.table is None else self.table.slice(lo, hi - lo))
 
 
 def read_table(path: str | Path) -> pl.DataFrame:
@@ -148,7 +155,7 @@ def read_requests(
             keep.append(v.string(a.name))
         else:
             keep.append(v.string_list(a.name, declared=None, max_len=max_values))
-    return Requests(str(path), request_id, embedding, pl.DataFrame(keep))
+    return Requests(str(path), request_id, embedding, pl.DataFrame(keep), df)
 
 
 class _Validator:

@@ -11,6 +11,12 @@ import typer
 from sidindex.errors import ArtifactError
 from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex_cli.options import BEAMS_OPT, DEVICE_OPT, JSON_OPT, SNAPSHOT_ARG, progress_bar, write_table
+
+SCORER_OPT = typer.Option(
+    None, "--scorer", metavar="MODULE:FACTORY",
+    help="Your model as the scorer: FACTORY(batch: pyarrow.Table, device, level_sizes) -> scorer(step, tokens, "
+         "parent) -> logits, MODULE importable from the working directory or PYTHONPATH; `batch` holds the "
+         "batch's request rows with every column of the request file. Default: the codebook scorer.")
 from sidindex_cli.render import emit, err, print_study
 
 app = typer.Typer()
@@ -30,27 +36,31 @@ def retrieve(
     top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="Keep at most K ads per request (default: "
                                         "every eligible ad the search reached)."),
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Requests searched together."),
+    scorer: Optional[str] = SCORER_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Retrieve eligible ads: constrained beam search over SIDs, then SID -> ads and the exact filter.
 
-    Logits come from the codebook scorer (the request embedding's distance to each level's
-    centroids; the hash level is uniform). Every returned ad is eligible; a request whose beams all
-    die under the constraints gets fewer (or no) ads, counted in the summary; the search never
-    falls back to unconstrained decoding.
+    Logits come from your model (--scorer MODULE:FACTORY) or the codebook scorer (the request
+    embedding's distance to each level's centroids; the hash level is uniform). Every returned ad
+    is eligible; a request whose beams all die under the constraints gets fewer (or no) ads,
+    counted in the summary; the search never falls back to unconstrained decoding.
     """
 
     import runtime
+    from runtime.scorer import load_factory
 
     chosen = parse_mode(mode)  # a typo fails before the snapshot loads; retrieve checks it against the index
+    factory = load_factory(scorer) if scorer else None  # so does a module that cannot be imported
     t0 = time.perf_counter()
     index = runtime.load(snapshot, device, verify=False)
     beam_sizes = runtime.parse_beams(beams, index.sid_length)
     reqs = runtime.read_requests(requests, index)
     load_s = time.perf_counter() - t0
+    scorer_for = runtime.factory_scorer(factory, index, reqs) if factory else None
     with progress_bar(not as_json and err.is_terminal) as progress:
         run = runtime.retrieve(index, reqs, mode=chosen, beams=beam_sizes, top_k=top_k, batch_size=batch_size,
-                               progress=progress)
+                               scorer=scorer_for, progress=progress)
     table = run.table(reqs.request_id)
     write_table(table, out_file)
     r = run.result
@@ -75,6 +85,7 @@ def simulate(
     max_requests: Optional[int] = typer.Option(None, "--max-requests", min=1, help="Use the first N requests only."),
     device: str = DEVICE_OPT,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw pass rates and recall per mode to this PNG."),
+    scorer: Optional[str] = SCORER_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Pass rates and recall of eligible ads per mode (GRACE Table 3, and what it left out).
@@ -82,21 +93,24 @@ def simulate(
     Per mode, over the ads the returned SIDs generate: the share passing every bitmask attribute,
     every bloom attribute (each stage on its own) and both (final), overall and bucketed by how
     many ads a request generated; eligible ads per request (mean, p10); requests short of K; and
-    recall@K against the K best eligible ads of the whole catalog under the same codebook scorer,
-    found exhaustively. Times are per request.
+    recall@K against the K best eligible ads of the whole catalog under the same scorer (yours,
+    with --scorer, or the codebook scorer), found exhaustively. Times are per request.
     """
     import runtime
+    from runtime.scorer import load_factory
     from runtime.simulate import simulate as run_study
 
     named = tuple(parse_mode(m.strip()) for m in modes.split(",")) if modes else None  # typos fail before loading
+    factory = load_factory(scorer) if scorer else None
     index = runtime.load(snapshot, device, verify=False)
     beam_sizes = runtime.parse_beams(beams, index.sid_length)
     reqs = runtime.read_requests(requests, index)
     if max_requests is not None:
         reqs = reqs.head(max_requests)
     chosen = named or served_modes(index.kway)
+    scorer_for = runtime.factory_scorer(factory, index, reqs) if factory else None
     with progress_bar(not as_json and err.is_terminal) as progress:
-        report = run_study(index, reqs, chosen, beam_sizes, top_k, progress=progress)
+        report = run_study(index, reqs, chosen, beam_sizes, top_k, scorer_for=scorer_for, progress=progress)
     report["kway"] = _kway_label(index.snapshot) if index.kway else None
     if plot is not None:
         from sidindex_cli.plot import plot_study

@@ -5,6 +5,7 @@ scores are consistent, and bad options fail with one line."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -114,3 +115,64 @@ def test_retrieve_cli_returns_only_eligible_ads(root, sample_dir, tmp_path):
                 "--device", "cuda")
         assert r.returncode == 2 and "no CUDA device" in r.stderr
 
+
+
+SCORER_MODULE = '''
+import torch
+
+def make(batch, device, level_sizes):
+    """Favours token (history[0] + step) at every level: a scorer that reads an extra column."""
+    first = torch.tensor([h[0] for h in batch.column("history").to_pylist()], device=device)
+    def scorer(step, tokens, parent):
+        B, K, _ = tokens.shape
+        out = torch.zeros(B, K, max(level_sizes), device=device)
+        out[torch.arange(B), :, (first + step) % level_sizes[step]] = 5.0
+        return out
+    return scorer
+
+def broken(batch, device, level_sizes):
+    def scorer(step, tokens, parent):
+        raise RuntimeError("out of cheese")
+    return scorer
+
+def wrong_shape(batch, device, level_sizes):
+    return lambda step, tokens, parent: torch.zeros(3, device=device)
+
+def not_a_scorer(batch, device, level_sizes):
+    return 42
+'''
+
+
+def test_scorer_factory_from_the_command_line(root, sample_dir, tmp_path):
+    """--scorer MODULE:FACTORY: the factory gets the batch's rows with the file's extra columns; what
+    it favours is what the search returns; a broken module, factory or scorer is one line, exit 2."""
+    (tmp_path / "my_model.py").write_text(SCORER_MODULE)
+    reqs = pl.read_parquet(sample_dir / "requests.parquet").head(20)
+    reqs = reqs.with_columns(history=pl.Series([[i % 7, 1, 2] for i in range(reqs.height)]))
+    reqs.write_parquet(tmp_path / "requests.parquet")
+    out = tmp_path / "out.parquet"
+    r = run_cli("retrieve", root, "--requests", "requests.parquet", "--out", out, "--mode", "cd", "--beams", "1,4,4,4",
+                "--scorer", "my_model:make", "--json", cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr
+    got = pl.read_parquet(out)
+    assert got.height > 0
+    sizes = load(root, "cpu").level_sizes
+    norm = math.log(math.exp(5.0) + max(sizes) - 1)  # log-softmax over the full vocabulary
+    for row in got.iter_rows(named=True):  # each score is the user's model's, from the extra column
+        first = int(reqs.filter(pl.col("request_id") == row["request_id"])["history"][0][0])
+        want = sum((5.0 if t == (first + d) % sizes[d] else 0.0) - norm for d, t in enumerate(row["sid"]))
+        assert row["score"] == pytest.approx(want, abs=1e-4)
+    for factory, message in [("my_model:broken", "failed at step 0: RuntimeError: out of cheese"),
+                             ("my_model:wrong_shape", "returned (3,) torch.float32"),
+                             ("my_model:not_a_scorer", "returned int, not a scorer"),
+                             ("my_model:missing", "has no callable 'missing'"),
+                             ("no_such_model:make", "cannot import 'no_such_model'"),
+                             ("nonsense", "expected MODULE:FACTORY")]:
+        commands = [("retrieve", "--out", tmp_path / "x.parquet")]
+        if factory in ("my_model:broken", "my_model:wrong_shape"):  # simulate's exhaustive pass calls it first
+            commands.append(("simulate", "--top-k", "5"))
+        for command in commands:
+            r = run_cli(command[0], root, "--requests", "requests.parquet", *command[1:], "--scorer", factory,
+                        cwd=tmp_path, timeout=600)
+            assert r.returncode == 2 and message in r.stderr and factory in r.stderr, (command, factory, r.stderr)
+            assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1

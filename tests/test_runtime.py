@@ -113,7 +113,7 @@ class TableScorer:
         if nan_share:
             self.table[torch.rand(self.table.shape, generator=gen) < nan_share] = float("nan")
 
-    def __call__(self, step: int, prefix: torch.Tensor) -> torch.Tensor:
+    def __call__(self, step: int, prefix: torch.Tensor, parent: torch.Tensor | None = None) -> torch.Tensor:
         weights = torch.tensor([31, 7, 3][:prefix.shape[-1]], dtype=torch.int64, device=prefix.device)
         key = (prefix * weights).sum(-1) + prefix.shape[-1]
         return self.table[step % 4].to(prefix.device)[key % 257]
@@ -210,7 +210,7 @@ def test_dead_logits_never_let_a_disallowed_sid_through():
     V, wide = case.gtm.vocab_size, (1, 8, 8)
 
     def constant(value):
-        return lambda step, prefix: torch.full(prefix.shape[:2] + (V,), value, device=prefix.device)
+        return lambda step, prefix, parent: torch.full(prefix.shape[:2] + (V,), value, device=prefix.device)
 
     # request 0 (GB) has no eligible ad: cd+gtm returns nothing, never an unconstrained SID
     found = beam_search(case.index, case.dreq, constant(0.0), wide, Mode.CD_GTM)
@@ -220,7 +220,7 @@ def test_dead_logits_never_let_a_disallowed_sid_through():
         assert not beam_search(case.index, case.dreq, constant(float("nan")), wide, mode).alive.any()
 
     # -inf on every allowed token, finite elsewhere: the beams die instead of taking disallowed tokens
-    def against(step, prefix):
+    def against(step, prefix, parent):
         out = torch.zeros(prefix.shape[:2] + (V,), device=prefix.device)
         allowed = {0: [0, 2], 1: [0, 1], 2: [0, 3]}[step]
         out[..., allowed] = float("-inf")

@@ -104,7 +104,7 @@ def test_beams_too_wide_for_memory_are_refused_before_any_work(index, reqs):
     dev = runtime.to_device(runtime.encode_requests(reqs.head(16), index.spec), index.device)
     asked = []
 
-    def scorer(step, prefix):  # the search must stop before its first step
+    def scorer(step, tokens, parent):  # the search must stop before its first step
         asked.append(step)
         raise AssertionError("the search started")
 
