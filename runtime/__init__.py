@@ -15,6 +15,7 @@ Modules:
     search      beam search in every Mode (`sidindex.modes`); the Scorer protocol
     scorer      the built-in codebook scorer; users' scorers named MODULE:FACTORY
     decoder     a reference transformer decoder with a KV cache: the worked example of a model
+    hf          SidLogitsProcessor: the same mask inside Hugging Face `generate` (extra `sidindex[hf]`)
     post        SIDs -> ads, best score per ad, exact filter, ranking
     retrieve    all of it over a request table, in batches
     simulate    pass rates and recall per mode (`sidindex simulate`)

@@ -178,12 +178,12 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         parent, tok = flat // V, flat % V
         tok = torch.where(score > NEG_INF, tok, 0)  # a dead slot's token is arbitrary: keep it in every level's range
         tokens = torch.cat([tokens.gather(1, parent[..., None].expand(-1, -1, d)), tok[..., None]], dim=2)
-        node = _child(index, node.gather(1, parent), tok, score > NEG_INF)
+        node = child_nodes(index, node.gather(1, parent), tok, score > NEG_INF)
     leaf = torch.where(node >= 0, node - index.leaf_start, -1)
     return Beams(tokens, score, leaf)
 
 
-def _child(index: ServedIndex, node: torch.Tensor, tok: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+def child_nodes(index: ServedIndex, node: torch.Tensor, tok: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
     """The trie node reached from `node` by `tok` (same shape), -1 where there is none (or the beam
     is dead): binary search of (node, token) in the sorted entry keys."""
     key = node * index.vocab_size + tok

@@ -23,6 +23,7 @@ from sidindex.ingest import Requests
 from sidindex.matchers.bitmask import bitmask_layout, encode_ad_rows as bitmask_rows
 from sidindex.matchers.bloom import BLOOM_SEED, bloom_layout, encode_ad_rows as bloom_rows
 from sidindex.matchers.exact import build_exact_index, eligible_mask
+from sidindex.matchers.kinds import KINDS
 from sidindex.requests import encode_requests
 from sidindex.targeting import BITMASK, BLOOM, Attribute, TargetingSpec
 from sidindex.trie import build_gtm
@@ -149,10 +150,11 @@ def build(sc: Scenario):
     cat = frame(sc.spec, sc.ads, pl.List(pl.String))
     bm = bitmask_rows(sc.spec.bitmask_layout, cat)
     bl = bloom_rows(sc.spec.bloom_layout, cat)
-    bits = sc.spec.bitmask_layout.bits + sum(a.bits for a in sc.spec.bloom)
+    ad_rows = {k.name: k.encode_ads(layout, cat) for k, layout in zip(KINDS, sc.spec.layouts)}  # every plane
+    bits = sum(layout.bits for layout in sc.spec.layouts)
     index = build_gtm(np.array(sc.sids, dtype=np.int16), np.array(sc.sid_ads, dtype=np.int64),
-                      sc.level_sizes, {"bitmask": bm, "bloom": bl}, kway=sc.kway, matcher_bits=bits)
-    exact = build_exact_index(sc.spec, cat, {"bitmask": bm})
+                      sc.level_sizes, ad_rows, kway=sc.kway, matcher_bits=bits)
+    exact = build_exact_index(sc.spec, cat, ad_rows)
     return index, bm, bl, exact, encode_requests(requests_of(sc), sc.spec)
 
 
@@ -183,7 +185,7 @@ def check(sc: Scenario) -> None:
         assert list(ads) == sorted(a for a, t in zip(sc.sid_ads, sc.sids) if t == s)
 
     # (2) + (4) every entry's matchers equal the OR over its subtree's ads; tables have unique rows
-    bm_plane, bl_plane = index.planes
+    bm_plane, bl_plane = index.planes[:2]  # the planes the scenarios' attributes fill
     assert len({r.tobytes() for r in bm_plane.table}) == len(bm_plane.table)
     assert len({r.tobytes() for r in bl_plane.table}) == len(bl_plane.table)
     prefix_of_node = {0: ()}
@@ -254,7 +256,7 @@ def test_all_ads_unrestricted_share_one_matcher_row():
     sc = scenario(ads, [(i % 3, i % 2, i % 4) for i in range(6)], list(range(6)))
     check(sc)
     index = build(sc)[0]
-    assert [len(p.table) for p in index.planes] == [1, 1]
+    assert [len(p.table) for p in index.planes] == [1] * len(index.planes)
 
 
 def test_all_ads_share_one_sid():

@@ -1,7 +1,7 @@
 """The matcher kinds, in plane order (`schemas.artifacts.MATCHER_PLANES`): the one list everything
 that builds, stores or tests matcher rows iterates over. A new kind: its attribute in
-`sidindex.targeting`, a module here exporting its `MatcherKind`, its exact test in
-`sidindex.matchers.exact`, its plane in `schemas.artifacts`, and an entry below."""
+`sidindex.targeting` (and its columns' contract in `schemas.contracts`), a module here exporting
+its `MatcherKind`, its plane and exact form in `schemas.artifacts`, and an entry below."""
 
 from __future__ import annotations
 

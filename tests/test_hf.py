@@ -1,0 +1,114 @@
+"""`runtime.hf.SidLogitsProcessor` with Hugging Face `generate` (DESIGN.md §13), on a small randomly
+initialised GPT-2 built from a config (nothing is downloaded).
+
+- Beam search with the processor returns the SIDs of sidindex's own beam search at the same width,
+  whose scorer is the same model, in every mode; every SID it returns is in the catalog.
+- Greedy decoding with the processor is sidindex's search at width 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+transformers = pytest.importorskip("transformers")
+
+from runtime.hf import SidLogitsProcessor  # noqa: E402
+from runtime.search import beam_search  # noqa: E402
+from sidindex.errors import ConfigError  # noqa: E402
+from sidindex.modes import Mode  # noqa: E402
+from tests.test_gtm import scenarios  # noqa: E402
+from tests.test_runtime import Case, searched  # noqa: E402
+
+OFFSET, PROMPT = 3, 4  # ids 0..2 are special (pad, bos, eos); every request's prompt has 4 tokens
+
+
+def model_for(case: Case, seed: int):
+    torch.manual_seed(seed)
+    vocab = OFFSET + case.gtm.sid_length * case.gtm.vocab_size + 5
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def model_scorer(model, prompts: torch.Tensor, case: Case):
+    """sidindex's scorer for the same model: its next-token logits at the level's ids (whole
+    sequences recomputed: the model, not its cache, is what is compared)."""
+    V, sizes = case.gtm.vocab_size, case.gtm.level_sizes
+
+    @torch.no_grad()
+    def scorer(step, tokens, parent):
+        B, K, _ = tokens.shape
+        ids = OFFSET + torch.arange(step)[None, None, :] * V + tokens
+        seq = torch.cat([prompts[:, None, :].expand(B, K, -1), ids], dim=2).reshape(B * K, -1)
+        logits = model(seq).logits[:, -1].float()
+        out = logits[:, OFFSET + step * V:OFFSET + (step + 1) * V].clone()
+        out[:, sizes[step]:] = float("-inf")
+        return out.view(B, K, V)
+
+    return scorer
+
+
+def generated(case: Case, out, prompts: torch.Tensor, K: int) -> list[set]:
+    """Per request, the SIDs of its returned sequences whose beams never died."""
+    V, L, B = case.gtm.vocab_size, case.gtm.sid_length, prompts.shape[0]
+    seqs = out.sequences[:, PROMPT:PROMPT + L].view(B, K, L)
+    keep = out.sequences_scores.view(B, K) > -1e6  # a beam that had no allowed token scores -1e9 or -inf
+    sids = [set() for _ in range(B)]
+    for b in range(B):
+        for k in torch.nonzero(keep[b]).flatten().tolist():
+            sids[b].add(tuple(int(t) - OFFSET - d * V for d, t in enumerate(seqs[b, k].tolist())))
+    return sids
+
+
+@settings(max_examples=8, deadline=None)
+@given(scenarios(max_ads=10), st.integers(0, 2**16), st.integers(2, 4))
+def test_generate_with_the_processor_equals_sidindex_beam_search(sc, seed, K):
+    case = Case(sc, "cpu")
+    model = model_for(case, seed)
+    B, L = len(sc.requests), case.gtm.sid_length
+    prompts = torch.randint(OFFSET, model.config.vocab_size, (B, PROMPT), generator=torch.Generator().manual_seed(seed))
+    for mode in Mode:
+        proc = SidLogitsProcessor(case.index, case.req, mode, prompt_length=PROMPT, num_beams=K, token_offset=OFFSET)
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), num_beams=K, num_return_sequences=K,
+                             max_new_tokens=L, min_new_tokens=L, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True,
+                             logits_processor=transformers.LogitsProcessorList([proc]))
+        found = beam_search(case.index, case.dreq, model_scorer(model, prompts, case), (1,) + (K,) * (L - 1), mode)
+        got = generated(case, out, prompts, K)
+        for r in range(B):
+            assert got[r] == set(searched(case, found, r)), (mode, r)
+            if mode.constrained:
+                assert all(case.node(sid) is not None for sid in got[r])
+
+
+def test_greedy_decoding_is_width_one_search():
+    from tests.test_gtm import scenario
+
+    ads = [{"country": ["US"], "locations": []}, {"country": ["CA"], "locations": ["loc1"]},
+           {"country": None, "locations": []}]
+    case = Case(scenario(ads, [(0, 0, 0), (2, 1, 3), (1, 1, 2)], [0, 1, 2]), "cpu")
+    model = model_for(case, 5)
+    B, L = len(case.sc.requests), case.gtm.sid_length
+    prompts = torch.randint(OFFSET, model.config.vocab_size, (B, PROMPT), generator=torch.Generator().manual_seed(1))
+    proc = SidLogitsProcessor(case.index, case.req, "cd+gtm", prompt_length=PROMPT, token_offset=OFFSET)
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=L, min_new_tokens=L,
+                         do_sample=False, logits_processor=transformers.LogitsProcessorList([proc]))
+    found = beam_search(case.index, case.dreq, model_scorer(model, prompts, case), (1,) * L, "cd+gtm")
+    for r in range(B):
+        want = searched(case, found, r)
+        if want:  # a request with nothing eligible has no greedy SID to compare
+            sid = tuple(int(t) - OFFSET - d * case.gtm.vocab_size for d, t in enumerate(out[r, PROMPT:].tolist()))
+            assert {sid} == set(want)
+
+
+def test_bad_token_mappings_are_refused():
+    from tests.test_gtm import scenario
+
+    case = Case(scenario([{"country": ["US"], "locations": []}], [(0, 0, 0)], [0]), "cpu")
+    with pytest.raises(ConfigError, match="exactly one of token_offset"):
+        SidLogitsProcessor(case.index, case.req, prompt_length=2)
+    with pytest.raises(ConfigError, match=r"\(L, V\)"):
+        SidLogitsProcessor(case.index, case.req, prompt_length=2, token_ids=torch.zeros(2, 2, dtype=torch.int64))
