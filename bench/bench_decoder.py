@@ -7,8 +7,9 @@ by `parent`) per mode, against unconstrained decoding with the same model, in th
 Index: the `bench_search` snapshot (bench_gtm catalog, L=4, V=512, dynamic k-way). Model:
 `runtime.decoder.ReferenceDecoder` (4 layers, d_model 256, 64 context tokens of random history).
 Requests: B=16 with 64 locations each; beams 1,512,1024,1024. Each figure is the median over
---reps of `runtime.beam_search` through the public API (eager), CUDA events. Target: cd+gtm <= 1.1x
-none (the mask costs at most a tenth of what the model does).
+--reps, CUDA events, of `runtime.beam_search` (eager) and of `runtime.Searcher.search` (the whole
+search, model included, replayed from a CUDA graph after its first batch; results must equal the
+eager ones). Target: cd+gtm <= 1.1x none (the mask costs at most a tenth of what the model does).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from runtime.loader import load_index
 from runtime.requests import to_device
 from runtime.search import beam_search
+from runtime.serving import Searcher
 from sidindex.modes import Mode
 from sidindex.requests import encode_requests
 from sidindex.snapshot import open_snapshot
@@ -65,7 +67,15 @@ def main() -> int:
             found = run()
             want = model.sequence_logprob(context, found.tokens)  # the cache's scores, recomputed whole
             alive = found.alive
+            searcher = Searcher(beams, mode)
+            same = True
+            for _ in range(2):  # the capture's own replay, then a replay with new scorer inputs
+                replayed = searcher.search(index, dreq, DecoderScorer(model, context))
+                same &= bool(torch.equal(replayed.tokens, found.tokens) and torch.equal(replayed.score, found.score))
             rows[mode.value] = {"ms": cuda_ms(run, args.reps),
+                                "graph_ms": cuda_ms(lambda: searcher.search(index, dreq, DecoderScorer(model, context)),
+                                                    args.reps),
+                                "graph_identical": same and searcher.eager_reason is None,
                                 "max_score_error": float((found.score[alive] - want[alive]).abs().max()),
                                 "live_sids_per_request": float(alive.sum(1).float().mean())}
             print(f"{mode.value}: {rows[mode.value]}", file=sys.stderr, flush=True)
@@ -73,11 +83,12 @@ def main() -> int:
     base = rows["none"]["ms"]
     print(f"\n{res['gpu']}: {args.ads:,} ads ({build['sids']:,} SIDs), B={args.batch}, beams {args.beams}, reference "
           "decoder (4 layers, d_model 256, 64 context tokens), eager through runtime.beam_search")
-    print("\n| mode | search ms | / none | live SIDs / request | max |cached - whole-sequence score| |")
-    print("|---|---|---|---|---|")
+    print("\n| mode | search ms, eager | / none | search ms, Searcher (graph) | graph = eager | live SIDs / request "
+          "| max cached - whole-sequence score |")
+    print("|---|---|---|---|---|---|---|")
     for mode, r in rows.items():
-        print(f"| {mode} | {r['ms']:.2f} | {r['ms'] / base:.3f}x | {r['live_sids_per_request']:.0f} | "
-              f"{r['max_score_error']:.1e} |")
+        print(f"| {mode} | {r['ms']:.2f} | {r['ms'] / base:.3f}x | {r['graph_ms']:.2f} | {r['graph_identical']} | "
+              f"{r['live_sids_per_request']:.0f} | {r['max_score_error']:.1e} |")
     ratio = rows["cd+gtm"]["ms"] / base
     print(f"\n{'PASS' if ratio <= 1.1 else 'MISS'}  cd+gtm <= 1.1x none with the reference decoder: {ratio:.3f}x")
     if args.json:

@@ -13,6 +13,7 @@ Modules:
     requests    read a request file; a batch's encoding (`sidindex.requests`) onto the device
     ops/        the fused CD+GTM mask: Triton kernel, torch reference, numba CPU path
     search      beam search in every Mode (`sidindex.modes`); the Scorer protocol
+    serving     Searcher: the search captured as CUDA graphs per batch size, replayed
     scorer      the built-in codebook scorer; users' scorers named MODULE:FACTORY
     decoder     a reference transformer decoder with a KV cache: the worked example of a model
     hf          SidLogitsProcessor: the same mask inside Hugging Face `generate` (extra `sidindex[hf]`)
@@ -30,6 +31,7 @@ from runtime.requests import read_requests, to_device
 from runtime.retrieve import RetrievalRun, codebook_scorer, factory_scorer, retrieve
 from runtime.scorer import CodebookScorer
 from runtime.search import Beams, Scorer, beam_search, parse_beams
+from runtime.serving import Searcher
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests, encode_requests
 
@@ -40,6 +42,7 @@ __all__ = [
     "Mode",
     "RetrievalRun",
     "Scorer",
+    "Searcher",
     "ServedIndex",
     "SnapshotWatcher",
     "beam_search",

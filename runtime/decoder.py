@@ -117,7 +117,8 @@ class DecoderScorer:
     """
 
     def __init__(self, model: ReferenceDecoder, context: torch.Tensor) -> None:
-        self.model, self.context = model, context
+        self.model, self.context = model, context.clone()  # its own: a captured search refreshes it in place
+        self.inputs = {"context": self.context}  # what `runtime.Searcher` copies each batch into
         self.cache: list | None = None
 
     @torch.no_grad()

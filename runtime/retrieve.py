@@ -13,7 +13,8 @@ from runtime.loader import ServedIndex
 from runtime.post import Retrieved, expand
 from runtime.requests import to_device
 from runtime.scorer import CodebookScorer, ScorerFactory, load_factory
-from runtime.search import DEFAULT_BEAMS, Scorer, beam_search, parse_beams
+from runtime.search import DEFAULT_BEAMS, Scorer, parse_beams
+from runtime.serving import Searcher
 from sidindex.errors import ArtifactError, InputError
 from sidindex.ingest import Requests
 from sidindex.modes import Mode, parse_mode
@@ -87,12 +88,13 @@ def retrieve(index: ServedIndex, requests: Requests, *, mode: Mode | str = Mode.
     host = encode_requests(requests, index.spec)
     dev = to_device(host, index.device)
     scorer = scorer or codebook_scorer(index, dev)
+    searcher = Searcher(beams, mode, impl)  # CUDA graphs per batch size on a GPU
     parts, seconds = [], {"search": 0.0, "post": 0.0}
     n = len(requests)
     for lo in range(0, n, batch_size):
         hi = min(n, lo + batch_size)
         t = time.perf_counter()
-        found = beam_search(index, dev.slice(lo, hi), scorer(slice(lo, hi)), beams, mode, impl)
+        found = searcher.search(index, dev.slice(lo, hi), scorer(slice(lo, hi)))
         if index.device.type == "cuda":
             torch.cuda.synchronize(index.device)
         seconds["search"] += time.perf_counter() - t

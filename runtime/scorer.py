@@ -28,10 +28,11 @@ class CodebookScorer:
 
     def __init__(self, codebook: Codebook, embedding: torch.Tensor, temperature: float = 1.0) -> None:
         dev = embedding.device
-        self.x = embedding.float()
+        self.x = embedding.float().clone()  # its own: a captured search refreshes it in place
         self.centroids = [torch.from_numpy(c).to(dev) for c in codebook.centroids]
         self.sq_norms = [(c * c).sum(dim=1) for c in self.centroids]
         self.sizes, self.V, self.temperature = codebook.level_sizes, codebook.vocab_size, temperature
+        self.inputs = {"embedding": self.x}  # what a captured search copies each batch into (runtime.Searcher)
 
     def prefix_independent(self, step: int) -> bool:
         """True when the logits of `step` do not depend on the prefix (the hash level): an

@@ -45,7 +45,9 @@ class Scorer(Protocol):
     reorders its cache with `parent` and runs only the new token, and computes from `tokens` when
     `parent` is None. Returns (B, K, V) float logits; a token beyond the level's size should get
     -inf, and dead beams may get any logits. `runtime.CodebookScorer` is the built-in one,
-    `runtime.decoder.ReferenceDecoder` a transformer with a KV cache. A scorer that ignores both:
+    `runtime.decoder.DecoderScorer` a transformer with a KV cache. A scorer that also exposes
+    `inputs`, a dict of the tensors it reads (refreshed in place per batch), can be captured with
+    the whole search in a CUDA graph (`runtime.Searcher`). A scorer that ignores both arguments:
 
         def uniform(step: int, tokens: torch.Tensor, parent: torch.Tensor | None) -> torch.Tensor:
             return torch.zeros(*tokens.shape[:2], index.vocab_size, device=tokens.device)

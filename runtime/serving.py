@@ -1,0 +1,133 @@
+"""A serving searcher: beam search replayed from CUDA graphs (DESIGN.md §12).
+
+A host keeps one `Searcher` per (beams, mode) and calls `search(index, requests, scorer)` per
+batch. On a GPU the first batch of each size is searched once to warm up, then the whole search
+(every step's scorer call, mask, top-k and child lookup) is captured as a CUDA graph; later
+batches of that size copy their inputs into the graph's buffers and replay it, paying neither
+Python nor launch overhead. The graph's inputs are
+  - the requests' queries: each plane's rows into a buffer with room for the largest batch seen
+    (a batch that needs more re-captures), the ranges into a (B, G, 2) buffer;
+  - the scorer's `inputs`: a dict of tensors the scorer reads each step (the codebook scorer's
+    embeddings, the reference decoder's context), copied into the captured scorer's.
+A scorer without `inputs` cannot be refreshed inside a graph, and the CPU has no graphs: those
+searches run eagerly, and `eager_reason` says why (a warning says it once). A new snapshot (the
+watcher swapped `index`) is captured anew; the old graphs are dropped with it. Replayed results
+are copies: the next replay does not change them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from runtime.loader import ServedIndex
+from runtime.ops.gtm_mask.planes import QueryStack
+from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search, parse_beams
+from sidindex.modes import Mode, parse_mode
+from sidindex.requests import EncodedRequests
+
+
+@dataclass
+class _Graph:
+    """One captured search: the graph, its input buffers and its outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    requests: EncodedRequests  # static: planes' rows and ranges, the stacked form over the same memory
+    capacity: tuple[int, ...]  # query rows per plane the buffers hold
+    scorer: Scorer  # the captured scorer; its `inputs` are the graph's
+    out: Beams
+
+
+class Searcher:
+    """Beam search for one (beams, mode), captured per batch size on a GPU (see the module doc)."""
+
+    def __init__(self, beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
+                 impl: str = "auto") -> None:
+        self.beams, self.mode, self.impl = beams, parse_mode(mode), impl
+        self.eager_reason: str | None = None
+        self._index_id: str | None = None
+        self._graphs: dict[int, _Graph] = {}
+
+    def search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
+        """`runtime.beam_search(index, requests, scorer, beams, mode)`, replayed when it can be.
+        requests: on the index's device (`runtime.to_device`)."""
+        why = ("the index is on the CPU" if index.device.type != "cuda" else
+               None if isinstance(getattr(scorer, "inputs", None), dict) else
+               f"the scorer ({type(scorer).__name__}) has no `inputs` to refresh in a captured graph")
+        if why is not None:
+            if self.eager_reason != why:
+                self.eager_reason = why
+                if index.device.type == "cuda":
+                    warnings.warn(f"searching eagerly: {why}", stacklevel=2)
+            return beam_search(index, requests, scorer, self.beams, self.mode, self.impl)
+        if index.id != self._index_id:  # a new snapshot: its own graphs
+            self._index_id, self._graphs = index.id, {}
+        B = requests.batch
+        g = self._graphs.get(B)
+        if g is None or not _fits(g, requests, scorer):
+            g = self._graphs[B] = self._capture(index, requests, scorer)
+        else:
+            _load(g, requests, scorer)
+            g.graph.replay()
+        return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+
+    def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> _Graph:
+        static, capacity = _static_requests(requests)
+        beam_search(index, static, scorer, self.beams, self.mode, self.impl)  # checks, compiles kernels
+        side = torch.cuda.Stream(index.device)
+        side.wait_stream(torch.cuda.current_stream(index.device))
+        with torch.cuda.stream(side):  # the allocator's warm-up, outside the capture
+            beam_search(index, static, scorer, self.beams, self.mode, self.impl)
+        torch.cuda.current_stream(index.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = beam_search(index, static, scorer, self.beams, self.mode, self.impl)
+        graph.replay()
+        return _Graph(graph, static, capacity, scorer, out)
+
+
+def _static_requests(requests: EncodedRequests) -> tuple[EncodedRequests, tuple[int, ...]]:
+    """Buffers with room for twice each plane's query rows (at least 8 per request), holding
+    `requests`; the stacked form views the same memory, each plane's rows at a fixed offset."""
+    q = requests.stacked
+    B = requests.batch
+    capacity = tuple(max(2 * len(p.rows), 8 * B) for p in requests.planes)
+    widths = [p.rows.shape[1] for p in requests.planes]
+    starts = [0]
+    for cap, w in zip(capacity, widths):
+        starts.append(starts[-1] + cap * w)
+    words = torch.zeros(starts[-1], dtype=torch.int64, device=q.words.device)
+    planes = []
+    for p, lo, cap, w in zip(requests.planes, starts, capacity, widths):
+        rows = words[lo:lo + cap * w].view(cap, w)
+        rows[:len(p.rows)].copy_(p.rows)
+        planes.append(dataclasses.replace(p, rows=rows, ranges=p.ranges.clone()))
+    stacked = QueryStack(words, torch.tensor(starts[:-1], dtype=torch.int64, device=words.device),
+                         torch.cat([p.ranges for p in planes], dim=1), q.layout)
+    # the stacked ranges must be the planes' own memory, so one copy refreshes both: split them back
+    G = [p.ranges.shape[1] for p in planes]
+    split = torch.split(stacked.ranges, G, dim=1)
+    planes = [dataclasses.replace(p, ranges=r) for p, r in zip(planes, split)]
+    return dataclasses.replace(requests, planes=tuple(planes), stacked=stacked), capacity
+
+
+def _fits(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> bool:
+    """The batch's queries fit the buffers and the scorer's inputs match the captured ones."""
+    if any(len(p.rows) > cap for p, cap in zip(requests.planes, g.capacity)):
+        return False
+    mine, theirs = g.scorer.inputs, scorer.inputs
+    return mine.keys() == theirs.keys() and all(
+        mine[k].shape == theirs[k].shape and mine[k].dtype == theirs[k].dtype for k in mine)
+
+
+def _load(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> None:
+    """Copy a batch's queries and scorer inputs into the graph's buffers."""
+    for mine, theirs in zip(g.requests.planes, requests.planes):
+        mine.rows[:len(theirs.rows)].copy_(theirs.rows)
+    g.requests.stacked.ranges.copy_(requests.stacked.ranges)  # the planes' ranges are views of it
+    if scorer is not g.scorer:
+        for k, t in scorer.inputs.items():
+            g.scorer.inputs[k].copy_(t)

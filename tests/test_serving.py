@@ -1,0 +1,59 @@
+"""`runtime.Searcher`: on a GPU, searches replayed from captured CUDA graphs equal eager searches,
+batch after batch (new requests and new scorer inputs replayed through one graph), in every mode;
+on the CPU it searches eagerly and says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
+from runtime.requests import to_device
+from runtime.search import beam_search
+from runtime.serving import Searcher
+from sidindex.modes import Mode
+from sidindex.requests import encode_requests
+from tests.test_gtm import requests_of, scenario
+from tests.test_runtime import GPU, Case
+
+SMALL = dict(context_vocab=50, context_length=6, d_model=32, layers=2, heads=2)
+ADS = [{"country": None if c is None else [c], "locations": locs} for c, locs in
+       [("US", []), ("CA", ["loc1"]), ("GB", ["loc2", "loc3"]), ("US", ["loc3"]), (None, []), ("CA", [])]]
+SIDS = [(0, 0, 0), (2, 1, 3), (1, 1, 2), (0, 1, 1), (2, 0, 0), (1, 0, 3)]
+
+
+def batches(case: Case, device: str):
+    """The scenario's requests as two equal-size batches on `device`."""
+    req = requests_of(case.sc)
+    half = len(req) // 2
+    return [to_device(encode_requests(req.rows(lo, lo + half), case.sc.spec), device) for lo in (0, half)]
+
+
+def same(a, b) -> bool:
+    return torch.equal(a.tokens, b.tokens) and torch.equal(a.score, b.score) and torch.equal(a.leaf, b.leaf)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+def test_replayed_searches_equal_eager_ones():
+    case = Case(scenario(ADS, SIDS, list(range(len(ADS)))), "cuda")
+    model = ReferenceDecoder(case.sc.level_sizes, **SMALL).cuda().eval()
+    for mode in Mode:
+        searcher = Searcher((1, 3, 4), mode)
+        for i, dreq in enumerate(batches(case, "cuda") * 2):
+            ctx = context_tokens([[i, r] for r in range(dreq.batch)], SMALL["context_length"], SMALL["context_vocab"],
+                                 "cuda")
+            got = searcher.search(case.index, dreq, DecoderScorer(model, ctx))
+            want = beam_search(case.index, dreq, DecoderScorer(model, ctx), (1, 3, 4), mode)
+            assert same(got, want), (mode, i)
+        assert searcher.eager_reason is None and len(searcher._graphs) == 1  # one batch size, captured once
+
+
+def test_on_the_cpu_it_searches_eagerly_and_says_why():
+    case = Case(scenario(ADS, SIDS, list(range(len(ADS)))), "cpu")
+    model = ReferenceDecoder(case.sc.level_sizes, **SMALL).eval()
+    searcher = Searcher((1, 3, 4), Mode.CD_GTM)
+    for dreq in batches(case, "cpu"):
+        ctx = context_tokens([[1, 2]] * dreq.batch, SMALL["context_length"], SMALL["context_vocab"], "cpu")
+        got = searcher.search(case.index, dreq, DecoderScorer(model, ctx))
+        assert same(got, beam_search(case.index, dreq, DecoderScorer(model, ctx), (1, 3, 4), Mode.CD_GTM))
+    assert searcher.eager_reason == "the index is on the CPU"
