@@ -59,7 +59,11 @@ class ReferenceDecoder(nn.Module):
     def __init__(self, level_sizes: tuple[int, ...], context_vocab: int = 1024, context_length: int = 64,
                  d_model: int = 256, layers: int = 4, heads: int = 4, seed: int = 0) -> None:
         super().__init__()
-        torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):  # seeded weights without reseeding the caller's generator
+            torch.manual_seed(seed)
+            self._build(level_sizes, context_vocab, context_length, d_model, layers, heads)
+
+    def _build(self, level_sizes, context_vocab, context_length, d_model, layers, heads) -> None:
         self.level_sizes, self.V = tuple(level_sizes), max(level_sizes)
         L = len(level_sizes)
         self.context = nn.Embedding(context_vocab, d_model)
@@ -129,7 +133,10 @@ class DecoderScorer:
         if parent is None or self.cache is None:  # the whole prefix: context, then the tokens so far
             ctx = self.context[:, None, :].expand(B, K, C).reshape(B * K, C)
             x = torch.cat([m.context(ctx), m._embed_sid(tokens.reshape(B * K, step), 0)], dim=1)
-            hidden, self.cache = m.run(x, 0, None)
+            hidden, cache = m.run(x, 0, None)
+            # the next call extends these beams only in a search (step 0); a scan of arbitrary
+            # prefixes (parent None later on) starts afresh, so its large cache is not kept
+            self.cache = cache if step == 0 else None
         else:  # reorder the cache to the new beams, then run only the newest token
             k_prev = self.cache[0][0].shape[0] // B
             rows = (torch.arange(B, device=parent.device)[:, None] * k_prev + parent).reshape(-1)

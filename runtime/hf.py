@@ -2,7 +2,7 @@
 
     from transformers import LogitsProcessorList
     from runtime.hf import SidLogitsProcessor
-    proc = SidLogitsProcessor(index, requests, mode="cd+gtm", prompt_length=P, token_offset=o)
+    proc = SidLogitsProcessor(index, requests, mode="cd+gtm", prompt_length=P, num_beams=K, token_offset=o)
     out = model.generate(input_ids, num_beams=K, num_return_sequences=K, max_new_tokens=L,
                          do_sample=False, logits_processor=LogitsProcessorList([proc]))
 
@@ -16,8 +16,11 @@ What it returns is the model's distribution over the level's V tokens (log-softm
 -inf at every token the mode does not allow and at every id that is not one of the level's tokens,
 EOS and special tokens included. With the same model, `generate` beam search at a fixed width
 returns the SIDs of `runtime.beam_search` at that width, whose scorer gives the model's logits at
-the level's ids. A row whose prefix left the catalog (or a request with nothing eligible) gets -inf
-everywhere: its beam dies, as in `runtime.beam_search`.
+the level's ids. A row with no allowed token (its prefix left the catalog, or nothing under it is
+eligible) gets DEAD (-1e30) at the level's tokens and -inf elsewhere: it keeps the shape of a SID
+and never ends early on EOS, and its score marks it dead; keep the sequences whose
+`sequences_scores` exceed -1e6 (generate also starts spare beams at -1e9), as `runtime.beam_search`
+drops dead beams.
 """
 
 from __future__ import annotations
@@ -29,25 +32,31 @@ from runtime.ops.gtm_mask import gtm_mask
 from runtime.requests import to_device
 from runtime.search import child_nodes
 from sidindex.errors import ConfigError
+from sidindex.ingest import Requests
 from sidindex.modes import Mode, parse_mode
-from sidindex.requests import EncodedRequests
+from sidindex.requests import EncodedRequests, encode_requests
 
 NEG_INF = float("-inf")
+DEAD = -1e30  # a row with no allowed token: any SID token, at a score no live beam reaches
 
 
 class SidLogitsProcessor:
     """A `transformers` logits processor (a callable (input_ids, scores) -> scores).
 
-    index: a ServedIndex; requests: their encoding (`runtime.encode_requests`), on the host or the
-    index's device; prompt_length: P, the length of every prompt in input_ids; token_offset or
-    token_ids: (L, V) int64 model ids of the SID tokens; num_beams: checked against the rows.
+    index: a ServedIndex; requests: the request table (`runtime.read_requests`) or its encoding
+    (`runtime.encode_requests`, on the host or the index's device); prompt_length: P, the length of
+    every prompt in input_ids; num_beams: the rows generate keeps per request (num_beams for beam
+    search, num_return_sequences for sampling, 1 for greedy); token_offset or token_ids: (L, V)
+    int64 model ids of the SID tokens, distinct within a level (-1 beyond a level's size).
     """
 
-    def __init__(self, index: ServedIndex, requests: EncodedRequests, mode: Mode | str = Mode.CD_GTM, *,
-                 prompt_length: int, num_beams: int | None = None, token_offset: int | None = None,
+    def __init__(self, index: ServedIndex, requests: Requests | EncodedRequests, mode: Mode | str = Mode.CD_GTM, *,
+                 prompt_length: int, num_beams: int = 1, token_offset: int | None = None,
                  token_ids: torch.Tensor | None = None, impl: str = "auto") -> None:
         self.index, self.mode, self.P, self.num_beams, self.impl = index, parse_mode(mode, kway_available=index.kway), \
             prompt_length, num_beams, impl
+        if isinstance(requests, Requests):
+            requests = encode_requests(requests, index.spec)
         self.requests = requests if requests.stacked is not None else to_device(requests, index.device)
         L, V = index.sid_length, index.vocab_size
         if (token_offset is None) == (token_ids is None):
@@ -55,10 +64,14 @@ class SidLogitsProcessor:
                               "or token_ids (an (L, V) table of model ids)")
         if token_ids is None:
             token_ids = token_offset + torch.arange(L)[:, None] * V + torch.arange(V)
-        token_ids = torch.as_tensor(token_ids, dtype=torch.int64)
-        if token_ids.shape != (L, V) or int(token_ids.min()) < 0:
-            raise ConfigError(f"token_ids must be an (L, V) = ({L}, {V}) table of non-negative model token ids")
-        self.token_ids = token_ids.to(index.device)
+        token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()
+        if token_ids.shape != (L, V):
+            raise ConfigError(f"token_ids must be an (L, V) = ({L}, {V}) table of model token ids")
+        for d, size in enumerate(index.level_sizes):
+            ids = token_ids[d, :size]
+            if int(ids.min()) < 0 or len(ids.unique()) != size:
+                raise ConfigError(f"token_ids[{d}, :{size}] must be distinct non-negative model token ids")
+        self.token_ids = token_ids.clamp(min=0).to(index.device)  # ids beyond a level's size are never read
         self.inverse: torch.Tensor | None = None  # (L, model vocabulary) SID token of each id, -1 for none
 
     def _inverse(self, vocab: int) -> torch.Tensor:
@@ -66,8 +79,8 @@ class SidLogitsProcessor:
             if int(self.token_ids.max()) >= vocab:
                 raise ConfigError(f"SID token ids reach {int(self.token_ids.max())}, beyond the model's {vocab} logits")
             inv = torch.full((self.index.sid_length, vocab), -1, dtype=torch.int64, device=self.index.device)
-            V = self.index.vocab_size
-            inv.scatter_(1, self.token_ids, torch.arange(V, device=inv.device).expand_as(self.token_ids).contiguous())
+            for d, size in enumerate(self.index.level_sizes):
+                inv[d, self.token_ids[d, :size]] = torch.arange(size, device=inv.device)
             self.inverse = inv
         return self.inverse
 
@@ -85,9 +98,9 @@ class SidLogitsProcessor:
         index, (N, vocab) = self.index, scores.shape
         d = input_ids.shape[1] - self.P
         B = self.requests.batch
-        if N % B or (self.num_beams is not None and N != B * self.num_beams):
-            raise ConfigError(f"generate passed {N} rows for {B} requests" +
-                              (f" and num_beams {self.num_beams}" if self.num_beams is not None else ""))
+        if N != B * self.num_beams:
+            raise ConfigError(f"generate passed {N} rows for {B} requests with {self.num_beams} row(s) each: give one "
+                              "prompt per request, and num_beams as the rows generate keeps per request")
         out = torch.full_like(scores, NEG_INF)
         if not 0 <= d < index.sid_length:  # past the SID: nothing more may be generated
             return out
@@ -97,8 +110,10 @@ class SidLogitsProcessor:
         level = torch.full((N, index.vocab_size), NEG_INF, dtype=torch.float32, device=scores.device)
         level[:, :size] = torch.log_softmax(scores[:, ids].float(), dim=-1)
         if self.mode.constrained:
-            req = torch.arange(N, device=scores.device) // (N // B)
+            req = torch.arange(N, device=scores.device) // self.num_beams
             alive = torch.where(node >= 0, 0.0, NEG_INF).float()
             level = gtm_mask(index, self.requests, d, req, node.clamp(min=0), alive, level, self.mode, self.impl)
-        out[:, ids] = level[:, :size].to(out.dtype)
+        level = level[:, :size]
+        stuck = ~torch.isfinite(level).any(dim=1, keepdim=True)  # no allowed token: a dead row
+        out[:, ids] = torch.where(stuck, DEAD, level).to(out.dtype)
         return out

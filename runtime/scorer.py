@@ -94,6 +94,9 @@ class _Checked:
     def __init__(self, scorer, spec: str, V: int) -> None:
         self.scorer, self.spec, self.V = scorer, spec, V
 
+    def __getattr__(self, name: str):  # `inputs`, `prefix_independent`: the wrapped scorer's
+        return getattr(self.__dict__["scorer"], name)
+
     def __call__(self, step: int, tokens: torch.Tensor, parent: torch.Tensor | None) -> torch.Tensor:
         try:
             out = self.scorer(step, tokens, parent)

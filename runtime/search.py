@@ -23,6 +23,7 @@ import torch
 
 from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask import gtm_mask
+from runtime.requests import to_device
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests
@@ -144,17 +145,21 @@ def _size(n: int) -> str:
     return f"{n:,} bytes"
 
 
+@torch.no_grad()  # a scorer module's logits carry no autograd graph through the search
 def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
                 beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
                 impl: str = "auto") -> Beams:
     """Search SIDs for a batch of requests.
 
-    requests: on the index's device (`runtime.requests.to_device`). impl: the mask implementation
+    requests: their encoding, best already on the index's device (`runtime.requests.to_device`; a
+    host encoding is moved first). impl: the mask implementation
     ("auto", "triton", "numba", "torch"). A search whose widest step would not fit the free memory
     is refused (ConfigError) before it allocates.
     """
     mode = parse_mode(mode, kway_available=index.kway)
     beams = parse_beams(beams, index.sid_length)
+    if requests.stacked is None:  # the host encoding
+        requests = to_device(requests, index.device)
     B, V, L, dev = requests.batch, index.vocab_size, index.sid_length, index.device
     if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # a capture replays a checked search
         check_fits(beams, B, V, dev)

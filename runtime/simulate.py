@@ -62,6 +62,7 @@ def trie_levels(index: ServedIndex) -> list[TrieLevel]:
     return out
 
 
+@torch.no_grad()
 def node_scores(index: ServedIndex, scorer: Scorer, levels: list[TrieLevel], chunk: int = 16384) -> torch.Tensor:
     """(num_nodes,) float32 accumulated log-probability of every trie node's prefix for one request
     (a scorer for a batch of one); the root scores 0. Leaves are SIDs. levels: `trie_levels`."""

@@ -104,11 +104,21 @@ def test_greedy_decoding_is_width_one_search():
             assert {sid} == set(want)
 
 
-def test_bad_token_mappings_are_refused():
-    from tests.test_gtm import scenario
+def test_bad_token_mappings_and_row_counts_are_refused():
+    from tests.test_gtm import requests_of, scenario
 
     case = Case(scenario([{"country": ["US"], "locations": []}], [(0, 0, 0)], [0]), "cpu")
     with pytest.raises(ConfigError, match="exactly one of token_offset"):
         SidLogitsProcessor(case.index, case.req, prompt_length=2)
     with pytest.raises(ConfigError, match=r"\(L, V\)"):
         SidLogitsProcessor(case.index, case.req, prompt_length=2, token_ids=torch.zeros(2, 2, dtype=torch.int64))
+    L, V = case.gtm.sid_length, case.gtm.vocab_size
+    twice = torch.arange(L * V).view(L, V)
+    twice[0, 1] = twice[0, 0]  # two SID tokens of level 0 on one model id
+    with pytest.raises(ConfigError, match=r"token_ids\[0, :3\] must be distinct"):
+        SidLogitsProcessor(case.index, case.req, prompt_length=2, token_ids=twice)
+    # the request table itself is accepted; a prompt count that is not requests x num_beams is refused
+    proc = SidLogitsProcessor(case.index, requests_of(case.sc), prompt_length=2, num_beams=2, token_offset=OFFSET)
+    B = len(case.sc.requests)
+    with pytest.raises(ConfigError, match=f"{B + 1} rows for {B} requests with 2 row"):
+        proc(torch.zeros(B + 1, 2, dtype=torch.int64), torch.zeros(B + 1, OFFSET + L * V))

@@ -443,3 +443,13 @@ def test_a_catalog_behind_a_symbolic_link_builds(sample_dir, tmp_path):
             "--out", tmp_path / "root", "--config", tmp_path / "build.toml", "--json")
     assert r.returncode == 0, r.stderr
     assert open_snapshot(tmp_path / "root").id == json.loads(r.stdout)["snapshot_id"]
+
+
+def test_an_empty_array_is_written_and_mapped(tmp_path):
+    """A spec without bloom attributes, or ads all unrestricted on them, has empty exact hashes:
+    the file still holds its one record batch."""
+    from sidindex.snapshot.arrays import map_array, write_array
+
+    spec = ARRAYS_BY_NAME["exact_bloom_hashes"]
+    write_array(tmp_path, spec, np.zeros(0, dtype=np.uint64))
+    assert map_array(tmp_path, spec, (0,)).shape == (0,)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 EXACT_SEED = 0x5EED0E1
 ALL_STAGES = (1 << len(MATCHER_PLANES)) - 1  # `stage_flags` of an eligible pair: bit p for plane p
+assert len(MATCHER_PLANES) <= 8, "stage flags are uint8: one bit per plane"
 
 
 def value_hashes(values: list[str]) -> np.ndarray:

@@ -7,9 +7,10 @@ iff for EVERY group some query q has (row & q) == q on that group's words:
     bitmask  one group holding every word; the request's user row is its only query
     bloom    one group per attribute (its words); a query per request value
 
-The trie build, the CPU matcher, the exact filter, explanations, the torch reference and the
-Triton kernel all run this one test, over the planes in `schemas.artifacts.MATCHER_PLANES` order;
-a new matcher kind supplies the rows and the queries, never a new test.
+The CPU matcher, the exact filter of a `rows` plane, explanations, the torch reference and the
+Triton kernel all run this one test, over the planes in `schemas.artifacts.MATCHER_PLANES` order
+(the trie build ORs rows of any plane alike); a new matcher kind supplies its rows and queries,
+never a new test.
 
 Legend: B requests, G word groups, Q query rows, W words per row, n pairs.
 """

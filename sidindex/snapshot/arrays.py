@@ -35,9 +35,9 @@ def write_array(directory: Path, spec: ArrayFile, array: np.ndarray) -> None:
         raise ValueError(f"{spec.name}: expected {'1' if spec.width is None else '2'} dimensions, got {a.shape}")
     values = pa.array(a.reshape(-1))
     column = values if spec.width is None else pa.FixedSizeListArray.from_arrays(values, a.shape[1])
-    table = pa.table({spec.column_name: column})
-    with pa.OSFile(str(directory / spec.file), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
+    batch = pa.record_batch([column], names=[spec.column_name])  # one batch even when empty (a table writes none)
+    with pa.OSFile(str(directory / spec.file), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
+        writer.write_batch(batch)
 
 
 def map_array(directory: Path, spec: ArrayFile, shape: tuple[int, ...]) -> np.ndarray:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from schemas.artifacts import MATCHER_PLANES
 from sidindex.sid.assign import run_starts, sid_keys
 from sidindex.trie.dedup import RowTable, insert_row
 from sidindex.trie.kway import KWayConfig, partition
@@ -134,6 +135,8 @@ def build_gtm(
         raise ValueError(f"sids must be a non-empty (P, {L}) array, got shape {sids.shape}")
     if ad_index.shape != (len(sids),):
         raise ValueError(f"ad_index must have shape ({len(sids)},), got {ad_index.shape}")
+    if tuple(ad_rows) != MATCHER_PLANES:
+        raise ValueError(f"ad_rows must hold the planes {MATCHER_PLANES} in that order, got {tuple(ad_rows)}")
     n_ads = len(next(iter(ad_rows.values())))
     if any(len(r) != n_ads for r in ad_rows.values()) or ad_index.min() < 0 or ad_index.max() >= n_ads:
         raise ValueError("ad_index must index rows of ad_rows, which must have one row per ad in every plane")

@@ -1,7 +1,7 @@
 """Plain torch reference of the CD+GTM mask: gathers every child entry of every beam into dense
 (M, C) tensors and tests them with whole-tensor ops. Obviously correct, memory-hungry (a word group
-materialises (beams, children, queries, words)), so it runs over chunks of beams. It is the
-CPU path and what the Triton kernel is tested and benchmarked against."""
+materialises (beams, children, queries, words)), so it runs over chunks of beams. It is what the
+Triton kernel is tested and benchmarked against."""
 
 from __future__ import annotations
 
