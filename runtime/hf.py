@@ -20,7 +20,8 @@ the level's ids. A row with no allowed token (its prefix left the catalog, or no
 eligible) gets DEAD (-1e30) at the level's tokens and -inf elsewhere: it keeps the shape of a SID
 and never ends early on EOS, and its score marks it dead; keep the sequences whose
 `sequences_scores` exceed -1e6 (generate also starts spare beams at -1e9), as `runtime.beam_search`
-drops dead beams.
+drops dead beams. When every beam of every request dies, generate stops early and returns the
+prompts alone.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
@@ -19,7 +19,9 @@ from runtime.hf import SidLogitsProcessor  # noqa: E402
 from runtime.search import beam_search  # noqa: E402
 from sidindex.errors import ConfigError  # noqa: E402
 from sidindex.modes import Mode  # noqa: E402
-from tests.test_gtm import scenarios  # noqa: E402
+from sidindex.config import KWayConfig  # noqa: E402
+from sidindex.targeting import BITMASK, Attribute, TargetingSpec  # noqa: E402
+from tests.test_gtm import Scenario, scenarios  # noqa: E402
 from tests.test_runtime import Case, searched  # noqa: E402
 
 OFFSET, PROMPT = 3, 4  # ids 0..2 are special (pad, bos, eos); every request's prompt has 4 tokens
@@ -54,6 +56,9 @@ def model_scorer(model, prompts: torch.Tensor, case: Case):
 def generated(case: Case, out, prompts: torch.Tensor, K: int) -> list[set]:
     """Per request, the SIDs of its returned sequences whose beams never died."""
     V, L, B = case.gtm.vocab_size, case.gtm.sid_length, prompts.shape[0]
+    if out.sequences.shape[1] < PROMPT + L:  # every beam of every request died: generate stopped early
+        assert bool((out.sequences_scores <= -1e6).all())
+        return [set() for _ in range(B)]
     seqs = out.sequences[:, PROMPT:PROMPT + L].view(B, K, L)
     keep = out.sequences_scores.view(B, K) > -1e6  # a beam that had no allowed token scores -1e9 or -inf
     sids = [set() for _ in range(B)]
@@ -63,8 +68,14 @@ def generated(case: Case, out, prompts: torch.Tensor, K: int) -> list[set]:
     return sids
 
 
+# nothing eligible: every beam dies in cd+gtm, and generate stops early
+DEAD_END = Scenario(TargetingSpec((Attribute("b0", BITMASK, values=("v0",)),)), [{"b0": ["v0"]}], [(0, 0)], [0],
+                    (1, 1), [{"b0": None}], KWayConfig(k=(1,)))
+
+
 @settings(max_examples=8, deadline=None)
 @given(scenarios(max_ads=10), st.integers(0, 2**16), st.integers(2, 4))
+@example(DEAD_END, 0, 2)
 def test_generate_with_the_processor_equals_sidindex_beam_search(sc, seed, K):
     case = Case(sc, "cpu")
     model = model_for(case, seed)
