@@ -23,10 +23,12 @@ def read_requests(path: str | Path, index: ServedIndex) -> Requests:
 
 def to_device(requests: EncodedRequests, device: str | torch.device) -> EncodedRequests:
     """The same requests with the planes' query rows and ranges as tensors on `device` (uint64 bits
-    as int64), and stacked for the Triton kernel; the exact filter's arrays stay on the host."""
-    def put(a: np.ndarray) -> torch.Tensor:
+    as int64), stacked for the Triton kernel (the planes' tensors view the stack); the exact
+    filter's arrays stay on the host."""
+    def host(a: np.ndarray) -> torch.Tensor:
         a = a.view(np.int64) if a.dtype == np.uint64 else a
-        return torch.from_numpy(np.array(a, order="C")).to(device)  # a copy: the source may be read-only
+        return torch.from_numpy(np.array(a, order="C"))  # a copy: the source may be read-only
 
-    planes = tuple(dataclasses.replace(q, rows=put(q.rows), ranges=put(q.ranges)) for q in requests.planes)
-    return dataclasses.replace(requests, planes=planes, stacked=stack_queries(planes, device))
+    planes = tuple(dataclasses.replace(q, rows=host(q.rows), ranges=host(q.ranges)) for q in requests.planes)
+    planes, stacked = stack_queries(planes, device)
+    return dataclasses.replace(requests, planes=planes, stacked=stacked)

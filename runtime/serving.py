@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.loader import ServedIndex
-from runtime.ops.gtm_mask.planes import QueryStack
+from runtime.ops.gtm_mask.planes import stack_queries
 from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search, parse_beams
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests
@@ -35,8 +35,7 @@ class _Graph:
     """One captured search: the graph, its input buffers and its outputs."""
 
     graph: torch.cuda.CUDAGraph
-    requests: EncodedRequests  # static: planes' rows and ranges, the stacked form over the same memory
-    capacity: tuple[int, ...]  # query rows per plane the buffers hold
+    requests: EncodedRequests  # static: the stacked form, the planes' rows (each plane's capacity) and ranges views of it
     scorer: Scorer  # the captured scorer; its `inputs` are the graph's
     out: Beams
 
@@ -75,7 +74,7 @@ class Searcher:
         return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
 
     def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> _Graph:
-        static, capacity = _static_requests(requests)
+        static = _static_requests(requests)
         beam_search(index, static, scorer, self.beams, self.mode, self.impl)  # checks, compiles kernels
         side = torch.cuda.Stream(index.device)
         side.wait_stream(torch.cuda.current_stream(index.device))
@@ -86,37 +85,20 @@ class Searcher:
         with torch.cuda.graph(graph):
             out = beam_search(index, static, scorer, self.beams, self.mode, self.impl)
         graph.replay()
-        return _Graph(graph, static, capacity, scorer, out)
+        return _Graph(graph, static, scorer, out)
 
 
-def _static_requests(requests: EncodedRequests) -> tuple[EncodedRequests, tuple[int, ...]]:
+def _static_requests(requests: EncodedRequests) -> EncodedRequests:
     """Buffers with room for twice each plane's query rows (at least 8 per request), holding
-    `requests`; the stacked form views the same memory, each plane's rows at a fixed offset."""
-    q = requests.stacked
-    B = requests.batch
-    capacity = tuple(max(2 * len(p.rows), 8 * B) for p in requests.planes)
-    widths = [p.rows.shape[1] for p in requests.planes]
-    starts = [0]
-    for cap, w in zip(capacity, widths):
-        starts.append(starts[-1] + cap * w)
-    words = torch.zeros(starts[-1], dtype=torch.int64, device=q.words.device)
-    planes = []
-    for p, lo, cap, w in zip(requests.planes, starts, capacity, widths):
-        rows = words[lo:lo + cap * w].view(cap, w)
-        rows[:len(p.rows)].copy_(p.rows)
-        planes.append(dataclasses.replace(p, rows=rows, ranges=p.ranges.clone()))
-    stacked = QueryStack(words, torch.tensor(starts[:-1], dtype=torch.int64, device=words.device),
-                         torch.cat([p.ranges for p in planes], dim=1), q.layout)
-    # the stacked ranges must be the planes' own memory, so one copy refreshes both: split them back
-    G = [p.ranges.shape[1] for p in planes]
-    split = torch.split(stacked.ranges, G, dim=1)
-    planes = [dataclasses.replace(p, ranges=r) for p, r in zip(planes, split)]
-    return dataclasses.replace(requests, planes=tuple(planes), stacked=stacked), capacity
+    `requests`, each plane's rows at a fixed offset of the stack."""
+    capacity = tuple(max(2 * len(p.rows), 8 * requests.batch) for p in requests.planes)
+    planes, stacked = stack_queries(requests.planes, requests.stacked.words.device, capacity)
+    return dataclasses.replace(requests, planes=planes, stacked=stacked)
 
 
 def _fits(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> bool:
     """The batch's queries fit the buffers and the scorer's inputs match the captured ones."""
-    if any(len(p.rows) > cap for p, cap in zip(requests.planes, g.capacity)):
+    if any(len(p.rows) > len(mine.rows) for p, mine in zip(requests.planes, g.requests.planes)):
         return False
     mine, theirs = g.scorer.inputs, scorer.inputs
     return mine.keys() == theirs.keys() and all(

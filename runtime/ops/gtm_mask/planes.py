@@ -70,21 +70,24 @@ class QueryStack:
         return replace(self, ranges=self.ranges[lo:hi])
 
 
-def _flat(parts: list[torch.Tensor], device) -> tuple[torch.Tensor, list[int]]:
-    """One int64 buffer on `device` holding `parts` (each flattened) back to back, and their starts."""
-    starts = np.cumsum([0] + [p.numel() for p in parts]).tolist()
-    words = torch.empty(max(starts[-1], 1), dtype=torch.int64, device=device)
-    for p, lo, hi in zip(parts, starts, starts[1:]):
-        words[lo:hi].copy_(p.reshape(-1), non_blocking=True)
-    return words, starts[:-1]
+def _flat(parts: list[torch.Tensor], device, rows: tuple[int, ...] | None = None):
+    """One int64 buffer on `device` holding the (R_i, W_i) `parts` back to back, each with room for
+    rows[i] rows (default R_i). Returns the buffer, each part's first word and its (rows[i], W_i)
+    view of the buffer, its first R_i rows filled."""
+    rows = rows or tuple(len(p) for p in parts)
+    starts = np.cumsum([0] + [r * p.shape[1] for r, p in zip(rows, parts)]).tolist()
+    words = torch.zeros(max(starts[-1], 1), dtype=torch.int64, device=device)
+    views = tuple(words[lo:hi].view(r, p.shape[1]) for p, r, lo, hi in zip(parts, rows, starts, starts[1:]))
+    for p, v in zip(parts, views):
+        v[:len(p)].copy_(p, non_blocking=True)
+    return words, starts[:-1], views
 
 
 def stack_tables(tables: list[torch.Tensor], index: list[torch.Tensor], part_index: list[torch.Tensor] | None,
                  device) -> TableStack:
     """Stack per-plane tables (R_p, W_p) int64, entry indexes (E,) int32 and partition indexes (T,)
     int32 (host or device tensors) onto `device`, each copied once."""
-    words, starts = _flat(tables, device)
-    views = tuple(words[s:s + t.numel()].view(t.shape) for s, t in zip(starts, tables))
+    words, starts, views = _flat(tables, device)
 
     def rows(parts):
         out = torch.empty((len(parts), len(parts[0])), dtype=torch.int32, device=device)
@@ -95,14 +98,19 @@ def stack_tables(tables: list[torch.Tensor], index: list[torch.Tensor], part_ind
     return TableStack(words, torch.tensor(starts, dtype=torch.int64, device=device), rows(index), None if part_index is None else rows(part_index), views)
 
 
-def stack_queries(planes, device) -> QueryStack:
-    """Stack a batch's per-plane queries (`PlaneQueries` of tensors on `device`, word offsets on the host)."""
-    words, starts = _flat([q.rows for q in planes], device)
+def stack_queries(planes, device, rows: tuple[int, ...] | None = None):
+    """Stack a batch's per-plane queries (`PlaneQueries` of host or device tensors, word offsets on
+    the host) onto `device`, each plane with room for rows[p] query rows (default its own). Returns
+    the planes again, their rows and ranges now views of the stack's memory (nothing is held twice,
+    and one copy into the stack refreshes both), and the `QueryStack`."""
+    words, starts, views = _flat([q.rows for q in planes], device, rows)
+    ranges = torch.cat([q.ranges for q in planes], dim=1).to(device)
+    split = torch.split(ranges, [q.ranges.shape[1] for q in planes], dim=1)
     woff = [[int(w) for w in q.word_offsets] for q in planes]
     layout = GroupLayout(widths=tuple(int(q.rows.shape[1]) for q in planes),
                          single=tuple(bool(q.single) for q in planes),
                          group_plane=tuple(p for p, w in enumerate(woff) for _ in w[:-1]),
                          group_lo=tuple(lo for w in woff for lo in w[:-1]),
                          group_words=tuple(hi - lo for w in woff for lo, hi in zip(w[:-1], w[1:])))
-    return QueryStack(words, torch.tensor(starts, dtype=torch.int64, device=device),
-                      torch.cat([q.ranges for q in planes], dim=1), layout)
+    planes = tuple(replace(q, rows=v, ranges=r) for q, v, r in zip(planes, views, split))
+    return planes, QueryStack(words, torch.tensor(starts, dtype=torch.int64, device=device), ranges, layout)
