@@ -17,6 +17,7 @@ from runtime.search import Beams
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.matchers.exact import ALL_STAGES, eligible_pairs, stage_flags
 from sidindex.requests import EncodedRequests
+from sidindex.trie.build import expand_runs
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,7 @@ def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: i
     # 2. each beam -> its leaf's ads (a leaf lists each ad once)
     start, count = g.leaf_ad_offsets[lf], g.leaf_ad_offsets[lf + 1] - g.leaf_ad_offsets[lf]
     beam = np.repeat(np.arange(len(lf)), count)
-    first = np.cumsum(count) - count
-    ad = np.asarray(g.leaf_ads[np.repeat(start - first, count) + np.arange(int(count.sum()))], dtype=np.int64)
+    ad = np.asarray(g.leaf_ads[expand_runs(start, count)], dtype=np.int64)
     req, sc = b[beam], score[b[beam], k[beam]]
     # 3. one row per (request, ad), the best-scoring SID's: sort by request, ad, then score descending
     order = np.lexsort((-sc, ad, req))

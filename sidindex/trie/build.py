@@ -112,6 +112,12 @@ class GTMIndex:
         return out
 
 
+def expand_runs(first: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """(sum(count),) int64 the positions first[i], ..., first[i] + count[i] - 1 of every run i, run
+    after run: a CSR's entries for a selection of its rows (first, count: (n,) int64)."""
+    return np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
+
+
 def build_gtm(
     sids: np.ndarray,
     ad_index: np.ndarray,

@@ -15,7 +15,7 @@ from sidindex.errors import ConfigError
 from sidindex.matchers.plane import PlaneQueries, pairs_pass
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests
-from sidindex.trie.build import GTMIndex
+from sidindex.trie.build import GTMIndex, expand_runs
 
 
 def passing_tokens(index: GTMIndex, requests: EncodedRequests, request: int, node: int, mode: Mode | str) -> np.ndarray:
@@ -45,10 +45,9 @@ def entries_pass(index: GTMIndex, queries: tuple[PlaneQueries, ...], entries: np
     live = np.flatnonzero(ok)
     first = index.part_offsets[entries[live]]
     count = index.part_offsets[entries[live] + 1] - first
-    starts = np.cumsum(count) - count
-    parts = np.repeat(first - starts, count) + np.arange(int(count.sum()))
+    parts = expand_runs(first, count)
     part_ok = np.ones(len(parts), dtype=np.bool_)
     for plane, q in zip(index.planes, queries):
         pairs_pass(plane.table, plane.part_index[parts], np.repeat(reqs[live], count), q, part_ok)
-    ok[live] = np.logical_or.reduceat(part_ok, starts) if len(live) else ok[live]
+    ok[live] = np.logical_or.reduceat(part_ok, np.cumsum(count) - count) if len(live) else ok[live]
     return ok

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from sidindex.modes import Mode
+from sidindex.trie.build import expand_runs
 from sidindex.trie.match import entries_pass
 
 
@@ -24,7 +25,7 @@ def gtm_mask_cpu(index, requests, depth: int, beam_request: torch.Tensor, beam_n
     first = g.node_offsets[node[beam]]
     count = g.node_offsets[node[beam] + 1] - first
     beam = np.repeat(beam, count)
-    entries = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
+    entries = expand_runs(first, count)
     # 2. the matchers
     if mode.gtm:
         queries = tuple(dataclasses.replace(q, rows=q.rows.numpy().view(np.uint64), ranges=q.ranges.numpy())
