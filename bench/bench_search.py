@@ -56,11 +56,12 @@ from sidindex.snapshot import open_snapshot
 KWAY = KWayConfig(mode="dynamic", k_max=16, target_fill=0.5)
 
 
-def build_snapshot(n: int, out: Path) -> dict:
-    """Generate, build and write a snapshot of n ads under out/snapshot; seconds per stage, its path."""
+def build_snapshot(n: int, out: Path, codebook=None) -> dict:
+    """Generate, build and write a snapshot of n ads under out/snapshot (carrying `codebook` if
+    given); seconds per stage, its path."""
     t = time.perf_counter()
     generate(n, 2, out)
-    return {"generate": time.perf_counter() - t, **write(out, out / "snapshot", kway=KWAY)}
+    return {"generate": time.perf_counter() - t, **write(out, out / "snapshot", kway=KWAY, codebook=codebook)}
 
 
 def bench_requests(B: int, n_locations: int, seed: int = 3) -> Requests:

@@ -46,10 +46,10 @@ SNAPSHOT_ID = "20260101T000000000000Z-00000000"  # a snapshot's directory is nam
 HOWS = ("cold", "prefault", "verify", "load")
 
 
-def write(inputs: Path, out: Path, kway=None) -> dict:
+def write(inputs: Path, out: Path, kway=None, codebook=None) -> dict:
     """Build the index from the files `generate` wrote and write it as the snapshot `out/SNAPSHOT_ID`
-    with whichever `sidindex` this process imports; returns seconds (build, write), bytes and the
-    snapshot's path."""
+    (carrying `codebook` if given) with whichever `sidindex` this process imports; returns seconds
+    (build, write), bytes and the snapshot's path."""
     from sidindex.build import build_index
     from sidindex.snapshot import write_snapshot
 
@@ -63,7 +63,8 @@ def write(inputs: Path, out: Path, kway=None) -> dict:
     t = time.perf_counter()
     if "snapshot_id" in inspect.signature(write_snapshot).parameters:
         write_snapshot(directory, built.gtm, built.exact, ad_id, spec, snapshot_id=SNAPSHOT_ID,
-                       stats=built.stats.to_dict())
+                       stats=built.stats.to_dict(),
+                       **({} if codebook is None else {"codebook": codebook}))
     else:  # the raw-array format (before Arrow IPC): an info dict
         write_snapshot(directory, built.gtm, built.exact, ad_id, spec,
                        {"id": SNAPSHOT_ID, "input_fingerprint": "-", "codebook_id": None, "build_config": {},

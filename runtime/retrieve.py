@@ -51,9 +51,10 @@ def codebook_scorer(index: ServedIndex, requests: EncodedRequests, temperature: 
         raise InputError(f"{requests.source}: embedding has {requests.embedding.shape[1]} dimensions, the codebook "
                          f"{cb.dim}")
     emb = torch.as_tensor(requests.embedding, dtype=torch.float32, device=index.device)
+    shared = CodebookScorer(cb, emb[:0], temperature)  # the centroids on the device, once
 
     def for_rows(rows: slice) -> Scorer:
-        return CodebookScorer(cb, emb[rows], temperature)
+        return shared.for_embedding(emb[rows])
 
     return for_rows
 

@@ -12,6 +12,7 @@ and cancels in the softmax).
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import sys
@@ -33,6 +34,14 @@ class CodebookScorer:
         self.sq_norms = [(c * c).sum(dim=1) for c in self.centroids]
         self.sizes, self.V, self.temperature = codebook.level_sizes, codebook.vocab_size, temperature
         self.inputs = {"embedding": self.x}  # what a captured search copies each batch into (runtime.Searcher)
+
+    def for_embedding(self, embedding: torch.Tensor) -> CodebookScorer:
+        """The same scorer for other requests' embeddings (B', D): the codebook's device copy is
+        shared, so a batch costs no host-to-device copy of the centroids."""
+        other = copy.copy(self)
+        other.x = embedding.float().clone()
+        other.inputs = {"embedding": other.x}
+        return other
 
     def prefix_independent(self, step: int) -> bool:
         """True when the logits of `step` do not depend on the prefix (the hash level): an

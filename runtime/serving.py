@@ -10,14 +10,20 @@ Python nor launch overhead. The graph's inputs are
   - the scorer's `inputs`: a dict of tensors the scorer reads each step (the codebook scorer's
     embeddings, the reference decoder's context), copied into the captured scorer's.
 A scorer without `inputs` cannot be refreshed inside a graph, and the CPU has no graphs: those
-searches run eagerly, and `eager_reason` says why (a warning says it once). A new snapshot (the
-watcher swapped `index`) is captured anew; the old graphs are dropped with it. Replayed results
+searches run eagerly, and `eager_reason` says why (a warning says it once). Replayed results
 are copies: the next replay does not change them.
+
+With a `SnapshotWatcher`, each request takes `watcher.current` once and passes it here: a graph
+belongs to the index object it was captured on, so a swapped-in snapshot is captured anew at its
+first batch and the old graphs are dropped (they read the old index's tensors). Searches through
+one Searcher are serialised (its graphs' buffers are shared), so a batch in flight finishes on
+the index it was given before the next one re-captures.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -47,8 +53,9 @@ class Searcher:
                  impl: str = "auto") -> None:
         self.beams, self.mode, self.impl = beams, parse_mode(mode), impl
         self.eager_reason: str | None = None
-        self._index_id: str | None = None
+        self._index: ServedIndex | None = None  # the graphs' index, held: they replay its tensors
         self._graphs: dict[int, _Graph] = {}
+        self._lock = threading.Lock()
 
     def search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
         """`runtime.beam_search(index, requests, scorer, beams, mode)`, replayed when it can be.
@@ -62,16 +69,17 @@ class Searcher:
                 if index.device.type == "cuda":
                     warnings.warn(f"searching eagerly: {why}", stacklevel=2)
             return beam_search(index, requests, scorer, self.beams, self.mode, self.impl)
-        if index.id != self._index_id:  # a new snapshot: its own graphs
-            self._index_id, self._graphs = index.id, {}
-        B = requests.batch
-        g = self._graphs.get(B)
-        if g is None or not _fits(g, requests, scorer):
-            g = self._graphs[B] = self._capture(index, requests, scorer)
-        else:
-            _load(g, requests, scorer)
-            g.graph.replay()
-        return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+        with self._lock:
+            if index is not self._index:  # another snapshot (or the same one loaded again): its own graphs
+                self._index, self._graphs = index, {}
+            B = requests.batch
+            g = self._graphs.get(B)
+            if g is None or not _fits(g, requests, scorer):
+                g = self._graphs[B] = self._capture(index, requests, scorer)
+            else:
+                _load(g, requests, scorer)
+                g.graph.replay()
+            return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
 
     def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> _Graph:
         static = _static_requests(requests)
@@ -97,7 +105,10 @@ def _static_requests(requests: EncodedRequests) -> EncodedRequests:
 
 
 def _fits(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> bool:
-    """The batch's queries fit the buffers and the scorer's inputs match the captured ones."""
+    """The batch's queries fit the buffers and the scorer is of the captured one's type with inputs
+    of the same shapes (a graph replays the scorer it captured, with the batch's inputs)."""
+    if type(scorer) is not type(g.scorer):
+        return False
     if any(len(p.rows) > len(mine.rows) for p, mine in zip(requests.planes, g.requests.planes)):
         return False
     mine, theirs = g.scorer.inputs, scorer.inputs

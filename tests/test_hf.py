@@ -22,7 +22,7 @@ from sidindex.modes import Mode  # noqa: E402
 from sidindex.config import KWayConfig  # noqa: E402
 from sidindex.targeting import BITMASK, Attribute, TargetingSpec  # noqa: E402
 from tests.test_gtm import Scenario, scenarios  # noqa: E402
-from tests.test_runtime import Case, searched  # noqa: E402
+from tests.test_runtime import DEVICE, Case, searched  # noqa: E402
 
 OFFSET, PROMPT = 3, 4  # ids 0..2 are special (pad, bos, eos); every request's prompt has 4 tokens
 
@@ -43,7 +43,7 @@ def model_scorer(model, prompts: torch.Tensor, case: Case):
     @torch.no_grad()
     def scorer(step, tokens, parent):
         B, K, _ = tokens.shape
-        ids = OFFSET + torch.arange(step)[None, None, :] * V + tokens
+        ids = OFFSET + torch.arange(step, device=tokens.device)[None, None, :] * V + tokens
         seq = torch.cat([prompts[:, None, :].expand(B, K, -1), ids], dim=2).reshape(B * K, -1)
         logits = model(seq).logits[:, -1].float()
         out = logits[:, OFFSET + step * V:OFFSET + (step + 1) * V].clone()
@@ -77,10 +77,11 @@ DEAD_END = Scenario(TargetingSpec((Attribute("b0", BITMASK, values=("v0",)),)), 
 @given(scenarios(max_ads=10), st.integers(0, 2**16), st.integers(2, 4))
 @example(DEAD_END, 0, 2)
 def test_generate_with_the_processor_equals_sidindex_beam_search(sc, seed, K):
-    case = Case(sc, "cpu")
-    model = model_for(case, seed)
+    case = Case(sc, DEVICE)  # on a GPU: the Triton mask and the device walk down the trie
+    model = model_for(case, seed).to(DEVICE)
     B, L = len(sc.requests), case.gtm.sid_length
-    prompts = torch.randint(OFFSET, model.config.vocab_size, (B, PROMPT), generator=torch.Generator().manual_seed(seed))
+    prompts = torch.randint(OFFSET, model.config.vocab_size, (B, PROMPT),
+                            generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     for mode in Mode:
         proc = SidLogitsProcessor(case.index, case.req, mode, prompt_length=PROMPT, num_beams=K, token_offset=OFFSET)
         out = model.generate(prompts, attention_mask=torch.ones_like(prompts), num_beams=K, num_return_sequences=K,

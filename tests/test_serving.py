@@ -48,6 +48,25 @@ def test_replayed_searches_equal_eager_ones():
         assert searcher.eager_reason is None and len(searcher._graphs) == 1  # one batch size, captured once
 
 
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+def test_a_swapped_index_is_captured_anew_and_the_old_results_stand():
+    """Serving from a watcher: each batch takes the current index; a swap re-captures, a result
+    already returned is not touched by later replays, and going back to an index re-captures it."""
+    old = Case(scenario(ADS, SIDS, list(range(len(ADS)))), "cuda")
+    new = Case(scenario(ADS, SIDS[::-1], list(range(len(ADS)))), "cuda")
+    model = ReferenceDecoder(old.sc.level_sizes, **SMALL).cuda().eval()
+    searcher, kept = Searcher((1, 3, 4), Mode.CD_GTM), []
+    for i, case in enumerate([old, old, new, new, old]):
+        dreq = batches(case, "cuda")[0]
+        ctx = context_tokens([[i, r] for r in range(dreq.batch)], SMALL["context_length"], SMALL["context_vocab"], "cuda")
+        got = searcher.search(case.index, dreq, DecoderScorer(model, ctx))
+        want = beam_search(case.index, dreq, DecoderScorer(model, ctx), (1, 3, 4), Mode.CD_GTM)
+        assert same(got, want), i
+        kept.append((got, want))
+        assert searcher._index is case.index
+    assert all(same(got, want) for got, want in kept)
+
+
 def test_on_the_cpu_it_searches_eagerly_and_says_why():
     case = Case(scenario(ADS, SIDS, list(range(len(ADS)))), "cpu")
     model = ReferenceDecoder(case.sc.level_sizes, **SMALL).eval()
