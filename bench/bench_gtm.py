@@ -86,7 +86,8 @@ def generate(n: int, paths: int, out: Path) -> None:
     table = sample_catalog(n, spec, dim=1, seed=0)
     sids, ad_index = generated_sids(pl.DataFrame({"advertiser_id": table["advertiser_id"].to_numpy()}), paths,
                                     np.random.default_rng(0))
-    feather.write_feather(table.select([a.name for a in spec.attributes]), out / "catalog.arrow", compression="uncompressed")
+    feather.write_feather(table.select([a.name for a in spec.attributes] + ["value"]), out / "catalog.arrow",
+                          compression="uncompressed")
     np.save(out / "sids.npy", sids)
     np.save(out / "ad_index.npy", ad_index)
 

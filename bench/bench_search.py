@@ -107,19 +107,20 @@ def recorded_masks(index, dreq, scorer, beams, mode) -> list[tuple]:
     return calls
 
 
-def graph_search_ms(index, dreq, scorer, beams, mode: Mode, reps: int) -> tuple[float, bool]:
+def graph_search_ms(index, dreq, scorer, beams, mode: Mode, reps: int, value_weight: float = 0.0
+                    ) -> tuple[float, bool]:
     """Median ms of replaying the whole search captured as a CUDA graph, and whether the replay
     gives the eager search's beams."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (compilation, allocator) outside the capture
-        beam_search(index, dreq, scorer, beams, mode, "triton")
+        beam_search(index, dreq, scorer, beams, mode, "triton", value_weight)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static = beam_search(index, dreq, scorer, beams, mode, "triton")
+        static = beam_search(index, dreq, scorer, beams, mode, "triton", value_weight)
     ms = cuda_ms(graph.replay, reps)
-    eager = beam_search(index, dreq, scorer, beams, mode, "triton")
+    eager = beam_search(index, dreq, scorer, beams, mode, "triton", value_weight)
     return ms, bool(torch.equal(static.tokens, eager.tokens) and torch.equal(static.score, eager.score))
 
 

@@ -12,7 +12,8 @@ the codebook scorer runs through the public path. Requests: B=16 with 64 locatio
 random embeddings, two batches; beams 1,512,1024,1024. Each figure is a median over --reps
 (CUDA events on a GPU). Per size:
 
-  codebook   `runtime.codebook_scorer`, the scorer `runtime.retrieve` uses, per mode:
+  codebook   `runtime.codebook_scorer`, the scorer `runtime.retrieve` uses, per mode (and the
+             value-guided search, λ = 1, in cd+gtm and cd+gtm+kway: target <= 1.1x the plain one):
              graph     the search captured by this benchmark (`bench_search.graph_search_ms`)
              Searcher  `runtime.Searcher.search`, batches alternating (inputs refreshed, outputs copied)
              eager     `runtime.beam_search`
@@ -58,6 +59,7 @@ from sidindex.snapshot import open_snapshot
 
 DIM, CONTEXT, HISTORY_VOCAB = 64, 64, 1024
 MODES = (Mode.NONE, Mode.CD, Mode.CD_GTM)
+VALUE_WEIGHT = 1.0  # the value-guided rows: ranked by probability x value bound
 
 
 def random_codebook(seed: int = 0) -> Codebook:
@@ -100,25 +102,30 @@ def same(a, b) -> bool:
 
 
 def codebook_rows(index, dreq, beams, B: int, reps: int) -> list[dict]:
-    """Per mode: the codebook scorer's search as this bench's graph, through the Searcher, eager."""
+    """Per mode: the codebook scorer's search as this bench's graph, through the Searcher, eager;
+    then the constrained modes with partitions and the value-guided search (λ = VALUE_WEIGHT)."""
     ms, scorer_for = timer(index.device), codebook_scorer(index, dreq)
     batch = [dreq.slice(0, B), dreq.slice(B, 2 * B)]
     rows_of = [slice(0, B), slice(B, 2 * B)]
+    runs = [(m, 0.0) for m in MODES + ((Mode.CD_GTM_KWAY,) if index.kway else ())]
+    if index.gtm.entry_value is not None:
+        runs += [(m, VALUE_WEIGHT) for m in (Mode.CD_GTM,) + ((Mode.CD_GTM_KWAY,) if index.kway else ())]
     out = []
-    for mode in MODES:
-        eager = [beam_search(index, batch[i], scorer_for(rows_of[i]), beams, mode) for i in (0, 1)]
-        searcher, turn = Searcher(beams, mode), [0]
+    for mode, w in runs:
+        eager = [beam_search(index, batch[i], scorer_for(rows_of[i]), beams, mode, value_weight=w) for i in (0, 1)]
+        searcher, turn = Searcher(beams, mode, value_weight=w), [0]
         ok = all(same(searcher.search(index, batch[i], scorer_for(rows_of[i])), eager[i]) for i in (0, 1, 0, 1))
 
         def serve():  # what a serving loop does per batch: the batch's scorer, then the search
             i = turn[0] = 1 - turn[0]
             return searcher.search(index, batch[i], scorer_for(rows_of[i]))
 
-        r = {"scorer": "codebook", "mode": mode.value, "Searcher": ms(serve, reps),
-             "eager": ms(lambda: beam_search(index, batch[0], scorer_for(rows_of[0]), beams, mode), reps),
+        r = {"scorer": "codebook", "mode": mode.value + (f" value λ={w:g}" if w else ""), "Searcher": ms(serve, reps),
+             "eager": ms(lambda: beam_search(index, batch[0], scorer_for(rows_of[0]), beams, mode, value_weight=w),
+                         reps),
              "captured": searcher.eager_reason is None}
         if index.device.type == "cuda":
-            r["graph"], graph_same = graph_search_ms(index, batch[0], scorer_for(rows_of[0]), beams, mode, reps)
+            r["graph"], graph_same = graph_search_ms(index, batch[0], scorer_for(rows_of[0]), beams, mode, reps, w)
             ok &= graph_same
         r["same"] = ok
         out.append(r)
@@ -260,6 +267,11 @@ def main() -> int:
             print(f"| {size['sids']:,} | {r['scorer']} | {r['mode']} | {fmt(r.get('graph'))} | {fmt(r.get('Searcher'))} "
                   f"| {fmt(q, '.2f')} | {fmt(r['eager'])} | {rel:.3f}x {'' if path == 'eager' else '(Searcher)'} "
                   f"| {'-' if ok is None else ok} | {fmt(r.get('live'), '.0f')} |")
+            if " value " in r["mode"] and "graph" in r:  # the cost of carrying the bound
+                plain = next(x for x in rows if x["scorer"] == r["scorer"] and x["mode"] == r["mode"].split()[0])
+                q = r["graph"] / plain["graph"]
+                checks.append((q <= 1.1, f"{size['sids']:,} SIDs: value-guided {r['mode']} <= 1.1x the plain search "
+                                         f"(graph): {q:.3f}x"))
             if r["mode"] == "cd+gtm":
                 if r["scorer"] == "codebook" and q is not None:
                     checks.append((q <= 1.1, f"{size['sids']:,} SIDs: codebook cd+gtm through runtime.Searcher "

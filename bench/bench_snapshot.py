@@ -55,8 +55,10 @@ def write(inputs: Path, out: Path, kway=None, codebook=None) -> dict:
 
     spec = bench_spec()
     columns = pl.read_ipc(inputs / "catalog.arrow")
-    built = build_index(spec, columns, np.load(inputs / "sids.npy"), np.load(inputs / "ad_index.npy"), LEVELS,
-                        kway=kway)
+    valued = "value" in columns.columns and "ad_value" in inspect.signature(build_index).parameters
+    value = {"ad_value": columns["value"].to_numpy()} if valued else {}  # value bounds, where this sidindex has them
+    built = build_index(spec, columns.drop("value", strict=False), np.load(inputs / "sids.npy"),
+                        np.load(inputs / "ad_index.npy"), LEVELS, kway=kway, **value)
     directory = out / SNAPSHOT_ID
     directory.mkdir(parents=True)
     ad_id = np.arange(columns.height, dtype=np.int64)
@@ -64,7 +66,7 @@ def write(inputs: Path, out: Path, kway=None, codebook=None) -> dict:
     if "snapshot_id" in inspect.signature(write_snapshot).parameters:
         write_snapshot(directory, built.gtm, built.exact, ad_id, spec, snapshot_id=SNAPSHOT_ID,
                        stats=built.stats.to_dict(),
-                       **({} if codebook is None else {"codebook": codebook}))
+                       **({} if codebook is None else {"codebook": codebook}), **value)
     else:  # the raw-array format (before Arrow IPC): an info dict
         write_snapshot(directory, built.gtm, built.exact, ad_id, spec,
                        {"id": SNAPSHOT_ID, "input_fingerprint": "-", "codebook_id": None, "build_config": {},

@@ -10,10 +10,10 @@ import pyarrow as pa
 import torch
 
 from runtime.loader import ServedIndex
-from runtime.post import Retrieved, expand
+from runtime.post import Retrieved, check_rank, expand
 from runtime.requests import to_device
 from runtime.scorer import CodebookScorer, ScorerFactory, load_factory
-from runtime.search import DEFAULT_BEAMS, Scorer, parse_beams
+from runtime.search import DEFAULT_BEAMS, Scorer, check_value_weight, parse_beams
 from runtime.serving import Searcher
 from sidindex.errors import ArtifactError, InputError
 from sidindex.ingest import Requests
@@ -29,12 +29,14 @@ class RetrievalRun:
     seconds: dict[str, float] = field(default_factory=dict)
 
     def table(self, request_id: np.ndarray) -> pa.Table:
-        """request_id, rank, ad_id, sid (list<int16> of L tokens), score."""
+        """request_id, rank, ad_id, sid (list<int16> of L tokens), score, and value when the
+        snapshot has ad values."""
         r = self.result
         L = r.sid.shape[1] if r.sid.ndim == 2 else 0
         sid = pa.FixedSizeListArray.from_arrays(pa.array(r.sid.reshape(-1).astype(np.int16)), L)
+        value = {} if r.value is None else {"value": pa.array(r.value)}
         return pa.table({"request_id": pa.array(request_id[r.request]), "rank": pa.array(r.rank),
-                         "ad_id": pa.array(r.ad_id), "sid": sid, "score": pa.array(r.score)})
+                         "ad_id": pa.array(r.ad_id), "sid": sid, "score": pa.array(r.score)} | value)
 
 
 def codebook_scorer(index: ServedIndex, requests: EncodedRequests, temperature: float = 1.0):
@@ -77,19 +79,24 @@ def factory_scorer(factory: str | ScorerFactory, index: ServedIndex, requests: R
 
 def retrieve(index: ServedIndex, requests: Requests, *, mode: Mode | str = Mode.CD_GTM,
              beams: tuple[int, ...] | str = DEFAULT_BEAMS, top_k: int | None = None, batch_size: int = 16,
-             scorer=None, impl: str = "auto", stages: bool = False, progress=None) -> RetrievalRun:
+             scorer=None, impl: str = "auto", stages: bool = False, progress=None, value_weight: float = 0.0,
+             rank: str = "score") -> RetrievalRun:
     """Ranked eligible ads for every request, `batch_size` requests per search.
 
     requests: validated against the index's spec (`runtime.read_requests`).
     scorer: rows (a slice of the request table) -> Scorer for those rows; default the codebook scorer
             (`factory_scorer` makes one from a user's 'MODULE:FACTORY')
+    value_weight: λ of the value-guided search (`runtime.search`; 0: by log-probability alone)
+    rank: how each request's ads are ranked (`runtime.post.RANKS`: score, value or fused)
     """
     mode = parse_mode(mode, kway_available=index.kway)
     beams = parse_beams(beams, index.sid_length)
+    check_value_weight(index, mode, value_weight)
+    check_rank(index, rank)
     host = encode_requests(requests, index.spec)
     dev = to_device(host, index.device)
     scorer = scorer or codebook_scorer(index, dev)
-    searcher = Searcher(beams, mode, impl)  # CUDA graphs per batch size on a GPU
+    searcher = Searcher(beams, mode, impl, value_weight)  # CUDA graphs per batch size on a GPU
     parts, seconds = [], {"search": 0.0, "post": 0.0}
     n = len(requests)
     for lo in range(0, n, batch_size):
@@ -100,7 +107,7 @@ def retrieve(index: ServedIndex, requests: Requests, *, mode: Mode | str = Mode.
             torch.cuda.synchronize(index.device)
         seconds["search"] += time.perf_counter() - t
         t = time.perf_counter()
-        parts.append((lo, expand(index, host.slice(lo, hi), found, top_k, stages)))
+        parts.append((lo, expand(index, host.slice(lo, hi), found, top_k, stages, rank)))
         seconds["post"] += time.perf_counter() - t
         if progress:
             progress("retrieve", hi, n)

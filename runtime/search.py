@@ -11,6 +11,12 @@ beams[-1] after the last step. A beam whose candidates are all disallowed dies: 
 still pick its -inf slots when too few candidates survive, but they are marked dead and never
 extended, so a request whose beams all die returns fewer (or zero) SIDs. There is no fallback to
 unconstrained decoding. Scores are accumulated log-probabilities.
+
+Value-guided search (DESIGN.md §16, `value_weight` λ > 0, a snapshot with ad values): the mask
+weighs each candidate by its value bound v (the largest value of an ad beneath it that can pass),
+and the beams kept are the top candidates by score + λ log(max(v, 1e-6)), the key the mask
+computes (`ops.gtm_mask.reference.value_key`): λ = 1 ranks prefixes by probability x value, λ = 0
+is the plain search, exactly. Scores stay log-probabilities.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ class Scorer(Protocol):
 @dataclass(frozen=True)
 class Beams:
     """tokens: (B, K, L) int64 SIDs; score: (B, K) float32 accumulated log-probability (-inf: dead),
-    sorted descending per request; leaf: (B, K) int64 leaf index of the SID (-1 when it is not a
+    beams ranked per request by it (by the value-guided key with a value weight); leaf: (B, K) int64 leaf index of the SID (-1 when it is not a
     catalog SID, which only mode "none" produces, or the beam is dead)."""
 
     tokens: torch.Tensor
@@ -148,16 +154,18 @@ def _size(n: int) -> str:
 @torch.no_grad()  # a scorer module's logits carry no autograd graph through the search
 def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
                 beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
-                impl: str = "auto") -> Beams:
+                impl: str = "auto", value_weight: float = 0.0) -> Beams:
     """Search SIDs for a batch of requests.
 
     requests: their encoding, best already on the index's device (`runtime.requests.to_device`; a
     host encoding is moved first). impl: the mask implementation
-    ("auto", "triton", "numba", "torch"). A search whose widest step would not fit the free memory
-    is refused (ConfigError) before it allocates.
+    ("auto", "triton", "numba", "torch"). value_weight: λ >= 0 of the value-guided search (module
+    doc); 0, the default, searches by log-probability alone. A search whose widest step would not
+    fit the free memory is refused (ConfigError) before it allocates.
     """
     mode = parse_mode(mode, kway_available=index.kway)
     beams = parse_beams(beams, index.sid_length)
+    check_value_weight(index, mode, value_weight)
     if requests.stacked is None:  # the host encoding
         requests = to_device(requests, index.device)
     B, V, L, dev = requests.batch, index.vocab_size, index.sid_length, index.device
@@ -171,23 +179,43 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     for d in range(L):
         K = node.shape[1]
         logp = torch.log_softmax(scorer(d, tokens, parent).float(), dim=-1).reshape(B * K, V)
+        key = None
         if mode.constrained:
             # dead beams (-inf) sit at node -1; they read the root's offsets and pass nothing
             cand = gtm_mask(index, requests, d, req.repeat_interleave(K), node.reshape(-1).clamp(min=0),
-                            score.reshape(-1), logp, mode, impl)
+                            score.reshape(-1), logp, mode, impl, value_weight=value_weight)
+            if value_weight > 0:  # the kernel's value-guided key (`ops.gtm_mask.reference.value_key`)
+                cand, key = cand
+                key = key.reshape(B, K * V)
         else:  # any in-vocabulary token of this level
             cand = score.reshape(-1, 1) + logp
             cand = torch.where(torch.isnan(cand), NEG_INF, cand)
             cand[:, index.level_sizes[d]:] = NEG_INF
         k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
         # only the last step's order matters (the result is ranked); unsorted top-k is cheaper
-        score, flat = cand.reshape(B, K * V).topk(k_next, dim=1, sorted=d == L - 1)
+        if key is None:
+            score, flat = cand.reshape(B, K * V).topk(k_next, dim=1, sorted=d == L - 1)
+        else:
+            flat = key.topk(k_next, dim=1, sorted=d == L - 1).indices
+            score = cand.reshape(B, K * V).gather(1, flat)
         parent, tok = flat // V, flat % V
         tok = torch.where(score > NEG_INF, tok, 0)  # a dead slot's token is arbitrary: keep it in every level's range
         tokens = torch.cat([tokens.gather(1, parent[..., None].expand(-1, -1, d)), tok[..., None]], dim=2)
         node = child_nodes(index, node.gather(1, parent), tok, score > NEG_INF)
     leaf = torch.where(node >= 0, node - index.leaf_start, -1)
     return Beams(tokens, score, leaf)
+
+
+def check_value_weight(index: ServedIndex, mode: Mode, value_weight: float) -> None:
+    """A value weight is a finite λ >= 0; above 0 it needs the trie (a constrained mode) and a
+    snapshot with ad values (ConfigError otherwise)."""
+    if not (value_weight >= 0 and value_weight < float("inf")):
+        raise ConfigError(f"value weight {value_weight!r}: expected a finite number >= 0 (0: rank by log-probability)")
+    if value_weight > 0 and not mode.constrained:
+        raise ConfigError("value-guided search reads value bounds from the trie: use mode cd, cd+gtm or cd+gtm+kway")
+    if value_weight > 0 and index.gtm.entry_value is None:
+        raise ConfigError(f"snapshot {index.id} carries no ad values: build it from a catalog with a `value` column "
+                          "to search by value")
 
 
 def child_nodes(index: ServedIndex, node: torch.Tensor, tok: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:

@@ -47,11 +47,12 @@ class _Graph:
 
 
 class Searcher:
-    """Beam search for one (beams, mode), captured per batch size on a GPU (see the module doc)."""
+    """Beam search for one (beams, mode, value weight), captured per batch size on a GPU (see the
+    module doc)."""
 
     def __init__(self, beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
-                 impl: str = "auto") -> None:
-        self.beams, self.mode, self.impl = beams, parse_mode(mode), impl
+                 impl: str = "auto", value_weight: float = 0.0) -> None:
+        self.beams, self.mode, self.impl, self.value_weight = beams, parse_mode(mode), impl, value_weight
         self.eager_reason: str | None = None
         self._index: ServedIndex | None = None  # the graphs' index, held: they replay its tensors
         self._graphs: dict[int, _Graph] = {}
@@ -68,7 +69,7 @@ class Searcher:
                 self.eager_reason = why
                 if index.device.type == "cuda":
                     warnings.warn(f"searching eagerly: {why}", stacklevel=2)
-            return beam_search(index, requests, scorer, self.beams, self.mode, self.impl)
+            return beam_search(index, requests, scorer, self.beams, self.mode, self.impl, self.value_weight)
         with self._lock:
             if index is not self._index:  # another snapshot (or the same one loaded again): its own graphs
                 self._index, self._graphs = index, {}
@@ -83,15 +84,15 @@ class Searcher:
 
     def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> _Graph:
         static = _static_requests(requests)
-        beam_search(index, static, scorer, self.beams, self.mode, self.impl)  # checks, compiles kernels
+        beam_search(index, static, scorer, self.beams, self.mode, self.impl, self.value_weight)  # checks, compiles kernels
         side = torch.cuda.Stream(index.device)
         side.wait_stream(torch.cuda.current_stream(index.device))
         with torch.cuda.stream(side):  # the allocator's warm-up, outside the capture
-            beam_search(index, static, scorer, self.beams, self.mode, self.impl)
+            beam_search(index, static, scorer, self.beams, self.mode, self.impl, self.value_weight)
         torch.cuda.current_stream(index.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = beam_search(index, static, scorer, self.beams, self.mode, self.impl)
+            out = beam_search(index, static, scorer, self.beams, self.mode, self.impl, self.value_weight)
         graph.replay()
         return _Graph(graph, static, scorer, out)
 

@@ -10,6 +10,11 @@ Recall@K compares the K best returned eligible ads with the K best eligible ads 
 catalog under the same scorer, found exhaustively: every SID's log-probability is computed node by
 node down the trie (the scorer asked for every node of a depth at once), an ad scores its best SID,
 and the exact filter runs over every ad.
+
+With ad values (DESIGN.md §16), value@K compares the summed values of the K most valuable returned
+eligible ads with those of the K most valuable eligible ads of the whole catalog (the mean over
+requests with any eligible ad), first for the plain search (ranked by log-probability), then for
+the value-guided search at each weight λ given (with its recall@K).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from runtime.loader import ServedIndex
 from runtime.requests import to_device
 from runtime.retrieve import codebook_scorer, retrieve
-from runtime.search import Scorer, parse_beams
+from runtime.search import Scorer, check_value_weight, parse_beams
 from sidindex.ingest import Requests
 from sidindex.matchers.exact import eligible_mask
 from sidindex.modes import Mode, parse_mode
@@ -83,9 +88,11 @@ def node_scores(index: ServedIndex, scorer: Scorer, levels: list[TrieLevel], chu
     return score
 
 
-def exhaustive_top_k(index: ServedIndex, requests: Requests, k: int, scorer_for=None) -> list[np.ndarray]:
+def exhaustive_top_k(index: ServedIndex, requests: Requests, k: int, scorer_for=None
+                     ) -> tuple[list[np.ndarray], np.ndarray | None]:
     """Per request, the catalog rows of its k best eligible ads (score descending, then ad_id),
-    over the whole catalog. scorer_for: rows -> Scorer (default: the codebook scorer)."""
+    over the whole catalog; and (R,) float64 the summed values of its k most valuable eligible ads
+    (None without ad values). scorer_for: rows -> Scorer (default: the codebook scorer)."""
     snap, g = index.snapshot, index.gtm
     host = encode_requests(requests, index.spec)
     scorer_for = scorer_for or codebook_scorer(index, to_device(host, index.device))
@@ -94,28 +101,56 @@ def exhaustive_top_k(index: ServedIndex, requests: Requests, k: int, scorer_for=
     per_leaf = torch.from_numpy(np.diff(g.leaf_ad_offsets)).to(index.device)
     every_ad = np.arange(n_ads, dtype=np.int64)
     levels = trie_levels(index)
-    out = []
+    out, value = [], None if snap.ad_value is None else np.zeros(len(requests))
     for r in range(len(requests)):
         score = node_scores(index, scorer_for(slice(r, r + 1)), levels)[index.leaf_start:]
         best = torch.full((n_ads,), float("-inf"), device=index.device)
         best.scatter_reduce_(0, leaf_ads, torch.repeat_interleave(score, per_leaf), "amax")
         best = best.cpu().numpy()
-        ok = np.flatnonzero(eligible_mask(snap.exact, host, r, every_ad) & (best > -np.inf))
+        eligible = eligible_mask(snap.exact, host, r, every_ad)
+        if value is not None:
+            value[r] = top_k_sum(np.asarray(snap.ad_value)[eligible], k)
+        ok = np.flatnonzero(eligible & (best > -np.inf))
         if len(ok) > k:  # the k best, plus every ad tied with the k-th
             ok = ok[best[ok] >= np.partition(best[ok], len(ok) - k)[len(ok) - k]]
         order = np.lexsort((snap.ad_id[ok], -best[ok]))
         out.append(ok[order[:k]])
-    return out
+    return out, value
+
+
+def top_k_sum(values: np.ndarray, k: int) -> float:
+    """The sum of the k largest of `values` (all of them when fewer)."""
+    return float(values.sum() if len(values) <= k else np.partition(values, len(values) - k)[len(values) - k:].sum())
+
+
+def value_at_k(r, best_value: np.ndarray, k: int) -> float | None:
+    """Mean over requests with eligible value of (summed values of the k most valuable returned
+    eligible ads) / best_value (`exhaustive_top_k`'s); r: a `Retrieved` with values."""
+    ratios = [top_k_sum(r.value[r.request == q], k) / best_value[q] for q in range(len(best_value)) if best_value[q] > 0]
+    return float(np.mean(ratios)) if ratios else None
+
+
+def recall_at_k(r, truth: list[np.ndarray], k: int) -> float | None:
+    """Mean over requests with eligible ads of the share of their k best (`exhaustive_top_k`) among
+    the k first returned."""
+    recall = [len(np.intersect1d(r.ad_row[(r.request == q) & (r.rank <= k)], best)) / len(best)
+              for q, best in enumerate(truth) if len(best)]
+    return float(np.mean(recall)) if recall else None
 
 
 def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ...], beams: tuple[int, ...] | str,
-             k: int, batch_size: int = 16, scorer_for=None, progress=None) -> dict:
-    """The study's report (plain data, see the module docstring)."""
+             k: int, batch_size: int = 16, scorer_for=None, progress=None, value_weights: tuple[float, ...] = ()
+             ) -> dict:
+    """The study's report (plain data, see the module docstring). value_weights: the λ > 0 of the
+    value-guided searches to compare (a snapshot with ad values)."""
     modes = tuple(parse_mode(m, kway_available=index.kway) for m in modes)
     beams = parse_beams(beams, index.sid_length)
+    for mode in modes:
+        for w in value_weights:
+            check_value_weight(index, mode, w)
     progress = progress or (lambda *_: None)
     t = time.perf_counter()
-    truth = exhaustive_top_k(index, requests, k, scorer_for)
+    truth, best_value = exhaustive_top_k(index, requests, k, scorer_for)
     exhaustive_s = time.perf_counter() - t
     progress("exhaustive", 1, 1)
     n = len(requests)
@@ -125,20 +160,21 @@ def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ..
         run = retrieve(index, requests, mode=mode, beams=beams, batch_size=batch_size, stages=True,
                        scorer=scorer_for)
         r = run.result
-        recall = []
-        for q in range(n):
-            best = truth[q]
-            if len(best) == 0:
-                continue
-            got = r.ad_row[(r.request == q) & (r.rank <= k)]
-            recall.append(len(np.intersect1d(got, best)) / len(best))
+        valued = {}
+        if best_value is not None:
+            valued = {f"value_at_{k}": value_at_k(r, best_value, k), "value_by_weight": []}
+            for w in value_weights:
+                guided = retrieve(index, requests, mode=mode, beams=beams, batch_size=batch_size, scorer=scorer_for,
+                                  value_weight=w).result
+                valued["value_by_weight"].append({"weight": w, f"value_at_{k}": value_at_k(guided, best_value, k),
+                                                  f"recall_at_{k}": recall_at_k(guided, truth, k)})
         report["modes"].append({
             "mode": mode.value, **_rates(r.ads_generated, r.ads_per_stage, r.ads_eligible),
             "eligible_per_request_mean": float(r.ads_eligible.mean()),
             "eligible_per_request_p10": float(np.percentile(r.ads_eligible, 10)),
             "requests_short_of_k": int((r.ads_eligible < k).sum()),
             "requests_whose_beams_all_died": int((r.sids == 0).sum()),
-            f"recall_at_{k}": float(np.mean(recall)) if recall else None,
+            f"recall_at_{k}": recall_at_k(r, truth, k), **valued,
             "requests_without_eligible_ads_in_catalog": int(sum(len(b) == 0 for b in truth)),
             "search_ms_per_request": 1e3 * run.seconds["search"] / n,
             "post_ms_per_request": 1e3 * run.seconds["post"] / n,

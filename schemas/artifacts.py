@@ -27,7 +27,11 @@ MATCHER_PLANES = ("bitmask", "bloom")
 EXACT_ROWS, EXACT_VALUES = "rows", "values"
 EXACT_FORM = {"bitmask": EXACT_ROWS, "bloom": EXACT_VALUES}
 
-ARROW_TYPES = {"<i2": "int16", "<i4": "int32", "<i8": "int64", "<u8": "uint64"}
+ARROW_TYPES = {"<i2": "int16", "<i4": "int32", "<i8": "int64", "<u8": "uint64", "<f4": "float", "<f8": "double"}
+
+# Array groups: "index" always; "kway" with k-way partitions; "value" when the catalog has a
+# `value` column (DESIGN.md §16); "kway+value" with both.
+GROUPS = ("index", "kway", "value", "kway+value")
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class ArrayFile:
     rows: str  # length, in the legend's letters
     width: str | None  # row width of a 2-D array, or None
     doc: str
-    group: str = "index"  # "kway": present together, in snapshots built with partitions
+    group: str = "index"  # GROUPS: when the array is present
     column: str = ""
 
     @property
@@ -100,7 +104,20 @@ SNAPSHOT_ARRAYS = (
               "Partitions of entry e are [part_offsets[e], part_offsets[e+1]).", group="kway"),
     *_exact(),
     ArrayFile("ads", "<i8", "N", None, "ad_id of each catalog row; unique.", column="ad_id"),
+    ArrayFile("ad_value", "<f8", "N", None, "The catalog's `value` of each ad: finite, >= 0.", group="value"),
+    ArrayFile("entry_value", "<f4", "E", None,
+              "The largest `ad_value` of the ads under entry e, rounded up to float32: a bound of every ad beneath.",
+              group="value"),
+    ArrayFile("part_value", "<f4", "T", None,
+              "The largest `ad_value` of the ads in each k-way partition, rounded up to float32; an entry's "
+              "partitions are ordered by it, largest first (the first passing one bounds what passes).",
+              group="kway+value"),
 )
+
+
+def present(group: str, kway: bool, value: bool) -> bool:
+    """Whether arrays of `group` are in a snapshot built with (kway) partitions and (value) values."""
+    return {"index": True, "kway": kway, "value": value, "kway+value": kway and value}[group]
 
 ARRAYS_BY_NAME = {a.name: a for a in SNAPSHOT_ARRAYS}
 
@@ -120,6 +137,9 @@ SNAPSHOT_RELATIONS = (
     "exact_<plane>_hash_offsets: rising from 0 to H_<plane> over all A_<plane> * (N + 1) values, attribute a's "
     "last equal to attribute a+1's first; exact_<plane>_hashes rising within each (attribute, ad) run.",
     "ads: N values; ad_id unique.",
+    "ad_value, entry_value, part_value: finite, >= 0. entry_value of a leaf entry >= ad_value of each of its "
+    "ads; entry_value of an inner entry >= that of each child entry; part_value falling (not rising) within "
+    "each entry's partitions, its first <= the entry's entry_value.",
     "level_sizes (manifest): L values in [1, 32768], equal to the carried codebook's.",
     "manifest counts: ads = N, sid_rows = P, sids = S, nodes = num_nodes.",
 )
@@ -172,7 +192,8 @@ def render_artifacts() -> list[str]:
            __doc__.split("\n\n")[1].replace("\n", " "), "",
            "| file | column | Arrow type | rows | present | meaning |", "| --- | --- | --- | --- | --- | --- |"]
     for a in SNAPSHOT_ARRAYS:
-        present = "with k-way partitions" if a.group == "kway" else "always"
+        present = {"index": "always", "kway": "with k-way partitions", "value": "with ad values",
+                   "kway+value": "with k-way partitions and ad values"}[a.group]
         out.append(f"| `{a.file}` | `{a.column_name}` | `{a.arrow_type}` | {a.rows} | {present} | {a.doc} |")
     out += ["", "Relations a reader may rely on (`sidindex validate` checks every one before any index is used):", ""]
     out += [f"- {r}" for r in SNAPSHOT_RELATIONS]

@@ -61,7 +61,9 @@ CATALOG = Contract(
               "in the targeting spec is an error."),
         Field("<bloom attribute>", "list<string>", True, True,
               "Free strings the ad targets (e.g. locations); null or empty = unrestricted."),
-        Field("value", "float64", False, True, "Expected eCPM of the ad."),
+        Field("value", "float64", False, False,
+              "Expected eCPM of the ad: in [0, 1e30] (0 for unknown). With it the index keeps value bounds per "
+              "prefix for value-aware search and ranking (DESIGN.md §16)."),
     ),
 )
 

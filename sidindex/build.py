@@ -36,9 +36,11 @@ class BuiltIndex:
 
 
 def build_index(spec: TargetingSpec, columns: pl.DataFrame, sids: np.ndarray, ad_index: np.ndarray,
-                level_sizes: tuple[int, ...], *, kway: KWayConfig | None = None) -> BuiltIndex:
+                level_sizes: tuple[int, ...], *, kway: KWayConfig | None = None,
+                ad_value: np.ndarray | None = None) -> BuiltIndex:
     """columns: the catalog's targeting columns (validated, `Catalog.columns`), one row per ad
     sids: (P, L) int16 SID rows; ad_index: (P,) int64 row of each SID row's ad in `columns`
+    ad_value: (N,) float64 the ads' values (`Catalog.value`), or None: no value bounds
     """
     clock = StageClock()
     with ThreadPoolExecutor(2) as pool:  # Arrow's kernels release the GIL
@@ -54,7 +56,7 @@ def build_index(spec: TargetingSpec, columns: pl.DataFrame, sids: np.ndarray, ad
     del codes
     clock.lap("exact index")
     bits = tuple(layout.bits for layout in spec.layouts)
-    gtm = build_gtm(sids, ad_index, level_sizes, ad_rows, kway=kway, matcher_bits=sum(bits))
+    gtm = build_gtm(sids, ad_index, level_sizes, ad_rows, kway=kway, matcher_bits=sum(bits), ad_value=ad_value)
     clock.lap("trie")
     stats = gtm_stats(gtm, bits)
     clock.lap("stats")

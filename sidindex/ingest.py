@@ -28,6 +28,9 @@ MAX_REQUEST_VALUES = 64
 # aborts the whole process (SIGABRT, no message) or trains on garbage.
 # Real embeddings are normalised or close to it; a value this large is a unit or export bug.
 MAX_ABS_EMBEDDING = 1e6
+# Ad values are refused beyond this: the index keeps their bounds as float32 (max 3.4e38), and an eCPM
+# this large is a unit or export bug.
+MAX_VALUE = 1e30
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -47,6 +50,11 @@ class Catalog:
 
     def __len__(self) -> int:
         return len(self.ad_id)
+
+    @property
+    def value(self) -> np.ndarray | None:
+        """(N,) float64 each ad's `value` (finite, >= 0), or None when the catalog has none."""
+        return self.columns.get_column("value").to_numpy() if "value" in self.columns.columns else None
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,7 @@ def read_catalog(
         for a in spec.attributes:
             keep.append(v.string_list(a.name, declared=a.values or None, declared_in=spec.source))
     if "value" in df.columns and "value" not in hash_keys:
-        keep.append(v.float64("value"))
+        keep.append(v.value("value"))
     return Catalog(str(path), ad_id, embedding, pl.DataFrame(keep))
 
 
@@ -205,11 +213,19 @@ class _Validator:
                                        "map the ids into that range or correct the row")
         return s.cast(pl.Int64).to_numpy()
 
-    def float64(self, name: str) -> pl.Series:
+    def value(self, name: str) -> pl.Series:
+        """An ad's value: float64, finite and >= 0 in every row (its bounds rank prefixes)."""
         s = self.column(name)
         if not s.dtype.is_numeric():
             raise self.fail(name, None, f"has type {s.dtype}, expected a number (float64)")
-        return s.cast(pl.Float64)
+        self.no_nulls(s)
+        s = s.cast(pl.Float64)
+        bad = ~(s.is_finite() & (s >= 0) & (s <= MAX_VALUE))
+        if bad.any():
+            row = int(bad.arg_true()[0])
+            raise self.fail(name, row, f"value {s[row]} is not a number in [0, {MAX_VALUE:g}] (an ad's expected "
+                                       "eCPM; give 0 for an ad of unknown value)")
+        return s
 
     def unique(self, name: str, values: np.ndarray) -> None:
         order = np.argsort(values, kind="stable")

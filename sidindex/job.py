@@ -62,7 +62,8 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
         if quality.failures:
             raise QualityGateError("SID quality gate failed, nothing published: " + "; ".join(quality.failures))
         clock.lap("assign SIDs")
-        built = build_index(spec, cat.columns, assignment.sids, assignment.ad_index, cb.level_sizes, kway=cfg.kway)
+        built = build_index(spec, cat.columns, assignment.sids, assignment.ad_index, cb.level_sizes, kway=cfg.kway,
+                            ad_value=cat.value)
         clock.seconds |= {f"build: {k}": v for k, v in built.seconds.items()}
         clock.restart()
         snapshot_id = new_snapshot_id(fingerprint)
@@ -73,7 +74,7 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
             write_snapshot(directory, built.gtm, built.exact, cat.ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
                            input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()),
                            build_config=cfg.to_dict(), counts=counts, stats=built.stats.to_dict(),
-                           quality=quality.to_dict())
+                           quality=quality.to_dict(), ad_value=cat.value)
 
         path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep)
         clock.lap("write + validate + publish")

@@ -69,10 +69,17 @@ def plot_study(report: dict, path: Path) -> None:
     recall.bar(range(len(modes)), [m[f"recall_at_{k}"] or 0 for m in modes], 0.5)
     recall.set(xticks=range(len(modes)), xticklabels=[m["mode"] for m in modes], ylim=(0, 1.02),
                ylabel=f"recall@{k}", title=f"recall@{k} of the best eligible ads (exhaustive)")
+    fig.tight_layout()
+    if any(m.get("value_by_weight") for m in modes):  # value@K against the value weight, right of the rest
+        value = fig.add_axes((1.08, 0.15, 0.3, 0.7))
+        for m in modes:
+            pts = [(0.0, m[f"value_at_{k}"])] + [(w["weight"], w[f"value_at_{k}"]) for w in m["value_by_weight"]]
+            value.plot([w for w, _ in pts], [v or 0 for _, v in pts], "o-", label=m["mode"])
+        value.set(xlabel="value weight", ylabel=f"value@{k}", ylim=(0, 1.02), title=f"value@{k} against the weight")
+        value.legend(fontsize=8)
     fig.suptitle(f"snapshot {report['snapshot_id']}: {report['requests']} requests, beams "
                  f"{','.join(map(str, report['beams']))}", fontsize=10)
-    fig.tight_layout()
     try:
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=120, bbox_inches="tight")
     finally:
         plt.close(fig)

@@ -135,6 +135,17 @@ def print_study(report: dict, top_k: int) -> None:
                   str(m["requests_short_of_k"]), "-" if m[f"recall_at_{top_k}"] is None else f"{m[f'recall_at_{top_k}']:.3f}",
                   f"{m['search_ms_per_request']:.1f}", f"{m['post_ms_per_request']:.1f}")
     out.print(t)
+    if any(f"value_at_{top_k}" in m for m in report["modes"]):
+        v = Table(title=f"value@{top_k}: the K most valuable eligible ads returned against the catalog's, by value "
+                  "weight (0: ranked by log-probability alone)", title_justify="left")
+        for c in ("mode", "weight", f"value@{top_k}", f"recall@{top_k}"):
+            v.add_column(c, justify="right")
+        for m in report["modes"]:
+            rows = [{"weight": 0.0, f"value_at_{top_k}": m[f"value_at_{top_k}"],
+                     f"recall_at_{top_k}": m[f"recall_at_{top_k}"]}] + m["value_by_weight"]
+            for r in rows:
+                v.add_row(m["mode"], f"{r['weight']:g}", _ratio(r[f"value_at_{top_k}"]), _ratio(r[f"recall_at_{top_k}"]))
+        out.print(v)
     b = Table(title="final rate by ads generated per request", title_justify="left")
     for c in ("mode", "ads generated", "requests", *(f"{p} rate" for p in MATCHER_PLANES), "final rate"):
         b.add_column(c, justify="right")
@@ -143,6 +154,10 @@ def print_study(report: dict, top_k: int) -> None:
             b.add_row(m["mode"], k["generated"], str(k["requests"]), *(pct(k[f"{p}_rate"]) for p in MATCHER_PLANES),
                       pct(k["final_rate"]))
     out.print(b)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def print_seconds(seconds: dict[str, float]) -> None:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from sidindex.errors import ArtifactError
+from sidindex.errors import ArtifactError, ConfigError
 from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex_cli.options import BEAMS_OPT, DEVICE_OPT, JSON_OPT, SNAPSHOT_ARG, progress_bar, write_table
 
@@ -17,6 +17,11 @@ SCORER_OPT = typer.Option(
     help="Your model as the scorer: FACTORY(batch: pyarrow.Table, device, level_sizes) -> scorer(step, tokens, "
          "parent) -> logits, MODULE importable from the working directory or PYTHONPATH; `batch` holds the "
          "batch's request rows with every column of the request file. Default: the codebook scorer.")
+VALUE_WEIGHT_OPT = typer.Option(
+    0.0, "--value-weight", min=0.0, metavar="LAMBDA",
+    help="Value-guided search: keep the beams with the best log-probability + LAMBDA x log(value bound), the bound "
+         "being the largest value of an ad under the prefix that can pass (1 ranks prefixes by probability x value). "
+         "Needs a snapshot built from a catalog with a `value` column. 0: by log-probability alone.")
 from sidindex_cli.render import emit, err, print_study
 
 app = typer.Typer()
@@ -28,7 +33,7 @@ def retrieve(
     requests: Path = typer.Option(..., "--requests", help="Request table (Parquet or Arrow IPC) with an `embedding` "
                                   "column for the codebook scorer, see schemas/CONTRACTS.md."),
     out_file: Path = typer.Option(..., "--out", help="Output file: .parquet, or Arrow IPC otherwise. Columns "
-                                  "request_id, rank, ad_id, sid, score."),
+                                  "request_id, rank, ad_id, sid, score, and value with ad values."),
     mode: str = typer.Option("cd+gtm", "--mode", help=" | ".join(m.value for m in Mode) + " (a mode that tests k-way "
                              "partitions needs a snapshot built with [kway])."),
     beams: str = BEAMS_OPT,
@@ -37,6 +42,9 @@ def retrieve(
                                         "every eligible ad the search reached)."),
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Requests searched together."),
     scorer: Optional[str] = SCORER_OPT,
+    value_weight: float = VALUE_WEIGHT_OPT,
+    rank: str = typer.Option("score", "--rank", help="Rank each request's ads by score (best log-probability), "
+                             "value (the ad's `value`) or fused (reciprocal-rank fusion of both)."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Retrieve eligible ads: constrained beam search over SIDs, then SID -> ads and the exact filter.
@@ -60,11 +68,12 @@ def retrieve(
     scorer_for = runtime.factory_scorer(factory, index, reqs) if factory else None
     with progress_bar(not as_json and err.is_terminal) as progress:
         run = runtime.retrieve(index, reqs, mode=chosen, beams=beam_sizes, top_k=top_k, batch_size=batch_size,
-                               scorer=scorer_for, progress=progress)
+                               scorer=scorer_for, progress=progress, value_weight=value_weight, rank=rank)
     table = run.table(reqs.request_id)
     write_table(table, out_file)
     r = run.result
     emit({"snapshot_id": index.id, "device": str(index.device), "mode": chosen.value, "beams": list(beam_sizes),
+           "value_weight": value_weight, "rank": rank,
            "requests": len(reqs), "rows": table.num_rows, "out": str(out_file),
            "eligible_ads_per_request_mean": round(float(r.ads_eligible.mean()), 2),
            "requests_without_ads": int((r.ads_eligible == 0).sum()),
@@ -86,6 +95,9 @@ def simulate(
     device: str = DEVICE_OPT,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw pass rates and recall per mode to this PNG."),
     scorer: Optional[str] = SCORER_OPT,
+    value_weights: Optional[str] = typer.Option(None, "--value-weights", metavar="L1,L2,...",
+                                                help="Also run the value-guided search at these weights (see "
+                                                "retrieve --value-weight) and report its value@K and recall@K."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Pass rates and recall of eligible ads per mode (GRACE Table 3, and what it left out).
@@ -94,13 +106,17 @@ def simulate(
     every bloom attribute (each stage on its own) and both (final), overall and bucketed by how
     many ads a request generated; eligible ads per request (mean, p10); requests short of K; and
     recall@K against the K best eligible ads of the whole catalog under the same scorer (yours,
-    with --scorer, or the codebook scorer), found exhaustively. Times are per request.
+    with --scorer, or the codebook scorer), found exhaustively. Times are per request. With ad
+    values: value@K, the summed values of the K most valuable returned eligible ads against those
+    of the K most valuable eligible ads of the catalog, for the plain search and per value weight
+    (--value-weights; --plot then also draws value@K against the weight).
     """
     import runtime
     from runtime.scorer import load_factory
     from runtime.simulate import simulate as run_study
 
     named = tuple(parse_mode(m.strip()) for m in modes.split(",")) if modes else None  # typos fail before loading
+    weights = _weights(value_weights)
     factory = load_factory(scorer) if scorer else None
     index = runtime.load(snapshot, device, verify=False)
     beam_sizes = runtime.parse_beams(beams, index.sid_length)
@@ -110,7 +126,8 @@ def simulate(
     chosen = named or served_modes(index.kway)
     scorer_for = runtime.factory_scorer(factory, index, reqs) if factory else None
     with progress_bar(not as_json and err.is_terminal) as progress:
-        report = run_study(index, reqs, chosen, beam_sizes, top_k, scorer_for=scorer_for, progress=progress)
+        report = run_study(index, reqs, chosen, beam_sizes, top_k, scorer_for=scorer_for, progress=progress,
+                           value_weights=weights)
     report["kway"] = _kway_label(index.snapshot) if index.kway else None
     if plot is not None:
         from sidindex_cli.plot import plot_study
@@ -123,6 +140,16 @@ def simulate(
     emit({k: round(v, 1) if isinstance(v, float) else v for k, v in report.items() if k != "modes"}, False,
           "simulation")
     print_study(report, top_k)
+
+
+def _weights(text: str | None) -> tuple[float, ...]:
+    """'0.5,1,2' -> (0.5, 1.0, 2.0)."""
+    if not text:
+        return ()
+    try:
+        return tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--value-weights {text!r}: expected numbers separated by commas, e.g. 0.5,1,2") from None
 
 
 def _kway_label(snap) -> str | None:

@@ -43,6 +43,7 @@ class Scenario:
     level_sizes: tuple[int, ...]
     requests: list[dict]       # attribute name -> str | None (bitmask) or list[str] (bloom)
     kway: KWayConfig = KWayConfig(k=(2, 2, 1))
+    values: list[float] | None = None  # each ad's value (DESIGN.md §16), or none
 
 
 # --- independent reference ---------------------------------------------------------------------
@@ -153,7 +154,8 @@ def build(sc: Scenario):
     ad_rows = {k.name: k.encode_ads(layout, cat) for k, layout in zip(KINDS, sc.spec.layouts)}  # every plane
     bits = sum(layout.bits for layout in sc.spec.layouts)
     index = build_gtm(np.array(sc.sids, dtype=np.int16), np.array(sc.sid_ads, dtype=np.int64),
-                      sc.level_sizes, ad_rows, kway=sc.kway, matcher_bits=bits)
+                      sc.level_sizes, ad_rows, kway=sc.kway, matcher_bits=bits,
+                      ad_value=None if sc.values is None else np.array(sc.values, dtype=np.float64))
     exact = build_exact_index(sc.spec, cat, ad_rows)
     return index, bm, bl, exact, encode_requests(requests_of(sc), sc.spec)
 

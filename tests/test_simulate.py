@@ -96,7 +96,7 @@ def test_exhaustive_top_k_equals_scoring_every_sid_alone(study):
     spec = index.snapshot.spec
     rows, req_rows = cat.columns.to_dicts(), reqs.columns.to_dicts()
     k = 7
-    got = exhaustive_top_k(index, reqs, k)
+    got, best_value = exhaustive_top_k(index, reqs, k)
     dreq = to_device(encode_requests(reqs, spec), "cpu")
     for q in range(3):
         scorer = codebook_scorer(index, dreq)(slice(q, q + 1))
@@ -110,6 +110,8 @@ def test_exhaustive_top_k_equals_scoring_every_sid_alone(study):
         want = sorted(ok, key=lambda a: (-best[a], int(cat.ad_id[a])))[:k]
         assert [best[a] for a in got[q]] == pytest.approx([best[a] for a in want], rel=1e-4, abs=1e-4)
         assert set(got[q]) == set(want) or len(set(best[a] for a in want)) < len(want)  # ties only
+        values = sorted((cat.value[a] for a in range(len(rows)) if eligible(spec, rows[a], req_rows[q])), reverse=True)
+        assert best_value[q] == pytest.approx(sum(values[:k]))  # value@K's denominator
 
 
 def test_recall_is_one_when_beams_exceed_the_catalog(study):

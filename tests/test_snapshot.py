@@ -73,10 +73,12 @@ def test_round_trip_equals_in_memory_build(built, sample_dir):
     a = assign_sids(cb, cat.embedding, hash_tokens(cat.columns, cb.hash_keys, cb.hash_size))
     from sidindex.config import load_config
 
-    ref = build_index(spec, cat.columns, a.sids, a.ad_index, cb.level_sizes, kway=load_config(base / "build.toml").kway)
+    ref = build_index(spec, cat.columns, a.sids, a.ad_index, cb.level_sizes, kway=load_config(base / "build.toml").kway,
+                      ad_value=cat.value)
+    assert np.array_equal(snap.ad_value, cat.value)
     for name in ("node_offsets", "csr_child_nodes", "csr_tokens", "bitmask_index", "bloom_index", "bitmask_table",
                  "bloom_table", "depth_offsets", "leaf_ad_offsets", "leaf_ads", "part_offsets", "part_bitmask_index",
-                 "part_bloom_index"):
+                 "part_bloom_index", "entry_value", "part_value"):
         got, want = snap.gtm.arrays()[name], ref.gtm.arrays()[name]
         assert got.dtype == want.dtype and np.array_equal(got, want), name
         assert not got.flags.writeable, name  # read-only maps: nothing can modify a published file

@@ -1,12 +1,12 @@
 """A value fuzzer for snapshots: array *values* chosen to break arithmetic (int extremes, wrap-around
-pairs, -1, 2**31, off-by-one lengths, NaN and huge shapes), written as valid Arrow files with every
+pairs, -1, 2**31, off-by-one lengths, NaN, inf and huge shapes), written as valid Arrow files with every
 checksum recomputed and the manifest sealed again, so each mutation reaches the structure checks
 and, past them, the loader, retrieval and explanations.
 
 Oracle. For the arrays that hold structure (offsets, row indexes, tokens, child ids, SID -> ad
 rows, shapes, the codebook) the only allowed outcomes are a clear refusal (`SidIndexError`) or
 results identical to the untouched snapshot's. The arrays that hold data (matcher bits, exact rows
-and hashes, ad ids) may take any value a build could write, so a change there may change results:
+and hashes, ad ids and values) may take any value a build could write, so a change there may change results:
 then retrieval must still run and return only ads that the mutated snapshot's own exact index
 calls eligible. Never a crash (the test process would die), a hang or another exception type.
 """
@@ -37,13 +37,15 @@ CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_
           '[kway]\nmode = "dynamic"\nk_max = 4\n')
 MODES = ("cd", "cd+gtm", "cd+gtm+kway")
 BEAMS = (1, 8, 64, 384)  # wider than every depth of the catalog: every eligible ad of every mode
-DATA = {"bitmask_table", "bloom_table", "exact_bitmask_rows", "exact_bloom_hashes", "ads"}
+DATA = {"bitmask_table", "bloom_table", "exact_bitmask_rows", "exact_bloom_hashes", "ads", "ad_value"}
 ARRAYS = ARRAYS_BY_NAME
-INT_EXTREMES = {
+EXTREMES = {
     "<i2": (-1, -(2**15), 2**15 - 1, 2**14),
     "<i4": (-1, -(2**31), 2**31 - 1, 2**30, 10**6),
     "<i8": (-1, -(2**63), 2**63 - 1, 2**31, 2**32, -(2**31), 10**12),
     "<u8": (0, 2**64 - 1, 2**63, 1),
+    "<f4": (float("nan"), float("inf"), -1.0, 0.0, 3e38),
+    "<f8": (float("nan"), -float("inf"), -1e-300, 0.0, 1e300),
 }
 WRAP_PAIRS = {"<i8": ((2**63 - 1, -2), (-2, 2**63 - 1), (2**62, -(2**62))), "<i4": ((2**31 - 1, -2), (-2, 2**31 - 1)),
               "<i2": ((2**15 - 1, -2),)}
@@ -141,7 +143,7 @@ def _cases(fuzz_root):
     snap_dir = fuzz_root[0]
     for name, spec in ARRAYS.items():
         n = current(snap_dir, name).size
-        for pos, v in itertools.product(_positions(n), INT_EXTREMES[spec.dtype]):
+        for pos, v in itertools.product(_positions(n), EXTREMES[spec.dtype]):
             yield name, f"{name}[{pos}] = {v}", _set(name, (pos,), (v,))
         for pos, pair in itertools.product(_positions(n - 1), WRAP_PAIRS.get(spec.dtype, ())):
             yield name, f"{name}[{pos}:{pos + 2}] = {pair}", _set(name, (pos, pos + 1), pair)
@@ -217,7 +219,7 @@ def test_random_extreme_values_in_random_places(fuzz_root, data):
         if n == 0:
             continue
         pos = data.draw(st.integers(0, n - 1))
-        value = data.draw(st.sampled_from(INT_EXTREMES[ARRAYS[name].dtype]))
+        value = data.draw(st.sampled_from(EXTREMES[ARRAYS[name].dtype]))
         steps.append(_set(name, (pos,), (value,)))
     label = "+".join(names) if not set(names) & DATA else next(iter(DATA & set(names)))
     judge(fuzz_root, label, lambda d: [s(d) for s in steps])

@@ -18,6 +18,7 @@ from schemas.artifacts import (
     MANIFEST_KEYS,
     SNAPSHOT_FORMAT,
     SNAPSHOT_VERSION,
+    present,
 )
 from sidindex.artifact import read_sealed, seal
 from sidindex.config import MAX_TOKEN
@@ -113,7 +114,8 @@ def _is_int(x: object) -> bool:
 
 
 def _arrays(bad, arrays: dict, kway: bool) -> dict[str, ArrayShape]:
-    expected = {n for n, a in ARRAYS_BY_NAME.items() if a.group != "kway" or kway}
+    value = isinstance(arrays, dict) and "ad_value" in arrays  # a catalog with values: every value array
+    expected = {n for n, a in ARRAYS_BY_NAME.items() if present(a.group, kway, value)}
     if set(arrays) != expected:
         missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
         raise bad(f"array list does not match the format (missing {missing}, unexpected {extra})")

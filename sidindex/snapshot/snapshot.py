@@ -45,6 +45,7 @@ class Snapshot:
     ad_id: np.ndarray  # (N,) int64
     codebook: Codebook | None
     open_seconds: dict[str, float] = field(default_factory=dict)  # manifest, files, map, structure, prefault
+    ad_value: np.ndarray | None = None  # (N,) float64 each ad's value, when the catalog had them
 
     @property
     def id(self) -> str:
@@ -52,21 +53,26 @@ class Snapshot:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by its contract name (`schemas.artifacts`)."""
-        return _arrays(self.gtm, self.exact, self.ad_id)
+        return _arrays(self.gtm, self.exact, self.ad_id, self.ad_value)
 
 
-def _arrays(gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> dict[str, np.ndarray]:
+def _arrays(gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, ad_value: np.ndarray | None) -> dict[str, np.ndarray]:
     """Every array of a snapshot by its contract name."""
-    return gtm.arrays() | exact.arrays() | {"ads": np.asarray(ad_id)}
+    ads = {"ads": np.asarray(ad_id)} | ({} if ad_value is None else {"ad_value": np.asarray(ad_value)})
+    return gtm.arrays() | exact.arrays() | ads
 
 
 def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, spec: TargetingSpec, *,
                    snapshot_id: str, codebook: Codebook | None = None, input_fingerprint: str = "",
                    catalog: str = "", build_config: dict | None = None, counts: dict | None = None,
-                   stats: dict | None = None, quality: dict | None = None) -> Manifest:
+                   stats: dict | None = None, quality: dict | None = None,
+                   ad_value: np.ndarray | None = None) -> Manifest:
     """Write the files of a snapshot into the new, empty `directory` (named `snapshot_id`) and
-    return its manifest (written last, as manifest.json)."""
-    arrays = _arrays(gtm, exact, ad_id)
+    return its manifest (written last, as manifest.json). ad_value: (N,) float64, with the value
+    bounds in `gtm` (both or neither)."""
+    if (ad_value is None) != (gtm.entry_value is None):
+        raise ValueError("ad values and the index's value bounds go together")
+    arrays = _arrays(gtm, exact, ad_id, ad_value)
     for name, a in arrays.items():
         write_array(directory, ARRAYS_BY_NAME[name], a)
     if codebook is not None:
@@ -121,14 +127,15 @@ def _open(directory: Path, verify: bool, prefault: bool) -> Snapshot:
     exact = ExactIndex.from_arrays(spec, arrays, len(ad_id))
     gtm = GTMIndex.from_arrays(m.level_sizes, arrays, MATCHER_PLANES)
     clock.lap("map")
-    check_structure(directory, gtm, exact, ad_id, m.counts)
+    ad_value = arrays.get("ad_value")
+    check_structure(directory, gtm, exact, ad_id, m.counts, ad_value)
     codebook = _codebook(directory, m)
     clock.lap("structure")
     if prefault:
         for a in arrays.values():
             prefault_pages(a)
         clock.lap("prefault")
-    return Snapshot(directory, m, spec, gtm, exact, ad_id, codebook, clock.seconds)
+    return Snapshot(directory, m, spec, gtm, exact, ad_id, codebook, clock.seconds, ad_value)
 
 
 def _codebook(directory: Path, m: Manifest) -> Codebook | None:
@@ -171,6 +178,10 @@ def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
             agree.append((f"part_{p}_index", s[f"part_{p}_index"] == s[f"part_{MATCHER_PLANES[0]}_index"]))
     if m.kway:
         agree.append(("part_offsets", s["part_offsets"] == E + 1))
+    if "ad_value" in s:
+        agree += [("ad_value", s["ad_value"] == N), ("entry_value", s["entry_value"] == E)]
+        if m.kway:
+            agree.append(("part_value", s["part_value"] == s[f"part_{MATCHER_PLANES[0]}_index"]))
     for name, ok in agree:
         if not ok:
             raise ArtifactError(f"{where}: the shape of {name} ({m.arrays[name].shape}) does not fit the rest of "

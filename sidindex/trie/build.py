@@ -55,6 +55,8 @@ class GTMIndex:
     leaf_ad_offsets: (S+1,) int64; leaf s (node depth_offsets[L] + s) holds ads
     leaf_ads:        (P,) int64 catalog rows, ascending within each leaf
     part_offsets:    (E+1,) int64 or None; entry e's k-way partitions are [part_offsets[e], part_offsets[e+1])
+    entry_value:     (E,) float32 or None; the largest ad value under entry e, rounded up (DESIGN.md §16)
+    part_value:      (T,) float32 or None; the largest ad value in each partition, falling within an entry
     """
 
     level_sizes: tuple[int, ...]
@@ -66,9 +68,11 @@ class GTMIndex:
     leaf_ad_offsets: np.ndarray
     leaf_ads: np.ndarray
     part_offsets: np.ndarray | None = None
+    entry_value: np.ndarray | None = None
+    part_value: np.ndarray | None = None
 
     _TRIE = ("node_offsets", "csr_child_nodes", "csr_tokens", "depth_offsets", "leaf_ad_offsets", "leaf_ads",
-             "part_offsets")
+             "part_offsets", "entry_value", "part_value")
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by its snapshot name (`schemas.artifacts`)."""
@@ -126,6 +130,7 @@ def build_gtm(
     *,
     kway: KWayConfig | None = None,
     matcher_bits: int | None = None,
+    ad_value: np.ndarray | None = None,
 ) -> GTMIndex:
     """Build the GTM index.
 
@@ -134,6 +139,7 @@ def build_gtm(
     ad_rows:      per matcher plane, in plane order: (N, W_p) uint64 the ads' rows
     kway:         add k-way partitions (the union arrays are always built)
     matcher_bits: meaningful bits of all planes' rows together, for k-way fill rates (default: all words)
+    ad_value:     (N,) float64 each ad's value (finite, >= 0): adds the value bounds, or None
     """
     # --- 1. CHECK ARGUMENTS --- before any work, so a bad call fails fast and clearly
     L = len(level_sizes)
@@ -149,6 +155,8 @@ def build_gtm(
     for d, size in enumerate(level_sizes):
         if sids[:, d].min() < 0 or sids[:, d].max() >= size:
             raise ValueError(f"level {d} tokens must lie in [0, {size})")
+    if ad_value is not None and (ad_value.shape != (n_ads,) or not np.all(np.isfinite(ad_value) & (ad_value >= 0))):
+        raise ValueError(f"ad_value must hold one finite value >= 0 per ad ({n_ads})")
 
     # --- 2. SORT SID ROWS --- lexicographic order makes every prefix a contiguous run
     keys = sid_keys(sids, level_sizes)
@@ -180,10 +188,24 @@ def build_gtm(
                 for table, rows in zip(tables, ad_rows.values())]
         index = [job.result() for job in jobs]
 
-    # --- 6. K-WAY PARTITIONS (optional) --- members of an internal entry are its subtree's leaves
+    # --- 6. VALUE BOUNDS (optional) --- a leaf's is its best ad's, a node's its best child's
+    leaf_value = entry_value = None
+    if ad_value is not None:
+        leaf_value = np.maximum.reduceat(ad_value[ads_sorted], leaf_ad_offsets[:-1])
+        exact_value = np.empty(num_nodes - 1, dtype=np.float64)
+        exact_value[depth_offsets[L] - 1:] = leaf_value
+        for d in range(L - 1, 0, -1):  # deepest first; the children of depth d are the entries of depth d+1
+            lo, hi = depth_offsets[d], depth_offsets[d + 1]
+            first = node_offsets[lo]
+            exact_value[lo - 1:hi - 1] = np.maximum.reduceat(exact_value[first:node_offsets[hi]],
+                                                             node_offsets[lo:hi] - first)
+        entry_value = round_up_f32(exact_value)
+
+    # --- 7. K-WAY PARTITIONS (optional) --- members of an internal entry are its subtree's leaves
     # (a contiguous leaf range), members of a leaf entry are its ads; a member's row is every
-    # plane's words side by side, and partition rows join each plane's table
-    part_offsets, part_index = None, [None] * len(tables)
+    # plane's words side by side, and partition rows join each plane's table. With values, each
+    # partition keeps its best member's, and an entry's partitions run from the best down
+    part_offsets, part_index, part_value = None, [None] * len(tables), None
     if kway is not None:
         widths = [rows.shape[1] for rows in ad_rows.values()]
         bits = matcher_bits or 64 * sum(widths)
@@ -194,12 +216,16 @@ def build_gtm(
         k = np.array([kway.k_at(d) for d in range(L)], dtype=np.int64)
         dyn = kway.mode == "dynamic"
         leaf_rows = _side_by_side([t.rows[i[first_leaf:]] for t, i in zip(tables, index)])
-        c_in, p_in = partition(leaf_rows, first_row, next_first, k[depth_of_inner - 1], dyn, kway.target_fill, bits)
+        c_in, p_in, v_in = partition(leaf_rows, first_row, next_first, k[depth_of_inner - 1], dyn, kway.target_fill,
+                                     bits, leaf_value)
         del leaf_rows
         ad_members = _side_by_side([rows[ads_sorted] for rows in ad_rows.values()])
-        c_leaf, p_leaf = partition(ad_members, leaf_ad_offsets[:-1], leaf_ad_offsets[1:], np.full(S, k[L - 1]), dyn,
-                                   kway.target_fill, bits)
+        c_leaf, p_leaf, v_leaf = partition(ad_members, leaf_ad_offsets[:-1], leaf_ad_offsets[1:], np.full(S, k[L - 1]),
+                                           dyn, kway.target_fill, bits,
+                                           None if ad_value is None else ad_value[ads_sorted])
         del ad_members
+        if ad_value is not None:
+            part_value = round_up_f32(np.concatenate([v_in, v_leaf]))
         part_offsets = np.zeros(len(first_row) + S + 1, dtype=np.int64)
         np.cumsum(np.concatenate([c_in, c_leaf]), out=part_offsets[1:])
         lo = np.cumsum([0, *widths])
@@ -218,7 +244,15 @@ def build_gtm(
         leaf_ad_offsets=leaf_ad_offsets,
         leaf_ads=ads_sorted.astype(np.int64, copy=False),
         part_offsets=part_offsets,
+        entry_value=entry_value,
+        part_value=part_value,
     )
+
+
+def round_up_f32(x: np.ndarray) -> np.ndarray:
+    """float64 -> the float32 >= each value (a bound stays a bound in float32)."""
+    f = x.astype(np.float32)
+    return np.where(f.astype(np.float64) < x, np.nextafter(f, np.float32(np.inf)), f)
 
 
 def _side_by_side(parts: list[np.ndarray]) -> np.ndarray:

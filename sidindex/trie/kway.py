@@ -25,21 +25,31 @@ __all__ = ["KWayConfig", "partition"]
 
 
 def partition(items: np.ndarray, lo: np.ndarray, hi: np.ndarray, k: np.ndarray, dynamic: bool,
-              target_fill: float, bits: int) -> tuple[np.ndarray, np.ndarray]:
+              target_fill: float, bits: int, item_value: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Partition each entry's members.
 
     items: (I, W) uint64 member rows (every matcher plane's words side by side); entry j owns
-    members [lo[j], hi[j]); k: (J,) int64 partitions allowed per entry; bits: matcher bits per member
-    Returns (counts (J,) int64, parts (T, W) uint64) with entry j's partitions at
-    [offsets[j], offsets[j] + counts[j]), offsets = exclusive cumsum of counts.
+    members [lo[j], hi[j]); k: (J,) int64 partitions allowed per entry; bits: matcher bits per member;
+    item_value: (I,) float64 each member's value, or None
+    Returns (counts (J,) int64, parts (T, W) uint64, values (T,) float64 or None) with entry j's
+    partitions at [offsets[j], offsets[j] + counts[j]), offsets = exclusive cumsum of counts. With
+    values, each partition's is its largest member's, and an entry's partitions are ordered by it,
+    largest first (stable).
     """
     cap = np.minimum(k, hi - lo)
     start = np.zeros(len(cap) + 1, dtype=np.int64)
     np.cumsum(cap, out=start[1:])
     parts = np.zeros((start[-1], items.shape[1]), dtype=np.uint64)
-    counts = _greedy(items, lo, hi, cap, start, dynamic, target_fill, bits, parts)
+    value = np.zeros(start[-1] if item_value is not None else 0, dtype=np.float64)
+    counts = _greedy(items, lo, hi, cap, start, dynamic, target_fill, bits, parts,
+                     item_value if item_value is not None else value, value)
     keep = np.repeat(start[:-1], counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
-    return counts, parts[keep]
+    if item_value is None:
+        return counts, parts[keep], None
+    value = value[keep]
+    order = np.lexsort((-value, np.repeat(np.arange(len(counts)), counts)))  # by entry, then value falling
+    return counts, parts[keep[order]], value[order]
 
 
 @numba.njit(inline="always")
@@ -51,7 +61,9 @@ def _popcount(x):
 
 
 @numba.njit(parallel=True, cache=True)
-def _greedy(items, lo, hi, cap, start, dynamic, target_fill, bits, parts):
+def _greedy(items, lo, hi, cap, start, dynamic, target_fill, bits, parts, item_value, value):
+    """Fills parts (and, when value is not empty, each partition's largest item_value); returns the
+    partitions each entry used."""
     counts = np.zeros(len(lo), dtype=np.int64)
     W = items.shape[1]
     for j in numba.prange(len(lo)):
@@ -80,5 +92,7 @@ def _greedy(items, lo, hi, cap, start, dynamic, target_fill, bits, parts):
             for w in range(W):
                 parts[base + best, w] |= items[i, w]
             fill[best] += best_growth
+            if len(value) and item_value[i] > value[base + best]:
+                value[base + best] = item_value[i]
         counts[j] = used
     return counts

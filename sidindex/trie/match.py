@@ -33,21 +33,27 @@ def passing_tokens(index: GTMIndex, requests: EncodedRequests, request: int, nod
 
 
 def entries_pass(index: GTMIndex, queries: tuple[PlaneQueries, ...], entries: np.ndarray, reqs: np.ndarray,
-                 kway: bool) -> np.ndarray:
+                 kway: bool, with_bound: bool = False):
     """(n,) bool: child entry entries[i] passes request reqs[i] (entries, reqs: (n,) int64) on its
-    subtree-union rows of every plane and, with `kway`, on ANY of its partitions as well."""
+    subtree-union rows of every plane and, with `kway`, on ANY of its partitions as well. With
+    `with_bound`, also (n,) float32 the value bound of each passing entry (DESIGN.md §16): its
+    entry_value, or with `kway` the largest part_value of its passing partitions."""
     ok = np.ones(len(entries), dtype=np.bool_)
     for plane, q in zip(index.planes, queries):
         pairs_pass(plane.table, plane.index[entries], reqs, q, ok)
-    if not kway:
-        return ok
-    # every partition of every surviving entry, grouped by entry (each entry has at least one)
-    live = np.flatnonzero(ok)
-    first = index.part_offsets[entries[live]]
-    count = index.part_offsets[entries[live] + 1] - first
-    parts = expand_runs(first, count)
-    part_ok = np.ones(len(parts), dtype=np.bool_)
-    for plane, q in zip(index.planes, queries):
-        pairs_pass(plane.table, plane.part_index[parts], np.repeat(reqs[live], count), q, part_ok)
-    ok[live] = np.logical_or.reduceat(part_ok, np.cumsum(count) - count) if len(live) else ok[live]
-    return ok
+    bound = index.entry_value[entries] if with_bound else None
+    if kway:
+        # every partition of every surviving entry, grouped by entry (each entry has at least one)
+        live = np.flatnonzero(ok)
+        first = index.part_offsets[entries[live]]
+        count = index.part_offsets[entries[live] + 1] - first
+        parts = expand_runs(first, count)
+        part_ok = np.ones(len(parts), dtype=np.bool_)
+        for plane, q in zip(index.planes, queries):
+            pairs_pass(plane.table, plane.part_index[parts], np.repeat(reqs[live], count), q, part_ok)
+        starts = np.cumsum(count) - count
+        if len(live):
+            ok[live] = np.logical_or.reduceat(part_ok, starts)
+            if with_bound:
+                bound[live] = np.maximum.reduceat(np.where(part_ok, index.part_value[parts], 0), starts)
+    return (ok, bound) if with_bound else ok

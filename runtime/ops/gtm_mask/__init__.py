@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from runtime.ops.gtm_mask.reference import gtm_mask_reference
+from runtime.ops.gtm_mask.reference import gtm_mask_reference, value_key
 from sidindex.modes import Mode
 
 
 def gtm_mask(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
-             beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, impl: str = "auto") -> torch.Tensor:
-    """(M, V) float32 candidate scores of the M beams at `depth`.
+             beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, impl: str = "auto", with_bound: bool = False,
+             value_weight: float = 0.0):
+    """(M, V) float32 candidate scores of the M beams at `depth`. With `with_bound`, also (M, V)
+    float32 each candidate's value bound (DESIGN.md §16: the largest value of an ad beneath it that
+    can pass, from `entry_value`, or the passing partitions' `part_value` in k-way mode; 0 where
+    no candidate is); with value_weight > 0 instead, (M, V) float32 the value-guided key
+    (`reference.value_key`; -inf where no candidate is). The index must carry values then.
 
     index: a ServedIndex; requests: EncodedRequests on the index's device.
     beam_request: (M,) int64 request of each beam; beam_node: (M,) int64 its trie node (of depth
@@ -27,12 +32,16 @@ def gtm_mask(index, requests, depth: int, beam_request: torch.Tensor, beam_node:
     """
     if impl == "auto":
         impl = "triton" if logp.is_cuda else "numba"
+    if impl == "triton":
+        from runtime.ops.gtm_mask.kernel import gtm_mask_triton
+
+        return gtm_mask_triton(index, requests, depth, beam_request, beam_node, beam_score, logp.contiguous(), mode,
+                               with_bound, value_weight)
+    args = (index, requests, depth, beam_request, beam_node, beam_score, logp, mode, with_bound or value_weight > 0)
     if impl == "torch":
-        return gtm_mask_reference(index, requests, depth, beam_request, beam_node, beam_score, logp, mode)
-    if impl == "numba":
+        got = gtm_mask_reference(*args)
+    else:
         from runtime.ops.gtm_mask.cpu import gtm_mask_cpu
 
-        return gtm_mask_cpu(index, requests, depth, beam_request, beam_node, beam_score, logp, mode)
-    from runtime.ops.gtm_mask.kernel import gtm_mask_triton
-
-    return gtm_mask_triton(index, requests, depth, beam_request, beam_node, beam_score, logp.contiguous(), mode)
+        got = gtm_mask_cpu(*args)
+    return (got[0], value_key(*got, value_weight)) if value_weight > 0 else got

@@ -15,7 +15,7 @@ from sidindex.trie.match import entries_pass
 
 
 def gtm_mask_cpu(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
-                 beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode) -> torch.Tensor:
+                 beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, with_bound: bool = False):
     """Same contract as `gtm_mask_reference`; CPU tensors."""
     M, V = logp.shape
     g = index.snapshot.gtm  # the host index: the same arrays as index.gtm's, as numpy
@@ -26,11 +26,15 @@ def gtm_mask_cpu(index, requests, depth: int, beam_request: torch.Tensor, beam_n
     count = g.node_offsets[node[beam] + 1] - first
     beam = np.repeat(beam, count)
     entries = expand_runs(first, count)
-    # 2. the matchers
+    # 2. the matchers, and the survivors' value bounds
+    best = g.entry_value[entries] if with_bound else None
     if mode.gtm:
         queries = tuple(dataclasses.replace(q, rows=q.rows.numpy().view(np.uint64), ranges=q.ranges.numpy())
                         for q in requests.planes)
-        ok = entries_pass(g, queries, entries, req[beam], mode.kway)
+        ok = entries_pass(g, queries, entries, req[beam], mode.kway, with_bound)
+        if with_bound:
+            ok, best = ok
+            best = best[ok]
         beam, entries = beam[ok], entries[ok]
     # 3. survivors score beam_score + logp at their token; NaN never passes
     tok = g.csr_tokens[entries].astype(np.int64)
@@ -38,4 +42,8 @@ def gtm_mask_cpu(index, requests, depth: int, beam_request: torch.Tensor, beam_n
     val = score[beam] + lp[beam, tok]
     out = torch.full((M, V), float("-inf"), dtype=torch.float32)
     out.numpy()[beam, tok] = np.where(np.isnan(val), -np.inf, val)
-    return out
+    if not with_bound:
+        return out
+    bound = torch.zeros((M, V), dtype=torch.float32)
+    bound.numpy()[beam, tok] = best
+    return out, bound

@@ -10,7 +10,11 @@ while the request's queries stream past four at a time, until every live lane ha
 with no live lane skips the stream. The planes are read through their stacks
 (`planes.TableStack`, `planes.QueryStack`), so one kernel serves any set of planes. With k-way partitions (KWAY), lanes that pass the union test try their partitions until
 one passes. A surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every
-other token stays -inf. GTM and KWAY are compile-time flags, the Mode's properties. Bits are int64
+other token stays -inf. With VALUE it also writes, in a second (M, V) output, its value bound
+(VALUE 1) or the value-guided key val + weight * log(max(bound, floor)) (VALUE 2, fused so the
+search makes no extra passes): the bound is the entry's `entry_value`, or with KWAY the
+`part_value` of its first passing partition (an entry's partitions fall in value, so that is the
+largest that passes). GTM, KWAY and VALUE are compile-time flags. Bits are int64
 (the uint64 rows reinterpreted): & and == are the same.
 """
 
@@ -21,6 +25,7 @@ import triton
 import triton.language as tl
 
 from runtime.ops.gtm_mask.planes import stack_tables
+from runtime.ops.gtm_mask.reference import VALUE_FLOOR
 from sidindex.modes import Mode
 
 
@@ -78,9 +83,9 @@ def _rows_pass(ok, idx, stride, pos, b, words, t_base, q_words, q_base, q_ranges
 @triton.jit
 def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offsets, csr_tokens,
                      words, t_base, index, E, part_offsets, part_index, T, max_parts,
-                     q_words, q_base, q_ranges, V,
-                     GTM: tl.constexpr, KWAY: tl.constexpr, WIDTHS: tl.constexpr, SINGLE: tl.constexpr,
-                     GP: tl.constexpr, GLO: tl.constexpr, GW: tl.constexpr, GA: tl.constexpr,
+                     q_words, q_base, q_ranges, V, bound, entry_value, part_value, weight, floor,
+                     GTM: tl.constexpr, KWAY: tl.constexpr, VALUE: tl.constexpr, WIDTHS: tl.constexpr,
+                     SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr, GW: tl.constexpr, GA: tl.constexpr,
                      BLOCK: tl.constexpr, QSTEP: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     score = tl.load(beam_score + m)
@@ -90,6 +95,7 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
     e = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = e < hi
     tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
+    first = e * 0  # with KWAY, each lane's first passing partition: the largest value that passes
     if GTM:
         b = tl.load(beam_request + m)
         ok = _rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges,
@@ -101,14 +107,24 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
             k = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, 0, max_parts)
             while k < max_parts:  # until each live lane found a passing partition or ran out of them
                 has = ok & (k < n_p) & (any_part == 0)
-                any_part = any_part | _rows_pass(has, part_index, T, p_lo + k, b, words, t_base, q_words, q_base,
-                                                 q_ranges, WIDTHS, SINGLE, GP, GLO, GW, GA, QSTEP)
+                hit = _rows_pass(has, part_index, T, p_lo + k, b, words, t_base, q_words, q_base,
+                                 q_ranges, WIDTHS, SINGLE, GP, GLO, GW, GA, QSTEP)
+                first = tl.where(hit, p_lo + k, first)
+                any_part = any_part | hit
                 left = tl.sum((ok & (any_part == 0) & (k + 1 < n_p)).to(tl.int32), axis=0)
                 k = tl.where(left > 0, k + 1, max_parts)
             ok = any_part
     val = score + tl.load(logp + m * V + tok, mask=ok, other=float("-inf"))
     val = tl.where(val == val, val, float("-inf"))  # NaN never passes
     tl.store(out + m * V + tok, val, mask=ok)
+    if VALUE > 0:  # 1: the bound; 2: the value-guided key, val + weight * log(max(bound, floor))
+        if KWAY:
+            bv = tl.load(part_value + first, mask=ok, other=0.0)
+        else:
+            bv = tl.load(entry_value + e, mask=ok, other=0.0)
+        if VALUE == 2:
+            bv = val + weight * tl.log(tl.maximum(bv, floor))
+        tl.store(bound + m * V + tok, bv, mask=ok)
 
 
 def launch_shape(index, depth: int) -> tuple[int, int]:
@@ -120,15 +136,18 @@ def launch_shape(index, depth: int) -> tuple[int, int]:
 
 
 def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
-                    beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode,
-                    shape: tuple[int, int] | None = None) -> torch.Tensor:
+                    beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, with_bound: bool = False,
+                    value_weight: float = 0.0, shape: tuple[int, int] | None = None):
     """Same contract as `gtm_mask_reference`. beam_request, beam_node: (M,) int64; beam_score: (M,)
     float32; logp: (M, V) float32 contiguous. shape: (BLOCK, num_warps), default `launch_shape`."""
     M, V = logp.shape
     out = torch.full((M, V), float("-inf"), dtype=torch.float32, device=logp.device)
+    value = 2 if value_weight > 0 else 1 if with_bound else 0
+    extra = None if not value else torch.full((M, V), 0.0 if value == 1 else float("-inf"), dtype=torch.float32,
+                                              device=logp.device)
     C = index.max_children[depth]
     if M == 0 or C == 0:
-        return out
+        return out if extra is None else (out, extra)
     BLOCK, warps = shape or launch_shape(index, depth)
     g, q = index.gtm, requests.stacked
     t = index.tables
@@ -141,8 +160,9 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         out, logp, beam_score, beam_node, beam_request, g.node_offsets, g.csr_tokens,
         t.words, t.base, t.index, t.index.shape[1], g.part_offsets if kway else g.node_offsets,
         t.part_index if kway else t.index, t.part_index.shape[1] if kway else 0, index.max_parts if kway else 0,
-        q.words, q.base, q.ranges, V,
-        GTM=mode.gtm, KWAY=kway, WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane, GLO=lay.group_lo,
+        q.words, q.base, q.ranges, V, out if extra is None else extra, g.entry_value if value else out,
+        g.part_value if value and kway else out, float(value_weight), VALUE_FLOOR,
+        GTM=mode.gtm, KWAY=kway, VALUE=value, WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane, GLO=lay.group_lo,
         GW=lay.group_words, GA=tuple(triton.next_power_of_2(max(w, 1)) for w in lay.group_words), BLOCK=BLOCK,
         QSTEP=4, num_warps=warps)
-    return out
+    return out if extra is None else (out, extra)

@@ -10,6 +10,13 @@ import torch
 from sidindex.modes import Mode
 
 NEG_INF = float("-inf")
+VALUE_FLOOR = 1e-6  # bounds below it count as it: a prefix whose ads are worth 0 keeps a finite key
+
+
+def value_key(score: torch.Tensor, bound: torch.Tensor, weight: float) -> torch.Tensor:
+    """The value-guided search's ranking key score + weight * log(max(bound, VALUE_FLOOR)) (DESIGN.md
+    §16); score -inf stays -inf. score, bound: (M, V) float32."""
+    return score + weight * bound.clamp(min=VALUE_FLOOR).log()
 
 
 def _passes(index, requests, rows: list[torch.Tensor], req: torch.Tensor) -> torch.Tensor:
@@ -30,12 +37,16 @@ def _passes(index, requests, rows: list[torch.Tensor], req: torch.Tensor) -> tor
 
 
 def gtm_mask_reference(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
-                       beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, chunk: int = 256) -> torch.Tensor:
+                       beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, with_bound: bool = False,
+                       chunk: int = 256):
     """(M, V) float32 candidate scores: beam_score + logp at the tokens of the node's children that
-    pass `mode`, -inf elsewhere (and for NaN scores, and for dead beams whose score is -inf)."""
+    pass `mode`, -inf elsewhere (and for NaN scores, and for dead beams whose score is -inf). With
+    `with_bound`, also (M, V) float32 the candidates' value bounds: entry_value, or in k-way mode
+    the largest part_value of the passing partitions; 0 elsewhere."""
     M, V = logp.shape
     g = index.gtm
     out = torch.full((M, V + 1), NEG_INF, dtype=torch.float32, device=logp.device)  # column V: a sink
+    bound = torch.zeros((M, V + 1), dtype=torch.float32, device=logp.device)
     C = index.max_children[depth]
     j = torch.arange(C, device=logp.device)
     for s in range(0, M, chunk):
@@ -45,17 +56,25 @@ def gtm_mask_reference(index, requests, depth: int, beam_request: torch.Tensor, 
         e = torch.where(ok, lo[:, None] + j, 0)
         if mode.gtm:
             ok &= _passes(index, requests, [p.index[e].long() for p in g.planes], req)
+        best = g.entry_value[e] if with_bound else None
         if mode.kway:
             p_lo = g.part_offsets[e]
             n_p = g.part_offsets[e + 1] - p_lo
             any_part = torch.zeros_like(ok)
+            best = torch.zeros_like(best) if with_bound else None
             for k in range(index.max_parts):
                 has = ok & (k < n_p)
                 p = torch.where(has, p_lo + k, 0)
-                any_part |= has & _passes(index, requests, [pl.part_index[p].long() for pl in g.planes], req)
+                hit = has & _passes(index, requests, [pl.part_index[p].long() for pl in g.planes], req)
+                any_part |= hit
+                if with_bound:
+                    best = torch.where(hit, torch.maximum(best, g.part_value[p]), best)
             ok = any_part
         tok = g.csr_tokens[e].long()
         val = score[:, None] + logp[s:s + chunk].gather(1, tok)
         val = torch.where(ok & ~torch.isnan(val), val, NEG_INF)
-        out[s:s + chunk].scatter_(1, torch.where(ok, tok, V), val)
-    return out[:, :V]
+        col = torch.where(ok, tok, V)
+        out[s:s + chunk].scatter_(1, col, val)
+        if with_bound:
+            bound[s:s + chunk].scatter_(1, col, torch.where(ok, best, 0.0))
+    return (out[:, :V], bound[:, :V]) if with_bound else out[:, :V]
