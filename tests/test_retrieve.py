@@ -89,25 +89,30 @@ def test_watcher_swaps_to_a_new_snapshot_and_refuses_a_corrupt_one(root, sample_
 def test_retrieve_cli_returns_only_eligible_ads(root, sample_dir, tmp_path):
     spec = load_targeting(sample_dir / "targeting.toml")
     catalog = pl.read_parquet(sample_dir / "catalog.parquet")
-    ads = {row["ad_id"]: row for row in catalog.select(["ad_id"] + [a.name for a in spec.attributes]).to_dicts()}
+    ads = {row["ad_id"]: row for row in catalog.select(["ad_id", "value"] + [a.name for a in spec.attributes]).to_dicts()}
     requests = {row["request_id"]: row for row in pl.read_parquet(sample_dir / "requests.parquet").to_dicts()}
-    for mode in ("cd", "cd+gtm", "cd+gtm+kway"):
+    runs = [(mode, ()) for mode in ("cd", "cd+gtm", "cd+gtm+kway")] + [("cd+gtm+kway", ("--value-weight", 1, "--rank",
+                                                                                       "value"))]
+    for mode, value_args in runs:
         out = tmp_path / f"{mode}.parquet"
         r = cli("retrieve", root, "--requests", sample_dir / "requests.parquet", "--out", out, "--mode", mode,
-                "--beams", "1,16,32,32", "--top-k", 5, "--json")
+                "--beams", "1,16,32,32", "--top-k", 5, "--json", *value_args)
         assert r.returncode == 0, r.stderr
         summary = json.loads(r.stdout)
         got = pl.read_parquet(out)
-        assert got.columns == ["request_id", "rank", "ad_id", "sid", "score"] and got.height == summary["rows"] > 0
+        assert got.columns == ["request_id", "rank", "ad_id", "sid", "score", "value"] and got.height == summary["rows"] > 0
         for row in got.iter_rows(named=True):  # invariant 2, from the raw lists
             assert eligible(spec, ads[row["ad_id"]], requests[row["request_id"]]), (mode, row)
+            assert row["value"] == ads[row["ad_id"]]["value"]
         for _, grp in got.group_by("request_id"):
             assert grp["rank"].to_list() == list(range(1, grp.height + 1)) and grp.height <= 5
-            assert np.all(np.diff(grp["score"].to_numpy()) <= 0)
+            assert np.all(np.diff(grp["value" if value_args else "score"].to_numpy()) <= 0)
             assert grp["ad_id"].n_unique() == grp.height
         assert all(len(s) == 4 for s in got["sid"].to_list())
     for args, message in [(("--mode", "bogus"), "mode must be one of"), (("--beams", "2,4,4,4"), "beams[0] must be 1"),
-                          (("--beams", "1,4"), "give 4 positive beam sizes")]:
+                          (("--beams", "1,4"), "give 4 positive beam sizes"),
+                          (("--rank", "price"), "expected one of score, value, fused"),
+                          (("--value-weight", 1, "--mode", "none"), "use mode cd")]:
         r = cli("retrieve", root, "--requests", sample_dir / "requests.parquet", "--out", tmp_path / "x.parquet", *args)
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     if not torch.cuda.is_available():

@@ -95,7 +95,7 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
     e = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = e < hi
     tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
-    first = e * 0  # with KWAY, each lane's first passing partition: the largest value that passes
+    first = tl.zeros([BLOCK], dtype=tl.int32)  # with KWAY: the position of each lane's first passing partition
     if GTM:
         b = tl.load(beam_request + m)
         ok = _rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges,
@@ -109,7 +109,8 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
                 has = ok & (k < n_p) & (any_part == 0)
                 hit = _rows_pass(has, part_index, T, p_lo + k, b, words, t_base, q_words, q_base,
                                  q_ranges, WIDTHS, SINGLE, GP, GLO, GW, GA, QSTEP)
-                first = tl.where(hit, p_lo + k, first)
+                if VALUE > 0:  # the largest value that passes (an entry's partitions fall in value)
+                    first = tl.where(hit, k, first)
                 any_part = any_part | hit
                 left = tl.sum((ok & (any_part == 0) & (k + 1 < n_p)).to(tl.int32), axis=0)
                 k = tl.where(left > 0, k + 1, max_parts)
@@ -119,7 +120,7 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
     tl.store(out + m * V + tok, val, mask=ok)
     if VALUE > 0:  # 1: the bound; 2: the value-guided key, val + weight * log(max(bound, floor))
         if KWAY:
-            bv = tl.load(part_value + first, mask=ok, other=0.0)
+            bv = tl.load(part_value + tl.load(part_offsets + e, mask=ok, other=0) + first, mask=ok, other=0.0)
         else:
             bv = tl.load(entry_value + e, mask=ok, other=0.0)
         if VALUE == 2:
