@@ -66,8 +66,9 @@ class Scorer(Protocol):
 @dataclass(frozen=True)
 class Beams:
     """tokens: (B, K, L) int64 SIDs; score: (B, K) float32 accumulated log-probability (-inf: dead),
-    beams ranked per request by it (by the value-guided key with a value weight); leaf: (B, K) int64 leaf index of the SID (-1 when it is not a
-    catalog SID, which only mode "none" produces, or the beam is dead)."""
+    beams ranked per request by it (by the value-guided key with a value weight); leaf: (B, K)
+    int64 leaf index of the SID (-1 when it is not a catalog SID, which only mode "none" produces,
+    or the beam is dead)."""
 
     tokens: torch.Tensor
     score: torch.Tensor

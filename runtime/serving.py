@@ -58,6 +58,10 @@ class Searcher:
         self._graphs: dict[int, _Graph] = {}
         self._lock = threading.Lock()
 
+    def _search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
+        """The eager search this Searcher captures and replays."""
+        return beam_search(index, requests, scorer, self.beams, self.mode, self.impl, self.value_weight)
+
     def search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
         """`runtime.beam_search(index, requests, scorer, beams, mode)`, replayed when it can be.
         requests: on the index's device (`runtime.to_device`)."""
@@ -69,7 +73,7 @@ class Searcher:
                 self.eager_reason = why
                 if index.device.type == "cuda":
                     warnings.warn(f"searching eagerly: {why}", stacklevel=2)
-            return beam_search(index, requests, scorer, self.beams, self.mode, self.impl, self.value_weight)
+            return self._search(index, requests, scorer)
         with self._lock:
             if index is not self._index:  # another snapshot (or the same one loaded again): its own graphs
                 self._index, self._graphs = index, {}
@@ -84,15 +88,15 @@ class Searcher:
 
     def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> _Graph:
         static = _static_requests(requests)
-        beam_search(index, static, scorer, self.beams, self.mode, self.impl, self.value_weight)  # checks, compiles kernels
+        self._search(index, static, scorer)  # checks, compiles kernels
         side = torch.cuda.Stream(index.device)
         side.wait_stream(torch.cuda.current_stream(index.device))
         with torch.cuda.stream(side):  # the allocator's warm-up, outside the capture
-            beam_search(index, static, scorer, self.beams, self.mode, self.impl, self.value_weight)
+            self._search(index, static, scorer)
         torch.cuda.current_stream(index.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = beam_search(index, static, scorer, self.beams, self.mode, self.impl, self.value_weight)
+            out = self._search(index, static, scorer)
         graph.replay()
         return _Graph(graph, static, scorer, out)
 

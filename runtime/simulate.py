@@ -126,7 +126,8 @@ def top_k_sum(values: np.ndarray, k: int) -> float:
 def value_at_k(r, best_value: np.ndarray, k: int) -> float | None:
     """Mean over requests with eligible value of (summed values of the k most valuable returned
     eligible ads) / best_value (`exhaustive_top_k`'s); r: a `Retrieved` with values."""
-    ratios = [top_k_sum(r.value[r.request == q], k) / best_value[q] for q in range(len(best_value)) if best_value[q] > 0]
+    ratios = [top_k_sum(r.value[r.request == q], k) / best_value[q] for q in range(len(best_value))
+              if best_value[q] > 0]
     return float(np.mean(ratios)) if ratios else None
 
 

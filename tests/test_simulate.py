@@ -114,21 +114,29 @@ def test_exhaustive_top_k_equals_scoring_every_sid_alone(study):
         assert best_value[q] == pytest.approx(sum(values[:k]))  # value@K's denominator
 
 
-def test_recall_is_one_when_beams_exceed_the_catalog(study):
+def test_recall_and_value_are_one_when_beams_exceed_the_catalog(study):
     base, index, reqs, ads_of, cat = study
-    report = simulate(index, reqs, ("cd", "cd+gtm", "cd+gtm+kway"), (1, 10_000, 10_000, 10_000), 10)
+    report = simulate(index, reqs, ("cd", "cd+gtm", "cd+gtm+kway"), (1, 10_000, 10_000, 10_000), 10,
+                      value_weights=(2.0,))
     for m in report["modes"]:
         assert m["recall_at_10"] == 1.0, m["mode"]
         assert m["requests_whose_beams_all_died"] == m["requests_without_eligible_ads_in_catalog"] == 0
+        # every eligible ad is returned: the 10 most valuable too, whatever the weight
+        assert m["value_at_10"] == pytest.approx(1.0) and m["value_by_weight"][0]["value_at_10"] == pytest.approx(1.0)
 
 
 def test_simulate_cli(study, sample_dir, tmp_path):
     base, *_ = study
     r = cli("simulate", base / "root", "--requests", sample_dir / "requests.parquet", "--beams", "1,8,16,16",
-            "--top-k", 5, "--max-requests", 6, "--json", "--plot", tmp_path / "study.png")
+            "--top-k", 5, "--max-requests", 6, "--json", "--plot", tmp_path / "study.png", "--value-weights", "1,4")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert [m["mode"] for m in report["modes"]] == ["cd", "cd+gtm", "cd+gtm+kway"] and report["requests"] == 6
+    for m in report["modes"]:
+        assert [w["weight"] for w in m["value_by_weight"]] == [1.0, 4.0]
+        assert all(0 <= v <= 1 for v in [m["value_at_5"]] + [w["value_at_5"] for w in m["value_by_weight"]])
     assert (tmp_path / "study.png").read_bytes()[:4] == b"\x89PNG"
     r = cli("simulate", base / "root", "--requests", sample_dir / "requests.parquet", "--modes", "cd,bogus")
     assert r.returncode == 2 and "mode must be one of" in r.stderr
+    r = cli("simulate", base / "root", "--requests", sample_dir / "requests.parquet", "--value-weights", "1,x")
+    assert r.returncode == 2 and "--value-weights '1,x'" in r.stderr and len(r.stderr.strip().splitlines()) == 1

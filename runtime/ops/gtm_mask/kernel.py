@@ -163,7 +163,8 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         t.part_index if kway else t.index, t.part_index.shape[1] if kway else 0, index.max_parts if kway else 0,
         q.words, q.base, q.ranges, V, out if extra is None else extra, g.entry_value if value else out,
         g.part_value if value and kway else out, float(value_weight), VALUE_FLOOR,
-        GTM=mode.gtm, KWAY=kway, VALUE=value, WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane, GLO=lay.group_lo,
+        GTM=mode.gtm, KWAY=kway, VALUE=value, WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane,
+        GLO=lay.group_lo,
         GW=lay.group_words, GA=tuple(triton.next_power_of_2(max(w, 1)) for w in lay.group_words), BLOCK=BLOCK,
         QSTEP=4, num_warps=warps)
     return out if extra is None else (out, extra)
