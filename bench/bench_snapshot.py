@@ -66,7 +66,7 @@ def write(inputs: Path, out: Path, kway=None, codebook=None) -> dict:
     if "snapshot_id" in inspect.signature(write_snapshot).parameters:
         write_snapshot(directory, built.gtm, built.exact, ad_id, spec, snapshot_id=SNAPSHOT_ID,
                        stats=built.stats.to_dict(),
-                       **({} if codebook is None else {"codebook": codebook}), **value)
+                       **({} if codebook is None else {"codebook": codebook}))
     else:  # the raw-array format (before Arrow IPC): an info dict
         write_snapshot(directory, built.gtm, built.exact, ad_id, spec,
                        {"id": SNAPSHOT_ID, "input_fingerprint": "-", "codebook_id": None, "build_config": {},

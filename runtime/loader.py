@@ -29,7 +29,7 @@ from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
 
 # GTMIndex arrays the post stage reads on the host; every other one moves to the device
-HOST_ARRAYS = ("depth_offsets", "leaf_ad_offsets", "leaf_ads")
+HOST_ARRAYS = ("depth_offsets", "leaf_ad_offsets", "leaf_ads", "ad_value")
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 

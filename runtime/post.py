@@ -20,8 +20,8 @@ from runtime.loader import ServedIndex
 from runtime.search import Beams
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.matchers.exact import ALL_STAGES, eligible_pairs, stage_flags
-from sidindex.requests import EncodedRequests
 from sidindex.errors import ConfigError
+from sidindex.requests import EncodedRequests
 from sidindex.trie.build import expand_runs
 
 RANKS = ("score", "value", "fused")
@@ -58,7 +58,7 @@ def check_rank(index: ServedIndex, rank: str) -> None:
     """rank is one of RANKS; value and fused need the snapshot's ad values (ConfigError)."""
     if rank not in RANKS:
         raise ConfigError(f"rank {rank!r}: expected one of {', '.join(RANKS)}")
-    if rank != "score" and index.snapshot.ad_value is None:
+    if rank != "score" and index.gtm.ad_value is None:
         raise ConfigError(f"rank {rank!r}: snapshot {index.id} carries no ad values; build it from a catalog with a "
                           "`value` column")
 
@@ -102,7 +102,7 @@ def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: i
     req, ad, beam, sc = req[ok], ad[ok], beam[ok], sc[ok]
     # 5. rank per request (RANKS), then ad_id
     ad_id = snap.ad_id[ad]
-    val = None if snap.ad_value is None else np.asarray(snap.ad_value[ad], dtype=np.float64)
+    val = None if g.ad_value is None else np.asarray(g.ad_value[ad], dtype=np.float64)
     by = {"score": (-sc,), "value": (-sc, -val) if val is not None else None}
     if rank == "fused":
         fused = 1 / (RRF_K + _ranks(req, ad_id, by["score"])) + 1 / (RRF_K + _ranks(req, ad_id, by["value"]))

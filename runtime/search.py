@@ -40,6 +40,8 @@ NEG_INF = float("-inf")
 # and the masked scores (float32 each), and top-k's working copy (a float32 value and an int64
 # index, as a sort needs). An estimate of the widest step, not a bound.
 CANDIDATE_BYTES = 4 + 4 + 4 + 4 + 8
+VALUE_BYTES = 4 + 4  # the value-guided search's key, and the torch and CPU paths' bound beside it
+MAX_VALUE_WEIGHT = 1e6  # far past any useful weight; a larger one overflows the float32 keys
 
 
 class Scorer(Protocol):
@@ -101,9 +103,10 @@ def step_beams(beams: tuple[int, ...], vocab_size: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def search_bytes(beams: tuple[int, ...], batch: int, vocab_size: int) -> int:
-    """About the bytes the widest step of a search allocates: batch x K x V candidates."""
-    return batch * max(step_beams(beams, vocab_size)) * vocab_size * CANDIDATE_BYTES
+def search_bytes(beams: tuple[int, ...], batch: int, vocab_size: int, value: bool = False) -> int:
+    """About the bytes the widest step of a search (value-guided with `value`) allocates: batch x K
+    x V candidates."""
+    return batch * max(step_beams(beams, vocab_size)) * vocab_size * (CANDIDATE_BYTES + VALUE_BYTES * value)
 
 
 def free_bytes(device: torch.device) -> int:
@@ -122,10 +125,10 @@ def free_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits(beams: tuple[int, ...], batch: int, vocab_size: int, device: torch.device) -> None:
+def check_fits(beams: tuple[int, ...], batch: int, vocab_size: int, device: torch.device, value: bool = False) -> None:
     """Refuse a search whose widest step would not fit the memory free on `device`, before it
     allocates anything, saying which beams (or batch) would."""
-    need, free = search_bytes(beams, batch, vocab_size), free_bytes(device)
+    need, free = search_bytes(beams, batch, vocab_size, value), free_bytes(device)
     if need <= free:
         return
 
@@ -135,7 +138,7 @@ def check_fits(beams: tuple[int, ...], batch: int, vocab_size: int, device: torc
     lo, hi = 0, max(beams)  # the widest uniform beams that fit, by bisection: lo fits (or is 0), hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if search_bytes(uniform(mid), batch, vocab_size) <= free else (lo, mid)
+        lo, hi = (mid, hi) if search_bytes(uniform(mid), batch, vocab_size, value) <= free else (lo, mid)
     advice = f"beams up to {','.join(map(str, uniform(lo)))} fit" if lo and len(beams) > 1 else ""
     per_batch = free // (need // batch)
     if 1 <= per_batch < batch:
@@ -171,7 +174,7 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         requests = to_device(requests, index.device)
     B, V, L, dev = requests.batch, index.vocab_size, index.sid_length, index.device
     if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # a capture replays a checked search
-        check_fits(beams, B, V, dev)
+        check_fits(beams, B, V, dev, value_weight > 0)
     node = torch.zeros(B, 1, dtype=torch.int64, device=dev)
     score = torch.zeros(B, 1, dtype=torch.float32, device=dev)
     tokens = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)
@@ -208,10 +211,11 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
 
 
 def check_value_weight(index: ServedIndex, mode: Mode, value_weight: float) -> None:
-    """A value weight is a finite λ >= 0; above 0 it needs the trie (a constrained mode) and a
-    snapshot with ad values (ConfigError otherwise)."""
-    if not (value_weight >= 0 and value_weight < float("inf")):
-        raise ConfigError(f"value weight {value_weight!r}: expected a finite number >= 0 (0: rank by log-probability)")
+    """A value weight is a λ in [0, MAX_VALUE_WEIGHT]; above 0 it needs the trie (a constrained
+    mode) and a snapshot with ad values (ConfigError otherwise)."""
+    if not 0 <= value_weight <= MAX_VALUE_WEIGHT:  # NaN too
+        raise ConfigError(f"value weight {value_weight!r}: expected a number in [0, {MAX_VALUE_WEIGHT:g}] "
+                          "(0: rank by log-probability)")
     if value_weight > 0 and not mode.constrained:
         raise ConfigError("value-guided search reads value bounds from the trie: use mode cd, cd+gtm or cd+gtm+kway")
     if value_weight > 0 and index.gtm.entry_value is None:

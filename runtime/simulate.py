@@ -12,8 +12,8 @@ node down the trie (the scorer asked for every node of a depth at once), an ad s
 and the exact filter runs over every ad.
 
 With ad values (DESIGN.md §16), value@K compares the summed values of the K most valuable returned
-eligible ads with those of the K most valuable eligible ads of the whole catalog (the mean over
-requests with any eligible ad), first for the plain search (ranked by log-probability), then for
+eligible ads with those of the K most valuable eligible ads of the whole catalog that the scorer
+can reach (the mean over requests with any), first for the plain search (ranked by log-probability), then for
 the value-guided search at each weight λ given (with its recall@K).
 """
 
@@ -101,7 +101,7 @@ def exhaustive_top_k(index: ServedIndex, requests: Requests, k: int, scorer_for=
     per_leaf = torch.from_numpy(np.diff(g.leaf_ad_offsets)).to(index.device)
     every_ad = np.arange(n_ads, dtype=np.int64)
     levels = trie_levels(index)
-    out, value = [], None if snap.ad_value is None else np.zeros(len(requests))
+    out, value = [], None if snap.gtm.ad_value is None else np.zeros(len(requests))
     for r in range(len(requests)):
         score = node_scores(index, scorer_for(slice(r, r + 1)), levels)[index.leaf_start:]
         best = torch.full((n_ads,), float("-inf"), device=index.device)
@@ -109,7 +109,7 @@ def exhaustive_top_k(index: ServedIndex, requests: Requests, k: int, scorer_for=
         best = best.cpu().numpy()
         eligible = eligible_mask(snap.exact, host, r, every_ad)
         if value is not None:
-            value[r] = top_k_sum(np.asarray(snap.ad_value)[eligible], k)
+            value[r] = top_k_sum(np.asarray(snap.gtm.ad_value)[eligible & (best > -np.inf)], k)
         ok = np.flatnonzero(eligible & (best > -np.inf))
         if len(ok) > k:  # the k best, plus every ad tied with the k-th
             ok = ok[best[ok] >= np.partition(best[ok], len(ok) - k)[len(ok) - k]]
@@ -126,7 +126,8 @@ def top_k_sum(values: np.ndarray, k: int) -> float:
 def value_at_k(r, best_value: np.ndarray, k: int) -> float | None:
     """Mean over requests with eligible value of (summed values of the k most valuable returned
     eligible ads) / best_value (`exhaustive_top_k`'s); r: a `Retrieved` with values."""
-    ratios = [top_k_sum(r.value[r.request == q], k) / best_value[q] for q in range(len(best_value))
+    at = _request_rows(r, len(best_value))
+    ratios = [top_k_sum(r.value[at[q]:at[q + 1]], k) / best_value[q] for q in range(len(best_value))
               if best_value[q] > 0]
     return float(np.mean(ratios)) if ratios else None
 
@@ -134,9 +135,15 @@ def value_at_k(r, best_value: np.ndarray, k: int) -> float | None:
 def recall_at_k(r, truth: list[np.ndarray], k: int) -> float | None:
     """Mean over requests with eligible ads of the share of their k best (`exhaustive_top_k`) among
     the k first returned."""
-    recall = [len(np.intersect1d(r.ad_row[(r.request == q) & (r.rank <= k)], best)) / len(best)
+    at = _request_rows(r, len(truth))
+    recall = [len(np.intersect1d(r.ad_row[at[q]:at[q + 1]][r.rank[at[q]:at[q + 1]] <= k], best)) / len(best)
               for q, best in enumerate(truth) if len(best)]
     return float(np.mean(recall)) if recall else None
+
+
+def _request_rows(r, n: int) -> np.ndarray:
+    """(n+1,) int64: request q's rows of `r` (ordered by request) are [at[q], at[q+1])."""
+    return np.searchsorted(r.request, np.arange(n + 1))
 
 
 def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ...], beams: tuple[int, ...] | str,
@@ -147,7 +154,7 @@ def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ..
     modes = tuple(parse_mode(m, kway_available=index.kway) for m in modes)
     beams = parse_beams(beams, index.sid_length)
     for mode in modes:
-        for w in value_weights:
+        for w in value_weights if mode.constrained else ():  # mode none has no bounds: plain value@K only
             check_value_weight(index, mode, w)
     progress = progress or (lambda *_: None)
     t = time.perf_counter()
@@ -164,7 +171,7 @@ def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ..
         valued = {}
         if best_value is not None:
             valued = {f"value_at_{k}": value_at_k(r, best_value, k), "value_by_weight": []}
-            for w in value_weights:
+            for w in value_weights if mode.constrained else ():
                 guided = retrieve(index, requests, mode=mode, beams=beams, batch_size=batch_size, scorer=scorer_for,
                                   value_weight=w).result
                 valued["value_by_weight"].append({"weight": w, f"value_at_{k}": value_at_k(guided, best_value, k),

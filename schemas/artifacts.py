@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SNAPSHOT_FORMAT = "sidindex.snapshot"
-SNAPSHOT_VERSION = 3
+SNAPSHOT_VERSION = 4  # written when a snapshot carries the value arrays; without them, VALUE_FREE_VERSION
+VALUE_FREE_VERSION = 3  # so a reader that predates values keeps reading every snapshot it can serve
+READ_VERSIONS = (VALUE_FREE_VERSION, SNAPSHOT_VERSION)
 GONE_VERSIONS = {1: "raw .bin arrays, no longer read: rebuild the snapshot from its catalog",
                  2: "exact arrays not yet named by matcher plane, no longer read: rebuild the snapshot from its catalog"}
 MANIFEST_FILE = "manifest.json"
@@ -24,14 +26,19 @@ MANIFEST_FILE = "manifest.json"
 # exact ad-level filter keeps, per plane, either the ads' own rows (EXACT_ROWS: the plane's test
 # is exact) or the sorted hashes of each ad's values per attribute (EXACT_VALUES).
 MATCHER_PLANES = ("bitmask", "bloom")
+# An ad's value (the catalog's `value`, expected eCPM) lies in [0, MAX_AD_VALUE]: the index keeps
+# its bounds as float32 (max 3.4e38), and an eCPM this large is a unit or export bug.
+MAX_AD_VALUE = 1e30
 EXACT_ROWS, EXACT_VALUES = "rows", "values"
 EXACT_FORM = {"bitmask": EXACT_ROWS, "bloom": EXACT_VALUES}
 
 ARROW_TYPES = {"<i2": "int16", "<i4": "int32", "<i8": "int64", "<u8": "uint64", "<f4": "float", "<f8": "double"}
 
-# Array groups: "index" always; "kway" with k-way partitions; "value" when the catalog has a
-# `value` column (DESIGN.md §16); "kway+value" with both.
-GROUPS = ("index", "kway", "value", "kway+value")
+# When each group of arrays is present: (with partitions, with values) -> bool, and the words for it
+GROUPS = {"index": (lambda kway, value: True, "always"),
+          "kway": (lambda kway, value: kway, "with k-way partitions"),
+          "value": (lambda kway, value: value, "with ad values (DESIGN.md §16)"),
+          "kway+value": (lambda kway, value: kway and value, "with k-way partitions and ad values")}
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,7 @@ SNAPSHOT_ARRAYS = (
 
 def present(group: str, kway: bool, value: bool) -> bool:
     """Whether arrays of `group` are in a snapshot built with (kway) partitions and (value) values."""
-    return {"index": True, "kway": kway, "value": value, "kway+value": kway and value}[group]
+    return GROUPS[group][0](kway, value)
 
 ARRAYS_BY_NAME = {a.name: a for a in SNAPSHOT_ARRAYS}
 
@@ -137,9 +144,9 @@ SNAPSHOT_RELATIONS = (
     "exact_<plane>_hash_offsets: rising from 0 to H_<plane> over all A_<plane> * (N + 1) values, attribute a's "
     "last equal to attribute a+1's first; exact_<plane>_hashes rising within each (attribute, ad) run.",
     "ads: N values; ad_id unique.",
-    "ad_value, entry_value, part_value: finite, >= 0. entry_value of a leaf entry >= ad_value of each of its "
-    "ads; entry_value of an inner entry >= that of each child entry; part_value falling (not rising) within "
-    "each entry's partitions, its first <= the entry's entry_value.",
+    "ad_value, entry_value, part_value: in [0, 1e30] (entry and part values rounded up to float32). entry_value "
+    "of a leaf entry >= ad_value of each of its ads; entry_value of an inner entry >= that of each child entry; "
+    "part_value falling (not rising) within each entry's partitions, the first equal to the entry's entry_value.",
     "level_sizes (manifest): L values in [1, 32768], equal to the carried codebook's.",
     "manifest counts: ads = N, sid_rows = P, sids = S, nodes = num_nodes.",
 )
@@ -154,7 +161,8 @@ class ManifestKey:
 
 MANIFEST_KEYS = (
     ManifestKey("format", "string", f"`{SNAPSHOT_FORMAT}`."),
-    ManifestKey("format_version", "int", f"{SNAPSHOT_VERSION}; a reader refuses other versions."),
+    ManifestKey("format_version", "int", f"{SNAPSHOT_VERSION} when the snapshot carries the `value` arrays, "
+                                         f"else {VALUE_FREE_VERSION}; a reader refuses other versions."),
     ManifestKey("id", "string", "Snapshot id, equal to the directory name: `YYYYMMDDTHHMMSSffffffZ-<8 hex>`."),
     ManifestKey("created", "string", "UTC time of the build, ISO 8601."),
     ManifestKey("input_fingerprint", "string", "sha256 over the catalog bytes, spec, config, codebook id, format."),
@@ -184,7 +192,8 @@ MANIFEST_DOC = (
 
 def render_artifacts() -> list[str]:
     """The snapshot contract as Markdown lines."""
-    out = [f"## snapshot directory (format `{SNAPSHOT_FORMAT}`, version {SNAPSHOT_VERSION})", "",
+    out = [f"## snapshot directory (format `{SNAPSHOT_FORMAT}`, version {SNAPSHOT_VERSION}; "
+           f"{VALUE_FREE_VERSION} without ad values)", "",
            "A snapshot is a directory `ROOT/snapshots/<id>/` holding `manifest.json`, one Arrow IPC file per "
            "array below, and the frozen codebook in `codebooks/<codebook_id>/` (`codebook.json` and "
            "`level_<l>.npy`). Every `.arrow` file opens with `pyarrow.ipc.open_file(pyarrow.memory_map(path))`, "
@@ -192,8 +201,7 @@ def render_artifacts() -> list[str]:
            __doc__.split("\n\n")[1].replace("\n", " "), "",
            "| file | column | Arrow type | rows | present | meaning |", "| --- | --- | --- | --- | --- | --- |"]
     for a in SNAPSHOT_ARRAYS:
-        present = {"index": "always", "kway": "with k-way partitions", "value": "with ad values",
-                   "kway+value": "with k-way partitions and ad values"}[a.group]
+        present = GROUPS[a.group][1]
         out.append(f"| `{a.file}` | `{a.column_name}` | `{a.arrow_type}` | {a.rows} | {present} | {a.doc} |")
     out += ["", "Relations a reader may rely on (`sidindex validate` checks every one before any index is used):", ""]
     out += [f"- {r}" for r in SNAPSHOT_RELATIONS]

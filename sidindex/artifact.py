@@ -132,9 +132,9 @@ def read_json(path: Path, what: str) -> tuple[dict, bytes]:
     return doc, raw
 
 
-def read_sealed(path: Path, fmt: str, version: int, what: str, *, gone: dict[int, str] | None = None,
-                unsealed: int | None = None) -> dict:
-    """The manifest at `path`, of format `fmt` at `version`: `read_json`, then byte-for-byte
+def read_sealed(path: Path, fmt: str, version: int | tuple[int, ...], what: str, *,
+                gone: dict[int, str] | None = None, unsealed: int | None = None) -> dict:
+    """The manifest at `path`, of format `fmt` at `version` (one, or the tuple of those read): `read_json`, then byte-for-byte
     canonical with the right checksum. A manifest without a checksum is refused saying which format
     version it is, unless it is of version `unsealed` (an older format still read as it is)."""
     doc, raw = read_json(path, what)
@@ -153,17 +153,22 @@ def read_sealed(path: Path, fmt: str, version: int, what: str, *, gone: dict[int
     return doc
 
 
-def check_format(path: Path, doc: dict, fmt: str, version: int, what: str, gone: dict[int, str] | None = None) -> None:
-    """Refuse a manifest of another format, or of another format version (saying which to do)."""
+def check_format(path: Path, doc: dict, fmt: str, version: int | tuple[int, ...], what: str,
+                 gone: dict[int, str] | None = None) -> None:
+    """Refuse a manifest of another format, or of a format version other than `version` (one, or
+    the tuple of those read), saying which to do."""
     if doc.get("format") != fmt:
         raise ArtifactError(f"{path}: not a sidindex {what} manifest (format {str(doc.get('format'))[:80]!r})")
     found = doc.get("format_version")
-    if found == version:
+    versions = version if isinstance(version, tuple) else (version,)
+    if found in versions and not isinstance(found, bool):
         return
-    if isinstance(found, int) and found > version:
+    version = " or ".join(map(str, versions))
+    found_int = isinstance(found, int) and not isinstance(found, bool)
+    if found_int and found > max(versions):
         raise ArtifactError(f"{path}: {what} format version {found}; this sidindex reads version {version} "
                             "(written by a newer sidindex: upgrade sidindex)")
-    hint = (gone or {}).get(found) if isinstance(found, int) else None
+    hint = (gone or {}).get(found) if found_int else None
     raise ArtifactError(f"{path}: {what} format version {str(found)[:40]!r}; this sidindex reads version {version}"
                         + (f" ({hint})" if hint else ""))
 

@@ -18,6 +18,7 @@ import numpy as np
 import polars as pl
 
 from schemas import CATALOG, REQUESTS
+from schemas.artifacts import MAX_AD_VALUE
 from sidindex.errors import InputError
 from sidindex.targeting import TargetingSpec
 
@@ -28,9 +29,6 @@ MAX_REQUEST_VALUES = 64
 # aborts the whole process (SIGABRT, no message) or trains on garbage.
 # Real embeddings are normalised or close to it; a value this large is a unit or export bug.
 MAX_ABS_EMBEDDING = 1e6
-# Ad values are refused beyond this: the index keeps their bounds as float32 (max 3.4e38), and an eCPM
-# this large is a unit or export bug.
-MAX_VALUE = 1e30
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -40,21 +38,18 @@ class Catalog:
 
     ad_id:     (N,) int64, unique
     embedding: (N, D) float32, finite, |x| <= MAX_ABS_EMBEDDING
-    columns:   the hash-key, targeting and `value` columns, validated, in file row order
+    columns:   the hash-key and targeting columns, validated, in file row order
+    value:     (N,) float64 each ad's `value`, in [0, MAX_AD_VALUE]; None when the catalog has none
     """
 
     path: str
     ad_id: np.ndarray
     embedding: np.ndarray
     columns: pl.DataFrame
+    value: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.ad_id)
-
-    @property
-    def value(self) -> np.ndarray | None:
-        """(N,) float64 each ad's `value` (finite, >= 0), or None when the catalog has none."""
-        return self.columns.get_column("value").to_numpy() if "value" in self.columns.columns else None
 
 
 @dataclass(frozen=True)
@@ -134,9 +129,8 @@ def read_catalog(
     if spec is not None:
         for a in spec.attributes:
             keep.append(v.string_list(a.name, declared=a.values or None, declared_in=spec.source))
-    if "value" in df.columns and "value" not in hash_keys:
-        keep.append(v.value("value"))
-    return Catalog(str(path), ad_id, embedding, pl.DataFrame(keep))
+    value = v.value("value").to_numpy() if "value" in df.columns and "value" not in hash_keys else None
+    return Catalog(str(path), ad_id, embedding, pl.DataFrame(keep), value)
 
 
 def read_requests(
@@ -220,10 +214,10 @@ class _Validator:
             raise self.fail(name, None, f"has type {s.dtype}, expected a number (float64)")
         self.no_nulls(s)
         s = s.cast(pl.Float64)
-        bad = ~(s.is_finite() & (s >= 0) & (s <= MAX_VALUE))
+        bad = ~(s.is_finite() & (s >= 0) & (s <= MAX_AD_VALUE))
         if bad.any():
             row = int(bad.arg_true()[0])
-            raise self.fail(name, row, f"value {s[row]} is not a number in [0, {MAX_VALUE:g}] (an ad's expected "
+            raise self.fail(name, row, f"value {s[row]} is not a number in [0, {MAX_AD_VALUE:g}] (an ad's expected "
                                        "eCPM; give 0 for an ad of unknown value)")
         return s
 

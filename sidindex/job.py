@@ -74,7 +74,7 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
             write_snapshot(directory, built.gtm, built.exact, cat.ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
                            input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()),
                            build_config=cfg.to_dict(), counts=counts, stats=built.stats.to_dict(),
-                           quality=quality.to_dict(), ad_value=cat.value)
+                           quality=quality.to_dict())
 
         path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep)
         clock.lap("write + validate + publish")

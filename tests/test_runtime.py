@@ -44,7 +44,7 @@ class Case:
         self.sc = sc
         self.gtm, _, _, self.exact, self.req = build(sc)
         self.snap = Snapshot(Path("."), MANIFEST, sc.spec, self.gtm, self.exact, np.arange(len(sc.ads), dtype=np.int64),
-                             codebook=None, ad_value=None if sc.values is None else np.array(sc.values))
+                             codebook=None)
         self.index = load_index(self.snap, device)
         self.dreq = to_device(self.req, device)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -25,16 +26,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.ops.gtm_mask import gtm_mask
-from runtime.post import RRF_K, expand
 from runtime.ops.gtm_mask.reference import VALUE_FLOOR, value_key
+from runtime.post import RRF_K, expand
 from runtime.search import beam_search
-from sidindex.errors import ConfigError, InputError
+from schemas.artifacts import MAX_AD_VALUE
+from sidindex.errors import ArtifactError, ConfigError, InputError
 from sidindex.ingest import read_catalog
 from sidindex.modes import Mode
+from sidindex.snapshot.validate import check_structure
 from sidindex.trie.build import round_up_f32
 from sidindex.trie.match import entries_pass
 from tests.conftest import run_cli
-from tests.test_gtm import eligible, scenario, scenarios
+from tests.test_gtm import build, eligible, scenario, scenarios
 from tests.test_runtime import DEVICE, GPU, MODES, Case, TableScorer, searched
 
 # values chosen to tie, to vanish and to reach float32's rounding (1e30 is the largest accepted)
@@ -88,7 +91,7 @@ def masks(case: Case, cpu: Case, d: int, seed: int, mode: Mode):
     return node, req, ref, bound
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(valued(), st.integers(0, 2**32 - 1))
 def test_every_mask_reports_one_bound_and_it_bounds_every_eligible_ad(sc, seed):
     case = Case(sc)
@@ -108,7 +111,7 @@ def test_every_mask_reports_one_bound_and_it_bounds_every_eligible_ad(sc, seed):
             assert not bound[ref == float("-inf")].any()  # no candidate, no bound
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(valued(unrestricted=True), st.integers(0, 2**32 - 1))
 def test_with_nothing_restricted_the_bound_is_the_subtree_max_in_every_mode(sc, seed):
     case = Case(sc)
@@ -148,7 +151,7 @@ def brute_force_by_value(case: Case, r: int, scorer: TableScorer, beams: tuple[i
     return dict(live)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(valued(), st.integers(0, 2**32 - 1), st.lists(st.integers(1, 5), min_size=3, max_size=3),
        st.sampled_from([0.5, 1.0, 4.0]))
 def test_value_guided_search_equals_brute_force(sc, seed, widths, weight):
@@ -165,21 +168,23 @@ def test_value_guided_search_equals_brute_force(sc, seed, widths, weight):
                 assert all(got[s] == pytest.approx(want[s], rel=1e-5, abs=1e-5) for s in got)  # log-probabilities
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(valued(max_ads=15), st.integers(0, 2**32 - 1), st.sampled_from([0.5, 3.0]))
 def test_wide_value_guided_beams_return_exactly_the_eligible_ads(sc, seed, weight):
     case = Case(sc)
     wide = (1,) + (10_000,) * (case.gtm.sid_length - 1)
     scorer = TableScorer(case.gtm.vocab_size, seed)
     for mode in MODES:
+        found = beam_search(case.index, case.dreq, scorer, wide, mode, value_weight=weight)
         for rank in ("score", "value", "fused"):
-            got = expand(case.index, case.req, beam_search(case.index, case.dreq, scorer, wide, mode,
-                                                           value_weight=weight), rank=rank)
+            got = expand(case.index, case.req, found, rank=rank)
+            top = expand(case.index, case.req, found, top_k=2, rank=rank)
             for r, req in enumerate(sc.requests):
                 truth = {a for a, ad in enumerate(sc.ads) if eligible(sc.spec, ad, req)}
                 mine = got.request == r
                 assert set(got.ad_row[mine].tolist()) == truth, (mode, rank)
                 check_ranking(got, mine, rank)
+                assert top.ad_row[top.request == r].tolist() == got.ad_row[mine][:2].tolist()  # top-k is a prefix
 
 
 def check_ranking(got, mine: np.ndarray, rank: str) -> None:
@@ -197,7 +202,7 @@ def check_ranking(got, mine: np.ndarray, rank: str) -> None:
     assert got.rank[mine].tolist() == list(range(1, n + 1))
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(valued(), st.integers(0, 2**32 - 1))
 def test_a_zero_weight_is_the_plain_search(sc, seed):
     case = Case(sc)
@@ -216,8 +221,9 @@ def test_value_options_are_checked():
     plain, priced = Case(sc, "cpu"), Case(dataclasses.replace(sc, values=[1.0] * len(sc.ads)), "cpu")
     scorer = TableScorer(plain.gtm.vocab_size, 0)
     beams = (1,) + (2,) * (plain.gtm.sid_length - 1)
-    for weight, index, mode, msg in [(-1.0, priced, "cd", "finite number >= 0"), (math.nan, priced, "cd", "finite"),
-                                     (1.0, priced, "none", "use mode cd"), (1.0, plain, "cd", "carries no ad values")]:
+    for weight, index, mode, msg in [(-1.0, priced, "cd", "expected a number in"), (math.nan, priced, "cd", "in \\[0"),
+                                     (1e39, priced, "cd", "in \\[0, 1e\\+06\\]"), (1.0, priced, "none", "use mode cd"),
+                                     (1.0, plain, "cd", "carries no ad values")]:
         with pytest.raises(ConfigError, match=msg):
             beam_search(index.index, index.dreq, scorer, beams, mode, value_weight=weight)
     with pytest.raises(ConfigError, match="carries no ad values"):
@@ -239,3 +245,36 @@ def test_bad_values_are_refused_naming_the_row(tmp_path, sample_dir, value, show
                     "--out", tmp_path / "root")
         assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "row 7" in r.stderr, r.stderr
         assert not (tmp_path / "root" / "CURRENT").exists()
+
+
+@settings(max_examples=5, deadline=None)
+@given(valued(), st.integers(0, 2**16))
+def test_validation_refuses_bounds_that_do_not_bound(sc, seed):
+    """Each relation of the value arrays, broken once: a value out of range, a SID's bound below one
+    of its ads, a prefix's below a child's, partitions not starting from the entry's bound."""
+    g, _, _, exact, _ = build(sc)
+    counts = {"ads": len(sc.ads), "sid_rows": len(g.leaf_ads), "sids": g.num_leaves, "nodes": g.num_nodes}
+
+    def check(**arrays):
+        check_structure(Path("."), dataclasses.replace(g, **arrays), exact, np.arange(len(sc.ads)), counts)
+
+    check()  # as built: accepted
+    rng = np.random.default_rng(seed)
+    ev, no, first_leaf = g.entry_value, g.node_offsets, int(g.depth_offsets[g.sid_length]) - 1
+    leaf = int(rng.integers(first_leaf, len(ev)))
+    ad = int(g.leaf_ads[g.leaf_ad_offsets[leaf - first_leaf]])
+    # (array, position, value, the array the error names: a SID below its ads names the bound)
+    cases = [("ad_value", ad, np.inf, "ad_value"), ("entry_value", leaf, -1.0, "entry_value"),
+             ("ad_value", ad, 2 * float(ev[leaf]) + 1, "entry_value" if 2 * float(ev[leaf]) + 1 <= MAX_AD_VALUE
+              else "ad_value"),  # above its SID's bound, or out of range
+             ("part_value", int(g.part_offsets[leaf]), np.nextafter(ev[leaf], np.float32(0)) if ev[leaf] else 1.0,
+              "part_value")]
+    inner = [e for e in range(first_leaf) if ev[no[e + 1]:no[e + 2]].max() > 0]
+    if inner:  # a prefix just below its best child
+        e = inner[int(rng.integers(len(inner)))]
+        cases.append(("entry_value", e, np.nextafter(ev[no[e + 1]:no[e + 2]].max(), np.float32(0)), "entry_value"))
+    for name, at, value, named in cases:
+        a = getattr(g, name).copy()
+        a[at] = value
+        with pytest.raises(ArtifactError, match=named):
+            check(**{name: a})

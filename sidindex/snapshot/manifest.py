@@ -17,7 +17,9 @@ from schemas.artifacts import (
     MANIFEST_FILE,
     MANIFEST_KEYS,
     SNAPSHOT_FORMAT,
+    READ_VERSIONS,
     SNAPSHOT_VERSION,
+    VALUE_FREE_VERSION,
     present,
 )
 from sidindex.artifact import read_sealed, seal
@@ -75,7 +77,8 @@ class Manifest:
         """The sealed manifest.json text."""
         doc = asdict(self)
         doc["level_sizes"] = list(self.level_sizes)
-        return seal({"format": SNAPSHOT_FORMAT, "format_version": SNAPSHOT_VERSION, **doc})
+        version = SNAPSHOT_VERSION if "ad_value" in self.arrays else VALUE_FREE_VERSION  # readable by older readers
+        return seal({"format": SNAPSHOT_FORMAT, "format_version": version, **doc})
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
@@ -83,7 +86,11 @@ class Manifest:
         path = directory / MANIFEST_FILE
         if not directory.is_dir():
             raise pruned(directory)
-        doc = read_sealed(path, SNAPSHOT_FORMAT, SNAPSHOT_VERSION, "snapshot", gone=GONE_VERSIONS)
+        doc = read_sealed(path, SNAPSHOT_FORMAT, READ_VERSIONS, "snapshot", gone=GONE_VERSIONS)
+        valued = isinstance(doc.get("arrays"), dict) and "ad_value" in doc["arrays"]
+        if (doc["format_version"] == SNAPSHOT_VERSION) != valued:
+            raise ArtifactError(f"{path}: format version {doc['format_version']} and its value arrays disagree "
+                                f"(version {SNAPSHOT_VERSION} carries them, {VALUE_FREE_VERSION} does not)")
         return _parse(path, doc, directory.name.removeprefix(TMP_PREFIX))  # checked before publishing too
 
 

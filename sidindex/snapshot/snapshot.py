@@ -45,7 +45,6 @@ class Snapshot:
     ad_id: np.ndarray  # (N,) int64
     codebook: Codebook | None
     open_seconds: dict[str, float] = field(default_factory=dict)  # manifest, files, map, structure, prefault
-    ad_value: np.ndarray | None = None  # (N,) float64 each ad's value, when the catalog had them
 
     @property
     def id(self) -> str:
@@ -53,26 +52,21 @@ class Snapshot:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by its contract name (`schemas.artifacts`)."""
-        return _arrays(self.gtm, self.exact, self.ad_id, self.ad_value)
+        return _arrays(self.gtm, self.exact, self.ad_id)
 
 
-def _arrays(gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, ad_value: np.ndarray | None) -> dict[str, np.ndarray]:
+def _arrays(gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> dict[str, np.ndarray]:
     """Every array of a snapshot by its contract name."""
-    ads = {"ads": np.asarray(ad_id)} | ({} if ad_value is None else {"ad_value": np.asarray(ad_value)})
-    return gtm.arrays() | exact.arrays() | ads
+    return gtm.arrays() | exact.arrays() | {"ads": np.asarray(ad_id)}
 
 
 def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, spec: TargetingSpec, *,
                    snapshot_id: str, codebook: Codebook | None = None, input_fingerprint: str = "",
                    catalog: str = "", build_config: dict | None = None, counts: dict | None = None,
-                   stats: dict | None = None, quality: dict | None = None,
-                   ad_value: np.ndarray | None = None) -> Manifest:
+                   stats: dict | None = None, quality: dict | None = None) -> Manifest:
     """Write the files of a snapshot into the new, empty `directory` (named `snapshot_id`) and
-    return its manifest (written last, as manifest.json). ad_value: (N,) float64, with the value
-    bounds in `gtm` (both or neither)."""
-    if (ad_value is None) != (gtm.entry_value is None):
-        raise ValueError("ad values and the index's value bounds go together")
-    arrays = _arrays(gtm, exact, ad_id, ad_value)
+    return its manifest (written last, as manifest.json)."""
+    arrays = _arrays(gtm, exact, ad_id)
     for name, a in arrays.items():
         write_array(directory, ARRAYS_BY_NAME[name], a)
     if codebook is not None:
@@ -127,15 +121,14 @@ def _open(directory: Path, verify: bool, prefault: bool) -> Snapshot:
     exact = ExactIndex.from_arrays(spec, arrays, len(ad_id))
     gtm = GTMIndex.from_arrays(m.level_sizes, arrays, MATCHER_PLANES)
     clock.lap("map")
-    ad_value = arrays.get("ad_value")
-    check_structure(directory, gtm, exact, ad_id, m.counts, ad_value)
+    check_structure(directory, gtm, exact, ad_id, m.counts)
     codebook = _codebook(directory, m)
     clock.lap("structure")
     if prefault:
         for a in arrays.values():
             prefault_pages(a)
         clock.lap("prefault")
-    return Snapshot(directory, m, spec, gtm, exact, ad_id, codebook, clock.seconds, ad_value)
+    return Snapshot(directory, m, spec, gtm, exact, ad_id, codebook, clock.seconds)
 
 
 def _codebook(directory: Path, m: Manifest) -> Codebook | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from schemas.artifacts import ARRAYS_BY_NAME, MANIFEST_FILE
+from schemas.artifacts import ARRAYS_BY_NAME, MANIFEST_FILE, MAX_AD_VALUE
 from sidindex.errors import ArtifactError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.trie.build import GTMIndex
@@ -44,8 +44,7 @@ class _Need:
             raise ArtifactError(f"{self.path / ARRAYS_BY_NAME[name].file}: {what}; the snapshot is corrupt")
 
 
-def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: dict,
-                    ad_value: np.ndarray | None = None) -> None:
+def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: dict) -> None:
     """Raise ArtifactError naming the first array that breaks a relation.
 
     Depth ranges first (every other check indexes with them); then independent groups of checks in
@@ -60,7 +59,7 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
 
     def run(group) -> ArtifactError | None:
         try:
-            group(need, gtm, exact, ad_id, ad_value)
+            group(need, gtm, exact, ad_id)
         except ArtifactError as e:
             return e
         return None
@@ -70,14 +69,14 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
     fault = next((f for f in faults if f is not None), None)
     if fault is not None:
         raise fault
-    _values(need, gtm, exact, ad_id, ad_value)  # indexes with the offsets checked above
+    _values(need, gtm)  # indexes with the offsets checked above
     found = {"ads": len(ad_id), "sid_rows": len(gtm.leaf_ads), "sids": num_nodes - int(do[gtm.sid_length]),
              "nodes": num_nodes}
     if counts != found:
         raise ArtifactError(f"{path / MANIFEST_FILE}: counts {counts} disagree with the arrays {found}")
 
 
-def _trie(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, ad_value) -> None:
+def _trie(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """Node offsets, child ids and tokens. After the offsets every one lies in [0, E], so the token
     checks may index with them."""
     L, do, no = gtm.sid_length, gtm.depth_offsets, gtm.node_offsets
@@ -96,13 +95,13 @@ def _trie(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, ad_v
          "and distinct")
 
 
-def _planes(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, ad_value) -> None:
+def _planes(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """Every entry's matcher rows, per plane, inside their tables."""
     for p in gtm.planes:
         need(_in_range(p.index, len(p.table)), f"{p.name}_index", f"a row index lies outside [0, {len(p.table)})")
 
 
-def _leaves(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, ad_value) -> None:
+def _leaves(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """SIDs -> ads: every SID owns ads, rows inside the ad table, ascending and distinct per SID."""
     N, lo = len(ad_id), gtm.leaf_ad_offsets
     S = len(gtm.node_offsets) - 1 - int(gtm.depth_offsets[gtm.sid_length])
@@ -115,7 +114,7 @@ def _leaves(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, ad
          "ads must be ascending and distinct within a SID")
 
 
-def _partitions(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, ad_value) -> None:
+def _partitions(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """k-way partitions: at least one per entry, rows inside their tables."""
     if gtm.part_offsets is None:
         return
@@ -127,7 +126,7 @@ def _partitions(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray
              f"a row index lies outside [0, {len(p.table)})")
 
 
-def _exact(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, ad_value) -> None:
+def _exact(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """The exact index, per `values` plane: one rising run of hash offsets through every attribute,
     hashes sorted within each (attribute, ad) run (the exact filter binary-searches them)."""
     for p in exact.planes:
@@ -145,31 +144,33 @@ def _exact(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, ad_
              "attribute")
 
 
-def _ads(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, ad_value) -> None:
+def _ads(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """Unique ad ids: every output row names its ad by id."""
     need(pl.Series(ad_id).n_unique() == len(ad_id), "ads", "ad_id values must be unique")
 
 
-def _values(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, ad_value) -> None:
-    """Value bounds: finite and >= 0; a leaf entry's bounds its ads, an inner entry's its children,
-    an entry's partitions fall from at most its own (the kernel takes the first passing one)."""
-    if ad_value is None:
+def _values(need: _Need, gtm: GTMIndex) -> None:
+    """Value bounds: values in [0, MAX_AD_VALUE]; a SID's bound at least its ads' values, a
+    prefix's at least its children's; an entry's partitions falling from exactly the entry's bound
+    (the kernel takes the first passing one, and the build makes the first the entry's best)."""
+    if gtm.ad_value is None:
         return
-    for name, v in (("ad_value", ad_value), ("entry_value", gtm.entry_value)) + (
-            (("part_value", gtm.part_value),) if gtm.part_value is not None else ()):
-        need(bool(np.all(np.isfinite(v) & (v >= 0))), name, "values must be finite and >= 0")
+    arrays = (("ad_value", gtm.ad_value), ("entry_value", gtm.entry_value), ("part_value", gtm.part_value))
+    for name, v in arrays:
+        need(v is None or bool(np.all((v >= 0) & (v <= np.float32(MAX_AD_VALUE)))), name,
+             f"values must lie in [0, {MAX_AD_VALUE:g}]")
     ev, do, no, L = gtm.entry_value, gtm.depth_offsets, gtm.node_offsets, gtm.sid_length
-    leaf_ad_max = np.maximum.reduceat(ad_value[gtm.leaf_ads], gtm.leaf_ad_offsets[:-1])
+    leaf_ad_max = np.maximum.reduceat(gtm.ad_value[gtm.leaf_ads], gtm.leaf_ad_offsets[:-1])
     need(bool(np.all(ev[do[L] - 1:].astype(np.float64) >= leaf_ad_max)), "entry_value",
          "a SID's bound is below the value of one of its ads")
     inner = np.arange(1, do[L])  # nodes with children
-    if not len(inner):
-        return
-    parent_entry = np.repeat(inner - 1, np.diff(no[inner[0]:inner[-1] + 2]))
-    need(bool(np.all(ev[parent_entry] >= ev[no[1]:])), "entry_value", "a prefix's bound is below one of its children's")
+    if len(inner):
+        parent_entry = np.repeat(inner - 1, np.diff(no[inner[0]:inner[-1] + 2]))
+        need(bool(np.all(ev[parent_entry] >= ev[no[1]:])), "entry_value",
+             "a prefix's bound is below one of its children's")
     if gtm.part_value is not None:
         pv, po = gtm.part_value, gtm.part_offsets
         first = np.zeros(len(pv), dtype=bool)
         first[po[:-1]] = True
-        need(bool(np.all((pv[1:] <= pv[:-1]) | first[1:])) and bool(np.all(pv[po[:-1]] <= ev)), "part_value",
-             "an entry's partitions must fall in value from at most the entry's bound")
+        need(bool(np.all((pv[1:] <= pv[:-1]) | first[1:])) and bool(np.array_equal(pv[po[:-1]], ev)), "part_value",
+             "an entry's partitions must fall in value from the entry's own bound")

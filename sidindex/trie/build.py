@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from schemas.artifacts import MATCHER_PLANES
+from schemas.artifacts import MATCHER_PLANES, MAX_AD_VALUE
 from sidindex.sid.assign import run_starts, sid_keys
 from sidindex.trie.dedup import RowTable, insert_row
 from sidindex.trie.kway import KWayConfig, partition
@@ -55,7 +55,8 @@ class GTMIndex:
     leaf_ad_offsets: (S+1,) int64; leaf s (node depth_offsets[L] + s) holds ads
     leaf_ads:        (P,) int64 catalog rows, ascending within each leaf
     part_offsets:    (E+1,) int64 or None; entry e's k-way partitions are [part_offsets[e], part_offsets[e+1])
-    entry_value:     (E,) float32 or None; the largest ad value under entry e, rounded up (DESIGN.md §16)
+    ad_value:        (N,) float64 or None; each catalog row's value (DESIGN.md §16), when the catalog has them
+    entry_value:     (E,) float32 or None; the largest ad_value under entry e, rounded up
     part_value:      (T,) float32 or None; the largest ad value in each partition, falling within an entry
     """
 
@@ -68,11 +69,12 @@ class GTMIndex:
     leaf_ad_offsets: np.ndarray
     leaf_ads: np.ndarray
     part_offsets: np.ndarray | None = None
+    ad_value: np.ndarray | None = None
     entry_value: np.ndarray | None = None
     part_value: np.ndarray | None = None
 
     _TRIE = ("node_offsets", "csr_child_nodes", "csr_tokens", "depth_offsets", "leaf_ad_offsets", "leaf_ads",
-             "part_offsets", "entry_value", "part_value")
+             "part_offsets", "ad_value", "entry_value", "part_value")
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by its snapshot name (`schemas.artifacts`)."""
@@ -155,8 +157,8 @@ def build_gtm(
     for d, size in enumerate(level_sizes):
         if sids[:, d].min() < 0 or sids[:, d].max() >= size:
             raise ValueError(f"level {d} tokens must lie in [0, {size})")
-    if ad_value is not None and (ad_value.shape != (n_ads,) or not np.all(np.isfinite(ad_value) & (ad_value >= 0))):
-        raise ValueError(f"ad_value must hold one finite value >= 0 per ad ({n_ads})")
+    if ad_value is not None and (ad_value.shape != (n_ads,) or not np.all((ad_value >= 0) & (ad_value <= MAX_AD_VALUE))):
+        raise ValueError(f"ad_value must hold one value in [0, {MAX_AD_VALUE:g}] per ad ({n_ads})")
 
     # --- 2. SORT SID ROWS --- lexicographic order makes every prefix a contiguous run
     keys = sid_keys(sids, level_sizes)
@@ -244,6 +246,7 @@ def build_gtm(
         leaf_ad_offsets=leaf_ad_offsets,
         leaf_ads=ads_sorted.astype(np.int64, copy=False),
         part_offsets=part_offsets,
+        ad_value=None if ad_value is None else np.asarray(ad_value, dtype=np.float64),
         entry_value=entry_value,
         part_value=part_value,
     )

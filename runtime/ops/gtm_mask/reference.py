@@ -46,7 +46,7 @@ def gtm_mask_reference(index, requests, depth: int, beam_request: torch.Tensor, 
     M, V = logp.shape
     g = index.gtm
     out = torch.full((M, V + 1), NEG_INF, dtype=torch.float32, device=logp.device)  # column V: a sink
-    bound = torch.zeros((M, V + 1), dtype=torch.float32, device=logp.device)
+    bound = torch.zeros((M, V + 1), dtype=torch.float32, device=logp.device) if with_bound else None
     C = index.max_children[depth]
     j = torch.arange(C, device=logp.device)
     for s in range(0, M, chunk):
