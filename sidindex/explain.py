@@ -31,6 +31,8 @@ class Step:
     failed_union: attributes the subtree-union matchers reject (None when the prefix is not in the catalog)
     failed_partitions: per k-way partition, the attributes it rejects (None without k-way; empty when
                        the prefix is not in the catalog)
+    bound: with ad values (DESIGN.md §16), the largest value of an ad beneath: the union's bound
+    kway_bound: with values and k-way, the largest value of the partitions that pass (None when none does)
     """
 
     position: int
@@ -39,6 +41,8 @@ class Step:
     in_catalog: bool
     failed_union: tuple[str, ...] | None
     failed_partitions: tuple[tuple[str, ...], ...] | None
+    bound: float | None = None
+    kway_bound: float | None = None
 
     def allows(self, mode: Mode | str) -> bool:
         """Whether beam search in `mode` can take this token (`mode` needs k-way partitions only
@@ -55,10 +59,11 @@ class Step:
 
 @dataclass(frozen=True)
 class AdCheck:
-    """The exact ad-level filter for one ad: eligible iff `failed` is empty."""
+    """The exact ad-level filter for one ad: eligible iff `failed` is empty; its value, if any."""
 
     ad_id: int
     failed: tuple[str, ...]
+    value: float | None = None
 
 
 @dataclass(frozen=True)
@@ -107,11 +112,17 @@ class Explainer:
             if e == hi or g.csr_tokens[e] != token:  # no entry: no partition of it can pass either
                 steps.append(Step(d, tuple(sid[:d]), token, False, None, None if g.part_offsets is None else ()))
                 return SidExplanation(tuple(sid), tuple(steps), ())
-            parts = None
+            parts = bound = kway_bound = None
             if g.part_offsets is not None:
                 parts = tuple(self._failed([pl.part_index[p] for pl in g.planes])
                               for p in range(g.part_offsets[e], g.part_offsets[e + 1]))
-            steps.append(Step(d, tuple(sid[:d]), token, True, self._failed([pl.index[e] for pl in g.planes]), parts))
+            if g.entry_value is not None:  # the value bounds the search weighs this step by
+                bound = float(g.entry_value[e])
+                if parts is not None:
+                    kway_bound = max((float(g.part_value[g.part_offsets[e] + i]) for i, f in enumerate(parts) if not f),
+                                     default=None)
+            steps.append(Step(d, tuple(sid[:d]), token, True, self._failed([pl.index[e] for pl in g.planes]), parts,
+                              bound, kway_bound))
             node = int(g.csr_child_nodes[e])
         leaf = node - int(g.depth_offsets[g.sid_length])
         if ads is None:
@@ -119,7 +130,8 @@ class Explainer:
         checks = []
         for row in np.unique(ads):
             ok = attribute_eligibility(self.snap.exact, self.req, 0, int(row))
-            checks.append(AdCheck(int(self.snap.ad_id[row]), tuple(n for n, k in zip(self.names, ok) if not k)))
+            checks.append(AdCheck(int(self.snap.ad_id[row]), tuple(n for n, k in zip(self.names, ok) if not k),
+                                  None if g.ad_value is None else float(g.ad_value[row])))
         return SidExplanation(tuple(sid), tuple(steps), tuple(checks))
 
     def ad(self, ad_id: int) -> list[SidExplanation]:

@@ -75,13 +75,16 @@ def print_explanation(r, max_ads: int) -> None:
     t = Table(title=f"SID {','.join(map(str, r.sid))}", title_justify="left")
     for c in ["position", "token", "prefix in catalog", "union matchers"] + (["k-way partitions"] if kway else []):
         t.add_column(c)
+    def bound(value: float | None) -> str:  # the value bound the search weighs a step by (DESIGN.md §16)
+        return "" if value is None else f"\nvalue bound {value:.6g}"
+
     for s in r.steps:
         row = [str(s.position), str(s.token), "yes" if s.in_catalog else "no: not a catalog prefix",
-               fails(s.failed_union) if s.in_catalog else "-"]
+               fails(s.failed_union) + bound(s.bound) if s.in_catalog else "-"]
         if kway:
             parts = s.failed_partitions or ()
             row.append("-" if not s.in_catalog else f"{sum(not f for f in parts)} of {len(parts)} pass" +
-                       "".join(f"\n#{i}: {fails(f)}" for i, f in enumerate(parts) if f))
+                       "".join(f"\n#{i}: {fails(f)}" for i, f in enumerate(parts) if f) + bound(s.kway_bound))
         t.add_row(*row)
     out.print(t)
     if r.ads:
@@ -89,8 +92,11 @@ def print_explanation(r, max_ads: int) -> None:
         ta = Table(title=f"exact filter: {eligible} of {len(r.ads)} ads eligible", title_justify="left")
         ta.add_column("ad_id", justify="right")
         ta.add_column("exact filter")
+        if r.ads[0].value is not None:
+            ta.add_column("value", justify="right")
         for a in r.ads[:max_ads]:
-            ta.add_row(str(a.ad_id), "eligible" if not a.failed else fails(a.failed))
+            ta.add_row(str(a.ad_id), "eligible" if not a.failed else fails(a.failed),
+                       *(() if a.value is None else (f"{a.value:.6g}",)))
         if len(r.ads) > max_ads:
             ta.add_row("...", f"{len(r.ads) - max_ads} more (--max-ads, --json)")
         out.print(ta)

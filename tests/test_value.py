@@ -31,13 +31,14 @@ from runtime.post import RRF_K, expand
 from runtime.search import beam_search
 from schemas.artifacts import MAX_AD_VALUE
 from sidindex.errors import ArtifactError, ConfigError, InputError
+from sidindex.explain import Explainer
 from sidindex.ingest import read_catalog
 from sidindex.modes import Mode
 from sidindex.snapshot.validate import check_structure
 from sidindex.trie.build import round_up_f32
 from sidindex.trie.match import entries_pass
 from tests.conftest import run_cli
-from tests.test_gtm import build, eligible, scenario, scenarios
+from tests.test_gtm import build, eligible, requests_of, scenario, scenarios
 from tests.test_runtime import DEVICE, GPU, MODES, Case, TableScorer, searched
 
 # values chosen to tie, to vanish and to reach float32's rounding (1e30 is the largest accepted)
@@ -278,3 +279,25 @@ def test_validation_refuses_bounds_that_do_not_bound(sc, seed):
         a[at] = value
         with pytest.raises(ArtifactError, match=named):
             check(**{name: a})
+
+
+@settings(max_examples=5, deadline=None)
+@given(valued())
+def test_explain_shows_the_bounds_the_search_weighs(sc):
+    """Each step of `sidindex explain`: the union's bound, and with k-way the passing partitions'
+    bound the mask reports (none when no partition passes); each ad its value."""
+    case = Case(sc, "cpu")
+    g, reqs = case.gtm, requests_of(sc)
+    for r in range(len(sc.requests)):
+        ex = Explainer(case.snap, reqs, r)
+        for sid in g.leaf_sids():
+            got = ex.sid(tuple(int(t) for t in sid))
+            node = 0
+            for step in got.steps:
+                e = np.array([g.node_offsets[node] + np.searchsorted(
+                    g.csr_tokens[g.node_offsets[node]:g.node_offsets[node + 1]], step.token)])
+                ok, b = entries_pass(g, case.req.planes, e, np.array([r]), True, with_bound=True)
+                assert step.bound == float(g.entry_value[e[0]])
+                assert step.kway_bound == (float(b[0]) if ok[0] else None)
+                node = int(g.csr_child_nodes[e[0]])
+            assert [a.value for a in got.ads] == [sc.values[int(a.ad_id)] for a in got.ads]
