@@ -206,7 +206,7 @@ def test_manifest_and_codebook_values_are_refused(fuzz_root, mutate):
     assert judge(fuzz_root, "manifest", mutate) == "refused"
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_extreme_values_in_random_places(fuzz_root, data):

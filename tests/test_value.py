@@ -92,7 +92,7 @@ def masks(case: Case, cpu: Case, d: int, seed: int, mode: Mode):
     return node, req, ref, bound
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(valued(), st.integers(0, 2**32 - 1))
 def test_every_mask_reports_one_bound_and_it_bounds_every_eligible_ad(sc, seed):
     case = Case(sc)
@@ -281,7 +281,7 @@ def test_validation_refuses_bounds_that_do_not_bound(sc, seed):
             check(**{name: a})
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(valued())
 def test_explain_shows_the_bounds_the_search_weighs(sc):
     """Each step of `sidindex explain`: the union's bound, and with k-way the passing partitions'
