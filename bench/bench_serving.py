@@ -104,33 +104,44 @@ def same(a, b) -> bool:
     return bool(torch.equal(a.tokens, b.tokens) and torch.equal(a.score, b.score) and torch.equal(a.leaf, b.leaf))
 
 
+def served(index, batch, scorer, beams, mode: Mode, reps: int, value_weight: float = 0.0) -> tuple[dict, list]:
+    """Two alternating batches (`batch[i]`, scored by `scorer(i)`, a fresh scorer each call) searched
+    eagerly and through one `runtime.Searcher`: ms of each ("eager": batch 0 alone; "Searcher": a
+    serving loop's batch, its scorer made and searched), whether it captured, whether every replay
+    equals the eager search ("same"); and the eager results."""
+    ms = timer(index.device)
+    eager = [beam_search(index, batch[i], scorer(i), beams, mode, value_weight=value_weight) for i in (0, 1)]
+    searcher, turn = Searcher(beams, mode, value_weight=value_weight), [0]
+    ok = all(same(searcher.search(index, batch[i], scorer(i)), eager[i]) for i in (0, 1, 0, 1))
+
+    def serve():
+        i = turn[0] = 1 - turn[0]
+        return searcher.search(index, batch[i], scorer(i))
+
+    return {"Searcher": ms(serve, reps),
+            "eager": ms(lambda: beam_search(index, batch[0], scorer(0), beams, mode, value_weight=value_weight), reps),
+            "captured": searcher.eager_reason is None, "same": ok}, eager
+
+
 def codebook_rows(index, dreq, beams, B: int, reps: int) -> list[dict]:
     """Per mode: the codebook scorer's search as this bench's graph, through the Searcher, eager;
     then the constrained modes with partitions and the value-guided search (each of VALUE_WEIGHTS)."""
-    ms, scorer_for = timer(index.device), codebook_scorer(index, dreq)
+    scorer_for = codebook_scorer(index, dreq)
     batch = [dreq.slice(0, B), dreq.slice(B, 2 * B)]
-    rows_of = [slice(0, B), slice(B, 2 * B)]
+
+    def scorer(i: int):
+        return scorer_for(slice(i * B, (i + 1) * B))
+
     runs = [(m, 0.0) for m in MODES + ((Mode.CD_GTM_KWAY,) if index.kway else ())]
     if index.gtm.entry_value is not None:
         runs += [(m, w) for m in (Mode.CD_GTM,) + ((Mode.CD_GTM_KWAY,) if index.kway else ()) for w in VALUE_WEIGHTS]
     out = []
     for mode, w in runs:
-        eager = [beam_search(index, batch[i], scorer_for(rows_of[i]), beams, mode, value_weight=w) for i in (0, 1)]
-        searcher, turn = Searcher(beams, mode, value_weight=w), [0]
-        ok = all(same(searcher.search(index, batch[i], scorer_for(rows_of[i])), eager[i]) for i in (0, 1, 0, 1))
-
-        def serve():  # what a serving loop does per batch: the batch's scorer, then the search
-            i = turn[0] = 1 - turn[0]
-            return searcher.search(index, batch[i], scorer_for(rows_of[i]))
-
-        r = {"scorer": "codebook", "mode": mode.value + (f" value λ={w:g}" if w else ""), "Searcher": ms(serve, reps),
-             "eager": ms(lambda: beam_search(index, batch[0], scorer_for(rows_of[0]), beams, mode, value_weight=w),
-                         reps),
-             "captured": searcher.eager_reason is None}
+        r, _ = served(index, batch, scorer, beams, mode, reps, w)
+        r = {"scorer": "codebook", "mode": mode.value + (f" value λ={w:g}" if w else ""), **r}
         if index.device.type == "cuda":
-            r["graph"], graph_same = graph_search_ms(index, batch[0], scorer_for(rows_of[0]), beams, mode, reps, w)
-            ok &= graph_same
-        r["same"] = ok
+            r["graph"], graph_same = graph_search_ms(index, batch[0], scorer(0), beams, mode, reps, w)
+            r["same"] &= graph_same
         out.append(r)
     return out
 
@@ -138,7 +149,7 @@ def codebook_rows(index, dreq, beams, B: int, reps: int) -> list[dict]:
 def decoder_rows(index, dreq, beams, B: int, reps: int) -> list[dict]:
     """Per mode: the reference decoder's search, eager and through the Searcher; the cached scores
     against whole-sequence log-probabilities."""
-    ms, dev = timer(index.device), index.device
+    dev = index.device
     model = ReferenceDecoder(index.level_sizes, HISTORY_VOCAB, CONTEXT).to(dev).eval()
     gen = torch.Generator().manual_seed(0)
     ctx = [context_tokens(torch.randint(0, HISTORY_VOCAB, (B, CONTEXT), generator=gen).tolist(), CONTEXT,
@@ -146,19 +157,10 @@ def decoder_rows(index, dreq, beams, B: int, reps: int) -> list[dict]:
     batch = [dreq.slice(0, B), dreq.slice(B, 2 * B)]
     out = []
     for mode in MODES:
-        eager = [beam_search(index, batch[i], DecoderScorer(model, ctx[i]), beams, mode) for i in (0, 1)]
+        r, eager = served(index, batch, lambda i: DecoderScorer(model, ctx[i]), beams, mode, reps)
         want = model.sequence_logprob(ctx[0], eager[0].tokens)
         alive = eager[0].alive
-        searcher, turn = Searcher(beams, mode), [0]
-        ok = all(same(searcher.search(index, batch[i], DecoderScorer(model, ctx[i])), eager[i]) for i in (0, 1, 0, 1))
-
-        def serve():
-            i = turn[0] = 1 - turn[0]
-            return searcher.search(index, batch[i], DecoderScorer(model, ctx[i]))
-
-        out.append({"scorer": "decoder", "mode": mode.value, "Searcher": ms(serve, reps),
-                    "eager": ms(lambda: beam_search(index, batch[0], DecoderScorer(model, ctx[0]), beams, mode), reps),
-                    "captured": searcher.eager_reason is None, "same": ok,
+        out.append({"scorer": "decoder", "mode": mode.value, **r,
                     "score_error": float((eager[0].score[alive] - want[alive]).abs().max()),
                     "live": float(alive.sum(1).float().mean())})
     return out

@@ -17,6 +17,11 @@ SNAPSHOT_FORMAT = "sidindex.snapshot"
 SNAPSHOT_VERSION = 4  # written when a snapshot carries the value arrays; without them, VALUE_FREE_VERSION
 VALUE_FREE_VERSION = 3  # so a reader that predates values keeps reading every snapshot it can serve
 READ_VERSIONS = (VALUE_FREE_VERSION, SNAPSHOT_VERSION)
+
+
+def snapshot_version(arrays) -> int:
+    """The format version of a snapshot holding the arrays named in `arrays`."""
+    return SNAPSHOT_VERSION if "ad_value" in arrays else VALUE_FREE_VERSION
 GONE_VERSIONS = {1: "raw .bin arrays, no longer read: rebuild the snapshot from its catalog",
                  2: "exact arrays not yet named by matcher plane, no longer read: rebuild the snapshot from its catalog"}
 MANIFEST_FILE = "manifest.json"

@@ -63,8 +63,8 @@ def prefixes(case: Case) -> list[tuple[int, ...]]:
     return out
 
 
-def ads_beneath(case: Case, prefix: tuple[int, ...]) -> set[int]:
-    return {a for s, a in zip(case.sc.sids, case.sc.sid_ads) if tuple(s[:len(prefix)]) == prefix}
+def ads_beneath(sc, prefix: tuple[int, ...]) -> set[int]:
+    return {a for s, a in zip(sc.sids, sc.sid_ads) if tuple(s[:len(prefix)]) == prefix}
 
 
 def masks(case: Case, cpu: Case, d: int, seed: int, mode: Mode):
@@ -92,38 +92,40 @@ def masks(case: Case, cpu: Case, d: int, seed: int, mode: Mode):
     return node, req, ref, bound
 
 
-@settings(max_examples=6, deadline=None)
-@given(valued(), st.integers(0, 2**32 - 1))
-def test_every_mask_reports_one_bound_and_it_bounds_every_eligible_ad(sc, seed):
+def candidates(sc, seed: int):
+    """(mode, request, the candidate's SID prefix, its bound) for every candidate of every mask of
+    `masks` (all implementations agreeing); no bound is reported where no candidate is."""
     case = Case(sc)
     cpu = Case(sc, "cpu") if GPU else case
-    paths, value = prefixes(case), np.array(sc.values)
+    paths = prefixes(case)
     for d in range(case.gtm.sid_length):
         for mode in MODES:
             node, req, ref, bound = masks(case, cpu, d, seed, mode)
-            for i, t in torch.nonzero(ref > float("-inf")).tolist():
-                child = paths[int(node[i])] + (t,)
-                beneath = ads_beneath(case, child)
-                ok = [a for a in beneath if eligible(sc.spec, sc.ads[a], sc.requests[int(req[i])])]
-                b = float(bound[i, t])
-                assert b >= max((value[a] for a in ok), default=0.0), (mode, child)  # an upper bound
-                top = float(round_up_f32(np.array([max(value[a] for a in beneath)]))[0])
-                assert b == top if not mode.kway else b <= top, (mode, child)  # the subtree's best
             assert not bound[ref == float("-inf")].any()  # no candidate, no bound
+            for i, t in torch.nonzero(ref > float("-inf")).tolist():
+                yield mode, int(req[i]), paths[int(node[i])] + (t,), float(bound[i, t])
+
+
+def subtree_max(sc, prefix: tuple[int, ...]) -> float:
+    """The largest value of the ads under `prefix`, rounded up to float32 as the index keeps it."""
+    top = max(sc.values[a] for a in ads_beneath(sc, prefix))
+    return float(round_up_f32(np.array([top]))[0])
+
+
+@settings(max_examples=6, deadline=None)
+@given(valued(), st.integers(0, 2**32 - 1))
+def test_every_mask_reports_one_bound_and_it_bounds_every_eligible_ad(sc, seed):
+    for mode, r, child, b in candidates(sc, seed):
+        ok = [a for a in ads_beneath(sc, child) if eligible(sc.spec, sc.ads[a], sc.requests[r])]
+        assert b >= max((sc.values[a] for a in ok), default=0.0), (mode, child)  # an upper bound
+        assert b == subtree_max(sc, child) if not mode.kway else b <= subtree_max(sc, child), (mode, child)
 
 
 @settings(max_examples=4, deadline=None)
 @given(valued(unrestricted=True), st.integers(0, 2**32 - 1))
 def test_with_nothing_restricted_the_bound_is_the_subtree_max_in_every_mode(sc, seed):
-    case = Case(sc)
-    cpu = Case(sc, "cpu") if GPU else case
-    paths, value = prefixes(case), np.array(sc.values)
-    for d in range(case.gtm.sid_length):
-        for mode in MODES:
-            node, req, ref, bound = masks(case, cpu, d, seed, mode)
-            for i, t in torch.nonzero(ref > float("-inf")).tolist():
-                top = max(value[a] for a in ads_beneath(case, paths[int(node[i])] + (t,)))
-                assert float(bound[i, t]) == float(round_up_f32(np.array([top]))[0]), mode
+    for mode, _, child, b in candidates(sc, seed):
+        assert b == subtree_max(sc, child), mode
 
 
 def brute_force_by_value(case: Case, r: int, scorer: TableScorer, beams: tuple[int, ...], mode: Mode,

@@ -21,6 +21,7 @@ from schemas.artifacts import (
     SNAPSHOT_VERSION,
     VALUE_FREE_VERSION,
     present,
+    snapshot_version,
 )
 from sidindex.artifact import read_sealed, seal
 from sidindex.config import MAX_TOKEN
@@ -77,8 +78,7 @@ class Manifest:
         """The sealed manifest.json text."""
         doc = asdict(self)
         doc["level_sizes"] = list(self.level_sizes)
-        version = SNAPSHOT_VERSION if "ad_value" in self.arrays else VALUE_FREE_VERSION  # readable by older readers
-        return seal({"format": SNAPSHOT_FORMAT, "format_version": version, **doc})
+        return seal({"format": SNAPSHOT_FORMAT, "format_version": snapshot_version(self.arrays), **doc})
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
@@ -87,8 +87,7 @@ class Manifest:
         if not directory.is_dir():
             raise pruned(directory)
         doc = read_sealed(path, SNAPSHOT_FORMAT, READ_VERSIONS, "snapshot", gone=GONE_VERSIONS)
-        valued = isinstance(doc.get("arrays"), dict) and "ad_value" in doc["arrays"]
-        if (doc["format_version"] == SNAPSHOT_VERSION) != valued:
+        if isinstance(doc.get("arrays"), dict) and doc["format_version"] != snapshot_version(doc["arrays"]):
             raise ArtifactError(f"{path}: format version {doc['format_version']} and its value arrays disagree "
                                 f"(version {SNAPSHOT_VERSION} carries them, {VALUE_FREE_VERSION} does not)")
         return _parse(path, doc, directory.name.removeprefix(TMP_PREFIX))  # checked before publishing too

@@ -27,7 +27,6 @@ def gtm_mask_cpu(index, requests, depth: int, beam_request: torch.Tensor, beam_n
     beam = np.repeat(beam, count)
     entries = expand_runs(first, count)
     # 2. the matchers, and the survivors' value bounds
-    best = g.entry_value[entries] if with_bound else None
     if mode.gtm:
         queries = tuple(dataclasses.replace(q, rows=q.rows.numpy().view(np.uint64), ranges=q.ranges.numpy())
                         for q in requests.planes)
@@ -36,6 +35,8 @@ def gtm_mask_cpu(index, requests, depth: int, beam_request: torch.Tensor, beam_n
             ok, best = ok
             best = best[ok]
         beam, entries = beam[ok], entries[ok]
+    elif with_bound:  # cd: every child entry, its union's bound
+        best = g.entry_value[entries]
     # 3. survivors score beam_score + logp at their token; NaN never passes
     tok = g.csr_tokens[entries].astype(np.int64)
     lp = logp.float().numpy()
