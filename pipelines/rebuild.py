@@ -1,6 +1,8 @@
-"""The scheduled rebuild: config file -> build -> publish -> retention -> run report.
+"""The scheduled rebuild: config file -> build -> publish -> retention -> run report; and, between
+full builds, updates from change files (DESIGN.md §15).
 
-    python -m pipelines.rebuild JOB.toml
+    python -m pipelines.rebuild JOB.toml              # a full build
+    python -m pipelines.rebuild JOB.toml --update     # apply pending change files
 
 JOB.toml:
     catalog   = "/data/ads/catalog.parquet"   # required
@@ -11,11 +13,20 @@ JOB.toml:
     keep      = 3                             # published snapshots to keep
     force     = false
     reports   = "/srv/sidindex/reports"       # optional: default ROOT/reports
+    changes   = "/data/ads/changes"           # for --update: a directory of change files
+
+The intended loop: a full build on schedule (every few hours) from a catalog export that holds
+every change made before the export; between them, `--update` every minute or so. An update run
+applies each pending change file of the `changes` directory (`*.parquet`, `*.arrow`), in name
+order, with `sidindex update`, and moves it into `changes/applied/` once published, so each file
+is applied once; the first file that fails stops the run and stays pending (fix or remove it).
+Name files so that name order is time order (e.g. a UTC timestamp). Updates only grow matchers;
+the next full build compacts them (`sidindex inspect` shows the stale entries in between).
 
 Each run writes one JSON report (reports/<UTC time>.json, and reports/latest.json) whatever the
 outcome, an unexpected exception included, prints a one-line JSON summary on stdout, and exits with
 a code an orchestrator can act on:
-    0  published a new snapshot        10  inputs unchanged, nothing published
+    0  published a new snapshot        10  inputs unchanged (no pending change file), nothing published
     2  bad input, config or artifact   3   a quality gate failed (nothing published)
        (a bad job file too)
     1  anything else (a bug, a full disk); the previous snapshot stays published
@@ -39,11 +50,13 @@ import traceback
 from pathlib import Path
 
 from sidindex.errors import ConfigError, SidIndexError
-from sidindex.job import run_build
+from sidindex.job import run_build, run_update
 from sidindex.tomlio import check_keys, read_toml
 
 UNCHANGED = 10
-_KEYS = {"catalog", "targeting", "root", "config", "codebook", "keep", "force", "reports"}
+_KEYS = {"catalog", "targeting", "root", "config", "codebook", "keep", "force", "reports", "changes"}
+CHANGE_FILES = ("*.parquet", "*.arrow")
+APPLIED = "applied"
 
 
 def load_job(path: Path) -> dict:
@@ -58,7 +71,7 @@ def load_job(path: Path) -> dict:
     for key in ("catalog", "targeting", "root"):
         if not isinstance(doc.get(key), str):
             raise ConfigError(f"{path}: '{key}' is required (a path)")
-    for key in ("config", "codebook", "reports"):
+    for key in ("config", "codebook", "reports", "changes"):
         if not isinstance(doc.get(key, ""), str):
             raise ConfigError(f"{path}: '{key}' must be a path (a string)")
     keep = doc.get("keep", 3)
@@ -69,8 +82,9 @@ def load_job(path: Path) -> dict:
     return doc
 
 
-def run(job_path: Path) -> tuple[int, dict]:
-    """Run one rebuild; returns (exit code, report).
+def run(job_path: Path, update: bool = False) -> tuple[int, dict]:
+    """Run one rebuild (with `update`, apply the pending change files instead); returns (exit
+    code, report).
 
     Once the job file is loaded, report["reports"] is the reports directory and the report is written
     there; when that fails, report["report_error"] says why and the code follows the module docstring.
@@ -81,9 +95,12 @@ def run(job_path: Path) -> tuple[int, dict]:
     try:
         job = load_job(job_path)
         report["reports"] = str(Path(job.get("reports") or Path(job["root"]) / "reports"))
-        opt = {k: Path(job[k]) for k in ("config", "codebook") if k in job}
-        report |= run_build(Path(job["catalog"]), Path(job["targeting"]), Path(job["root"]), keep=job.get("keep", 3),
-                            force=job.get("force", False), **opt)
+        if update:
+            report |= apply_pending(job, job_path)
+        else:
+            opt = {k: Path(job[k]) for k in ("config", "codebook") if k in job}
+            report |= run_build(Path(job["catalog"]), Path(job["targeting"]), Path(job["root"]),
+                                keep=job.get("keep", 3), force=job.get("force", False), **opt)
         code = 0 if report["status"] == "published" else UNCHANGED
     except SidIndexError as e:
         report |= {"status": "failed", "error": str(e), "error_type": type(e).__name__}
@@ -106,6 +123,25 @@ def run(job_path: Path) -> tuple[int, dict]:
     return code, report
 
 
+def apply_pending(job: dict, job_path: Path) -> dict:
+    """Apply the job's pending change files in name order, archiving each once published."""
+    if "changes" not in job:
+        raise ConfigError(f"{job_path}: 'changes' (a directory of change files) is required for an update run")
+    directory = Path(job["changes"])
+    if not directory.is_dir():
+        raise ConfigError(f"{job_path}: 'changes' = {str(directory)!r} is not a directory")
+    pending = sorted({p for pattern in CHANGE_FILES for p in directory.glob(pattern) if p.is_file()})
+    applied = []
+    for path in pending:
+        report = run_update(Path(job["root"]), path, keep=job.get("keep", 3))
+        (directory / APPLIED).mkdir(exist_ok=True)
+        path.replace(directory / APPLIED / path.name)
+        applied.append({"file": path.name, "status": report["status"], "snapshot_id": report["snapshot_id"]})
+    published = [a for a in applied if a["status"] == "published"]
+    return {"status": "published" if published else "unchanged", "applied": applied,
+            **({"snapshot_id": published[-1]["snapshot_id"]} if published else {})}
+
+
 def _write_report(directory: Path, report: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     text = json.dumps(report, indent=1, default=str)  # default=str: a stray Path or numpy scalar is no crash
@@ -123,10 +159,12 @@ def _write_report(directory: Path, report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+    update = "--update" in argv
+    rest = [a for a in argv if a != "--update"]
+    if len(rest) != 1 or rest[0] in ("-h", "--help") or rest[0].startswith("-"):
         print(__doc__)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    code, report = run(Path(argv[0]))
+        return 0 if rest and rest[0] in ("-h", "--help") else 2
+    code, report = run(Path(rest[0]), update)
     if "report_error" in report:
         _one_line(f"error: {report['report_error']}; the report follows on stdout")
         print(json.dumps(report, default=str))  # the only copy of it

@@ -9,6 +9,7 @@ unchecked reaches a kernel and nothing reads the snapshot's files by path after 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 import warnings
@@ -49,6 +50,8 @@ class ServedIndex:
     max_parts: most partitions of an entry; leaf_start: node id of leaf 0 (the kernels' launch
     shapes and the search's bounds, known on the host).
     load_info: bytes moved, and seconds in total and per phase.
+    generation: an identity that an index loaded with a `base` keeps only when it shares every
+         device tensor with it (an update of ad states): CUDA graphs captured on one replay on the other.
     """
 
     snapshot: Snapshot
@@ -61,6 +64,7 @@ class ServedIndex:
     leaf_start: int
     tables: TableStack | None = None
     load_info: dict = field(default_factory=dict)
+    generation: object = field(default_factory=object)  # shared exactly by indexes sharing every device tensor
 
     @property
     def id(self) -> str:
@@ -121,9 +125,13 @@ def _stage(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return staged
 
 
-def load_index(snap: Snapshot, device: str | torch.device = "cpu") -> ServedIndex:
+def load_index(snap: Snapshot, device: str | torch.device = "cpu", *, base: ServedIndex | None = None) -> ServedIndex:
     """Move an opened snapshot's GTM index to `device` ("cpu", "cuda", "cuda:1", ...).
 
+    base: an index already served on `device` (the snapshot an update started from): an array that
+    is still its own (the same memory, as `open_snapshot(..., base=)` maps it) keeps its device
+    tensor and is not moved again (the matcher planes, stacked on a GPU, move together). When none
+    changed (an update of ad states only), the result shares every tensor, and its `generation`.
     `load_info` of the result: bytes moved, and seconds in total and per phase (shape: a host pass
     over the offsets; stage: reading the memory maps into pinned memory; transfer: host to device,
     and the entry keys built there).
@@ -131,40 +139,65 @@ def load_index(snap: Snapshot, device: str | torch.device = "cpu") -> ServedInde
     device = parse_device(device)
     clock = StageClock()
     g = snap.gtm
+    host = {n: getattr(g, n) for n in HOST_ARRAYS}
+    served = {n: a for n, a in g.arrays().items() if n not in HOST_ARRAYS}
+    kept = _kept(served, base, device)  # names whose device tensor is the base's
+    if base is not None and kept == set(served):
+        gtm = GTMIndex.from_arrays(g.level_sizes, base.gtm.arrays() | host, MATCHER_PLANES)
+        clock.lap("shared")
+        return dataclasses.replace(base, snapshot=snap, gtm=gtm, load_info={
+            "bytes": 0, "seconds": sum(clock.seconds.values()), "phases": clock.seconds, "shared_with": base.id})
     fan_out = np.diff(g.node_offsets)
     per_depth = [fan_out[g.depth_offsets[d]:g.depth_offsets[d + 1]] for d in range(g.sid_length)]
     max_children = tuple(int(f.max()) for f in per_depth)
     mean_children = tuple(int(-(-f.sum() // len(f))) for f in per_depth)
     max_parts = int(np.diff(g.part_offsets).max()) if g.part_offsets is not None and len(g.part_offsets) > 1 else 0
     clock.lap("shape")
-    names = [n for n in g.arrays() if n not in HOST_ARRAYS]
-    staged = {n: _stage(a, device) for n, a in g.arrays().items() if n not in HOST_ARRAYS}
+    planes = {n for p in MATCHER_PLANES for n in (f"{p}_table", f"{p}_index", f"part_{p}_index")} & set(served)
+    if device.type == "cuda" and not planes <= kept:
+        kept -= planes  # one stack for all planes: restaged together
+    staged = {n: _stage(a, device) for n, a in served.items() if n not in kept}
     clock.lap("stage")
-    tables = None
+    tables = base.tables if planes <= kept and base is not None else None
     if device.type == "cuda":  # the planes into one stack, the rest as they are
-        parts = [staged.pop(f"part_{p}_index") for p in MATCHER_PLANES] if g.part_offsets is not None else None
-        tables = stack_tables([staged.pop(f"{p}_table") for p in MATCHER_PLANES],
-                              [staged.pop(f"{p}_index") for p in MATCHER_PLANES], parts, device)
+        if tables is None:
+            parts = [staged.pop(f"part_{p}_index") for p in MATCHER_PLANES] if g.part_offsets is not None else None
+            tables = stack_tables([staged.pop(f"{p}_table") for p in MATCHER_PLANES],
+                                  [staged.pop(f"{p}_index") for p in MATCHER_PLANES], parts, device)
         moved = {n: t.to(device, non_blocking=True) for n, t in staged.items()}
         for i, p in enumerate(MATCHER_PLANES):
             moved |= {f"{p}_table": tables.tables[i], f"{p}_index": tables.index[i]}
-            if parts is not None:
+            if g.part_offsets is not None:
                 moved[f"part_{p}_index"] = tables.part_index[i]
     else:
         moved = staged
-    # entry e's parent is the node whose child range holds it; entries are sorted by (parent, token)
-    parent = torch.repeat_interleave(torch.arange(g.num_nodes, device=device), moved["node_offsets"].diff())
-    entry_keys = parent * g.vocab_size + moved["csr_tokens"].long()
-    del parent, staged
+    moved = {n: base.gtm.arrays()[n] for n in kept} | moved
+    if base is not None and {"node_offsets", "csr_tokens"} <= kept:
+        entry_keys = base.entry_keys
+    else:  # entry e's parent is the node whose child range holds it; entries are sorted by (parent, token)
+        parent = torch.repeat_interleave(torch.arange(g.num_nodes, device=device), moved["node_offsets"].diff())
+        entry_keys = parent * g.vocab_size + moved["csr_tokens"].long()
+        del parent
+    del staged
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     clock.lap("transfer")
-    info = {"bytes": sum(int(g.arrays()[n].nbytes) for n in names), "seconds": sum(clock.seconds.values()),
-            "phases": clock.seconds}
-    host = {n: getattr(g, n) for n in HOST_ARRAYS}
+    info = {"bytes": sum(int(a.nbytes) for n, a in served.items() if n not in kept),
+            "seconds": sum(clock.seconds.values()), "phases": clock.seconds}
+    if kept:
+        info["shared_with"] = base.id
     gtm = GTMIndex.from_arrays(g.level_sizes, moved | host, MATCHER_PLANES)
     return ServedIndex(snap, device, gtm, entry_keys, max_children, mean_children, max_parts,
                        int(g.depth_offsets[g.sid_length]), tables, info)
+
+
+def _kept(served: dict[str, np.ndarray], base: ServedIndex | None, device: torch.device) -> set[str]:
+    """The arrays of `served` that are `base`'s own (the same memory and shape) on the same device."""
+    if base is None or base.device != device:
+        return set()
+    theirs = {n: a for n, a in base.snapshot.gtm.arrays().items() if n not in HOST_ARRAYS}
+    return {n for n, a in served.items() if n in theirs and a.shape == theirs[n].shape
+            and a.__array_interface__["data"][0] == theirs[n].__array_interface__["data"][0]}
 
 
 def load(path: str | Path, device: str | torch.device = "cpu", *, verify: bool = True) -> ServedIndex:
@@ -180,7 +213,9 @@ class SnapshotWatcher:
     A request takes `watcher.current` once and runs to the end on it: a swap replaces the
     attribute, never the object, so the old index is freed only when its last request drops it.
     Whatever a new snapshot holds, the old one keeps serving unless the new one loaded completely;
-    `last_error` then says why it did not.
+    `last_error` then says why it did not. An update of the served snapshot (`sidindex update`)
+    shares its unchanged files: they are neither hashed nor mapped again, and when only ad states
+    changed nothing moves to the device and a `Searcher` keeps replaying its graphs.
     """
 
     def __init__(self, root: str | Path, device: str | torch.device = "cpu", *, verify: bool = True) -> None:
@@ -206,7 +241,9 @@ class SnapshotWatcher:
                 self._refused = None  # CURRENT moved: whatever it names next is tried
             if published is None or published in (self.current.id, self._refused):
                 return False
-            new = load(self.root.snapshot_dir(published), self.device, verify=self.verify)
+            base = self.current  # an update of it shares its checked files and device arrays
+            new = load_index(open_snapshot(self.root.snapshot_dir(published), verify=self.verify, base=base.snapshot),
+                             self.device, base=base)
         except Exception as e:  # a serving process must outlive any snapshot (a bad file, a bug in a reader)
             why = e if isinstance(e, SidIndexError) else f"{type(e).__name__} while polling {self.root.path}: {e}"
             self.last_error = f"kept serving snapshot {self.current.id}: {why}"

@@ -1,7 +1,8 @@
 """Post stage: SIDs -> ads -> exact filter -> ranked ads per request (DESIGN.md §3, §8).
 
 Runs on the host over the snapshot's memory maps: the SID -> ad CSR expands every live beam into
-its ads, an ad reached through several SIDs keeps its best score, and the exact ad-level filter
+its ads (dropping rows an update paused or deleted), an ad reached through several SIDs keeps its
+best score, and the exact ad-level filter
 drops every ineligible ad (Bloom false positives stop here). Ranked per request by one of RANKS:
   score  the ad's best log-probability (the default)
   value  the ad's value (the catalog's `value`), then its score
@@ -82,6 +83,9 @@ def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: i
     start, count = g.leaf_ad_offsets[lf], g.leaf_ad_offsets[lf + 1] - g.leaf_ad_offsets[lf]
     beam = np.repeat(np.arange(len(lf)), count)
     ad = np.asarray(g.leaf_ads[expand_runs(start, count)], dtype=np.int64)
+    if snap.exact.ad_state is not None:  # rows an update paused or deleted are never served
+        live = snap.exact.live(ad)
+        beam, ad = beam[live], ad[live]
     req, sc = b[beam], score[b[beam], k[beam]]
     # 3. one row per (request, ad), the best-scoring SID's: sort by request, ad, then score descending
     order = np.lexsort((-sc, ad, req))

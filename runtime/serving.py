@@ -14,8 +14,9 @@ searches run eagerly, and `eager_reason` says why (a warning says it once). Repl
 are copies: the next replay does not change them.
 
 With a `SnapshotWatcher`, each request takes `watcher.current` once and passes it here: a graph
-belongs to the index object it was captured on, so a swapped-in snapshot is captured anew at its
-first batch and the old graphs are dropped (they read the old index's tensors). Searches through
+belongs to the device arrays it was captured on, so a swapped-in snapshot is captured anew at its
+first batch and the old graphs are dropped (they read the old index's tensors); an update that
+changed only ad states shares the device arrays (`ServedIndex.generation`), and its graphs replay. Searches through
 one Searcher are serialised (its graphs' buffers are shared), so a batch in flight finishes on
 the index it was given before the next one re-captures.
 """
@@ -31,7 +32,7 @@ import torch
 
 from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask.planes import stack_queries
-from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search, parse_beams
+from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests
 
@@ -75,8 +76,9 @@ class Searcher:
                     warnings.warn(f"searching eagerly: {why}", stacklevel=2)
             return self._search(index, requests, scorer)
         with self._lock:
-            if index is not self._index:  # another snapshot (or the same one loaded again): its own graphs
-                self._index, self._graphs = index, {}
+            if self._index is None or index.generation is not self._index.generation:
+                self._graphs = {}  # other device arrays (another snapshot, or one loaded again): new graphs
+            self._index = index
             B = requests.batch
             g = self._graphs.get(B)
             if g is None or not _fits(g, requests, scorer):

@@ -7,6 +7,8 @@ the SID table and the snapshot artifact (`schemas.artifacts`): `sidindex.ingest`
 
 from schemas.contracts import (
     CATALOG,
+    CHANGE_OPS,
+    CHANGES,
     CONTRACTS,
     REQUESTS,
     SID_TABLE,
@@ -18,6 +20,8 @@ from schemas.contracts import (
 
 __all__ = [
     "CATALOG",
+    "CHANGE_OPS",
+    "CHANGES",
     "CONTRACTS",
     "REQUESTS",
     "SID_TABLE",

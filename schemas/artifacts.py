@@ -14,14 +14,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SNAPSHOT_FORMAT = "sidindex.snapshot"
-SNAPSHOT_VERSION = 4  # written when a snapshot carries the value arrays; without them, VALUE_FREE_VERSION
-VALUE_FREE_VERSION = 3  # so a reader that predates values keeps reading every snapshot it can serve
-READ_VERSIONS = (VALUE_FREE_VERSION, SNAPSHOT_VERSION)
+# A full build writes the oldest version that holds its arrays, so a reader that predates a
+# feature keeps reading every snapshot it can serve: 3 without ad values, 4 with them; an update
+# between rebuilds (DESIGN.md §15) writes UPDATED_VERSION, which adds the ad states and the lineage.
+VALUE_FREE_VERSION = 3
+VALUE_VERSION = 4
+UPDATED_VERSION = 5
+SNAPSHOT_VERSION = UPDATED_VERSION  # the newest this code writes
+READ_VERSIONS = (VALUE_FREE_VERSION, VALUE_VERSION, UPDATED_VERSION)
 
 
 def snapshot_version(arrays) -> int:
     """The format version of a snapshot holding the arrays named in `arrays`."""
-    return SNAPSHOT_VERSION if "ad_value" in arrays else VALUE_FREE_VERSION
+    if "ad_state" in arrays:
+        return UPDATED_VERSION
+    return VALUE_VERSION if "ad_value" in arrays else VALUE_FREE_VERSION
 GONE_VERSIONS = {1: "raw .bin arrays, no longer read: rebuild the snapshot from its catalog",
                  2: "exact arrays not yet named by matcher plane, no longer read: rebuild the snapshot from its catalog"}
 MANIFEST_FILE = "manifest.json"
@@ -36,14 +43,20 @@ MATCHER_PLANES = ("bitmask", "bloom")
 MAX_AD_VALUE = 1e30
 EXACT_ROWS, EXACT_VALUES = "rows", "values"
 EXACT_FORM = {"bitmask": EXACT_ROWS, "bloom": EXACT_VALUES}
+# An ad row's state (`ad_state`, written by updates). A paused row is ineligible until resumed; a
+# deleted row (an ad deleted, or the old data of an upserted one) is never served again and leaves
+# at the next full build. The trie keeps both under their SIDs (a conservative superset).
+AD_LIVE, AD_PAUSED, AD_DELETED = 0, 1, 2
 
-ARROW_TYPES = {"<i2": "int16", "<i4": "int32", "<i8": "int64", "<u8": "uint64", "<f4": "float", "<f8": "double"}
+ARROW_TYPES = {"|u1": "uint8", "<i2": "int16", "<i4": "int32", "<i8": "int64", "<u8": "uint64", "<f4": "float",
+               "<f8": "double"}
 
-# When each group of arrays is present: (with partitions, with values) -> bool, and the words for it
-GROUPS = {"index": (lambda kway, value: True, "always"),
-          "kway": (lambda kway, value: kway, "with k-way partitions"),
-          "value": (lambda kway, value: value, "with ad values (DESIGN.md §16)"),
-          "kway+value": (lambda kway, value: kway and value, "with k-way partitions and ad values")}
+# When each group of arrays is present: (with partitions, with values, updated) -> bool, and the words for it
+GROUPS = {"index": (lambda kway, value, updated: True, "always"),
+          "kway": (lambda kway, value, updated: kway, "with k-way partitions"),
+          "value": (lambda kway, value, updated: value, "with ad values (DESIGN.md §16)"),
+          "kway+value": (lambda kway, value, updated: kway and value, "with k-way partitions and ad values"),
+          "updated": (lambda kway, value, updated: updated, "written by an update (DESIGN.md §15)")}
 
 
 @dataclass(frozen=True)
@@ -79,7 +92,8 @@ def _planes() -> tuple[ArrayFile, ...]:
     for p in MATCHER_PLANES:
         out += [ArrayFile(f"{p}_index", "<i4", "E", None, f"Row of `{p}_table` holding child entry e's subtree union."),
                 ArrayFile(f"{p}_table", "<u8", f"R_{p}", f"W_{p}",
-                          f"Deduplicated {p} matcher rows (DESIGN.md §4); every row distinct.")]
+                          f"Deduplicated {p} matcher rows (DESIGN.md §4): every row distinct in a full build; "
+                          "an update appends its rows, distinct among themselves.")]
     for p in MATCHER_PLANES:
         out.append(ArrayFile(f"part_{p}_index", "<i4", "T", None, f"Row of `{p}_table` of each k-way partition.",
                              group="kway"))
@@ -115,7 +129,11 @@ SNAPSHOT_ARRAYS = (
     ArrayFile("part_offsets", "<i8", "E + 1", None,
               "Partitions of entry e are [part_offsets[e], part_offsets[e+1]).", group="kway"),
     *_exact(),
-    ArrayFile("ads", "<i8", "N", None, "ad_id of each catalog row; unique.", column="ad_id"),
+    ArrayFile("ads", "<i8", "N", None, "ad_id of each catalog row; unique among rows not deleted.", column="ad_id"),
+    ArrayFile("ad_state", "|u1", "N", None,
+              f"State of each catalog row: {AD_LIVE} live, {AD_PAUSED} paused (ineligible until resumed), "
+              f"{AD_DELETED} deleted (never served; its SIDs and matcher bits stay until the next full build).",
+              group="updated"),
     ArrayFile("ad_value", "<f8", "N", None, "The catalog's `value` of each ad: finite, >= 0.", group="value"),
     ArrayFile("entry_value", "<f4", "E", None,
               "The largest `ad_value` of the ads under entry e, rounded up to float32: a bound of every ad beneath.",
@@ -127,9 +145,10 @@ SNAPSHOT_ARRAYS = (
 )
 
 
-def present(group: str, kway: bool, value: bool) -> bool:
-    """Whether arrays of `group` are in a snapshot built with (kway) partitions and (value) values."""
-    return GROUPS[group][0](kway, value)
+def present(group: str, kway: bool, value: bool, updated: bool = False) -> bool:
+    """Whether arrays of `group` are in a snapshot built with (kway) partitions and (value) values,
+    and (updated) written by an update."""
+    return GROUPS[group][0](kway, value, updated)
 
 ARRAYS_BY_NAME = {a.name: a for a in SNAPSHOT_ARRAYS}
 
@@ -148,7 +167,8 @@ SNAPSHOT_RELATIONS = (
     "exact_<plane>_rows: N rows of W_<plane> words.",
     "exact_<plane>_hash_offsets: rising from 0 to H_<plane> over all A_<plane> * (N + 1) values, attribute a's "
     "last equal to attribute a+1's first; exact_<plane>_hashes rising within each (attribute, ad) run.",
-    "ads: N values; ad_id unique.",
+    "ads: N values; ad_id unique among the rows whose ad_state is not deleted (every row without ad_state).",
+    f"ad_state: N values in {{{AD_LIVE}, {AD_PAUSED}, {AD_DELETED}}}.",
     "ad_value, entry_value, part_value: in [0, 1e30] (entry and part values rounded up to float32). entry_value "
     "of a leaf entry >= ad_value of each of its ads; entry_value of an inner entry >= that of each child entry; "
     "part_value falling (not rising) within each entry's partitions, the first equal to the entry's entry_value.",
@@ -162,12 +182,19 @@ class ManifestKey:
     key: str
     type: str
     doc: str
+    since: int = 0  # the first format version that has the key
+
+
+def manifest_keys(version: int) -> tuple[ManifestKey, ...]:
+    """The keys a manifest of format `version` holds."""
+    return tuple(k for k in MANIFEST_KEYS if version >= k.since)
 
 
 MANIFEST_KEYS = (
     ManifestKey("format", "string", f"`{SNAPSHOT_FORMAT}`."),
-    ManifestKey("format_version", "int", f"{SNAPSHOT_VERSION} when the snapshot carries the `value` arrays, "
-                                         f"else {VALUE_FREE_VERSION}; a reader refuses other versions."),
+    ManifestKey("format_version", "int", f"{UPDATED_VERSION} when an update wrote the snapshot (`ad_state` and "
+                                         f"`lineage` present), else {VALUE_VERSION} when it carries the `value` "
+                                         f"arrays, else {VALUE_FREE_VERSION}; a reader refuses other versions."),
     ManifestKey("id", "string", "Snapshot id, equal to the directory name: `YYYYMMDDTHHMMSSffffffZ-<8 hex>`."),
     ManifestKey("created", "string", "UTC time of the build, ISO 8601."),
     ManifestKey("input_fingerprint", "string", "sha256 over the catalog bytes, spec, config, codebook id, format."),
@@ -181,6 +208,12 @@ MANIFEST_KEYS = (
     ManifestKey("stats", "object", "Build statistics (GRACE Tables 1 and 2)."),
     ManifestKey("quality", "object | null", "The SID quality report of the build."),
     ManifestKey("arrays", "object", "Per array name: `rows` and `width` (null for 1-D)."),
+    ManifestKey("lineage", "object", f"Version {UPDATED_VERSION} only: `full_build` (the id of the full build "
+                                     "the updates started from), `base` (the snapshot this update was applied to), "
+                                     "`updates` (updates since the full build), `changes` (rows per op of this "
+                                     "update), `paused` and `deleted` (rows in each state), `stale_entries` (child "
+                                     "entries whose matchers still hold a paused or deleted row: conservative "
+                                     "supersets until the next full build).", since=UPDATED_VERSION),
     ManifestKey("files", "object", "Every file below the directory but manifest.json (the carried codebook "
                                    "included): relative path -> `bytes`, `sha256`."),
     ManifestKey("checksum", "string", "sha256 of the canonical manifest without this key (below)."),
@@ -197,8 +230,8 @@ MANIFEST_DOC = (
 
 def render_artifacts() -> list[str]:
     """The snapshot contract as Markdown lines."""
-    out = [f"## snapshot directory (format `{SNAPSHOT_FORMAT}`, version {SNAPSHOT_VERSION}; "
-           f"{VALUE_FREE_VERSION} without ad values)", "",
+    out = [f"## snapshot directory (format `{SNAPSHOT_FORMAT}`, version {UPDATED_VERSION} when an update wrote it, "
+           f"{VALUE_VERSION} with ad values, {VALUE_FREE_VERSION} without)", "",
            "A snapshot is a directory `ROOT/snapshots/<id>/` holding `manifest.json`, one Arrow IPC file per "
            "array below, and the frozen codebook in `codebooks/<codebook_id>/` (`codebook.json` and "
            "`level_<l>.npy`). Every `.arrow` file opens with `pyarrow.ipc.open_file(pyarrow.memory_map(path))`, "

@@ -113,7 +113,26 @@ SID_TABLE = Contract(
     ),
 )
 
-CONTRACTS = (CATALOG, REQUESTS, TARGETING_ATTRIBUTE, SID_TABLE)
+CHANGE_OPS = ("upsert", "delete", "pause", "resume")
+
+CHANGES = Contract(
+    name="changes",
+    version=1,
+    doc="Changes between full builds, for `sidindex update` (DESIGN.md §15); Parquet or Arrow IPC. Rows apply in "
+        "file order; an ad's last `upsert` or `delete` decides its data, and `pause`/`resume` after it its state.",
+    fields=(
+        Field("ad_id", "int64", True, False, "The ad changed."),
+        Field("op", "string", True, False,
+              "`upsert` (a new ad, or new data for an existing one: its SIDs re-assigned with the frozen codebook; "
+              "a paused ad stays paused), `delete` (never served again), `pause` (ineligible until `resume`), "
+              "`resume`. `delete`, `pause` and `resume` need an ad that exists at that point of the file."),
+        Field("<catalog columns>", "as in the catalog", True, True,
+              "Every catalog column (embedding, hash keys, targeting, value when the snapshot has values); "
+              "validated as the catalog's in `upsert` rows, ignored (and may be null) in the others."),
+    ),
+)
+
+CONTRACTS = (CATALOG, REQUESTS, TARGETING_ATTRIBUTE, SID_TABLE, CHANGES)
 
 
 def render_markdown() -> str:

@@ -22,6 +22,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import stat
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -163,7 +164,8 @@ def check_format(path: Path, doc: dict, fmt: str, version: int | tuple[int, ...]
     versions = version if isinstance(version, tuple) else (version,)
     if found in versions and not isinstance(found, bool):
         return
-    version = " or ".join(map(str, versions))
+    version = " or ".join(map(str, versions)) if len(versions) < 3 else \
+        ", ".join(map(str, versions[:-1])) + f" or {versions[-1]}"
     found_int = isinstance(found, int) and not isinstance(found, bool)
     if found_int and found > max(versions):
         raise ArtifactError(f"{path}: {what} format version {found}; this sidindex reads version {version} "
@@ -214,17 +216,40 @@ def _digests(paths: list[Path]) -> Iterator[Iterator[str]]:
         pool.shutdown(cancel_futures=True)
 
 
-def list_files(directory: Path, skip: str) -> dict[str, dict]:
-    """{relative path: {"bytes", "sha256"}} of every file below `directory` but `skip`."""
+def list_files(directory: Path, skip: str, known: dict[str, dict] | None = None) -> dict[str, dict]:
+    """{relative path: {"bytes", "sha256"}} of every file below `directory` but `skip`; a file
+    in `known` (linked from a checked artifact) keeps its entry there instead of being hashed."""
+    known = known or {}
     files = dict(sorted(_walk(directory, skip).items()))
-    with _digests(list(files.values())) as digests:
-        return {name: {"bytes": path.stat().st_size, "sha256": digest}
-                for (name, path), digest in zip(files.items(), digests)}
+    hashed = [n for n in files if n not in known]
+    with _digests([files[n] for n in hashed]) as digests:
+        out = {n: {"bytes": files[n].stat().st_size, "sha256": d} for n, d in zip(hashed, digests)}
+    return {n: out[n] if n in out else dict(known[n]) for n in files}
 
 
-def verify_files(directory: Path, listed: dict[str, dict], skip: str, *, checksums: bool = True) -> None:
+def same_file(a: Path, b: Path) -> bool:
+    """Whether paths a and b are one file (hard links of one inode); False when either is gone."""
+    try:
+        sa, sb = a.stat(follow_symlinks=False), b.stat(follow_symlinks=False)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def link_file(src: Path, dst: Path) -> None:
+    """Hard-link src at dst (a copy where the file system cannot link)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def verify_files(directory: Path, listed: dict[str, dict], skip: str, *, checksums: bool = True,
+                 trusted: frozenset[str] = frozenset()) -> None:
     """Refuse unless the files below `directory` (but `skip`) are exactly `listed`, each of the
-    listed size and, with `checksums`, sha256 (read in parallel, stopping at the first mismatch)."""
+    listed size and, with `checksums`, sha256 (read in parallel, stopping at the first mismatch);
+    files in `trusted` (one file with one already checked) skip the checksum."""
     found = _walk(directory, skip)
     unlisted = sorted(set(found) - set(listed))
     if unlisted:
@@ -238,8 +263,9 @@ def verify_files(directory: Path, listed: dict[str, dict], skip: str, *, checksu
         if size != entry["bytes"]:
             raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced?)")
     if checksums:
-        with _digests([directory / n for n in listed]) as digests:
-            for name, digest in zip(listed, digests):
+        names = [n for n in listed if n not in trusted]
+        with _digests([directory / n for n in names]) as digests:
+            for name, digest in zip(names, digests):
                 if digest != listed[name]["sha256"]:
                     raise ArtifactError(f"{directory / name}: checksum mismatch; the file is corrupt")
 

@@ -35,14 +35,11 @@ class BuiltIndex:
     seconds: dict[str, float]  # per stage
 
 
-def build_index(spec: TargetingSpec, columns: pl.DataFrame, sids: np.ndarray, ad_index: np.ndarray,
-                level_sizes: tuple[int, ...], *, kway: KWayConfig | None = None,
-                ad_value: np.ndarray | None = None) -> BuiltIndex:
-    """columns: the catalog's targeting columns (validated, `Catalog.columns`), one row per ad
-    sids: (P, L) int16 SID rows; ad_index: (P,) int64 row of each SID row's ad in `columns`
-    ad_value: (N,) float64 the ads' values (`Catalog.value`), or None: no value bounds
-    """
-    clock = StageClock()
+def encode_ads(spec: TargetingSpec, columns: pl.DataFrame, clock: StageClock | None = None
+               ) -> tuple[dict[str, np.ndarray], ExactIndex]:
+    """The ads' matcher rows per plane ((N, W_p) uint64, in plane order) and their exact index,
+    from validated targeting columns (one row per ad)."""
+    clock = clock or StageClock()
     with ThreadPoolExecutor(2) as pool:  # Arrow's kernels release the GIL
         # declared values (a categorical kind's) fix the codes; free strings are coded as met
         flat = pool.map(lambda a: list_codes(columns.get_column(a.name), a.values or None), spec.attributes)
@@ -52,8 +49,18 @@ def build_index(spec: TargetingSpec, columns: pl.DataFrame, sids: np.ndarray, ad
     for kind, layout in zip(KINDS, spec.layouts):
         ad_rows[kind.name] = kind.encode_ads(layout, columns, codes)
         clock.lap(f"encode {kind.name}")
-    exact = build_exact_index(spec, columns, ad_rows, codes)
-    del codes
+    return ad_rows, build_exact_index(spec, columns, ad_rows, codes)
+
+
+def build_index(spec: TargetingSpec, columns: pl.DataFrame, sids: np.ndarray, ad_index: np.ndarray,
+                level_sizes: tuple[int, ...], *, kway: KWayConfig | None = None,
+                ad_value: np.ndarray | None = None) -> BuiltIndex:
+    """columns: the catalog's targeting columns (validated, `Catalog.columns`), one row per ad
+    sids: (P, L) int16 SID rows; ad_index: (P,) int64 row of each SID row's ad in `columns`
+    ad_value: (N,) float64 the ads' values (`Catalog.value`), or None: no value bounds
+    """
+    clock = StageClock()
+    ad_rows, exact = encode_ads(spec, columns, clock)
     clock.lap("exact index")
     bits = tuple(layout.bits for layout in spec.layouts)
     gtm = build_gtm(sids, ad_index, level_sizes, ad_rows, kway=kway, matcher_bits=sum(bits), ad_value=ad_value)

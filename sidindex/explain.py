@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED
 from sidindex.errors import InputError
 from sidindex.ingest import Requests
 from sidindex.matchers.exact import attribute_eligibility
@@ -22,6 +23,9 @@ from sidindex.matchers.kinds import KINDS
 from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex.requests import encode_requests
 from sidindex.snapshot import Snapshot
+
+
+STATE_NAMES = {AD_LIVE: "live", AD_PAUSED: "paused", AD_DELETED: "deleted"}
 
 
 @dataclass(frozen=True)
@@ -59,11 +63,17 @@ class Step:
 
 @dataclass(frozen=True)
 class AdCheck:
-    """The exact ad-level filter for one ad: eligible iff `failed` is empty; its value, if any."""
+    """The exact ad-level filter for one ad: eligible iff `failed` is empty and its row is live
+    (`state`: live, paused or deleted, as updates between full builds set it); its value, if any."""
 
     ad_id: int
     failed: tuple[str, ...]
     value: float | None = None
+    state: str = "live"
+
+    @property
+    def eligible(self) -> bool:
+        return not self.failed and self.state == "live"
 
 
 @dataclass(frozen=True)
@@ -82,7 +92,7 @@ class SidExplanation:
         return {"sid": list(self.sid), "reached": self.reached,
                 "steps": [{**asdict(s), "passes": s.passes} for s in self.steps],
                 "ads": [asdict(a) for a in self.ads],
-                "eligible_ads": sum(not a.failed for a in self.ads)}
+                "eligible_ads": sum(a.eligible for a in self.ads)}
 
 
 class Explainer:
@@ -92,6 +102,10 @@ class Explainer:
         self.snap = snap
         self.req = encode_requests(requests.rows(row, row + 1), snap.spec)  # request 0 of it
         self.names = tuple(n for layout in snap.spec.layouts for n in layout.names)  # plane by plane
+
+    def _state(self, row: int) -> str:
+        st = self.snap.exact.ad_state
+        return STATE_NAMES[int(st[row])] if st is not None else "live"
 
     def _failed(self, rows: list[int]) -> tuple[str, ...]:
         """The attributes whose matcher rows (`rows`: one per plane) reject the request."""
@@ -131,7 +145,7 @@ class Explainer:
         for row in np.unique(ads):
             ok = attribute_eligibility(self.snap.exact, self.req, 0, int(row))
             checks.append(AdCheck(int(self.snap.ad_id[row]), tuple(n for n, k in zip(self.names, ok) if not k),
-                                  None if g.ad_value is None else float(g.ad_value[row])))
+                                  None if g.ad_value is None else float(g.ad_value[row]), self._state(int(row))))
         return SidExplanation(tuple(sid), tuple(steps), tuple(checks))
 
     def ad(self, ad_id: int) -> list[SidExplanation]:
@@ -140,7 +154,7 @@ class Explainer:
         rows = np.flatnonzero(self.snap.ad_id == ad_id)
         if len(rows) == 0:
             raise InputError(f"ad {ad_id} is not in snapshot {self.snap.id}")
-        row = int(rows[0])
+        row = int(rows[-1])  # an upserted ad's current row follows its deleted ones
         leaves = np.searchsorted(g.leaf_ad_offsets, np.flatnonzero(g.leaf_ads == row), side="right") - 1
         return [self.sid(tuple(int(t) for t in sid), np.array([row])) for sid in g.leaf_sids(np.unique(leaves))]
 

@@ -116,11 +116,20 @@ def read_catalog(
     dim:       expected embedding length (e.g. a codebook's); default: the length of row 0
     """
     df = read_table(path)
-    v = _Validator(str(path), df)
     if df.height == 0:
         raise InputError(f"{path}: the catalog holds no rows; nothing to index")
+    return catalog_rows(df, str(path), spec=spec, hash_keys=hash_keys, dim=dim)
+
+
+def catalog_rows(df: pl.DataFrame, path: str, *, spec: TargetingSpec | None = None, hash_keys: tuple[str, ...] = (),
+                 dim: int | None = None, rows: np.ndarray | None = None, unique: bool = True) -> Catalog:
+    """Validate catalog rows `df` read from `path` (as `read_catalog`); errors name row `rows[i]`
+    of the file for row i of `df` (default: i), and `unique=False` lets an ad_id repeat (a change
+    file may upsert an ad twice)."""
+    v = _Validator(path, df, rows)
     ad_id = v.int64(CATALOG.field("ad_id").name)
-    v.unique(CATALOG.field("ad_id").name, ad_id)
+    if unique:
+        v.unique(CATALOG.field("ad_id").name, ad_id)
     v.ad_id = ad_id
     embedding = v.vector("embedding", dim)
     keep: list[pl.Series] = []
@@ -130,7 +139,7 @@ def read_catalog(
         for a in spec.attributes:
             keep.append(v.string_list(a.name, declared=a.values or None, declared_in=spec.source))
     value = v.value("value").to_numpy() if "value" in df.columns and "value" not in hash_keys else None
-    return Catalog(str(path), ad_id, embedding, pl.DataFrame(keep), value)
+    return Catalog(path, ad_id, embedding, pl.DataFrame(keep), value)
 
 
 def read_requests(
@@ -160,18 +169,25 @@ def read_requests(
     return Requests(str(path), request_id, embedding, pl.DataFrame(keep), df)
 
 
+def int64_column(df: pl.DataFrame, path: str, name: str) -> np.ndarray:
+    """(rows,) int64 the integer column `name` of `df` (read from `path`): no nulls, every value
+    within int64, or an InputError naming the row."""
+    return _Validator(path, df).int64(name)
+
+
 class _Validator:
     """Column checks for one table; each returns the converted column or raises `InputError`."""
 
-    def __init__(self, path: str, df: pl.DataFrame) -> None:
+    def __init__(self, path: str, df: pl.DataFrame, rows: np.ndarray | None = None) -> None:
         self.path = path
         self.df = df
+        self.rows = rows  # the file's row of each row of df, when df is a selection of the file's
         self.ad_id: np.ndarray | None = None
 
     def fail(self, column: str, row: int | None, message: str) -> InputError:
         where = f"{self.path}: column {column!r}"
         if row is not None:
-            where += f", row {row}"
+            where += f", row {row if self.rows is None else int(self.rows[row])}"
             if self.ad_id is not None:
                 where += f" (ad_id {self.ad_id[row]})"
         return InputError(f"{where}: {message}")

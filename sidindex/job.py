@@ -1,11 +1,14 @@
-"""The build job behind `sidindex build` and the scheduled rebuild (DESIGN.md §1, §7).
+"""The jobs behind `sidindex build` / `update` and the scheduled rebuild (DESIGN.md §1, §7, §15).
 
-    ingest + validate -> codebook (reuse the frozen one, or train) -> SIDs + quality gates ->
-    GTM + exact index -> write snapshot -> open and validate it -> publish -> retention
+build:  ingest + validate -> codebook (reuse the frozen one, or train) -> SIDs + quality gates ->
+        GTM + exact index -> write snapshot -> open and validate it -> publish -> retention
+update: open the published snapshot -> validate the whole change file -> apply it
+        (`sidindex.update`) -> write what changed, link the rest -> open and validate -> publish
 
 Under ROOT's build lock. The input fingerprint (catalog bytes, targeting spec, build config,
-codebook id, snapshot format) is recorded in the manifest; when the published snapshot already
-has it, nothing new is published unless `force`. Any failure publishes nothing.
+codebook id, snapshot format; for an update, the base's and the change file's bytes) is recorded
+in the manifest; when the published snapshot already has a build's, nothing new is published
+unless `force`. Any failure publishes nothing.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from schemas.artifacts import SNAPSHOT_VERSION
+from schemas.artifacts import AD_LIVE, AD_PAUSED, SNAPSHOT_VERSION
 from sidindex.artifact import sha256_file
 from sidindex.build import build_index
+from sidindex.changes import read_changes
 from sidindex.config import load_config
 from sidindex.errors import ArtifactError, QualityGateError
 from sidindex.ingest import read_catalog
@@ -26,6 +30,7 @@ from sidindex.sid import assign_sids, hash_tokens, load_codebook, save_codebook,
 from sidindex.snapshot import Manifest, open_snapshot, write_snapshot
 from sidindex.targeting import load_targeting
 from sidindex.timing import StageClock
+from sidindex.update import ads_in_state, apply_changes
 
 Progress = Callable[[str, int, int], None]
 
@@ -81,6 +86,53 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
             "sid_rows": int(len(assignment.sids)), "sids": built.stats.sids, "nodes": built.stats.num_nodes,
             "matcher_bytes": built.stats.matcher_bytes, "seconds": _rounded(clock)}
+
+
+def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[], None] | None = None) -> dict:
+    """Apply a change file to ROOT's published snapshot and publish the result; returns its report
+    (status "published", or "unchanged" for a file without rows; ids, counts, lineage, seconds)."""
+    clock = StageClock()
+    layout = Root(root)
+    with layout.lock(waiting):
+        clock.restart()
+        if _current(layout) is None:
+            raise ArtifactError(f"{root}: no published snapshot to update; build one first")
+        base = open_snapshot(root, verify=False)  # checked when it was published; its structure again now
+        cb = base.codebook
+        if cb is None:
+            raise ArtifactError(f"{base.path}: carries no codebook, so new ads cannot get SIDs; rebuild it")
+        clock.lap("open base")
+        change = read_changes(str(changes), base.spec, hash_keys=cb.hash_keys, dim=cb.dim,
+                              values=base.gtm.ad_value is not None,
+                              known=ads_in_state(base, AD_LIVE, AD_PAUSED), paused=ads_in_state(base, AD_PAUSED))
+        clock.lap("read changes")
+        report = {"root": str(root), "base": base.id, "changes": change.counts}
+        if change.empty:
+            return {"status": "unchanged", "snapshot_id": base.id, **report, "seconds": _rounded(clock)}
+        updated = apply_changes(base, change, cb)
+        clock.seconds |= {f"apply: {k}": v for k, v in updated.seconds.items()}
+        clock.restart()
+        h = hashlib.sha256(base.manifest.input_fingerprint.encode())
+        h.update(sha256_file(Path(changes), follow_links=True).encode())
+        fingerprint = h.hexdigest()
+        snapshot_id = new_snapshot_id(fingerprint)
+        g = updated.gtm
+        counts = {"ads": len(updated.ad_id), "sid_rows": len(g.leaf_ads), "sids": g.num_leaves, "nodes": g.num_nodes}
+        lineage = {"full_build": base.manifest.full_build, "base": base.id, "updates": base.manifest.updates + 1,
+                   "changes": change.counts, **updated.state_counts, "stale_entries": updated.stale}
+        m = base.manifest
+
+        def write(directory: Path) -> None:
+            write_snapshot(directory, g, updated.exact, updated.ad_id, base.spec, snapshot_id=snapshot_id,
+                           codebook=cb, input_fingerprint=fingerprint, catalog=m.catalog,
+                           build_config=m.build_config, counts=counts, stats=m.stats, quality=m.quality, base=base,
+                           lineage=lineage)
+
+        # the new files were hashed as they were written (read back); the check validates structure
+        path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=False, base=base), keep)
+        clock.lap("write + validate + publish")
+    return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report, **counts,
+            "new_sid_rows": updated.sid_rows, "lineage": lineage, "seconds": _rounded(clock)}
 
 
 def _rounded(clock: StageClock) -> dict[str, float]:

@@ -152,3 +152,40 @@ def build(
         return
     emit({k: v for k, v in report.items() if k != "seconds"}, False, f"snapshot {report['status']}")
     print_seconds(report["seconds"])
+
+
+@app.command()
+def update(
+    root: Path = typer.Argument(..., help="ROOT whose published snapshot the changes apply to."),
+    changes: Path = typer.Option(..., "--changes", help="Change file (Parquet or Arrow IPC): ad_id, op (upsert, "
+                                 "delete, pause, resume) and, for upserts, every catalog column; see "
+                                 "schemas/CONTRACTS.md."),
+    keep: int = typer.Option(3, "--keep", min=1, help="Published snapshots to keep (older ones are deleted)."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Apply ad changes to the published snapshot without a full rebuild, and publish the result.
+
+    Validates the whole file first (ops, ad ids that exist, every upsert row as the catalog's);
+    any error publishes nothing (exit 2). Rows apply in file order. pause/resume/delete change ad
+    states only; upsert assigns SIDs with the frozen codebook and adds what they need to the
+    trie. Files the update leaves alone are hard-linked from the base snapshot, and a watching
+    serving host applies an update of ad states without reloading the index.
+
+    Matchers only grow between full builds: a paused, deleted or narrowed ad's targeting stays in
+    its prefixes' matchers (never served; `inspect` counts these stale entries) until the next
+    `sidindex build` compacts them. Run full builds on schedule and updates in between.
+    """
+    from sidindex.job import run_update
+
+    report = run_update(root, changes, keep=keep, waiting=lambda: err.print("waiting for a build on this ROOT ..."))
+    if as_json:
+        emit(report, True, "")
+        return
+    shown = {k: v for k, v in report.items() if k not in ("seconds", "lineage", "changes")}
+    shown["changes"] = ", ".join(f"{n} {op}" for op, n in report["changes"].items() if n) or "none"
+    if "lineage" in report:
+        lin = report["lineage"]
+        shown |= {"updates_since_full_build": lin["updates"], "paused_ads": lin["paused"],
+                  "deleted_rows": lin["deleted"], "stale_entries": lin["stale_entries"]}
+    emit(shown, False, f"snapshot {report['status']}")
+    print_seconds(report["seconds"])

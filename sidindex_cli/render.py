@@ -88,14 +88,14 @@ def print_explanation(r, max_ads: int) -> None:
         t.add_row(*row)
     out.print(t)
     if r.ads:
-        eligible = sum(not a.failed for a in r.ads)
+        eligible = sum(a.eligible for a in r.ads)
         ta = Table(title=f"exact filter: {eligible} of {len(r.ads)} ads eligible", title_justify="left")
         ta.add_column("ad_id", justify="right")
         ta.add_column("exact filter")
         if r.ads[0].value is not None:
             ta.add_column("value", justify="right")
         for a in r.ads[:max_ads]:
-            ta.add_row(str(a.ad_id), "eligible" if not a.failed else fails(a.failed),
+            ta.add_row(str(a.ad_id), a.state if a.state != "live" else "eligible" if not a.failed else fails(a.failed),
                        *(() if a.value is None else (f"{a.value:.6g}",)))
         if len(r.ads) > max_ads:
             ta.add_row("...", f"{len(r.ads) - max_ads} more (--max-ads, --json)")

@@ -41,11 +41,15 @@ def inspect(
                                         "PNG (needs matplotlib: pip install 'sidindex[plot]')."),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Show a snapshot: trie shape, matcher storage, fill rates, SID statistics.
+    """Show a snapshot: trie shape, matcher storage, fill rates, SID statistics, staleness.
 
     Build inputs (codebook, fingerprint), then per transition position: parents, entries, matcher
     storage (KB with one row per entry -> KB after dedup), fill rates (union, and k-way partitions
-    when built). Structure is validated as always; checksums are left to `sidindex validate`.
+    when built). A snapshot written by `sidindex update` also shows its full build, the updates
+    since, its paused and deleted rows, and the entries whose matchers still hold a paused or
+    deleted row (stale supersets: they cost selectivity, never correctness, until the next full
+    build); its statistics are its full build's. Structure is validated as always; checksums are
+    left to `sidindex validate`.
     """
     from sidindex.snapshot import open_snapshot
 
@@ -59,7 +63,8 @@ def inspect(
                    "kway": m.kway, "matcher_table_bytes": sum(st[f"{p}_table_bytes"] for p in MATCHER_PLANES),
                    "ads_per_sid": f"p50 {st['ads_per_sid_p50']:g}  p99 {st['ads_per_sid_p99']:g}  "
                                   f"max {st['ads_per_sid_max']}",
-                   "sids_per_ad": f"mean {st['sids_per_ad_mean']:.2f}  max {st['sids_per_ad_max']}"}
+                   "sids_per_ad": f"mean {st['sids_per_ad_mean']:.2f}  max {st['sids_per_ad_max']}",
+                   **_lineage(m)}
         if plot is not None:
             from sidindex_cli.plot import plot_positions
 
@@ -72,3 +77,13 @@ def inspect(
         print_positions(positions, m.kway)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ArtifactError(f"{snap.path / 'manifest.json'}: its statistics are malformed ({type(e).__name__}: {e})") from None
+
+
+def _lineage(m) -> dict:
+    """What inspect shows of a snapshot's updates since its full build."""
+    if m.lineage is None:
+        return {"full_build": m.id, "updates_since_full_build": 0}
+    lin = m.lineage
+    return {"full_build": lin["full_build"], "updates_since_full_build": lin["updates"], "update_base": lin["base"],
+            "paused_ads": lin["paused"], "deleted_rows": lin["deleted"], "stale_entries": lin["stale_entries"],
+            "statistics_of": f"full build {lin['full_build']}"}

@@ -42,6 +42,36 @@ def test_rebuild_publishes_then_reports_unchanged_then_fails_cleanly(sample_dir,
     assert len(list((root / "reports").glob("2*.json"))) == 3
 
 
+def test_update_runs_apply_pending_change_files_in_order_once(sample_dir, tmp_path):
+    import polars as pl
+
+    (tmp_path / "build.toml").write_text("[sid]\nlevels = [16, 8, 8]\nhash_size = 128\nmin_points_per_centroid = 10\n")
+    root, changes = tmp_path / "root", tmp_path / "changes"
+    changes.mkdir()
+    job = tmp_path / "job.toml"
+    job.write_text(f'catalog = "{sample_dir / "catalog.parquet"}"\ntargeting = "{sample_dir / "targeting.toml"}"\n'
+                   f'root = "{root}"\nconfig = "{tmp_path / "build.toml"}"\nchanges = "{changes}"\n')
+    assert rebuild(job).returncode == 0
+    ad = int(pl.read_parquet(sample_dir / "catalog.parquet")["ad_id"][0])
+    pl.DataFrame({"ad_id": [ad], "op": ["pause"]}).write_parquet(changes / "0001.parquet")
+    pl.DataFrame({"ad_id": [ad], "op": ["resume"]}).write_parquet(changes / "0002.parquet")
+    r = subprocess.run([sys.executable, "-m", "pipelines.rebuild", str(job), "--update"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads((root / "reports" / "latest.json").read_text())
+    assert [a["file"] for a in report["applied"]] == ["0001.parquet", "0002.parquet"]
+    snap = open_snapshot(root)
+    assert snap.id == report["snapshot_id"] and snap.manifest.updates == 2 and snap.manifest.lineage["paused"] == 0
+    assert sorted(p.name for p in (changes / "applied").iterdir()) == ["0001.parquet", "0002.parquet"]
+    r = subprocess.run([sys.executable, "-m", "pipelines.rebuild", str(job), "--update"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 10  # nothing pending
+    pl.DataFrame({"ad_id": [1], "op": ["delete"]}).write_parquet(changes / "0003.parquet")  # an unknown ad
+    r = subprocess.run([sys.executable, "-m", "pipelines.rebuild", str(job), "--update"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and (changes / "0003.parquet").exists() and open_snapshot(root).id == snap.id
+
+
 def test_bad_job_file_exits_2(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text('catalog = "x.parquet"\ntypo = 1\n')

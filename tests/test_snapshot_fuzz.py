@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import runtime
-from schemas.artifacts import ARRAYS_BY_NAME
+from schemas.artifacts import AD_DELETED, ARRAYS_BY_NAME
 from sidindex.errors import SidIndexError
 from sidindex.explain import Explainer
 from sidindex.matchers.exact import eligible_pairs
@@ -37,9 +37,10 @@ CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_
           '[kway]\nmode = "dynamic"\nk_max = 4\n')
 MODES = ("cd", "cd+gtm", "cd+gtm+kway")
 BEAMS = (1, 8, 64, 384)  # wider than every depth of the catalog: every eligible ad of every mode
-DATA = {"bitmask_table", "bloom_table", "exact_bitmask_rows", "exact_bloom_hashes", "ads", "ad_value"}
+DATA = {"bitmask_table", "bloom_table", "exact_bitmask_rows", "exact_bloom_hashes", "ads", "ad_value", "ad_state"}
 ARRAYS = ARRAYS_BY_NAME
 EXTREMES = {
+    "|u1": (0, 1, 2, 3, 255),
     "<i2": (-1, -(2**15), 2**15 - 1, 2**14),
     "<i4": (-1, -(2**31), 2**31 - 1, 2**30, 10**6),
     "<i8": (-1, -(2**63), 2**63 - 1, 2**31, 2**32, -(2**31), 10**12),
@@ -53,15 +54,24 @@ WRAP_PAIRS = {"<i8": ((2**63 - 1, -2), (-2, 2**63 - 1), (2**62, -(2**62))), "<i4
 
 @pytest.fixture(scope="module")
 def fuzz_root(tmp_path_factory, sample_dir):
-    """A small published snapshot (k-way on), its requests, and the results every mutation is held to."""
+    """A small published snapshot (k-way on) with an update applied (so every array of the format is
+    there: ad states, deleted rows, inserted SIDs), its requests, and the results every mutation is
+    held to."""
     import polars as pl
 
     base = tmp_path_factory.mktemp("fuzz")
-    pl.read_parquet(sample_dir / "catalog.parquet").head(160).write_parquet(base / "catalog.parquet")
+    cat = pl.read_parquet(sample_dir / "catalog.parquet")
+    cat.head(160).write_parquet(base / "catalog.parquet")
     pl.read_parquet(sample_dir / "requests.parquet").head(6).write_parquet(base / "requests.parquet")
     (base / "build.toml").write_text(CONFIG)
     r = run_cli("build", "--catalog", base / "catalog.parquet", "--targeting", sample_dir / "targeting.toml",
                 "--out", base / "root", "--config", base / "build.toml", "--json")
+    assert r.returncode == 0, r.stderr
+    ids = cat["ad_id"].to_list()
+    upserts = pl.concat([cat.slice(160, 3).with_columns(pl.Series("ad_id", ids[6:9])), cat.slice(163, 3)])
+    pl.concat([pl.DataFrame({"ad_id": ids[:6], "op": ["pause"] * 3 + ["delete"] * 3}),
+               upserts.with_columns(op=pl.lit("upsert"))], how="diagonal").write_parquet(base / "changes.parquet")
+    r = run_cli("update", base / "root", "--changes", base / "changes.parquet", "--json")
     assert r.returncode == 0, r.stderr
     snap_dir = Path(json.loads(r.stdout)["path"])
     return snap_dir, base / "requests.parquet", outcome(snap_dir, base / "requests.parquet")
@@ -78,7 +88,8 @@ def outcome(snap_dir: Path, requests: Path) -> dict:
         out[mode] = table.to_pydict()
         eligible = eligible_pairs(snap.exact, encode_requests(reqs, snap.spec),
                                   _rows(reqs.request_id, table["request_id"].to_numpy()),
-                                  _rows(snap.ad_id, table["ad_id"].to_numpy()))
+                                  _rows(snap.ad_id, table["ad_id"].to_numpy(), None if snap.exact.ad_state is None
+                                        else snap.exact.ad_state != AD_DELETED))
         assert eligible.all(), f"mode {mode} returned an ad its own exact index calls ineligible"
     ex = Explainer(snap, reqs, 0)
     sids = snap.gtm.leaf_sids(np.arange(min(3, snap.gtm.num_leaves)))
@@ -87,9 +98,10 @@ def outcome(snap_dir: Path, requests: Path) -> dict:
     return out
 
 
-def _rows(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Row of each of `ids` in the unique `keys`."""
-    order = np.argsort(keys)
+def _rows(keys: np.ndarray, ids: np.ndarray, among: np.ndarray | None = None) -> np.ndarray:
+    """Row of each of `ids` in `keys`, unique among the rows `among` (bool; default all)."""
+    rows = np.arange(len(keys)) if among is None else np.flatnonzero(among)
+    order = rows[np.argsort(keys[rows])]
     return order[np.searchsorted(keys[order], ids)]
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import polars as pl
 
 from sidindex.matchers.bits import ListCodes, list_codes
-from schemas.artifacts import EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
+from schemas.artifacts import AD_LIVE, EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
 from sidindex.matchers.kinds import KINDS
 from sidindex.matchers.plane import pairs_pass
 from sidindex.targeting import TargetingSpec
@@ -110,13 +110,25 @@ class ExactPlane:
 
 @dataclass(frozen=True)
 class ExactIndex:
-    """The exact data of every plane, in plane order, and the spec they encode."""
+    """The exact data of every plane, in plane order, and the spec they encode.
+
+    ad_state: (N,) uint8 each row's state (`schemas.artifacts.AD_LIVE`, ...) when an update wrote
+    the snapshot, else None (every row live). Only live rows are eligible.
+    """
 
     spec: TargetingSpec
     planes: tuple[ExactPlane, ...]
+    ad_state: np.ndarray | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {n: a for p in self.planes for n, a in p.arrays().items()}
+        out = {n: a for p in self.planes for n, a in p.arrays().items()}
+        return out if self.ad_state is None else out | {"ad_state": self.ad_state}
+
+    def live(self, ads: np.ndarray) -> np.ndarray:
+        """(n,) bool: which catalog rows `ads` (n,) int64 are live (neither paused nor deleted)."""
+        if self.ad_state is None:
+            return np.ones(len(ads), dtype=np.bool_)
+        return self.ad_state[ads] == AD_LIVE
 
     @classmethod
     def from_arrays(cls, spec: TargetingSpec, arrays: dict[str, np.ndarray], n_ads: int) -> ExactIndex:
@@ -129,7 +141,7 @@ class ExactIndex:
                 planes.append(ExactPlane(p, hash_offsets=arrays[f"exact_{p}_hash_offsets"].reshape(len(layout.names),
                                                                                                n_ads + 1),
                                          hashes=arrays[f"exact_{p}_hashes"]))
-        return cls(spec, tuple(planes))
+        return cls(spec, tuple(planes), arrays.get("ad_state"))
 
 
 def build_exact_index(spec: TargetingSpec, columns: pl.DataFrame, ad_rows: dict[str, np.ndarray] | None = None,
@@ -166,7 +178,8 @@ def stage_flags(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, 
 
 def attribute_eligibility(index: ExactIndex, requests: EncodedRequests, request: int, ad: int) -> np.ndarray:
     """(A_all,) bool: does catalog row `ad` pass each attribute (plane by plane, in each plane's
-    layout order) for request `request`. Eligible iff all pass; explanations need each one."""
+    layout order) for request `request`. Eligible iff all pass and the row is live; explanations
+    need each one."""
     out = []
     for kind, layout, plane, q, ex in zip(KINDS, index.spec.layouts, index.planes, requests.planes, requests.exact):
         if plane.rows is not None:
@@ -181,12 +194,14 @@ def attribute_eligibility(index: ExactIndex, requests: EncodedRequests, request:
 
 def _flags(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: np.ndarray,
            every_stage: bool) -> np.ndarray:
-    """Stage bits per pair; without `every_stage`, a pair failing a plane skips the later ones."""
+    """Stage bits per pair; without `every_stage`, a pair failing a plane skips the later ones. A
+    row that is not live passes no stage."""
     reqs, ads = np.asarray(reqs, dtype=np.int64), np.asarray(ads, dtype=np.int64)
     flags = np.zeros(len(ads), dtype=np.uint8)
-    alive = np.ones(len(ads), dtype=np.bool_)
+    live = index.live(ads)
+    alive = live.copy()
     for p, (plane, q, ex) in enumerate(zip(index.planes, requests.planes, requests.exact)):
-        ok = np.ones(len(ads), dtype=np.bool_) if every_stage else alive.copy()
+        ok = live.copy() if every_stage else alive.copy()
         if plane.rows is not None:
             pairs_pass(plane.rows, ads, reqs, q, ok)
         else:

@@ -15,11 +15,10 @@ from schemas.artifacts import (
     ARRAYS_BY_NAME,
     GONE_VERSIONS,
     MANIFEST_FILE,
-    MANIFEST_KEYS,
     SNAPSHOT_FORMAT,
     READ_VERSIONS,
-    SNAPSHOT_VERSION,
-    VALUE_FREE_VERSION,
+    UPDATED_VERSION,
+    manifest_keys,
     present,
     snapshot_version,
 )
@@ -30,7 +29,6 @@ from sidindex.root import SNAPSHOT_ID, TMP_PREFIX, pruned
 
 MAX_ROWS = 1 << 40  # no snapshot array is longer; a larger count is a corrupt manifest
 MAX_LEVEL_SIZE = MAX_TOKEN + 1  # tokens are int16
-_KEYS = {k.key for k in MANIFEST_KEYS}
 _JSON_TYPES = {"string": str, "int": int, "bool": bool, "object": dict, "list<int>": list, "null": type(None)}
 
 
@@ -69,6 +67,21 @@ class Manifest:
     quality: dict | None
     arrays: dict[str, ArrayShape]
     files: dict[str, FileEntry]
+    lineage: dict | None = None  # an update's (DESIGN.md §15); None for a full build
+
+    @property
+    def version(self) -> int:
+        return snapshot_version(self.arrays)
+
+    @property
+    def full_build(self) -> str:
+        """The id of the full build this snapshot's updates started from (its own for a full build)."""
+        return self.lineage["full_build"] if self.lineage else self.id
+
+    @property
+    def updates(self) -> int:
+        """Updates applied since that full build."""
+        return self.lineage["updates"] if self.lineage else 0
 
     @property
     def total_bytes(self) -> int:
@@ -78,7 +91,11 @@ class Manifest:
         """The sealed manifest.json text."""
         doc = asdict(self)
         doc["level_sizes"] = list(self.level_sizes)
-        return seal({"format": SNAPSHOT_FORMAT, "format_version": snapshot_version(self.arrays), **doc})
+        if (self.lineage is None) != (self.version < UPDATED_VERSION):
+            raise ValueError("a manifest has a lineage exactly when an update wrote it (the ad_state array)")
+        if self.lineage is None:
+            del doc["lineage"]
+        return seal({"format": SNAPSHOT_FORMAT, "format_version": self.version, **doc})
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
@@ -88,8 +105,8 @@ class Manifest:
             raise pruned(directory)
         doc = read_sealed(path, SNAPSHOT_FORMAT, READ_VERSIONS, "snapshot", gone=GONE_VERSIONS)
         if isinstance(doc.get("arrays"), dict) and doc["format_version"] != snapshot_version(doc["arrays"]):
-            raise ArtifactError(f"{path}: format version {doc['format_version']} and its value arrays disagree "
-                                f"(version {SNAPSHOT_VERSION} carries them, {VALUE_FREE_VERSION} does not)")
+            raise ArtifactError(f"{path}: format version {doc['format_version']} disagrees with its arrays (version "
+                                f"{snapshot_version(doc['arrays'])} holds exactly those)")
         return _parse(path, doc, directory.name.removeprefix(TMP_PREFIX))  # checked before publishing too
 
 
@@ -97,10 +114,12 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
     def bad(msg: str) -> ArtifactError:
         return ArtifactError(f"{path}: {msg}")
 
-    if set(doc) != _KEYS:
-        missing, extra = sorted(_KEYS - set(doc)), sorted(set(doc) - _KEYS)
+    contract = manifest_keys(doc["format_version"])
+    keys = {k.key for k in contract}
+    if set(doc) != keys:
+        missing, extra = sorted(keys - set(doc)), sorted(set(doc) - keys)
         raise bad(f"keys do not match the snapshot format (missing {missing}, unexpected {extra})")
-    for k in MANIFEST_KEYS:  # each key of the JSON type the contract gives it
+    for k in contract:  # each key of the JSON type the contract gives it
         allowed = tuple(_JSON_TYPES[t.strip()] for t in k.type.split("|"))
         if not isinstance(doc[k.key], allowed) or (int in allowed and isinstance(doc[k.key], bool)):
             raise bad(f"'{k.key}' must be {k.type}, not {type(doc[k.key]).__name__}")
@@ -112,7 +131,8 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
     return Manifest(
         **{k: doc[k] for k in ("id", "created", "input_fingerprint", "catalog", "codebook_id", "build_config",
                                "targeting", "kway", "counts", "stats", "quality")},
-        level_sizes=tuple(sizes), arrays=_arrays(bad, doc["arrays"], doc["kway"]), files=_files(bad, doc["files"]))
+        level_sizes=tuple(sizes), arrays=_arrays(bad, doc["arrays"], doc["kway"]), files=_files(bad, doc["files"]),
+        lineage=_lineage(bad, doc["lineage"]) if "lineage" in doc else None)
 
 
 def _is_int(x: object) -> bool:
@@ -120,8 +140,9 @@ def _is_int(x: object) -> bool:
 
 
 def _arrays(bad, arrays: dict, kway: bool) -> dict[str, ArrayShape]:
-    value = isinstance(arrays, dict) and "ad_value" in arrays  # a catalog with values: every value array
-    expected = {n for n, a in ARRAYS_BY_NAME.items() if present(a.group, kway, value)}
+    value = "ad_value" in arrays  # a catalog with values: every value array
+    updated = "ad_state" in arrays  # written by an update
+    expected = {n for n, a in ARRAYS_BY_NAME.items() if present(a.group, kway, value, updated)}
     if set(arrays) != expected:
         missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
         raise bad(f"array list does not match the format (missing {missing}, unexpected {extra})")
@@ -149,3 +170,22 @@ def _files(bad, files: dict) -> dict[str, FileEntry]:
         out[name] = FileEntry(e["bytes"], e["sha256"])
     return out
 
+
+
+LINEAGE_COUNTS = ("updates", "paused", "deleted", "stale_entries")
+
+
+def _lineage(bad, doc: dict) -> dict:
+    """An update's lineage: ids of snapshots, counts that are non-negative ints, changes per op."""
+    keys = {"full_build", "base", "changes", *LINEAGE_COUNTS}
+    if set(doc) != keys:
+        raise bad(f"lineage must hold exactly {sorted(keys)}")
+    if not all(isinstance(doc[k], str) and SNAPSHOT_ID.match(doc[k]) for k in ("full_build", "base")):
+        raise bad("lineage: full_build and base must be snapshot ids")
+    if not all(_is_int(doc[k]) and 0 <= doc[k] <= MAX_ROWS for k in LINEAGE_COUNTS) or doc["updates"] < 1:
+        raise bad(f"lineage: {', '.join(LINEAGE_COUNTS)} must be counts (updates at least 1)")
+    ch = doc["changes"]
+    if not isinstance(ch, dict) or not all(isinstance(k, str) and _is_int(v) and 0 <= v <= MAX_ROWS
+                                           for k, v in ch.items()):
+        raise bad("lineage: changes must map each op to a count")
+    return doc

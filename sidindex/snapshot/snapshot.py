@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from schemas.artifacts import ARRAYS_BY_NAME, EXACT_FORM, EXACT_ROWS, MANIFEST_FILE, MATCHER_PLANES
-from sidindex.artifact import list_files, verify_files
+from sidindex.artifact import link_file, list_files, same_file, verify_files
 from sidindex.errors import ArtifactError, SidIndexError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.root import Root
@@ -63,14 +63,33 @@ def _arrays(gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> dict[str, np
 def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, spec: TargetingSpec, *,
                    snapshot_id: str, codebook: Codebook | None = None, input_fingerprint: str = "",
                    catalog: str = "", build_config: dict | None = None, counts: dict | None = None,
-                   stats: dict | None = None, quality: dict | None = None) -> Manifest:
+                   stats: dict | None = None, quality: dict | None = None, base: Snapshot | None = None,
+                   lineage: dict | None = None) -> Manifest:
     """Write the files of a snapshot into the new, empty `directory` (named `snapshot_id`) and
-    return its manifest (written last, as manifest.json)."""
+    return its manifest (written last, as manifest.json).
+
+    base: the snapshot an update started from. An array that is still the base's (the same memory)
+    and the base's codebook are hard-linked from it with their manifest entries, not written and
+    hashed again, so an update's cost follows what it changed. lineage: the update's.
+    """
     arrays = _arrays(gtm, exact, ad_id)
+    kept = {}  # files linked from the base, with the base's manifest entries
+    shared = base.arrays() if base is not None else {}
     for name, a in arrays.items():
-        write_array(directory, ARRAYS_BY_NAME[name], a)
+        spec_ = ARRAYS_BY_NAME[name]
+        if name in shared and _same_memory(shared[name], a):
+            link_file(base.path / spec_.file, directory / spec_.file)
+            kept[spec_.file] = base.manifest.files[spec_.file]
+        else:
+            write_array(directory, spec_, a)
     if codebook is not None:
-        save_codebook(codebook, directory)
+        if base is not None and base.manifest.codebook_id == codebook.id:
+            for name, entry in base.manifest.files.items():
+                if name.startswith(f"codebooks/{codebook.id}/"):
+                    link_file(base.path / name, directory / name)
+                    kept[name] = entry
+        else:
+            save_codebook(codebook, directory)
     S = gtm.num_leaves
     manifest = Manifest(
         id=snapshot_id, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -80,30 +99,43 @@ def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.
         counts=counts or {"ads": len(ad_id), "sid_rows": len(gtm.leaf_ads), "sids": S, "nodes": gtm.num_nodes},
         stats=stats or {}, quality=quality,
         arrays={n: ArrayShape(len(a), a.shape[1] if a.ndim == 2 else None) for n, a in arrays.items()},
-        files={n: FileEntry(**e) for n, e in list_files(directory, MANIFEST_FILE).items()})
+        files={n: FileEntry(**e) for n, e in list_files(directory, MANIFEST_FILE,
+                                                         {n: vars(f) for n, f in kept.items()}).items()},
+        lineage=lineage)
     (directory / MANIFEST_FILE).write_bytes(manifest.to_bytes())
     return manifest
 
 
-def open_snapshot(path: str | Path, *, verify: bool = True, prefault: bool = False) -> Snapshot:
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether a and b are one array (the same bytes at the same address, e.g. a map and a view of it)."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape
+            and a.dtype == b.dtype)
+
+
+def open_snapshot(path: str | Path, *, verify: bool = True, prefault: bool = False,
+                  base: Snapshot | None = None) -> Snapshot:
     """Open a ROOT's published snapshot (its CURRENT) or a snapshot directory.
 
     verify:   also check every file's sha256 (reads every byte; structure is always validated)
     prefault: read every page of every array now, so the first queries do not wait on page faults
+    base:     an open snapshot this one may share files with (an update's base): a file that is the
+              base's own (the same inode, the same manifest entry) is neither hashed nor mapped
+              again, its checked array reused; when only the ad states changed, only they are
+              validated (what a serving host applies within a second of an update)
     A ROOT whose snapshot retention deletes while it is being opened is read again (CURRENT then
     names a newer one). Seconds per phase are in the result's `open_seconds`.
     """
     for attempt in range(_RETRIES):
         directory = Root.resolve(path)
         try:
-            return _open(directory, verify, prefault)
+            return _open(directory, verify, prefault, base)
         except ArtifactError:
             if directory == Path(path) or directory.is_dir() or attempt == _RETRIES - 1:
                 raise
     raise AssertionError("unreachable")
 
 
-def _open(directory: Path, verify: bool, prefault: bool) -> Snapshot:
+def _open(directory: Path, verify: bool, prefault: bool, base: Snapshot | None) -> Snapshot:
     clock = StageClock()
     m = Manifest.read(directory)
     where = directory / MANIFEST_FILE
@@ -113,22 +145,32 @@ def _open(directory: Path, verify: bool, prefault: bool) -> Snapshot:
         raise ArtifactError(str(e)) from None
     _check_shapes(where, m, spec)
     clock.lap("manifest")
+    shared = _shared_files(directory, m, base) if base is not None and base.spec == spec else frozenset()
     verify_files(directory, {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in m.files.items()}, MANIFEST_FILE,
-                 checksums=verify)
+                 checksums=verify, trusted=shared)
     clock.lap("checksums" if verify else "files")
-    arrays = {n: map_array(directory, ARRAYS_BY_NAME[n], s.shape) for n, s in m.arrays.items()}
+    reused = {n: a for n, a in base.arrays().items() if ARRAYS_BY_NAME[n].file in shared} if shared else {}
+    arrays = {n: reused[n] if n in reused else map_array(directory, ARRAYS_BY_NAME[n], s.shape)
+              for n, s in m.arrays.items()}
     ad_id = arrays["ads"]
     exact = ExactIndex.from_arrays(spec, arrays, len(ad_id))
     gtm = GTMIndex.from_arrays(m.level_sizes, arrays, MATCHER_PLANES)
     clock.lap("map")
-    check_structure(directory, gtm, exact, ad_id, m.counts)
-    codebook = _codebook(directory, m)
+    check_structure(directory, gtm, exact, ad_id, m.counts, changed=set(arrays) - set(reused) if reused else None)
+    codebook = base.codebook if shared and m.codebook_id == base.manifest.codebook_id and all(
+        n in shared for n in m.files if n.startswith("codebooks/")) else _codebook(directory, m)
     clock.lap("structure")
     if prefault:
         for a in arrays.values():
             prefault_pages(a)
         clock.lap("prefault")
     return Snapshot(directory, m, spec, gtm, exact, ad_id, codebook, clock.seconds)
+
+
+def _shared_files(directory: Path, m: Manifest, base: Snapshot) -> frozenset[str]:
+    """The files of `directory` that are the base's own: one inode, one manifest entry."""
+    return frozenset(n for n, f in m.files.items()
+                     if base.manifest.files.get(n) == f and same_file(directory / n, base.path / n))
 
 
 def _codebook(directory: Path, m: Manifest) -> Codebook | None:
@@ -171,6 +213,8 @@ def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
             agree.append((f"part_{p}_index", s[f"part_{p}_index"] == s[f"part_{MATCHER_PLANES[0]}_index"]))
     if m.kway:
         agree.append(("part_offsets", s["part_offsets"] == E + 1))
+    if "ad_state" in s:
+        agree.append(("ad_state", s["ad_state"] == N))
     if "ad_value" in s:
         agree += [("ad_value", s["ad_value"] == N), ("entry_value", s["entry_value"] == E)]
         if m.kway:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from schemas.artifacts import ARRAYS_BY_NAME, MANIFEST_FILE, MAX_AD_VALUE
+from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, ARRAYS_BY_NAME, MANIFEST_FILE, MAX_AD_VALUE
 from sidindex.errors import ArtifactError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.trie.build import GTMIndex
@@ -44,18 +44,28 @@ class _Need:
             raise ArtifactError(f"{self.path / ARRAYS_BY_NAME[name].file}: {what}; the snapshot is corrupt")
 
 
-def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: dict) -> None:
+# Arrays that only the post stage's row filter reads: a snapshot that changes nothing else (an
+# update that pauses, resumes or deletes ads) is validated by their checks alone
+STATE_ARRAYS = frozenset({"ad_state"})
+
+
+def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: dict,
+                    changed: set[str] | None = None) -> None:
     """Raise ArtifactError naming the first array that breaks a relation.
 
     Depth ranges first (every other check indexes with them); then independent groups of checks in
     parallel threads (numpy releases the GIL, and a cold snapshot's pages fault in side by side);
-    the first failing group, in the order below, is reported.
+    the first failing group, in the order below, is reported. `changed`: the arrays not already
+    validated as they are (None: all); when they are only STATE_ARRAYS, only their checks run.
     """
     need = _Need(path)
     do, num_nodes = gtm.depth_offsets, len(gtm.node_offsets) - 1
     need(int(do[0]) == 0 and int(do[1]) == 1 and int(do[-1]) == num_nodes and _rising(do, strict=True),
          "depth_offsets", "depth ranges must start at the root, hold at least one node each and end at the node count")
-    groups = (_trie, _planes, _leaves, _partitions, _exact, _ads)
+    if changed is not None and changed <= STATE_ARRAYS:
+        groups = (_state, _ads)
+    else:
+        groups = (_trie, _planes, _leaves, _partitions, _exact, _state, _ads)
 
     def run(group) -> ArtifactError | None:
         try:
@@ -69,7 +79,8 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
     fault = next((f for f in faults if f is not None), None)
     if fault is not None:
         raise fault
-    _values(need, gtm)  # indexes with the offsets checked above
+    if len(groups) > 2:
+        _values(need, gtm)  # indexes with the offsets checked above
     found = {"ads": len(ad_id), "sid_rows": len(gtm.leaf_ads), "sids": num_nodes - int(do[gtm.sid_length]),
              "nodes": num_nodes}
     if counts != found:
@@ -144,9 +155,17 @@ def _exact(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> 
              "attribute")
 
 
+def _state(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+    """Row states, when an update wrote them: one known state per row."""
+    if exact.ad_state is not None:
+        need(bool(np.all(exact.ad_state <= AD_DELETED)), "ad_state",
+             f"every row's state must be {AD_LIVE}, {AD_PAUSED} or {AD_DELETED}")
+
+
 def _ads(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
-    """Unique ad ids: every output row names its ad by id."""
-    need(pl.Series(ad_id).n_unique() == len(ad_id), "ads", "ad_id values must be unique")
+    """Unique ad ids among rows not deleted: every output row names its ad by id."""
+    ids = ad_id if exact.ad_state is None else ad_id[exact.ad_state != AD_DELETED]
+    need(pl.Series(ids).n_unique() == len(ids), "ads", "ad_id values must be unique (among rows not deleted)")
 
 
 def _values(need: _Need, gtm: GTMIndex) -> None:

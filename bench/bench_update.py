@@ -1,0 +1,196 @@
+"""Update benchmark: `sidindex update` against a full build in the same run, and the time from an
+update's publish to the first search that sees it on a serving host.
+
+    python bench/bench_update.py                          # 10M ads (about 15 minutes on 2 cores)
+    python bench/bench_update.py --ads 1000000 --device cuda
+
+One ROOT, through the public API (`sidindex.job.run_build` / `run_update`, what the CLI runs):
+  1. a generated catalog (`sidindex sample`: 5 bitmask attributes, Bloom locations, values) and a
+     frozen codebook trained on a sample of it (training is not a build's: codebooks are frozen);
+  2. full build: `run_build` with that codebook (ingest, SIDs, trie, write, validate, publish);
+  3. updates of 0.1% and 1% of the ads, mixed ops (30% pause, 10% resume, 20% delete, 25% upsert
+     of an existing ad with another ad's data, 15% new ads of new advertisers), then 1% of ad-state
+     changes alone: `run_update`, each as a ratio of the full build (target: 1% <= 5%);
+  4. serving: a `SnapshotWatcher` polling every 10 ms and a `Searcher` serving one batch in a loop;
+     a separate `sidindex update` process pauses an ad the batch returns; the latency is from the
+     publish (CURRENT's replacement) to the first search whose result no longer holds the ad
+     (target: <= 1 s), with the watcher's swap phases. Repeated, median reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+import runtime
+from runtime.post import expand
+from sidindex.config import load_config
+from sidindex.job import run_build, run_update
+from sidindex.root import Root
+from sidindex.sample import write_sample
+from sidindex.sid import load_codebook, save_codebook, train_codebook
+
+MIX = (("pause", 0.30), ("resume", 0.10), ("delete", 0.20), ("upsert", 0.25), ("new", 0.15))
+
+
+def changes(cat: pl.DataFrame, live: np.ndarray, paused: np.ndarray, n: int, rng: np.random.Generator,
+            next_id: int, mix=MIX) -> pl.DataFrame:
+    """n ops on distinct ads (`live` ids, `paused` ids that resume) as a change frame, in shares
+    `mix`. Upserts take another ad's data with its embedding moved a little (an edited creative);
+    new ads also get new advertisers, so many of their SIDs are new to the trie."""
+    counts = {op: int(round(n * share)) for op, share in mix} | {op: 0 for op, _ in MIX if op not in dict(mix)}
+    counts["resume"] = min(counts["resume"], len(paused))
+    picked = rng.choice(live, counts["pause"] + counts["delete"] + counts["upsert"], replace=False)
+    p, d = counts["pause"], counts["pause"] + counts["delete"]
+    donors = cat.sample(counts["upsert"] + counts["new"], seed=int(rng.integers(2**31)))
+    new_ids = np.concatenate([picked[d:], next_id + np.arange(counts["new"])])
+    emb = donors["embedding"].to_numpy()
+    if len(emb):
+        emb = emb + rng.normal(0, 0.05 * emb.std(), emb.shape).astype(np.float32)
+    advertiser = donors["advertiser_id"].to_numpy().copy()
+    advertiser[counts["upsert"]:] = next_id + np.arange(counts["new"])
+    upserts = donors.with_columns(pl.Series("ad_id", new_ids), pl.Series("embedding", emb),
+                                  pl.Series("advertiser_id", advertiser), op=pl.lit("upsert"))
+    ops = pl.DataFrame({"ad_id": np.concatenate([picked[:p], rng.choice(paused, counts["resume"], replace=False),
+                                                 picked[p:d]]),
+                        "op": ["pause"] * p + ["resume"] * counts["resume"] + ["delete"] * (d - p)})
+    return pl.concat([ops, upserts], how="diagonal").sample(fraction=1.0, shuffle=True, seed=int(rng.integers(2**31)))
+
+
+def serving_latency(root: Path, requests: Path, device: str, reps: int, out: Path) -> dict:
+    """Median seconds from an update's publish to the first search without the paused ad."""
+    watcher = runtime.SnapshotWatcher(root, device)
+    reqs = runtime.read_requests(requests, watcher.current).head(16)
+    searcher = runtime.Searcher()
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            watcher.poll()
+            time.sleep(0.01)
+
+    def served(index) -> np.ndarray:
+        host = runtime.encode_requests(reqs, index.spec)
+        dev = runtime.to_device(host, index.device)
+        beams = searcher.search(index, dev, runtime.codebook_scorer(index, dev)(slice(0, len(reqs))))
+        return expand(index, host, beams).ad_id
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    seen, swaps = [], []
+    try:
+        for rep in range(reps):
+            index = watcher.current
+            ad = int(served(index)[rep])
+            path = out / f"pause{rep}.parquet"
+            pl.DataFrame({"ad_id": [ad], "op": ["pause"]}).write_parquet(path)
+            proc = subprocess.Popen([shutil.which("sidindex"), "update", str(root), "--changes", str(path)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            while True:
+                index = watcher.current
+                if ad not in served(index):
+                    break
+            t_seen = time.time_ns()
+            assert proc.wait() == 0, proc.stderr.read()
+            published = Root(root).current_file.stat().st_mtime_ns
+            seen.append((t_seen - published) / 1e9)
+            swaps.append(index.load_info)
+    finally:
+        stop.set()
+        poller.join()
+    return {"latency_s": statistics.median(seen), "latencies_s": seen, "moved_bytes": swaps[-1]["bytes"],
+            "device": device}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ads", type=int, default=10_000_000)
+    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
+    ap.add_argument("--reps", type=int, default=5, help="pauses timed from publish to search")
+    ap.add_argument("--codebook", type=Path, help="a frozen codebook to use (default: train one on 500k ads)")
+    ap.add_argument("--dir", type=Path, help="work directory (default: a temporary one, removed)")
+    ap.add_argument("--json", type=Path, help="write the results as JSON here")
+    args = ap.parse_args()
+    work = args.dir or Path(tempfile.mkdtemp(prefix="bench_update_"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        results = run(args, work)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def run(args, work: Path) -> dict:
+    t = time.perf_counter()
+    paths = write_sample(work / "data", args.ads, 64, dim=args.dim, seed=5)
+    print(f"generated {args.ads:,} ads in {time.perf_counter() - t:.0f} s", flush=True)
+    cfg = load_config(None)
+    cat = pl.read_parquet(paths["catalog"])
+    emb = np.ascontiguousarray(cat.sample(min(len(cat), 500_000), seed=1)["embedding"].to_numpy(), dtype=np.float32)
+    root = work / "root"
+    save_codebook(load_codebook(args.codebook) if args.codebook else train_codebook(emb, cfg.sid), root)
+    del emb
+    t = time.perf_counter()
+    full = run_build(paths["catalog"], paths["targeting"], root)
+    full_s = time.perf_counter() - t
+    print(f"full build {full_s:.1f} s", flush=True)
+    rows = [("full build", args.ads, full_s, 1.0, full["seconds"])]
+    rng = np.random.default_rng(7)
+    ids = cat["ad_id"].to_numpy()
+    paused, next_id = np.zeros(0, dtype=np.int64), int(ids.max()) + 1
+    live = ids
+    states_only = (("pause", 0.6), ("resume", 0.2), ("delete", 0.2))
+    for name, share, mix in (("update 0.1%", 0.001, MIX), ("update 1%", 0.01, MIX),
+                             ("update 1%, states only", 0.01, states_only)):
+        n = int(args.ads * share)
+        ch = changes(cat, live, paused, n, rng, next_id, mix)
+        path = work / f"changes_{len(rows)}.parquet"
+        ch.write_parquet(path)
+        t = time.perf_counter()
+        rep = run_update(root, path)
+        s = time.perf_counter() - t
+        rows.append((name, len(ch), s, s / full_s, rep["seconds"] | {"new SID rows": rep["new_sid_rows"]}))
+        print(f"{name}: {s:.2f} s", flush=True)
+        gone = ch.filter(pl.col("op").is_in(["pause", "delete"]))["ad_id"].to_numpy()
+        live = np.setdiff1d(np.union1d(live, ch.filter(pl.col("op") == "upsert")["ad_id"].to_numpy()), gone)
+        paused = np.setdiff1d(np.union1d(paused, ch.filter(pl.col("op") == "pause")["ad_id"].to_numpy()),
+                              ch.filter(pl.col("op") == "resume")["ad_id"].to_numpy())
+        next_id += n
+    serve = serving_latency(root, paths["requests"], args.device, args.reps, work)
+    print()
+    print("| step | rows | seconds | / full build | target |")
+    print("|---|---|---|---|---|")
+    for name, n, s, ratio, _ in rows:
+        target = "<= 5%" if name.startswith("update 1%") else ""
+        print(f"| {name} | {n:,} | {s:.2f} | {ratio:.2%} | {target} |")
+    print(f"| publish -> first search without the paused ad ({serve['device']}) | 1 | "
+          f"{serve['latency_s']:.3f} (median of {len(serve['latencies_s'])}) | - | <= 1 s |")
+    print(f"\nbytes moved to the device by the watcher's swap: {serve['moved_bytes']}")
+    for name, _, _, _, phases in rows:
+        print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+    return {"rows": [dict(zip(("step", "rows", "seconds", "ratio", "phases"), r)) for r in rows], "serving": serve}
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

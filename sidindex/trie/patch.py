@@ -1,0 +1,178 @@
+"""Insert new SID rows into a built GTM index without rebuilding it (DESIGN.md §15).
+
+The index stays in the layout `build_gtm` writes (nodes depth by depth, a node's children sorted
+by token, entry e leading to node e + 1), so every reader and kernel serves it unchanged. Matchers
+only grow: an entry on a new ad's path ORs the ad's rows into its union (and, with k-way, into
+its first partition, which keeps the partitions falling in value), so no eligible prefix is ever
+rejected; an entry whose ads were since paused, deleted or narrowed keeps their bits until the
+next full build (a conservative superset). Legend as in `sidindex.trie.build`; U new ad rows,
+Q new SID rows, M new nodes.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from schemas.artifacts import AD_LIVE
+from sidindex.sid.assign import sid_keys
+from sidindex.trie.build import GTMIndex, MatcherPlane, round_up_f32
+from sidindex.trie.dedup import RowTable
+
+
+def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: dict[str, np.ndarray],
+                ad_value: np.ndarray | None = None) -> GTMIndex:
+    """The index with SID rows added.
+
+    sids:     (Q, L) int16 the new SID rows; ad_index: (Q,) int64 their ads' catalog rows, which
+              must follow every row the index knows (rows len(g.ad_value) or more, ascending by ad)
+    ad_rows:  per matcher plane, (U, W_p) uint64 the new ads' rows; new ad u is catalog row first + u,
+              first = the smallest of ad_index
+    ad_value: (U,) float64 the new ads' values (required when the index has values)
+    Unchanged arrays are returned as the same objects, so a writer can tell them apart.
+    """
+    L = g.sid_length
+    first = int(ad_index.min())
+    local = ad_index - first
+
+    # --- 1. WALK --- each new SID down the trie: the nodes it reaches, and where the first missing
+    # node of its path would be inserted (before old node `ins`); below a missing node its children
+    # go where the old children of node `ins` begin
+    exist, ins = _walk(g.node_offsets, g.csr_tokens, sids)
+
+    # --- 2. NEW NODES --- one per distinct missing (depth, prefix), ordered by (ins, depth, prefix),
+    # which is the order of the new trie: np.insert puts them before old node `ins`
+    prefix = np.stack([sid_keys(sids[:, :d + 1], g.level_sizes[:d + 1]) for d in range(L)], axis=1)  # (Q, L)
+    miss_i, miss_d = np.nonzero(exist < 0)
+    depth = miss_d + 1
+    keys = np.stack([ins[miss_i, miss_d], depth, prefix[miss_i, miss_d]])
+    uniq, which = np.unique(keys, axis=1, return_inverse=True)
+    new_ins, new_depth, _ = uniq  # (M,) each, sorted by (ins, depth, prefix)
+    M = len(new_ins)
+    new_id = new_ins + np.arange(M)
+    old_to_new = lambda n: n + np.searchsorted(new_ins, n, side="right")  # noqa: E731  old node id -> new
+
+    # every SID row's path in the new numbering, and each new node's parent and token
+    path = np.where(exist >= 0, old_to_new(np.maximum(exist, 0)), 0)
+    path[miss_i, miss_d] = new_id[which.reshape(-1)]
+    parent = np.zeros(M, dtype=np.int64)
+    token = np.zeros(M, dtype=np.int16)
+    parent[which.reshape(-1)] = np.where(miss_d > 0, path[miss_i, np.maximum(miss_d - 1, 0)], 0)
+    token[which.reshape(-1)] = sids[miss_i, miss_d]
+
+    # --- 3. CSR --- child counts with the new nodes (none of their own yet) plus one per new child
+    counts = np.insert(np.diff(g.node_offsets), new_ins, 0)
+    np.add.at(counts, parent, 1)
+    node_offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=node_offsets[1:])
+    num_nodes = len(counts)
+    depth_offsets = g.depth_offsets + np.concatenate([[0], np.cumsum(np.bincount(new_depth, minlength=L + 1))])
+    e_ins = new_ins - 1  # entry e leads to node e + 1
+    tokens = np.insert(g.csr_tokens, e_ins, token)
+
+    # --- 4. SID -> AD --- new leaves hold no old ads; each new (leaf, ad) goes after the leaf's old ads
+    leaf0_old, leaf0 = int(g.depth_offsets[L]), int(depth_offsets[L])
+    is_leaf = new_depth == L
+    old_count = np.insert(np.diff(g.leaf_ad_offsets), new_ins[is_leaf] - leaf0_old, 0)
+    pairs = np.unique(np.stack([path[:, L - 1] - leaf0, ad_index]), axis=1)  # by leaf, then ad
+    leaf_counts = old_count + np.bincount(pairs[0], minlength=len(old_count))
+    leaf_ad_offsets = np.zeros(len(leaf_counts) + 1, dtype=np.int64)
+    np.cumsum(leaf_counts, out=leaf_ad_offsets[1:])
+    leaf_ads = np.empty(leaf_ad_offsets[-1], dtype=np.int64)
+    old_leaf_new = old_to_new(np.arange(leaf0_old, g.num_nodes)) - leaf0
+    shift = leaf_ad_offsets[old_leaf_new] - g.leaf_ad_offsets[:-1]
+    leaf_ads[np.arange(len(g.leaf_ads)) + np.repeat(shift, np.diff(g.leaf_ad_offsets))] = g.leaf_ads
+    run = np.arange(pairs.shape[1]) - np.searchsorted(pairs[0], pairs[0])  # place within the leaf's new ads
+    leaf_ads[leaf_ad_offsets[pairs[0]] + old_count[pairs[0]] + run] = pairs[1]
+
+    # --- 5. ENTRIES ON NEW PATHS --- one (entry, new ad) pair per depth of each SID row, by entry
+    ent_ad = np.unique(np.stack([(path - 1).reshape(-1), np.repeat(local, L)]), axis=1)
+    touched, at = np.unique(ent_ad[0], return_index=True)  # (K,) entries, first pair of each
+    is_new_entry = np.zeros(num_nodes - 1, dtype=bool)
+    is_new_entry[new_id - 1] = True
+    old_touched = ~is_new_entry[touched]
+    kway = g.part_offsets is not None
+    if kway:  # a new entry has one partition; partitions of old ones keep their order
+        part_counts = np.insert(np.diff(g.part_offsets), e_ins, 1)
+        part_offsets = np.zeros(len(part_counts) + 1, dtype=np.int64)
+        np.cumsum(part_counts, out=part_offsets[1:])
+        p_ins = g.part_offsets[e_ins]
+        first_part = part_offsets[touched]
+
+    # --- 6. MATCHERS --- OR the new ads' rows into each touched entry's union (and first partition);
+    # the new rows, deduplicated among themselves, follow the plane's table (hashing the whole table
+    # again would cost an update as much as the build's dedup; the next full build compacts)
+    planes = []
+    for plane, rows in zip(g.planes, ad_rows.values()):
+        grown = np.bitwise_or.reduceat(rows[ent_ad[1]], at, axis=0)  # (K, W)
+        new_rows = RowTable(plane.table.shape[1], 2 * len(touched))
+        index = np.insert(plane.index, e_ins, 0)
+        union = grown.copy()
+        union[old_touched] |= plane.table[index[touched[old_touched]]]
+        index[touched] = len(plane.table) + new_rows.add(union)
+        part_index = None
+        if kway:
+            part_index = np.insert(plane.part_index, p_ins, 0)
+            part = grown
+            part[old_touched] |= plane.table[part_index[first_part[old_touched]]]
+            part_index[first_part] = len(plane.table) + new_rows.add(part)
+        planes.append(MatcherPlane(plane.name, np.concatenate([plane.table, new_rows.table()]), index, part_index))
+
+    # --- 7. VALUES --- a touched entry's bound rises to its best new ad's
+    ad_values = entry_value = part_value = None
+    if g.ad_value is not None:
+        ad_values = np.concatenate([g.ad_value, ad_value])
+        entry_value = np.insert(g.entry_value, e_ins, 0)
+        best = round_up_f32(np.maximum.reduceat(ad_value[ent_ad[1]], at))
+        entry_value[touched] = np.maximum(entry_value[touched], best)
+        if kway:
+            part_value = np.insert(g.part_value, p_ins, 0)
+            part_value[first_part] = entry_value[touched]  # the first was the entry's best before
+    if M == 0:  # the shape of the trie is the base's: keep its arrays (a writer links, a loader keeps them)
+        node_offsets, tokens, depth_offsets = g.node_offsets, g.csr_tokens, g.depth_offsets
+        part_offsets = g.part_offsets
+    return GTMIndex(
+        level_sizes=g.level_sizes, node_offsets=node_offsets,
+        csr_child_nodes=g.csr_child_nodes if M == 0 else np.arange(1, num_nodes, dtype=np.int32),
+        csr_tokens=tokens, planes=tuple(planes), depth_offsets=depth_offsets, leaf_ad_offsets=leaf_ad_offsets,
+        leaf_ads=leaf_ads, part_offsets=part_offsets if kway else None, ad_value=ad_values,
+        entry_value=entry_value, part_value=part_value)
+
+
+def stale_entries(g: GTMIndex, ad_state: np.ndarray) -> int:
+    """How many child entries have a row that is not live (`ad_state` (N,) uint8) beneath them:
+    their matchers still hold its bits, a superset of what a full build would keep."""
+    L = g.sid_length
+    dead = (ad_state[g.leaf_ads] != AD_LIVE).astype(np.int8)
+    nodes = int(g.depth_offsets[L]) + np.flatnonzero(np.maximum.reduceat(dead, g.leaf_ad_offsets[:-1]))
+    total = 0
+    for _ in range(L):  # leaves up to depth 1: each marked node's entry, then its parent
+        total += len(nodes)
+        nodes = np.unique(np.searchsorted(g.node_offsets, nodes - 1, side="right") - 1)
+        nodes = nodes[nodes > 0]
+    return total
+
+
+@numba.njit(cache=True)
+def _walk(node_offsets, tokens, sids):
+    """Walk SID rows (Q, L) int16 down the trie. Returns exist (Q, L) int64, the node each reaches
+    at depth d + 1 or -1 where it is missing, and ins (Q, L) int64, for a missing node, the old
+    node it is inserted before (its new id is ins plus the new nodes ordered before it)."""
+    Q, L = sids.shape
+    exist = np.full((Q, L), -1, dtype=np.int64)
+    ins = np.zeros((Q, L), dtype=np.int64)
+    for i in range(Q):
+        node = 0
+        for d in range(L):
+            lo, hi = node_offsets[node], node_offsets[node + 1]
+            e = lo + np.searchsorted(tokens[lo:hi], sids[i, d])
+            if e < hi and tokens[e] == sids[i, d]:
+                node = e + 1
+                exist[i, d] = node
+                continue
+            at = e + 1  # missing: inserted before the old node its entry would take
+            for dd in range(d, L):
+                ins[i, dd] = at
+                at = node_offsets[at] + 1  # its children go where old node `at`'s begin
+            break
+    return exist, ins

@@ -1,0 +1,114 @@
+"""Apply a change file's net effect to an opened snapshot (DESIGN.md §15).
+
+    pause / resume / delete   the rows' `ad_state` only; the trie and matchers stay as they are
+    upsert                    the ad's old row (if any) is deleted; its new data becomes a new row
+                              at the end of the ad table, its SIDs assigned with the frozen
+                              codebook and inserted into the trie (`sidindex.trie.patch`), its rows
+                              appended to the exact index
+
+Rows are never renumbered, so every array an update leaves alone is the base snapshot's own (the
+same object), and the writer links its file instead of writing it again. A deleted row stays in the
+ad table and under its SIDs, never served, until the next full build drops it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED
+from sidindex.build import encode_ads
+from sidindex.changes import Changes
+from sidindex.errors import InputError
+from sidindex.matchers.exact import ExactIndex, ExactPlane
+from sidindex.sid import Codebook, assign_sids, hash_tokens
+from sidindex.snapshot import Snapshot
+from sidindex.timing import StageClock
+from sidindex.trie.build import GTMIndex
+from sidindex.trie.patch import insert_sids, stale_entries
+
+
+@dataclass(frozen=True)
+class UpdatedIndex:
+    """A snapshot's arrays after an update: `gtm`, `exact` (its ad_state set), `ad_id` (N',)
+    int64; `sid_rows` new SID rows inserted; `stale` entries holding a row that is not live."""
+
+    gtm: GTMIndex
+    exact: ExactIndex
+    ad_id: np.ndarray
+    sid_rows: int
+    stale: int
+    seconds: dict[str, float]
+
+    @property
+    def state_counts(self) -> dict[str, int]:
+        n = np.bincount(self.exact.ad_state, minlength=3)
+        return {"paused": int(n[AD_PAUSED]), "deleted": int(n[AD_DELETED])}
+
+
+def snapshot_state(snap: Snapshot) -> np.ndarray:
+    """(N,) uint8 the snapshot's row states (all live for a full build)."""
+    st = snap.exact.ad_state
+    return np.zeros(len(snap.ad_id), dtype=np.uint8) if st is None else st
+
+
+def ads_in_state(snap: Snapshot, *states: int) -> np.ndarray:
+    """(n,) int64 the ids of the snapshot's rows in one of `states`."""
+    return np.asarray(snap.ad_id)[np.isin(snapshot_state(snap), states)]
+
+
+def apply_changes(snap: Snapshot, changes: Changes, codebook: Codebook) -> UpdatedIndex:
+    """The snapshot's arrays with `changes` applied (read by `sidindex.changes.read_changes`
+    against this snapshot)."""
+    clock = StageClock()
+    state = snapshot_state(snap).copy()
+    served = state != AD_DELETED  # rows an id may name: its only one that is not deleted
+    ids = pl.Series(snap.ad_id)
+    for wanted, new_state in ((changes.removed, AD_DELETED), (changes.paused, AD_PAUSED), (changes.resumed, AD_LIVE)):
+        if len(wanted):
+            state[ids.is_in(pl.Series(wanted).implode()).to_numpy() & served] = new_state
+    clock.lap("ad states")
+    gtm, exact, ad_id, sid_rows = snap.gtm, snap.exact, snap.ad_id, 0
+    added = changes.added
+    if added is not None:
+        if (added.value is None) != (gtm.ad_value is None):
+            raise InputError(f"{changes.path}: upserts {'lack' if added.value is None else 'carry'} ad values and "
+                             f"the snapshot {'does' if added.value is None else 'does not'}")
+        tokens = hash_tokens(added.columns, codebook.hash_keys, codebook.hash_size)
+        sids = assign_sids(codebook, added.embedding, tokens)
+        clock.lap("assign SIDs")
+        ad_rows, new_exact = encode_ads(snap.spec, added.columns)
+        clock.lap("encode")
+        n = len(ad_id)
+        gtm = insert_sids(gtm, sids.sids, sids.ad_index + n, ad_rows, added.value)
+        clock.lap("insert SIDs")
+        exact = append_exact(exact, new_exact, n)
+        ad_id = np.concatenate([ad_id, added.ad_id])
+        state = np.concatenate([state, np.where(changes.added_paused, AD_PAUSED, AD_LIVE).astype(np.uint8)])
+        sid_rows = len(sids.sids)
+        clock.lap("exact index")
+    exact = ExactIndex(exact.spec, exact.planes, state)
+    stale = stale_entries(gtm, state)
+    clock.lap("stale entries")
+    return UpdatedIndex(gtm, exact, ad_id, sid_rows, stale, clock.seconds)
+
+
+def append_exact(base: ExactIndex, new: ExactIndex, n: int) -> ExactIndex:
+    """The exact index of `base`'s n rows followed by `new`'s (a `values` plane stays
+    attribute-major: per attribute, the base ads' hashes, then the new ads')."""
+    planes = []
+    for b, x in zip(base.planes, new.planes):
+        if b.rows is not None:
+            planes.append(ExactPlane(b.name, rows=np.concatenate([b.rows, x.rows])))
+            continue
+        bo, xo = np.asarray(b.hash_offsets), x.hash_offsets  # (A, n+1), (A, u+1)
+        added = xo[:, -1] - xo[:, 0]  # new hashes per attribute
+        before = np.concatenate([[0], np.cumsum(added)[:-1]])  # new hashes of earlier attributes
+        offsets = np.concatenate([bo + before[:, None], xo[:, 1:] - xo[:, :1] + (bo[:, -1] + before)[:, None]], axis=1)
+        hashes = np.concatenate([part for a in range(len(bo))
+                                 for part in (b.hashes[bo[a, 0]:bo[a, -1]], x.hashes[xo[a, 0]:xo[a, -1]])]
+                                or [np.zeros(0, dtype=np.uint64)])
+        planes.append(ExactPlane(b.name, hash_offsets=offsets, hashes=hashes))
+    return ExactIndex(base.spec, tuple(planes))
