@@ -19,7 +19,8 @@ The intended loop: a full build on schedule (every few hours) from a catalog exp
 every change made before the export; between them, `--update` every minute or so. An update run
 applies each pending change file of the `changes` directory (`*.parquet`, `*.arrow`), in name
 order, with `sidindex update`, and moves it into `changes/applied/` once published, so each file
-is applied once; the first file that fails stops the run and stays pending (fix or remove it).
+is applied once (a run killed between publishing a file and archiving it archives it next time,
+unapplied again); the first file that fails stops the run and stays pending (fix or remove it).
 Name files so that name order is time order (e.g. a UTC timestamp). Updates only grow matchers;
 the next full build compacts them (`sidindex inspect` shows the stale entries in between).
 
@@ -49,7 +50,10 @@ import time
 import traceback
 from pathlib import Path
 
+from sidindex.artifact import sha256_file
 from sidindex.errors import ConfigError, SidIndexError
+from sidindex.root import Root
+from sidindex.snapshot import Manifest
 from sidindex.job import run_build, run_update
 from sidindex.tomlio import check_keys, read_toml
 
@@ -133,13 +137,24 @@ def apply_pending(job: dict, job_path: Path) -> dict:
     pending = sorted({p for pattern in CHANGE_FILES for p in directory.glob(pattern) if p.is_file()})
     applied = []
     for path in pending:
-        report = run_update(Path(job["root"]), path, keep=job.get("keep", 3))
+        if _published_from(Path(job["root"]), path):  # a run killed between publishing it and archiving it
+            report = {"status": "already applied", "snapshot_id": None}
+        else:
+            report = run_update(Path(job["root"]), path, keep=job.get("keep", 3))
         (directory / APPLIED).mkdir(exist_ok=True)
         path.replace(directory / APPLIED / path.name)
         applied.append({"file": path.name, "status": report["status"], "snapshot_id": report["snapshot_id"]})
     published = [a for a in applied if a["status"] == "published"]
     return {"status": "published" if published else "unchanged", "applied": applied,
             **({"snapshot_id": published[-1]["snapshot_id"]} if published else {})}
+
+
+def _published_from(root: Path, path: Path) -> bool:
+    """Whether ROOT's published snapshot is the update that applied change file `path`."""
+    layout = Root(root)
+    current = layout.current_id()
+    lineage = Manifest.read(layout.snapshot_dir(current)).lineage if current else None
+    return lineage is not None and lineage["source"] == sha256_file(path)
 
 
 def _write_report(directory: Path, report: dict) -> None:

@@ -141,7 +141,7 @@ def load_index(snap: Snapshot, device: str | torch.device = "cpu", *, base: Serv
     g = snap.gtm
     host = {n: getattr(g, n) for n in HOST_ARRAYS}
     served = {n: a for n, a in g.arrays().items() if n not in HOST_ARRAYS}
-    kept = _kept(served, base, device)  # names whose device tensor is the base's
+    kept = _kept(served, g.level_sizes, base, device)  # names whose device tensor is the base's
     if base is not None and kept == set(served):
         gtm = GTMIndex.from_arrays(g.level_sizes, base.gtm.arrays() | host, MATCHER_PLANES)
         clock.lap("shared")
@@ -191,20 +191,29 @@ def load_index(snap: Snapshot, device: str | torch.device = "cpu", *, base: Serv
                        int(g.depth_offsets[g.sid_length]), tables, info)
 
 
-def _kept(served: dict[str, np.ndarray], base: ServedIndex | None, device: torch.device) -> set[str]:
-    """The arrays of `served` that are `base`'s own (the same memory and shape) on the same device."""
+def _kept(served: dict[str, np.ndarray], snap_level_sizes: tuple[int, ...], base: ServedIndex | None,
+          device: torch.device) -> set[str]:
+    """The arrays of `served` that are `base`'s own (the same memory and shape) on the same device,
+    when both indexes have the same arrays (but an update's new liveness flags) and level sizes
+    (else none: entry keys and launch shapes follow them)."""
     if base is None or base.device != device:
         return set()
     theirs = {n: a for n, a in base.snapshot.gtm.arrays().items() if n not in HOST_ARRAYS}
+    if theirs.keys() - served.keys() or served.keys() - theirs.keys() - {"entry_live"} \
+            or base.level_sizes != snap_level_sizes:  # only an update's liveness flags may be new
+        return set()
     return {n for n, a in served.items() if n in theirs and a.shape == theirs[n].shape
             and a.__array_interface__["data"][0] == theirs[n].__array_interface__["data"][0]}
 
 
-def load(path: str | Path, device: str | torch.device = "cpu", *, verify: bool = True) -> ServedIndex:
+def load(path: str | Path, device: str | torch.device = "cpu", *, verify: bool = True,
+         base: ServedIndex | None = None) -> ServedIndex:
     """Open (validating structure, and checksums unless verify=False) and load a ROOT's current
-    snapshot or a snapshot directory."""
+    snapshot or a snapshot directory; `base`: an index served on `device` that the snapshot may
+    share files and device tensors with (an update of it), see `open_snapshot` and `load_index`."""
     device = parse_device(device)  # before the work of opening
-    return load_index(open_snapshot(path, verify=verify), device)
+    return load_index(open_snapshot(path, verify=verify, base=None if base is None else base.snapshot), device,
+                      base=base)
 
 
 class SnapshotWatcher:
@@ -241,9 +250,8 @@ class SnapshotWatcher:
                 self._refused = None  # CURRENT moved: whatever it names next is tried
             if published is None or published in (self.current.id, self._refused):
                 return False
-            base = self.current  # an update of it shares its checked files and device arrays
-            new = load_index(open_snapshot(self.root.snapshot_dir(published), verify=self.verify, base=base.snapshot),
-                             self.device, base=base)
+            # an update of the served snapshot shares its checked files and device arrays
+            new = load(self.root.snapshot_dir(published), self.device, verify=self.verify, base=self.current)
         except Exception as e:  # a serving process must outlive any snapshot (a bad file, a bug in a reader)
             why = e if isinstance(e, SidIndexError) else f"{type(e).__name__} while polling {self.root.path}: {e}"
             self.last_error = f"kept serving snapshot {self.current.id}: {why}"

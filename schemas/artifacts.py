@@ -134,6 +134,9 @@ SNAPSHOT_ARRAYS = (
               f"State of each catalog row: {AD_LIVE} live, {AD_PAUSED} paused (ineligible until resumed), "
               f"{AD_DELETED} deleted (never served; its SIDs and matcher bits stay until the next full build).",
               group="updated"),
+    ArrayFile("entry_live", "|u1", "E", None,
+              "1 when a live row (`ad_state`) lies beneath child entry e, else 0: the search takes no entry without "
+              "one, so it never generates a SID whose ads are all paused or deleted.", group="updated"),
     ArrayFile("ad_value", "<f8", "N", None, "The catalog's `value` of each ad: finite, >= 0.", group="value"),
     ArrayFile("entry_value", "<f4", "E", None,
               "The largest `ad_value` of the ads under entry e, rounded up to float32: a bound of every ad beneath.",
@@ -168,7 +171,8 @@ SNAPSHOT_RELATIONS = (
     "exact_<plane>_hash_offsets: rising from 0 to H_<plane> over all A_<plane> * (N + 1) values, attribute a's "
     "last equal to attribute a+1's first; exact_<plane>_hashes rising within each (attribute, ad) run.",
     "ads: N values; ad_id unique among the rows whose ad_state is not deleted (every row without ad_state).",
-    f"ad_state: N values in {{{AD_LIVE}, {AD_PAUSED}, {AD_DELETED}}}.",
+    f"ad_state: N values in {{{AD_LIVE}, {AD_PAUSED}, {AD_DELETED}}}; entry_live[e] = 1 exactly when a row of state "
+    f"{AD_LIVE} lies beneath entry e (in leaf_ads of a leaf of e's subtree), else 0.",
     "ad_value, entry_value, part_value: in [0, 1e30] (entry and part values rounded up to float32). entry_value "
     "of a leaf entry >= ad_value of each of its ads; entry_value of an inner entry >= that of each child entry; "
     "part_value falling (not rising) within each entry's partitions, the first equal to the entry's entry_value.",
@@ -210,10 +214,12 @@ MANIFEST_KEYS = (
     ManifestKey("arrays", "object", "Per array name: `rows` and `width` (null for 1-D)."),
     ManifestKey("lineage", "object", f"Version {UPDATED_VERSION} only: `full_build` (the id of the full build "
                                      "the updates started from), `base` (the snapshot this update was applied to), "
-                                     "`updates` (updates since the full build), `changes` (rows per op of this "
-                                     "update), `paused` and `deleted` (rows in each state), `stale_entries` (child "
-                                     "entries whose matchers still hold a paused or deleted row: conservative "
-                                     "supersets until the next full build).", since=UPDATED_VERSION),
+                                     "`updates` (updates since the full build), `source` (sha256 of the change "
+                                     "file), `changes` (rows per op of this update), `paused` and `deleted` (rows "
+                                     "in each state, as `ad_state` holds them), `stale_entries` (child entries "
+                                     "whose matchers still hold a paused or deleted row: conservative supersets "
+                                     "until the next full build), `dead_sids` (SIDs with no live row).",
+                since=UPDATED_VERSION),
     ManifestKey("files", "object", "Every file below the directory but manifest.json (the carried codebook "
                                    "included): relative path -> `bytes`, `sha256`."),
     ManifestKey("checksum", "string", "sha256 of the canonical manifest without this key (below)."),

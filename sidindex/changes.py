@@ -64,7 +64,7 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
         none = np.zeros(0, dtype=np.int64)
         return Changes(path, dict.fromkeys(CHANGE_OPS, 0), none, None, np.zeros(0, dtype=bool), none, none)
     ids = int64_column(df, path, "ad_id")
-    if df.get_column("op").dtype not in (pl.String, pl.Categorical, pl.Null):
+    if not isinstance(df.get_column("op").dtype, (pl.String, pl.Categorical, pl.Enum, pl.Null)):
         raise InputError(f"{path}: column 'op' has type {df.get_column('op').dtype}, expected string")
     if df.height and not values and "value" in df.columns:
         raise InputError(f"{path}: has a 'value' column, but the snapshot carries no ad values; drop the column, or "
@@ -115,6 +115,8 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
     up = per_ad.filter(pl.col("data") == "upsert").sort("upsert_pos")
     kept = per_ad.filter(pl.col("data").is_null())
     changed = kept.filter(pl.col("state").is_not_null())
+    if up.height == 0:  # every ad upserted was deleted again later in the file
+        added = None
     if added is not None:
         at = np.searchsorted(upserts, up.get_column("upsert_pos").to_numpy())
         added = Catalog(added.path, added.ad_id[at], added.embedding[at], added.columns[at],
@@ -128,8 +130,8 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
 
 
 
-def _among(ids: np.ndarray, wanted: np.ndarray) -> pl.Series:
-    """The values of `wanted` that are in `ids` (the snapshot's, millions), as an is_in operand: the
-    file's few ids are hashed and the snapshot's probed, not the other way round."""
-    found = pl.Series(ids).filter(pl.Series(ids).is_in(pl.Series(wanted).implode()))
-    return found.implode()
+def _among(snapshot_ids: np.ndarray, file_ids: np.ndarray) -> pl.Series:
+    """The file's ids that are among the snapshot's (millions), as an is_in operand: the file's few
+    ids are hashed and the snapshot's probed, not the other way round."""
+    ids = pl.Series(snapshot_ids)
+    return ids.filter(ids.is_in(pl.Series(file_ids).implode())).implode()

@@ -37,6 +37,8 @@ class Step:
                        the prefix is not in the catalog)
     bound: with ad values (DESIGN.md §16), the largest value of an ad beneath: the union's bound
     kway_bound: with values and k-way, the largest value of the partitions that pass (None when none does)
+    live: a live ad lies beneath (False only after updates paused or deleted every ad under the
+          prefix: no constrained mode takes it, DESIGN.md §15)
     """
 
     position: int
@@ -47,12 +49,13 @@ class Step:
     failed_partitions: tuple[tuple[str, ...], ...] | None
     bound: float | None = None
     kway_bound: float | None = None
+    live: bool = True
 
     def allows(self, mode: Mode | str) -> bool:
         """Whether beam search in `mode` can take this token (`mode` needs k-way partitions only
         when the snapshot has them)."""
         mode = parse_mode(mode, kway_available=self.failed_partitions is not None)
-        return ((self.in_catalog or not mode.constrained) and not (mode.gtm and self.failed_union)
+        return ((self.in_catalog and self.live or not mode.constrained) and not (mode.gtm and self.failed_union)
                 and not (mode.kway and all(self.failed_partitions)))
 
     @property
@@ -136,7 +139,7 @@ class Explainer:
                     kway_bound = max((float(g.part_value[g.part_offsets[e] + i]) for i, f in enumerate(parts) if not f),
                                      default=None)
             steps.append(Step(d, tuple(sid[:d]), token, True, self._failed([pl.index[e] for pl in g.planes]), parts,
-                              bound, kway_bound))
+                              bound, kway_bound, g.entry_live is None or bool(g.entry_live[e])))
             node = int(g.csr_child_nodes[e])
         leaf = node - int(g.depth_offsets[g.sid_length])
         if ads is None:

@@ -112,14 +112,13 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         updated = apply_changes(base, change, cb)
         clock.seconds |= {f"apply: {k}": v for k, v in updated.seconds.items()}
         clock.restart()
-        h = hashlib.sha256(base.manifest.input_fingerprint.encode())
-        h.update(sha256_file(Path(changes), follow_links=True).encode())
-        fingerprint = h.hexdigest()
+        source = sha256_file(Path(changes), follow_links=True)
+        fingerprint = hashlib.sha256((base.manifest.input_fingerprint + source).encode()).hexdigest()
         snapshot_id = new_snapshot_id(fingerprint)
         g = updated.gtm
         counts = {"ads": len(updated.ad_id), "sid_rows": len(g.leaf_ads), "sids": g.num_leaves, "nodes": g.num_nodes}
         lineage = {"full_build": base.manifest.full_build, "base": base.id, "updates": base.manifest.updates + 1,
-                   "changes": change.counts, **updated.state_counts, "stale_entries": updated.stale}
+                   "source": source, "changes": change.counts, **updated.counts}
         m = base.manifest
 
         def write(directory: Path) -> None:

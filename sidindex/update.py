@@ -13,6 +13,7 @@ ad table and under its SIDs, never served, until the next full build drops it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,25 +28,29 @@ from sidindex.sid import Codebook, assign_sids, hash_tokens
 from sidindex.snapshot import Snapshot
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
-from sidindex.trie.patch import insert_sids, stale_entries
+from sidindex.trie.patch import insert_sids, live_entries, staleness
 
 
 @dataclass(frozen=True)
 class UpdatedIndex:
     """A snapshot's arrays after an update: `gtm`, `exact` (its ad_state set), `ad_id` (N',)
-    int64; `sid_rows` new SID rows inserted; `stale` entries holding a row that is not live."""
+    int64; `sid_rows` new SID rows inserted; `stale` entries holding a row that is not live and
+    `dead_sids`, SIDs without a live row (`sidindex.trie.patch.staleness`)."""
 
     gtm: GTMIndex
     exact: ExactIndex
     ad_id: np.ndarray
     sid_rows: int
     stale: int
+    dead_sids: int
     seconds: dict[str, float]
 
     @property
-    def state_counts(self) -> dict[str, int]:
+    def counts(self) -> dict[str, int]:
+        """What an update's lineage counts (`schemas.artifacts` manifest key `lineage`)."""
         n = np.bincount(self.exact.ad_state, minlength=3)
-        return {"paused": int(n[AD_PAUSED]), "deleted": int(n[AD_DELETED])}
+        return {"paused": int(n[AD_PAUSED]), "deleted": int(n[AD_DELETED]), "stale_entries": self.stale,
+                "dead_sids": self.dead_sids}
 
 
 def snapshot_state(snap: Snapshot) -> np.ndarray:
@@ -90,9 +95,13 @@ def apply_changes(snap: Snapshot, changes: Changes, codebook: Codebook) -> Updat
         sid_rows = len(sids.sids)
         clock.lap("exact index")
     exact = ExactIndex(exact.spec, exact.planes, state)
-    stale = stale_entries(gtm, state)
+    live = live_entries(gtm, state)
+    if gtm.entry_live is not None and np.array_equal(live, gtm.entry_live):
+        live = gtm.entry_live  # unchanged: the base's file and device tensor serve on
+    gtm = dataclasses.replace(gtm, entry_live=live)
+    stale, dead_sids = staleness(gtm, state)
     clock.lap("stale entries")
-    return UpdatedIndex(gtm, exact, ad_id, sid_rows, stale, clock.seconds)
+    return UpdatedIndex(gtm, exact, ad_id, sid_rows, stale, dead_sids, clock.seconds)
 
 
 def append_exact(base: ExactIndex, new: ExactIndex, n: int) -> ExactIndex:

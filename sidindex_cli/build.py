@@ -186,6 +186,6 @@ def update(
     if "lineage" in report:
         lin = report["lineage"]
         shown |= {"updates_since_full_build": lin["updates"], "paused_ads": lin["paused"],
-                  "deleted_rows": lin["deleted"], "stale_entries": lin["stale_entries"]}
+                  "deleted_rows": lin["deleted"], "stale_entries": lin["stale_entries"], "dead_sids": lin["dead_sids"]}
     emit(shown, False, f"snapshot {report['status']}")
     print_seconds(report["seconds"])

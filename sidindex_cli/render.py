@@ -79,7 +79,9 @@ def print_explanation(r, max_ads: int) -> None:
         return "" if value is None else f"\nvalue bound {value:.6g}"
 
     for s in r.steps:
-        row = [str(s.position), str(s.token), "yes" if s.in_catalog else "no: not a catalog prefix",
+        in_catalog = ("yes" if s.live else "yes, but no live ad beneath (paused or deleted)") if s.in_catalog \
+            else "no: not a catalog prefix"
+        row = [str(s.position), str(s.token), in_catalog,
                fails(s.failed_union) + bound(s.bound) if s.in_catalog else "-"]
         if kway:
             parts = s.failed_partitions or ()

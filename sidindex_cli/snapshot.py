@@ -86,4 +86,5 @@ def _lineage(m) -> dict:
     lin = m.lineage
     return {"full_build": lin["full_build"], "updates_since_full_build": lin["updates"], "update_base": lin["base"],
             "paused_ads": lin["paused"], "deleted_rows": lin["deleted"], "stale_entries": lin["stale_entries"],
+            "dead_sids": lin["dead_sids"],
             "statistics_of": f"full build {lin['full_build']}"}

@@ -63,9 +63,10 @@ def test_update_runs_apply_pending_change_files_in_order_once(sample_dir, tmp_pa
     snap = open_snapshot(root)
     assert snap.id == report["snapshot_id"] and snap.manifest.updates == 2 and snap.manifest.lineage["paused"] == 0
     assert sorted(p.name for p in (changes / "applied").iterdir()) == ["0001.parquet", "0002.parquet"]
+    (changes / "0002.parquet").write_bytes((changes / "applied" / "0002.parquet").read_bytes())  # killed before
     r = subprocess.run([sys.executable, "-m", "pipelines.rebuild", str(job), "--update"], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 10  # nothing pending
+                       text=True, timeout=300)  # archiving: published already, so archived, not applied again
+    assert r.returncode == 10 and not (changes / "0002.parquet").exists() and open_snapshot(root).id == snap.id
     pl.DataFrame({"ad_id": [1], "op": ["delete"]}).write_parquet(changes / "0003.parquet")  # an unknown ad
     r = subprocess.run([sys.executable, "-m", "pipelines.rebuild", str(job), "--update"], capture_output=True,
                        text=True, timeout=300)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -30,6 +31,7 @@ from sidindex.errors import ConfigError
 from sidindex.modes import Mode
 from sidindex.snapshot.snapshot import Snapshot
 from sidindex.trie.match import passing_tokens
+from sidindex.trie.patch import live_entries
 from tests.test_gtm import MANIFEST, Scenario, build, eligible, scenarios
 
 GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -40,9 +42,12 @@ MODES = (Mode.CD, Mode.CD_GTM, Mode.CD_GTM_KWAY)
 class Case:
     """A scenario built into an in-memory snapshot, loaded onto the test device."""
 
-    def __init__(self, sc: Scenario, device: str = DEVICE) -> None:
+    def __init__(self, sc: Scenario, device: str = DEVICE, ad_state: np.ndarray | None = None) -> None:
         self.sc = sc
         self.gtm, _, _, self.exact, self.req = build(sc)
+        if ad_state is not None:  # as an update leaves it: some rows paused or deleted
+            self.gtm = dataclasses.replace(self.gtm, entry_live=live_entries(self.gtm, ad_state))
+            self.exact = dataclasses.replace(self.exact, ad_state=ad_state)
         self.snap = Snapshot(Path("."), MANIFEST, sc.spec, self.gtm, self.exact, np.arange(len(sc.ads), dtype=np.int64),
                              codebook=None)
         self.index = load_index(self.snap, device)
@@ -71,10 +76,12 @@ class Case:
 # --- the mask -------------------------------------------------------------------------------------
 
 @settings(max_examples=25, deadline=None)
-@given(scenarios(), st.integers(0, 2**32 - 1))
-def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed):
-    case = Case(sc)
-    cpu = Case(sc, "cpu") if GPU else case  # the numba path reads CPU tensors
+@given(scenarios(), st.integers(0, 2**32 - 1), st.booleans())
+def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed, updated):
+    state = np.random.default_rng(seed).choice(np.array([0, 0, 1, 2], dtype=np.uint8), len(sc.ads)) if updated \
+        else None
+    case = Case(sc, ad_state=state)
+    cpu = Case(sc, "cpu", ad_state=state) if GPU else case  # the numba path reads CPU tensors
     g, B = case.gtm, len(sc.requests)
     gen = torch.Generator().manual_seed(seed)
     for d in range(g.sid_length):
@@ -97,6 +104,13 @@ def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed):
                     if not math.isnan(logp[i, t])}
                 got = set(torch.nonzero(ref[i] > float("-inf")).flatten().tolist())
                 assert got == want, (mode, i)
+                if state is not None and d == g.sid_length - 1:  # a SID is taken only with a live ad (brute force)
+                    for t in got:
+                        lo, hi = g.node_offsets[int(node[i])], g.node_offsets[int(node[i]) + 1]
+                        leaf = int(g.csr_child_nodes[lo + np.searchsorted(g.csr_tokens[lo:hi], t)]) \
+                            - int(g.depth_offsets[g.sid_length])
+                        ads = g.leaf_ads[g.leaf_ad_offsets[leaf]:g.leaf_ad_offsets[leaf + 1]]
+                        assert (state[ads] == 0).any(), (mode, i, t)
                 for t in got:
                     assert ref[i, t] == score[i] + logp[i, t]
 

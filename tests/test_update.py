@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -30,7 +31,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 import runtime
 import torch
 from runtime.post import expand
-from schemas.artifacts import AD_LIVE, MATCHER_PLANES
+from schemas.artifacts import AD_DELETED, AD_LIVE, MATCHER_PLANES
+from sidindex.errors import InputError
 from sidindex.artifact import same_file
 from sidindex.config import SIDConfig
 from sidindex.sid import Codebook, save_codebook
@@ -40,6 +42,7 @@ from sidindex.trie.build import build_gtm
 from sidindex.trie.kway import KWayConfig
 from sidindex.trie.patch import insert_sids
 from tests.conftest import run_cli
+from tests.test_snapshot import reseal
 
 CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_centroid = 4\n'
           '[kway]\nmode = "dynamic"\nk_max = 3\n')
@@ -131,6 +134,20 @@ def retrieved(root: Path, requests: Path, mode: str) -> list[tuple]:
     return sorted(zip(t["request_id"].to_pylist(), t["ad_id"].to_pylist(), np.round(t["score"].to_numpy(), 4).tolist()))
 
 
+def generated(root: Path, requests: Path, mode: str, beams=(1, 2, 3, 4)) -> list[list[tuple[int, bool]]]:
+    """(ad id, row live) of the rows under each SID a narrow search generates (invariant 3: each is
+    a SID of the changed catalog)."""
+    index = runtime.load(root, "cpu", verify=False)
+    reqs = runtime.read_requests(requests, index)
+    dev = runtime.to_device(runtime.encode_requests(reqs, index.spec), "cpu")
+    found = runtime.beam_search(index, dev, runtime.codebook_scorer(index, dev)(slice(0, len(reqs))), beams, mode)
+    g, ids, st = index.snapshot.gtm, index.snapshot.ad_id, index.snapshot.exact.ad_state
+    leaves = found.leaf[(found.leaf >= 0) & (found.score > float("-inf"))].tolist()
+    rows = [g.leaf_ads[g.leaf_ad_offsets[s]:g.leaf_ad_offsets[s + 1]] for s in leaves]
+    return [list(zip(ids[r].tolist(), (st[r] == AD_LIVE).tolist() if st is not None else [True] * len(r)))
+            for r in rows]
+
+
 class Updates(RuleBasedStateMachine):
     """The model: every ad's data (a catalog frame) and the paused ids, changed op by op in file order."""
 
@@ -219,6 +236,8 @@ class Updates(RuleBasedStateMachine):
             got = retrieved(self.root, requests, mode)
             assert got == retrieved(fresh, requests, mode), mode
             assert {ad for _, ad, _ in got} <= served  # never a paused or deleted ad
+            for leaf_ads in generated(self.root, requests, mode):  # narrow beams: only SIDs with a live ad
+                assert any(ad in served and live for ad, live in leaf_ads), mode
         shutil.rmtree(fresh)
         snap = open_snapshot(self.root, verify=True)
         if snap.manifest.lineage:
@@ -286,10 +305,29 @@ def test_bad_change_files_publish_nothing(built, pool, tmp_path, rows, message):
     before = open_snapshot(built).id
     ids = pool["catalog"]["ad_id"].head(N_BASE).to_list()
     path = _changes(pool, tmp_path / "changes.parquet", rows(ids, pool))
+    with pytest.raises(InputError, match=re.escape(message)):
+        run_update(built, path)
+    assert open_snapshot(built).id == before
+
+
+def test_bad_change_file_through_the_console_script(built, pool, tmp_path):
+    before = open_snapshot(built).id
+    path = _changes(pool, tmp_path / "changes.parquet", [_upsert(pool, 0, 7, embedding=[1.0] * 3)])
     r = run_cli("update", built, "--changes", path)
-    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert r.returncode == 2 and "column 'embedding', row 0 (ad_id 7): has 3 values, expected 16" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert open_snapshot(built).id == before
+
+
+def test_an_ad_upserted_then_deleted_in_one_file(built, pool, tmp_path):
+    root = Path(shutil.copytree(built, tmp_path / "root"))
+    ad = int(open_snapshot(root).ad_id[0])
+    report = run_update(root, _changes(pool, tmp_path / "c.parquet", [
+        _upsert(pool, N_BASE, 10**9), {"ad_id": 10**9, "op": "delete"},  # new, then gone
+        _upsert(pool, N_BASE + 1, ad), {"ad_id": ad, "op": "delete"}]))  # edited, then gone
+    snap = open_snapshot(root, verify=True)
+    assert report["new_sid_rows"] == 0 and 10**9 not in snap.ad_id
+    assert snap.exact.ad_state[snap.ad_id == ad].tolist() == [AD_DELETED]
 
 
 def test_change_file_without_columns_or_rows(built, pool, tmp_path):
@@ -316,7 +354,7 @@ def test_update_links_what_it_does_not_change_and_inspect_shows_staleness(built,
     assert r.returncode == 0, r.stderr
     new = open_snapshot(root, verify=True)
     changed = {n for n in new.manifest.files if not same_file(new.path / n, base.path / n)}
-    assert changed == {"ad_state.arrow"}  # everything else is the base's file
+    assert changed == {"ad_state.arrow", "entry_live.arrow"}  # everything else is the base's file
     r = run_cli("inspect", root, "--json")
     shown = json.loads(r.stdout)
     assert shown["updates_since_full_build"] == 1 and shown["paused_ads"] == 1 and shown["deleted_rows"] == 1
@@ -361,18 +399,40 @@ def test_watcher_applies_a_pause_without_moving_the_index(built, pool, tmp_path)
     ad = int(watcher.current.snapshot.ad_id[target])
     run_update(root, _changes(pool, tmp_path / "pause.parquet", [{"ad_id": ad, "op": "pause"}]))
     old = watcher.current
-    assert watcher.poll() and watcher.current.id != old.id
-    assert watcher.current.load_info["bytes"] == 0 and watcher.current.generation is old.generation
+    assert watcher.poll() and watcher.current.id != old.id  # only the new liveness flags move
+    assert watcher.current.load_info["bytes"] == watcher.current.snapshot.gtm.entry_live.nbytes
     after = runtime.retrieve(watcher.current, reqs, beams=BEAMS).result
     assert ad not in after.ad_id and len(after.ad_id) < len(before.ad_id)
+    # deleting the paused ad leaves every entry as live as it was: nothing moves, the same device arrays serve
+    old = watcher.current
+    run_update(root, _changes(pool, tmp_path / "delete.parquet", [{"ad_id": ad, "op": "delete"}]))
+    assert watcher.poll() and watcher.current.id != old.id
+    assert watcher.current.load_info["bytes"] == 0 and watcher.current.generation is old.generation
+    run_update(root, _changes(pool, tmp_path / "back.parquet", [_upsert(pool, target, ad)]))  # its own data again
+    assert watcher.poll()
     # an upsert changes the trie: loaded in full, and the new ad is served
     new = _upsert(pool, N_BASE, 10**9, country=None, locations=None, age=None, gender=None, language=None,
                   platform=None)
-    run_update(root, _changes(pool, tmp_path / "new.parquet", [new, {"ad_id": ad, "op": "resume"}]))
+    run_update(root, _changes(pool, tmp_path / "new.parquet", [new]))
     assert watcher.poll() and watcher.current.load_info["bytes"] > 0
     after = runtime.retrieve(watcher.current, reqs, beams=BEAMS).result
-    assert ad in after.ad_id and 10**9 in after.ad_id
-    assert watcher.current.snapshot.exact.ad_state[watcher.current.snapshot.ad_id == ad].tolist() == [AD_LIVE]
+    assert ad in after.ad_id and 10**9 in after.ad_id  # the deleted ad upserted again (its own data), the new one
+    assert watcher.current.snapshot.exact.ad_state[watcher.current.snapshot.ad_id == ad].tolist()[-1] == AD_LIVE
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.__setitem__("level_sizes", [2, 2, 2, 2]), "outside its level's vocabulary"),  # checked in full
+    (lambda m: m["lineage"].__setitem__("paused", 0), "lineage counts 0 paused"),
+    (lambda m: m["lineage"]["changes"].pop("resume"), "lineage: changes must map each op"),
+])
+def test_watcher_checks_an_update_in_full_when_its_manifest_says_otherwise(built, pool, tmp_path, edit, message):
+    root = Path(shutil.copytree(built, tmp_path / "root"))
+    watcher = runtime.SnapshotWatcher(root, "cpu")
+    served = watcher.current.id
+    run_update(root, _changes(pool, tmp_path / "p.parquet", [{"ad_id": int(watcher.current.snapshot.ad_id[0]),
+                                                                "op": "pause"}]))
+    reseal(open_snapshot(root).path, edit)
+    assert not watcher.poll() and watcher.current.id == served and message in watcher.last_error
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -390,12 +450,17 @@ def test_searcher_keeps_replaying_its_graphs_across_a_pause(built, pool, tmp_pat
         return expand(index, host, searcher.search(index, dev, scorer))
 
     before = served()
-    graphs = dict(searcher._graphs)
     ad = int(before.ad_id[0])
     run_update(root, _changes(pool, tmp_path / "pause.parquet", [{"ad_id": ad, "op": "pause"}]))
     assert watcher.poll()
-    after = served()
-    assert searcher._graphs == graphs  # replayed, not captured again
+    paused = served()  # the liveness flags moved: captured again
     keep = before.ad_id != ad
-    np.testing.assert_array_equal(after.ad_id, before.ad_id[keep])
-    np.testing.assert_array_equal(after.score, before.score[keep])
+    np.testing.assert_array_equal(paused.ad_id, before.ad_id[keep])
+    np.testing.assert_array_equal(paused.score, before.score[keep])
+    graphs = dict(searcher._graphs)
+    run_update(root, _changes(pool, tmp_path / "delete.parquet", [{"ad_id": ad, "op": "delete"}]))
+    assert watcher.poll() and watcher.current.load_info["bytes"] == 0
+    after = served()
+    assert searcher._graphs == graphs  # the same device arrays: replayed, not captured again
+    np.testing.assert_array_equal(after.ad_id, paused.ad_id)
+    np.testing.assert_array_equal(after.score, paused.score)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from schemas import CHANGE_OPS
 from schemas.artifacts import (
     ARRAYS_BY_NAME,
     GONE_VERSIONS,
@@ -172,20 +173,22 @@ def _files(bad, files: dict) -> dict[str, FileEntry]:
 
 
 
-LINEAGE_COUNTS = ("updates", "paused", "deleted", "stale_entries")
+LINEAGE_COUNTS = ("updates", "paused", "deleted", "stale_entries", "dead_sids")
 
 
 def _lineage(bad, doc: dict) -> dict:
     """An update's lineage: ids of snapshots, counts that are non-negative ints, changes per op."""
-    keys = {"full_build", "base", "changes", *LINEAGE_COUNTS}
+    keys = {"full_build", "base", "source", "changes", *LINEAGE_COUNTS}
     if set(doc) != keys:
         raise bad(f"lineage must hold exactly {sorted(keys)}")
     if not all(isinstance(doc[k], str) and SNAPSHOT_ID.match(doc[k]) for k in ("full_build", "base")):
         raise bad("lineage: full_build and base must be snapshot ids")
+    if not (isinstance(doc["source"], str) and len(doc["source"]) == 64):
+        raise bad("lineage: source must be the change file's sha256")
     if not all(_is_int(doc[k]) and 0 <= doc[k] <= MAX_ROWS for k in LINEAGE_COUNTS) or doc["updates"] < 1:
         raise bad(f"lineage: {', '.join(LINEAGE_COUNTS)} must be counts (updates at least 1)")
     ch = doc["changes"]
-    if not isinstance(ch, dict) or not all(isinstance(k, str) and _is_int(v) and 0 <= v <= MAX_ROWS
-                                           for k, v in ch.items()):
-        raise bad("lineage: changes must map each op to a count")
+    if not isinstance(ch, dict) or set(ch) != set(CHANGE_OPS) or not all(_is_int(v) and 0 <= v <= MAX_ROWS
+                                                                         for v in ch.values()):
+        raise bad(f"lineage: changes must map each op ({', '.join(CHANGE_OPS)}) to a count")
     return doc

@@ -25,7 +25,7 @@ from sidindex.root import Root
 from sidindex.sid.codebook import Codebook, load_codebook, save_codebook
 from sidindex.snapshot.arrays import map_array, prefault_pages, write_array
 from sidindex.snapshot.manifest import ArrayShape, FileEntry, Manifest
-from sidindex.snapshot.validate import check_structure
+from sidindex.snapshot.validate import STATE_ARRAYS, check_structure, check_lineage
 from sidindex.targeting import TargetingSpec, spec_from_dict
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
@@ -145,7 +145,7 @@ def _open(directory: Path, verify: bool, prefault: bool, base: Snapshot | None) 
         raise ArtifactError(str(e)) from None
     _check_shapes(where, m, spec)
     clock.lap("manifest")
-    shared = _shared_files(directory, m, base) if base is not None and base.spec == spec else frozenset()
+    shared = _shared_files(directory, m, spec, base) if base is not None else frozenset()
     verify_files(directory, {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in m.files.items()}, MANIFEST_FILE,
                  checksums=verify, trusted=shared)
     clock.lap("checksums" if verify else "files")
@@ -157,6 +157,7 @@ def _open(directory: Path, verify: bool, prefault: bool, base: Snapshot | None) 
     gtm = GTMIndex.from_arrays(m.level_sizes, arrays, MATCHER_PLANES)
     clock.lap("map")
     check_structure(directory, gtm, exact, ad_id, m.counts, changed=set(arrays) - set(reused) if reused else None)
+    check_lineage(directory, m.lineage, exact.ad_state)
     codebook = base.codebook if shared and m.codebook_id == base.manifest.codebook_id and all(
         n in shared for n in m.files if n.startswith("codebooks/")) else _codebook(directory, m)
     clock.lap("structure")
@@ -167,10 +168,15 @@ def _open(directory: Path, verify: bool, prefault: bool, base: Snapshot | None) 
     return Snapshot(directory, m, spec, gtm, exact, ad_id, codebook, clock.seconds)
 
 
-def _shared_files(directory: Path, m: Manifest, base: Snapshot) -> frozenset[str]:
-    """The files of `directory` that are the base's own: one inode, one manifest entry."""
-    return frozenset(n for n, f in m.files.items()
-                     if base.manifest.files.get(n) == f and same_file(directory / n, base.path / n))
+def _shared_files(directory: Path, m: Manifest, spec: TargetingSpec, base: Snapshot) -> frozenset[str]:
+    """The files of `directory` that are the base's own: one inode, one manifest entry. None when
+    the manifests disagree on what the arrays mean (level sizes, spec, partitions, codebook, the
+    arrays present but an update's), since the base's checks held for the base's manifest."""
+    b = base.manifest
+    if (m.level_sizes != b.level_sizes or spec != base.spec or m.kway != b.kway or m.codebook_id != b.codebook_id
+            or set(m.arrays) - STATE_ARRAYS != set(b.arrays) - STATE_ARRAYS):
+        return frozenset()
+    return frozenset(n for n, f in m.files.items() if b.files.get(n) == f and same_file(directory / n, base.path / n))
 
 
 def _codebook(directory: Path, m: Manifest) -> Codebook | None:
@@ -214,7 +220,7 @@ def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
     if m.kway:
         agree.append(("part_offsets", s["part_offsets"] == E + 1))
     if "ad_state" in s:
-        agree.append(("ad_state", s["ad_state"] == N))
+        agree += [("ad_state", s["ad_state"] == N), ("entry_live", s["entry_live"] == E)]
     if "ad_value" in s:
         agree += [("ad_value", s["ad_value"] == N), ("entry_value", s["entry_value"] == E)]
         if m.kway:

@@ -18,6 +18,7 @@ from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, ARRAYS_BY_NAME, MA
 from sidindex.errors import ArtifactError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.trie.build import GTMIndex
+from sidindex.trie.patch import live_entries
 
 
 def _rising(a: np.ndarray, strict: bool = False) -> bool:
@@ -46,7 +47,7 @@ class _Need:
 
 # Arrays that only the post stage's row filter reads: a snapshot that changes nothing else (an
 # update that pauses, resumes or deletes ads) is validated by their checks alone
-STATE_ARRAYS = frozenset({"ad_state"})
+STATE_ARRAYS = frozenset({"ad_state", "entry_live"})
 
 
 def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: dict,
@@ -81,6 +82,7 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
         raise fault
     if len(groups) > 2:
         _values(need, gtm)  # indexes with the offsets checked above
+    _live(need, gtm, exact)  # likewise (unchanged offsets were checked with the base)
     found = {"ads": len(ad_id), "sid_rows": len(gtm.leaf_ads), "sids": num_nodes - int(do[gtm.sid_length]),
              "nodes": num_nodes}
     if counts != found:
@@ -162,6 +164,13 @@ def _state(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> 
              f"every row's state must be {AD_LIVE}, {AD_PAUSED} or {AD_DELETED}")
 
 
+def _live(need: _Need, gtm: GTMIndex, exact: ExactIndex) -> None:
+    """The entries with a live row beneath: exactly those the ad states say (the search skips the others)."""
+    if gtm.entry_live is not None:
+        need(bool(np.array_equal(gtm.entry_live, live_entries(gtm, exact.ad_state))), "entry_live",
+             "must mark exactly the entries with a live row beneath them")
+
+
 def _ads(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """Unique ad ids among rows not deleted: every output row names its ad by id."""
     ids = ad_id if exact.ad_state is None else ad_id[exact.ad_state != AD_DELETED]
@@ -193,3 +202,13 @@ def _values(need: _Need, gtm: GTMIndex) -> None:
         first[po[:-1]] = True
         need(bool(np.all((pv[1:] <= pv[:-1]) | first[1:])) and bool(np.array_equal(pv[po[:-1]], ev)), "part_value",
              "an entry's partitions must fall in value from the entry's own bound")
+
+
+def check_lineage(path: Path, lineage: dict | None, ad_state: np.ndarray | None) -> None:
+    """An update's lineage counts the rows its ad states hold (what `inspect` reports)."""
+    if lineage is None:
+        return
+    n = np.bincount(ad_state, minlength=AD_DELETED + 1)
+    if (lineage["paused"], lineage["deleted"]) != (int(n[AD_PAUSED]), int(n[AD_DELETED])):
+        raise ArtifactError(f"{path / MANIFEST_FILE}: lineage counts {lineage['paused']} paused and "
+                            f"{lineage['deleted']} deleted rows, ad_state holds {n[AD_PAUSED]} and {n[AD_DELETED]}")

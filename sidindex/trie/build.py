@@ -58,6 +58,8 @@ class GTMIndex:
     ad_value:        (N,) float64 or None; each catalog row's value (DESIGN.md §16), when the catalog has them
     entry_value:     (E,) float32 or None; the largest ad_value under entry e, rounded up
     part_value:      (T,) float32 or None; the largest ad value in each partition, falling within an entry
+    entry_live:      (E,) uint8 or None; 1 when a live row lies beneath entry e (an update's, DESIGN.md §15;
+                     None: every row is live)
     """
 
     level_sizes: tuple[int, ...]
@@ -72,9 +74,10 @@ class GTMIndex:
     ad_value: np.ndarray | None = None
     entry_value: np.ndarray | None = None
     part_value: np.ndarray | None = None
+    entry_live: np.ndarray | None = None
 
     _TRIE = ("node_offsets", "csr_child_nodes", "csr_tokens", "depth_offsets", "leaf_ad_offsets", "leaf_ads",
-             "part_offsets", "ad_value", "entry_value", "part_value")
+             "part_offsets", "ad_value", "entry_value", "part_value", "entry_live")
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by its snapshot name (`schemas.artifacts`)."""

@@ -1,7 +1,8 @@
 """The CPU matcher over a GTM index: an obviously-correct reference for the runtime and tests.
 
 For one request at one trie node it returns the child tokens that pass:
-  cd      the child exists (catalog validity: the SID prefix is real)
+  cd      the child exists (catalog validity: the SID prefix is real; after updates, with a live
+          ad beneath it, `entry_live`)
   cd+gtm  and the child's subtree-union rows pass every matcher plane (`sidindex.matchers.plane`)
   cd+gtm+kway  and ANY of the child's k-way partitions passes every plane (the union test first).
 Unions and partitions are conservative (false positives only), so an eligible prefix always passes.
@@ -25,11 +26,13 @@ def passing_tokens(index: GTMIndex, requests: EncodedRequests, request: int, nod
     if not mode.constrained:
         raise ConfigError(f"mode {mode.value} does not walk the trie; passing tokens exist for constrained modes only")
     lo, hi = index.node_offsets[node], index.node_offsets[node + 1]
-    if not mode.gtm:
-        return index.csr_tokens[lo:hi]
     entries = np.arange(lo, hi, dtype=np.int64)
+    if index.entry_live is not None:
+        entries = entries[index.entry_live[entries] != 0]
+    if not mode.gtm:
+        return index.csr_tokens[entries]
     ok = entries_pass(index, requests.planes, entries, np.full(len(entries), request, dtype=np.int64), mode.kway)
-    return index.csr_tokens[lo:hi][ok]
+    return index.csr_tokens[entries][ok]
 
 
 def entries_pass(index: GTMIndex, queries: tuple[PlaneQueries, ...], entries: np.ndarray, reqs: np.ndarray,

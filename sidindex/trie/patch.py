@@ -139,18 +139,31 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
         entry_value=entry_value, part_value=part_value)
 
 
-def stale_entries(g: GTMIndex, ad_state: np.ndarray) -> int:
-    """How many child entries have a row that is not live (`ad_state` (N,) uint8) beneath them:
-    their matchers still hold its bits, a superset of what a full build would keep."""
-    L = g.sid_length
+def staleness(g: GTMIndex, ad_state: np.ndarray) -> tuple[int, int]:
+    """(stale entries, dead SIDs) under `ad_state` (N,) uint8: the child entries with a row that is
+    not live beneath them (their matchers still hold its bits, a superset of what a full build
+    would keep), and the SIDs none of whose rows is live (the search no longer takes them:
+    `live_entries`)."""
     dead = (ad_state[g.leaf_ads] != AD_LIVE).astype(np.int8)
-    nodes = int(g.depth_offsets[L]) + np.flatnonzero(np.maximum.reduceat(dead, g.leaf_ad_offsets[:-1]))
-    total = 0
-    for _ in range(L):  # leaves up to depth 1: each marked node's entry, then its parent
-        total += len(nodes)
+    dead_sids = int(np.minimum.reduceat(dead, g.leaf_ad_offsets[:-1]).sum())
+    return int(_beneath(g, np.maximum.reduceat(dead, g.leaf_ad_offsets[:-1]) > 0).sum()), dead_sids
+
+
+def live_entries(g: GTMIndex, ad_state: np.ndarray) -> np.ndarray:
+    """(E,) uint8: 1 for the child entries with a live row (`ad_state` (N,) uint8) beneath them."""
+    live = (ad_state[g.leaf_ads] == AD_LIVE).astype(np.int8)
+    return _beneath(g, np.maximum.reduceat(live, g.leaf_ad_offsets[:-1]) > 0).view(np.uint8)
+
+
+def _beneath(g: GTMIndex, leaf_flag: np.ndarray) -> np.ndarray:
+    """(E,) bool: the entries with a flagged leaf (leaf_flag (S,) bool) in their subtree."""
+    out = np.zeros(g.num_nodes - 1, dtype=bool)
+    nodes = int(g.depth_offsets[g.sid_length]) + np.flatnonzero(leaf_flag)
+    while len(nodes):  # leaves up to depth 1: each marked node's entry, then its parent
+        out[nodes - 1] = True
         nodes = np.unique(np.searchsorted(g.node_offsets, nodes - 1, side="right") - 1)
         nodes = nodes[nodes > 0]
-    return total
+    return out
 
 
 @numba.njit(cache=True)

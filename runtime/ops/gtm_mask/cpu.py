@@ -26,6 +26,9 @@ def gtm_mask_cpu(index, requests, depth: int, beam_request: torch.Tensor, beam_n
     count = g.node_offsets[node[beam] + 1] - first
     beam = np.repeat(beam, count)
     entries = expand_runs(first, count)
+    if g.entry_live is not None:  # an update's index: no entry without a live row beneath
+        live = g.entry_live[entries] != 0
+        beam, entries = beam[live], entries[live]
     # 2. the matchers, and the survivors' value bounds
     if mode.gtm:
         queries = tuple(dataclasses.replace(q, rows=q.rows.numpy().view(np.uint64), ranges=q.ranges.numpy())

@@ -83,8 +83,9 @@ def _rows_pass(ok, idx, stride, pos, b, words, t_base, q_words, q_base, q_ranges
 @triton.jit
 def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offsets, csr_tokens,
                      words, t_base, index, E, part_offsets, part_index, T, max_parts,
-                     q_words, q_base, q_ranges, V, bound, entry_value, part_value, weight, floor,
-                     GTM: tl.constexpr, KWAY: tl.constexpr, VALUE: tl.constexpr, WIDTHS: tl.constexpr,
+                     q_words, q_base, q_ranges, V, bound, entry_value, part_value, weight, floor, entry_live,
+                     LIVE: tl.constexpr, GTM: tl.constexpr, KWAY: tl.constexpr, VALUE: tl.constexpr,
+                     WIDTHS: tl.constexpr,
                      SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr, GW: tl.constexpr, GA: tl.constexpr,
                      BLOCK: tl.constexpr, QSTEP: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
@@ -95,6 +96,8 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
     e = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = e < hi
     tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
+    if LIVE:  # an update's index: an entry with no live row beneath leads to no ad
+        ok = ok & (tl.load(entry_live + e, mask=ok, other=0) != 0)
     first = tl.zeros([BLOCK], dtype=tl.int32)  # with KWAY: the position of each lane's first passing partition
     if GTM:
         b = tl.load(beam_request + m)
@@ -163,6 +166,7 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         t.part_index if kway else t.index, t.part_index.shape[1] if kway else 0, index.max_parts if kway else 0,
         q.words, q.base, q.ranges, V, out if extra is None else extra, g.entry_value if value else out,
         g.part_value if value and kway else out, float(value_weight), VALUE_FLOOR,
+        g.node_offsets if g.entry_live is None else g.entry_live, LIVE=g.entry_live is not None,
         GTM=mode.gtm, KWAY=kway, VALUE=value, WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane,
         GLO=lay.group_lo,
         GW=lay.group_words, GA=tuple(triton.next_power_of_2(max(w, 1)) for w in lay.group_words), BLOCK=BLOCK,

@@ -54,6 +54,8 @@ def gtm_mask_reference(index, requests, depth: int, beam_request: torch.Tensor, 
         lo = g.node_offsets[node]
         ok = (j < (g.node_offsets[node + 1] - lo)[:, None]) & (score > NEG_INF)[:, None]  # (m, C)
         e = torch.where(ok, lo[:, None] + j, 0)
+        if g.entry_live is not None:  # an update's index: no entry without a live row beneath
+            ok &= g.entry_live[e] != 0
         if mode.gtm:
             ok &= _passes(index, requests, [p.index[e].long() for p in g.planes], req)
         best = g.entry_value[e] if with_bound else None
