@@ -28,14 +28,14 @@ from sidindex.sid import Codebook, assign_sids, hash_tokens
 from sidindex.snapshot import Snapshot
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
-from sidindex.trie.patch import insert_sids, live_entries, staleness
+from sidindex.trie.patch import insert_sids, liveness
 
 
 @dataclass(frozen=True)
 class UpdatedIndex:
     """A snapshot's arrays after an update: `gtm`, `exact` (its ad_state set), `ad_id` (N',)
     int64; `sid_rows` new SID rows inserted; `stale` entries holding a row that is not live and
-    `dead_sids`, SIDs without a live row (`sidindex.trie.patch.staleness`)."""
+    `dead_sids`, SIDs without a live row (`sidindex.trie.patch.liveness`)."""
 
     gtm: GTMIndex
     exact: ExactIndex
@@ -53,22 +53,16 @@ class UpdatedIndex:
                 "dead_sids": self.dead_sids}
 
 
-def snapshot_state(snap: Snapshot) -> np.ndarray:
-    """(N,) uint8 the snapshot's row states (all live for a full build)."""
-    st = snap.exact.ad_state
-    return np.zeros(len(snap.ad_id), dtype=np.uint8) if st is None else st
-
-
 def ads_in_state(snap: Snapshot, *states: int) -> np.ndarray:
     """(n,) int64 the ids of the snapshot's rows in one of `states`."""
-    return np.asarray(snap.ad_id)[np.isin(snapshot_state(snap), states)]
+    return np.asarray(snap.ad_id)[np.isin(snap.row_states, states)]
 
 
 def apply_changes(snap: Snapshot, changes: Changes, codebook: Codebook) -> UpdatedIndex:
     """The snapshot's arrays with `changes` applied (read by `sidindex.changes.read_changes`
     against this snapshot)."""
     clock = StageClock()
-    state = snapshot_state(snap).copy()
+    state = snap.row_states.copy()
     served = state != AD_DELETED  # rows an id may name: its only one that is not deleted
     ids = pl.Series(snap.ad_id)
     for wanted, new_state in ((changes.removed, AD_DELETED), (changes.paused, AD_PAUSED), (changes.resumed, AD_LIVE)):
@@ -95,11 +89,10 @@ def apply_changes(snap: Snapshot, changes: Changes, codebook: Codebook) -> Updat
         sid_rows = len(sids.sids)
         clock.lap("exact index")
     exact = ExactIndex(exact.spec, exact.planes, state)
-    live = live_entries(gtm, state)
+    live, stale, dead_sids = liveness(gtm, state)
     if gtm.entry_live is not None and np.array_equal(live, gtm.entry_live):
         live = gtm.entry_live  # unchanged: the base's file and device tensor serve on
     gtm = dataclasses.replace(gtm, entry_live=live)
-    stale, dead_sids = staleness(gtm, state)
     clock.lap("stale entries")
     return UpdatedIndex(gtm, exact, ad_id, sid_rows, stale, dead_sids, clock.seconds)
 

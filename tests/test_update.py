@@ -42,7 +42,7 @@ from sidindex.trie.build import build_gtm
 from sidindex.trie.kway import KWayConfig
 from sidindex.trie.patch import insert_sids
 from tests.conftest import run_cli
-from tests.test_snapshot import reseal
+from tests.test_snapshot import reseal, rewrite_array
 
 CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_centroid = 4\n'
           '[kway]\nmode = "dynamic"\nk_max = 3\n')
@@ -241,7 +241,17 @@ class Updates(RuleBasedStateMachine):
         shutil.rmtree(fresh)
         snap = open_snapshot(self.root, verify=True)
         if snap.manifest.lineage:
-            assert snap.manifest.lineage["paused"] == len(self.paused)
+            lin, g, st = snap.manifest.lineage, snap.gtm, snap.exact.ad_state
+            assert lin["paused"] == len(self.paused)
+            stale, dead = set(), 0  # brute force: walk up from every SID holding a row that is not live
+            for s in range(g.num_leaves):
+                rows = st[g.leaf_ads[g.leaf_ad_offsets[s]:g.leaf_ad_offsets[s + 1]]]
+                dead += bool((rows != AD_LIVE).all())
+                node = int(g.depth_offsets[g.sid_length]) + s
+                while node > 0 and (rows != AD_LIVE).any():
+                    stale.add(node - 1)
+                    node = int(np.searchsorted(g.node_offsets, node - 1, side="right")) - 1
+            assert (lin["stale_entries"], lin["dead_sids"]) == (len(stale), dead)
 
 
 def test_random_updates_equal_fresh_builds(pool):
@@ -433,6 +443,19 @@ def test_watcher_checks_an_update_in_full_when_its_manifest_says_otherwise(built
                                                                 "op": "pause"}]))
     reseal(open_snapshot(root).path, edit)
     assert not watcher.poll() and watcher.current.id == served and message in watcher.last_error
+
+
+def test_watcher_refuses_a_state_update_that_brings_a_deleted_row_back(built, pool, tmp_path):
+    root = Path(shutil.copytree(built, tmp_path / "root"))
+    ad = int(open_snapshot(root).ad_id[0])
+    run_update(root, _changes(pool, tmp_path / "u.parquet", [_upsert(pool, N_BASE, ad)]))  # row 0 deleted
+    watcher = runtime.SnapshotWatcher(root, "cpu")
+    served = watcher.current.id
+    run_update(root, _changes(pool, tmp_path / "p.parquet", [{"ad_id": ad, "op": "pause"}]))
+    state = np.array(open_snapshot(root).exact.ad_state)
+    state[0] = AD_LIVE  # a second live row of the ad's id, written as if by a buggy writer
+    rewrite_array(open_snapshot(root).path, "ad_state", state)
+    assert not watcher.poll() and watcher.current.id == served and "must be unique" in watcher.last_error
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

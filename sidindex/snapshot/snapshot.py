@@ -54,6 +54,12 @@ class Snapshot:
         """Every array by its contract name (`schemas.artifacts`)."""
         return _arrays(self.gtm, self.exact, self.ad_id)
 
+    @property
+    def row_states(self) -> np.ndarray:
+        """(N,) uint8 each catalog row's state (`schemas.artifacts.AD_LIVE`, ...; all live for a full build)."""
+        st = self.exact.ad_state
+        return np.zeros(len(self.ad_id), dtype=np.uint8) if st is None else st
+
 
 def _arrays(gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> dict[str, np.ndarray]:
     """Every array of a snapshot by its contract name."""
@@ -156,7 +162,8 @@ def _open(directory: Path, verify: bool, prefault: bool, base: Snapshot | None) 
     exact = ExactIndex.from_arrays(spec, arrays, len(ad_id))
     gtm = GTMIndex.from_arrays(m.level_sizes, arrays, MATCHER_PLANES)
     clock.lap("map")
-    check_structure(directory, gtm, exact, ad_id, m.counts, changed=set(arrays) - set(reused) if reused else None)
+    check_structure(directory, gtm, exact, ad_id, m.counts, changed=set(arrays) - set(reused) if reused else None,
+                    base_state=None if base is None else base.row_states)
     check_lineage(directory, m.lineage, exact.ad_state)
     codebook = base.codebook if shared and m.codebook_id == base.manifest.codebook_id and all(
         n in shared for n in m.files if n.startswith("codebooks/")) else _codebook(directory, m)

@@ -51,20 +51,24 @@ STATE_ARRAYS = frozenset({"ad_state", "entry_live"})
 
 
 def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: dict,
-                    changed: set[str] | None = None) -> None:
+                    changed: set[str] | None = None, base_state: np.ndarray | None = None) -> None:
     """Raise ArtifactError naming the first array that breaks a relation.
 
     Depth ranges first (every other check indexes with them); then independent groups of checks in
     parallel threads (numpy releases the GIL, and a cold snapshot's pages fault in side by side);
     the first failing group, in the order below, is reported. `changed`: the arrays not already
-    validated as they are (None: all); when they are only STATE_ARRAYS, only their checks run.
+    validated as they are (None: all); when they are only STATE_ARRAYS, only their checks run, and
+    ad ids are checked again only if a row left the deleted state of `base_state` (N,) uint8, the
+    checked snapshot's (None: all live): otherwise the rows not deleted are a subset of checked ones.
     """
     need = _Need(path)
     do, num_nodes = gtm.depth_offsets, len(gtm.node_offsets) - 1
     need(int(do[0]) == 0 and int(do[1]) == 1 and int(do[-1]) == num_nodes and _rising(do, strict=True),
          "depth_offsets", "depth ranges must start at the root, hold at least one node each and end at the node count")
     if changed is not None and changed <= STATE_ARRAYS:
-        groups = (_state, _ads)
+        revived = base_state is None or exact.ad_state is None or bool(
+            np.any((base_state == AD_DELETED) & (exact.ad_state != AD_DELETED)))
+        groups = (_state, _ads) if revived else (_state,)
     else:
         groups = (_trie, _planes, _leaves, _partitions, _exact, _state, _ads)
 
@@ -80,7 +84,7 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
     fault = next((f for f in faults if f is not None), None)
     if fault is not None:
         raise fault
-    if len(groups) > 2:
+    if len(groups) > 2:  # the full check
         _values(need, gtm)  # indexes with the offsets checked above
     _live(need, gtm, exact)  # likewise (unchanged offsets were checked with the base)
     found = {"ads": len(ad_id), "sid_rows": len(gtm.leaf_ads), "sids": num_nodes - int(do[gtm.sid_length]),

@@ -139,30 +139,33 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
         entry_value=entry_value, part_value=part_value)
 
 
-def staleness(g: GTMIndex, ad_state: np.ndarray) -> tuple[int, int]:
-    """(stale entries, dead SIDs) under `ad_state` (N,) uint8: the child entries with a row that is
-    not live beneath them (their matchers still hold its bits, a superset of what a full build
-    would keep), and the SIDs none of whose rows is live (the search no longer takes them:
-    `live_entries`)."""
-    dead = (ad_state[g.leaf_ads] != AD_LIVE).astype(np.int8)
-    dead_sids = int(np.minimum.reduceat(dead, g.leaf_ad_offsets[:-1]).sum())
-    return int(_beneath(g, np.maximum.reduceat(dead, g.leaf_ad_offsets[:-1]) > 0).sum()), dead_sids
+def liveness(g: GTMIndex, ad_state: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """Under `ad_state` (N,) uint8: (E,) uint8 1 for the child entries with a live row beneath them
+    (`entry_live`: the search takes no other); the stale entries, with a row that is not live
+    beneath them (their matchers still hold its bits, a superset of what a full build would keep);
+    and the dead SIDs, none of whose rows is live."""
+    live = ad_state[g.leaf_ads] == AD_LIVE  # (P,) one gather for all three
+    starts = g.leaf_ad_offsets[:-1]
+    any_live, all_live = np.logical_or.reduceat(live, starts), np.logical_and.reduceat(live, starts)
+    return (_beneath(g, any_live).view(np.uint8), int(_beneath(g, ~all_live).sum()),
+            int(len(any_live) - any_live.sum()))
 
 
 def live_entries(g: GTMIndex, ad_state: np.ndarray) -> np.ndarray:
     """(E,) uint8: 1 for the child entries with a live row (`ad_state` (N,) uint8) beneath them."""
-    live = (ad_state[g.leaf_ads] == AD_LIVE).astype(np.int8)
-    return _beneath(g, np.maximum.reduceat(live, g.leaf_ad_offsets[:-1]) > 0).view(np.uint8)
+    live = ad_state[g.leaf_ads] == AD_LIVE
+    return _beneath(g, np.logical_or.reduceat(live, g.leaf_ad_offsets[:-1])).view(np.uint8)
 
 
 def _beneath(g: GTMIndex, leaf_flag: np.ndarray) -> np.ndarray:
-    """(E,) bool: the entries with a flagged leaf (leaf_flag (S,) bool) in their subtree."""
-    out = np.zeros(g.num_nodes - 1, dtype=bool)
-    nodes = int(g.depth_offsets[g.sid_length]) + np.flatnonzero(leaf_flag)
-    while len(nodes):  # leaves up to depth 1: each marked node's entry, then its parent
-        out[nodes - 1] = True
-        nodes = np.unique(np.searchsorted(g.node_offsets, nodes - 1, side="right") - 1)
-        nodes = nodes[nodes > 0]
+    """(E,) bool: the entries with a flagged leaf (leaf_flag (S,) bool) in their subtree; one pass
+    per depth, deepest first (a node's children are the contiguous entries of the next depth)."""
+    L, do, no = g.sid_length, g.depth_offsets, g.node_offsets
+    out = np.empty(g.num_nodes - 1, dtype=bool)
+    out[do[L] - 1:] = leaf_flag
+    for d in range(L - 1, 0, -1):
+        lo, hi = do[d], do[d + 1]
+        out[lo - 1:hi - 1] = np.logical_or.reduceat(out[no[lo]:no[hi]], no[lo:hi] - no[lo])
     return out
 
 
