@@ -167,8 +167,8 @@ def update(
 
     Validates the whole file first (ops, ad ids that exist, every upsert row as the catalog's);
     any error publishes nothing (exit 2). Rows apply in file order. pause/resume/delete change ad
-    states only; upsert assigns SIDs with the frozen codebook and adds what they need to the
-    trie. Files the update leaves alone are hard-linked from the base snapshot, and a watching
+    states only (and which prefixes still have a live ad: the search skips the others); upsert
+    assigns SIDs with the frozen codebook and adds what they need to the trie. Files the update leaves alone are hard-linked from the base snapshot, and a watching
     serving host applies an update of ad states without reloading the index.
 
     Matchers only grow between full builds: a paused, deleted or narrowed ad's targeting stays in
