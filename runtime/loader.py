@@ -25,6 +25,7 @@ from sidindex.errors import ConfigError, SidIndexError
 from sidindex.root import Root
 from sidindex.sid import Codebook
 from sidindex.snapshot import Snapshot, open_snapshot
+from sidindex.snapshot.arrays import same_memory
 from sidindex.targeting import TargetingSpec
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
@@ -193,7 +194,7 @@ def load_index(snap: Snapshot, device: str | torch.device = "cpu", *, base: Serv
 
 def _kept(served: dict[str, np.ndarray], snap_level_sizes: tuple[int, ...], base: ServedIndex | None,
           device: torch.device) -> set[str]:
-    """The arrays of `served` that are `base`'s own (the same memory and shape) on the same device,
+    """The arrays of `served` that are `base`'s own (`same_memory`) on the same device,
     when both indexes have the same arrays (but an update's new liveness flags) and level sizes
     (else none: entry keys and launch shapes follow them)."""
     if base is None or base.device != device:
@@ -202,8 +203,7 @@ def _kept(served: dict[str, np.ndarray], snap_level_sizes: tuple[int, ...], base
     if theirs.keys() - served.keys() or served.keys() - theirs.keys() - {"entry_live"} \
             or base.level_sizes != snap_level_sizes:  # only an update's liveness flags may be new
         return set()
-    return {n for n, a in served.items() if n in theirs and a.shape == theirs[n].shape
-            and a.__array_interface__["data"][0] == theirs[n].__array_interface__["data"][0]}
+    return {n for n, a in served.items() if n in theirs and same_memory(a, theirs[n])}
 
 
 def load(path: str | Path, device: str | torch.device = "cpu", *, verify: bool = True,

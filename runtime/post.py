@@ -2,8 +2,8 @@
 
 Runs on the host over the snapshot's memory maps: the SID -> ad CSR expands every live beam into
 its ads (dropping rows an update paused or deleted), an ad reached through several SIDs keeps its
-best score, and the exact ad-level filter
-drops every ineligible ad (Bloom false positives stop here). Ranked per request by one of RANKS:
+best score, and the exact ad-level filter drops every ineligible ad (Bloom false positives stop
+here). Ranked per request by one of RANKS:
   score  the ad's best log-probability (the default)
   value  the ad's value (the catalog's `value`), then its score
   fused  reciprocal-rank fusion of the two rankings, 1/(RRF_K + score rank) + 1/(RRF_K + value rank)

@@ -16,8 +16,8 @@ are copies: the next replay does not change them.
 With a `SnapshotWatcher`, each request takes `watcher.current` once and passes it here: a graph
 belongs to the device arrays it was captured on, so a swapped-in snapshot is captured anew at its
 first batch and the old graphs are dropped (they read the old index's tensors); an update that
-changed only ad states shares the device arrays (`ServedIndex.generation`), and its graphs replay. Searches through
-one Searcher are serialised (its graphs' buffers are shared), so a batch in flight finishes on
+changed only ad states shares the device arrays (`ServedIndex.generation`), and its graphs replay.
+Searches through one Searcher are serialised (its graphs' buffers are shared), so a batch in flight finishes on
 the index it was given before the next one re-captures.
 """
 

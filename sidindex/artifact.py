@@ -164,8 +164,8 @@ def check_format(path: Path, doc: dict, fmt: str, version: int | tuple[int, ...]
     versions = version if isinstance(version, tuple) else (version,)
     if found in versions and not isinstance(found, bool):
         return
-    version = " or ".join(map(str, versions)) if len(versions) < 3 else \
-        ", ".join(map(str, versions[:-1])) + f" or {versions[-1]}"
+    *head, last = map(str, versions)
+    version = f"{', '.join(head)} or {last}" if head else last
     found_int = isinstance(found, int) and not isinstance(found, bool)
     if found_int and found > max(versions):
         raise ArtifactError(f"{path}: {what} format version {found}; this sidindex reads version {version} "

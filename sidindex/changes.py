@@ -66,7 +66,7 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
     ids = int64_column(df, path, "ad_id")
     if not isinstance(df.get_column("op").dtype, (pl.String, pl.Categorical, pl.Enum, pl.Null)):
         raise InputError(f"{path}: column 'op' has type {df.get_column('op').dtype}, expected string")
-    if df.height and not values and "value" in df.columns:
+    if not values and "value" in df.columns:
         raise InputError(f"{path}: has a 'value' column, but the snapshot carries no ad values; drop the column, or "
                          "build the snapshot from a catalog with values")
     ops = df.get_column("op").cast(pl.String)
@@ -127,7 +127,6 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
         removed=as_ids(per_ad.filter(pl.col("data").is_not_null() & pl.col("in_base"))),
         added=added, added_paused=up.get_column("ends_paused").to_numpy().astype(bool),
         paused=as_ids(changed.filter(pl.col("ends_paused"))), resumed=as_ids(changed.filter(~pl.col("ends_paused"))))
-
 
 
 def _among(snapshot_ids: np.ndarray, file_ids: np.ndarray) -> pl.Series:

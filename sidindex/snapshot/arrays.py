@@ -85,6 +85,13 @@ def map_array(directory: Path, spec: ArrayFile, shape: tuple[int, ...]) -> np.nd
     return out.reshape(shape)
 
 
+def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether a and b are one array: the same bytes at the same address, shape and dtype (e.g. a
+    map and a view of it, or an array an update kept from its base)."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape
+            and a.dtype == b.dtype)
+
+
 def prefault_pages(array: np.ndarray) -> None:
     """Fault in every page under a mapped array (reading one byte per page maps it into this
     process; the kernel reads ahead around it)."""

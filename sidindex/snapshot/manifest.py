@@ -172,7 +172,6 @@ def _files(bad, files: dict) -> dict[str, FileEntry]:
     return out
 
 
-
 LINEAGE_COUNTS = ("updates", "paused", "deleted", "stale_entries", "dead_sids")
 
 

@@ -23,7 +23,7 @@ from sidindex.errors import ArtifactError, SidIndexError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.root import Root
 from sidindex.sid.codebook import Codebook, load_codebook, save_codebook
-from sidindex.snapshot.arrays import map_array, prefault_pages, write_array
+from sidindex.snapshot.arrays import map_array, prefault_pages, same_memory, write_array
 from sidindex.snapshot.manifest import ArrayShape, FileEntry, Manifest
 from sidindex.snapshot.validate import STATE_ARRAYS, check_structure, check_lineage
 from sidindex.targeting import TargetingSpec, spec_from_dict
@@ -83,7 +83,7 @@ def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.
     shared = base.arrays() if base is not None else {}
     for name, a in arrays.items():
         spec_ = ARRAYS_BY_NAME[name]
-        if name in shared and _same_memory(shared[name], a):
+        if name in shared and same_memory(shared[name], a):
             link_file(base.path / spec_.file, directory / spec_.file)
             kept[spec_.file] = base.manifest.files[spec_.file]
         else:
@@ -110,12 +110,6 @@ def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.
         lineage=lineage)
     (directory / MANIFEST_FILE).write_bytes(manifest.to_bytes())
     return manifest
-
-
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether a and b are one array (the same bytes at the same address, e.g. a map and a view of it)."""
-    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape
-            and a.dtype == b.dtype)
 
 
 def open_snapshot(path: str | Path, *, verify: bool = True, prefault: bool = False,

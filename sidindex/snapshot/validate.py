@@ -45,8 +45,8 @@ class _Need:
             raise ArtifactError(f"{self.path / ARRAYS_BY_NAME[name].file}: {what}; the snapshot is corrupt")
 
 
-# Arrays that only the post stage's row filter reads: a snapshot that changes nothing else (an
-# update that pauses, resumes or deletes ads) is validated by their checks alone
+# The arrays an update of ad states alone (pause, resume, delete) writes: a snapshot that changes
+# nothing else beside a checked base is validated by their checks alone
 STATE_ARRAYS = frozenset({"ad_state", "entry_live"})
 
 
@@ -65,12 +65,13 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
     do, num_nodes = gtm.depth_offsets, len(gtm.node_offsets) - 1
     need(int(do[0]) == 0 and int(do[1]) == 1 and int(do[-1]) == num_nodes and _rising(do, strict=True),
          "depth_offsets", "depth ranges must start at the root, hold at least one node each and end at the node count")
-    if changed is not None and changed <= STATE_ARRAYS:
+    full = changed is None or not changed <= STATE_ARRAYS
+    if full:
+        groups = (_trie, _planes, _leaves, _partitions, _exact, _state, _ads)
+    else:
         revived = base_state is None or exact.ad_state is None or bool(
             np.any((base_state == AD_DELETED) & (exact.ad_state != AD_DELETED)))
         groups = (_state, _ads) if revived else (_state,)
-    else:
-        groups = (_trie, _planes, _leaves, _partitions, _exact, _state, _ads)
 
     def run(group) -> ArtifactError | None:
         try:
@@ -84,7 +85,7 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
     fault = next((f for f in faults if f is not None), None)
     if fault is not None:
         raise fault
-    if len(groups) > 2:  # the full check
+    if full:
         _values(need, gtm)  # indexes with the offsets checked above
     _live(need, gtm, exact)  # likewise (unchanged offsets were checked with the base)
     found = {"ads": len(ad_id), "sid_rows": len(gtm.leaf_ads), "sids": num_nodes - int(do[gtm.sid_length]),
