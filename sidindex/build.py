@@ -22,8 +22,9 @@ from sidindex.matchers.exact import ExactIndex, build_exact_index
 from sidindex.matchers.kinds import KINDS
 from sidindex.targeting import TargetingSpec
 from sidindex.timing import StageClock
-from sidindex.trie.build import GTMIndex, build_gtm
+from sidindex.trie.build import GTMIndex
 from sidindex.trie.kway import KWayConfig
+from sidindex.trie.partition import build_gtm_partitioned
 from sidindex.trie.stats import GTMStats, gtm_stats
 
 
@@ -54,16 +55,20 @@ def encode_ads(spec: TargetingSpec, columns: pl.DataFrame, clock: StageClock | N
 
 def build_index(spec: TargetingSpec, columns: pl.DataFrame, sids: np.ndarray, ad_index: np.ndarray,
                 level_sizes: tuple[int, ...], *, kway: KWayConfig | None = None,
-                ad_value: np.ndarray | None = None) -> BuiltIndex:
+                ad_value: np.ndarray | None = None, workers: int | None = None, parts: int | None = None
+                ) -> BuiltIndex:
     """columns: the catalog's targeting columns (validated, `Catalog.columns`), one row per ad
     sids: (P, L) int16 SID rows; ad_index: (P,) int64 row of each SID row's ad in `columns`
     ad_value: (N,) float64 the ads' values (`Catalog.value`), or None: no value bounds
+    workers: threads building the trie as subtries (default 1: the whole trie at once, fastest on
+             a few cores); parts: how many subtries (default: 4 per worker); the index depends on neither
     """
     clock = StageClock()
     ad_rows, exact = encode_ads(spec, columns, clock)
     clock.lap("exact index")
     bits = tuple(layout.bits for layout in spec.layouts)
-    gtm = build_gtm(sids, ad_index, level_sizes, ad_rows, kway=kway, matcher_bits=sum(bits), ad_value=ad_value)
+    gtm = build_gtm_partitioned(sids, ad_index, level_sizes, ad_rows, kway=kway, matcher_bits=sum(bits),
+                                ad_value=ad_value, workers=workers or 1, parts=parts)
     clock.lap("trie")
     stats = gtm_stats(gtm, bits)
     clock.lap("stats")

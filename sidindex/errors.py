@@ -27,6 +27,11 @@ class ScorerError(SidIndexError):
     logits of the wrong shape or dtype."""
 
 
+class EngineError(SidIndexError):
+    """A build engine failed outside the user's data: a cluster that cannot be reached, a worker
+    that died."""
+
+
 class QualityGateError(SidIndexError):
     """The SID quality report crossed a configured fail threshold."""
 

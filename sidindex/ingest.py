@@ -142,6 +142,12 @@ def catalog_rows(df: pl.DataFrame, path: str, *, spec: TargetingSpec | None = No
     return Catalog(path, ad_id, embedding, pl.DataFrame(keep), value)
 
 
+def check_unique_ad_ids(ad_id: np.ndarray, path: str) -> None:
+    """Refuse a repeated id in a whole catalog's ad_id (N,) int64 as `read_catalog` does: for an
+    engine that validates a catalog's fragments apart (unique=False), once all are read."""
+    _Validator(path, pl.DataFrame()).unique(CATALOG.field("ad_id").name, ad_id)
+
+
 def read_requests(
     path: str | Path,
     spec: TargetingSpec,
@@ -183,26 +189,37 @@ class _Validator:
         self.df = df
         self.rows = rows  # the file's row of each row of df, when df is a selection of the file's
         self.ad_id: np.ndarray | None = None
+        self.checked = -1  # columns checked so far, for `InputError.rank`
 
-    def fail(self, column: str, row: int | None, message: str) -> InputError:
+    def fail(self, column: str, row: int | None, message: str, step: int = 0) -> InputError:
+        """The error of the check `step` (within its column's checks, in order) failing at `row`."""
         where = f"{self.path}: column {column!r}"
+        file_row = -1
         if row is not None:
-            where += f", row {row if self.rows is None else int(self.rows[row])}"
+            file_row = row if self.rows is None else int(self.rows[row])
+            where += f", row {file_row}"
             if self.ad_id is not None:
                 where += f" (ad_id {self.ad_id[row]})"
-        return InputError(f"{where}: {message}")
+        error = InputError(f"{where}: {message}")
+        # which error a whole-file validation reports first: column, check, then row (an engine
+        # validating fragments apart picks the same one)
+        error.rank = (self.checked, step, file_row)
+        return error
 
     def column(self, name: str) -> pl.Series:
+        self.checked += 1
         if name not in self.df.columns:
             shown = ", ".join(repr(c) for c in self.df.columns[:12])
             more = f", ... {len(self.df.columns) - 12} more" if len(self.df.columns) > 12 else ""
-            raise InputError(f"{self.path}: missing column {name!r} (columns present: {shown}{more})")
+            error = InputError(f"{self.path}: missing column {name!r} (columns present: {shown}{more})")
+            error.rank = (self.checked, -1, -1)
+            raise error
         return self.df.get_column(name)
 
     def no_nulls(self, s: pl.Series) -> None:
         if s.null_count():
             row = int(s.is_null().arg_true()[0])
-            raise self.fail(s.name, row, "is null; this column must have a value in every row")
+            raise self.fail(s.name, row, "is null; this column must have a value in every row", step=1)
 
     def int64(self, name: str) -> np.ndarray:
         """(rows,) int64. Any integer type is accepted when every value fits int64 (e.g. uint64 ids
@@ -220,7 +237,7 @@ class _Validator:
         if outside:
             row = min(outside)
             raise self.fail(name, row, f"value {s[row]} does not fit int64 (ids must be in [-2**63, 2**63)); "
-                                       "map the ids into that range or correct the row")
+                                       "map the ids into that range or correct the row", step=2)
         return s.cast(pl.Int64).to_numpy()
 
     def value(self, name: str) -> pl.Series:
@@ -234,16 +251,17 @@ class _Validator:
         if bad.any():
             row = int(bad.arg_true()[0])
             raise self.fail(name, row, f"value {s[row]} is not a number in [0, {MAX_AD_VALUE:g}] (an ad's expected "
-                                       "eCPM; give 0 for an ad of unknown value)")
+                                       "eCPM; give 0 for an ad of unknown value)", step=2)
         return s
 
     def unique(self, name: str, values: np.ndarray) -> None:
+        """Refuse a repeated value, naming the later row of the first repeat."""
         order = np.argsort(values, kind="stable")
         dup = np.flatnonzero(values[order][1:] == values[order][:-1])
         if len(dup):
             first, second = sorted((int(order[dup[0]]), int(order[dup[0] + 1])))
             raise self.fail(name, second, f"value {values[second]} also appears in row {first}; "
-                                          f"{name} must be unique")
+                                          f"{name} must be unique", step=3)
 
     def hash_key(self, name: str) -> pl.Series:
         s = self.column(name)
@@ -273,14 +291,14 @@ class _Validator:
             too_long = (s.list.len() > max_len).fill_null(False)
             if too_long.any():
                 row = int(too_long.arg_true()[0])
-                raise self.fail(name, row, f"holds {s[row].len()} values; at most {max_len} are allowed")
+                raise self.fail(name, row, f"holds {s[row].len()} values; at most {max_len} are allowed", step=2)
         flat = pl.DataFrame({"row": pl.int_range(0, len(s), eager=True, dtype=pl.Int64), name: s}).explode(name)
         # Null/empty lists explode to a null element too; only a null *inside* a real list is malformed.
         inner_null = flat.filter(pl.col(name).is_null()).join(
             pl.DataFrame({"row": (s.list.len() > 0).fill_null(False).arg_true().cast(pl.Int64)}), on="row")
         if inner_null.height:
             raise self.fail(name, int(inner_null["row"].min()), "holds a null value inside its list; "
-                                                                "use an empty list or null for unrestricted")
+                                                                "use an empty list or null for unrestricted", step=3)
         if declared is not None:
             bad = flat.filter(pl.col(name).is_not_null() & ~pl.col(name).is_in(list(declared)))
             if bad.height:
@@ -289,7 +307,7 @@ class _Validator:
                 shown = ", ".join(repr(x) for x in sorted(declared)[:4])
                 more = f", ... {len(declared) - 4} more" if len(declared) > 4 else ""
                 raise self.fail(name, row, f"value {value!r} is not declared in {declared_in} "
-                                           f"(declared: {shown}{more}). Declare it or correct the row.")
+                                           f"(declared: {shown}{more}). Declare it or correct the row.", step=4)
         return s
 
     def vector(self, name: str, dim: int | None) -> np.ndarray:
@@ -308,11 +326,11 @@ class _Validator:
         expected = dim if dim is not None else int(lengths[0])
         origin = "the codebook's dimension" if dim is not None else "the length of row 0"
         if expected == 0:
-            raise self.fail(name, 0, "is empty; embeddings need at least one value")
+            raise self.fail(name, 0, "is empty; embeddings need at least one value", step=2)
         wrong = np.flatnonzero(lengths != expected)
         if len(wrong):
             row = int(wrong[0])
-            raise self.fail(name, row, f"has {lengths[row]} values, expected {expected} ({origin})")
+            raise self.fail(name, row, f"has {lengths[row]} values, expected {expected} ({origin})", step=3)
         flat = s.explode() if isinstance(dt, pl.List) else s.arr.explode()
         x = flat.cast(pl.Float32).to_numpy().reshape(len(s), expected)
         # One pass catches NaN (every comparison is False), inf, and values beyond the bound.
@@ -324,9 +342,9 @@ class _Validator:
             value = flat.slice(row * expected + col, 1).to_numpy()[0]
             if not np.isfinite(float(value)):  # a null element reads as NaN
                 raise self.fail(name, row, f"element {col} is {x[row, col]} (null, NaN or inf); "
-                                           "embeddings must be finite")
+                                           "embeddings must be finite", step=4)
             raise self.fail(name, row, f"element {col} is {value!s}, beyond the allowed range "
                                        f"[-{MAX_ABS_EMBEDDING:g}, {MAX_ABS_EMBEDDING:g}] (MAX_ABS_EMBEDDING: larger "
                                        "values overflow float32 distance arithmetic). Normalise or rescale the "
-                                       "embeddings, or correct the row.")
+                                       "embeddings, or correct the row.", step=4)
         return np.ascontiguousarray(x, dtype=np.float32)

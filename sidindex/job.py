@@ -16,20 +16,27 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from schemas.artifacts import AD_LIVE, AD_PAUSED, SNAPSHOT_VERSION
 from sidindex.artifact import sha256_file
 from sidindex.build import build_index
 from sidindex.changes import read_changes
-from sidindex.config import load_config
-from sidindex.errors import ArtifactError, QualityGateError
-from sidindex.ingest import read_catalog
+from sidindex.config import BuildConfig, load_config
+from sidindex.errors import ArtifactError, ConfigError, QualityGateError
+from sidindex.ingest import Catalog, read_catalog
+from sidindex.matchers.exact import ExactIndex
 from sidindex.root import Root, new_snapshot_id
-from sidindex.sid import assign_sids, hash_tokens, load_codebook, save_codebook, sid_quality, train_codebook
+from sidindex.sid import Codebook, assign_sids, hash_tokens, load_codebook, save_codebook, sid_quality, train_codebook
+from sidindex.sid.quality import QualityReport, quality_report
 from sidindex.snapshot import Manifest, open_snapshot, write_snapshot
-from sidindex.targeting import load_targeting
+from sidindex.targeting import TargetingSpec, load_targeting
 from sidindex.timing import StageClock
+from sidindex.trie.build import GTMIndex
+from sidindex.trie.stats import GTMStats, gtm_stats
 from sidindex.update import ads_in_state, apply_changes
 
 Progress = Callable[[str, int, int], None]
@@ -37,8 +44,20 @@ Progress = Callable[[str, int, int], None]
 
 def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None = None, codebook: Path | None = None,
               force: bool = False, keep: int = 3, progress: Progress | None = None,
-              waiting: Callable[[], None] | None = None) -> dict:
-    """Run the job; returns its report (status "published" or "unchanged", ids, counts, seconds)."""
+              waiting: Callable[[], None] | None = None, engine: str = "local", ray_address: str | None = None,
+              workers: int | None = None) -> dict:
+    """Run the job; returns its report (status "published" or "unchanged", ids, counts, seconds).
+
+    engine: "local" (this process; `workers` threads build the trie as subtries, default 1) or "ray"
+    (`sidindex.ray_build`: a local Ray on `workers` CPUs, or the cluster at `ray_address`; it
+    needs a frozen codebook). Both publish the same arrays.
+    """
+    if engine not in ENGINES:
+        raise ConfigError(f"unknown build engine {engine!r}; expected one of {', '.join(ENGINES)}")
+    if ray_address is not None and engine != "ray":
+        raise ConfigError("a Ray address applies to the ray engine only")
+    if ray_address is not None and workers is not None:
+        raise ConfigError("a number of workers sizes a local Ray; a Ray cluster brings its own CPUs")
     progress = progress or (lambda *_: None)
     clock = StageClock()
     cfg = load_config(config)
@@ -47,45 +66,111 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
     with layout.lock(waiting):
         clock.restart()  # time spent waiting for the lock is not the build's
         cb, cb_source = _codebook(layout, codebook)
-        hash_keys = cb.hash_keys if cb else cfg.sid.hash_keys
-        cat = read_catalog(catalog, spec=spec, hash_keys=hash_keys, dim=cb.dim if cb else None)
-        clock.lap("ingest")
-        if cb is None:
-            cb = train_codebook(cat.embedding, cfg.sid, progress)
-            save_codebook(cb, layout.path)
-            cb_source = "trained"
-            clock.lap("train codebook")
-        fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id)
-        report = {"root": str(root), "fingerprint": fingerprint, "codebook_id": cb.id, "codebook": cb_source,
-                  "ads": len(cat)}
-        published = _current(layout)
-        if not force and published and _published_fingerprint(layout, published) == fingerprint:
-            return {"status": "unchanged", "snapshot_id": published, **report, "seconds": _rounded(clock)}
-        tokens = hash_tokens(cat.columns, cb.hash_keys, cb.hash_size)
-        assignment = assign_sids(cb, cat.embedding, tokens, progress)
-        quality = sid_quality(assignment, cb, cat.embedding, cfg.quality)
-        if quality.failures:
-            raise QualityGateError("SID quality gate failed, nothing published: " + "; ".join(quality.failures))
-        clock.lap("assign SIDs")
-        built = build_index(spec, cat.columns, assignment.sids, assignment.ad_index, cb.level_sizes, kway=cfg.kway,
-                            ad_value=cat.value)
-        clock.seconds |= {f"build: {k}": v for k, v in built.seconds.items()}
+        report = {"root": str(root), "codebook": cb_source, "engine": engine}
+        if engine == "ray":
+            from sidindex.ray_build import fragments
+
+            if cb is None:
+                raise ConfigError(f"{root}: holds no frozen codebook, and the ray engine assigns SIDs with one; "
+                                  "build once with the local engine (which trains it) or give a codebook")
+            fragments(Path(catalog))  # a readable Parquet catalog, before it is read whole
+            fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id)
+            if not force and (unchanged := _unchanged(layout, fingerprint)):
+                return {**unchanged, **report, "codebook_id": cb.id, "seconds": _rounded(clock)}
+            built = _on_ray(catalog, spec, cfg, cb, ray_address, workers)
+        else:
+            hash_keys = cb.hash_keys if cb else cfg.sid.hash_keys
+            cat = read_catalog(catalog, spec=spec, hash_keys=hash_keys, dim=cb.dim if cb else None)
+            clock.lap("ingest")
+            if cb is None:
+                cb = train_codebook(cat.embedding, cfg.sid, progress)
+                save_codebook(cb, layout.path)
+                report["codebook"] = "trained"
+                clock.lap("train codebook")
+            fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id)
+            if not force and (unchanged := _unchanged(layout, fingerprint)):
+                return {**unchanged, **report, "codebook_id": cb.id, "seconds": _rounded(clock)}
+            built = _locally(cat, spec, cfg, cb, workers, progress)
+        if built.quality.failures:
+            raise QualityGateError("SID quality gate failed, nothing published: " + "; ".join(built.quality.failures))
+        clock.seconds |= built.seconds
         clock.restart()
         snapshot_id = new_snapshot_id(fingerprint)
-        counts = {"ads": len(cat), "sid_rows": int(len(assignment.sids)), "sids": built.stats.sids,
+        counts = {"ads": len(built.ad_id), "sid_rows": len(built.gtm.leaf_ads), "sids": built.stats.sids,
                   "nodes": built.stats.num_nodes}
 
         def write(directory: Path) -> None:
-            write_snapshot(directory, built.gtm, built.exact, cat.ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
+            write_snapshot(directory, built.gtm, built.exact, built.ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
                            input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()),
                            build_config=cfg.to_dict(), counts=counts, stats=built.stats.to_dict(),
-                           quality=quality.to_dict())
+                           quality=built.quality.to_dict())
 
         path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep)
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
-            "sid_rows": int(len(assignment.sids)), "sids": built.stats.sids, "nodes": built.stats.num_nodes,
-            "matcher_bytes": built.stats.matcher_bytes, "seconds": _rounded(clock)}
+            "fingerprint": fingerprint, "codebook_id": cb.id, **counts,
+            "matcher_bytes": built.stats.matcher_bytes, **({"ray": built.shape} if built.shape else {}),
+            "seconds": _rounded(clock)}
+
+
+ENGINES = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class _Built:
+    """An engine's result: what the snapshot is written from."""
+
+    gtm: GTMIndex
+    exact: ExactIndex
+    ad_id: np.ndarray
+    stats: GTMStats
+    quality: QualityReport
+    seconds: dict[str, float]
+    shape: dict | None = None  # the ray engine's fragments, parts and shuffle
+
+
+def _locally(cat: Catalog, spec: TargetingSpec, cfg: BuildConfig, cb: Codebook, workers: int | None,
+             progress: Progress) -> _Built:
+    clock = StageClock()
+    tokens = hash_tokens(cat.columns, cb.hash_keys, cb.hash_size)
+    assignment = assign_sids(cb, cat.embedding, tokens, progress)
+    quality = sid_quality(assignment, cb, cat.embedding, cfg.quality)
+    clock.lap("assign SIDs")
+    if quality.failures:  # before the trie: fail fast
+        return _Built(None, None, cat.ad_id, None, quality, clock.seconds)
+    built = build_index(spec, cat.columns, assignment.sids, assignment.ad_index, cb.level_sizes, kway=cfg.kway,
+                        ad_value=cat.value, workers=workers)
+    return _Built(built.gtm, built.exact, cat.ad_id, built.stats, quality,
+                  clock.seconds | {f"build: {k}": v for k, v in built.seconds.items()})
+
+
+def _on_ray(catalog: Path, spec: TargetingSpec, cfg: BuildConfig, cb: Codebook, address: str | None,
+            workers: int | None) -> _Built:
+    from sidindex.ray_build import build_on_ray
+
+    r = build_on_ray(Path(catalog), spec, cb, kway=cfg.kway, address=address, workers=workers)
+    clock = StageClock()
+    g = r.gtm
+    counts = np.diff(g.leaf_ad_offsets)
+    quality = quality_report(g.leaf_sids(), counts, np.bincount(g.leaf_ads, minlength=len(r.ad_id)), r.sums, cb,
+                             cfg.quality)
+    stats = gtm_stats(g, tuple(layout.bits for layout in spec.layouts))
+    clock.lap("quality + stats")
+    return _Built(g, r.exact, r.ad_id, stats, quality, {f"ray: {k}": v for k, v in r.seconds.items()} | clock.seconds,
+                  r.shape)
+
+
+def _unchanged(root: Root, fingerprint: str) -> dict | None:
+    """The "unchanged" report when the published snapshot was built from `fingerprint`, else None."""
+    published = _current(root)
+    try:
+        manifest = Manifest.read(root.snapshot_dir(published)) if published else None
+    except ArtifactError:  # unreadable: build anew
+        return None
+    if manifest is None or manifest.input_fingerprint != fingerprint:
+        return None
+    return {"status": "unchanged", "snapshot_id": published, "fingerprint": fingerprint,
+            "ads": manifest.counts.get("ads")}
 
 
 def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[], None] | None = None) -> dict:
@@ -162,9 +247,3 @@ def _current(root: Root) -> str | None:
         return None
 
 
-def _published_fingerprint(root: Root, snapshot_id: str) -> str | None:
-    """The fingerprint the published snapshot was built from (None when it cannot be read: build anew)."""
-    try:
-        return Manifest.read(root.snapshot_dir(snapshot_id)).input_fingerprint
-    except ArtifactError:
-        return None

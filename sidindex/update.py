@@ -23,7 +23,7 @@ from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED
 from sidindex.build import encode_ads
 from sidindex.changes import Changes
 from sidindex.errors import InputError
-from sidindex.matchers.exact import ExactIndex, ExactPlane
+from sidindex.matchers.exact import ExactIndex, concat_exact
 from sidindex.sid import Codebook, assign_sids, hash_tokens
 from sidindex.snapshot import Snapshot
 from sidindex.timing import StageClock
@@ -83,7 +83,7 @@ def apply_changes(snap: Snapshot, changes: Changes, codebook: Codebook) -> Updat
         n = len(ad_id)
         gtm = insert_sids(gtm, sids.sids, sids.ad_index + n, ad_rows, added.value)
         clock.lap("insert SIDs")
-        exact = append_exact(exact, new_exact, n)
+        exact = concat_exact([exact, new_exact])
         ad_id = np.concatenate([ad_id, added.ad_id])
         state = np.concatenate([state, np.where(changes.added_paused, AD_PAUSED, AD_LIVE).astype(np.uint8)])
         sid_rows = len(sids.sids)
@@ -95,22 +95,3 @@ def apply_changes(snap: Snapshot, changes: Changes, codebook: Codebook) -> Updat
     gtm = dataclasses.replace(gtm, entry_live=live)
     clock.lap("stale entries")
     return UpdatedIndex(gtm, exact, ad_id, sid_rows, stale, dead_sids, clock.seconds)
-
-
-def append_exact(base: ExactIndex, new: ExactIndex, n: int) -> ExactIndex:
-    """The exact index of `base`'s n rows followed by `new`'s (a `values` plane stays
-    attribute-major: per attribute, the base ads' hashes, then the new ads')."""
-    planes = []
-    for b, x in zip(base.planes, new.planes):
-        if b.rows is not None:
-            planes.append(ExactPlane(b.name, rows=np.concatenate([b.rows, x.rows])))
-            continue
-        bo, xo = np.asarray(b.hash_offsets), x.hash_offsets  # (A, n+1), (A, u+1)
-        added = xo[:, -1] - xo[:, 0]  # new hashes per attribute
-        before = np.concatenate([[0], np.cumsum(added)[:-1]])  # new hashes of earlier attributes
-        offsets = np.concatenate([bo + before[:, None], xo[:, 1:] - xo[:, :1] + (bo[:, -1] + before)[:, None]], axis=1)
-        hashes = np.concatenate([part for a in range(len(bo))
-                                 for part in (b.hashes[bo[a, 0]:bo[a, -1]], x.hashes[xo[a, 0]:xo[a, -1]])]
-                                or [np.zeros(0, dtype=np.uint64)])
-        planes.append(ExactPlane(b.name, hash_offsets=offsets, hashes=hashes))
-    return ExactIndex(base.spec, tuple(planes))

@@ -132,6 +132,14 @@ def build(
                                             "holding one). Default: the one in ROOT/codebooks, trained there if none."),
     force: bool = typer.Option(False, "--force", help="Publish even when the inputs match the published snapshot."),
     keep: int = typer.Option(3, "--keep", min=1, help="Published snapshots to keep (older ones are deleted)."),
+    engine: str = typer.Option("local", "--engine", help="Where the build runs: local (this process) or ray "
+                               "(Ray tasks over the Parquet catalog's row groups; needs a frozen codebook and "
+                               "the ray extra: pip install 'sidindex[ray]'). Both publish the same arrays."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster to run on (ADDR, or auto: "
+                                              "the one this host belongs to). Default: start a local Ray for the build."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="local: threads building the trie as "
+                                          "subtries by first token (default 1: the whole trie at once, the fastest "
+                                          "on a few cores). ray: CPUs of the local Ray (default: every core)."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Build and publish a snapshot: the main job, end to end.
@@ -146,11 +154,17 @@ def build(
 
     with progress_bar(not as_json and err.is_terminal) as progress:
         report = run_build(catalog, targeting, root, config=config, codebook=codebook, force=force, keep=keep,
-                           progress=progress, waiting=lambda: err.print("waiting for another build on this ROOT ..."))
+                           progress=progress, waiting=lambda: err.print("waiting for another build on this ROOT ..."),
+                           engine=engine, ray_address=ray_address, workers=workers)
     if as_json:
         emit(report, True, "")
         return
-    emit({k: v for k, v in report.items() if k != "seconds"}, False, f"snapshot {report['status']}")
+    shown = {k: v for k, v in report.items() if k not in ("seconds", "ray")}
+    if "ray" in report:
+        shape = report["ray"]
+        shown |= {"fragments": shape["fragments"], "parts": shape["parts"],
+                  "shuffle_mb": round(shape["shuffle_bytes"] / 1e6, 1)}
+    emit(shown, False, f"snapshot {report['status']}")
     print_seconds(report["seconds"])
 
 

@@ -17,6 +17,7 @@ import polars as pl
 import pytest
 
 from sidindex.config import SIDConfig
+from sidindex.sid import Codebook
 from sidindex.sample import sample_catalog, sample_spec, write_sample
 from sidindex.targeting import write_targeting
 
@@ -72,3 +73,14 @@ def run_cli(*args, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
     exe = shutil.which("sidindex")
     assert exe, "the sidindex console script is not installed (pip install -e .)"
     return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def sampled_codebook(catalog: pl.DataFrame) -> Codebook:
+    """A frozen codebook whose centroids are catalog embeddings (residuals of them below level 0):
+    what `sidindex build` reuses, made without training (so without faiss, as on a GPU host)."""
+    emb = catalog["embedding"].to_numpy().astype(np.float32)
+    levels = [emb[::len(emb) // 8][:8]]
+    for k in (4, 4):
+        levels.append((emb[1::len(emb) // k][:k] - emb[::len(emb) // k][:k]).astype(np.float32))
+    cfg = SIDConfig(levels=(8, 4, 4), hash_size=16, paths=2)
+    return Codebook(tuple(levels), 16, cfg.hash_keys, cfg.paths, None, cfg)

@@ -34,14 +34,13 @@ from runtime.post import expand
 from schemas.artifacts import AD_DELETED, AD_LIVE, MATCHER_PLANES
 from sidindex.errors import InputError
 from sidindex.artifact import same_file
-from sidindex.config import SIDConfig
-from sidindex.sid import Codebook, save_codebook
+from sidindex.sid import save_codebook
 from sidindex.job import run_build, run_update
 from sidindex.snapshot import open_snapshot
 from sidindex.trie.build import build_gtm
 from sidindex.trie.kway import KWayConfig
 from sidindex.trie.patch import insert_sids
-from tests.conftest import run_cli
+from tests.conftest import run_cli, sampled_codebook
 from tests.test_snapshot import reseal, rewrite_array
 
 CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_centroid = 4\n'
@@ -264,17 +263,6 @@ def test_random_updates_equal_fresh_builds(pool):
 
 
 # --- the CLI: bad change files, kills, the watcher ----------------------------------------------------
-
-def sampled_codebook(catalog: pl.DataFrame) -> Codebook:
-    """A frozen codebook whose centroids are catalog embeddings (residuals of them below level 0):
-    what `sidindex build` reuses, made without training (so without faiss, as on a GPU host)."""
-    emb = catalog["embedding"].to_numpy().astype(np.float32)
-    levels = [emb[::len(emb) // 8][:8]]
-    for k in (4, 4):
-        levels.append((emb[1::len(emb) // k][:k] - emb[::len(emb) // k][:k]).astype(np.float32))
-    cfg = SIDConfig(levels=(8, 4, 4), hash_size=16, paths=2)
-    return Codebook(tuple(levels), 16, cfg.hash_keys, cfg.paths, None, cfg)
-
 
 @pytest.fixture(scope="module")
 def built(pool, tmp_path_factory) -> Path:

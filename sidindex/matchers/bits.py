@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
+import polars as pl
 
 
 def empty_rows(n: int, words: int) -> np.ndarray:
@@ -74,19 +75,27 @@ def list_codes(s, categories: tuple[str, ...] | None = None) -> ListCodes:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    arr = s.to_arrow()
+    try:  # polars' string views as they are: converting to Arrow strings copies every string
+        lengths, encoded = _encode(s.to_arrow(compat_level=pl.CompatLevel.newest()))
+    except pa.ArrowNotImplementedError:  # a pyarrow without string-view kernels
+        lengths, encoded = _encode(s.to_arrow())
+    values = encoded.dictionary.cast(pa.string())  # the distinct values: few
+    indices = encoded.indices.to_numpy(zero_copy_only=False)
+    if categories is None:
+        return ListCodes(lengths, values.to_pylist(), np.asarray(indices, dtype=np.int32))
+    found = pc.index_in(values, value_set=pa.array(list(categories), type=pa.string()))
+    if found.null_count:  # ingestion rejects these; never turn them into garbage bits
+        raise ValueError(f"column {s.name!r} holds values outside its declared values")
+    codes = found.to_numpy(zero_copy_only=False).astype(np.int32)[indices]
+    return ListCodes(lengths, list(categories), codes)
+
+
+def _encode(arr):
+    """(lengths (n,) int64, dictionary-encoded flat values) of a list<string> Arrow array."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64)
-    flat = pc.list_flatten(arr)  # skips null lists
-    if categories is not None:
-        distinct = list(categories)
-        found = pc.index_in(flat, value_set=pa.array(distinct, type=flat.type))
-        if found.null_count:  # ingestion rejects these; never turn them into garbage bits
-            raise ValueError(f"column {s.name!r} holds values outside its declared values")
-        codes = found.to_numpy(zero_copy_only=False)
-    else:
-        encoded = pc.dictionary_encode(flat)
-        distinct = encoded.dictionary.to_pylist()
-        codes = encoded.indices.to_numpy(zero_copy_only=False)
-    return ListCodes(lengths, distinct, np.asarray(codes, dtype=np.int32))
+    return lengths, pc.dictionary_encode(pc.list_flatten(arr))  # flatten skips null lists

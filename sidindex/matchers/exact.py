@@ -20,6 +20,7 @@ import mmh3
 import numba
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from sidindex.matchers.bits import ListCodes, list_codes
 from schemas.artifacts import AD_LIVE, EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
@@ -156,6 +157,68 @@ def build_exact_index(spec: TargetingSpec, columns: pl.DataFrame, ad_rows: dict[
         else:
             offsets, hashes = hash_lists(columns, layout.names, codes)
             planes.append(ExactPlane(kind.name, hash_offsets=offsets, hashes=hashes))
+    return ExactIndex(spec, tuple(planes))
+
+
+def concat_exact(parts: list[ExactIndex]) -> ExactIndex:
+    """The exact index of the parts' rows one after another (a `values` plane stays
+    attribute-major: per attribute, each part's hashes in turn); states are not carried."""
+    planes = []
+    for ps in zip(*(x.planes for x in parts)):
+        if ps[0].rows is not None:
+            planes.append(ExactPlane(ps[0].name, rows=np.concatenate([p.rows for p in ps])))
+            continue
+        offs = [np.asarray(p.hash_offsets) for p in ps]  # (A, n_i + 1) each
+        rows, pieces, base = [], [], 0
+        for a in range(len(offs[0])):
+            row = [np.array([base], dtype=np.int64)]
+            for o, p in zip(offs, ps):
+                row.append(o[a, 1:] - o[a, 0] + base)
+                pieces.append(p.hashes[o[a, 0]:o[a, -1]])
+                base += int(o[a, -1] - o[a, 0])
+            rows.append(np.concatenate(row))
+        planes.append(ExactPlane(ps[0].name, hash_offsets=np.stack(rows),
+                                 hashes=np.concatenate(pieces or [np.zeros(0, dtype=np.uint64)])))
+    return ExactIndex(parts[0].spec, tuple(planes))
+
+
+def exact_columns(index: ExactIndex) -> dict[str, pa.Array]:
+    """The exact index as Arrow columns, one row per ad: `exact_plane_<plane>` fixed_size_list<uint64>[W]
+    (a `rows` plane's rows) or, per attribute of a `values` plane, `exact_attr_<attribute>`
+    large_list<uint64> (the ad's sorted hashes)."""
+    out = {}
+    for plane, layout in zip(index.planes, index.spec.layouts):
+        if plane.rows is not None:
+            out[f"exact_plane_{plane.name}"] = pa.FixedSizeListArray.from_arrays(pa.array(plane.rows.reshape(-1)),
+                                                                           plane.rows.shape[1])
+            continue
+        for name, off in zip(layout.names, plane.hash_offsets):
+            out[f"exact_attr_{name}"] = pa.LargeListArray.from_arrays(pa.array(off - off[0], pa.int64()),
+                                                                 pa.array(plane.hashes[off[0]:off[-1]]))
+    return out
+
+
+def exact_from_columns(spec: TargetingSpec, table: pa.Table) -> ExactIndex:
+    """The inverse of `exact_columns`, from a table holding those columns (chunked or not)."""
+    def values(name: str) -> pa.Array:
+        return table.column(name).combine_chunks()
+
+    planes = []
+    for kind, layout in zip(KINDS, spec.layouts):
+        if EXACT_FORM[kind.name] == EXACT_ROWS:
+            col = values(f"exact_plane_{kind.name}")
+            rows = col.flatten().to_numpy().reshape(len(col), col.type.list_size)
+            planes.append(ExactPlane(kind.name, rows=rows))
+            continue
+        offsets, pieces, base = [], [], 0
+        for name in layout.names:
+            col = values(f"exact_attr_{name}")
+            off = col.offsets.to_numpy().astype(np.int64)
+            offsets.append(off - off[0] + base)
+            pieces.append(col.values.to_numpy()[off[0]:off[-1]])
+            base += int(off[-1] - off[0])
+        planes.append(ExactPlane(kind.name, hash_offsets=np.stack(offsets),
+                                 hashes=np.concatenate(pieces or [np.zeros(0, dtype=np.uint64)])))
     return ExactIndex(spec, tuple(planes))
 
 

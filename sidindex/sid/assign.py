@@ -7,8 +7,10 @@ the ad's hash token as the last level.
 
 Why it is fast: with r = x - sum_{p<l} c_p the residual at level l, the nearest centroid minimises
     ||c||^2 - 2 r.c = ||c||^2 - 2 (x.c - sum_{p<l} c_p.c).
-So one GEMM [x, 1].[-2C, ||C||^2]^T over all levels, shared by every path, plus the small tables
+So one GEMM x.(-2C)^T + ||C||^2 over all levels, shared by every path, plus the small tables
 C_p.C_l^T (K_p, K_l) give each path's scores by table lookups instead of a residual GEMM per path.
+Every sum runs in a fixed order (`_products`), so an ad's SIDs do not depend on the ads assigned
+with it or on the thread count: a catalog built whole or in fragments gets the same SIDs.
 Legend: N ads, P = sum of paths (SID rows), L SID length, m paths, K_l level sizes.
 """
 
@@ -63,20 +65,21 @@ def assign_sids(codebook: Codebook, embedding: np.ndarray, hash_token: np.ndarra
     offs = np.zeros(n_sem + 1, dtype=np.int64)
     np.cumsum([len(c) for c in cents], out=offs[1:])
     cat = np.concatenate(cents).astype(np.float32)
-    # One GEMM gives the first-term scores ||c||^2 - 2 x.c: [x, 1] . [-2c, ||c||^2]^T.
-    aug = np.hstack([-2.0 * cat, np.einsum("kd,kd->k", cat, cat)[:, None]]).astype(np.float32).T.copy()
-    cross2 = (2.0 * (cat @ cat.T)).astype(np.float32)  # (sum K, sum K); only blocks p < l are read
-    x1 = np.ones((min(BLOCK, n), cat.shape[1] + 1), dtype=np.float32)
+    total = len(cat)
+    # cross2 = 2 C.C^T (sum K, sum K), only blocks p < l are read; norms = ||c||^2
+    cross2, norms = np.empty((total, total), dtype=np.float32), np.empty(total, dtype=np.float32)
+    _products(cat, np.ascontiguousarray(2.0 * cat.T, dtype=np.float32), np.zeros(total, np.float32), cross2, norms)
+    minus2 = np.ascontiguousarray(-2.0 * cat.T, dtype=np.float32)  # (D, sum K)
+    base = np.empty((min(BLOCK, n), total), dtype=np.float32)
+    xnorm = np.empty(min(BLOCK, n), dtype=np.float32)
     tokens = np.empty((n, m, n_sem), dtype=np.int16)
     kept = np.empty((n, m), dtype=np.bool_)
     first_ratio = np.empty(n, dtype=np.float32)
     for start in range(0, n, BLOCK):
-        x = embedding[start:start + BLOCK]
-        xa = x1[: len(x)]
-        xa[:, :-1] = x
-        base = xa @ aug  # (block, sum K): ||c||^2 - 2 x.c for every centroid of every level
-        xnorm = np.einsum("nd,nd->n", xa[:, :-1], xa[:, :-1])
-        _chains(base, xnorm, cross2, offs, m, ratio,
+        x = np.ascontiguousarray(embedding[start:start + BLOCK], dtype=np.float32)
+        b = len(x)
+        _products(x, minus2, norms, base[:b], xnorm[:b])  # ||c||^2 - 2 x.c for every centroid of every level
+        _chains(base[:b], xnorm[:b], cross2, offs, m, ratio,
                 tokens[start:start + len(x)], kept[start:start + len(x)], first_ratio[start:start + len(x)])
         if progress:
             progress("assign", min(start + BLOCK, n), n)
@@ -86,6 +89,28 @@ def assign_sids(codebook: Codebook, embedding: np.ndarray, hash_token: np.ndarra
     sids[:, n_sem] = hash_token[ad_index]
     return SIDAssignment(ad_index.astype(np.int64), path.astype(np.int8), sids, first_ratio,
                          codebook.level_sizes)
+
+
+@numba.njit(parallel=True, cache=True)
+def _products(x, w, bias, out, sq):
+    """out[i] = bias + x[i] . w and sq[i] = ||x[i]||^2, for x (n, D), w (D, K), bias (K,) float32.
+
+    A GEMM whose every element is summed in one fixed order, whatever the rows around it or the
+    threads: BLAS sums differently with the block's size and its thread count, which moved a few
+    near-tied ads to other SIDs between builds of one catalog in fragments and whole. As fast as
+    BLAS here: the pass is bound by writing `out`.
+    """
+    n, d = x.shape
+    for i in numba.prange(n):
+        row = out[i]
+        row[:] = bias
+        q = np.float32(0.0)
+        for k in range(d):
+            xk = x[i, k]
+            q += xk * xk
+            for j in range(w.shape[1]):
+                row[j] += xk * w[k, j]
+        sq[i] = q
 
 
 @numba.njit(parallel=True, cache=True)
@@ -170,6 +195,16 @@ def sid_keys(sids: np.ndarray, level_sizes: tuple[int, ...]) -> np.ndarray:
         key *= level_sizes[level]
         key += sids[:, level]
     return key
+
+
+def key_tokens(keys: np.ndarray, level_sizes: tuple[int, ...]) -> np.ndarray:
+    """(S, L) int16 tokens of SID keys (S,) int64 (the inverse of `sid_keys`); `keys` is consumed.
+    numpy divides by a scalar without a hardware division per element."""
+    out = np.empty((len(keys), len(level_sizes)), dtype=np.int16)
+    for level in range(len(level_sizes) - 1, -1, -1):
+        out[:, level] = keys % level_sizes[level]
+        keys //= level_sizes[level]
+    return out
 
 
 def run_starts(sorted_keys: np.ndarray) -> np.ndarray:

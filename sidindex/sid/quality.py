@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sidindex.config import QualityThresholds
-from sidindex.sid.assign import SIDAssignment, key_counts, sid_keys
+from sidindex.sid.assign import SIDAssignment, key_counts, key_tokens, sid_keys
 from sidindex.sid.codebook import Codebook
 
 NEAR_SECOND_RATIO = 1.05  # GR4AD-X: share of ads whose 2nd centroid is within 5% of the 1st
@@ -53,43 +53,91 @@ class QualityReport:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class QualitySums:
+    """What the quality report needs from the embeddings, summed over a catalog's fragments
+    (`merge` adds two); everything else comes from the SIDs.
+
+    n_ads: ads; near_second: ads with d2 <= NEAR_SECOND_RATIO d1 at the first level
+    sq_error: (L_sem,) float64 summed ||x - x_hat||^2 after each semantic level, over path-0 rows
+    mean: (D,) float64 mean embedding; spread: float64 summed ||x - mean||^2 (Chan's merge of moments)
+    """
+
+    n_ads: int
+    near_second: int
+    sq_error: np.ndarray
+    mean: np.ndarray
+    spread: float
+
+    def merge(self, other: QualitySums) -> QualitySums:
+        n = self.n_ads + other.n_ads
+        delta = other.mean - self.mean
+        return QualitySums(n, self.near_second + other.near_second, self.sq_error + other.sq_error,
+                           self.mean + delta * (other.n_ads / max(n, 1)),
+                           self.spread + other.spread + float(delta @ delta) * self.n_ads * other.n_ads / max(n, 1))
+
+    def to_dict(self) -> dict:
+        return {"n_ads": self.n_ads, "near_second": self.near_second, "sq_error": self.sq_error.tolist(),
+                "mean": self.mean.tolist(), "spread": self.spread}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QualitySums:
+        return cls(int(d["n_ads"]), int(d["near_second"]), np.array(d["sq_error"], dtype=np.float64),
+                   np.array(d["mean"], dtype=np.float64), float(d["spread"]))
+
+
+def quality_sums(assignment: SIDAssignment, codebook: Codebook, embedding: np.ndarray) -> QualitySums:
+    """The embedding sums of one fragment's assignment; embedding: (N, D) float32, its ads'."""
+    x = embedding.astype(np.float64)
+    mean = x.mean(axis=0) if len(x) else np.zeros(embedding.shape[1])
+    return QualitySums(len(embedding), int(np.sum(assignment.first_ratio <= NEAR_SECOND_RATIO)),
+                       _reconstruction_error(codebook, embedding, assignment), mean,
+                       float(np.sum((x - mean) ** 2)))
+
+
 def sid_quality(assignment: SIDAssignment, codebook: Codebook, embedding: np.ndarray,
                 thresholds: QualityThresholds | None = None) -> QualityReport:
     """Report on an assignment; `failures` lists the crossed thresholds (empty when none).
 
     embedding: (N, D) float32, the embeddings the assignment was made from
     """
-    sids = assignment.sids
-    n = assignment.n_ads
-    per_ad = np.bincount(assignment.ad_index, minlength=n)
-    keys = sid_keys(sids, assignment.level_sizes)
-    uniq, counts = key_counts(keys)
+    uniq, counts = key_counts(sid_keys(assignment.sids, assignment.level_sizes))
+    return quality_report(key_tokens(uniq, assignment.level_sizes), counts, np.bincount(assignment.ad_index, minlength=assignment.n_ads),
+                          quality_sums(assignment, codebook, embedding), codebook, thresholds)
+
+
+def quality_report(sids: np.ndarray, counts: np.ndarray, per_ad: np.ndarray, sums: QualitySums, codebook: Codebook,
+                   thresholds: QualityThresholds | None = None) -> QualityReport:
+    """The report of an assignment given as its distinct SIDs (S, L) int16 in key order, the SID
+    rows of each (S,) int64, the SID rows of each ad (N,) int64, and its embedding sums."""
+    n = len(per_ad)
+    level_sizes = codebook.level_sizes
     top = int(np.argmax(counts))
-    top_row = int(np.flatnonzero(keys == uniq[top])[0])
     levels = []
     n_sem = len(codebook.centroids)
-    for level, size in enumerate(assignment.level_sizes):
-        use = np.bincount(sids[:, level].astype(np.int64), minlength=size)
+    for level, size in enumerate(level_sizes):
+        use = np.bincount(sids[:, level].astype(np.int64), weights=counts, minlength=size).astype(np.int64)
         levels.append(LevelUsage(level, "semantic" if level < n_sem else "hash", size,
                                  int((use > 0).sum()), int((use == 0).sum()), _perplexity(use), _gini(use)))
-    mse = _reconstruction_mse(codebook, embedding, assignment)
-    spread = float(np.mean(np.sum((embedding - embedding.mean(axis=0)) ** 2, axis=1)))
+    rows = int(counts.sum())
+    mse = tuple(float(e / max(n, 1)) for e in sums.sq_error)
+    spread = sums.spread / max(n, 1)
     report = QualityReport(
         n_ads=n,
-        n_sid_rows=len(sids),
+        n_sid_rows=rows,
         sids_per_ad_mean=float(per_ad.mean()),
         sids_per_ad_counts={int(k): int(v) for k, v in enumerate(np.bincount(per_ad)) if v},
-        distinct_sids=len(uniq),
+        distinct_sids=len(counts),
         ads_per_sid_p50=float(np.percentile(counts, 50)),
         ads_per_sid_p99=float(np.percentile(counts, 99)),
         ads_per_sid_max=int(counts[top]),
-        largest_group_sid=tuple(int(t) for t in sids[top_row]),
+        largest_group_sid=tuple(int(t) for t in sids[top]),
         largest_group_share=float(counts[top] / n),
-        collision_rate=float(counts[counts > 1].sum() / len(sids)),
+        collision_rate=float(counts[counts > 1].sum() / rows),
         levels=tuple(levels),
         mse=mse,
         relative_mse=mse[-1] / spread if spread > 0 else 0.0,
-        near_second_share=float(np.mean(assignment.first_ratio <= NEAR_SECOND_RATIO)),
+        near_second_share=float(sums.near_second / max(n, 1)),
         notes=codebook.notes,
     )
     if thresholds is not None:
@@ -115,8 +163,9 @@ def check_gates(report: QualityReport, t: QualityThresholds) -> list[str]:
     return out
 
 
-def _reconstruction_mse(codebook: Codebook, embedding: np.ndarray, a: SIDAssignment) -> tuple[float, ...]:
-    """Mean squared reconstruction error after each semantic level, over each ad's path 0."""
+def _reconstruction_error(codebook: Codebook, embedding: np.ndarray, a: SIDAssignment) -> np.ndarray:
+    """(L_sem,) float64 summed squared reconstruction error after each semantic level, over each
+    ad's path 0 (ad_index relative to `embedding`)."""
     rows = a.path == 0
     idx, toks = a.ad_index[rows], a.sids[rows]
     sums = np.zeros(len(codebook.centroids), dtype=np.float64)
@@ -126,7 +175,7 @@ def _reconstruction_mse(codebook: Codebook, embedding: np.ndarray, a: SIDAssignm
         for level, c in enumerate(codebook.centroids):
             r -= c[toks[sl, level]]
             sums[level] += np.einsum("nd,nd->", r, r, dtype=np.float64)
-    return tuple(float(s / max(len(idx), 1)) for s in sums)
+    return sums
 
 
 def _perplexity(counts: np.ndarray) -> float:

@@ -18,7 +18,7 @@ import numba
 import numpy as np
 
 from schemas.artifacts import MATCHER_PLANES, MAX_AD_VALUE
-from sidindex.sid.assign import run_starts, sid_keys
+from sidindex.sid.assign import key_tokens, run_starts, sid_keys
 from sidindex.trie.dedup import RowTable, insert_row
 from sidindex.trie.kway import KWayConfig, partition
 
@@ -147,21 +147,9 @@ def build_gtm(
     ad_value:     (N,) float64 each ad's value (finite, >= 0): adds the value bounds, or None
     """
     # --- 1. CHECK ARGUMENTS --- before any work, so a bad call fails fast and clearly
+    check_arguments(sids, ad_index, level_sizes, ad_rows, ad_value)
     L = len(level_sizes)
-    if sids.ndim != 2 or sids.shape[1] != L or len(sids) == 0:
-        raise ValueError(f"sids must be a non-empty (P, {L}) array, got shape {sids.shape}")
-    if ad_index.shape != (len(sids),):
-        raise ValueError(f"ad_index must have shape ({len(sids)},), got {ad_index.shape}")
-    if tuple(ad_rows) != MATCHER_PLANES:
-        raise ValueError(f"ad_rows must hold the planes {MATCHER_PLANES} in that order, got {tuple(ad_rows)}")
     n_ads = len(next(iter(ad_rows.values())))
-    if any(len(r) != n_ads for r in ad_rows.values()) or ad_index.min() < 0 or ad_index.max() >= n_ads:
-        raise ValueError("ad_index must index rows of ad_rows, which must have one row per ad in every plane")
-    for d, size in enumerate(level_sizes):
-        if sids[:, d].min() < 0 or sids[:, d].max() >= size:
-            raise ValueError(f"level {d} tokens must lie in [0, {size})")
-    if ad_value is not None and (ad_value.shape != (n_ads,) or not np.all((ad_value >= 0) & (ad_value <= MAX_AD_VALUE))):
-        raise ValueError(f"ad_value must hold one value in [0, {MAX_AD_VALUE:g}] per ad ({n_ads})")
 
     # --- 2. SORT SID ROWS --- lexicographic order makes every prefix a contiguous run
     keys = sid_keys(sids, level_sizes)
@@ -173,7 +161,7 @@ def build_gtm(
     # iff it differs from the previous row in one of its first d tokens
     leaf_keys = keys[leaf_start]
     del keys
-    depth_offsets, node_offsets, tokens, first_row = _trie_layout(_key_tokens(leaf_keys, level_sizes), kway is not None)
+    depth_offsets, node_offsets, tokens, first_row = _trie_layout(key_tokens(leaf_keys, level_sizes), kway is not None)
     num_nodes = int(depth_offsets[L + 1])
     del leaf_keys
 
@@ -255,6 +243,26 @@ def build_gtm(
     )
 
 
+def check_arguments(sids: np.ndarray, ad_index: np.ndarray, level_sizes: tuple[int, ...],
+                    ad_rows: dict[str, np.ndarray], ad_value: np.ndarray | None) -> None:
+    """Refuse arguments `build_gtm` cannot build from (its docstring), with a ValueError saying why."""
+    L = len(level_sizes)
+    if sids.ndim != 2 or sids.shape[1] != L or len(sids) == 0:
+        raise ValueError(f"sids must be a non-empty (P, {L}) array, got shape {sids.shape}")
+    if ad_index.shape != (len(sids),):
+        raise ValueError(f"ad_index must have shape ({len(sids)},), got {ad_index.shape}")
+    if tuple(ad_rows) != MATCHER_PLANES:
+        raise ValueError(f"ad_rows must hold the planes {MATCHER_PLANES} in that order, got {tuple(ad_rows)}")
+    n_ads = len(next(iter(ad_rows.values())))
+    if any(len(r) != n_ads for r in ad_rows.values()) or ad_index.min() < 0 or ad_index.max() >= n_ads:
+        raise ValueError("ad_index must index rows of ad_rows, which must have one row per ad in every plane")
+    for d, size in enumerate(level_sizes):
+        if sids[:, d].min() < 0 or sids[:, d].max() >= size:
+            raise ValueError(f"level {d} tokens must lie in [0, {size})")
+    if ad_value is not None and (ad_value.shape != (n_ads,) or not np.all((ad_value >= 0) & (ad_value <= MAX_AD_VALUE))):
+        raise ValueError(f"ad_value must hold one value in [0, {MAX_AD_VALUE:g}] per ad ({n_ads})")
+
+
 def round_up_f32(x: np.ndarray) -> np.ndarray:
     """float64 -> the float32 >= each value (a bound stays a bound in float32)."""
     f = x.astype(np.float32)
@@ -282,16 +290,6 @@ def _stable_sort(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return order, keys
     order = np.argsort(keys, kind="stable")
     return order, keys[order]
-
-
-def _key_tokens(keys: np.ndarray, level_sizes: tuple[int, ...]) -> np.ndarray:
-    """(S, L) int16 tokens of SID keys (S,) int64 (the inverse of `sid_keys`); `keys` is consumed.
-    numpy divides by a scalar without a hardware division per element."""
-    out = np.empty((len(keys), len(level_sizes)), dtype=np.int16)
-    for level in range(len(level_sizes) - 1, -1, -1):
-        out[:, level] = keys % level_sizes[level]
-        keys //= level_sizes[level]
-    return out
 
 
 @numba.njit(cache=True)

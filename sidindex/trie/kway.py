@@ -16,12 +16,16 @@ Greedy, members in SID order. "Fill" is the share of set bits over all matcher b
 
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 
 from sidindex.config import KWayConfig
 
 __all__ = ["KWayConfig", "partition"]
+
+_ONE_AT_A_TIME = threading.Lock()
 
 
 def partition(items: np.ndarray, lo: np.ndarray, hi: np.ndarray, k: np.ndarray, dynamic: bool,
@@ -42,8 +46,9 @@ def partition(items: np.ndarray, lo: np.ndarray, hi: np.ndarray, k: np.ndarray, 
     np.cumsum(cap, out=start[1:])
     parts = np.zeros((start[-1], items.shape[1]), dtype=np.uint64)
     value = np.zeros(start[-1] if item_value is not None else 0, dtype=np.float64)
-    counts = _greedy(items, lo, hi, cap, start, dynamic, target_fill, bits, parts,
-                     item_value if item_value is not None else value, value)
+    with _ONE_AT_A_TIME:  # parallel inside; a partitioned build calls it from several threads
+        counts = _greedy(items, lo, hi, cap, start, dynamic, target_fill, bits, parts,
+                         item_value if item_value is not None else value, value)
     keep = np.repeat(start[:-1], counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
     if item_value is None:
         return counts, parts[keep], None

@@ -1,0 +1,202 @@
+"""The build on Ray (`sidindex build --engine ray`, DESIGN.md §14): `sidindex.stages` as Ray tasks.
+
+  fragments  the catalog's Parquet row groups; each task reads its own (and knows their file rows,
+             which error messages name; Ray Data's reader does not give them)
+  prepare    one task per fragment: validate, SIDs (the frozen codebook is put in the object store
+             once), matcher rows, exact index; returns its ads table and its SID rows
+  shuffle    the driver sums the fragments' first-token counts into part bounds; one task per
+             fragment splits its SID rows into a table per part (num_returns = parts)
+  build      one task per part builds its subtrie from every fragment's table for it
+  combine    the driver combines the subtries and the ads tables (`trie.partition.combine`,
+             `stages.finish_ads`); the job writes and publishes the snapshot as for the local engine
+
+Errors: a fragment's bad row fails the build with the local engine's message (the first error a
+whole-file validation meets, ranked by `InputError.rank`; ad ids are checked for repeats across
+fragments once every fragment is read); a task that dies (its worker killed) or a cluster that
+cannot be reached raises `EngineError`. Nothing is published on failure. Ray is an optional extra.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from schemas.artifacts import MATCHER_PLANES
+from sidindex.errors import EngineError, InputError
+from sidindex.ingest import check_unique_ad_ids
+from sidindex.matchers.exact import ExactIndex
+from sidindex.sid import Codebook
+from sidindex.sid.quality import QualitySums
+from sidindex.targeting import TargetingSpec
+from sidindex.timing import StageClock
+from sidindex.trie.build import GTMIndex
+from sidindex.trie.kway import KWayConfig
+from sidindex.trie.partition import combine, default_workers, token_ranges
+
+@dataclass(frozen=True)
+class Fragment:
+    """Row group `group` of the Parquet file; its first row is file row `first_row`."""
+
+    group: int
+    first_row: int
+
+
+@dataclass(frozen=True)
+class RayBuilt:
+    """What the Ray engine hands the job: the local engine's arrays and the SID report's inputs.
+
+    ad_id: (N,) int64; sums: the embeddings' quality sums; shape: fragments, parts, shuffle bytes,
+    and each part's SID rows and build seconds
+    """
+
+    gtm: GTMIndex
+    exact: ExactIndex
+    ad_id: np.ndarray
+    sums: QualitySums
+    seconds: dict[str, float]
+    shape: dict
+
+
+def fragments(path: Path) -> list[Fragment]:
+    """The fragments of the Parquet catalog at `path`: its row groups."""
+    import pyarrow.parquet as pq
+
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory; expected a Parquet or Arrow IPC file")
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except FileNotFoundError:
+        raise InputError(f"{path}: file not found") from None
+    except Exception as e:  # pyarrow raises several types for a file that is not Parquet
+        raise InputError(f"{path}: the ray engine reads Parquet catalogs (their row groups are its fragments) "
+                         f"and cannot read this one as Parquet: {e}") from None
+    if meta.num_rows == 0:
+        raise InputError(f"{path}: the catalog holds no rows; nothing to index")
+    starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+    return [Fragment(g, int(starts[g])) for g in range(meta.num_row_groups) if starts[g + 1] > starts[g]]
+
+
+def build_on_ray(path: Path, spec: TargetingSpec, codebook: Codebook, *, kway: KWayConfig | None,
+                 address: str | None = None, workers: int | None = None, retries: int = 0) -> RayBuilt:
+    """Build the catalog at `path` on Ray: a local Ray on `workers` CPUs (default: every core)
+    started for this build, or the cluster at `address` ("auto": the one this host belongs to).
+    When this process already runs Ray, the build uses it (and neither argument). A task is
+    retried `retries` times when its worker dies."""
+    try:
+        import ray
+    except ImportError:
+        raise EngineError("the ray engine needs Ray, an optional extra: pip install 'sidindex[ray]'") from None
+    clock = StageClock()
+    frags = fragments(path)
+    started = not ray.is_initialized()
+    if started:
+        os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # keeps Ray from warning about GPUs
+        try:
+            ray.init(address=address, num_cpus=None if address else workers or default_workers(),
+                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+        except Exception as e:  # Ray raises many types here, plain Exception among them
+            ray.shutdown()
+            raise EngineError(f"cannot start or reach Ray{f' at {address}' if address else ''}: {e}") from None
+    try:
+        clock.lap("start ray")
+        return _run(ray, path, spec, codebook, kway, frags, retries, clock)
+    except ray.exceptions.RayError as e:
+        raise EngineError(f"the ray build failed, nothing published: {_cause(e)}") from None
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _run(ray, path: Path, spec: TargetingSpec, codebook: Codebook, kway: KWayConfig | None, frags: list[Fragment],
+         retries: int, clock: StageClock) -> RayBuilt:
+    from sidindex import stages
+
+    level_sizes = codebook.level_sizes
+    planes = MATCHER_PLANES
+    bits = sum(layout.bits for layout in spec.layouts)
+
+    source = path.resolve()  # what every task reads, wherever it runs; messages name `path`
+
+    @ray.remote(num_returns=3, max_retries=retries)
+    def prepare(f: Fragment, spec, codebook):
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.ParquetFile(source).read_row_group(f.group)
+        except Exception as e:  # a corrupt row group: the local engine's words for an unreadable file
+            return _Failed(f"{path}: cannot be read as Parquet or Arrow IPC: {e}", (-1, -1, -1), None), None, None
+        try:
+            ads, sid_rows = stages.prepare_fragment(table, f.first_row, str(path), spec, codebook)
+        except InputError as e:  # reported by the driver, which ranks every fragment's error
+            rank = e.rank
+            return _Failed(str(e), rank, table.column("ad_id") if rank[0] > 0 else None), None, None
+        return ads, sid_rows, (stages.first_tokens(sid_rows, level_sizes[0]), sid_rows.nbytes)
+
+    @ray.remote(max_retries=retries)
+    def split(sid_rows, bounds):
+        parts = stages.split_sid_rows(sid_rows, bounds)
+        return parts if len(parts) > 1 else parts[0]  # one return value is not unpacked
+
+    @ray.remote(max_retries=retries)
+    def build(*tables):
+        t = time.perf_counter()
+        sub = stages.build_part(list(tables), level_sizes, planes, kway=kway, matcher_bits=bits)
+        return sub, (sum(x.num_rows for x in tables), time.perf_counter() - t)
+
+    spec_ref, cb_ref = ray.put(spec), ray.put(codebook)
+    prepared = [prepare.remote(f, spec_ref, cb_ref) for f in frags]
+    ads = ray.get([p[0] for p in prepared])
+    _raise_first_error(ads, path)
+    clock.lap("prepare fragments")
+    counted = ray.get([p[2] for p in prepared])
+    held = np.sum([c for c, _ in counted], axis=0)
+    bounds = token_ranges(held, 4 * int(ray.cluster_resources().get("CPU", 1)))
+    q = len(bounds) - 1
+    splits = [split.options(num_returns=q).remote(p[1], bounds) for p in prepared]
+    splits = [s if q > 1 else [s] for s in splits]
+    del prepared
+    parts = [build.remote(*[s[i] for s in splits]) for i in range(q)]
+    built = ray.get(parts)
+    subtries = [b[0] for b in built]
+    shape = {"fragments": len(frags), "parts": q, "shuffle_bytes": int(sum(b for _, b in counted)),
+             "part_sid_rows": [b[1][0] for b in built], "part_seconds": [round(b[1][1], 3) for b in built]}
+    del splits, parts, built
+    clock.lap("shuffle + subtries")
+    ad_id, value, exact, sums = stages.finish_ads(ads, spec)
+    del ads
+    gtm = combine(subtries, level_sizes, value)
+    clock.lap("combine")
+    return RayBuilt(gtm, exact, ad_id, sums, clock.seconds, shape)
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A fragment's validation error, with the fragment's ad ids when they passed their checks."""
+
+    message: str
+    rank: tuple[int, int, int]
+    ad_id: object
+
+
+def _raise_first_error(ads: list, path: Path) -> None:
+    """Raise the error a validation of the whole file would: the ad_id column's checks, then ad
+    ids repeated anywhere in the file, then every other check, each ranked (column, check, row)."""
+    failed = [a for a in ads if isinstance(a, _Failed)]
+    if not failed:
+        check_unique_ad_ids(np.concatenate([a.column("ad_id").to_numpy() for a in ads]), str(path))
+        return
+    first = min(failed, key=lambda f: f.rank)
+    if first.rank[0] > 0:  # every fragment's ad ids passed their checks: repeats come next
+        ids = [f.ad_id.to_numpy() if isinstance(f, _Failed) else f.column("ad_id").to_numpy() for f in ads]
+        check_unique_ad_ids(np.concatenate(ids).astype(np.int64), str(path))
+    raise InputError(first.message)
+
+
+def _cause(e: Exception) -> str:
+    """The last line of a Ray error (its cause; the lines before are a traceback)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__

@@ -1,0 +1,115 @@
+"""The build as stages over a catalog's fragments, on Arrow tables (DESIGN.md §14).
+
+`sidindex build --engine ray` runs them as Ray tasks (`sidindex.ray_build`); any engine that can
+map a function over Arrow batches and group rows by a key can run them the same way:
+
+  1. prepare_fragment(table, first_row, path, spec, codebook) -> (ads, sid_rows)
+       validate one fragment's catalog rows (file rows first_row...), give each ad its SIDs with the
+       frozen codebook, encode its matcher rows and exact index.
+       ads:      one row per ad: ad_id, value (when the catalog has it), the exact index's columns
+                 (`exact_columns`); schema metadata QUALITY_KEY holds the fragment's `QualitySums`
+       sid_rows: one row per SID row, in (ad, path) order: sid (fixed_size_list<int16>[L]), ad
+                 (the catalog row), each plane's words (fixed_size_list<uint64>[W]), value
+  2. first_tokens(sid_rows) -> (K_0,) counts; the driver's `token_ranges` turns their sum into part bounds
+  3. split_sid_rows(sid_rows, bounds) -> one table per part (the shuffle's map side)
+  4. build_part(tables, ...) -> Subtrie: one part's tables from every fragment, in fragment order
+  5. the driver: `combine` the subtries (in part order), concatenate the ads tables (in fragment
+     order) and `finish` them into what the local engine builds
+
+With Spark: stage 1 in `mapInArrow` over fragments numbered with their first file row
+(`zipWithIndex`), stage 3's part id as a column, `groupBy(part).applyInArrow` for stage 4 with the
+rows sorted by catalog row; with Dask: `map_partitions`, `shuffle` on the part id. A stage raises
+`InputError` naming the file row, as the local engine does; `InputError.rank` orders two errors as
+a validation of the whole file would meet them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from sidindex.build import encode_ads
+from sidindex.ingest import catalog_rows
+from sidindex.matchers.exact import ExactIndex, exact_columns, exact_from_columns
+from sidindex.sid import Codebook, assign_sids, hash_tokens
+from sidindex.sid.assign import run_starts
+from sidindex.sid.quality import QualitySums, quality_sums
+from sidindex.targeting import TargetingSpec
+from sidindex.trie.kway import KWayConfig
+from sidindex.trie.partition import Subtrie, build_subtrie
+
+QUALITY_KEY = b"sidindex.quality"
+
+
+def prepare_fragment(table: pa.Table, first_row: int, path: str, spec: TargetingSpec, codebook: Codebook
+                     ) -> tuple[pa.Table, pa.Table]:
+    """Stage 1 (module docstring): (ads, sid_rows) of a fragment's catalog rows."""
+    df = pl.from_arrow(table)
+    cat = catalog_rows(df, path, spec=spec, hash_keys=codebook.hash_keys, dim=codebook.dim,
+                       rows=np.arange(first_row, first_row + df.height), unique=False)
+    a = assign_sids(codebook, cat.embedding, hash_tokens(cat.columns, codebook.hash_keys, codebook.hash_size))
+    ad_rows, exact = encode_ads(spec, cat.columns)
+    sums = quality_sums(a, codebook, cat.embedding)
+    value = {} if cat.value is None else {"value": cat.value}
+    ads = pa.table({"ad_id": cat.ad_id, **value, **exact_columns(exact)},
+                   metadata={QUALITY_KEY: json.dumps(sums.to_dict())})
+    sid_rows = {"sid": _fixed(a.sids), "ad": a.ad_index + first_row}
+    sid_rows |= {name: _fixed(rows[a.ad_index]) for name, rows in ad_rows.items()}
+    if cat.value is not None:
+        sid_rows["value"] = cat.value[a.ad_index]
+    return ads, pa.table(sid_rows)
+
+
+def first_tokens(sid_rows: pa.Table, vocab: int) -> np.ndarray:
+    """Stage 2: (vocab,) int64 SID rows per first-level token."""
+    return np.bincount(_matrix(sid_rows.column("sid"))[:, 0], minlength=vocab)
+
+
+def split_sid_rows(sid_rows: pa.Table, bounds: np.ndarray) -> list[pa.Table]:
+    """Stage 3: the rows whose first token lies in [bounds[q], bounds[q+1]), for each part q, in
+    their (ad, path) order."""
+    part = (np.searchsorted(bounds, _matrix(sid_rows.column("sid"))[:, 0], side="right") - 1).astype(np.int16)
+    order = np.argsort(part, kind="stable")
+    cuts = np.searchsorted(part[order], np.arange(len(bounds)))
+    ordered = sid_rows.take(order)
+    return [ordered.slice(lo, hi - lo) for lo, hi in zip(cuts[:-1], cuts[1:])]
+
+
+def build_part(tables: list[pa.Table], level_sizes: tuple[int, ...], planes: tuple[str, ...], *,
+               kway: KWayConfig | None, matcher_bits: int) -> Subtrie:
+    """Stage 4: the subtrie of one part's SID rows, given as each fragment's table in fragment order."""
+    t = pa.concat_tables(tables)
+    ad = t.column("ad").to_numpy()
+    first = run_starts(ad)  # rows come in catalog order: each ad's rows are a run
+    ads = ad[first]
+    rows = {p: _matrix(t.column(p))[first] for p in planes}
+    value = t.column("value").to_numpy()[first] if "value" in t.column_names else None
+    return build_subtrie(_matrix(t.column("sid")), ad, ads, rows, level_sizes, kway=kway,
+                         matcher_bits=matcher_bits, ad_value=value)
+
+
+def finish_ads(ads: list[pa.Table], spec: TargetingSpec) -> tuple[np.ndarray, np.ndarray | None, ExactIndex, QualitySums]:
+    """Stage 5's ad side: (ad_id (N,) int64, value (N,) float64 or None, exact index, quality sums)
+    of the fragments' ads tables, in fragment order."""
+    t = pa.concat_tables(ads)
+    sums = QualitySums.from_dict(json.loads(ads[0].schema.metadata[QUALITY_KEY]))
+    for a in ads[1:]:
+        sums = sums.merge(QualitySums.from_dict(json.loads(a.schema.metadata[QUALITY_KEY])))
+    value = t.column("value").to_numpy() if "value" in t.column_names else None
+    return t.column("ad_id").to_numpy(), value, exact_from_columns(spec, t), sums
+
+
+def _fixed(a: np.ndarray) -> pa.FixedSizeListArray:
+    """(n, w) array -> fixed_size_list<w> column (no copy)."""
+    return pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(a).reshape(-1)), a.shape[1])
+
+
+def _matrix(col: pa.ChunkedArray | pa.FixedSizeListArray) -> np.ndarray:
+    """fixed_size_list<w> column -> (n, w) array."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if arr.offset:  # a slice: flatten() honours it, .values would not
+        return arr.flatten().to_numpy().reshape(len(arr), arr.type.list_size)
+    return arr.values.to_numpy()[:len(arr) * arr.type.list_size].reshape(len(arr), arr.type.list_size)
