@@ -74,10 +74,6 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
                 raise ConfigError(f"{root}: holds no frozen codebook, and the ray engine assigns SIDs with one; "
                                   "build once with the local engine (which trains it) or give a codebook")
             fragments(Path(catalog))  # a readable Parquet catalog, before it is read whole
-            fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id)
-            if not force and (unchanged := _unchanged(layout, fingerprint)):
-                return {**unchanged, **report, "codebook_id": cb.id, "seconds": _rounded(clock)}
-            built = _on_ray(catalog, spec, cfg, cb, ray_address, workers)
         else:
             hash_keys = cb.hash_keys if cb else cfg.sid.hash_keys
             cat = read_catalog(catalog, spec=spec, hash_keys=hash_keys, dim=cb.dim if cb else None)
@@ -87,9 +83,12 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
                 save_codebook(cb, layout.path)
                 report["codebook"] = "trained"
                 clock.lap("train codebook")
-            fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id)
-            if not force and (unchanged := _unchanged(layout, fingerprint)):
-                return {**unchanged, **report, "codebook_id": cb.id, "seconds": _rounded(clock)}
+        fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id)
+        if not force and (unchanged := _unchanged(layout, fingerprint)):
+            return {**unchanged, **report, "codebook_id": cb.id, "seconds": _rounded(clock)}
+        if engine == "ray":  # after the check: unchanged inputs cost no cluster time
+            built = _on_ray(catalog, spec, cfg, cb, ray_address, workers)
+        else:
             built = _locally(cat, spec, cfg, cb, workers, progress)
         if built.quality.failures:
             raise QualityGateError("SID quality gate failed, nothing published: " + "; ".join(built.quality.failures))

@@ -186,14 +186,12 @@ def _raise_first_error(ads: list, path: Path) -> None:
     """Raise the error a validation of the whole file would: the ad_id column's checks, then ad
     ids repeated anywhere in the file, then every other check, each ranked (column, check, row)."""
     failed = [a for a in ads if isinstance(a, _Failed)]
-    if not failed:
-        check_unique_ad_ids(np.concatenate([a.column("ad_id").to_numpy() for a in ads]), str(path))
-        return
-    first = min(failed, key=lambda f: f.rank)
-    if first.rank[0] > 0:  # every fragment's ad ids passed their checks: repeats come next
+    first = min(failed, key=lambda f: f.rank, default=None)
+    if first is None or first.rank[0] > 0:  # every fragment's ad ids passed their checks: repeats come next
         ids = [f.ad_id.to_numpy() if isinstance(f, _Failed) else f.column("ad_id").to_numpy() for f in ads]
         check_unique_ad_ids(np.concatenate(ids).astype(np.int64), str(path))
-    raise InputError(first.message)
+    if first is not None:
+        raise InputError(first.message)
 
 
 def _cause(e: Exception) -> str:

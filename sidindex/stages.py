@@ -35,11 +35,10 @@ from sidindex.build import encode_ads
 from sidindex.ingest import catalog_rows
 from sidindex.matchers.exact import ExactIndex, exact_columns, exact_from_columns
 from sidindex.sid import Codebook, assign_sids, hash_tokens
-from sidindex.sid.assign import run_starts
 from sidindex.sid.quality import QualitySums, quality_sums
 from sidindex.targeting import TargetingSpec
 from sidindex.trie.kway import KWayConfig
-from sidindex.trie.partition import Subtrie, build_subtrie
+from sidindex.trie.partition import Subtrie, ad_runs, build_subtrie, part_rows
 
 QUALITY_KEY = b"sidindex.quality"
 
@@ -71,9 +70,7 @@ def first_tokens(sid_rows: pa.Table, vocab: int) -> np.ndarray:
 def split_sid_rows(sid_rows: pa.Table, bounds: np.ndarray) -> list[pa.Table]:
     """Stage 3: the rows whose first token lies in [bounds[q], bounds[q+1]), for each part q, in
     their (ad, path) order."""
-    part = (np.searchsorted(bounds, _matrix(sid_rows.column("sid"))[:, 0], side="right") - 1).astype(np.int16)
-    order = np.argsort(part, kind="stable")
-    cuts = np.searchsorted(part[order], np.arange(len(bounds)))
+    order, cuts = part_rows(_matrix(sid_rows.column("sid"))[:, 0], bounds)
     ordered = sid_rows.take(order)
     return [ordered.slice(lo, hi - lo) for lo, hi in zip(cuts[:-1], cuts[1:])]
 
@@ -83,11 +80,10 @@ def build_part(tables: list[pa.Table], level_sizes: tuple[int, ...], planes: tup
     """Stage 4: the subtrie of one part's SID rows, given as each fragment's table in fragment order."""
     t = pa.concat_tables(tables)
     ad = t.column("ad").to_numpy()
-    first = run_starts(ad)  # rows come in catalog order: each ad's rows are a run
-    ads = ad[first]
+    first, local = ad_runs(ad)  # each ad's rows carry its words and value: take them from its first
     rows = {p: _matrix(t.column(p))[first] for p in planes}
     value = t.column("value").to_numpy()[first] if "value" in t.column_names else None
-    return build_subtrie(_matrix(t.column("sid")), ad, ads, rows, level_sizes, kway=kway,
+    return build_subtrie(_matrix(t.column("sid")), local, ad[first], rows, level_sizes, kway=kway,
                          matcher_bits=matcher_bits, ad_value=value)
 
 

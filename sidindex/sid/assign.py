@@ -80,7 +80,7 @@ def assign_sids(codebook: Codebook, embedding: np.ndarray, hash_token: np.ndarra
         b = len(x)
         _products(x, minus2, norms, base[:b], xnorm[:b])  # ||c||^2 - 2 x.c for every centroid of every level
         _chains(base[:b], xnorm[:b], cross2, offs, m, ratio,
-                tokens[start:start + len(x)], kept[start:start + len(x)], first_ratio[start:start + len(x)])
+                tokens[start:start + b], kept[start:start + b], first_ratio[start:start + b])
         if progress:
             progress("assign", min(start + BLOCK, n), n)
     ad_index, path = np.nonzero(kept)  # row-major: sorted by (ad, path)

@@ -16,6 +16,7 @@ from sidindex.sid.assign import SIDAssignment, key_counts, key_tokens, sid_keys
 from sidindex.sid.codebook import Codebook
 
 NEAR_SECOND_RATIO = 1.05  # GR4AD-X: share of ads whose 2nd centroid is within 5% of the 1st
+BLOCK = 65536  # ads per pass over the embeddings: bounds the float64 temporaries
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,11 @@ class QualitySums:
 
 def quality_sums(assignment: SIDAssignment, codebook: Codebook, embedding: np.ndarray) -> QualitySums:
     """The embedding sums of one fragment's assignment; embedding: (N, D) float32, its ads'."""
-    x = embedding.astype(np.float64)
-    mean = x.mean(axis=0) if len(x) else np.zeros(embedding.shape[1])
+    mean = embedding.mean(axis=0, dtype=np.float64) if len(embedding) else np.zeros(embedding.shape[1])
+    spread = sum(float(np.sum((embedding[i:i + BLOCK] - mean) ** 2))  # float64 in blocks: no copy of it all
+                 for i in range(0, len(embedding), BLOCK))
     return QualitySums(len(embedding), int(np.sum(assignment.first_ratio <= NEAR_SECOND_RATIO)),
-                       _reconstruction_error(codebook, embedding, assignment), mean,
-                       float(np.sum((x - mean) ** 2)))
+                       _reconstruction_error(codebook, embedding, assignment), mean, spread)
 
 
 def sid_quality(assignment: SIDAssignment, codebook: Codebook, embedding: np.ndarray,
@@ -169,8 +170,8 @@ def _reconstruction_error(codebook: Codebook, embedding: np.ndarray, a: SIDAssig
     rows = a.path == 0
     idx, toks = a.ad_index[rows], a.sids[rows]
     sums = np.zeros(len(codebook.centroids), dtype=np.float64)
-    for start in range(0, len(idx), 65536):
-        sl = slice(start, start + 65536)
+    for start in range(0, len(idx), BLOCK):
+        sl = slice(start, start + BLOCK)
         r = embedding[idx[sl]].astype(np.float32)
         for level, c in enumerate(codebook.centroids):
             r -= c[toks[sl, level]]

@@ -62,17 +62,35 @@ def token_ranges(held: np.ndarray, parts: int) -> np.ndarray:
     return np.append(starts, vocab).astype(np.int64)
 
 
-def build_subtrie(sids: np.ndarray, ad_index: np.ndarray, ads: np.ndarray, ad_rows: dict[str, np.ndarray],
+def part_rows(first: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order (P,) int64, cuts (Q+1,) int64): rows order[cuts[q]:cuts[q+1]] are those whose first
+    token first (P,) lies in [bounds[q], bounds[q+1]), in their original order (a stable radix
+    sort on int16 part ids: each part keeps the catalog's (ad, path) order)."""
+    part = (np.searchsorted(bounds, first, side="right") - 1).astype(np.int16)
+    order = np.argsort(part, kind="stable")
+    return order, np.searchsorted(part[order], np.arange(len(bounds)))
+
+
+def ad_runs(ad_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first (n,) int64, local (P,) int64) for a part's SID rows' ads ad_index (P,): the row where
+    each distinct ad first appears (ascending ad) and each row's ad among them. Rows in the catalog's
+    (ad, path) order make each ad a run, found without a sort."""
+    if np.all(ad_index[1:] >= ad_index[:-1]):
+        first = run_starts(ad_index)
+        return first, np.cumsum(np.concatenate([[False], ad_index[1:] != ad_index[:-1]]))
+    _, first, local = np.unique(ad_index, return_index=True, return_inverse=True)
+    return first, local
+
+
+def build_subtrie(sids: np.ndarray, local: np.ndarray, ads: np.ndarray, ad_rows: dict[str, np.ndarray],
                   level_sizes: tuple[int, ...], *, kway: KWayConfig | None = None, matcher_bits: int | None = None,
                   ad_value: np.ndarray | None = None) -> Subtrie:
     """The subtrie of one part's SID rows.
 
-    sids: (P_q, L) int16 and ad_index: (P_q,) int64 the part's SID rows, in the catalog's (ad, path) order
-    ads: (n,) int64 np.unique(ad_index); ad_rows: per plane (n, W_p) uint64 and ad_value (n,) float64
-    or None: those ads' rows and values
+    sids: (P_q, L) int16 and local: (P_q,) int64 the part's SID rows and their ads as indexes into
+    ads: (n,) int64 the part's catalog rows, ascending (`ad_runs`); ad_rows: per plane (n, W_p)
+    uint64 and ad_value (n,) float64 or None: those ads' rows and values
     """
-    local = np.cumsum(ad_index[1:] != ad_index[:-1]) if np.all(ad_index[1:] >= ad_index[:-1]) else None
-    local = np.searchsorted(ads, ad_index) if local is None else np.concatenate([[0], local])
     gtm = build_gtm(sids, local, level_sizes, ad_rows, kway=kway, matcher_bits=matcher_bits, ad_value=ad_value)
     return Subtrie(gtm, ads)
 
@@ -89,18 +107,14 @@ def build_gtm_partitioned(sids: np.ndarray, ad_index: np.ndarray, level_sizes: t
     if workers == 1 and parts is None:
         return build_gtm(sids, ad_index, level_sizes, ad_rows, kway=kway, matcher_bits=matcher_bits, ad_value=ad_value)
     bounds = token_ranges(np.bincount(sids[:, 0], minlength=level_sizes[0]), parts or 4 * workers)
-    part = (np.searchsorted(bounds, sids[:, 0], side="right") - 1).astype(np.int16)
-    # stable (a radix sort on int16): each part keeps the catalog's (ad, path) order, which orders
-    # a SID's ads and lets a part find its ads without a sort
-    order = np.argsort(part, kind="stable")
-    cuts = np.searchsorted(part[order], np.arange(len(bounds)))
-    del part
+    order, cuts = part_rows(sids[:, 0], bounds)
 
     def one(q: int) -> Subtrie:
         rows = order[cuts[q]:cuts[q + 1]]
         a = ad_index[rows]
-        ads = a[run_starts(a)] if np.all(a[1:] >= a[:-1]) else np.unique(a)  # sorted in a catalog's (ad, path) order
-        return build_subtrie(sids[rows], a, ads, {k: v[ads] for k, v in ad_rows.items()}, level_sizes, kway=kway,
+        first, local = ad_runs(a)
+        ads = a[first]
+        return build_subtrie(sids[rows], local, ads, {k: v[ads] for k, v in ad_rows.items()}, level_sizes, kway=kway,
                              matcher_bits=matcher_bits, ad_value=None if ad_value is None else ad_value[ads])
 
     if workers == 1:
@@ -154,7 +168,13 @@ def combine(subtries: Iterable[Subtrie], level_sizes: tuple[int, ...], ad_value:
         part_take = expand_runs(entries(lambda q, t: t.part_offsets[:-1] + stacked[q]), part_counts)
 
     # --- 5. MATCHER TABLES --- every part's distinct rows, re-inserted by their first insertion's key
-    keys = _insertion_keys(subs, depth_offsets, counts, part_offsets)
+    part_position = None  # per part, (T_q,) the whole trie's position of each of its partitions
+    if part_take is not None:
+        position = np.empty(len(part_take), dtype=np.int64)
+        position[part_take] = np.arange(len(part_take))
+        part_position = [position[a:b] for a, b in zip(stacked[:-1], stacked[1:])]
+    keys = _insertion_keys(subs, depth_offsets, counts, part_position)
+
     def plane(p: int) -> MatcherPlane:
         tables = [t.planes[p].table for t in g]
         k = np.concatenate([kq[p] for kq in keys])
@@ -188,9 +208,10 @@ def combine(subtries: Iterable[Subtrie], level_sizes: tuple[int, ...], ad_value:
 
 
 def _insertion_keys(subs: list[Subtrie], depth_offsets: np.ndarray, counts: np.ndarray,
-                    part_offsets: np.ndarray | None) -> list[list[np.ndarray]]:
+                    part_position: list[np.ndarray] | None) -> list[list[np.ndarray]]:
     """Per part, per plane: (R_q,) int64 the key of each table row's first insertion in the whole
-    build's order (module docstring), from the entities that insert rows in `build_gtm`."""
+    build's order (module docstring), from the entities that insert rows in `build_gtm`;
+    part_position: per part, the whole trie's position of each k-way partition (None: no k-way)."""
     L = len(depth_offsets) - 2
     # global node id of each part's first node per depth
     start = depth_offsets[1:L + 1][None, :] + np.cumsum(counts, axis=0) - counts  # (Q, L)
@@ -218,12 +239,7 @@ def _insertion_keys(subs: list[Subtrie], depth_offsets: np.ndarray, counts: np.n
             phases.append(2 + L - 1 - d)
         entity = np.concatenate(owners)  # in key order
         key = np.concatenate([np.int64(ph) << _PHASE | pos.astype(np.int64) for ph, pos in zip(phases, positions)])
-        part_key = None
-        if part_offsets is not None:  # partition j of local entry e sits at global part_offsets[E(e)] + j
-            local_entry = np.repeat(np.arange(len(t.part_offsets) - 1), np.diff(t.part_offsets))
-            global_entry = _global_entry(t, local_entry, start[q], depth_offsets)
-            j = np.arange(int(t.part_offsets[-1])) - t.part_offsets[local_entry]
-            part_key = np.int64(L + 1) << _PHASE | (part_offsets[global_entry] + j)
+        part_key = None if part_position is None else np.int64(L + 1) << _PHASE | part_position[q]
         keys = []
         for plane in t.planes:
             k = np.full(len(plane.table), np.iinfo(np.int64).max, dtype=np.int64)
@@ -239,10 +255,3 @@ def _insertion_keys(subs: list[Subtrie], depth_offsets: np.ndarray, counts: np.n
         out.append(keys)
     return out
 
-
-def _global_entry(t: GTMIndex, local_entry: np.ndarray, start: np.ndarray, depth_offsets: np.ndarray) -> np.ndarray:
-    """(n,) int64 the whole trie's entry of local entries (n,) of subtrie `t`; start: (L,) global id
-    of the subtrie's first node per depth."""
-    node = local_entry + 1
-    d = np.searchsorted(t.depth_offsets, node, side="right") - 1  # depth of each node (>= 1)
-    return start[d - 1] + node - t.depth_offsets[d] - 1
