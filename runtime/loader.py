@@ -30,8 +30,11 @@ from sidindex.targeting import TargetingSpec
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
 
-# GTMIndex arrays the post stage reads on the host; every other one moves to the device
+# GTMIndex arrays the search does not read (kept as host memory maps); every other one moves to the device
 HOST_ARRAYS = ("depth_offsets", "leaf_ad_offsets", "leaf_ads", "ad_value")
+# arrays the post stage reads (SID -> ads, exact filter, ranking): on a GPU they move too (`ServedIndex.post`),
+# with every exact-index array of the snapshot (`ExactIndex.arrays`: per plane its rows or hashes, and ad_state)
+POST_ARRAYS = ("leaf_ad_offsets", "leaf_ads", "ad_value", "ads")
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
@@ -50,6 +53,11 @@ class ServedIndex:
     max_children[d]: the widest fan-out of a depth-d node; mean_children[d]: the mean, rounded up;
     max_parts: most partitions of an entry; leaf_start: node id of leaf 0 (the kernels' launch
     shapes and the search's bounds, known on the host).
+    fan_out_counts[d]: (C_d + 1,) int64 on the host, how many depth-d nodes have c children, for
+         c = 0..max_children[d] (the search's candidate bound, `most_children`).
+    post: on a GPU, the arrays the post stage reads (`POST_ARRAYS` present in the snapshot, by
+         their contract names) as device tensors; None on the CPU, whose post stage reads the
+         memory maps.
     load_info: bytes moved, and seconds in total and per phase.
     generation: an identity that an index loaded with a `base` keeps only when it shares every
          device tensor with it (an update of ad states): CUDA graphs captured on one replay on the other.
@@ -63,13 +71,22 @@ class ServedIndex:
     mean_children: tuple[int, ...]
     max_parts: int
     leaf_start: int
+    fan_out_counts: tuple[np.ndarray, ...] = ()
     tables: TableStack | None = None
+    post: dict[str, torch.Tensor] | None = None
     load_info: dict = field(default_factory=dict)
     generation: object = field(default_factory=object)  # shared exactly by indexes sharing every device tensor
 
     @property
     def id(self) -> str:
         return self.snapshot.id
+
+    def most_children(self, depth: int, beams: int) -> int:
+        """The most child entries `beams` distinct nodes of `depth` can have together: the sum of
+        the `beams` largest fan-outs of that depth (the exact worst case of a search step)."""
+        counts = self.fan_out_counts[depth]
+        take = np.minimum(np.cumsum(counts[::-1]), beams)  # nodes taken from the widest down
+        return int(np.dot(np.diff(take, prepend=0), np.arange(len(counts))[::-1]))
 
     @property
     def codebook(self) -> Codebook | None:
@@ -145,13 +162,16 @@ def load_index(snap: Snapshot, device: str | torch.device = "cpu", *, base: Serv
     kept = _kept(served, g.level_sizes, base, device)  # names whose device tensor is the base's
     if base is not None and kept == set(served):
         gtm = GTMIndex.from_arrays(g.level_sizes, base.gtm.arrays() | host, MATCHER_PLANES)
+        post, moved_bytes = _post_arrays(snap, device, base)
         clock.lap("shared")
-        return dataclasses.replace(base, snapshot=snap, gtm=gtm, load_info={
-            "bytes": 0, "seconds": sum(clock.seconds.values()), "phases": clock.seconds, "shared_with": base.id})
+        return dataclasses.replace(base, snapshot=snap, gtm=gtm, post=post, load_info={
+            "bytes": moved_bytes, "seconds": sum(clock.seconds.values()), "phases": clock.seconds,
+            "shared_with": base.id})
     fan_out = np.diff(g.node_offsets)
     per_depth = [fan_out[g.depth_offsets[d]:g.depth_offsets[d + 1]] for d in range(g.sid_length)]
     max_children = tuple(int(f.max()) for f in per_depth)
     mean_children = tuple(int(-(-f.sum() // len(f))) for f in per_depth)
+    fan_out_counts = tuple(np.bincount(f) for f in per_depth)
     max_parts = int(np.diff(g.part_offsets).max()) if g.part_offsets is not None and len(g.part_offsets) > 1 else 0
     clock.lap("shape")
     planes = {n for p in MATCHER_PLANES for n in (f"{p}_table", f"{p}_index", f"part_{p}_index")} & set(served)
@@ -180,16 +200,35 @@ def load_index(snap: Snapshot, device: str | torch.device = "cpu", *, base: Serv
         entry_keys = parent * g.vocab_size + moved["csr_tokens"].long()
         del parent
     del staged
+    post, post_bytes = _post_arrays(snap, device, base)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     clock.lap("transfer")
-    info = {"bytes": sum(int(a.nbytes) for n, a in served.items() if n not in kept),
+    info = {"bytes": sum(int(a.nbytes) for n, a in served.items() if n not in kept) + post_bytes,
             "seconds": sum(clock.seconds.values()), "phases": clock.seconds}
     if kept:
         info["shared_with"] = base.id
     gtm = GTMIndex.from_arrays(g.level_sizes, moved | host, MATCHER_PLANES)
     return ServedIndex(snap, device, gtm, entry_keys, max_children, mean_children, max_parts,
-                       int(g.depth_offsets[g.sid_length]), tables, info)
+                       int(g.depth_offsets[g.sid_length]), fan_out_counts, tables, post, info)
+
+
+def _post_arrays(snap: Snapshot, device: torch.device, base: ServedIndex | None
+                 ) -> tuple[dict[str, torch.Tensor] | None, int]:
+    """The post stage's arrays (`POST_ARRAYS`, the exact index) on a GPU, by contract name, and the
+    bytes moved; an array that is the base's own (`same_memory`) keeps the base's tensor. None on the CPU."""
+    if device.type != "cuda":
+        return None, 0
+    arrays = {n: a for n, a in snap.arrays().items() if n in POST_ARRAYS or n in snap.exact.arrays()}
+    theirs = base.snapshot.arrays() if base is not None and base.post is not None and base.device == device else {}
+    out, moved = {}, 0
+    for n, a in arrays.items():
+        if n in theirs and same_memory(a, theirs[n]):
+            out[n] = base.post[n]
+        else:
+            out[n] = _stage(a, device).to(device, non_blocking=True)
+            moved += int(a.nbytes)
+    return out, moved
 
 
 def _kept(served: dict[str, np.ndarray], snap_level_sizes: tuple[int, ...], base: ServedIndex | None,
