@@ -28,7 +28,8 @@ from typing import Protocol
 import torch
 
 from runtime.loader import ServedIndex
-from runtime.ops.gtm_mask import gtm_mask
+from runtime.ops.gtm_mask import gtm_candidates, gtm_mask
+from runtime.ops.gtm_mask.slots import entries, slots_of
 from runtime.requests import to_device
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
@@ -155,26 +156,36 @@ def _size(n: int) -> str:
     return f"{n:,} bytes"
 
 
+LAYOUTS = ("compact", "dense")
+
+
 @torch.no_grad()  # a scorer module's logits carry no autograd graph through the search
 def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
                 beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
-                impl: str = "auto", value_weight: float = 0.0) -> Beams:
+                impl: str = "auto", value_weight: float = 0.0, layout: str = "compact") -> Beams:
     """Search SIDs for a batch of requests.
 
     requests: their encoding, best already on the index's device (`runtime.requests.to_device`; a
     host encoding is moved first). impl: the mask implementation
     ("auto", "triton", "numba", "torch"). value_weight: λ >= 0 of the value-guided search (module
-    doc); 0, the default, searches by log-probability alone. A search whose widest step would not
-    fit the free memory is refused (ConfigError) before it allocates.
+    doc); 0, the default, searches by log-probability alone. layout: how a constrained step lays
+    out its candidates for top-k: "compact" (`ops.gtm_mask.slots`: the beams' child entries only,
+    the default) or "dense" (every beam x token, then a search for each chosen (node, token): the
+    reference). Dead beams come back with score -inf, token 0 at every position and leaf -1. A
+    search whose widest step would not fit the free memory is refused (ConfigError) before it
+    allocates.
     """
     mode = parse_mode(mode, kway_available=index.kway)
     beams = parse_beams(beams, index.sid_length)
     check_value_weight(index, mode, value_weight)
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
     if requests.stacked is None:  # the host encoding
         requests = to_device(requests, index.device)
     B, V, L, dev = requests.batch, index.vocab_size, index.sid_length, index.device
     if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # a capture replays a checked search
         check_fits(beams, B, V, dev, value_weight > 0)
+    compact = mode.constrained and layout == "compact"
     node = torch.zeros(B, 1, dtype=torch.int64, device=dev)
     score = torch.zeros(B, 1, dtype=torch.float32, device=dev)
     tokens = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)
@@ -183,31 +194,42 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     for d in range(L):
         K = node.shape[1]
         logp = torch.log_softmax(scorer(d, tokens, parent).float(), dim=-1).reshape(B * K, V)
+        k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
         key = None
-        if mode.constrained:
+        if compact:  # slots of the beams' child entries; padded so top-k always has k_next of them
+            slots = slots_of(index, node, score, max(index.most_children(d, K), k_next))
+            cand = gtm_candidates(index, requests, d, slots, node.reshape(-1), score.reshape(-1), logp, mode, impl,
+                                  value_weight)
+        elif mode.constrained:
             # dead beams (-inf) sit at node -1; they read the root's offsets and pass nothing
             cand = gtm_mask(index, requests, d, req.repeat_interleave(K), node.reshape(-1).clamp(min=0),
                             score.reshape(-1), logp, mode, impl, value_weight=value_weight)
-            if value_weight > 0:  # the kernel's value-guided key (`ops.gtm_mask.reference.value_key`)
-                cand, key = cand
-                key = key.reshape(B, K * V)
         else:  # any in-vocabulary token of this level
             cand = score.reshape(-1, 1) + logp
             cand = torch.where(torch.isnan(cand), NEG_INF, cand)
             cand[:, index.level_sizes[d]:] = NEG_INF
-        k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
+        if value_weight > 0:  # the kernel's value-guided key (`ops.gtm_mask.reference.value_key`)
+            cand, key = cand
+        cand = cand.reshape(B, -1)
         # only the last step's order matters (the result is ranked); unsorted top-k is cheaper
         if key is None:
-            score, flat = cand.reshape(B, K * V).topk(k_next, dim=1, sorted=d == L - 1)
+            score, flat = cand.topk(k_next, dim=1, sorted=d == L - 1)
         else:
-            flat = key.topk(k_next, dim=1, sorted=d == L - 1).indices
-            score = cand.reshape(B, K * V).gather(1, flat)
-        parent, tok = flat // V, flat % V
-        tok = torch.where(score > NEG_INF, tok, 0)  # a dead slot's token is arbitrary: keep it in every level's range
+            flat = key.reshape(B, -1).topk(k_next, dim=1, sorted=d == L - 1).indices
+            score = cand.gather(1, flat)
+        alive = score > NEG_INF
+        if compact:  # a slot names its beam and child entry
+            parent, e, _ = entries(slots, flat)
+            tok = torch.where(alive, index.gtm.csr_tokens[e].long(), 0)
+            child = torch.where(alive, index.gtm.csr_child_nodes[e].long(), -1)
+        else:
+            parent, tok = flat // V, flat % V
+            tok = torch.where(alive, tok, 0)  # a dead slot's token is arbitrary: keep it in every level's range
         tokens = torch.cat([tokens.gather(1, parent[..., None].expand(-1, -1, d)), tok[..., None]], dim=2)
-        node = child_nodes(index, node.gather(1, parent), tok, score > NEG_INF)
-    leaf = torch.where(node >= 0, node - index.leaf_start, -1)
-    return Beams(tokens, score, leaf)
+        node = child if compact else child_nodes(index, node.gather(1, parent), tok, alive)
+    alive = score > NEG_INF
+    leaf = torch.where(alive & (node >= 0), node - index.leaf_start, -1)
+    return Beams(torch.where(alive[..., None], tokens, 0), score, leaf)
 
 
 def check_value_weight(index: ServedIndex, mode: Mode, value_weight: float) -> None:

@@ -2,8 +2,9 @@
 
 - The CD+GTM mask: the Triton kernel (under TRITON_INTERPRET=1 without a GPU), the torch
   reference and the numba CPU path equal each other and the CPU matcher's verdicts, on random
-  small indexes, in every mode.
-- Beam search equals a brute-force constrained beam search written here, in every mode.
+  small indexes, in every mode; in the compact candidate layout too, slot by slot.
+- Beam search equals a brute-force constrained beam search written here, in every mode, with
+  compact and dense candidate layouts.
 - With beams wider than the catalog, cd+gtm (and k-way) retrieval returns exactly the eligible ads
   (invariant 1); every mode returns only eligible ads (invariant 2) and catalog SIDs (invariant 3).
 - NaN / -inf logits and beams that die never let a disallowed SID through.
@@ -23,7 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.loader import load_index
-from runtime.ops.gtm_mask import gtm_mask
+from runtime.ops.gtm_mask import gtm_candidates, gtm_mask
+from runtime.ops.gtm_mask.slots import slots_of
 from runtime.post import expand
 from runtime.requests import to_device
 from runtime.search import beam_search, parse_beams
@@ -92,12 +94,30 @@ def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed, updated):
         score[::3] = float("-inf")  # dead beams
         logp = torch.randn(len(node), g.vocab_size, generator=gen)
         logp[logp > 1.5] = float("nan")  # NaN log-probs never pass
+        K = len(nodes)
+        width = case.index.most_children(d, K) + 2  # two slots past the widest case stay empty
         for mode in MODES:
             args = (case.index, case.dreq, d, req.to(DEVICE), node.to(DEVICE), score.to(DEVICE), logp.to(DEVICE), mode)
             ref = gtm_mask(*args, impl="torch").cpu()
             ker = gtm_mask(*args, impl="triton").cpu()
             assert torch.equal(ref, ker), mode
             assert torch.equal(ref, gtm_mask(cpu.index, cpu.dreq, d, req, node, score, logp, mode, impl="numba")), mode
+            # the compact layout: slot start[b, k] + c holds child c of beam k, then -inf
+            want = torch.full((B, width), float("-inf"))
+            for i in range(len(node)):
+                b, k = divmod(i, K)
+                lo, hi = g.node_offsets[int(node[i])], g.node_offsets[int(node[i]) + 1]
+                first = sum(0 if score[b * K + j] == float("-inf") else
+                            int(np.diff(g.node_offsets[int(node[b * K + j]):int(node[b * K + j]) + 2])[0])
+                            for j in range(k))
+                if score[i] > float("-inf"):
+                    for c in range(hi - lo):
+                        want[b, first + c] = ref[i, int(g.csr_tokens[lo + c])]
+            for impl, cs in (("torch", case), ("triton", case), ("numba", cpu)):
+                on = cs.index.device
+                slots = slots_of(cs.index, node.reshape(B, K).to(on), score.reshape(B, K).to(on), width)
+                got = gtm_candidates(cs.index, cs.dreq, d, slots, node.to(on), score.to(on), logp.to(on), mode, impl)
+                assert torch.equal(got.cpu(), want), (mode, impl)
             for i in range(len(node)):
                 want = set() if score[i] == float("-inf") else {
                     t for t in passing_tokens(g, case.req, int(req[i]), int(node[i]), mode).tolist()
@@ -168,11 +188,11 @@ def test_beam_search_equals_brute_force(sc, seed, widths, nan_share):
     scorer = TableScorer(case.gtm.vocab_size, seed, nan_share)
     for mode in Mode:
         impls = ["torch"] if not mode.constrained else ["torch", "triton"] + ([] if GPU else ["numba"])
-        for impl in impls:
-            found = beam_search(case.index, case.dreq, scorer, beams, mode, impl)
+        for impl, layout in [(i, "compact") for i in impls] + [("torch", "dense")]:
+            found = beam_search(case.index, case.dreq, scorer, beams, mode, impl, layout=layout)
             for r in range(len(sc.requests)):
                 got, want = searched(case, found, r), brute_force_search(case, r, scorer, beams, mode)
-                assert got.keys() == want.keys(), (mode, impl, r)
+                assert got.keys() == want.keys(), (mode, impl, layout, r)
                 for sid in got:
                     assert got[sid] == pytest.approx(want[sid], rel=1e-5, abs=1e-5)
                 if mode.constrained:  # invariant 3: every live SID is in the catalog

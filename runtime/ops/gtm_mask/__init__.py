@@ -1,5 +1,7 @@
 """The CD+GTM mask of one beam-search step: for each beam, its trie node's children that pass the
-mode's tests, scored beam_score + logp[token]; -inf for every other token.
+mode's tests, scored beam_score + logp[token]; -inf for every other token. `gtm_mask` gives it
+per token (M, V), as Hugging Face's processor needs it; `gtm_candidates` in the compact layout of
+`slots` (per request, the beams' child entries only), as the beam search selects from it.
 
 `gtm_mask` runs the Triton kernel on CUDA tensors and the numba matcher on CPU tensors; the plain
 torch reference runs anywhere. All three give the same result (tests compare them, the kernel
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from runtime.ops.gtm_mask.reference import gtm_mask_reference, value_key
+from runtime.ops.gtm_mask.slots import Slots, compact
 from sidindex.modes import Mode
 
 
@@ -45,3 +48,29 @@ def gtm_mask(index, requests, depth: int, beam_request: torch.Tensor, beam_node:
 
         got = gtm_mask_cpu(*args)
     return (got[0], value_key(*got, value_weight)) if value_weight > 0 else got
+
+
+def gtm_candidates(index, requests, depth: int, slots: Slots, beam_node: torch.Tensor, beam_score: torch.Tensor,
+                   logp: torch.Tensor, mode: Mode, impl: str = "auto", value_weight: float = 0.0):
+    """(B, W) float32 candidate scores of a step's B*K beams in the compact layout `slots`
+    (`slots.compact` of `gtm_mask`'s): slot j of request b holds its child's beam_score + logp
+    where the child passes `mode`, -inf elsewhere and in unused slots. With value_weight > 0, also
+    (B, W) float32 the value-guided key (-inf where no candidate is).
+
+    beam_node, beam_score: (B*K,) int64 / float32 request-major; logp: (B*K, V) float32. The
+    Triton kernel writes the layout directly; the torch reference and the numba path lay out
+    their dense masks.
+    """
+    if impl == "auto":
+        impl = "triton" if logp.is_cuda else "numba"
+    if impl == "triton":
+        from runtime.ops.gtm_mask.kernel import gtm_mask_triton
+
+        return gtm_mask_triton(index, requests, depth, beam_node, beam_node, beam_score, logp.contiguous(), mode,
+                               value_weight=value_weight, slots=slots)
+    B, K = slots.start.shape
+    req = torch.arange(B, device=logp.device).repeat_interleave(K)
+    got = gtm_mask(index, requests, depth, req, beam_node, beam_score, logp, mode, impl, value_weight=value_weight)
+    if value_weight > 0:
+        return compact(index, got[0], slots), compact(index, got[1], slots)
+    return compact(index, got, slots)

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from runtime.ops.gtm_mask.planes import stack_tables
-from runtime.ops.gtm_mask.reference import VALUE_FLOOR
+from runtime.ops.gtm_mask.reference import NEG_INF, VALUE_FLOOR
+from runtime.ops.gtm_mask.slots import Slots
 from sidindex.modes import Mode
 
 
@@ -84,23 +85,40 @@ def _rows_pass(ok, idx, stride, pos, b, words, t_base, q_words, q_base, q_ranges
 def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offsets, csr_tokens,
                      words, t_base, index, E, part_offsets, part_index, T, max_parts,
                      q_words, q_base, q_ranges, V, bound, entry_value, part_value, weight, floor, entry_live,
+                     slot_start, slot_total, K, width,
                      LIVE: tl.constexpr, GTM: tl.constexpr, KWAY: tl.constexpr, VALUE: tl.constexpr,
-                     WIDTHS: tl.constexpr,
+                     COMPACT: tl.constexpr, LOG_K: tl.constexpr, WIDTHS: tl.constexpr,
                      SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr, GW: tl.constexpr, GA: tl.constexpr,
                      BLOCK: tl.constexpr, QSTEP: tl.constexpr):
-    m = tl.program_id(0).to(tl.int64)
-    score = tl.load(beam_score + m)
-    node = tl.load(beam_node + m)
-    lo = tl.load(node_offsets + node)
-    hi = tl.where(score > float("-inf"), tl.load(node_offsets + node + 1), lo)  # a dead beam has no children
-    e = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = e < hi
+    if COMPACT:  # program (request b, block of slots); a lane is slot s of b's candidate list
+        b = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        real = s < tl.load(slot_total + b)  # past b's last child entry a slot only gets -inf
+        k = tl.zeros([BLOCK], dtype=tl.int64)  # the beam of each slot: the last k with start[k] <= s
+        hi = k + K
+        for _ in tl.static_range(LOG_K):
+            mid = (k + hi) // 2
+            go = tl.load(slot_start + b * K + mid, mask=real, other=0) <= s
+            k, hi = tl.where(go, mid, k), tl.where(go, hi, mid)
+        m = b * K + k
+        score = tl.load(beam_score + m, mask=real, other=float("-inf"))
+        lo = tl.load(node_offsets + tl.load(beam_node + m, mask=real, other=0), mask=real, other=0)
+        e = lo + s - tl.load(slot_start + m, mask=real, other=0)
+        ok = real & (score > float("-inf"))  # a dead beam has no slots; kept for clarity
+    else:  # program (beam m, block of its node's child entries)
+        m = tl.program_id(0).to(tl.int64)
+        score = tl.load(beam_score + m)
+        node = tl.load(beam_node + m)
+        lo = tl.load(node_offsets + node)
+        hi = tl.where(score > float("-inf"), tl.load(node_offsets + node + 1), lo)  # a dead beam has no children
+        e = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = e < hi
+        b = tl.load(beam_request + m)
     tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
     if LIVE:  # an update's index: an entry with no live row beneath leads to no ad
         ok = ok & (tl.load(entry_live + e, mask=ok, other=0) != 0)
     first = tl.zeros([BLOCK], dtype=tl.int32)  # with KWAY: the position of each lane's first passing partition
     if GTM:
-        b = tl.load(beam_request + m)
         ok = _rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges,
                         WIDTHS, SINGLE, GP, GLO, GW, GA, QSTEP)
         if KWAY:
@@ -120,15 +138,21 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
             ok = any_part
     val = score + tl.load(logp + m * V + tok, mask=ok, other=float("-inf"))
     val = tl.where(val == val, val, float("-inf"))  # NaN never passes
-    tl.store(out + m * V + tok, val, mask=ok)
     if VALUE > 0:  # 1: the bound; 2: the value-guided key, val + weight * log(max(bound, floor))
         if KWAY:
             bv = tl.load(part_value + tl.load(part_offsets + e, mask=ok, other=0) + first, mask=ok, other=0.0)
         else:
             bv = tl.load(entry_value + e, mask=ok, other=0.0)
         if VALUE == 2:
-            bv = val + weight * tl.log(tl.maximum(bv, floor))
-        tl.store(bound + m * V + tok, bv, mask=ok)
+            bv = tl.where(ok, val + weight * tl.log(tl.maximum(bv, floor)), float("-inf"))
+    if COMPACT:  # every slot is written: no fill beforehand
+        tl.store(out + b * width + s, tl.where(ok, val, float("-inf")), mask=s < width)
+        if VALUE > 0:
+            tl.store(bound + b * width + s, bv, mask=s < width)
+    else:
+        tl.store(out + m * V + tok, val, mask=ok)
+        if VALUE > 0:
+            tl.store(bound + m * V + tok, bv, mask=ok)
 
 
 def launch_shape(index, depth: int) -> tuple[int, int]:
@@ -139,20 +163,41 @@ def launch_shape(index, depth: int) -> tuple[int, int]:
     return block, max(1, min(4, block // 32))
 
 
+def compact_shape(index, depth: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the compact layout: slots are packed, so a block is as wide as work
+    balance allows."""
+    return 128, 4
+
+
 def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
                     beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, with_bound: bool = False,
-                    value_weight: float = 0.0, shape: tuple[int, int] | None = None):
+                    value_weight: float = 0.0, shape: tuple[int, int] | None = None, slots: Slots | None = None):
     """Same contract as `gtm_mask_reference`. beam_request, beam_node: (M,) int64; beam_score: (M,)
-    float32; logp: (M, V) float32 contiguous. shape: (BLOCK, num_warps), default `launch_shape`."""
+    float32; logp: (M, V) float32 contiguous. shape: (BLOCK, num_warps), default `launch_shape`
+    (`compact_shape` with slots). With `slots` (`slots.Slots` of the M = B*K beams, request-major),
+    the outputs are (B, slots.width) in that layout instead (`slots.compact` of the dense ones)."""
     M, V = logp.shape
-    out = torch.full((M, V), float("-inf"), dtype=torch.float32, device=logp.device)
     value = 2 if value_weight > 0 else 1 if with_bound else 0
-    extra = None if not value else torch.full((M, V), 0.0 if value == 1 else float("-inf"), dtype=torch.float32,
-                                              device=logp.device)
-    C = index.max_children[depth]
-    if M == 0 or C == 0:
-        return out if extra is None else (out, extra)
-    BLOCK, warps = shape or launch_shape(index, depth)
+    if slots is None:
+        out = torch.full((M, V), NEG_INF, dtype=torch.float32, device=logp.device)
+        extra = None if not value else torch.full((M, V), 0.0 if value == 1 else NEG_INF, dtype=torch.float32,
+                                                  device=logp.device)
+        C = index.max_children[depth]
+        if M == 0 or C == 0:
+            return out if extra is None else (out, extra)
+        BLOCK, warps = shape or launch_shape(index, depth)
+        grid = (M, triton.cdiv(C, BLOCK))
+        start, total, K, width = beam_node, beam_node, 1, 0  # unread
+    else:
+        B, K = slots.start.shape
+        width = slots.width
+        out = torch.empty((B, width), dtype=torch.float32, device=logp.device)  # the kernel writes every slot
+        extra = None if not value else torch.empty((B, width), dtype=torch.float32, device=logp.device)
+        if B == 0 or width == 0:
+            return out if extra is None else (out, extra)
+        BLOCK, warps = shape or compact_shape(index, depth)
+        grid = (B, triton.cdiv(width, BLOCK))
+        start, total = slots.start, slots.total
     g, q = index.gtm, requests.stacked
     t = index.tables
     if t is None:  # an index served on the CPU (the interpreter's tests) is stacked here, once per call
@@ -160,14 +205,15 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         t = stack_tables([p.table for p in planes], [p.index for p in planes],
                          [p.part_index for p in planes] if g.part_offsets is not None else None, logp.device)
     kway, lay = mode.kway, q.layout
-    _gtm_mask_kernel[(M, triton.cdiv(C, BLOCK))](
+    _gtm_mask_kernel[grid](
         out, logp, beam_score, beam_node, beam_request, g.node_offsets, g.csr_tokens,
         t.words, t.base, t.index, t.index.shape[1], g.part_offsets if kway else g.node_offsets,
         t.part_index if kway else t.index, t.part_index.shape[1] if kway else 0, index.max_parts if kway else 0,
         q.words, q.base, q.ranges, V, out if extra is None else extra, g.entry_value if value else out,
         g.part_value if value and kway else out, float(value_weight), VALUE_FLOOR,
-        g.node_offsets if g.entry_live is None else g.entry_live, LIVE=g.entry_live is not None,
-        GTM=mode.gtm, KWAY=kway, VALUE=value, WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane,
+        g.node_offsets if g.entry_live is None else g.entry_live, start, total, K, width,
+        LIVE=g.entry_live is not None, GTM=mode.gtm, KWAY=kway, VALUE=value, COMPACT=slots is not None,
+        LOG_K=max(1, (K - 1).bit_length()), WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane,
         GLO=lay.group_lo,
         GW=lay.group_words, GA=tuple(triton.next_power_of_2(max(w, 1)) for w in lay.group_words), BLOCK=BLOCK,
         QSTEP=4, num_warps=warps)
