@@ -1,8 +1,9 @@
 """Snapshots onto a device, and a watcher that swaps to newly published ones (DESIGN.md §8).
 
-`load_index` moves the arrays the search reads (the GTM trie and matcher tables) from the
-snapshot's memory maps through pinned host memory to the device; the post stage (SID -> ads, exact
-filter) keeps reading the host memory maps. The snapshot was validated when it was opened
+`load_index` moves the arrays the search reads (the GTM trie and matcher tables) and, on a GPU,
+those the post stage reads (SID -> ads, exact filter) from the snapshot's memory maps through pinned
+host memory, filled by several threads, to the device, or to several devices from one pinned copy;
+the CPU serves the memory maps themselves. The snapshot was validated when it was opened
 (`sidindex.snapshot.open_snapshot`), which also loaded its codebook into memory, so nothing
 unchecked reaches a kernel and nothing reads the snapshot's files by path after `load`.
 """
@@ -13,6 +14,8 @@ import dataclasses
 import re
 import threading
 import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +24,7 @@ import torch
 
 from runtime.ops.gtm_mask.planes import TableStack, stack_tables
 from schemas.artifacts import MATCHER_PLANES
+from sidindex.artifact import THREADS
 from sidindex.errors import ConfigError, SidIndexError
 from sidindex.root import Root
 from sidindex.sid import Codebook
@@ -130,105 +134,164 @@ def parse_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _stage(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host tensor holding `a` (a read-only memory map): a pinned copy, ready for DMA to a GPU, or
-    the memory map itself for the CPU (no copy; nothing writes to it)."""
-    a = a.view(np.int64) if a.dtype == np.uint64 else a  # torch kernels handle bits as int64
-    if device.type == "cpu":
-        with warnings.catch_warnings():  # torch warns that the buffer is read-only; we never write
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(a)
-    staged = torch.empty(a.shape, dtype=getattr(torch, str(a.dtype)), pin_memory=True)
-    staged.numpy()[...] = a
-    return staged
+# Staging copies a memory map into pinned memory in chunks of this many bytes on THREADS threads
+# (numpy's copy releases the GIL): one thread copies about 1 GB/s out of a cold map, faulting its
+# pages in one by one. The bench sets 1 to measure the single-threaded copy as a reference.
+STAGE_CHUNK = 1 << 24
+STAGE_THREADS = THREADS
 
 
-def load_index(snap: Snapshot, device: str | torch.device = "cpu", *, base: ServedIndex | None = None) -> ServedIndex:
-    """Move an opened snapshot's GTM index to `device` ("cpu", "cuda", "cuda:1", ...).
+def _host(a: np.ndarray) -> np.ndarray:
+    return a.view(np.int64) if a.dtype == np.uint64 else a  # torch kernels handle bits as int64
 
-    base: an index already served on `device` (the snapshot an update started from): an array that
-    is still its own (the same memory, as `open_snapshot(..., base=)` maps it) keeps its device
-    tensor and is not moved again (the matcher planes, stacked on a GPU, move together). When none
-    changed (an update of ad states only), the result shares every tensor, and its `generation`.
-    `load_info` of the result: bytes moved, and seconds in total and per phase (shape: a host pass
-    over the offsets; stage: reading the memory maps into pinned memory; transfer: host to device,
-    and the entry keys built there).
+
+def stage_arrays(arrays: dict[str, np.ndarray], clock: StageClock, *, pinned: bool = True) -> dict[str, torch.Tensor]:
+    """Host tensors holding `arrays` (read-only memory maps), for DMA to GPUs: allocated (pinned
+    unless `pinned` is False, which needs no CUDA: the bench's host-copy figure), lap "pin", then
+    filled by STAGE_THREADS threads copying STAGE_CHUNK-byte pieces, lap "stage"."""
+    arrays = {n: _host(a) for n, a in arrays.items()}
+    out = {n: torch.empty(a.shape, dtype=getattr(torch, str(a.dtype)), pin_memory=pinned) for n, a in arrays.items()}
+    if pinned:
+        clock.lap("pin")
+    pieces = []
+    for n, a in arrays.items():
+        src, dst = a.reshape(-1).view(np.uint8), out[n].numpy().reshape(-1).view(np.uint8)
+        pieces += [(dst[lo:lo + STAGE_CHUNK], src[lo:lo + STAGE_CHUNK]) for lo in range(0, len(src), STAGE_CHUNK)]
+    with ThreadPoolExecutor(STAGE_THREADS) as pool:
+        for _ in pool.map(lambda piece: np.copyto(*piece), pieces):
+            pass
+    clock.lap("stage")
+    return out
+
+
+def _mapped(a: np.ndarray) -> torch.Tensor:
+    """The memory map itself as a CPU tensor (no copy; nothing writes to it)."""
+    with warnings.catch_warnings():  # torch warns that the buffer is read-only; we never write
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(_host(a))
+
+
+def load_index(snap: Snapshot, device: str | torch.device | Sequence[str | torch.device] = "cpu", *,
+               base: ServedIndex | Sequence[ServedIndex | None] | None = None) -> ServedIndex | list[ServedIndex]:
+    """Move an opened snapshot's GTM index to `device` ("cpu", "cuda", "cuda:1", ...), or to each
+    of a list of devices (then a list of indexes, one per device, in order).
+
+    base: an index already served on `device` (the snapshot an update started from), or one per
+    device (None where there is none): an array that is still its own (the same memory, as
+    `open_snapshot(..., base=)` maps it) keeps its device tensor and is not moved again (the
+    matcher planes, stacked on a GPU, move together). When none changed (an update of ad states
+    only), the result shares every tensor, and its `generation`.
+    Several devices share one pass over the host: the shape pass, and one pinned copy of every
+    array any GPU needs, which is then copied to every GPU at once.
+    `load_info` of each result: bytes moved to its device, and seconds in total and per phase (shape:
+    a host pass over the offsets; pin: allocating pinned memory; stage: copying the memory maps into
+    it, in parallel; transfer: host to every device, and the entry keys built there); with several
+    devices the phases are the shared pass's, and `devices` says how many took part.
     """
-    device = parse_device(device)
+    several, devices, bases = _targets(device, base)
+    out = _load(snap, devices, bases)
+    return out if several else out[0]
+
+
+def _targets(device, base) -> tuple[bool, list[torch.device], list[ServedIndex | None]]:
+    """(whether a list was given, the devices parsed, one base or None per device) of `load`'s arguments."""
+    several = not isinstance(device, (str, torch.device))
+    devices = [parse_device(d) for d in (device if several else [device])]
+    bases = list(base) if several and base is not None else [base] * len(devices)
+    if not devices or len(bases) != len(devices):
+        raise ConfigError(f"load onto {len(devices)} device(s) with {len(bases)} base index(es): give one device at "
+                          "least, and one base (or None) per device")
+    return several, devices, bases
+
+
+def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex | None]) -> list[ServedIndex]:
     clock = StageClock()
     g = snap.gtm
     host = {n: getattr(g, n) for n in HOST_ARRAYS}
     served = {n: a for n, a in g.arrays().items() if n not in HOST_ARRAYS}
-    kept = _kept(served, g.level_sizes, base, device)  # names whose device tensor is the base's
-    if base is not None and kept == set(served):
-        gtm = GTMIndex.from_arrays(g.level_sizes, base.gtm.arrays() | host, MATCHER_PLANES)
-        post, moved_bytes = _post_arrays(snap, device, base)
-        clock.lap("shared")
-        return dataclasses.replace(base, snapshot=snap, gtm=gtm, post=post, load_info={
-            "bytes": moved_bytes, "seconds": sum(clock.seconds.values()), "phases": clock.seconds,
-            "shared_with": base.id})
-    fan_out = np.diff(g.node_offsets)
-    per_depth = [fan_out[g.depth_offsets[d]:g.depth_offsets[d + 1]] for d in range(g.sid_length)]
-    max_children = tuple(int(f.max()) for f in per_depth)
-    mean_children = tuple(int(-(-f.sum() // len(f))) for f in per_depth)
-    fan_out_counts = tuple(np.bincount(f) for f in per_depth)
-    max_parts = int(np.diff(g.part_offsets).max()) if g.part_offsets is not None and len(g.part_offsets) > 1 else 0
-    clock.lap("shape")
+    every = snap.arrays()  # by contract name: `served` and the post stage's
     planes = {n for p in MATCHER_PLANES for n in (f"{p}_table", f"{p}_index", f"part_{p}_index")} & set(served)
-    if device.type == "cuda" and not planes <= kept:
-        kept -= planes  # one stack for all planes: restaged together
-    staged = {n: _stage(a, device) for n, a in served.items() if n not in kept}
-    clock.lap("stage")
-    tables = base.tables if planes <= kept and base is not None else None
-    if device.type == "cuda":  # the planes into one stack, the rest as they are
-        if tables is None:
-            parts = [staged.pop(f"part_{p}_index") for p in MATCHER_PLANES] if g.part_offsets is not None else None
-            tables = stack_tables([staged.pop(f"{p}_table") for p in MATCHER_PLANES],
-                                  [staged.pop(f"{p}_index") for p in MATCHER_PLANES], parts, device)
-        moved = {n: t.to(device, non_blocking=True) for n, t in staged.items()}
-        for i, p in enumerate(MATCHER_PLANES):
-            moved |= {f"{p}_table": tables.tables[i], f"{p}_index": tables.index[i]}
-            if g.part_offsets is not None:
-                moved[f"part_{p}_index"] = tables.part_index[i]
-    else:
-        moved = staged
-    moved = {n: base.gtm.arrays()[n] for n in kept} | moved
-    if base is not None and {"node_offsets", "csr_tokens"} <= kept:
-        entry_keys = base.entry_keys
-    else:  # entry e's parent is the node whose child range holds it; entries are sorted by (parent, token)
-        parent = torch.repeat_interleave(torch.arange(g.num_nodes, device=device), moved["node_offsets"].diff())
-        entry_keys = parent * g.vocab_size + moved["csr_tokens"].long()
-        del parent
-    del staged
-    post, post_bytes = _post_arrays(snap, device, base)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    clock.lap("transfer")
-    info = {"bytes": sum(int(a.nbytes) for n, a in served.items() if n not in kept) + post_bytes,
-            "seconds": sum(clock.seconds.values()), "phases": clock.seconds}
-    if kept:
-        info["shared_with"] = base.id
-    gtm = GTMIndex.from_arrays(g.level_sizes, moved | host, MATCHER_PLANES)
-    return ServedIndex(snap, device, gtm, entry_keys, max_children, mean_children, max_parts,
-                       int(g.depth_offsets[g.sid_length]), fan_out_counts, tables, post, info)
-
-
-def _post_arrays(snap: Snapshot, device: torch.device, base: ServedIndex | None
-                 ) -> tuple[dict[str, torch.Tensor] | None, int]:
-    """The post stage's arrays (`POST_ARRAYS`, the exact index) on a GPU, by contract name, and the
-    bytes moved; an array that is the base's own (`same_memory`) keeps the base's tensor. None on the CPU."""
-    if device.type != "cuda":
-        return None, 0
-    arrays = {n: a for n, a in snap.arrays().items() if n in POST_ARRAYS or n in snap.exact.arrays()}
-    theirs = base.snapshot.arrays() if base is not None and base.post is not None and base.device == device else {}
-    out, moved = {}, 0
-    for n, a in arrays.items():
-        if n in theirs and same_memory(a, theirs[n]):
-            out[n] = base.post[n]
+    kept, post_kept = [], []  # per device: the names whose device tensor is its base's
+    for device, base in zip(devices, bases):
+        k = _kept(served, g.level_sizes, base, device)  # names whose device tensor is the base's
+        if device.type == "cuda" and not planes <= k:
+            k -= planes  # one stack for all planes: restaged together
+        kept.append(k)
+        post_kept.append(_post_kept(snap, device, base))
+    whole = [base is not None and k == set(served) for base, k in zip(bases, kept)]  # shares every tensor
+    if not all(whole):
+        fan_out = np.diff(g.node_offsets)
+        per_depth = [fan_out[g.depth_offsets[d]:g.depth_offsets[d + 1]] for d in range(g.sid_length)]
+        shape = (tuple(int(f.max()) for f in per_depth), tuple(int(-(-f.sum() // len(f))) for f in per_depth),
+                 int(np.diff(g.part_offsets).max()) if g.part_offsets is not None and len(g.part_offsets) > 1 else 0,
+                 int(g.depth_offsets[g.sid_length]), tuple(np.bincount(f) for f in per_depth))
+        clock.lap("shape")
+    gpu = [i for i, d in enumerate(devices) if d.type == "cuda"]
+    moving = {n for i in gpu for n in (set(served) - kept[i]) | (set(_post_names(snap)) - post_kept[i])}
+    staged = stage_arrays({n: every[n] for n in moving}, clock) if gpu else {}
+    if not gpu:
+        clock.lap("stage")  # the CPU serves the memory maps themselves: nothing to copy
+    out = []
+    for device, base, k, pk, shares in zip(devices, bases, kept, post_kept, whole):
+        source = staged if device.type == "cuda" else {n: _mapped(a) for n, a in served.items()}
+        post = None if device.type != "cuda" else {n: pk[n] if n in pk else source[n].to(device, non_blocking=True)
+                                                   for n in _post_names(snap)}
+        moved_bytes = sum(int(every[n].nbytes) for n in _post_names(snap) if n not in pk) if post is not None else 0
+        if shares:
+            gtm = GTMIndex.from_arrays(g.level_sizes, base.gtm.arrays() | host, MATCHER_PLANES)
+            out.append(dataclasses.replace(base, snapshot=snap, gtm=gtm, post=post,
+                                           load_info={"bytes": moved_bytes, "shared_with": base.id}))
+            continue
+        tables = base.tables if planes <= k and base is not None else None
+        if device.type == "cuda":  # the planes into one stack, the rest as they are
+            if tables is None:
+                parts = [source[f"part_{p}_index"] for p in MATCHER_PLANES] if g.part_offsets is not None else None
+                tables = stack_tables([source[f"{p}_table"] for p in MATCHER_PLANES],
+                                      [source[f"{p}_index"] for p in MATCHER_PLANES], parts, device)
+            moved = {n: source[n].to(device, non_blocking=True) for n in served if n not in k | planes}
+            for i, p in enumerate(MATCHER_PLANES):
+                moved |= {f"{p}_table": tables.tables[i], f"{p}_index": tables.index[i]}
+                if g.part_offsets is not None:
+                    moved[f"part_{p}_index"] = tables.part_index[i]
         else:
-            out[n] = _stage(a, device).to(device, non_blocking=True)
-            moved += int(a.nbytes)
-    return out, moved
+            moved = {n: source[n] for n in served if n not in k}
+        moved = {n: base.gtm.arrays()[n] for n in k} | moved
+        if base is not None and {"node_offsets", "csr_tokens"} <= k:
+            entry_keys = base.entry_keys
+        else:  # entry e's parent is the node whose child range holds it; entries are sorted by (parent, token)
+            parent = torch.repeat_interleave(torch.arange(g.num_nodes, device=device), moved["node_offsets"].diff())
+            entry_keys = parent * g.vocab_size + moved["csr_tokens"].long()
+            del parent
+        info = {"bytes": sum(int(a.nbytes) for n, a in served.items() if n not in k) + moved_bytes}
+        if k:
+            info["shared_with"] = base.id
+        gtm = GTMIndex.from_arrays(g.level_sizes, moved | host, MATCHER_PLANES)
+        max_children, mean_children, max_parts, leaf_start, fan_out_counts = shape
+        out.append(ServedIndex(snap, device, gtm, entry_keys, max_children, mean_children, max_parts, leaf_start,
+                               fan_out_counts, tables, post, info))
+    for i in gpu:
+        torch.cuda.synchronize(devices[i])
+    del staged  # the pinned copies, once every device has its own
+    clock.lap("transfer")
+    phases = dict(clock.seconds)
+    for index in out:
+        index.load_info.update({"seconds": sum(phases.values()), "phases": phases}
+                               | ({"devices": len(devices)} if len(devices) > 1 else {}))
+    return out
+
+
+def _post_names(snap: Snapshot) -> list[str]:
+    """The arrays the post stage reads on a GPU (`POST_ARRAYS` present, the exact index), by contract name."""
+    return [n for n in snap.arrays() if n in POST_ARRAYS or n in snap.exact.arrays()]
+
+
+def _post_kept(snap: Snapshot, device: torch.device, base: ServedIndex | None) -> dict[str, torch.Tensor]:
+    """The post stage's device tensors of `base` that `snap` keeps (its array is the base's own,
+    `same_memory`), by name; empty on the CPU, whose post stage reads the memory maps."""
+    if device.type != "cuda" or base is None or base.post is None or base.device != device:
+        return {}
+    theirs, ours = base.snapshot.arrays(), snap.arrays()
+    return {n: base.post[n] for n in _post_names(snap) if n in theirs and same_memory(ours[n], theirs[n])}
 
 
 def _kept(served: dict[str, np.ndarray], snap_level_sizes: tuple[int, ...], base: ServedIndex | None,
@@ -245,30 +308,40 @@ def _kept(served: dict[str, np.ndarray], snap_level_sizes: tuple[int, ...], base
     return {n for n, a in served.items() if n in theirs and same_memory(a, theirs[n])}
 
 
-def load(path: str | Path, device: str | torch.device = "cpu", *, verify: bool = True,
-         base: ServedIndex | None = None) -> ServedIndex:
+def load(path: str | Path, device: str | torch.device | Sequence[str | torch.device] = "cpu", *, verify: bool = True,
+         base: ServedIndex | Sequence[ServedIndex | None] | None = None) -> ServedIndex | list[ServedIndex]:
     """Open (validating structure, and checksums unless verify=False) and load a ROOT's current
-    snapshot or a snapshot directory; `base`: an index served on `device` that the snapshot may
-    share files and device tensors with (an update of it), see `open_snapshot` and `load_index`."""
-    device = parse_device(device)  # before the work of opening
-    return load_index(open_snapshot(path, verify=verify, base=None if base is None else base.snapshot), device,
-                      base=base)
+    snapshot or a snapshot directory onto `device`, or onto each of a list of devices (then a list
+    of indexes, one per device: the snapshot is read, verified and staged once for all of them);
+    `base`: an index served on `device` (one per device, or None) that the snapshot may share
+    files and device tensors with (an update of it), see `open_snapshot` and `load_index`."""
+    several, devices, bases = _targets(device, base)  # before the work of opening
+    # files an update shares with the served snapshot: the first base's (a watcher's bases are one snapshot)
+    shared = next((b.snapshot for b in bases if b is not None), None)
+    out = _load(open_snapshot(path, verify=verify, base=shared), devices, bases)
+    return out if several else out[0]
 
 
 class SnapshotWatcher:
-    """Serves the snapshot a ROOT publishes, swapping to a newer one when `poll` sees it.
+    """Serves the snapshot a ROOT publishes on one device or several, swapping to a newer one when
+    `poll` sees it.
 
-    A request takes `watcher.current` once and runs to the end on it: a swap replaces the
-    attribute, never the object, so the old index is freed only when its last request drops it.
+    A request takes `watcher.current` (with several devices, `watcher.indexes`, one per device in
+    order) once and runs to the end on it: a swap replaces the attribute, never the object, so the
+    old index is freed only when its last request drops it. With several devices the new snapshot is
+    read, verified and staged once, and every device swaps together, only once each one loaded it.
     Whatever a new snapshot holds, the old one keeps serving unless the new one loaded completely;
     `last_error` then says why it did not. An update of the served snapshot (`sidindex update`)
     shares its unchanged files: they are neither hashed nor mapped again, and when only ad states
     changed nothing moves to the device and a `Searcher` keeps replaying its graphs.
     """
 
-    def __init__(self, root: str | Path, device: str | torch.device = "cpu", *, verify: bool = True) -> None:
-        self.root, self.device, self.verify = Root(root), parse_device(device), verify
-        self.current: ServedIndex = load(self.root.path, self.device, verify=verify)
+    def __init__(self, root: str | Path, device: str | torch.device | Sequence[str | torch.device] = "cpu", *,
+                 verify: bool = True) -> None:
+        _, devices, _ = _targets(device, None)
+        self.root, self.devices, self.verify = Root(root), tuple(devices), verify
+        self.device = devices[0]
+        self.indexes: tuple[ServedIndex, ...] = tuple(load(self.root.path, devices, verify=verify))
         self.last_error: str | None = None
         self._refused: str | None = None  # the published id that failed: not loaded again until CURRENT moves
         self._lock = threading.Lock()
@@ -290,14 +363,20 @@ class SnapshotWatcher:
             if published is None or published in (self.current.id, self._refused):
                 return False
             # an update of the served snapshot shares its checked files and device arrays
-            new = load(self.root.snapshot_dir(published), self.device, verify=self.verify, base=self.current)
+            new = load(self.root.snapshot_dir(published), list(self.devices), verify=self.verify,
+                       base=list(self.indexes))
         except Exception as e:  # a serving process must outlive any snapshot (a bad file, a bug in a reader)
             why = e if isinstance(e, SidIndexError) else f"{type(e).__name__} while polling {self.root.path}: {e}"
             self.last_error = f"kept serving snapshot {self.current.id}: {why}"
             self._refused = published
             return False
         else:
-            self.current, self.last_error = new, None
+            self.indexes, self.last_error = tuple(new), None
             return True
         finally:
             self._lock.release()
+
+    @property
+    def current(self) -> ServedIndex:
+        """The index served on the (first) device."""
+        return self.indexes[0]

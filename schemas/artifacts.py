@@ -14,18 +14,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SNAPSHOT_FORMAT = "sidindex.snapshot"
-# A full build writes the oldest version that holds its arrays, so a reader that predates a
-# feature keeps reading every snapshot it can serve: 3 without ad values, 4 with them; an update
-# between rebuilds (DESIGN.md §15) writes UPDATED_VERSION, which adds the ad states and the lineage.
+# Versions 3 to 5 are named by the arrays they hold: 3 without ad values, 4 with them, 5 written by an
+# update between rebuilds (DESIGN.md §15: the ad states and the lineage). Version 6 adds a fast digest
+# of every file (FAST_DIGEST, what a serving host checks when it opens a snapshot) and holds any of
+# those groups of arrays (the array list says which); this code writes it for every snapshot, and
+# reads all four.
 VALUE_FREE_VERSION = 3
 VALUE_VERSION = 4
 UPDATED_VERSION = 5
-SNAPSHOT_VERSION = UPDATED_VERSION  # the newest this code writes
-READ_VERSIONS = (VALUE_FREE_VERSION, VALUE_VERSION, UPDATED_VERSION)
+DIGEST_VERSION = 6
+SNAPSHOT_VERSION = DIGEST_VERSION  # the newest this code writes
+READ_VERSIONS = (VALUE_FREE_VERSION, VALUE_VERSION, UPDATED_VERSION, DIGEST_VERSION)
+
+# The fast digest: XXH3-128 (seed 0) of the concatenated 16-byte canonical (big-endian) XXH3-128
+# digests of the file's consecutive FAST_DIGEST_CHUNK-byte chunks (the last one shorter; an empty
+# file has none), so one large file is verified by many threads at once.
+FAST_DIGEST = "xxh3_128"
+FAST_DIGEST_CHUNK = 1 << 24
 
 
 def snapshot_version(arrays) -> int:
-    """The format version of a snapshot holding the arrays named in `arrays`."""
+    """The format version a snapshot before DIGEST_VERSION holding the arrays named in `arrays` has."""
     if "ad_state" in arrays:
         return UPDATED_VERSION
     return VALUE_VERSION if "ad_value" in arrays else VALUE_FREE_VERSION
@@ -187,18 +196,22 @@ class ManifestKey:
     type: str
     doc: str
     since: int = 0  # the first format version that has the key
+    group: str = "index"  # GROUPS: when the key is present (with the arrays of that group)
 
 
-def manifest_keys(version: int) -> tuple[ManifestKey, ...]:
-    """The keys a manifest of format `version` holds."""
-    return tuple(k for k in MANIFEST_KEYS if version >= k.since)
+def manifest_keys(version: int, updated: bool) -> tuple[ManifestKey, ...]:
+    """The keys a manifest of format `version` holds, (updated) written by an update."""
+    return tuple(k for k in MANIFEST_KEYS if version >= k.since and present(k.group, False, False, updated))
 
 
 MANIFEST_KEYS = (
     ManifestKey("format", "string", f"`{SNAPSHOT_FORMAT}`."),
-    ManifestKey("format_version", "int", f"{UPDATED_VERSION} when an update wrote the snapshot (`ad_state` and "
-                                         f"`lineage` present), else {VALUE_VERSION} when it carries the `value` "
-                                         f"arrays, else {VALUE_FREE_VERSION}; a reader refuses other versions."),
+    ManifestKey("format_version", "int", f"{DIGEST_VERSION}: every file carries `{FAST_DIGEST}`, and `arrays` says "
+                                         "which groups are present. Written by earlier sidindex versions, still "
+                                         f"read: {UPDATED_VERSION} when an update wrote the snapshot (`ad_state` "
+                                         f"and `lineage` present), else {VALUE_VERSION} when it carries the "
+                                         f"`value` arrays, else {VALUE_FREE_VERSION}; files with `sha256` only. "
+                                         "A reader refuses other versions (a newer one saying to upgrade)."),
     ManifestKey("id", "string", "Snapshot id, equal to the directory name: `YYYYMMDDTHHMMSSffffffZ-<8 hex>`."),
     ManifestKey("created", "string", "UTC time of the build, ISO 8601."),
     ManifestKey("input_fingerprint", "string", "sha256 over the catalog bytes, spec, config, codebook id, format."),
@@ -212,16 +225,17 @@ MANIFEST_KEYS = (
     ManifestKey("stats", "object", "Build statistics (GRACE Tables 1 and 2)."),
     ManifestKey("quality", "object | null", "The SID quality report of the build."),
     ManifestKey("arrays", "object", "Per array name: `rows` and `width` (null for 1-D)."),
-    ManifestKey("lineage", "object", f"Version {UPDATED_VERSION} only: `full_build` (the id of the full build "
+    ManifestKey("lineage", "object", "Present exactly when an update wrote the snapshot: `full_build` (the id of the full build "
                                      "the updates started from), `base` (the snapshot this update was applied to), "
                                      "`updates` (updates since the full build), `source` (sha256 of the change "
                                      "file), `changes` (rows per op of this update), `paused` and `deleted` (rows "
                                      "in each state, as `ad_state` holds them), `stale_entries` (child entries "
                                      "whose matchers still hold a paused or deleted row: conservative supersets "
                                      "until the next full build), `dead_sids` (SIDs with no live row).",
-                since=UPDATED_VERSION),
+                since=UPDATED_VERSION, group="updated"),
     ManifestKey("files", "object", "Every file below the directory but manifest.json (the carried codebook "
-                                   "included): relative path -> `bytes`, `sha256`."),
+                                   f"included): relative path -> `bytes`, `sha256`, `{FAST_DIGEST}` (version "
+                                   f"{DIGEST_VERSION}; the chunked digest below)."),
     ManifestKey("checksum", "string", "sha256 of the canonical manifest without this key (below)."),
 )
 
@@ -230,14 +244,18 @@ MANIFEST_DOC = (
     "the text `json.dumps(m, indent=1, sort_keys=True, ensure_ascii=True) + \"\\n\"`; `checksum` is the sha256 "
     "of that text for the manifest without `checksum`. A reader refuses a manifest that is not byte-for-byte "
     "canonical, has unknown, missing or duplicate keys, an id other than its directory's name, or lists "
-    "other files than the directory holds."
+    "other files than the directory holds. "
+    f"`{FAST_DIGEST}` of a file is the XXH3-128 (seed 0, hex) of the concatenated 16-byte canonical (big-endian) "
+    f"XXH3-128 digests of its consecutive chunks of {FAST_DIGEST_CHUNK} bytes ({FAST_DIGEST_CHUNK >> 20} MiB) (the last one shorter; an empty file has "
+    "none): chunks are verified in parallel. Opening a snapshot checks it (and `sha256` for a file without it); "
+    "`sidindex validate` checks both."
 )
 
 
 def render_artifacts() -> list[str]:
     """The snapshot contract as Markdown lines."""
-    out = [f"## snapshot directory (format `{SNAPSHOT_FORMAT}`, version {UPDATED_VERSION} when an update wrote it, "
-           f"{VALUE_VERSION} with ad values, {VALUE_FREE_VERSION} without)", "",
+    out = [f"## snapshot directory (format `{SNAPSHOT_FORMAT}`, version {DIGEST_VERSION}; versions "
+           f"{VALUE_FREE_VERSION} to {UPDATED_VERSION} are still read)", "",
            "A snapshot is a directory `ROOT/snapshots/<id>/` holding `manifest.json`, one Arrow IPC file per "
            "array below, and the frozen codebook in `codebooks/<codebook_id>/` (`codebook.json` and "
            "`level_<l>.npy`). Every `.arrow` file opens with `pyarrow.ipc.open_file(pyarrow.memory_map(path))`, "

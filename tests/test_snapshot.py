@@ -137,7 +137,7 @@ def reseal(snap_dir: Path, edit=None) -> None:
     m = json.loads((snap_dir / "manifest.json").read_text())
     if edit:
         edit(m)
-    m["files"] = list_files(snap_dir, "manifest.json")
+    m["files"] = list_files(snap_dir, "manifest.json", fast=True)
     (snap_dir / "manifest.json").write_bytes(seal(m))
 
 
@@ -156,7 +156,7 @@ def test_rewriting_helpers_reach_the_structure_checks(snap_dir):
 
 def _dup_key(snap_dir: Path) -> None:
     raw = (snap_dir / "manifest.json").read_text()
-    (snap_dir / "manifest.json").write_text(raw.replace(' "format_version": 4,', ' "format_version": 4,\n "format_version": 4,'))
+    (snap_dir / "manifest.json").write_text(raw.replace(' "format_version": 6,', ' "format_version": 6,\n "format_version": 6,'))
 
 
 def _nested(snap_dir: Path) -> None:
@@ -173,7 +173,7 @@ def _nested(snap_dir: Path) -> None:
     (lambda d: reseal(d, lambda m: m.__setitem__("format_version", 3)), "version 3 disagrees with its arrays"),
     (lambda d: reseal(d, lambda m: m.__setitem__("format_version", 5)), "version 5 disagrees with its arrays"),
     (lambda d: reseal(d, lambda m: m.__setitem__("lineage", {})), r"unexpected \['lineage'\]"),
-    (lambda d: reseal(d, lambda m: m.__setitem__("format_version", True)), r"version 'True'; this sidindex reads version 3, 4 or 5$"),
+    (lambda d: reseal(d, lambda m: m.__setitem__("format_version", True)), r"version 'True'; this sidindex reads version 3, 4, 5 or 6$"),
     (lambda d: reseal(d, lambda m: m.__setitem__("format", "something")), "not a sidindex snapshot"),
     (lambda d: reseal(d, lambda m: m["arrays"]["leaf_ads"].__setitem__("rows", 10**15)), "expected rows"),
     (lambda d: reseal(d, lambda m: m["arrays"]["csr_tokens"].__setitem__("rows", 7)), "does not fit"),

@@ -14,11 +14,13 @@ from pathlib import Path
 from schemas import CHANGE_OPS
 from schemas.artifacts import (
     ARRAYS_BY_NAME,
+    DIGEST_VERSION,
+    FAST_DIGEST,
     GONE_VERSIONS,
     MANIFEST_FILE,
-    SNAPSHOT_FORMAT,
     READ_VERSIONS,
-    UPDATED_VERSION,
+    SNAPSHOT_FORMAT,
+    SNAPSHOT_VERSION,
     manifest_keys,
     present,
     snapshot_version,
@@ -47,6 +49,16 @@ class ArrayShape:
 class FileEntry:
     bytes: int
     sha256: str
+    fast: str | None = None  # FAST_DIGEST, hex; None in a manifest older than DIGEST_VERSION
+
+    @classmethod
+    def of(cls, listing: dict) -> FileEntry:
+        """The entry of a manifest's listing (`listing`'s inverse)."""
+        return cls(listing["bytes"], listing["sha256"], listing.get(FAST_DIGEST))
+
+    def listing(self) -> dict:
+        """The entry as the manifest lists it (`sidindex.artifact.verify_files` reads this)."""
+        return {"bytes": self.bytes, "sha256": self.sha256} | ({} if self.fast is None else {FAST_DIGEST: self.fast})
 
 
 @dataclass(frozen=True)
@@ -69,10 +81,11 @@ class Manifest:
     arrays: dict[str, ArrayShape]
     files: dict[str, FileEntry]
     lineage: dict | None = None  # an update's (DESIGN.md §15); None for a full build
+    format_version: int = SNAPSHOT_VERSION  # a manifest read keeps its own
 
     @property
     def version(self) -> int:
-        return snapshot_version(self.arrays)
+        return self.format_version
 
     @property
     def full_build(self) -> str:
@@ -91,9 +104,15 @@ class Manifest:
     def to_bytes(self) -> bytes:
         """The sealed manifest.json text."""
         doc = asdict(self)
+        del doc["format_version"]
         doc["level_sizes"] = list(self.level_sizes)
-        if (self.lineage is None) != (self.version < UPDATED_VERSION):
+        doc["files"] = {n: f.listing() for n, f in self.files.items()}
+        if (self.lineage is None) == ("ad_state" in self.arrays):
             raise ValueError("a manifest has a lineage exactly when an update wrote it (the ad_state array)")
+        if self.version < DIGEST_VERSION and self.version != snapshot_version(self.arrays):
+            raise ValueError(f"format version {self.version} does not hold these arrays")
+        if any((f.fast is None) == (self.version >= DIGEST_VERSION) for f in self.files.values()):
+            raise ValueError(f"files carry {FAST_DIGEST} exactly from format version {DIGEST_VERSION}")
         if self.lineage is None:
             del doc["lineage"]
         return seal({"format": SNAPSHOT_FORMAT, "format_version": self.version, **doc})
@@ -105,7 +124,8 @@ class Manifest:
         if not directory.is_dir():
             raise pruned(directory)
         doc = read_sealed(path, SNAPSHOT_FORMAT, READ_VERSIONS, "snapshot", gone=GONE_VERSIONS)
-        if isinstance(doc.get("arrays"), dict) and doc["format_version"] != snapshot_version(doc["arrays"]):
+        if (doc["format_version"] < DIGEST_VERSION and isinstance(doc.get("arrays"), dict)
+                and doc["format_version"] != snapshot_version(doc["arrays"])):  # an older version names its arrays
             raise ArtifactError(f"{path}: format version {doc['format_version']} disagrees with its arrays (version "
                                 f"{snapshot_version(doc['arrays'])} holds exactly those)")
         return _parse(path, doc, directory.name.removeprefix(TMP_PREFIX))  # checked before publishing too
@@ -115,7 +135,8 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
     def bad(msg: str) -> ArtifactError:
         return ArtifactError(f"{path}: {msg}")
 
-    contract = manifest_keys(doc["format_version"])
+    version = doc["format_version"]
+    contract = manifest_keys(version, isinstance(doc.get("arrays"), dict) and "ad_state" in doc["arrays"])
     keys = {k.key for k in contract}
     if set(doc) != keys:
         missing, extra = sorted(keys - set(doc)), sorted(set(doc) - keys)
@@ -132,8 +153,9 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
     return Manifest(
         **{k: doc[k] for k in ("id", "created", "input_fingerprint", "catalog", "codebook_id", "build_config",
                                "targeting", "kway", "counts", "stats", "quality")},
-        level_sizes=tuple(sizes), arrays=_arrays(bad, doc["arrays"], doc["kway"]), files=_files(bad, doc["files"]),
-        lineage=_lineage(bad, doc["lineage"]) if "lineage" in doc else None)
+        level_sizes=tuple(sizes), arrays=_arrays(bad, doc["arrays"], doc["kway"]),
+        files=_files(bad, doc["files"], version >= DIGEST_VERSION),
+        lineage=_lineage(bad, doc["lineage"]) if "lineage" in doc else None, format_version=version)
 
 
 def _is_int(x: object) -> bool:
@@ -159,17 +181,23 @@ def _arrays(bad, arrays: dict, kway: bool) -> dict[str, ArrayShape]:
     return out
 
 
-def _files(bad, files: dict) -> dict[str, FileEntry]:
+def _files(bad, files: dict, fast: bool) -> dict[str, FileEntry]:
+    """The file list; with `fast` (DIGEST_VERSION on) every entry carries FAST_DIGEST too."""
+    keys = {"bytes", "sha256"} | ({FAST_DIGEST} if fast else set())
     out = {}
     for name, e in files.items():
         parts = name.split("/")
         if not parts or any(p in ("", ".", "..") or p.startswith(".") for p in parts) or "\\" in name:
             raise bad(f"file name {name[:80]!r} is not a plain path inside the snapshot directory")
-        if (not isinstance(e, dict) or set(e) != {"bytes", "sha256"} or not _is_int(e["bytes"]) or e["bytes"] < 0
-                or not isinstance(e["sha256"], str) or len(e["sha256"]) != 64):
-            raise bad(f"entry for file {name!r} must be {{bytes, sha256}}")
-        out[name] = FileEntry(e["bytes"], e["sha256"])
+        if (not isinstance(e, dict) or set(e) != keys or not _is_int(e["bytes"]) or e["bytes"] < 0
+                or not _is_hex(e["sha256"], 64) or (fast and not _is_hex(e[FAST_DIGEST], 32))):
+            raise bad(f"entry for file {name!r} must be {{{', '.join(sorted(keys))}}} (digests in hex)")
+        out[name] = FileEntry.of(e)
     return out
+
+
+def _is_hex(x: object, length: int) -> bool:
+    return isinstance(x, str) and len(x) == length and all(c in "0123456789abcdef" for c in x)
 
 
 LINEAGE_COUNTS = ("updates", "paused", "deleted", "stale_entries", "dead_sids")

@@ -4,7 +4,8 @@
 Opening checks, in order, before any index can be read: the manifest (`Manifest.read`: sealed,
 strict, its id the directory's name), the shapes it declares against each other and the spec, the
 directory's files against its list (regular files only, nothing unlisted, sizes; with `verify`,
-every sha256), then maps each Arrow file and validates the structure (`check_structure`). The
+every file's fast digest, or its sha256 in a snapshot written before fast digests; with `strong`,
+every sha256 as well), then maps each Arrow file and validates the structure (`check_structure`). The
 carried codebook is loaded into memory, so a served snapshot never reads its directory again.
 Nothing is unpickled.
 """
@@ -105,18 +106,21 @@ def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.
         counts=counts or {"ads": len(ad_id), "sid_rows": len(gtm.leaf_ads), "sids": S, "nodes": gtm.num_nodes},
         stats=stats or {}, quality=quality,
         arrays={n: ArrayShape(len(a), a.shape[1] if a.ndim == 2 else None) for n, a in arrays.items()},
-        files={n: FileEntry(**e) for n, e in list_files(directory, MANIFEST_FILE,
-                                                         {n: vars(f) for n, f in kept.items()}).items()},
+        files={n: FileEntry.of(e) for n, e in list_files(directory, MANIFEST_FILE,
+                                                          {n: f.listing() for n, f in kept.items()},
+                                                          fast=True).items()},
         lineage=lineage)
     (directory / MANIFEST_FILE).write_bytes(manifest.to_bytes())
     return manifest
 
 
-def open_snapshot(path: str | Path, *, verify: bool = True, prefault: bool = False,
+def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False, prefault: bool = False,
                   base: Snapshot | None = None) -> Snapshot:
     """Open a ROOT's published snapshot (its CURRENT) or a snapshot directory.
 
-    verify:   also check every file's sha256 (reads every byte; structure is always validated)
+    verify:   also check every file's fast digest (reads every byte, in parallel chunks; a snapshot
+              written before fast digests: its sha256). Structure is always validated
+    strong:   with verify, check every file's sha256 too (`sidindex validate`; several times slower)
     prefault: read every page of every array now, so the first queries do not wait on page faults
     base:     an open snapshot this one may share files with (an update's base): a file that is the
               base's own (the same inode, the same manifest entry) is neither hashed nor mapped
@@ -128,14 +132,14 @@ def open_snapshot(path: str | Path, *, verify: bool = True, prefault: bool = Fal
     for attempt in range(_RETRIES):
         directory = Root.resolve(path)
         try:
-            return _open(directory, verify, prefault, base)
+            return _open(directory, verify, strong, prefault, base)
         except ArtifactError:
             if directory == Path(path) or directory.is_dir() or attempt == _RETRIES - 1:
                 raise
     raise AssertionError("unreachable")
 
 
-def _open(directory: Path, verify: bool, prefault: bool, base: Snapshot | None) -> Snapshot:
+def _open(directory: Path, verify: bool, strong: bool, prefault: bool, base: Snapshot | None) -> Snapshot:
     clock = StageClock()
     m = Manifest.read(directory)
     where = directory / MANIFEST_FILE
@@ -146,8 +150,8 @@ def _open(directory: Path, verify: bool, prefault: bool, base: Snapshot | None) 
     _check_shapes(where, m, spec)
     clock.lap("manifest")
     shared = _shared_files(directory, m, spec, base) if base is not None else frozenset()
-    verify_files(directory, {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in m.files.items()}, MANIFEST_FILE,
-                 checksums=verify, trusted=shared)
+    verify_files(directory, {n: f.listing() for n, f in m.files.items()}, MANIFEST_FILE, checksums=verify,
+                 strong=strong, trusted=shared)
     clock.lap("checksums" if verify else "files")
     reused = {n: a for n, a in base.arrays().items() if ARRAYS_BY_NAME[n].file in shared} if shared else {}
     arrays = {n: reused[n] if n in reused else map_array(directory, ARRAYS_BY_NAME[n], s.shape)

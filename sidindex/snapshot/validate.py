@@ -2,15 +2,18 @@
 
 A kernel, a numba loop or a torch gather indexes with these values unchecked, so nothing reaches
 them before this passes. No check does arithmetic on a value it has not bounded yet: monotonicity
-compares neighbours (`a[1:] >= a[:-1]`), never `np.diff(a) >= 0`, which wraps around int64 for a
-pair like (2**63 - 1, -2) and would let it through. Vectorised: a few passes over each array.
+compares neighbours (`a[i + 1] >= a[i]`), never `np.diff(a) >= 0`, which wraps around int64 for a
+pair like (2**63 - 1, -2) and would let it through; a run of an offsets array is read only once
+those offsets are checked. Every pass over a large array is a numba loop on all cores counting the
+items that break its relation, without temporaries (it runs at every open and bounds a swap: numpy's
+whole-array expressions took about 0.15 s per million SIDs on one core, allocating as they went).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numba
 import numpy as np
 import polars as pl
 
@@ -21,8 +24,126 @@ from sidindex.trie.build import GTMIndex
 from sidindex.trie.patch import live_entries
 
 
+# A parallel launch wakes every numba thread: about 4 ms per call on a 2-core VM (1 us on one thread),
+# more than a serial pass over an array this short costs, so shorter ones are checked on one thread
+PARALLEL_ITEMS = 1 << 22
+
+
+def _sized(kernel):
+    """`kernel` on all of numba's threads when its first argument holds PARALLEL_ITEMS items or
+    more, else on one."""
+    def run(*args):
+        if len(args[0]) >= PARALLEL_ITEMS:
+            return kernel(*args)
+        threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            return kernel(*args)
+        finally:
+            numba.set_num_threads(threads)
+    return run
+
+
+@_sized
+@numba.njit(parallel=True, cache=True)
+def _falls(a: np.ndarray, strict: bool) -> int:
+    """Neighbours a[i] > a[i + 1] (strict: also a[i] == a[i + 1])."""
+    bad = 0
+    for i in numba.prange(len(a) - 1):
+        if a[i + 1] < a[i] or (strict and a[i + 1] == a[i]):
+            bad += 1
+    return bad
+
+
+@_sized
+@numba.njit(parallel=True, cache=True)
+def _outside(a: np.ndarray, size: int) -> int:
+    """Values outside [0, size)."""
+    bad = 0
+    for i in numba.prange(len(a)):
+        if a[i] < 0 or a[i] >= size:
+            bad += 1
+    return bad
+
+
+@_sized
+@numba.njit(parallel=True, cache=True)
+def _run_falls(x: np.ndarray, offsets: np.ndarray, strict: bool) -> int:
+    """Neighbours falling (strict: not rising) within a run x[offsets[r]:offsets[r + 1]] (offsets
+    checked: rising from 0 to at most len(x))."""
+    bad = 0
+    for r in numba.prange(len(offsets) - 1):
+        for i in range(offsets[r] + 1, offsets[r + 1]):
+            if x[i] < x[i - 1] or (strict and x[i] == x[i - 1]):
+                bad += 1
+    return bad
+
+
+@_sized
+@numba.njit(parallel=True, cache=True)
+def _not_next(child: np.ndarray) -> int:
+    """Entries e whose child is not node e + 1."""
+    bad = 0
+    for e in numba.prange(len(child)):
+        if child[e] != e + 1:
+            bad += 1
+    return bad
+
+
+@_sized
+@numba.njit(parallel=True, cache=True)
+def _out_of_bounds(v: np.ndarray, hi: float) -> int:
+    """Values outside [0, hi]; NaN is outside."""
+    bad = 0
+    for i in numba.prange(len(v)):
+        if not (v[i] >= 0 and v[i] <= hi):
+            bad += 1
+    return bad
+
+
+@_sized
+@numba.njit(parallel=True, cache=True)
+def _leaf_bounds_below(ev: np.ndarray, first: int, ad_value: np.ndarray, leaf_ads: np.ndarray,
+                       lo: np.ndarray) -> int:
+    """Leaves s whose entry's bound ev[first + s] lies below the value of one of their ads."""
+    bad = 0
+    for s in numba.prange(len(lo) - 1):
+        bound = np.float64(ev[first + s])
+        for j in range(lo[s], lo[s + 1]):
+            if bound < ad_value[leaf_ads[j]]:
+                bad += 1
+    return bad
+
+
+@_sized
+@numba.njit(parallel=True, cache=True)
+def _child_bounds_above(ev: np.ndarray, no: np.ndarray, inner_end: int) -> int:
+    """Child entries whose bound exceeds their parent's: node i (1 <= i < inner_end) is entry i - 1's child."""
+    bad = 0
+    for i in numba.prange(1, inner_end):
+        for c in range(no[i], no[i + 1]):
+            if ev[c] > ev[i - 1]:
+                bad += 1
+    return bad
+
+
+@_sized
+@numba.njit(parallel=True, cache=True)
+def _bad_partitions(pv: np.ndarray, po: np.ndarray, ev: np.ndarray) -> int:
+    """Entries whose partitions do not fall in value from exactly the entry's own bound (po checked:
+    strictly rising, so every entry has a first partition)."""
+    bad = 0
+    for e in numba.prange(len(po) - 1):
+        if pv[po[e]] != ev[e]:
+            bad += 1
+        for j in range(po[e] + 1, po[e + 1]):
+            if pv[j] > pv[j - 1]:
+                bad += 1
+    return bad
+
+
 def _rising(a: np.ndarray, strict: bool = False) -> bool:
-    return bool(np.all(a[1:] > a[:-1])) if strict else bool(np.all(a[1:] >= a[:-1]))
+    return _falls(a, strict) == 0
 
 
 def _offsets(a: np.ndarray, end: int, strict: bool) -> bool:
@@ -31,7 +152,7 @@ def _offsets(a: np.ndarray, end: int, strict: bool) -> bool:
 
 
 def _in_range(a: np.ndarray, size: int) -> bool:
-    return len(a) == 0 or (int(a.min()) >= 0 and int(a.max()) < size)
+    return _outside(a, size) == 0
 
 
 class _Need:
@@ -54,9 +175,9 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
                     changed: set[str] | None = None, base_state: np.ndarray | None = None) -> None:
     """Raise ArtifactError naming the first array that breaks a relation.
 
-    Depth ranges first (every other check indexes with them); then independent groups of checks in
-    parallel threads (numpy releases the GIL, and a cold snapshot's pages fault in side by side);
-    the first failing group, in the order below, is reported. `changed`: the arrays not already
+    Depth ranges first (every other check indexes with them); then groups of checks in the order
+    below, each pass parallel inside (a cold snapshot's pages fault in side by side), the first
+    failing one reported. `changed`: the arrays not already
     validated as they are (None: all); when they are only STATE_ARRAYS, only their checks run, and
     ad ids are checked again only if a row left the deleted state of `base_state` (N,) uint8, the
     checked snapshot's (None: all live): otherwise the rows not deleted are a subset of checked ones.
@@ -73,18 +194,8 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
             np.any((base_state == AD_DELETED) & (exact.ad_state != AD_DELETED)))
         groups = (_state, _ads) if revived else (_state,)
 
-    def run(group) -> ArtifactError | None:
-        try:
-            group(need, gtm, exact, ad_id)
-        except ArtifactError as e:
-            return e
-        return None
-
-    with ThreadPoolExecutor(len(groups)) as pool:
-        faults = list(pool.map(run, groups))
-    fault = next((f for f in faults if f is not None), None)
-    if fault is not None:
-        raise fault
+    for group in groups:
+        group(need, gtm, exact, ad_id)
     if full:
         _values(need, gtm)  # indexes with the offsets checked above
     _live(need, gtm, exact)  # likewise (unchanged offsets were checked with the base)
@@ -101,16 +212,12 @@ def _trie(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> N
     num_nodes, E = len(no) - 1, len(gtm.csr_tokens)
     need(_offsets(no, E, strict=False), "node_offsets", "child offsets must rise from 0 to the entry count")
     need(bool(np.all(no[do[:L + 1]] == do[1:L + 2] - 1)), "node_offsets", "children do not follow depth order")
-    need(bool(np.array_equal(gtm.csr_child_nodes, np.arange(1, num_nodes, dtype=np.int32))), "csr_child_nodes",
+    need(len(gtm.csr_child_nodes) == num_nodes - 1 and _not_next(gtm.csr_child_nodes) == 0, "csr_child_nodes",
          "child node ids must be 1..num_nodes-1 in entry order")
-    depth = np.repeat(np.arange(L), np.diff(do[1:]))  # level of each entry's token
-    tok = gtm.csr_tokens
-    need(bool(np.all((tok >= 0) & (tok < np.asarray(gtm.level_sizes)[depth]))), "csr_tokens",
-         "a token lies outside its level's vocabulary")
-    first_child = np.zeros(E, dtype=bool)
-    first_child[no[:-1][no[:-1] < E]] = True
-    need(bool(np.all((tok[1:] > tok[:-1]) | first_child[1:])), "csr_tokens", "children of a node must be sorted "
-         "and distinct")
+    tok = gtm.csr_tokens  # entry e leads to node e + 1: the entries of depth d's children are one slice
+    need(all(_in_range(tok[do[d + 1] - 1:do[d + 2] - 1], size) for d, size in enumerate(gtm.level_sizes)),
+         "csr_tokens", "a token lies outside its level's vocabulary")
+    need(_run_falls(tok, no, True) == 0, "csr_tokens", "children of a node must be sorted and distinct")
 
 
 def _planes(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
@@ -126,10 +233,7 @@ def _leaves(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) ->
     need(len(lo) == S + 1 and _offsets(lo, len(gtm.leaf_ads), strict=True), "leaf_ad_offsets",
          "each SID must own at least one ad, offsets rising to the number of SID rows")
     need(_in_range(gtm.leaf_ads, N), "leaf_ads", f"an ad row lies outside [0, {N})")
-    leaf_start = np.zeros(len(gtm.leaf_ads), dtype=bool)
-    leaf_start[lo[:-1]] = True
-    need(bool(np.all((gtm.leaf_ads[1:] > gtm.leaf_ads[:-1]) | leaf_start[1:])), "leaf_ads",
-         "ads must be ascending and distinct within a SID")
+    need(_run_falls(gtm.leaf_ads, lo, True) == 0, "leaf_ads", "ads must be ascending and distinct within a SID")
 
 
 def _partitions(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
@@ -156,10 +260,7 @@ def _exact(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> 
              "hash offsets must rise through every attribute from 0 to the number of hashes")
         need(len(p.hash_offsets) < 2 or bool(np.all(p.hash_offsets[1:, 0] == p.hash_offsets[:-1, -1])), offsets,
              "each attribute's hashes must start where the previous attribute's end")
-        run_start = np.zeros(len(h), dtype=bool)
-        run_start[ho[ho < len(h)]] = True
-        need(bool(np.all((h[1:] >= h[:-1]) | run_start[1:])), hashes, "an ad's hashes must be sorted within each "
-             "attribute")
+        need(_run_falls(h, ho, False) == 0, hashes, "an ad's hashes must be sorted within each attribute")
 
 
 def _state(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
@@ -189,23 +290,16 @@ def _values(need: _Need, gtm: GTMIndex) -> None:
     if gtm.ad_value is None:
         return
     arrays = (("ad_value", gtm.ad_value), ("entry_value", gtm.entry_value), ("part_value", gtm.part_value))
-    for name, v in arrays:
-        need(v is None or bool(np.all((v >= 0) & (v <= np.float32(MAX_AD_VALUE)))), name,
+    for name, v in arrays:  # the float32 bound, as the index keeps it
+        need(v is None or _out_of_bounds(v, float(np.float32(MAX_AD_VALUE))) == 0, name,
              f"values must lie in [0, {MAX_AD_VALUE:g}]")
     ev, do, no, L = gtm.entry_value, gtm.depth_offsets, gtm.node_offsets, gtm.sid_length
-    leaf_ad_max = np.maximum.reduceat(gtm.ad_value[gtm.leaf_ads], gtm.leaf_ad_offsets[:-1])
-    need(bool(np.all(ev[do[L] - 1:].astype(np.float64) >= leaf_ad_max)), "entry_value",
+    need(_leaf_bounds_below(ev, int(do[L]) - 1, gtm.ad_value, gtm.leaf_ads, gtm.leaf_ad_offsets) == 0, "entry_value",
          "a SID's bound is below the value of one of its ads")
-    inner = np.arange(1, do[L])  # nodes with children
-    if len(inner):
-        parent_entry = np.repeat(inner - 1, np.diff(no[inner[0]:inner[-1] + 2]))
-        need(bool(np.all(ev[parent_entry] >= ev[no[1]:])), "entry_value",
-             "a prefix's bound is below one of its children's")
+    need(_child_bounds_above(ev, no, int(do[L])) == 0, "entry_value",  # nodes 1 .. do[L]-1 have children
+         "a prefix's bound is below one of its children's")
     if gtm.part_value is not None:
-        pv, po = gtm.part_value, gtm.part_offsets
-        first = np.zeros(len(pv), dtype=bool)
-        first[po[:-1]] = True
-        need(bool(np.all((pv[1:] <= pv[:-1]) | first[1:])) and bool(np.array_equal(pv[po[:-1]], ev)), "part_value",
+        need(_bad_partitions(gtm.part_value, gtm.part_offsets, ev) == 0, "part_value",
              "an entry's partitions must fall in value from the entry's own bound")
 
 

@@ -1,0 +1,203 @@
+"""Snapshot swap benchmark: what a serving host pays to swap to a newly published snapshot, per
+phase, next to the old path (sha256 verification, single-threaded staging) measured in the same run.
+
+    python bench/bench_swap.py                       # 5M and 15M ads (about 10M and 30M SIDs); GPU if present
+    python bench/bench_swap.py --ads 200000          # a smoke test, fine on a CPU
+
+Each size: the `bench_search` snapshot (the `bench_gtm` catalog, k-way partitions) is built once and
+copied into a second directory. A serving index is loaded from the first copy and searched once
+(kernels compiled, the old index serving), then the swap to the second copy is timed, as a host sees
+it after the new snapshot was copied onto it (its files in the page cache; --cold: evicted before
+every swap), median of --repeats, with the old index serving throughout:
+  manifest      read the sealed manifest, check the shapes it declares
+  verify        every file's fast digest (xxh3_128 by 16 MiB chunks, all files' chunks on one pool)
+                reference: every file's sha256, one thread per file (the largest file bounds it)
+  structure     map every Arrow file and validate the structure (`check_structure`)
+  stage         host pass over the offsets, pinned allocation, copy of the maps (STAGE_THREADS threads)
+                reference: the copy on one thread
+  transfer      host to device, the entry keys built there
+  first search  one batch (--batch requests, random logits) through `runtime.Searcher` on the new index
+  total         the sum of the phases
+With several GPUs, the load onto all of them at once (read, verified and staged once) is timed too.
+On the CPU the index serves the memory maps themselves (stage copies nothing; transfer is the entry
+keys built on the host), so the copy a GPU host's stage makes is also timed, into fresh unpinned
+memory (its first-touch page faults included, which pinned memory pays when it is allocated), on
+STAGE_THREADS threads and on one.
+Target: total <= 1 s at 15M ads (30M SIDs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+import runtime.loader as loader
+from bench.bench_search import bench_requests, build_snapshot
+from bench.bench_snapshot import evict
+from runtime import Searcher, load_index, to_device
+from schemas.artifacts import MANIFEST_FILE
+from sidindex.artifact import THREADS, verify_files
+from sidindex.requests import encode_requests
+from sidindex.snapshot import open_snapshot
+from sidindex.timing import StageClock
+
+BEAMS = (1, 512, 1024, 1024)
+PHASES = ("manifest", "verify", "structure", "stage", "transfer", "first search", "total")
+
+
+class RandomLogits:
+    """Fixed random logits per step (only the search is timed), with `inputs` so a `Searcher`
+    captures it in a CUDA graph (refreshed, unused: a real scorer's compute is its own)."""
+
+    def __init__(self, B: int, V: int, device: torch.device) -> None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.logits, k = [], 1
+        for d in range(len(BEAMS)):
+            self.logits.append(torch.randn(B, k, V, device=device, generator=gen) * 2)
+            k = min(BEAMS[d + 1] if d + 1 < len(BEAMS) else BEAMS[-1], k * V)
+        self.inputs = {"embedding": torch.zeros(B, 64, device=device)}
+
+    def __call__(self, step, tokens, parent):
+        return self.logits[step]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer, reference: bool) -> dict:
+    """One swap to the snapshot at `path`: seconds per phase (PHASES). reference: the old path."""
+    out = {}
+    if reference:  # the old serving path: sha256 of every file, then an open that checks sizes only
+        listing = {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in open_snapshot(path, verify=False)
+                   .manifest.files.items()}
+        t = time.perf_counter()
+        verify_files(path, listing, MANIFEST_FILE)
+        out["verify"] = time.perf_counter() - t
+    snap = open_snapshot(path, verify=not reference)
+    o = snap.open_seconds
+    out |= {"manifest": o["manifest"] + o.get("files", 0.0), "structure": o["map"] + o["structure"]}
+    if not reference:
+        out["verify"] = o["checksums"]
+    loader.STAGE_THREADS = 1 if reference else THREADS
+    try:
+        index = load_index(snap, device)
+    finally:
+        loader.STAGE_THREADS = THREADS
+    p = index.load_info["phases"]
+    out |= {"stage": p.get("shape", 0.0) + p.get("pin", 0.0) + p["stage"], "transfer": p["transfer"]}
+    t = time.perf_counter()
+    searcher.search(index, requests, scorer)
+    sync(device)
+    out["first search"] = time.perf_counter() - t
+    out["total"] = sum(out.values())
+    out["bytes moved"] = index.load_info["bytes"]
+    return out
+
+
+def host_copy(path: Path, threads: int) -> float:
+    """Seconds to copy every array of the snapshot into unpinned host memory on `threads` threads
+    (the copy a GPU host's stage makes)."""
+    snap = open_snapshot(path, verify=False)
+    loader.STAGE_THREADS = threads
+    try:
+        clock = StageClock()
+        loader.stage_arrays(snap.arrays(), clock, pinned=False)
+    finally:
+        loader.STAGE_THREADS = THREADS
+    return clock.seconds["stage"]
+
+
+def measure(n: int, scratch: Path, device: torch.device, args) -> dict:
+    print(f"building {n:,} ads ...", file=sys.stderr, flush=True)
+    (scratch / f"build-{n}").mkdir()
+    build = build_snapshot(n, scratch / f"build-{n}")
+    old_path = Path(build["path"])
+    new_path = scratch / f"published-{n}" / old_path.name  # a snapshot directory is named by its id
+    shutil.copytree(old_path, new_path)
+    res = {"ads": n, "sids": build["sids"], "nodes": build["nodes"], "gb": build["bytes"] / 1e9,
+           "build_s": build["build"] + build["generate"]}
+    serving = load_index(open_snapshot(old_path), device)  # the old index, serving throughout
+    requests = to_device(encode_requests(bench_requests(args.batch, 64), serving.spec), device)
+    scorer = RandomLogits(args.batch, serving.vocab_size, device)
+    searcher = Searcher(BEAMS)
+    searcher.search(serving, requests, scorer)  # kernels compiled, graphs captured: a warm server
+    sync(device)
+    for name, reference in (("new", False), ("reference", True)):
+        runs = []
+        for _ in range(args.repeats):
+            if args.cold:
+                evict(new_path)
+            runs.append(swap(new_path, device, searcher, requests, scorer, reference))
+            print(f"  {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1].items() if k in PHASES),
+                  file=sys.stderr, flush=True)
+        res[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    if device.type == "cpu":
+        res["host copy s"] = {"threads": host_copy(new_path, THREADS), "one thread": host_copy(new_path, 1)}
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus > 1:  # one read, verification and staging for every GPU
+        t = time.perf_counter()
+        indexes = load_index(open_snapshot(new_path), [f"cuda:{i}" for i in range(gpus)])
+        res["all gpus"] = {"gpus": gpus, "seconds": time.perf_counter() - t, "phases": indexes[0].load_info["phases"]}
+        del indexes
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ads", type=int, nargs="+", default=[5_000_000, 15_000_000])
+    ap.add_argument("--batch", type=int, default=16, help="requests in the first search's batch")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cold", action="store_true", help="evict the new snapshot's files from the page cache first")
+    ap.add_argument("--json", help="write the results as JSON here")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for n in args.ads:
+            results.append(measure(n, Path(scratch), device, args))
+    print(f"\nsnapshot swap on {where} ({THREADS} threads), {'cold' if args.cold else 'page-cache warm'} files, "
+          f"median of {args.repeats}")
+    print("\n| phase, s | " + " | ".join(f"{r['ads']:,} ads ({r['sids']:,} SIDs, {r['gb']:.2f} GB) | reference | "
+                                        "reference / new" for r in results) + " |")
+    print("|---|" + "---|---|---|" * len(results))
+    for ph in PHASES:
+        cells = []
+        for r in results:
+            new, ref = r["new"][ph], r["reference"][ph]
+            cells += [f"{new:.3f}", f"{ref:.3f}", f"{ref / new:.1f}x" if new > 0 else "-"]
+        print(f"| {ph} | " + " | ".join(cells) + " |")
+    for r in results:
+        if "host copy s" in r:
+            c = r["host copy s"]
+            print(f"\n{r['ads']:,} ads, host copy a GPU's stage makes (unpinned): {c['threads']:.3f} s on {THREADS} "
+                  f"threads, {c['one thread']:.3f} s on one ({r['gb'] / c['threads']:.1f} vs "
+                  f"{r['gb'] / c['one thread']:.1f} GB/s)")
+        if "all gpus" in r:
+            a = r["all gpus"]
+            print(f"\n{r['ads']:,} ads onto all {a['gpus']} GPUs at once: {a['seconds']:.3f} s (open + load; "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in a["phases"].items()) + ")")
+    last = results[-1]
+    total = last["new"]["total"]
+    print(f"\n{'PASS' if total <= 1 else 'MISS'}  swap <= 1 s at {last['ads']:,} ads ({last['sids']:,} SIDs): "
+          f"{total:.3f} s; the reference path takes {last['reference']['total'] / total:.1f}x as long")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

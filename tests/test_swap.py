@@ -1,0 +1,256 @@
+"""A fast snapshot swap: the fast digest (xxh3_128 by chunks) checked at every open and sealed in
+the manifest, sha256 kept for `sidindex validate`, snapshots written before fast digests still
+opened (on sha256), staging in parallel chunks, and one snapshot loaded onto several devices at
+once (read, verified and staged once; a watcher swapping all of them together)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+import runtime
+import runtime.loader as loader
+import sidindex.artifact as artifact
+from schemas.artifacts import DIGEST_VERSION, FAST_DIGEST, FAST_DIGEST_CHUNK, snapshot_version
+from sidindex.artifact import fast_digest, same_file, seal
+from sidindex.errors import ArtifactError, ConfigError
+from sidindex.root import Root
+from sidindex.snapshot import open_snapshot, write_snapshot
+from sidindex.timing import StageClock
+from tests.conftest import run_cli
+from tests.test_retrieve import CONFIG, build_root, cli
+from tests.test_snapshot import reseal
+
+
+@pytest.fixture(scope="module")
+def root(sample_dir, tmp_path_factory) -> Path:
+    return build_root(sample_dir, tmp_path_factory.mktemp("swap"), CONFIG)
+
+
+@pytest.fixture
+def snap_dir(root, tmp_path) -> Path:
+    """A private copy of the published snapshot directory, to corrupt."""
+    published = open_snapshot(root, verify=False).path
+    return Path(shutil.copytree(published, tmp_path / published.name))
+
+
+def _manifest(d: Path) -> dict:
+    return json.loads((d / "manifest.json").read_text())
+
+
+def _no_sha256(monkeypatch) -> None:
+    """Make any sha256 of a file fail the test: what opening must not compute."""
+    def refuse(*a, **kw):
+        raise AssertionError("sha256 computed on the serving path")
+    monkeypatch.setattr(artifact, "sha256_file", refuse)
+
+
+def _reference_digest(data: bytes, chunk: int) -> str:
+    """FAST_DIGEST as schemas/CONTRACTS.md defines it, for a reader in another language."""
+    parts = b"".join(xxhash.xxh3_128(data[i:i + chunk]).digest() for i in range(0, len(data), chunk))
+    return xxhash.xxh3_128(parts).hexdigest()
+
+
+@pytest.mark.parametrize("size", [0, 1, FAST_DIGEST_CHUNK - 1, FAST_DIGEST_CHUNK, FAST_DIGEST_CHUNK + 1,
+                                  2 * FAST_DIGEST_CHUNK + 12345])
+def test_fast_digest_is_the_documented_chunked_xxh3(tmp_path, size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(data)
+    assert fast_digest(tmp_path / "f") == _reference_digest(data, FAST_DIGEST_CHUNK)
+
+
+def test_a_new_snapshot_lists_every_file_with_its_fast_digest(snap_dir):
+    m = _manifest(snap_dir)
+    assert m["format_version"] == DIGEST_VERSION == open_snapshot(snap_dir).manifest.version
+    for name, entry in m["files"].items():
+        assert set(entry) == {"bytes", "sha256", FAST_DIGEST}
+        assert entry[FAST_DIGEST] == _reference_digest((snap_dir / name).read_bytes(), FAST_DIGEST_CHUNK), name
+
+
+def test_a_flipped_byte_anywhere_is_refused_by_the_fast_digest_alone(snap_dir, monkeypatch):
+    """Each chunk of a file counts: with small chunks, a flip in the first, a middle and the last one."""
+    monkeypatch.setattr(artifact, "FAST_DIGEST_CHUNK", 4096)
+    reseal(snap_dir)  # the digests of 4 KiB chunks
+    _no_sha256(monkeypatch)
+    open_snapshot(snap_dir)
+    for path in sorted(p for p in snap_dir.rglob("*") if p.is_file() and p.name != "manifest.json"):
+        data = path.read_bytes()
+        for pos in sorted({0, len(data) // 2, len(data) - 1}):
+            path.write_bytes(data[:pos] + bytes([data[pos] ^ 0x80]) + data[pos + 1:])
+            with pytest.raises(ArtifactError, match=rf"{re.escape(path.name)}: checksum mismatch \({FAST_DIGEST}\)"):
+                open_snapshot(snap_dir)
+        path.write_bytes(data)
+    open_snapshot(snap_dir)
+
+
+def test_a_tampered_fast_digest_is_refused(snap_dir):
+    """The manifest is sealed: a fast digest edited in place breaks the seal; one resealed (a buggy
+    writer) no longer matches its file."""
+    raw = (snap_dir / "manifest.json").read_text()
+    digest = _manifest(snap_dir)["files"]["leaf_ads.arrow"][FAST_DIGEST]
+    (snap_dir / "manifest.json").write_text(raw.replace(digest, "0" * 32))
+    with pytest.raises(ArtifactError, match="manifest is corrupt"):
+        open_snapshot(snap_dir, verify=False)
+    (snap_dir / "manifest.json").write_text(raw)
+    m = _manifest(snap_dir)
+    m["files"]["leaf_ads.arrow"][FAST_DIGEST] = "0" * 32
+    (snap_dir / "manifest.json").write_bytes(seal(m))
+    with pytest.raises(ArtifactError, match=rf"leaf_ads.arrow: checksum mismatch \({FAST_DIGEST}\)"):
+        open_snapshot(snap_dir)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"bytes": 1, "sha256": "0" * 64}, "must be {bytes, sha256, xxh3_128}"),
+    ({"bytes": 1, "sha256": "0" * 64, FAST_DIGEST: "0" * 31}, "digests in hex"),
+    ({"bytes": 1, "sha256": "0" * 64, FAST_DIGEST: "Z" * 32}, "digests in hex"),
+])
+def test_a_malformed_file_entry_is_refused(snap_dir, entry, message):
+    m = _manifest(snap_dir)
+    m["files"]["leaf_ads.arrow"] = entry
+    (snap_dir / "manifest.json").write_bytes(seal(m))
+    with pytest.raises(ArtifactError, match=re.escape(message)):
+        open_snapshot(snap_dir, verify=False)
+
+
+def test_sha256_is_checked_by_validate_off_the_serving_path(snap_dir):
+    """A wrong sha256 beside a right fast digest: opening (the serving path) does not read it,
+    `sidindex validate` refuses it in one line naming the file."""
+    m = _manifest(snap_dir)
+    m["files"]["leaf_ads.arrow"]["sha256"] = "0" * 64
+    (snap_dir / "manifest.json").write_bytes(seal(m))
+    open_snapshot(snap_dir)
+    with pytest.raises(ArtifactError, match=r"leaf_ads.arrow: checksum mismatch \(sha256\)"):
+        open_snapshot(snap_dir, strong=True)
+    r = run_cli("validate", snap_dir, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "leaf_ads.arrow" in r.stderr, r.stderr
+
+
+def _as_older_format(d: Path) -> int:
+    """Rewrite the snapshot's manifest as a sidindex before fast digests wrote it; its version."""
+    m = _manifest(d)
+    m["format_version"] = snapshot_version(m["arrays"])
+    for entry in m["files"].values():
+        del entry[FAST_DIGEST]
+    (d / "manifest.json").write_bytes(seal(m))
+    return m["format_version"]
+
+
+def test_a_snapshot_written_before_fast_digests_opens_and_verifies_on_sha256(snap_dir):
+    version = _as_older_format(snap_dir)
+    assert version < DIGEST_VERSION
+    snap = open_snapshot(snap_dir)
+    assert snap.manifest.version == version and all(f.fast is None for f in snap.manifest.files.values())
+    served = runtime.load(snap_dir, "cpu")
+    assert served.id == snap.id
+    path = snap_dir / "leaf_ads.arrow"
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(ArtifactError, match=r"leaf_ads.arrow: checksum mismatch \(sha256\)"):
+        open_snapshot(snap_dir)
+
+
+def test_a_snapshot_written_over_an_older_one_carries_fast_digests_for_the_files_it_links(snap_dir, tmp_path):
+    """An update of a snapshot of the previous format links its unchanged files: their entries there
+    have no fast digest, so the new manifest gets them hashed."""
+    _as_older_format(snap_dir)
+    old = open_snapshot(snap_dir)
+    new_id = "20300101T000000000000Z-0000abcd"
+    (tmp_path / "new" / new_id).mkdir(parents=True)
+    m = write_snapshot(tmp_path / "new" / new_id, old.gtm, old.exact, old.ad_id, old.spec, snapshot_id=new_id,
+                       codebook=old.codebook, counts=old.manifest.counts, stats=old.manifest.stats, base=old)
+    assert all(same_file(tmp_path / "new" / new_id / n, snap_dir / n) for n in m.files)  # every file linked
+    assert m.version == DIGEST_VERSION and all(f.fast is not None for f in m.files.values())
+    assert open_snapshot(tmp_path / "new" / new_id).manifest.files == m.files
+
+
+def test_an_older_version_with_fast_digests_and_a_newer_version_are_refused(snap_dir):
+    m = _manifest(snap_dir)
+    m["format_version"] = snapshot_version(m["arrays"])  # the old version, but this format's file entries
+    (snap_dir / "manifest.json").write_bytes(seal(m))
+    with pytest.raises(ArtifactError, match="must be {bytes, sha256}"):
+        open_snapshot(snap_dir, verify=False)
+    m["format_version"] = DIGEST_VERSION + 1
+    (snap_dir / "manifest.json").write_bytes(seal(m))
+    with pytest.raises(ArtifactError, match=f"version {DIGEST_VERSION + 1}; .* upgrade sidindex"):
+        open_snapshot(snap_dir, verify=False)
+
+
+def test_staging_copies_every_array_in_chunks(root, monkeypatch):
+    """Chunks smaller than most arrays (and arrays of 0 or 1 element): the same bytes, uint64 as int64."""
+    monkeypatch.setattr(loader, "STAGE_CHUNK", 1000)
+    monkeypatch.setattr(loader, "STAGE_THREADS", 3)
+    arrays = open_snapshot(root).arrays() | {"empty": np.zeros(0, np.int64), "one": np.ones(1, np.int16)}
+    clock = StageClock()
+    staged = loader.stage_arrays(arrays, clock, pinned=False)
+    assert set(clock.seconds) == {"stage"}
+    for name, a in arrays.items():
+        want = a.view(np.int64) if a.dtype == np.uint64 else a
+        assert staged[name].numpy().dtype == want.dtype and np.array_equal(staged[name].numpy(), want), name
+
+
+def _same(a: runtime.ServedIndex, b: runtime.ServedIndex) -> None:
+    assert a.id == b.id and a.device == b.device
+    for name, t in a.gtm.arrays().items():
+        u = b.gtm.arrays()[name]
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(t, u), name
+        else:
+            assert np.array_equal(t, u), name
+    assert torch.equal(a.entry_keys, b.entry_keys)
+    assert (a.max_children, a.mean_children, a.max_parts, a.leaf_start) == \
+           (b.max_children, b.mean_children, b.max_parts, b.leaf_start)
+    assert all(np.array_equal(x, y) for x, y in zip(a.fan_out_counts, b.fan_out_counts))
+
+
+def test_several_devices_get_the_arrays_a_single_load_gives(root):
+    single = runtime.load(root, "cpu")
+    both = runtime.load(root, ["cpu", "cpu"])
+    assert isinstance(both, list) and len(both) == 2 and both[0].snapshot is both[1].snapshot  # opened once
+    for index in both:
+        _same(index, single)
+        assert index.load_info["devices"] == 2 and set(index.load_info["phases"]) == {"shape", "stage", "transfer"}
+    from_open = runtime.load_index(open_snapshot(root), ["cpu"])
+    assert isinstance(from_open, list) and len(from_open) == 1
+    _same(from_open[0], single)
+    with pytest.raises(ConfigError, match="one device at least"):
+        runtime.load(root, [])
+    with pytest.raises(ConfigError, match="one base"):
+        runtime.load(root, ["cpu", "cpu"], base=[single])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_get_the_arrays_a_single_load_gives(root):
+    both = runtime.load(root, ["cuda:0", "cuda:1"])
+    for i, index in enumerate(both):
+        one = runtime.load(root, f"cuda:{i}")
+        _same(index, one)
+        assert all(torch.equal(index.post[n], one.post[n]) for n in one.post)
+
+
+def test_a_watcher_over_several_devices_swaps_them_together(root, sample_dir, tmp_path):
+    work = Path(shutil.copytree(root, tmp_path / "root"))
+    watcher = runtime.SnapshotWatcher(work, ["cpu", "cpu"])
+    old = watcher.indexes
+    assert len(old) == 2 and watcher.current is old[0] and old[0].snapshot is old[1].snapshot
+    r = cli("build", "--catalog", sample_dir / "catalog.parquet", "--targeting", sample_dir / "targeting.toml",
+            "--out", work, "--config", root.parent / "build.toml", "--force", "--keep", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    new_id = json.loads(r.stdout)["snapshot_id"]
+    assert watcher.poll() and [i.id for i in watcher.indexes] == [new_id, new_id]
+    assert all(i.id == old[0].id for i in old)  # requests that took the old pair finish on it
+    # a corrupt snapshot published next: every device keeps serving the last good one
+    r = cli("build", "--catalog", sample_dir / "catalog.parquet", "--targeting", sample_dir / "targeting.toml",
+            "--out", work, "--config", root.parent / "build.toml", "--force", "--keep", "5", "--json")
+    bad = Root(work).snapshot_dir(json.loads(r.stdout)["snapshot_id"]) / "leaf_ads.arrow"
+    data = bad.read_bytes()
+    bad.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert not watcher.poll() and [i.id for i in watcher.indexes] == [new_id, new_id]
+    assert "leaf_ads.arrow: checksum mismatch" in watcher.last_error
