@@ -1,32 +1,51 @@
 """Post stage: SIDs -> ads -> exact filter -> ranked ads per request (DESIGN.md §3, §8).
 
-Runs on the host over the snapshot's memory maps: the SID -> ad CSR expands every live beam into
-its ads (dropping rows an update paused or deleted), an ad reached through several SIDs keeps its
-best score, and the exact ad-level filter drops every ineligible ad (Bloom false positives stop
-here). Ranked per request by one of RANKS:
+The SID -> ad CSR expands every live beam into its ads (dropping rows an update paused or
+deleted), an ad reached through several SIDs keeps its best score and that SID (on equal scores
+the first beam's), and the exact ad-level filter drops every ineligible ad (Bloom false positives
+stop here). Ranked per request by one of RANKS:
   score  the ad's best log-probability (the default)
   value  the ad's value (the catalog's `value`), then its score
   fused  reciprocal-rank fusion of the two rankings, 1/(RRF_K + score rank) + 1/(RRF_K + value rank)
          (as GR4AD-X fuses its rankings)
-then ad_id. Vectorised passes over the expanded (request, ad) pairs.
+then ad_id.
+
+Two implementations of the one contract (`Retrieved`), and `expand` picks:
+  host    numba passes over the snapshot's memory maps (beams on the CPU, or an index without
+          `ServedIndex.post`): expand + dedupe with a hash table per request, the exact filter of
+          `sidindex.matchers.exact`, a merge sort per request.
+  device  `DevicePost`: torch ops and the exact filter's Triton kernels (`runtime.ops.exact_filter`)
+          on the tensors of `ServedIndex.post`, every shape fixed by the batch,
+          the beams and bounds of the index known on the host, no host synchronisation, so a CUDA
+          graph can capture it right after the search; one device-to-host copy brings the result.
+
+Legend: B requests, K beams, L SID length, N catalog rows, C the most (request, ad) pairs K beams
+can reach, T the result rows kept per request (min(top_k, C)), A a plane's attributes, M the most
+values a request has for one attribute.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
+import numba
 import numpy as np
+import torch
 
-from runtime.loader import ServedIndex
+from runtime.loader import POST_ARRAYS, ServedIndex, largest_sum
+from runtime.ops.exact_filter import exact_filter
+from runtime.requests import to_device
 from runtime.search import Beams
-from schemas.artifacts import MATCHER_PLANES
-from sidindex.matchers.exact import ALL_STAGES, eligible_pairs, stage_flags
+from schemas.artifacts import AD_LIVE, MATCHER_PLANES
 from sidindex.errors import ConfigError
+from sidindex.ingest import MAX_REQUEST_VALUES
+from sidindex.matchers.exact import ALL_STAGES, eligible_pairs, stage_flags
 from sidindex.requests import EncodedRequests
-from sidindex.trie.build import expand_runs
 
 RANKS = ("score", "value", "fused")
 RRF_K = 60  # reciprocal-rank fusion's constant (Cormack et al.; GR4AD-X uses the same form)
+_INT64_MAX = torch.iinfo(torch.int64).max
 
 
 @dataclass(frozen=True)
@@ -70,31 +89,31 @@ def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: i
     caps each request; `stages` also counts the ads passing each stage (a matcher plane's
     attributes) on its own.
 
-    requests: the searched batch's encoding on the host (the exact filter reads it there).
+    Beams on a GPU with the index's post arrays there (`ServedIndex.post`) run `DevicePost`
+    (requests: best their device form, `runtime.requests.to_device`; a host encoding is moved
+    first); otherwise the host path runs (requests: the encoding on the host). Same result either way.
     """
     check_rank(index, rank)
+    if beams.score.is_cuda and index.post is not None:
+        if requests.stacked is None:
+            requests = to_device(requests, beams.score.device)
+        post = DevicePost(index, *beams.score.shape, top_k=top_k, rank=rank, stages=stages)
+        return post.result(post.run(requests, beams))
+    return _expand_host(index, requests, beams, top_k, stages, rank)
+
+
+# --- the host path --------------------------------------------------------------------------------
+
+def _expand_host(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: int | None, stages: bool,
+                 rank: str) -> Retrieved:
+    """`expand` on the host: numba passes over the snapshot's memory maps."""
     snap, g = index.snapshot, index.gtm  # the SID -> ad arrays of `g` are the host memory maps
     tokens, score, leaf = (t.cpu().numpy() for t in (beams.tokens, beams.score, beams.leaf))
     B = len(score)
-    # 1. live beams on catalog SIDs
-    b, k = np.nonzero((leaf >= 0) & (score > -np.inf))
-    lf = leaf[b, k]
-    # 2. each beam -> its leaf's ads (a leaf lists each ad once)
-    start, count = g.leaf_ad_offsets[lf], g.leaf_ad_offsets[lf + 1] - g.leaf_ad_offsets[lf]
-    beam = np.repeat(np.arange(len(lf)), count)
-    ad = np.asarray(g.leaf_ads[expand_runs(start, count)], dtype=np.int64)
-    if snap.exact.ad_state is not None:  # rows an update paused or deleted are never served
-        live = snap.exact.live(ad)
-        beam, ad = beam[live], ad[live]
-    req, sc = b[beam], score[b[beam], k[beam]]
-    # 3. one row per (request, ad), the best-scoring SID's: sort by request, ad, then score descending
-    order = np.lexsort((-sc, ad, req))
-    req, ad, beam, sc = req[order], ad[order], beam[order], sc[order]
-    first_of = np.ones(len(req), dtype=bool)
-    first_of[1:] = (req[1:] != req[:-1]) | (ad[1:] != ad[:-1])
-    req, ad, beam, sc = req[first_of], ad[first_of], beam[first_of], sc[first_of]
-    generated = np.bincount(req, minlength=B)
-    # 4. the exact filter
+    # 1-3. live beams -> their live ads, one row per (request, ad): the best score's beam
+    state = snap.exact.ad_state if snap.exact.ad_state is not None else np.zeros(0, dtype=np.uint8)
+    req, ad, beam, sc, sids, generated = _best_pairs(leaf, score, g.leaf_ad_offsets, g.leaf_ads, state)
+    # 4. the exact filter (`sidindex.matchers.exact`: the one exact test)
     per_stage = {}
     if stages:
         flags = stage_flags(snap.exact, requests, req, ad)
@@ -103,33 +122,386 @@ def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: i
                                        for i, p in enumerate(MATCHER_PLANES)}}
     else:
         ok = eligible_pairs(snap.exact, requests, req, ad)
-    req, ad, beam, sc = req[ok], ad[ok], beam[ok], sc[ok]
-    # 5. rank per request (RANKS), then ad_id
-    ad_id = snap.ad_id[ad]
-    val = None if g.ad_value is None else np.asarray(g.ad_value[ad], dtype=np.float64)
-    by = {"score": (-sc,), "value": (-sc, -val) if val is not None else None}
-    if rank == "fused":
-        fused = 1 / (RRF_K + _ranks(req, ad_id, by["score"])) + 1 / (RRF_K + _ranks(req, ad_id, by["value"]))
-        by["fused"] = (-fused,)
-    order = np.lexsort((ad_id, *by[rank], req))
-    req, ad, ad_id, beam, sc = req[order], ad[order], ad_id[order], beam[order], sc[order]
-    val = None if val is None else val[order]
-    starts = np.searchsorted(req, np.arange(B))
-    place = np.arange(len(req)) - starts[req] + 1
-    eligible = np.bincount(req, minlength=B)
-    if top_k is not None:
-        keep = place <= top_k
-        req, ad, ad_id, beam, sc, place = req[keep], ad[keep], ad_id[keep], beam[keep], sc[keep], place[keep]
-        val = None if val is None else val[keep]
-    return Retrieved(req.astype(np.int64), place.astype(np.int64), ad, np.asarray(ad_id, dtype=np.int64),
-                     tokens[b[beam], k[beam]], sc.astype(np.float32), np.bincount(b, minlength=B), generated, eligible,
-                     **per_stage, value=val)
+    # 5. rank per request (RANKS), then ad_id, and keep the top_k
+    value = np.zeros(0) if g.ad_value is None else g.ad_value
+    rows, place, eligible, sid = _rank_rows(req, ad, beam, sc, ok, snap.ad_id, value, tokens, RANKS.index(rank),
+                                            -1 if top_k is None else top_k)
+    req, ad = req[rows], ad[rows]
+    return Retrieved(req, place, ad, np.asarray(snap.ad_id[ad], dtype=np.int64), sid, sc[rows], sids, generated,
+                     eligible, **per_stage, value=None if g.ad_value is None else np.asarray(value[ad], np.float64))
 
 
-def _ranks(req: np.ndarray, ad_id: np.ndarray, keys: tuple[np.ndarray, ...]) -> np.ndarray:
-    """(n,) int64 1-based rank of each (request, ad) row within its request by `keys` (ascending;
-    the last key first, as np.lexsort), then ad_id."""
-    order = np.lexsort((ad_id, *keys, req))
-    out = np.empty(len(req), dtype=np.int64)
-    out[order] = np.arange(len(req)) - np.searchsorted(req[order], req[order], side="left") + 1
+@numba.njit(cache=True)
+def _best_pairs(leaf, score, leaf_ad_offsets, leaf_ads, ad_state):
+    """One row per (request, live ad) under the request's live beams, grouped by request: the
+    ad's best score and its beam (the first beam of that score). A hash table per request (open
+    addressing, sized for the most pairs one request reaches) finds an ad's row.
+
+    leaf: (B, K) int64 (-1: not a catalog SID); score: (B, K) float32 (-inf: dead);
+    leaf_ad_offsets: (S+1,) int64; leaf_ads: (P,) catalog rows; ad_state: (N,) uint8, or (0,)
+    when every row is live. Returns req, ad, beam (n,) int64, score (n,) float32, and per request
+    (B,) int64 sids (its live beams on catalog SIDs) and generated (its rows).
+    """
+    B, K = leaf.shape
+    sids = np.zeros(B, dtype=np.int64)
+    total, most = 0, 0
+    for r in range(B):
+        n = 0
+        for k in range(K):
+            if leaf[r, k] >= 0 and score[r, k] > -np.inf:
+                sids[r] += 1
+                n += leaf_ad_offsets[leaf[r, k] + 1] - leaf_ad_offsets[leaf[r, k]]
+        total += n
+        most = max(most, n)
+    size = 1
+    while size < 2 * most:  # at most half full: short probes
+        size *= 2
+    mask = np.uint64(size - 1)
+    stamp = np.full(size, -1, dtype=np.int64)  # the request that last filled a slot: no clearing between requests
+    slot_row = np.empty(size, dtype=np.int64)
+    req = np.empty(total, dtype=np.int64)
+    ad = np.empty(total, dtype=np.int64)
+    beam = np.empty(total, dtype=np.int64)
+    best = np.empty(total, dtype=np.float32)
+    n = 0
+    generated = np.zeros(B, dtype=np.int64)
+    for r in range(B):
+        first = n
+        for k in range(K):
+            lf, s = leaf[r, k], score[r, k]
+            if lf < 0 or not s > -np.inf:
+                continue
+            for j in range(leaf_ad_offsets[lf], leaf_ad_offsets[lf + 1]):
+                a = np.int64(leaf_ads[j])
+                if len(ad_state) and ad_state[a] != AD_LIVE:
+                    continue
+                h = (np.uint64(a) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32) & mask  # Fibonacci hashing
+                while stamp[h] == r and ad[slot_row[h]] != a:
+                    h = (h + np.uint64(1)) & mask
+                if stamp[h] != r:
+                    stamp[h], slot_row[h] = r, n
+                    req[n], ad[n], beam[n], best[n] = r, a, k, s
+                    n += 1
+                elif s > best[slot_row[h]]:
+                    best[slot_row[h]], beam[slot_row[h]] = s, k
+        generated[r] = n - first
+    return req[:n], ad[:n], beam[:n], best[:n], sids, generated
+
+
+@numba.njit(cache=True)
+def _before(i, j, first, second, ad_id):
+    """Row i ranks before row j: first descending, then second descending, then ad_id."""
+    if first[i] != first[j]:
+        return first[i] > first[j]
+    if second[i] != second[j]:
+        return second[i] > second[j]
+    return ad_id[i] < ad_id[j]
+
+
+@numba.njit(cache=True)
+def _segment_order(starts, first, second, ad_id):
+    """(n,) int64 the rows in ranked order: within each segment [starts[r], starts[r+1]) by first
+    descending, second descending, then ad_id (a total order: ad_ids are distinct per request).
+    Insertion sort of runs of 16, then bottom-up merges. first, second: (n,) float64; ad_id: (n,) int64."""
+    order = np.arange(len(ad_id))
+    tmp = np.empty_like(order)
+    for r in range(len(starts) - 1):
+        lo, hi = starts[r], starts[r + 1]
+        for run in range(lo, hi, 16):
+            for i in range(run + 1, min(run + 16, hi)):
+                x, j = order[i], i
+                while j > run and _before(x, order[j - 1], first, second, ad_id):
+                    order[j] = order[j - 1]
+                    j -= 1
+                order[j] = x
+        width = 16
+        while width < hi - lo:
+            for left in range(lo, hi, 2 * width):
+                mid, right = min(left + width, hi), min(left + 2 * width, hi)
+                a, b, o = left, mid, left
+                while a < mid and b < right:
+                    if _before(order[b], order[a], first, second, ad_id):
+                        tmp[o] = order[b]
+                        b += 1
+                    else:
+                        tmp[o] = order[a]
+                        a += 1
+                    o += 1
+                tmp[o:o + mid - a] = order[a:mid]
+                o += mid - a
+                tmp[o:o + right - b] = order[b:right]
+            order[lo:hi] = tmp[lo:hi]
+            width *= 2
+    return order
+
+
+@numba.njit(cache=True)
+def _rank_rows(req, ad, beam, score, ok, ad_ids, values, tokens, rank, top_k):
+    """The ok rows ranked within each request by RANKS[rank], then ad_id; the first top_k (-1: all).
+
+    req: (n,) int64 grouped by request; ad, beam: (n,) int64 catalog rows and beams; score: (n,)
+    float32; ok: (n,) bool; ad_ids: (N,) int64; values: (N,) float64 (or (0,) when ranked by
+    score); tokens: (B, K, L) int64 the beams' SIDs. Returns rows (m,) int64 indices of the kept
+    rows in output order, their places (m,) int64 (1-based), eligible (B,) int64 the ok rows per
+    request, and sid (m, L) int64 each kept row's SID.
+    """
+    B = tokens.shape[0]
+    eligible = np.zeros(B, dtype=np.int64)
+    keep = np.empty(len(req), dtype=np.int64)
+    m = 0
+    for i in range(len(req)):
+        if ok[i]:
+            keep[m] = i
+            eligible[req[i]] += 1
+            m += 1
+    keep = keep[:m]
+    starts = np.zeros(B + 1, dtype=np.int64)
+    starts[1:] = np.cumsum(eligible)
+    ad_id = np.empty(m, dtype=np.int64)
+    sc = np.empty(m, dtype=np.float64)
+    val = np.zeros(m, dtype=np.float64)
+    for j in range(m):
+        ad_id[j], sc[j] = ad_ids[ad[keep[j]]], score[keep[j]]
+        if rank != 0:
+            val[j] = values[ad[keep[j]]]
+    none = np.zeros(m, dtype=np.float64)
+    if rank == 0:  # score
+        order = _segment_order(starts, sc, none, ad_id)
+    elif rank == 1:  # value, then score
+        order = _segment_order(starts, val, sc, ad_id)
+    else:  # fused: 1/(RRF_K + score rank) + 1/(RRF_K + value rank)
+        fused = np.zeros(m, dtype=np.float64)
+        for order in (_segment_order(starts, sc, none, ad_id), _segment_order(starts, val, sc, ad_id)):
+            for r in range(B):
+                for p in range(starts[r], starts[r + 1]):
+                    fused[order[p]] += 1 / (RRF_K + (p - starts[r] + 1))
+        order = _segment_order(starts, fused, none, ad_id)
+    rows = np.empty(m, dtype=np.int64)
+    place = np.empty(m, dtype=np.int64)
+    n = 0
+    for r in range(B):
+        for p in range(starts[r], starts[r + 1]):
+            if top_k >= 0 and p - starts[r] >= top_k:
+                break
+            rows[n], place[n] = keep[order[p]], p - starts[r] + 1
+            n += 1
+    sid = np.empty((n, tokens.shape[2]), dtype=np.int64)
+    for i in range(n):
+        sid[i] = tokens[req[rows[i]], beam[rows[i]]]
+    return rows[:n], place[:n], eligible, sid
+
+
+# --- the device path ------------------------------------------------------------------------------
+
+def post_tensors(index: ServedIndex, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The post stage's arrays of the index's snapshot as tensors on `device`, by contract name, as
+    `ServedIndex.post` holds them on a GPU (uint64 bits as int64): for `DevicePost` on CPU
+    tensors (tests) or any device."""
+    snap = index.snapshot
+    out = {}
+    for n, a in snap.arrays().items():
+        if n in POST_ARRAYS or n in snap.exact.arrays():
+            a = a.view(np.int64) if a.dtype == np.uint64 else a
+            out[n] = torch.from_numpy(np.array(a)).to(device)
     return out
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    """What the device path's shapes need of an index, from its host arrays, once per index.
+
+    counts: (A + 1,) int64 counts[a] = how many leaves hold a ads (the most ads k distinct leaves
+            hold together, `most_pairs`, bounds a request's (request, ad) pairs: its beams are distinct SIDs)
+    steps: per `values` plane (by name), per attribute, the binary-search steps over an ad's
+           hashes (the bit length of the most hashes an ad has)
+    """
+
+    counts: np.ndarray
+    steps: dict[str, tuple[int, ...]]
+
+    def most_pairs(self, beams: int) -> int:
+        return largest_sum(self.counts, beams)
+
+
+_BOUNDS: dict[int, _Bounds] = {}
+
+
+def _bounds(index: ServedIndex) -> _Bounds:
+    """The index's `_Bounds`, computed on first use and dropped with the index."""
+    key = id(index)
+    if key not in _BOUNDS:
+        snap = index.snapshot
+        counts = np.bincount(np.diff(snap.gtm.leaf_ad_offsets))  # leaves per ad count: no sort of S leaves
+        steps = {p.name: tuple(int(np.diff(off).max(initial=0)).bit_length() for off in p.hash_offsets)
+                 for p in snap.exact.planes if p.rows is None}
+        _BOUNDS[key] = _Bounds(counts, steps)
+        weakref.finalize(index, _BOUNDS.pop, key, None)
+    return _BOUNDS[key]
+
+
+class DevicePost:
+    """The post stage on the device (torch ops, the exact filter's kernels), for a batch of `batch`
+    requests x `beams` beams.
+
+    Every shape is fixed here, from host-known bounds: C = the most (request, ad) pairs `beams`
+    distinct leaves hold (`_Bounds`), T = min(top_k, C) result rows per request, M = `max_values`
+    request values per attribute (the bound `sidindex.ingest.read_requests` enforces), one query per
+    group of a plane whose requests have one each (`PlaneQueries.single`), else M. `run` makes no
+    host synchronisation (no `.item()`, no boolean-mask indexing, no data-dependent branch: padded
+    slots carry a sentinel and sort last), so it can be captured in a CUDA graph after the search;
+    `result` copies its one buffer to the host once.
+
+        post = DevicePost(index, 16, 1024, top_k=100)
+        buffer = post.run(requests_on_device, beams)   # capturable
+        retrieved = post.result(buffer)
+
+    arrays: the post arrays (`ServedIndex.post`, the default; `post_tensors` builds them anywhere).
+    """
+
+    def __init__(self, index: ServedIndex, batch: int, beams: int, *, top_k: int | None = None, rank: str = "score",
+                 stages: bool = False, max_values: int = MAX_REQUEST_VALUES,
+                 arrays: dict[str, torch.Tensor] | None = None) -> None:
+        check_rank(index, rank)
+        self.arrays = index.post if arrays is None else arrays
+        if self.arrays is None:
+            raise ConfigError(f"snapshot {index.id} is served on {index.device}, whose post stage runs on the host; "
+                              "the device post stage needs an index loaded onto a GPU (or pass its arrays)")
+        if top_k is not None and top_k < 1:
+            raise ConfigError(f"top_k {top_k}: expected a positive number of ads per request")
+        self.index, self.batch, self.beams, self.rank, self.stages = index, batch, beams, rank, stages
+        self.max_values = max_values
+        self.bounds = _bounds(index)
+        self.pairs = self.bounds.most_pairs(beams)  # C
+        self.kept = self.pairs if top_k is None else min(top_k, self.pairs)  # T
+        self.has_value = "ad_value" in self.arrays
+        self.length = index.sid_length
+        B, T, L = batch, self.kept, self.length
+        # the layout of `run`'s buffer (int64): counts, then per-stage counts, then the (B, T) rows
+        parts = [("sids", B), ("generated", B), ("eligible", B)]
+        parts += [(f"stage_{p}", B) for p in MATCHER_PLANES] if stages else []
+        parts += [("ad_row", B * T), ("ad_id", B * T), ("sid", B * T * L), ("score", B * T)]
+        parts += [("value", B * T)] if self.has_value else []
+        self.layout = parts
+
+    def check(self, requests: EncodedRequests) -> None:
+        """Refuse a batch with more values per attribute than the stage was sized for (ConfigError),
+        from the bound the host knows (`PlaneQueries.most`): no sync."""
+        for q in requests.planes:
+            if not q.single and q.max_queries > self.max_values:
+                raise ConfigError(f"{requests.source}: a request has {q.max_queries} values for one attribute; the "
+                                  f"device post stage was sized for {self.max_values} (read the requests with "
+                                  "that bound, or pass max_values)")
+
+    def run(self, requests: EncodedRequests, beams: Beams) -> torch.Tensor:
+        """The post stage of one batch into one int64 buffer (`result` reads it); no host sync.
+
+        requests: the batch on the device (`runtime.requests.to_device`, exact queries included);
+        beams: tokens (B, K, L) int64, score (B, K) float32, leaf (B, K) int64 on the device.
+        """
+        self.check(requests)
+        a = self.arrays
+        B, K, C, T = self.batch, self.beams, self.pairs, self.kept
+        dev = beams.score.device
+        offsets, leaf_ads, n_ads = a["leaf_ad_offsets"], a["leaf_ads"], len(a["ads"])
+        # 1. live beams on catalog SIDs, and where each one's ads start among its request's C slots
+        alive = (beams.leaf >= 0) & (beams.score > float("-inf"))                      # (B, K)
+        leaf = beams.leaf.clamp(min=0)
+        count = torch.where(alive, offsets[leaf + 1] - offsets[leaf], 0)                # (B, K)
+        upto = count.cumsum(1)                                                          # (B, K) inclusive
+        # 2. slot j of a request -> its beam (the first whose inclusive count passes j) and ad
+        slot = torch.arange(C, device=dev).repeat(B, 1)                                 # (B, C)
+        beam = torch.searchsorted(upto, slot, right=True).clamp(max=K - 1)              # (B, C)
+        within = slot - (upto.gather(1, beam) - count.gather(1, beam))
+        valid = slot < upto[:, -1:]
+        pos = (offsets[leaf.gather(1, beam)] + within).clamp(max=len(leaf_ads) - 1)
+        ad = torch.where(valid, leaf_ads[pos].long(), 0)
+        if "ad_state" in a:  # rows an update paused or deleted are never served
+            valid &= a["ad_state"][ad] == AD_LIVE
+        score = beams.score.gather(1, beam)                                             # (B, C) float32
+        # 3. one slot per (request, ad): grouped by ad, best score first (stable: the first beam on ties)
+        perm = _lex_order([_descending(score), torch.where(valid, ad, n_ads)])
+        ad, beam, score, valid = (t.gather(1, perm) for t in (ad, beam, score, valid))
+        first = valid.clone()
+        first[:, 1:] &= ad[:, 1:] != ad[:, :-1]
+        # 4. the exact filter, every plane on its own (stage flags), on the first slot of each ad
+        passed = [p & first for p in self._planes(requests, ad)]
+        ok = first
+        for p in passed:
+            ok = ok & p
+        # 5. rank: ineligible slots last (the sentinel of the most significant key), then RANKS, then ad_id
+        ad_id = a["ads"][ad]
+        value = a["ad_value"][ad] if self.has_value else None
+        by_score = [ad_id, _descending(score)]
+        if self.rank == "score":
+            keys = by_score
+        else:
+            by_value = by_score + [_descending(value)]
+            keys = by_value
+        if self.rank == "fused":  # ranks among the request's eligible ads, which sort first
+            rs, rv = (_ranks(_lex_order(_eligible_first(k, ok))) for k in (by_score, by_value))
+            keys = [ad_id, _descending(1 / (RRF_K + rs).double() + 1 / (RRF_K + rv).double())]
+        top = _lex_order(_eligible_first(keys, ok))[:, :T]
+        beam, ad = beam.gather(1, top), ad.gather(1, top)
+        counts = [alive.sum(1), first.sum(1), ok.sum(1)] + ([p.sum(1) for p in passed] if self.stages else [])
+        rows = [ad, ad_id.gather(1, top), beams.tokens.gather(1, beam[..., None].expand(B, T, self.length)),
+                score.gather(1, top).view(torch.int32).long()]
+        rows += [value.gather(1, top).view(torch.int64)] if self.has_value else []
+        return torch.cat([t.reshape(-1) for t in counts + rows])
+
+    def _planes(self, requests: EncodedRequests, ad: torch.Tensor) -> list[torch.Tensor]:
+        """Per matcher plane (B, C) bool: ad `ad` (B, C) int64 passes the plane's attributes for its
+        request exactly (`runtime.ops.exact_filter`: the Triton kernels on a GPU, the torch reference
+        on CPU tensors; `sidindex.matchers.exact`'s tests)."""
+        return exact_filter(self.arrays, requests, ad, self.bounds.steps, self.max_values)
+
+    def result(self, buffer: torch.Tensor) -> Retrieved:
+        """The `Retrieved` of a `run`'s buffer: one device-to-host copy, then numpy."""
+        host = buffer.cpu().numpy()
+        B, T, L = self.batch, self.kept, self.length
+        parts, at = {}, 0
+        for name, size in self.layout:
+            parts[name] = host[at:at + size]
+            at += size
+        eligible = parts["eligible"]
+        keep = (np.arange(T) < eligible[:, None]).reshape(-1)  # (B*T,) the ranked eligible rows
+        req = np.repeat(np.arange(B, dtype=np.int64), T)[keep]
+        rank = np.tile(np.arange(1, T + 1, dtype=np.int64), B)[keep]
+        score = parts["score"].astype(np.int32).view(np.float32)[keep]
+        value = parts["value"].view(np.float64)[keep] if self.has_value else None
+        per_stage = {"ads_per_stage": {p: parts[f"stage_{p}"] for p in MATCHER_PLANES}} if self.stages else {}
+        return Retrieved(req, rank, parts["ad_row"][keep], parts["ad_id"][keep], parts["sid"].reshape(B * T, L)[keep],
+                         score, parts["sids"], parts["generated"], eligible, **per_stage, value=value)
+
+
+def _descending(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering the floats of x (float32 or float64, no NaN) descending as ascending
+    ints; -0.0 and 0.0 get one key (they compare equal)."""
+    bits = (x + 0.0).view(torch.int32 if x.dtype == torch.float32 else torch.int64).long()  # + 0.0: -0.0 -> 0.0
+    if x.dtype == torch.float32:
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # monotonic in x, as signed ints
+    else:
+        ordered = bits ^ ((bits >> 63) & _INT64_MAX)
+    return -ordered - 1  # never _INT64_MAX (that is the sentinel of the slots ranked last)
+
+
+def _eligible_first(keys: list[torch.Tensor], ok: torch.Tensor) -> list[torch.Tensor]:
+    """`keys` (for `_lex_order`) with the slots not `ok` (B, C) bool last: the most significant
+    key set to a sentinel no real key reaches (`_descending` never gives _INT64_MAX)."""
+    return keys[:-1] + [torch.where(ok, keys[-1], _INT64_MAX)]
+
+
+def _lex_order(keys: list[torch.Tensor]) -> torch.Tensor:
+    """(B, C) int64 per row the permutation sorting by keys (each (B, C) int64, ascending), the
+    last key the most significant: one stable sort per key, least significant first."""
+    perm = None
+    for key in keys:
+        k = key if perm is None else key.gather(1, perm)
+        idx = torch.sort(k, dim=1, stable=True).indices
+        perm = idx if perm is None else perm.gather(1, idx)
+    return perm
+
+
+def _ranks(perm: torch.Tensor) -> torch.Tensor:
+    """(B, C) int64 the 1-based place of each slot in its row's order `perm` (B, C)."""
+    place = torch.arange(1, perm.shape[1] + 1, device=perm.device).expand_as(perm)
+    return torch.empty_like(perm).scatter_(1, perm, place)

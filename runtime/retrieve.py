@@ -106,8 +106,9 @@ def retrieve(index: ServedIndex, requests: Requests, *, mode: Mode | str = Mode.
         if index.device.type == "cuda":
             torch.cuda.synchronize(index.device)
         seconds["search"] += time.perf_counter() - t
-        t = time.perf_counter()
-        parts.append((lo, expand(index, host.slice(lo, hi), found, top_k, stages, rank)))
+        t = time.perf_counter()  # the device post stage ends with its copy to the host: no sync needed
+        batch = (dev if index.post is not None else host).slice(lo, hi)  # the form its post stage reads
+        parts.append((lo, expand(index, batch, found, top_k, stages, rank)))
         seconds["post"] += time.perf_counter() - t
         if progress:
             progress("retrieve", hi, n)

@@ -25,7 +25,8 @@ class EncodedRequests:
     source:       the request table they came from (named in messages)
     planes:       the batch's queries against each matcher plane, in plane order (`PlaneQueries`)
     exact:        per plane, the batch's values for the exact ad-level filter (None for a plane
-                  whose exact test reads its queries)
+                  whose exact test reads its queries); host arrays, or tensors on the device in the
+                  device form
     embedding:    (B, D) float32, or None when the table has no embedding column
     stacked:      None on the host; on a device (`runtime.requests.to_device`, where the planes'
                   rows and ranges are tensors) the planes stacked as the Triton kernel reads them

@@ -7,8 +7,8 @@ them at the ad level, plane by plane, in one of two forms (`schemas.artifacts.EX
           EXACT_SEED), first 64 bits, unsigned (exact up to 64-bit hash collisions); an ad passes an
           attribute when it has no values or ANY request value is among them (bloom)
 A request batch brings its plane queries and, for `values` planes, its `ExactQueries` in
-`sidindex.requests.EncodedRequests` (host arrays). Stage flags have one bit per plane, in plane
-order. Legend: N ads, B requests, A a plane's attributes, T hashes.
+`sidindex.requests.EncodedRequests` (host arrays; tensors in its device form). Stage flags have
+one bit per plane, in plane order. Legend: N ads, B requests, A a plane's attributes, T hashes.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def hash_lists(columns: pl.DataFrame, names: tuple[str, ...], codes: dict[str, L
 @dataclass(frozen=True)
 class ExactQueries:
     """A request batch's values for one `values` plane: hash_offsets (A, B+1) int64 into hashes
-    (T,) uint64, each request's value hashes per attribute, sorted."""
+    (T,) uint64, each request's value hashes per attribute, sorted (on a device, by
+    `runtime.requests.to_device`: int64 tensors holding the same bits; `slice` serves both)."""
 
     hash_offsets: np.ndarray
     hashes: np.ndarray
@@ -277,21 +278,56 @@ def _flags(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: 
 @numba.njit(cache=True)
 def _values_pass(ad_off, ad_hashes, ads, req_off, req_hashes, reqs, ok):
     """ok[i] &= for every attribute, ad ads[i] is unrestricted or ANY value of request reqs[i] is
-    among its (sorted) hashes; pairs already not ok are skipped."""
-    for i in range(len(ads)):
-        if not ok[i]:
-            continue
-        ad, r = ads[i], reqs[i]
-        for a in range(ad_off.shape[0]):
-            lo, hi = ad_off[a, ad], ad_off[a, ad + 1]
-            if hi == lo:
-                continue
-            hit = False
+    among its hashes; pairs already not ok are skipped. Each request's values of an attribute go
+    into a small hash set on first use (open addressing on the low bits: the values are uniform
+    64-bit hashes already), so each value of the ad costs one probe, not a search."""
+    A = ad_off.shape[0]
+    row = np.full(req_off.shape[1] - 1, -1, dtype=np.int64)  # request r's sets: sets[row[r]]
+    asked = np.empty(len(reqs), dtype=np.int64)  # the requests of `reqs` (only they get sets), in row order
+    n_rows, most = 0, 0
+    for i in range(len(reqs)):
+        r = reqs[i]
+        if ok[i] and row[r] < 0:
+            row[r], asked[n_rows] = n_rows, r
+            n_rows += 1
+            for a in range(A):
+                most = max(most, req_off[a, r + 1] - req_off[a, r])
+    size = 1
+    while size < 8 * most:  # at most an eighth full: a missing value takes one probe, mostly
+        size *= 2
+    mask = np.uint64(size - 1)
+    sets = np.zeros((n_rows, A, size), dtype=np.uint64)
+    filled = np.zeros((n_rows, A, size), dtype=np.bool_)
+    for r in asked[:n_rows]:
+        for a in range(A):
             for j in range(req_off[a, r], req_off[a, r + 1]):
-                k = np.searchsorted(ad_hashes[lo:hi], req_hashes[j])
-                if k < hi - lo and ad_hashes[lo + k] == req_hashes[j]:
-                    hit = True
+                h = np.uint64(req_hashes[j])
+                s = h & mask
+                while filled[row[r], a, s] and sets[row[r], a, s] != h:
+                    s = (s + np.uint64(1)) & mask
+                sets[row[r], a, s], filled[row[r], a, s] = h, True
+    lo, hi = np.empty(len(ads), dtype=np.int64), np.empty(len(ads), dtype=np.int64)
+    first = np.zeros(len(ads), dtype=np.uint64)
+    for a in range(A):  # attribute by attribute: the pairs failing one are skipped in the next
+        # gather each ad's range and first value in passes of independent loads (the CPU overlaps
+        # their cache misses), then test from cache
+        for i in range(len(ads)):
+            lo[i], hi[i] = ad_off[a, ads[i]], ad_off[a, ads[i] + 1]
+        for i in range(len(ads)):
+            if hi[i] > lo[i]:
+                first[i] = ad_hashes[lo[i]]
+        for i in range(len(ads)):
+            if not ok[i] or hi[i] == lo[i]:
+                continue
+            x, hit = row[reqs[i]], False
+            for j in range(lo[i], hi[i]):
+                v = first[i] if j == lo[i] else np.uint64(ad_hashes[j])
+                s = v & mask
+                while filled[x, a, s]:
+                    if sets[x, a, s] == v:
+                        hit = True
+                        break
+                    s = (s + np.uint64(1)) & mask
+                if hit:
                     break
-            if not hit:
-                ok[i] = False
-                break
+            ok[i] = hit

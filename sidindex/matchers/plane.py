@@ -34,16 +34,22 @@ class PlaneQueries:
     ranges:       (B, G, 2) int64 [start, end) of request b's queries for group g; never empty
     word_offsets: (G+1,) int64 the words of group g are [word_offsets[g], word_offsets[g+1])
     single:       every request has exactly one query per group (kernels then skip the ANY loop)
+    most:         `max_queries` as the host knew it when the ranges moved to a device (of the whole
+                  table, so a bound for any slice of it), or None: computed from the ranges
     """
 
     rows: np.ndarray
     ranges: np.ndarray
     word_offsets: np.ndarray
     single: bool = False
+    most: int | None = None
 
     @property
     def max_queries(self) -> int:
-        """The most queries one request has for one group."""
+        """The most queries one request has for one group (on a device: a bound, read without
+        waiting on the device)."""
+        if self.most is not None:
+            return self.most
         n = (self.ranges[..., 1] - self.ranges[..., 0]).reshape(-1)  # numpy or torch
         return int(n.max()) if len(n) else 0
 

@@ -1,0 +1,45 @@
+"""The exact ad-level filter of the device post stage (`runtime.post.DevicePost`, DESIGN.md §3):
+per matcher plane, does each (request, slot) pair's ad pass the plane's attributes for its request
+exactly (`sidindex.matchers.exact`, the same tests as its numba passes; Bloom false positives stop
+here). `exact_filter` runs the Triton kernels on CUDA tensors (one launch per plane) and the plain
+torch reference on CPU tensors; both give the same result (tests compare them, the kernels under
+TRITON_INTERPRET=1), and neither synchronises with the host, so a CUDA graph can capture either.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.ops.exact_filter.reference import exact_filter_reference
+
+IMPLS = ("auto", "triton", "torch")
+
+
+def exact_filter(arrays: dict[str, torch.Tensor], requests, ad: torch.Tensor, steps: dict[str, tuple[int, ...]],
+                 max_values: int, impl: str = "auto") -> list[torch.Tensor]:
+    """Per matcher plane (`MATCHER_PLANES` order) (B, C) bool: ad `ad[b, c]` passes every attribute
+    of the plane for request b. A `rows` plane: on every word group ANY of the request's queries q
+    has (row & q) == q; a `values` plane: per attribute the ad has no values or ANY request value
+    is among its hashes. Slots holding no real pair may return anything, but read nothing out of
+    bounds (ads are clamped into the catalog).
+
+    arrays: the post arrays (`ServedIndex.post` or `runtime.post.post_tensors`): per rows plane
+      `exact_<p>_rows` (N, W) int64; per values plane `exact_<p>_hash_offsets` (A*(N+1),) int64 and
+      `exact_<p>_hashes` (H,) int64, uint64 bits sorted as unsigned within each ad.
+    requests: the batch's device form (`runtime.requests.to_device`): `planes` (per plane
+      `PlaneQueries`, rows (Q, W) int64, ranges (B, G, 2) int64, word_offsets on the host) and
+      `exact` (per values plane `ExactQueries`, hash_offsets (A, B+1) int64, hashes (R,) int64).
+    ad: (B, C) int64 catalog rows. steps: per values plane its binary-search steps per attribute
+    (`runtime.post._Bounds.steps`). max_values: the most queries or values a request has for one
+    group or attribute (the reference's static shape; the kernels loop to the actual counts).
+    impl: "triton", "torch" or "auto" (triton on CUDA tensors, torch elsewhere).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        impl = "triton" if ad.is_cuda else "torch"
+    if impl == "triton":
+        from runtime.ops.exact_filter.kernel import exact_filter_triton  # triton only where it runs
+
+        return exact_filter_triton(arrays, requests, ad, steps)
+    return exact_filter_reference(arrays, requests, ad, steps, max_values)

@@ -1,0 +1,196 @@
+"""The post stage against an independent brute force (DESIGN.md §3, §8, §16): the host numba path
+and the device torch path (`runtime.post.DevicePost`, here on CPU tensors) return exactly the
+result derived from the raw ad and request lists.
+
+Random small catalogs (`tests.test_gtm.scenarios`), some rows paused or deleted, ad ids that are
+not the catalog rows' order, and random beams rather than searched ones: beams on catalog SIDs in
+any order (the post stage must not rely on the search's), beams on SIDs outside the catalog
+(leaf -1), dead beams, and scores drawn from a few values, so ads reached through several SIDs
+meet equal and different scores and rankings tie on every key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.loader import load_index
+from runtime.post import RANKS, RRF_K, DevicePost, Retrieved, expand, post_tensors
+from runtime.requests import to_device
+from runtime.search import Beams
+from schemas.artifacts import MATCHER_PLANES
+from sidindex.errors import ConfigError
+from sidindex.targeting import BITMASK, BLOOM
+from tests.test_gtm import eligible, scenarios
+from tests.test_runtime import Case
+from tests.test_value import VALUES
+
+SCORES = [0.0, -0.5, -1.0, -1.0, -2.5]  # few values: equal scores are common
+KIND_OF_PLANE = {"bitmask": BITMASK, "bloom": BLOOM}
+
+
+@st.composite
+def cases(draw):
+    """(case, beams): a scenario with or without values, some rows paused or deleted, its ad ids
+    shuffled, and B x K random beams."""
+    sc = draw(scenarios(max_ads=12))
+    if draw(st.booleans()):
+        sc = dataclasses.replace(sc, values=draw(st.lists(VALUES, min_size=len(sc.ads), max_size=len(sc.ads))))
+    state = np.array(draw(st.lists(st.sampled_from([0, 0, 0, 1, 2]), min_size=len(sc.ads), max_size=len(sc.ads))),
+                     dtype=np.uint8) if draw(st.booleans()) else None
+    case = Case(sc, "cpu", ad_state=state)
+    ad_id = np.array(draw(st.permutations(range(len(sc.ads)))), dtype=np.int64) * 7 - 20  # not the row order
+    snap = dataclasses.replace(case.snap, ad_id=ad_id)
+    case.snap, case.index = snap, load_index(snap, "cpu")
+    catalog = sorted(set(sc.sids))
+    L, K = len(sc.level_sizes), draw(st.integers(1, 6))
+    tokens = np.zeros((len(sc.requests), K, L), dtype=np.int64)
+    score = np.full((len(sc.requests), K), -np.inf, dtype=np.float32)
+    leaf = np.full((len(sc.requests), K), -1, dtype=np.int64)
+    for r in range(len(sc.requests)):
+        taken = draw(st.lists(st.sampled_from(catalog), max_size=min(K, len(catalog)), unique=True))
+        for k in draw(st.permutations(range(K)))[:len(taken)]:
+            sid = taken.pop()
+            tokens[r, k], score[r, k] = sid, draw(st.sampled_from(SCORES))
+            leaf[r, k] = case.node(sid) - case.gtm.depth_offsets[L]
+        for k in range(K):
+            if leaf[r, k] < 0 and draw(st.booleans()):  # a SID outside the catalog (mode none), alive
+                tokens[r, k] = [L + level for level in range(L)]
+                score[r, k] = draw(st.sampled_from(SCORES))
+    return case, Beams(torch.from_numpy(tokens), torch.from_numpy(score), torch.from_numpy(leaf))
+
+
+def brute_force(case: Case, beams: Beams, top_k: int | None, rank: str) -> dict:
+    """From the raw lists: per request the eligible live ads under its live catalog beams, each
+    with its best score and the first beam of that score, ranked by `rank` then ad_id; and the counts."""
+    sc, ad_id = case.sc, case.snap.ad_id
+    state = case.exact.ad_state
+    ads_of = {}
+    for sid, a in zip(sc.sids, sc.sid_ads):
+        ads_of.setdefault(tuple(sid), []).append(a)
+    out = {"rows": [], "sids": [], "generated": [], "eligible": [], "stages": {p: [] for p in MATCHER_PLANES}}
+    for r, req in enumerate(sc.requests):
+        best, live = {}, 0
+        for k in range(beams.score.shape[1]):
+            s = float(beams.score[r, k])
+            if beams.leaf[r, k] < 0 or s == float("-inf"):
+                continue
+            live += 1
+            for a in ads_of[tuple(beams.tokens[r, k].tolist())]:
+                if (state is None or state[a] == 0) and (a not in best or s > best[a][0]):
+                    best[a] = (s, k)
+        out["sids"].append(live)
+        out["generated"].append(len(best))
+        for p in MATCHER_PLANES:
+            part = dataclasses.replace(sc.spec, attributes=tuple(x for x in sc.spec.attributes
+                                                                 if x.kind == KIND_OF_PLANE[p]))
+            out["stages"][p].append(sum(eligible(part, sc.ads[a], req) for a in best))
+        ok = [a for a in best if eligible(sc.spec, sc.ads[a], req)]
+        out["eligible"].append(len(ok))
+        by_score = sorted(ok, key=lambda a: (-best[a][0], ad_id[a]))
+        if rank == "score":
+            ranked = by_score
+        else:
+            by_value = sorted(ok, key=lambda a: (-sc.values[a], -best[a][0], ad_id[a]))
+            ranked = by_value
+        if rank == "fused":
+            rs = {a: i + 1 for i, a in enumerate(by_score)}
+            rv = {a: i + 1 for i, a in enumerate(by_value)}
+            ranked = sorted(ok, key=lambda a: (-(1 / (RRF_K + rs[a]) + 1 / (RRF_K + rv[a])), ad_id[a]))
+        for place, a in enumerate(ranked[:top_k], 1):
+            s, k = best[a]
+            out["rows"].append((r, place, a, int(ad_id[a]), tuple(beams.tokens[r, k].tolist()), s,
+                                None if sc.values is None else sc.values[a]))
+    return out
+
+
+def check(got: Retrieved, want: dict, stages: bool) -> None:
+    rows = [(int(r), int(p), int(a), int(i), tuple(s.tolist()), float(sc), None if got.value is None else float(v))
+            for r, p, a, i, s, sc, v in zip(got.request, got.rank, got.ad_row, got.ad_id, got.sid, got.score,
+                                            got.value if got.value is not None else [None] * len(got.request))]
+    assert rows == want["rows"]
+    assert got.sids.tolist() == want["sids"]
+    assert got.ads_generated.tolist() == want["generated"]
+    assert got.ads_eligible.tolist() == want["eligible"]
+    if stages:
+        assert {p: c.tolist() for p, c in got.ads_per_stage.items()} == want["stages"]
+    else:
+        assert got.ads_per_stage is None
+    for name in ("request", "rank", "ad_row", "ad_id", "sid", "sids", "ads_generated", "ads_eligible"):
+        assert getattr(got, name).dtype == np.int64, name
+    assert got.score.dtype == np.float32 and (got.value is None or got.value.dtype == np.float64)
+
+
+def same(a: Retrieved, b: Retrieved) -> None:
+    for f in dataclasses.fields(Retrieved):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, dict):
+            assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x), f.name
+        else:
+            assert (x is None and y is None) or (x.dtype == y.dtype and np.array_equal(x, y)), f.name
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(), st.sampled_from([None, 1, 2, 5]), st.booleans(), st.data())
+def test_host_and_device_paths_equal_the_brute_force(case_beams, top_k, stages, data):
+    case, beams = case_beams
+    rank = data.draw(st.sampled_from(RANKS if case.sc.values is not None else ("score",)))
+    want = brute_force(case, beams, top_k, rank)
+    host = expand(case.index, case.req, beams, top_k, stages, rank)
+    check(host, want, stages)
+    post = DevicePost(case.index, *beams.score.shape, top_k=top_k, rank=rank, stages=stages,
+                      arrays=post_tensors(case.index))
+    device = post.result(post.run(to_device(case.req, "cpu"), beams))
+    check(device, want, stages)
+    same(host, device)
+
+
+@settings(max_examples=10, deadline=None)
+@given(cases())
+def test_the_device_path_serves_a_slice_of_the_requests(case_beams):
+    """A batch sliced from the device form of a larger encoding (as `retrieve` batches)."""
+    case, beams = case_beams
+    B = beams.score.shape[0]
+    lo = B // 2
+    part = Beams(beams.tokens[lo:], beams.score[lo:], beams.leaf[lo:])
+    post = DevicePost(case.index, B - lo, beams.score.shape[1], arrays=post_tensors(case.index))
+    got = post.result(post.run(to_device(case.req, "cpu").slice(lo, B), part))
+    same(got, expand(case.index, case.req.slice(lo, B), part))
+
+
+def test_the_device_path_needs_its_arrays():
+    from tests.test_gtm import scenario
+
+    sc = scenario([{"country": ["US"], "locations": []}], [(0, 0, 0)], [0])
+    case = Case(sc, "cpu")
+    with pytest.raises(ConfigError, match="needs an index loaded onto a GPU"):
+        DevicePost(case.index, 1, 1)
+    with pytest.raises(ConfigError, match="positive number"):
+        DevicePost(case.index, 1, 1, top_k=0, arrays=post_tensors(case.index))
+    with pytest.raises(ConfigError, match="carries no ad values"):
+        DevicePost(case.index, 1, 1, rank="value", arrays=post_tensors(case.index))
+
+
+@settings(max_examples=15, deadline=None)
+@given(scenarios(max_ads=12), st.integers(0, 2**32 - 1), st.sampled_from([None, 2]), st.sampled_from(RANKS))
+def test_searcher_retrieve_is_search_then_post(sc, seed, top_k, rank):
+    """`runtime.Searcher.retrieve` (on a GPU: search and device post stage captured in one graph,
+    replayed for a second batch) returns what the search followed by `expand` returns."""
+    from runtime.serving import Searcher
+    from tests.test_runtime import DEVICE, TableScorer
+
+    if rank != "score":
+        sc = dataclasses.replace(sc, values=[float(v) for v in range(len(sc.ads))])
+    case = Case(sc, DEVICE)
+    beams = (1,) + (4,) * (case.gtm.sid_length - 1)
+    scorer = TableScorer(case.gtm.vocab_size, seed)
+    scorer.inputs = {}  # reads nothing per batch: capturable
+    searcher = Searcher(beams, "cd+gtm")
+    for _ in range(2):  # capture, then replay
+        got = searcher.retrieve(case.index, case.dreq, scorer, host=case.req, top_k=top_k, rank=rank)
+        same(got, expand(case.index, case.req, searcher.search(case.index, case.dreq, scorer), top_k, rank=rank))
