@@ -38,7 +38,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
@@ -48,7 +47,7 @@ import numpy as np
 import torch
 
 from bench.bench_gtm import LEVELS
-from bench.bench_search import bench_requests, build_snapshot, cuda_ms, graph_search_ms
+from bench.bench_search import bench_requests, build_snapshot, cuda_ms, graph_search_ms, same, wall_ms
 from runtime import Searcher, beam_search, codebook_scorer, load_index, to_device
 from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from sidindex.config import SIDConfig
@@ -84,24 +83,7 @@ def two_batches(B: int, seed: int = 3) -> Requests:
 
 def timer(device: torch.device):
     """ms(fn, reps): the median of fn() over reps (CUDA events on a GPU, the wall clock on the CPU)."""
-    if device.type == "cuda":
-        return cuda_ms
-
-    def wall_ms(fn, reps: int, warmup: int = 1) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times)
-
-    return wall_ms
-
-
-def same(a, b) -> bool:
-    return bool(torch.equal(a.tokens, b.tokens) and torch.equal(a.score, b.score) and torch.equal(a.leaf, b.leaf))
+    return cuda_ms if device.type == "cuda" else wall_ms
 
 
 def served(index, batch, scorer, beams, mode: Mode, reps: int, value_weight: float = 0.0) -> tuple[dict, list]:

@@ -121,9 +121,13 @@ def host_copy(path: Path, threads: int) -> float:
 
 
 def measure(n: int, scratch: Path, device: torch.device, args) -> dict:
-    print(f"building {n:,} ads ...", file=sys.stderr, flush=True)
-    (scratch / f"build-{n}").mkdir()
-    build = build_snapshot(n, scratch / f"build-{n}")
+    kept = Path(args.built or "-") / f"ads-{n}" / "build.json"
+    if kept.exists():  # built by `bench_search --keep`: the same snapshot, not built again
+        build = json.loads(kept.read_text())
+    else:
+        print(f"building {n:,} ads ...", file=sys.stderr, flush=True)
+        (scratch / f"build-{n}").mkdir()
+        build = build_snapshot(n, scratch / f"build-{n}")
     old_path = Path(build["path"])
     new_path = scratch / f"published-{n}" / old_path.name  # a snapshot directory is named by its id
     shutil.copytree(old_path, new_path)
@@ -162,6 +166,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="evict the new snapshot's files from the page cache first")
     ap.add_argument("--json", help="write the results as JSON here")
+    ap.add_argument("--built", help="a directory `bench_search --keep` built the snapshots in: reuse them")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

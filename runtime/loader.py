@@ -10,6 +10,7 @@ unchecked reaches a kernel and nothing reads the snapshot's files by path after 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import threading
@@ -88,9 +89,7 @@ class ServedIndex:
     def most_children(self, depth: int, beams: int) -> int:
         """The most child entries `beams` distinct nodes of `depth` can have together: the sum of
         the `beams` largest fan-outs of that depth (the exact worst case of a search step)."""
-        counts = self.fan_out_counts[depth]
-        take = np.minimum(np.cumsum(counts[::-1]), beams)  # nodes taken from the widest down
-        return int(np.dot(np.diff(take, prepend=0), np.arange(len(counts))[::-1]))
+        return largest_sum(self.fan_out_counts[depth], beams)
 
     @property
     def codebook(self) -> Codebook | None:
@@ -119,6 +118,13 @@ class ServedIndex:
         return self.gtm.part_offsets is not None
 
 
+def largest_sum(counts: np.ndarray, k: int) -> int:
+    """The sum of the k largest of a multiset given as counts (C + 1,) int64, counts[c] = how many
+    of its members equal c (a histogram: no sort of the members)."""
+    take = np.minimum(np.cumsum(counts[::-1]), k)  # members taken from the largest value down
+    return int(np.dot(np.diff(take, prepend=0), np.arange(len(counts))[::-1]))
+
+
 def parse_device(device: str | torch.device) -> torch.device:
     """'cpu', 'cuda' or 'cuda:N' as a torch device that exists on this host (ConfigError otherwise)."""
     text = str(device)
@@ -145,14 +151,49 @@ def _host(a: np.ndarray) -> np.ndarray:
     return a.view(np.int64) if a.dtype == np.uint64 else a  # torch kernels handle bits as int64
 
 
+class _Arena:
+    """One pinned host buffer that every load of the process stages through, kept between loads:
+    pinning memory costs about 0.6 s per GB on the H200 host (3.6 s of a 5.7 GB snapshot's load,
+    against 0.13 s to copy into it), so a swap reuses the memory the previous load pinned. It grows
+    (by a quarter more than asked, for a catalog that grows) when a snapshot needs more; `lock` is
+    held from staging until every device's copy is done. `free_staging` gives it back."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.buffer: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """(nbytes,) uint8 pinned host memory (the caller holds `lock`)."""
+        if self.buffer is None or len(self.buffer) < nbytes:
+            self.buffer = None  # the old one first: the host keeps one
+            self.buffer = torch.empty(nbytes + nbytes // 4, dtype=torch.uint8, pin_memory=True)
+        return self.buffer[:nbytes]
+
+
+_ARENA = _Arena()
+_ALIGN = 64  # bytes: every staged array starts on a cache line
+
+
+def free_staging() -> None:
+    """Give back the pinned staging memory loads keep between swaps (the next load pins anew)."""
+    with _ARENA.lock:
+        _ARENA.buffer = None
+
+
 def stage_arrays(arrays: dict[str, np.ndarray], clock: StageClock, *, pinned: bool = True) -> dict[str, torch.Tensor]:
-    """Host tensors holding `arrays` (read-only memory maps), for DMA to GPUs: allocated (pinned
-    unless `pinned` is False, which needs no CUDA: the bench's host-copy figure), lap "pin", then
-    filled by STAGE_THREADS threads copying STAGE_CHUNK-byte pieces, lap "stage"."""
+    """Host tensors holding `arrays` (read-only memory maps), for DMA to GPUs: views of the pinned
+    staging arena (`_Arena`; the caller holds its lock until the copies are done), or fresh
+    unpinned tensors when `pinned` is False (needs no CUDA: the bench's host-copy figure), lap
+    "pin", then filled by STAGE_THREADS threads copying STAGE_CHUNK-byte pieces, lap "stage"."""
     arrays = {n: _host(a) for n, a in arrays.items()}
-    out = {n: torch.empty(a.shape, dtype=getattr(torch, str(a.dtype)), pin_memory=pinned) for n, a in arrays.items()}
     if pinned:
+        starts = np.cumsum([0] + [-(-a.nbytes // _ALIGN) * _ALIGN for a in arrays.values()]).tolist()
+        arena = _ARENA.take(starts[-1])
+        out = {n: arena[lo:lo + a.nbytes].view(getattr(torch, str(a.dtype))).view(a.shape)
+               for (n, a), lo in zip(arrays.items(), starts)}
         clock.lap("pin")
+    else:
+        out = {n: torch.empty(a.shape, dtype=getattr(torch, str(a.dtype))) for n, a in arrays.items()}
     pieces = []
     for n, a in arrays.items():
         src, dst = a.reshape(-1).view(np.uint8), out[n].numpy().reshape(-1).view(np.uint8)
@@ -227,51 +268,52 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
                  int(g.depth_offsets[g.sid_length]), tuple(np.bincount(f) for f in per_depth))
         clock.lap("shape")
     gpu = [i for i, d in enumerate(devices) if d.type == "cuda"]
-    moving = {n for i in gpu for n in (set(served) - kept[i]) | (set(_post_names(snap)) - post_kept[i])}
-    staged = stage_arrays({n: every[n] for n in moving}, clock) if gpu else {}
-    if not gpu:
-        clock.lap("stage")  # the CPU serves the memory maps themselves: nothing to copy
-    out = []
-    for device, base, k, pk, shares in zip(devices, bases, kept, post_kept, whole):
-        source = staged if device.type == "cuda" else {n: _mapped(a) for n, a in served.items()}
-        post = None if device.type != "cuda" else {n: pk[n] if n in pk else source[n].to(device, non_blocking=True)
-                                                   for n in _post_names(snap)}
-        moved_bytes = sum(int(every[n].nbytes) for n in _post_names(snap) if n not in pk) if post is not None else 0
-        if shares:
-            gtm = GTMIndex.from_arrays(g.level_sizes, base.gtm.arrays() | host, MATCHER_PLANES)
-            out.append(dataclasses.replace(base, snapshot=snap, gtm=gtm, post=post,
-                                           load_info={"bytes": moved_bytes, "shared_with": base.id}))
-            continue
-        tables = base.tables if planes <= k and base is not None else None
-        if device.type == "cuda":  # the planes into one stack, the rest as they are
-            if tables is None:
-                parts = [source[f"part_{p}_index"] for p in MATCHER_PLANES] if g.part_offsets is not None else None
-                tables = stack_tables([source[f"{p}_table"] for p in MATCHER_PLANES],
-                                      [source[f"{p}_index"] for p in MATCHER_PLANES], parts, device)
-            moved = {n: source[n].to(device, non_blocking=True) for n in served if n not in k | planes}
-            for i, p in enumerate(MATCHER_PLANES):
-                moved |= {f"{p}_table": tables.tables[i], f"{p}_index": tables.index[i]}
-                if g.part_offsets is not None:
-                    moved[f"part_{p}_index"] = tables.part_index[i]
-        else:
-            moved = {n: source[n] for n in served if n not in k}
-        moved = {n: base.gtm.arrays()[n] for n in k} | moved
-        if base is not None and {"node_offsets", "csr_tokens"} <= k:
-            entry_keys = base.entry_keys
-        else:  # entry e's parent is the node whose child range holds it; entries are sorted by (parent, token)
-            parent = torch.repeat_interleave(torch.arange(g.num_nodes, device=device), moved["node_offsets"].diff())
-            entry_keys = parent * g.vocab_size + moved["csr_tokens"].long()
-            del parent
-        info = {"bytes": sum(int(a.nbytes) for n, a in served.items() if n not in k) + moved_bytes}
-        if k:
-            info["shared_with"] = base.id
-        gtm = GTMIndex.from_arrays(g.level_sizes, moved | host, MATCHER_PLANES)
-        max_children, mean_children, max_parts, leaf_start, fan_out_counts = shape
-        out.append(ServedIndex(snap, device, gtm, entry_keys, max_children, mean_children, max_parts, leaf_start,
-                               fan_out_counts, tables, post, info))
-    for i in gpu:
-        torch.cuda.synchronize(devices[i])
-    del staged  # the pinned copies, once every device has its own
+    moving = {n for i in gpu for n in (set(served) - kept[i]) | (set(_post_names(snap)) - post_kept[i].keys())}
+    with _ARENA.lock if gpu else contextlib.nullcontext():  # the arena is this load's until its copies are done
+        staged = stage_arrays({n: every[n] for n in moving}, clock) if gpu else {}
+        if not gpu:
+            clock.lap("stage")  # the CPU serves the memory maps themselves: nothing to copy
+        out = []
+        for device, base, k, pk, shares in zip(devices, bases, kept, post_kept, whole):
+            source = staged if device.type == "cuda" else {n: _mapped(a) for n, a in served.items()}
+            post = None if device.type != "cuda" else {n: pk[n] if n in pk else source[n].to(device, non_blocking=True)
+                                                       for n in _post_names(snap)}
+            moved_bytes = sum(int(every[n].nbytes) for n in _post_names(snap) if n not in pk) if post is not None else 0
+            if shares:
+                gtm = GTMIndex.from_arrays(g.level_sizes, base.gtm.arrays() | host, MATCHER_PLANES)
+                out.append(dataclasses.replace(base, snapshot=snap, gtm=gtm, post=post,
+                                               load_info={"bytes": moved_bytes, "shared_with": base.id}))
+                continue
+            tables = base.tables if planes <= k and base is not None else None
+            if device.type == "cuda":  # the planes into one stack, the rest as they are
+                if tables is None:
+                    parts = [source[f"part_{p}_index"] for p in MATCHER_PLANES] if g.part_offsets is not None else None
+                    tables = stack_tables([source[f"{p}_table"] for p in MATCHER_PLANES],
+                                          [source[f"{p}_index"] for p in MATCHER_PLANES], parts, device)
+                moved = {n: source[n].to(device, non_blocking=True) for n in served if n not in k | planes}
+                for i, p in enumerate(MATCHER_PLANES):
+                    moved |= {f"{p}_table": tables.tables[i], f"{p}_index": tables.index[i]}
+                    if g.part_offsets is not None:
+                        moved[f"part_{p}_index"] = tables.part_index[i]
+            else:
+                moved = {n: source[n] for n in served if n not in k}
+            moved = {n: base.gtm.arrays()[n] for n in k} | moved
+            if base is not None and {"node_offsets", "csr_tokens"} <= k:
+                entry_keys = base.entry_keys
+            else:  # entry e's parent is the node whose child range holds it; entries are sorted by (parent, token)
+                parent = torch.repeat_interleave(torch.arange(g.num_nodes, device=device), moved["node_offsets"].diff())
+                entry_keys = parent * g.vocab_size + moved["csr_tokens"].long()
+                del parent
+            info = {"bytes": sum(int(a.nbytes) for n, a in served.items() if n not in k) + moved_bytes}
+            if k:
+                info["shared_with"] = base.id
+            gtm = GTMIndex.from_arrays(g.level_sizes, moved | host, MATCHER_PLANES)
+            max_children, mean_children, max_parts, leaf_start, fan_out_counts = shape
+            out.append(ServedIndex(snap, device, gtm, entry_keys, max_children, mean_children, max_parts, leaf_start,
+                                   fan_out_counts, tables, post, info))
+        for i in gpu:
+            torch.cuda.synchronize(devices[i])
+        del staged  # views of the arena, whose copies every device now has
     clock.lap("transfer")
     phases = dict(clock.seconds)
     for index in out:

@@ -29,7 +29,7 @@ import torch
 
 from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask import gtm_candidates, gtm_mask
-from runtime.ops.gtm_mask.slots import entries, slots_of
+from runtime.ops.gtm_mask.slots import decode, slots_of
 from runtime.requests import to_device
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
@@ -186,6 +186,7 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # a capture replays a checked search
         check_fits(beams, B, V, dev, value_weight > 0)
     compact = mode.constrained and layout == "compact"
+    kernels = impl == "triton" or (impl == "auto" and dev.type == "cuda")  # the layout's own kernels too
     node = torch.zeros(B, 1, dtype=torch.int64, device=dev)
     score = torch.zeros(B, 1, dtype=torch.float32, device=dev)
     tokens = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)
@@ -197,7 +198,7 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
         key = None
         if compact:  # slots of the beams' child entries; padded so top-k always has k_next of them
-            slots = slots_of(index, node, score, max(index.most_children(d, K), k_next))
+            slots = slots_of(index, node, score, max(index.most_children(d, K), k_next), kernels)
             cand = gtm_candidates(index, requests, d, slots, node.reshape(-1), score.reshape(-1), logp, mode, impl,
                                   value_weight)
         elif mode.constrained:
@@ -217,16 +218,14 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         else:
             flat = key.reshape(B, -1).topk(k_next, dim=1, sorted=d == L - 1).indices
             score = cand.gather(1, flat)
-        alive = score > NEG_INF
         if compact:  # a slot names its beam and child entry
-            parent, e, _ = entries(slots, flat)
-            tok = torch.where(alive, index.gtm.csr_tokens[e].long(), 0)
-            child = torch.where(alive, index.gtm.csr_child_nodes[e].long(), -1)
-        else:
-            parent, tok = flat // V, flat % V
-            tok = torch.where(alive, tok, 0)  # a dead slot's token is arbitrary: keep it in every level's range
+            parent, tok, node, tokens = decode(index, slots, flat, score, tokens, kernels)
+            continue
+        alive = score > NEG_INF
+        parent, tok = flat // V, flat % V
+        tok = torch.where(alive, tok, 0)  # a dead slot's token is arbitrary: keep it in every level's range
         tokens = torch.cat([tokens.gather(1, parent[..., None].expand(-1, -1, d)), tok[..., None]], dim=2)
-        node = child if compact else child_nodes(index, node.gather(1, parent), tok, alive)
+        node = child_nodes(index, node.gather(1, parent), tok, alive)
     alive = score > NEG_INF
     leaf = torch.where(alive & (node >= 0), node - index.leaf_start, -1)
     return Beams(torch.where(alive[..., None], tokens, 0), score, leaf)

@@ -1,7 +1,7 @@
 """A serving searcher: beam search replayed from CUDA graphs (DESIGN.md §12).
 
 A host keeps one `Searcher` per (beams, mode) and calls `search(index, requests, scorer)` per
-batch. On a GPU the first batch of each size is searched once to warm up, then the whole search
+batch, or `retrieve(...)` for the ranked eligible ads (search and post stage, `runtime.post`). On a GPU the first batch of each size is searched once to warm up, then the whole search
 (every step's scorer call, mask, top-k and child lookup) is captured as a CUDA graph; later
 batches of that size copy their inputs into the graph's buffers and replay it, paying neither
 Python nor launch overhead. The graph's inputs are
@@ -9,9 +9,13 @@ Python nor launch overhead. The graph's inputs are
     (a batch that needs more re-captures), the ranges into a (B, G, 2) buffer;
   - the scorer's `inputs`: a dict of tensors the scorer reads each step (the codebook scorer's
     embeddings, the reference decoder's context), copied into the captured scorer's.
+  - with `retrieve`, the exact filter's queries too (hash offsets, and hashes into a buffer with
+    room for twice the batch's), and the post stage (`runtime.post.DevicePost`) is captured in the
+    same graph, right after the search: the ranked ads come to the host in one copy, with no
+    round trip between search and post.
 A scorer without `inputs` cannot be refreshed inside a graph, and the CPU has no graphs: those
-searches run eagerly, and `eager_reason` says why (a warning says it once). Replayed results
-are copies: the next replay does not change them.
+searches run eagerly (and `retrieve` runs the host post stage), and `eager_reason` says why (a
+warning says it once). Replayed results are copies: the next replay does not change them.
 
 With a `SnapshotWatcher`, each request takes `watcher.current` once and passes it here: a graph
 belongs to the device arrays it was captured on, so a swapped-in snapshot is captured anew at its
@@ -32,7 +36,10 @@ import torch
 
 from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask.planes import stack_queries
+from runtime.post import DevicePost, Retrieved, check_rank, expand
 from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search
+from sidindex.errors import ConfigError
+from sidindex.matchers.exact import ExactQueries
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests
 
@@ -45,6 +52,8 @@ class _Graph:
     requests: EncodedRequests  # static: the stacked form, the planes' rows (each plane's capacity) and ranges views of it
     scorer: Scorer  # the captured scorer; its `inputs` are the graph's
     out: Beams
+    post: DevicePost | None = None  # with `retrieve`: the captured post stage, and its output buffer
+    buffer: torch.Tensor | None = None
 
 
 class Searcher:
@@ -63,52 +72,103 @@ class Searcher:
         """The eager search this Searcher captures and replays."""
         return beam_search(index, requests, scorer, self.beams, self.mode, self.impl, self.value_weight)
 
-    def search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
-        """`runtime.beam_search(index, requests, scorer, beams, mode)`, replayed when it can be.
-        requests: on the index's device (`runtime.to_device`)."""
+    def _why_eager(self, index: ServedIndex, scorer: Scorer) -> str | None:
         why = ("the index is on the CPU" if index.device.type != "cuda" else
                None if isinstance(getattr(scorer, "inputs", None), dict) else
                f"the scorer ({type(scorer).__name__}) has no `inputs` to refresh in a captured graph")
-        if why is not None:
-            if self.eager_reason != why:
-                self.eager_reason = why
-                if index.device.type == "cuda":
-                    warnings.warn(f"searching eagerly: {why}", stacklevel=2)
+        if why is not None and self.eager_reason != why:
+            self.eager_reason = why
+            if index.device.type == "cuda":
+                warnings.warn(f"searching eagerly: {why}", stacklevel=3)
+        return why
+
+    def search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
+        """`runtime.beam_search(index, requests, scorer, beams, mode)`, replayed when it can be.
+        requests: on the index's device (`runtime.to_device`)."""
+        if self._why_eager(index, scorer) is not None:
             return self._search(index, requests, scorer)
+        g = self._replay(index, requests, scorer, None)
+        return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+
+    def retrieve(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, *,
+                 host: EncodedRequests | None = None, top_k: int | None = None, rank: str = "score",
+                 stages: bool = False) -> Retrieved:
+        """The ranked eligible ads of one batch (`runtime.post.expand` of `search`): on a GPU
+        holding the index's post arrays, search and post stage replayed as one graph, the result
+        copied to the host once. requests: on the index's device (`runtime.to_device`); host: the
+        batch's host encoding, which the host post stage reads (the CPU, or an eager search)."""
+        check_rank(index, rank)
+        if top_k is not None and top_k < 1:
+            raise ConfigError(f"top_k {top_k}: expected a positive number of ads per request")
+        if self._why_eager(index, scorer) is not None or index.post is None:
+            beams = self._search(index, requests, scorer)
+            return expand(index, requests if host is None else host, beams, top_k, stages, rank)
+        g = self._replay(index, requests, scorer, (top_k, rank, stages))
+        return g.post.result(g.buffer)
+
+    def _replay(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, post: tuple | None) -> _Graph:
+        """The graph of this batch size (and post stage), captured if it is not yet, replayed with
+        the batch's inputs."""
         with self._lock:
             if self._index is None or index.generation is not self._index.generation:
                 self._graphs = {}  # other device arrays (another snapshot, or one loaded again): new graphs
             self._index = index
-            B = requests.batch
-            g = self._graphs.get(B)
+            key = (requests.batch, post)
+            g = self._graphs.get(key)
             if g is None or not _fits(g, requests, scorer):
-                g = self._graphs[B] = self._capture(index, requests, scorer)
+                g = self._graphs[key] = self._capture(index, requests, scorer, post)
             else:
+                if g.post is not None:
+                    g.post.check(requests)
                 _load(g, requests, scorer)
                 g.graph.replay()
-            return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+            return g
 
-    def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> _Graph:
-        static = _static_requests(requests)
-        self._search(index, static, scorer)  # checks, compiles kernels
+    def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, post: tuple | None) -> _Graph:
+        static = _static_requests(requests, with_exact=post is not None)
+        stage: list[DevicePost] = []  # made once the first search shows the beams' shape
+
+        def run():
+            beams = self._search(index, static, scorer)
+            if post is None:
+                return beams, None
+            if not stage:
+                top_k, rank, stages = post
+                stage.append(DevicePost(index, requests.batch, beams.score.shape[1], top_k=top_k, rank=rank,
+                                        stages=stages))
+            return beams, stage[0].run(static, beams)
+
+        run()  # checks, compiles kernels
         side = torch.cuda.Stream(index.device)
         side.wait_stream(torch.cuda.current_stream(index.device))
         with torch.cuda.stream(side):  # the allocator's warm-up, outside the capture
-            self._search(index, static, scorer)
+            run()
         torch.cuda.current_stream(index.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._search(index, static, scorer)
+            out, buffer = run()
         graph.replay()
-        return _Graph(graph, static, scorer, out)
+        return _Graph(graph, static, scorer, out, stage[0] if stage else None, buffer)
 
 
-def _static_requests(requests: EncodedRequests) -> EncodedRequests:
+def _static_requests(requests: EncodedRequests, with_exact: bool = False) -> EncodedRequests:
     """Buffers with room for twice each plane's query rows (at least 8 per request), holding
-    `requests`, each plane's rows at a fixed offset of the stack."""
+    `requests`, each plane's rows at a fixed offset of the stack; `with_exact`: the exact filter's
+    queries too, their hashes with room for twice as many."""
     capacity = tuple(max(2 * len(p.rows), 8 * requests.batch) for p in requests.planes)
     planes, stacked = stack_queries(requests.planes, requests.stacked.words.device, capacity)
-    return dataclasses.replace(requests, planes=planes, stacked=stacked)
+    exact = requests.exact
+    if with_exact:
+        exact = tuple(None if e is None else ExactQueries(e.hash_offsets.clone(), _with_room(e.hashes))
+                      for e in requests.exact)
+    return dataclasses.replace(requests, planes=planes, stacked=stacked, exact=exact)
+
+
+def _with_room(a: torch.Tensor) -> torch.Tensor:
+    """A buffer of twice a's length (at least 64) holding `a` first."""
+    out = torch.zeros(max(2 * len(a), 64), dtype=a.dtype, device=a.device)
+    out[:len(a)].copy_(a)
+    return out
 
 
 def _fits(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> bool:
@@ -117,6 +177,10 @@ def _fits(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> bool:
     if type(scorer) is not type(g.scorer):
         return False
     if any(len(p.rows) > len(mine.rows) for p, mine in zip(requests.planes, g.requests.planes)):
+        return False
+    if g.post is not None and any(e is not None and (len(e.hashes) > len(mine.hashes)
+                                                     or e.hash_offsets.shape != mine.hash_offsets.shape)
+                                  for e, mine in zip(requests.exact, g.requests.exact)):
         return False
     mine, theirs = g.scorer.inputs, scorer.inputs
     return mine.keys() == theirs.keys() and all(
@@ -128,6 +192,11 @@ def _load(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> None:
     for mine, theirs in zip(g.requests.planes, requests.planes):
         mine.rows[:len(theirs.rows)].copy_(theirs.rows)
     g.requests.stacked.ranges.copy_(requests.stacked.ranges)  # the planes' ranges are views of it
+    if g.post is not None:
+        for mine, theirs in zip(g.requests.exact, requests.exact):
+            if mine is not None:
+                mine.hash_offsets.copy_(theirs.hash_offsets)
+                mine.hashes[:len(theirs.hashes)].copy_(theirs.hashes)
     if scorer is not g.scorer:
         for k, t in scorer.inputs.items():
             g.scorer.inputs[k].copy_(t)

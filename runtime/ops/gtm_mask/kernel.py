@@ -163,18 +163,25 @@ def launch_shape(index, depth: int) -> tuple[int, int]:
     return block, max(1, min(4, block // 32))
 
 
-def compact_shape(index, depth: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) of the compact layout: slots are packed, so a block is as wide as work
-    balance allows."""
-    return 128, 4
+def compact_shape(depth: int, mode: Mode) -> tuple[int, int, int]:
+    """(BLOCK, num_warps, Bloom queries per round) of the compact layout, from the H200 sweep of
+    `bench/bench_search.py --sweep` at 10M SIDs: slots are packed, so blocks of 128 lanes idle
+    little; with k-way a block waits for its slowest lane's partitions, so smaller blocks win; shallow
+    unions are nearly full (a lane hits at its first queries: few per round), deeper ones miss more
+    (more queries per round keep more loads in flight)."""
+    if mode.kway:
+        return 64, 2, 4
+    return 128, 4, 2 if depth <= 1 else 8
 
 
 def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
                     beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, with_bound: bool = False,
-                    value_weight: float = 0.0, shape: tuple[int, int] | None = None, slots: Slots | None = None):
+                    value_weight: float = 0.0, shape: tuple[int, int] | None = None, slots: Slots | None = None,
+                    qstep: int | None = None):
     """Same contract as `gtm_mask_reference`. beam_request, beam_node: (M,) int64; beam_score: (M,)
     float32; logp: (M, V) float32 contiguous. shape: (BLOCK, num_warps), default `launch_shape`
-    (`compact_shape` with slots). With `slots` (`slots.Slots` of the M = B*K beams, request-major),
+    (`compact_shape` with slots); qstep: Bloom queries tested per round (default 4, or
+    `compact_shape`'s with slots). With `slots` (`slots.Slots` of the M = B*K beams, request-major),
     the outputs are (B, slots.width) in that layout instead (`slots.compact` of the dense ones)."""
     M, V = logp.shape
     value = 2 if value_weight > 0 else 1 if with_bound else 0
@@ -186,6 +193,7 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         if M == 0 or C == 0:
             return out if extra is None else (out, extra)
         BLOCK, warps = shape or launch_shape(index, depth)
+        qstep = qstep or 4
         grid = (M, triton.cdiv(C, BLOCK))
         start, total, K, width = beam_node, beam_node, 1, 0  # unread
     else:
@@ -195,7 +203,9 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         extra = None if not value else torch.empty((B, width), dtype=torch.float32, device=logp.device)
         if B == 0 or width == 0:
             return out if extra is None else (out, extra)
-        BLOCK, warps = shape or compact_shape(index, depth)
+        BLOCK, warps, chosen = compact_shape(depth, mode)
+        BLOCK, warps = shape or (BLOCK, warps)
+        qstep = qstep or chosen
         grid = (B, triton.cdiv(width, BLOCK))
         start, total = slots.start, slots.total
     g, q = index.gtm, requests.stacked
@@ -216,5 +226,5 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         LOG_K=max(1, (K - 1).bit_length()), WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane,
         GLO=lay.group_lo,
         GW=lay.group_words, GA=tuple(triton.next_power_of_2(max(w, 1)) for w in lay.group_words), BLOCK=BLOCK,
-        QSTEP=4, num_warps=warps)
+        QSTEP=qstep, num_warps=warps)
     return out if extra is None else (out, extra)

@@ -33,9 +33,14 @@ class Slots:
     width: int
 
 
-def slots_of(index, node: torch.Tensor, score: torch.Tensor, width: int) -> Slots:
+def slots_of(index, node: torch.Tensor, score: torch.Tensor, width: int, kernel: bool = False) -> Slots:
     """The layout of beams at trie nodes `node` (B, K) int64 with scores `score` (B, K) float32
-    (-inf: dead, no children); `width` >= the most children K such nodes can have."""
+    (-inf: dead, no children); `width` >= the most children K such nodes can have. kernel: in one
+    Triton launch (`slots_kernel`; CUDA tensors, or the interpreter), else these torch ops."""
+    if kernel:
+        from runtime.ops.gtm_mask.slots_kernel import slots_triton
+
+        return slots_triton(index, node.contiguous(), score.contiguous(), width)
     off, node = index.gtm.node_offsets, node.clamp(min=0)  # a dead beam's node is -1
     first = off[node]
     count = torch.where(score > NEG_INF, off[node + 1] - first, 0)
@@ -56,6 +61,24 @@ def entries(slots: Slots, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     c = slot - slots.start.gather(1, k)
     used = c < slots.count.gather(1, k)
     return k, torch.where(used, slots.first.gather(1, k) + c, 0), used
+
+
+def decode(index, slots: Slots, flat: torch.Tensor, chosen: torch.Tensor, tokens: torch.Tensor,
+           kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The beams top-k chose: flat (B, N) int64 slots with scores chosen (B, N) float32 (-inf:
+    dead). Returns their parent beam (B, N) int64, token (B, N) int64 (0 when dead), child node
+    (B, N) int64 (-1 when dead) and tokens (B, N, D+1) int64, the parent's tokens (B, K, D) with
+    the token appended. kernel: in one Triton launch (`slots_kernel`), else these torch ops."""
+    if kernel:
+        from runtime.ops.gtm_mask.slots_kernel import decode_triton
+
+        return decode_triton(index, slots, flat, chosen, tokens)
+    alive = chosen > NEG_INF
+    parent, e, _ = entries(slots, flat)
+    tok = torch.where(alive, index.gtm.csr_tokens[e].long(), 0)
+    child = torch.where(alive, index.gtm.csr_child_nodes[e].long(), -1)
+    D = tokens.shape[2]
+    return parent, tok, child, torch.cat([tokens.gather(1, parent[..., None].expand(-1, -1, D)), tok[..., None]], 2)
 
 
 def compact(index, dense: torch.Tensor, slots: Slots, fill: float = NEG_INF) -> torch.Tensor:
