@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.ops.gtm_mask.reference import plane_pass
 from schemas.artifacts import EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
 
 _SIGN = torch.iinfo(torch.int64).min  # x ^ _SIGN orders uint64 bits (viewed as int64) as signed int64 compares
@@ -34,16 +35,9 @@ def exact_filter_reference(arrays: dict[str, torch.Tensor], requests, ad: torch.
 
 def rows_pass(rows: torch.Tensor, q, max_values: int) -> torch.Tensor:
     """(B, C) bool: rows (B, C, W) int64 pass the request's queries `q` (device `PlaneQueries`):
-    for every group ANY of its queries q has (row & q) == q on the group's words."""
-    Q = 1 if q.single else max(1, max_values)  # a request's queries per group: static
-    j = torch.arange(Q, device=rows.device)
-    ok = torch.ones(rows.shape[:2], dtype=torch.bool, device=rows.device)
-    for g, (lo, hi) in enumerate(zip(q.word_offsets[:-1].tolist(), q.word_offsets[1:].tolist())):
-        start, end = q.ranges[:, g, 0:1], q.ranges[:, g, 1:2]                        # (B, 1)
-        qr = q.rows[(start + j).clamp(max=len(q.rows) - 1), lo:hi][:, None]          # (B, 1, Q, w)
-        hit = ((rows[:, :, None, lo:hi] & qr) == qr).all(-1) & (start + j < end)[:, None, :]
-        ok &= hit.any(-1)
-    return ok
+    for every group ANY of its queries q has (row & q) == q on the group's words (the matcher
+    planes' test, `gtm_mask.reference.plane_pass`, with a static number of queries per group)."""
+    return plane_pass(rows, q, q.ranges, 1 if q.single else max(1, max_values))
 
 
 def values_pass(hash_offsets: torch.Tensor, hashes: torch.Tensor, ad: torch.Tensor, ex, steps: tuple[int, ...],

@@ -27,6 +27,7 @@ import triton.language as tl
 from runtime.ops.gtm_mask.planes import stack_tables
 from runtime.ops.gtm_mask.reference import NEG_INF, VALUE_FLOOR
 from runtime.ops.gtm_mask.slots import Slots
+from runtime.ops.gtm_mask.slots_kernel import beam_of_slot
 from sidindex.modes import Mode
 
 
@@ -94,17 +95,11 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
         b = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         real = s < tl.load(slot_total + b)  # past b's last child entry a slot only gets -inf
-        k = tl.zeros([BLOCK], dtype=tl.int64)  # the beam of each slot: the last k with start[k] <= s
-        hi = k + K
-        for _ in tl.static_range(LOG_K):
-            mid = (k + hi) // 2
-            go = tl.load(slot_start + b * K + mid, mask=real, other=0) <= s
-            k, hi = tl.where(go, mid, k), tl.where(go, hi, mid)
-        m = b * K + k
+        m = b * K + beam_of_slot(slot_start + b * K, s, K, real, LOG_K)
         score = tl.load(beam_score + m, mask=real, other=float("-inf"))
         lo = tl.load(node_offsets + tl.load(beam_node + m, mask=real, other=0), mask=real, other=0)
         e = lo + s - tl.load(slot_start + m, mask=real, other=0)
-        ok = real & (score > float("-inf"))  # a dead beam has no slots; kept for clarity
+        ok = real & (score > float("-inf"))  # as in the dense path: a dead beam passes nothing
     else:  # program (beam m, block of its node's child entries)
         m = tl.program_id(0).to(tl.int64)
         score = tl.load(beam_score + m)

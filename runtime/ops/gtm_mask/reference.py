@@ -19,20 +19,27 @@ def value_key(score: torch.Tensor, bound: torch.Tensor, weight: float) -> torch.
     return score + weight * bound.clamp(min=VALUE_FLOOR).log()
 
 
+def plane_pass(rows: torch.Tensor, q, ranges: torch.Tensor, n_queries: int) -> torch.Tensor:
+    """(m, C) bool: rows (m, C, W) int64 of one plane pass their requests' queries `q`
+    (`PlaneQueries`): on every word group ANY query has (row & query) == query. ranges: (m, G, 2)
+    int64 each row's request's query ranges; n_queries: at least the most queries one request has
+    for one group (a static shape)."""
+    j = torch.arange(n_queries, device=rows.device)
+    ok = torch.ones(rows.shape[:2], dtype=torch.bool, device=rows.device)
+    for g, (lo, hi) in enumerate(zip(q.word_offsets[:-1].tolist(), q.word_offsets[1:].tolist())):
+        start, end = ranges[:, g, 0:1], ranges[:, g, 1:2]                      # (m, 1)
+        qr = q.rows[(start + j).clamp(max=len(q.rows) - 1), lo:hi][:, None]     # (m, 1, Q, w)
+        hit = ((rows[:, :, None, lo:hi] & qr) == qr).all(-1) & (start + j < end)[:, None, :]
+        ok &= hit.any(-1)                                                      # ANY query of the group
+    return ok
+
+
 def _passes(index, requests, rows: list[torch.Tensor], req: torch.Tensor) -> torch.Tensor:
     """(m, C) bool: the matcher rows `rows` (per plane (m, C) int64) pass each beam's request
     `req` (m,) on every word group of every plane (`sidindex.matchers.plane`)."""
     ok = torch.ones(rows[0].shape, dtype=torch.bool, device=req.device)
     for plane, q, r in zip(index.gtm.planes, requests.planes, rows):
-        table = plane.table[r]                                              # (m, C, W)
-        j = torch.arange(q.max_queries, device=req.device)
-        for g, (lo, hi) in enumerate(zip(q.word_offsets[:-1], q.word_offsets[1:])):
-            ranges = q.ranges[req, g]                                       # (m, 2)
-            q_idx = (ranges[:, :1] + j).clamp(max=len(q.rows) - 1)          # (m, Qmax)
-            qr = q.rows[q_idx, lo:hi][:, None]                              # (m, 1, Qmax, w)
-            tr = table[..., None, lo:hi]                                    # (m, C, 1, w)
-            hit = ((tr & qr) == qr).all(dim=-1) & (j < (ranges[:, 1] - ranges[:, 0])[:, None])[:, None, :]
-            ok &= hit.any(dim=-1)                                           # ANY query of the group
+        ok &= plane_pass(plane.table[r], q, q.ranges[req], q.max_queries)
     return ok
 
 

@@ -20,6 +20,19 @@ CHUNK = 1024  # beams a layout program takes per round
 
 
 @triton.jit
+def beam_of_slot(start, s, K, mask, LOG_K: tl.constexpr):
+    """The beam of each slot s: the last k in [0, K) with start[k] <= s (start: one request's (K,)
+    first slots, rising; LOG_K >= log2(K) halvings). Lanes off `mask` load nothing."""
+    k = tl.zeros(s.shape, dtype=tl.int64)
+    hi = k + K
+    for _ in tl.static_range(LOG_K):
+        mid = (k + hi) // 2
+        go = tl.load(start + mid, mask=mask, other=0) <= s
+        k, hi = tl.where(go, mid, k), tl.where(go, hi, mid)
+    return k
+
+
+@triton.jit
 def _layout_kernel(node, score, node_offsets, start, count, first, total, K, CHUNK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     carry = tl.sum(tl.zeros([CHUNK], dtype=tl.int64), axis=0)
@@ -46,12 +59,7 @@ def _decode_kernel(flat, chosen, start, count, first, csr_tokens, csr_child_node
     m = j < N
     s = tl.load(flat + b * N + j, mask=m, other=0)
     alive = m & (tl.load(chosen + b * N + j, mask=m, other=float("-inf")) > float("-inf"))
-    k = tl.zeros([BLOCK], dtype=tl.int64)  # the last beam whose first slot is <= s
-    hi = k + K
-    for _ in tl.static_range(LOG_K):
-        mid = (k + hi) // 2
-        go = tl.load(start + b * K + mid, mask=m, other=0) <= s
-        k, hi = tl.where(go, mid, k), tl.where(go, hi, mid)
+    k = beam_of_slot(start + b * K, s, K, m, LOG_K)
     c = s - tl.load(start + b * K + k, mask=m, other=0)
     ok = alive & (c < tl.load(count + b * K + k, mask=m, other=0))
     e = tl.load(first + b * K + k, mask=ok, other=0) + c
