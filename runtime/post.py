@@ -83,6 +83,12 @@ def check_rank(index: ServedIndex, rank: str) -> None:
                           "`value` column")
 
 
+def check_top_k(top_k: int | None) -> None:
+    """top_k is None (every eligible ad) or a positive number of ads per request (ConfigError)."""
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"top_k {top_k}: expected a positive number of ads per request")
+
+
 def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: int | None = None,
            stages: bool = False, rank: str = "score") -> Retrieved:
     """The eligible ads under the searched SIDs, ranked per request by `rank` (RANKS); `top_k`
@@ -366,8 +372,7 @@ class DevicePost:
         if self.arrays is None:
             raise ConfigError(f"snapshot {index.id} is served on {index.device}, whose post stage runs on the host; "
                               "the device post stage needs an index loaded onto a GPU (or pass its arrays)")
-        if top_k is not None and top_k < 1:
-            raise ConfigError(f"top_k {top_k}: expected a positive number of ads per request")
+        check_top_k(top_k)
         self.index, self.batch, self.beams, self.rank, self.stages = index, batch, beams, rank, stages
         self.max_values = max_values
         self.bounds = _bounds(index)

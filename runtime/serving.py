@@ -36,9 +36,8 @@ import torch
 
 from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask.planes import stack_queries
-from runtime.post import DevicePost, Retrieved, check_rank, expand
+from runtime.post import DevicePost, Retrieved, check_rank, check_top_k, expand
 from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search
-from sidindex.errors import ConfigError
 from sidindex.matchers.exact import ExactQueries
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests
@@ -98,8 +97,7 @@ class Searcher:
         copied to the host once. requests: on the index's device (`runtime.to_device`); host: the
         batch's host encoding, which the host post stage reads (the CPU, or an eager search)."""
         check_rank(index, rank)
-        if top_k is not None and top_k < 1:
-            raise ConfigError(f"top_k {top_k}: expected a positive number of ads per request")
+        check_top_k(top_k)
         if self._why_eager(index, scorer) is not None or index.post is None:
             beams = self._search(index, requests, scorer)
             return expand(index, requests if host is None else host, beams, top_k, stages, rank)
