@@ -13,9 +13,9 @@ every swap), median of --repeats, with the old index serving throughout:
   verify        every file's fast digest (xxh3_128 by 16 MiB chunks, all files' chunks on one pool)
                 reference: every file's sha256, one thread per file (the largest file bounds it)
   structure     map every Arrow file and validate the structure (`check_structure`)
-  stage         host pass over the offsets, pinned allocation, copy of the maps (STAGE_THREADS threads)
+  stage         pinned allocation (once: the arena is kept), copy of the maps (STAGE_THREADS threads)
                 reference: the copy on one thread
-  transfer      host to device, the entry keys built there
+  transfer      host to device, then the entry keys, launch shapes and post bounds made there
   first search  one batch (--batch requests, random logits) through `runtime.Searcher` on the new index
   total         the sum of the phases
 With several GPUs, the load onto all of them at once (read, verified and staged once) is timed too.
@@ -97,7 +97,7 @@ def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer,
     finally:
         loader.STAGE_THREADS = THREADS
     p = index.load_info["phases"]
-    out |= {"stage": p.get("shape", 0.0) + p.get("pin", 0.0) + p["stage"], "transfer": p["transfer"]}
+    out |= {"stage": p.get("pin", 0.0) + p["stage"], "transfer": p["transfer"]}
     t = time.perf_counter()
     searcher.search(index, requests, scorer)
     sync(device)

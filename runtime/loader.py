@@ -44,6 +44,51 @@ _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 @dataclass(frozen=True)
+class PostBounds:
+    """What the device post stage (`runtime.post.DevicePost`) needs of an index beyond its arrays,
+    made from the post arrays where they are (`post_bounds`; the loader does it once per load).
+
+    leaf_counts: (A + 1,) int64 on the host, how many leaves hold a ads (the most ads k distinct
+        leaves hold together, `most_pairs`, bounds a request's (request, ad) pairs: its beams are
+        distinct SIDs)
+    steps: per `values` plane (by name), per attribute, the binary-search steps over an ad's hashes
+        (the bit length of the most hashes an ad has)
+    ad_order: (N,) int64 on the arrays' device, each catalog row's place in ascending ad_id order
+        (ties broken by ad_id become part of one int64 sort key)
+    """
+
+    leaf_counts: np.ndarray
+    steps: dict[str, tuple[int, ...]]
+    ad_order: torch.Tensor
+
+    def most_pairs(self, beams: int) -> int:
+        return largest_sum(self.leaf_counts, beams)
+
+
+# the post arrays `PostBounds` is made from (with every values plane's hash offsets)
+_BOUND_ARRAYS = ("leaf_ad_offsets", "ads")
+
+
+def post_bounds(arrays: dict[str, torch.Tensor], snap: Snapshot) -> PostBounds:
+    """The `PostBounds` of post arrays (by contract name, on any device) of snapshot `snap`: a
+    histogram, a few maxima and a sort on their device, a few numbers copied to the host."""
+    counts = torch.bincount(arrays["leaf_ad_offsets"].diff()).cpu().numpy()  # no sort of S leaves
+    ads, steps = arrays["ads"], {}
+    for p in snap.exact.planes:
+        if p.rows is None:  # a values plane: hash offsets (A*(N+1),), per attribute the ads' runs
+            runs = arrays[f"exact_{p.name}_hash_offsets"].view(len(p.hash_offsets), len(ads) + 1).diff(dim=1)
+            most = runs.amax(dim=1).tolist() if runs.numel() else [0] * len(runs)
+            steps[p.name] = tuple(int(m).bit_length() for m in most)
+    order = torch.empty_like(ads)
+    order[torch.argsort(ads)] = torch.arange(len(ads), device=ads.device)
+    return PostBounds(counts, steps, order)
+
+
+def _bound_names(snap: Snapshot) -> set[str]:
+    return set(_BOUND_ARRAYS) | {f"exact_{p.name}_hash_offsets" for p in snap.exact.planes if p.rows is None}
+
+
+@dataclass(frozen=True)
 class ServedIndex:
     """A snapshot as served on one device.
 
@@ -63,6 +108,8 @@ class ServedIndex:
     post: on a GPU, the arrays the post stage reads (`POST_ARRAYS` present in the snapshot, by
          their contract names) as device tensors; None on the CPU, whose post stage reads the
          memory maps.
+    post_bounds: on a GPU, what the device post stage's shapes and keys need (`PostBounds`), made
+         with `post`; None on the CPU.
     load_info: bytes moved, and seconds in total and per phase.
     generation: an identity that an index loaded with a `base` keeps only when it shares every
          device tensor with it (an update of ad states): CUDA graphs captured on one replay on the other.
@@ -79,6 +126,7 @@ class ServedIndex:
     fan_out_counts: tuple[np.ndarray, ...] = ()
     tables: TableStack | None = None
     post: dict[str, torch.Tensor] | None = None
+    post_bounds: PostBounds | None = None
     load_info: dict = field(default_factory=dict)
     generation: object = field(default_factory=object)  # shared exactly by indexes sharing every device tensor
 
@@ -222,12 +270,13 @@ def load_index(snap: Snapshot, device: str | torch.device | Sequence[str | torch
     `open_snapshot(..., base=)` maps it) keeps its device tensor and is not moved again (the
     matcher planes, stacked on a GPU, move together). When none changed (an update of ad states
     only), the result shares every tensor, and its `generation`.
-    Several devices share one pass over the host: the shape pass, and one pinned copy of every
-    array any GPU needs, which is then copied to every GPU at once.
-    `load_info` of each result: bytes moved to its device, and seconds in total and per phase (shape:
-    a host pass over the offsets; pin: allocating pinned memory; stage: copying the memory maps into
-    it, in parallel; transfer: host to every device, and the entry keys built there); with several
-    devices the phases are the shared pass's, and `devices` says how many took part.
+    Several devices share one pinned copy of every array any GPU needs, which is then copied to
+    every GPU at once.
+    `load_info` of each result: bytes moved to its device, and seconds in total and per phase (pin:
+    allocating pinned memory; stage: copying the memory maps into it, in parallel; transfer: host
+    to every device, then on each device the entry keys, the launch shapes (fan-outs per depth) and
+    the post stage's bounds); with several devices the phases are the shared pass's, and `devices`
+    says how many took part.
     """
     several, devices, bases = _targets(device, base)
     out = _load(snap, devices, bases)
@@ -260,13 +309,6 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
         kept.append(k)
         post_kept.append(_post_kept(snap, device, base))
     whole = [base is not None and k == set(served) for base, k in zip(bases, kept)]  # shares every tensor
-    if not all(whole):
-        fan_out = np.diff(g.node_offsets)
-        per_depth = [fan_out[g.depth_offsets[d]:g.depth_offsets[d + 1]] for d in range(g.sid_length)]
-        shape = (tuple(int(f.max()) for f in per_depth), tuple(int(-(-f.sum() // len(f))) for f in per_depth),
-                 int(np.diff(g.part_offsets).max()) if g.part_offsets is not None and len(g.part_offsets) > 1 else 0,
-                 int(g.depth_offsets[g.sid_length]), tuple(np.bincount(f) for f in per_depth))
-        clock.lap("shape")
     gpu = [i for i, d in enumerate(devices) if d.type == "cuda"]
     moving = {n for i in gpu for n in (set(served) - kept[i]) | (set(_post_names(snap)) - post_kept[i].keys())}
     with _ARENA.lock if gpu else contextlib.nullcontext():  # the arena is this load's until its copies are done
@@ -279,9 +321,12 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
             post = None if device.type != "cuda" else {n: pk[n] if n in pk else source[n].to(device, non_blocking=True)
                                                        for n in _post_names(snap)}
             moved_bytes = sum(int(every[n].nbytes) for n in _post_names(snap) if n not in pk) if post is not None else 0
+            # a base's post bounds hold while the arrays they come from are its own (else made below)
+            bounds = base.post_bounds if post is not None and base is not None and _bound_names(snap) <= pk.keys() \
+                else None
             if shares:
                 gtm = GTMIndex.from_arrays(g.level_sizes, base.gtm.arrays() | host, MATCHER_PLANES)
-                out.append(dataclasses.replace(base, snapshot=snap, gtm=gtm, post=post,
+                out.append(dataclasses.replace(base, snapshot=snap, gtm=gtm, post=post, post_bounds=bounds,
                                                load_info={"bytes": moved_bytes, "shared_with": base.id}))
                 continue
             tables = base.tables if planes <= k and base is not None else None
@@ -308,9 +353,13 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
             if k:
                 info["shared_with"] = base.id
             gtm = GTMIndex.from_arrays(g.level_sizes, moved | host, MATCHER_PLANES)
-            max_children, mean_children, max_parts, leaf_start, fan_out_counts = shape
-            out.append(ServedIndex(snap, device, gtm, entry_keys, max_children, mean_children, max_parts, leaf_start,
-                                   fan_out_counts, tables, post, info))
+            out.append(ServedIndex(snap, device, gtm, entry_keys, (), (), 0, int(g.depth_offsets[g.sid_length]),
+                                   (), tables, post, bounds, info))  # the shapes below
+        for i, (index, shares) in enumerate(zip(out, whole)):  # every device's copies issued: each waits on its own
+            shape = {} if shares else _shapes(index.gtm)
+            if index.post is not None and index.post_bounds is None:
+                shape["post_bounds"] = post_bounds(index.post, snap)
+            out[i] = dataclasses.replace(index, **shape)
         for i in gpu:
             torch.cuda.synchronize(devices[i])
         del staged  # views of the arena, whose copies every device now has
@@ -320,6 +369,20 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
         index.load_info.update({"seconds": sum(phases.values()), "phases": phases}
                                | ({"devices": len(devices)} if len(devices) > 1 else {}))
     return out
+
+
+def _shapes(gtm: GTMIndex) -> dict:
+    """The launch shapes and search bounds of a served trie (`ServedIndex` fields), from its device
+    arrays where they are: fan-outs per depth reduced there, a few numbers to the host."""
+    fan_out, do = gtm.node_offsets.diff(), gtm.depth_offsets
+    per_depth = [fan_out[int(do[d]):int(do[d + 1])] for d in range(gtm.sid_length)]
+    most = torch.stack([f.max() for f in per_depth]).tolist()
+    total = torch.stack([f.sum() for f in per_depth]).tolist()
+    parts = gtm.part_offsets
+    return {"max_children": tuple(int(m) for m in most),
+            "mean_children": tuple(int(-(-t // max(len(f), 1))) for t, f in zip(total, per_depth)),
+            "max_parts": int(parts.diff().max()) if parts is not None and len(parts) > 1 else 0,
+            "fan_out_counts": tuple(torch.bincount(f, minlength=m + 1).cpu().numpy() for f, m in zip(per_depth, most))}
 
 
 def _post_names(snap: Snapshot) -> list[str]:

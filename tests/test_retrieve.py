@@ -56,7 +56,7 @@ def test_load_copies_the_index(root):
     np.testing.assert_array_equal(index.entry_keys.numpy(), parent * g.vocab_size + g.csr_tokens)
     assert np.all(np.diff(index.entry_keys.numpy()) > 0)
     assert index.load_info["bytes"] > 0
-    assert set(index.load_info["phases"]) == {"shape", "stage", "transfer"}
+    assert set(index.load_info["phases"]) == {"stage", "transfer"}
     assert index.codebook is not None and index.codebook.level_sizes == index.level_sizes
 
 

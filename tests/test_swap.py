@@ -210,13 +210,29 @@ def _same(a: runtime.ServedIndex, b: runtime.ServedIndex) -> None:
     assert all(np.array_equal(x, y) for x, y in zip(a.fan_out_counts, b.fan_out_counts))
 
 
+def test_the_launch_shapes_are_the_tries_fan_outs(root):
+    index = runtime.load(root, "cpu")
+    g = index.snapshot.gtm
+    fan_out = np.diff(g.node_offsets)
+    per_depth = [fan_out[g.depth_offsets[d]:g.depth_offsets[d + 1]] for d in range(g.sid_length)]
+    assert index.max_children == tuple(int(f.max()) for f in per_depth)
+    assert index.mean_children == tuple(int(np.ceil(f.mean())) for f in per_depth)
+    assert index.max_parts == int(np.diff(g.part_offsets).max())
+    assert index.leaf_start == g.depth_offsets[g.sid_length]
+    for f, counts in zip(per_depth, index.fan_out_counts):
+        assert counts.tolist() == np.bincount(f).tolist()
+    d = 1  # the K widest nodes' children together, by sorting
+    for k in (1, 2, 5, len(per_depth[d]), len(per_depth[d]) + 3):
+        assert index.most_children(d, k) == int(np.sort(per_depth[d])[::-1][:k].sum())
+
+
 def test_several_devices_get_the_arrays_a_single_load_gives(root):
     single = runtime.load(root, "cpu")
     both = runtime.load(root, ["cpu", "cpu"])
     assert isinstance(both, list) and len(both) == 2 and both[0].snapshot is both[1].snapshot  # opened once
     for index in both:
         _same(index, single)
-        assert index.load_info["devices"] == 2 and set(index.load_info["phases"]) == {"shape", "stage", "transfer"}
+        assert index.load_info["devices"] == 2 and set(index.load_info["phases"]) == {"stage", "transfer"}
     from_open = runtime.load_index(open_snapshot(root), ["cpu"])
     assert isinstance(from_open, list) and len(from_open) == 1
     _same(from_open[0], single)
