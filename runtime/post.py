@@ -26,14 +26,13 @@ values a request has for one attribute.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import numba
 import numpy as np
 import torch
 
-from runtime.loader import POST_ARRAYS, ServedIndex, largest_sum
+from runtime.loader import POST_ARRAYS, ServedIndex, post_bounds
 from runtime.ops.exact_filter import exact_filter
 from runtime.requests import to_device
 from runtime.search import Beams
@@ -130,18 +129,18 @@ def _expand_host(index: ServedIndex, requests: EncodedRequests, beams: Beams, to
         ok = eligible_pairs(snap.exact, requests, req, ad)
     # 5. rank per request (RANKS), then ad_id, and keep the top_k
     value = np.zeros(0) if g.ad_value is None else g.ad_value
-    rows, place, eligible, sid = _rank_rows(req, ad, beam, sc, ok, snap.ad_id, value, tokens, RANKS.index(rank),
-                                            -1 if top_k is None else top_k)
+    rows, place, eligible, sid, ad_id = _rank_rows(req, ad, beam, sc, ok, snap.ad_id, value, tokens,
+                                                   RANKS.index(rank), -1 if top_k is None else top_k)
     req, ad = req[rows], ad[rows]
-    return Retrieved(req, place, ad, np.asarray(snap.ad_id[ad], dtype=np.int64), sid, sc[rows], sids, generated,
+    return Retrieved(req, place, ad, ad_id, sid, sc[rows], sids, generated,
                      eligible, **per_stage, value=None if g.ad_value is None else np.asarray(value[ad], np.float64))
 
 
-@numba.njit(cache=True)
+@numba.njit(parallel=True, cache=True)
 def _best_pairs(leaf, score, leaf_ad_offsets, leaf_ads, ad_state):
     """One row per (request, live ad) under the request's live beams, grouped by request: the
-    ad's best score and its beam (the first beam of that score). A hash table per request (open
-    addressing, sized for the most pairs one request reaches) finds an ad's row.
+    ad's best score and its beam (the first beam of that score). Requests in parallel, each with
+    a hash table (open addressing, at most half full) that finds an ad's row.
 
     leaf: (B, K) int64 (-1: not a catalog SID); score: (B, K) float32 (-inf: dead);
     leaf_ad_offsets: (S+1,) int64; leaf_ads: (P,) catalog rows; ad_state: (N,) uint8, or (0,)
@@ -150,29 +149,24 @@ def _best_pairs(leaf, score, leaf_ad_offsets, leaf_ads, ad_state):
     """
     B, K = leaf.shape
     sids = np.zeros(B, dtype=np.int64)
-    total, most = 0, 0
-    for r in range(B):
-        n = 0
+    reach = np.zeros(B + 1, dtype=np.int64)  # 1. the rows each request can reach: where its rows go
+    for r in numba.prange(B):
         for k in range(K):
             if leaf[r, k] >= 0 and score[r, k] > -np.inf:
                 sids[r] += 1
-                n += leaf_ad_offsets[leaf[r, k] + 1] - leaf_ad_offsets[leaf[r, k]]
-        total += n
-        most = max(most, n)
-    size = 1
-    while size < 2 * most:  # at most half full: short probes
-        size *= 2
-    mask = np.uint64(size - 1)
-    stamp = np.full(size, -1, dtype=np.int64)  # the request that last filled a slot: no clearing between requests
-    slot_row = np.empty(size, dtype=np.int64)
-    req = np.empty(total, dtype=np.int64)
-    ad = np.empty(total, dtype=np.int64)
-    beam = np.empty(total, dtype=np.int64)
-    best = np.empty(total, dtype=np.float32)
-    n = 0
+                reach[r + 1] += leaf_ad_offsets[leaf[r, k] + 1] - leaf_ad_offsets[leaf[r, k]]
+    reach = np.cumsum(reach)
+    ad = np.empty(reach[B], dtype=np.int64)
+    beam = np.empty(reach[B], dtype=np.int64)
+    best = np.empty(reach[B], dtype=np.float32)
     generated = np.zeros(B, dtype=np.int64)
-    for r in range(B):
-        first = n
+    for r in numba.prange(B):  # 2. per request: its ads, each once, with the best score
+        size = 1
+        while size < 2 * (reach[r + 1] - reach[r]):
+            size *= 2
+        mask = np.uint64(size - 1)
+        slot_row = np.full(size, -1, dtype=np.int64)
+        n = reach[r]
         for k in range(K):
             lf, s = leaf[r, k], score[r, k]
             if lf < 0 or not s > -np.inf:
@@ -182,16 +176,26 @@ def _best_pairs(leaf, score, leaf_ad_offsets, leaf_ads, ad_state):
                 if len(ad_state) and ad_state[a] != AD_LIVE:
                     continue
                 h = (np.uint64(a) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32) & mask  # Fibonacci hashing
-                while stamp[h] == r and ad[slot_row[h]] != a:
+                while slot_row[h] >= 0 and ad[slot_row[h]] != a:
                     h = (h + np.uint64(1)) & mask
-                if stamp[h] != r:
-                    stamp[h], slot_row[h] = r, n
-                    req[n], ad[n], beam[n], best[n] = r, a, k, s
+                if slot_row[h] < 0:
+                    slot_row[h] = n
+                    ad[n], beam[n], best[n] = a, k, s
                     n += 1
                 elif s > best[slot_row[h]]:
                     best[slot_row[h]], beam[slot_row[h]] = s, k
-        generated[r] = n - first
-    return req[:n], ad[:n], beam[:n], best[:n], sids, generated
+        generated[r] = n - reach[r]
+    start = np.zeros(B + 1, dtype=np.int64)  # 3. the rows packed, request after request
+    start[1:] = np.cumsum(generated)
+    out_req = np.empty(start[B], dtype=np.int64)
+    out_ad = np.empty(start[B], dtype=np.int64)
+    out_beam = np.empty(start[B], dtype=np.int64)
+    out_best = np.empty(start[B], dtype=np.float32)
+    for r in numba.prange(B):
+        for i in range(generated[r]):
+            src, dst = reach[r] + i, start[r] + i
+            out_req[dst], out_ad[dst], out_beam[dst], out_best[dst] = r, ad[src], beam[src], best[src]
+    return out_req, out_ad, out_beam, out_best, sids, generated
 
 
 @numba.njit(cache=True)
@@ -204,14 +208,15 @@ def _before(i, j, first, second, ad_id):
     return ad_id[i] < ad_id[j]
 
 
-@numba.njit(cache=True)
+@numba.njit(parallel=True, cache=True)
 def _segment_order(starts, first, second, ad_id):
     """(n,) int64 the rows in ranked order: within each segment [starts[r], starts[r+1]) by first
     descending, second descending, then ad_id (a total order: ad_ids are distinct per request).
-    Insertion sort of runs of 16, then bottom-up merges. first, second: (n,) float64; ad_id: (n,) int64."""
+    Segments in parallel, each an insertion sort of runs of 16, then bottom-up merges. first,
+    second: (n,) float64; ad_id: (n,) int64."""
     order = np.arange(len(ad_id))
     tmp = np.empty_like(order)
-    for r in range(len(starts) - 1):
+    for r in numba.prange(len(starts) - 1):
         lo, hi = starts[r], starts[r + 1]
         for run in range(lo, hi, 16):
             for i in range(run + 1, min(run + 16, hi)):
@@ -241,15 +246,16 @@ def _segment_order(starts, first, second, ad_id):
     return order
 
 
-@numba.njit(cache=True)
+@numba.njit(parallel=True, cache=True)
 def _rank_rows(req, ad, beam, score, ok, ad_ids, values, tokens, rank, top_k):
     """The ok rows ranked within each request by RANKS[rank], then ad_id; the first top_k (-1: all).
+    The gathers from the catalog's arrays (random reads of large maps) run in parallel.
 
     req: (n,) int64 grouped by request; ad, beam: (n,) int64 catalog rows and beams; score: (n,)
     float32; ok: (n,) bool; ad_ids: (N,) int64; values: (N,) float64 (or (0,) when ranked by
     score); tokens: (B, K, L) int64 the beams' SIDs. Returns rows (m,) int64 indices of the kept
     rows in output order, their places (m,) int64 (1-based), eligible (B,) int64 the ok rows per
-    request, and sid (m, L) int64 each kept row's SID.
+    request, sid (m, L) int64 each kept row's SID and their ad_ids (m,) int64.
     """
     B = tokens.shape[0]
     eligible = np.zeros(B, dtype=np.int64)
@@ -266,7 +272,7 @@ def _rank_rows(req, ad, beam, score, ok, ad_ids, values, tokens, rank, top_k):
     ad_id = np.empty(m, dtype=np.int64)
     sc = np.empty(m, dtype=np.float64)
     val = np.zeros(m, dtype=np.float64)
-    for j in range(m):
+    for j in numba.prange(m):
         ad_id[j], sc[j] = ad_ids[ad[keep[j]]], score[keep[j]]
         if rank != 0:
             val[j] = values[ad[keep[j]]]
@@ -284,17 +290,18 @@ def _rank_rows(req, ad, beam, score, ok, ad_ids, values, tokens, rank, top_k):
         order = _segment_order(starts, fused, none, ad_id)
     rows = np.empty(m, dtype=np.int64)
     place = np.empty(m, dtype=np.int64)
+    kept_id = np.empty(m, dtype=np.int64)
     n = 0
     for r in range(B):
         for p in range(starts[r], starts[r + 1]):
             if top_k >= 0 and p - starts[r] >= top_k:
                 break
-            rows[n], place[n] = keep[order[p]], p - starts[r] + 1
+            rows[n], place[n], kept_id[n] = keep[order[p]], p - starts[r] + 1, ad_id[order[p]]
             n += 1
     sid = np.empty((n, tokens.shape[2]), dtype=np.int64)
-    for i in range(n):
+    for i in numba.prange(n):
         sid[i] = tokens[req[rows[i]], beam[rows[i]]]
-    return rows[:n], place[:n], eligible, sid
+    return rows[:n], place[:n], eligible, sid, kept_id[:n]
 
 
 # --- the device path ------------------------------------------------------------------------------
@@ -312,50 +319,18 @@ def post_tensors(index: ServedIndex, device: str | torch.device = "cpu") -> dict
     return out
 
 
-@dataclass(frozen=True)
-class _Bounds:
-    """What the device path's shapes need of an index, from its host arrays, once per index.
-
-    counts: (A + 1,) int64 counts[a] = how many leaves hold a ads (the most ads k distinct leaves
-            hold together, `most_pairs`, bounds a request's (request, ad) pairs: its beams are distinct SIDs)
-    steps: per `values` plane (by name), per attribute, the binary-search steps over an ad's
-           hashes (the bit length of the most hashes an ad has)
-    """
-
-    counts: np.ndarray
-    steps: dict[str, tuple[int, ...]]
-
-    def most_pairs(self, beams: int) -> int:
-        return largest_sum(self.counts, beams)
-
-
-_BOUNDS: dict[int, _Bounds] = {}
-
-
-def _bounds(index: ServedIndex) -> _Bounds:
-    """The index's `_Bounds`, computed on first use and dropped with the index."""
-    key = id(index)
-    if key not in _BOUNDS:
-        snap = index.snapshot
-        counts = np.bincount(np.diff(snap.gtm.leaf_ad_offsets))  # leaves per ad count: no sort of S leaves
-        steps = {p.name: tuple(int(np.diff(off).max(initial=0)).bit_length() for off in p.hash_offsets)
-                 for p in snap.exact.planes if p.rows is None}
-        _BOUNDS[key] = _Bounds(counts, steps)
-        weakref.finalize(index, _BOUNDS.pop, key, None)
-    return _BOUNDS[key]
-
-
 class DevicePost:
     """The post stage on the device (torch ops, the exact filter's kernels), for a batch of `batch`
     requests x `beams` beams.
 
     Every shape is fixed here, from host-known bounds: C = the most (request, ad) pairs `beams`
-    distinct leaves hold (`_Bounds`), T = min(top_k, C) result rows per request, M = `max_values`
-    request values per attribute (the bound `sidindex.ingest.read_requests` enforces), one query per
-    group of a plane whose requests have one each (`PlaneQueries.single`), else M. `run` makes no
-    host synchronisation (no `.item()`, no boolean-mask indexing, no data-dependent branch: padded
-    slots carry a sentinel and sort last), so it can be captured in a CUDA graph after the search;
-    `result` copies its one buffer to the host once.
+    distinct leaves hold (`loader.PostBounds`), T = min(top_k, C) result rows per request, M =
+    `max_values` request values per attribute (the bound `sidindex.ingest.read_requests` enforces),
+    one query per group of a plane whose requests have one each (`PlaneQueries.single`), else M.
+    `run` makes no host synchronisation (no `.item()`, no boolean-mask indexing, no data-dependent
+    branch: padded slots carry a sentinel and sort last), so it can be captured in a CUDA graph
+    after the search; `result` copies the buffer's counts, then only the result rows in use, to
+    the host (pinned memory kept between calls).
 
         post = DevicePost(index, 16, 1024, top_k=100)
         buffer = post.run(requests_on_device, beams)   # capturable
@@ -375,18 +350,18 @@ class DevicePost:
         check_top_k(top_k)
         self.index, self.batch, self.beams, self.rank, self.stages = index, batch, beams, rank, stages
         self.max_values = max_values
-        self.bounds = _bounds(index)
+        self.bounds = index.post_bounds if arrays is None else post_bounds(arrays, index.snapshot)
         self.pairs = self.bounds.most_pairs(beams)  # C
         self.kept = self.pairs if top_k is None else min(top_k, self.pairs)  # T
         self.has_value = "ad_value" in self.arrays
         self.length = index.sid_length
-        B, T, L = batch, self.kept, self.length
-        # the layout of `run`'s buffer (int64): counts, then per-stage counts, then the (B, T) rows
-        parts = [("sids", B), ("generated", B), ("eligible", B)]
-        parts += [(f"stage_{p}", B) for p in MATCHER_PLANES] if stages else []
-        parts += [("ad_row", B * T), ("ad_id", B * T), ("sid", B * T * L), ("score", B * T)]
-        parts += [("value", B * T)] if self.has_value else []
-        self.layout = parts
+        # the layout of `run`'s buffer (int64): per request counts, then B*T result rows of F words,
+        # those in use first (request by request, ranked)
+        self.counts = ["sids", "generated", "eligible"] + ([f"stage_{p}" for p in MATCHER_PLANES] if stages else [])
+        self.fields = [("ad_row", 1), ("ad_id", 1), ("sid", self.length), ("score", 1)]
+        self.fields += [("value", 1)] if self.has_value else []
+        self.row_words = sum(w for _, w in self.fields)  # F
+        self._host: torch.Tensor | None = None  # pinned, for `result`'s copies
 
     def check(self, requests: EncodedRequests) -> None:
         """Refuse a batch with more values per attribute than the stage was sized for (ConfigError),
@@ -423,8 +398,9 @@ class DevicePost:
         if "ad_state" in a:  # rows an update paused or deleted are never served
             valid &= a["ad_state"][ad] == AD_LIVE
         score = beams.score.gather(1, beam)                                             # (B, C) float32
-        # 3. one slot per (request, ad): grouped by ad, best score first (stable: the first beam on ties)
-        perm = _lex_order([_descending(score), torch.where(valid, ad, n_ads)])
+        # 3. one slot per (request, ad), best score first (stable: the first beam on ties): one sort
+        #    of ad x 2^32 + the score's 32-bit key (catalog rows < 2^31: it fits in int64)
+        perm = torch.sort(torch.where(valid, ad, n_ads) * 2 ** 32 + _score_key(score), dim=1, stable=True).indices
         ad, beam, score, valid = (t.gather(1, perm) for t in (ad, beam, score, valid))
         first = valid.clone()
         first[:, 1:] &= ad[:, 1:] != ad[:, :-1]
@@ -433,25 +409,30 @@ class DevicePost:
         ok = first
         for p in passed:
             ok = ok & p
-        # 5. rank: ineligible slots last (the sentinel of the most significant key), then RANKS, then ad_id
-        ad_id = a["ads"][ad]
+        # 5. rank: ineligible slots last, then RANKS, then ad_id (as the ad's place in ad_id order)
+        order = self.bounds.ad_order[ad]
         value = a["ad_value"][ad] if self.has_value else None
-        by_score = [ad_id, _descending(score)]
         if self.rank == "score":
-            keys = by_score
+            top = _sorted(_score_order(score, order, ok))
         else:
-            by_value = by_score + [_descending(value)]
-            keys = by_value
-        if self.rank == "fused":  # ranks among the request's eligible ads, which sort first
-            rs, rv = (_ranks(_lex_order(_eligible_first(k, ok))) for k in (by_score, by_value))
-            keys = [ad_id, _descending(1 / (RRF_K + rs).double() + 1 / (RRF_K + rv).double())]
-        top = _lex_order(_eligible_first(keys, ok))[:, :T]
+            by_value = _lex_order(_eligible_first([_score_order(score, order), _descending(value)], ok))
+            top = by_value
+            if self.rank == "fused":  # ranks among the request's eligible ads, which sort first
+                rs, rv = _ranks(_sorted(_score_order(score, order, ok))), _ranks(by_value)
+                top = _lex_order(_eligible_first([order, _descending(1 / (RRF_K + rs).double()
+                                                                     + 1 / (RRF_K + rv).double())], ok))
+        top = top[:, :T]
         beam, ad = beam.gather(1, top), ad.gather(1, top)
         counts = [alive.sum(1), first.sum(1), ok.sum(1)] + ([p.sum(1) for p in passed] if self.stages else [])
-        rows = [ad, ad_id.gather(1, top), beams.tokens.gather(1, beam[..., None].expand(B, T, self.length)),
-                score.gather(1, top).view(torch.int32).long()]
-        rows += [value.gather(1, top).view(torch.int64)] if self.has_value else []
-        return torch.cat([t.reshape(-1) for t in counts + rows])
+        rows = [ad[..., None], a["ads"][ad][..., None], beams.tokens.gather(1, beam[..., None].expand(B, T, self.length)),
+                score.gather(1, top).view(torch.int32).long()[..., None]]
+        rows += [value.gather(1, top).view(torch.int64)[..., None]] if self.has_value else []
+        # 6. the rows in use first, in (request, rank) order: the host copies one prefix
+        used = (torch.arange(T, device=dev) < counts[2][:, None]).reshape(-1)                    # (B*T,)
+        dest = torch.where(used, used.cumsum(0) - 1, used.sum() + (~used).cumsum(0) - 1)
+        rows = torch.cat(rows, dim=2).reshape(B * T, -1)
+        packed = torch.empty_like(rows).index_copy_(0, dest, rows)                               # (B*T, F)
+        return torch.cat([torch.stack(counts).reshape(-1), packed.reshape(-1)])
 
     def _planes(self, requests: EncodedRequests, ad: torch.Tensor) -> list[torch.Tensor]:
         """Per matcher plane (B, C) bool: ad `ad` (B, C) int64 passes the plane's attributes for its
@@ -459,23 +440,53 @@ class DevicePost:
         on CPU tensors; `sidindex.matchers.exact`'s tests)."""
         return exact_filter(self.arrays, requests, ad, self.bounds.steps, self.max_values)
 
+    def _fetch(self, buffer: torch.Tensor, lo: int, hi: int) -> np.ndarray:
+        """buffer[lo:hi] on the host: from a GPU through pinned memory (overwritten by the next call)."""
+        if not buffer.is_cuda:
+            return buffer[lo:hi].numpy()
+        if self._host is None or len(self._host) < len(buffer):
+            self._host = torch.empty(len(buffer), dtype=torch.int64, pin_memory=True)
+        self._host[lo:hi].copy_(buffer[lo:hi], non_blocking=True)
+        torch.cuda.current_stream(buffer.device).synchronize()
+        return self._host[lo:hi].numpy()
+
     def result(self, buffer: torch.Tensor) -> Retrieved:
-        """The `Retrieved` of a `run`'s buffer: one device-to-host copy, then numpy."""
-        host = buffer.cpu().numpy()
-        B, T, L = self.batch, self.kept, self.length
+        """The `Retrieved` of a `run`'s buffer: its counts, then the rows in use, to the host."""
+        B, T = self.batch, self.kept
+        head = len(self.counts) * B
+        counts = dict(zip(self.counts, self._fetch(buffer, 0, head).reshape(-1, B).copy()))
+        n = np.minimum(counts["eligible"], T)  # rows per request
+        total = int(n.sum())
+        rows = self._fetch(buffer, head, head + total * self.row_words).reshape(total, self.row_words)
         parts, at = {}, 0
-        for name, size in self.layout:
-            parts[name] = host[at:at + size]
-            at += size
-        eligible = parts["eligible"]
-        keep = (np.arange(T) < eligible[:, None]).reshape(-1)  # (B*T,) the ranked eligible rows
-        req = np.repeat(np.arange(B, dtype=np.int64), T)[keep]
-        rank = np.tile(np.arange(1, T + 1, dtype=np.int64), B)[keep]
-        score = parts["score"].astype(np.int32).view(np.float32)[keep]
-        value = parts["value"].view(np.float64)[keep] if self.has_value else None
-        per_stage = {"ads_per_stage": {p: parts[f"stage_{p}"] for p in MATCHER_PLANES}} if self.stages else {}
-        return Retrieved(req, rank, parts["ad_row"][keep], parts["ad_id"][keep], parts["sid"].reshape(B * T, L)[keep],
-                         score, parts["sids"], parts["generated"], eligible, **per_stage, value=value)
+        for name, width in self.fields:  # copies: the pinned buffer serves the next call
+            parts[name] = rows[:, at].copy() if width == 1 else rows[:, at:at + width].copy()
+            at += width
+        req = np.repeat(np.arange(B, dtype=np.int64), n)
+        rank = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + 1
+        per_stage = {"ads_per_stage": {p: counts[f"stage_{p}"] for p in MATCHER_PLANES}} if self.stages else {}
+        return Retrieved(req, rank, parts["ad_row"], parts["ad_id"], parts["sid"],
+                         parts["score"].astype(np.int32).view(np.float32), counts["sids"], counts["generated"],
+                         counts["eligible"], **per_stage,
+                         value=parts["value"].view(np.float64) if self.has_value else None)
+
+
+def _score_key(x: torch.Tensor) -> torch.Tensor:
+    """(B, C) int64 in [0, 2^32): keys ordering float32 scores x descending as ascending ints."""
+    return _descending(x) + 2 ** 31
+
+
+def _score_order(score: torch.Tensor, order: torch.Tensor, ok: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, C) int64 keys ranking slots by score (B, C) float32 descending, then `order` (B, C) int64
+    in [0, 2^31), ascending, packed in one int64; the slots not `ok` (B, C) bool get the largest
+    score key (a live score's is below it) and sort last."""
+    key = _score_key(score) if ok is None else torch.where(ok, _score_key(score), 2 ** 32 - 1)
+    return key * 2 ** 31 + order
+
+
+def _sorted(key: torch.Tensor) -> torch.Tensor:
+    """(B, C) int64 per row the permutation sorting key (B, C) int64 ascending."""
+    return torch.sort(key, dim=1).indices
 
 
 def _descending(x: torch.Tensor) -> torch.Tensor:

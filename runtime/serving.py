@@ -65,7 +65,7 @@ class Searcher:
         self.eager_reason: str | None = None
         self._index: ServedIndex | None = None  # the graphs' index, held: they replay its tensors
         self._graphs: dict[int, _Graph] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # held from a replay until its outputs are read
 
     def _search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
         """The eager search this Searcher captures and replays."""
@@ -86,8 +86,9 @@ class Searcher:
         requests: on the index's device (`runtime.to_device`)."""
         if self._why_eager(index, scorer) is not None:
             return self._search(index, requests, scorer)
-        g = self._replay(index, requests, scorer, None)
-        return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+        with self._lock:  # the next replay overwrites the outputs
+            g = self._replay(index, requests, scorer, None)
+            return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
 
     def retrieve(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, *,
                  host: EncodedRequests | None = None, top_k: int | None = None, rank: str = "score",
@@ -101,8 +102,9 @@ class Searcher:
         if self._why_eager(index, scorer) is not None or index.post is None:
             beams = self._search(index, requests, scorer)
             return expand(index, requests if host is None else host, beams, top_k, stages, rank)
-        g = self._replay(index, requests, scorer, (top_k, rank, stages))
-        return g.post.result(g.buffer)
+        with self._lock:
+            g = self._replay(index, requests, scorer, (top_k, rank, stages))
+            return g.post.result(g.buffer)
 
     def _replay(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, post: tuple | None) -> _Graph:
         """The graph of this batch size (and post stage), captured if it is not yet, replayed with

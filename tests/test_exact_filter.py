@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.ops.exact_filter import exact_filter
-from runtime.post import _bounds, post_tensors
+from runtime.loader import post_bounds
+from runtime.post import post_tensors
 from runtime.requests import to_device
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.matchers.exact import ExactQueries, stage_flags
@@ -52,7 +53,8 @@ def test_kernel_and_reference_equal_the_host_filter(case_beams, C, seed, sliced)
     host, dev = case.req.slice(lo, B), to_device(case.req, "cpu").slice(lo, B)
     N = len(case.sc.ads)
     ad = torch.from_numpy(np.random.default_rng(seed).integers(0, N, (B - lo, C)))
-    got = both(post_tensors(case.index), dev, ad, _bounds(case.index).steps, max(q.max_queries for q in dev.planes))
+    arrays = post_tensors(case.index)
+    got = both(arrays, dev, ad, post_bounds(arrays, case.index.snapshot).steps, max(q.max_queries for q in dev.planes))
     reqs, ads = np.repeat(np.arange(B - lo), C), ad.numpy().reshape(-1)
     flags = stage_flags(case.snap.exact, host, reqs, ads)
     live = case.snap.exact.live(ads)  # stage_flags passes no stage of a paused or deleted row

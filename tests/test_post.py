@@ -44,7 +44,9 @@ def cases(draw):
     state = np.array(draw(st.lists(st.sampled_from([0, 0, 0, 1, 2]), min_size=len(sc.ads), max_size=len(sc.ads))),
                      dtype=np.uint8) if draw(st.booleans()) else None
     case = Case(sc, "cpu", ad_state=state)
-    ad_id = np.array(draw(st.permutations(range(len(sc.ads)))), dtype=np.int64) * 7 - 20  # not the row order
+    extremes = st.sampled_from([-2**63, -2**63 + 1, -1, 0, 2**63 - 2, 2**63 - 1])  # sort keys' edges
+    ad_id = np.array(draw(st.lists(st.one_of(extremes, st.integers(-2**63, 2**63 - 1)), min_size=len(sc.ads),
+                                   max_size=len(sc.ads), unique=True)), dtype=np.int64)  # not the row order
     snap = dataclasses.replace(case.snap, ad_id=ad_id)
     case.snap, case.index = snap, load_index(snap, "cpu")
     catalog = sorted(set(sc.sids))

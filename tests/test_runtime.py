@@ -147,10 +147,15 @@ class TableScorer:
         if nan_share:
             self.table[torch.rand(self.table.shape, generator=gen) < nan_share] = float("nan")
 
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
     def __call__(self, step: int, prefix: torch.Tensor, parent: torch.Tensor | None = None) -> torch.Tensor:
-        weights = torch.tensor([31, 7, 3][:prefix.shape[-1]], dtype=torch.int64, device=prefix.device)
-        key = (prefix * weights).sum(-1) + prefix.shape[-1]
-        return self.table[step % 4].to(prefix.device)[key % 257]
+        if prefix.device not in self._on:  # copied once per device, at the first (eager) call: a graph captures no copy
+            self._on[prefix.device] = (self.table.to(prefix.device),
+                                       torch.tensor([31, 7, 3], dtype=torch.int64, device=prefix.device))
+        table, weights = self._on[prefix.device]
+        key = (prefix * weights[:prefix.shape[-1]]).sum(-1) + prefix.shape[-1]
+        return table[step % 4][key % 257]
 
     def one(self, prefix: tuple[int, ...]) -> torch.Tensor:
         return torch.log_softmax(self(len(prefix), torch.tensor([[list(prefix)]], dtype=torch.int64))[0, 0], -1)

@@ -275,12 +275,12 @@ def _flags(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: 
     return flags
 
 
-@numba.njit(cache=True)
+@numba.njit(parallel=True, cache=True)
 def _values_pass(ad_off, ad_hashes, ads, req_off, req_hashes, reqs, ok):
     """ok[i] &= for every attribute, ad ads[i] is unrestricted or ANY value of request reqs[i] is
     among its hashes; pairs already not ok are skipped. Each request's values of an attribute go
     into a small hash set on first use (open addressing on the low bits: the values are uniform
-    64-bit hashes already), so each value of the ad costs one probe, not a search."""
+    64-bit hashes already), so each value of the ad costs one probe, not a search. Pairs in parallel."""
     A = ad_off.shape[0]
     row = np.full(req_off.shape[1] - 1, -1, dtype=np.int64)  # request r's sets: sets[row[r]]
     asked = np.empty(len(reqs), dtype=np.int64)  # the requests of `reqs` (only they get sets), in row order
@@ -311,12 +311,12 @@ def _values_pass(ad_off, ad_hashes, ads, req_off, req_hashes, reqs, ok):
     for a in range(A):  # attribute by attribute: the pairs failing one are skipped in the next
         # gather each ad's range and first value in passes of independent loads (the CPU overlaps
         # their cache misses), then test from cache
-        for i in range(len(ads)):
+        for i in numba.prange(len(ads)):
             lo[i], hi[i] = ad_off[a, ads[i]], ad_off[a, ads[i] + 1]
-        for i in range(len(ads)):
+        for i in numba.prange(len(ads)):
             if hi[i] > lo[i]:
                 first[i] = ad_hashes[lo[i]]
-        for i in range(len(ads)):
+        for i in numba.prange(len(ads)):
             if not ok[i] or hi[i] == lo[i]:
                 continue
             x, hit = row[reqs[i]], False

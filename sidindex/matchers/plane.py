@@ -114,9 +114,9 @@ def row_passes(table, r, q_rows, ranges, woff):
     return True
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _pairs_pass(table, rows, reqs, q_rows, ranges, woff, ok):
-    for i in range(len(rows)):
+    for i in numba.prange(len(rows)):  # pairs in parallel
         if ok[i]:
             ok[i] = row_passes(table, rows[i], q_rows, ranges[reqs[i]], woff)
 
