@@ -99,6 +99,7 @@ def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: i
     first); otherwise the host path runs (requests: the encoding on the host). Same result either way.
     """
     check_rank(index, rank)
+    check_top_k(top_k)  # both paths refuse what one would: the host's loop would keep nothing
     if beams.score.is_cuda and index.post is not None:
         if requests.stacked is None:
             requests = to_device(requests, beams.score.device)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import torch
 
 from runtime.loader import ServedIndex
-from runtime.post import Retrieved, check_rank, expand
+from runtime.post import Retrieved, check_rank, check_top_k, expand
 from runtime.requests import to_device
 from runtime.scorer import CodebookScorer, ScorerFactory, load_factory
 from runtime.search import DEFAULT_BEAMS, Scorer, check_value_weight, parse_beams
@@ -93,6 +93,7 @@ def retrieve(index: ServedIndex, requests: Requests, *, mode: Mode | str = Mode.
     beams = parse_beams(beams, index.sid_length)
     check_value_weight(index, mode, value_weight)
     check_rank(index, rank)
+    check_top_k(top_k)  # before any search runs
     host = encode_requests(requests, index.spec)
     dev = to_device(host, index.device)
     scorer = scorer or codebook_scorer(index, dev)

@@ -172,8 +172,12 @@ def test_the_device_path_needs_its_arrays():
     case = Case(sc, "cpu")
     with pytest.raises(ConfigError, match="needs an index loaded onto a GPU"):
         DevicePost(case.index, 1, 1)
-    with pytest.raises(ConfigError, match="positive number"):
-        DevicePost(case.index, 1, 1, top_k=0, arrays=post_tensors(case.index))
+    for bad in (0, -1):  # refused alike by both paths
+        with pytest.raises(ConfigError, match="positive number"):
+            DevicePost(case.index, 1, 1, top_k=bad, arrays=post_tensors(case.index))
+        beams = Beams(torch.zeros(1, 1, 3, dtype=torch.int64), torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.int64))
+        with pytest.raises(ConfigError, match="positive number"):
+            expand(case.index, case.req, beams, top_k=bad)
     with pytest.raises(ConfigError, match="carries no ad values"):
         DevicePost(case.index, 1, 1, rank="value", arrays=post_tensors(case.index))
 
