@@ -17,7 +17,8 @@ Two implementations of the one contract (`Retrieved`), and `expand` picks:
   device  `DevicePost`: torch ops and the exact filter's Triton kernels (`runtime.ops.exact_filter`)
           on the tensors of `ServedIndex.post`, every shape fixed by the batch,
           the beams and bounds of the index known on the host, no host synchronisation, so a CUDA
-          graph can capture it right after the search; one device-to-host copy brings the result.
+          graph can capture it right after the search; the result's counts, then its rows in use, come
+          back through pinned memory.
 
 Legend: B requests, K beams, L SID length, N catalog rows, C the most (request, ad) pairs K beams
 can reach, T the result rows kept per request (min(top_k, C)), A a plane's attributes, M the most
@@ -40,11 +41,14 @@ from schemas.artifacts import AD_LIVE, MATCHER_PLANES
 from sidindex.errors import ConfigError
 from sidindex.ingest import MAX_REQUEST_VALUES
 from sidindex.matchers.exact import ALL_STAGES, eligible_pairs, stage_flags
+from sidindex.matchers.plane import PARALLEL_PAIRS
+from sidindex.parallel import sized
 from sidindex.requests import EncodedRequests
 
 RANKS = ("score", "value", "fused")
 RRF_K = 60  # reciprocal-rank fusion's constant (Cormack et al.; GR4AD-X uses the same form)
 _INT64_MAX = torch.iinfo(torch.int64).max
+DEVICE_ROWS = 1 << 31  # the device path packs a catalog row into 31 bits of its sort keys: larger catalogs run on the host
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,12 @@ def check_rank(index: ServedIndex, rank: str) -> None:
                           "`value` column")
 
 
+def on_device(index: ServedIndex) -> bool:
+    """The index's post stage runs on its GPU (`DevicePost`): its post arrays are there, and its
+    catalog has fewer than DEVICE_ROWS rows."""
+    return index.post is not None and len(index.post["ads"]) < DEVICE_ROWS
+
+
 def check_top_k(top_k: int | None) -> None:
     """top_k is None (every eligible ad) or a positive number of ads per request (ConfigError)."""
     if top_k is not None and top_k < 1:
@@ -100,7 +110,7 @@ def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: i
     """
     check_rank(index, rank)
     check_top_k(top_k)  # both paths refuse what one would: the host's loop would keep nothing
-    if beams.score.is_cuda and index.post is not None:
+    if beams.score.is_cuda and on_device(index):
         if requests.stacked is None:
             requests = to_device(requests, beams.score.device)
         post = DevicePost(index, *beams.score.shape, top_k=top_k, rank=rank, stages=stages)
@@ -137,6 +147,7 @@ def _expand_host(index: ServedIndex, requests: EncodedRequests, beams: Beams, to
                      eligible, **per_stage, value=None if g.ad_value is None else np.asarray(value[ad], np.float64))
 
 
+@sized(PARALLEL_PAIRS)
 @numba.njit(parallel=True, cache=True)
 def _best_pairs(leaf, score, leaf_ad_offsets, leaf_ads, ad_state):
     """One row per (request, live ad) under the request's live beams, grouped by request: the
@@ -247,6 +258,7 @@ def _segment_order(starts, first, second, ad_id):
     return order
 
 
+@sized(PARALLEL_PAIRS)
 @numba.njit(parallel=True, cache=True)
 def _rank_rows(req, ad, beam, score, ok, ad_ids, values, tokens, rank, top_k):
     """The ok rows ranked within each request by RANKS[rank], then ad_id; the first top_k (-1: all).
@@ -348,6 +360,9 @@ class DevicePost:
         if self.arrays is None:
             raise ConfigError(f"snapshot {index.id} is served on {index.device}, whose post stage runs on the host; "
                               "the device post stage needs an index loaded onto a GPU (or pass its arrays)")
+        if len(self.arrays["ads"]) >= DEVICE_ROWS:
+            raise ConfigError(f"snapshot {index.id} has {len(self.arrays['ads']):,} catalog rows; the device post stage "
+                              f"serves fewer than {DEVICE_ROWS:,}: run the post stage on the host (`expand` does)")
         check_top_k(top_k)
         self.index, self.batch, self.beams, self.rank, self.stages = index, batch, beams, rank, stages
         self.max_values = max_values
@@ -461,7 +476,7 @@ class DevicePost:
         rows = self._fetch(buffer, head, head + total * self.row_words).reshape(total, self.row_words)
         parts, at = {}, 0
         for name, width in self.fields:  # copies: the pinned buffer serves the next call
-            parts[name] = rows[:, at].copy() if width == 1 else rows[:, at:at + width].copy()
+            parts[name] = rows[:, at:at + width].copy() if name == "sid" else rows[:, at].copy()
             at += width
         req = np.repeat(np.arange(B, dtype=np.int64), n)
         rank = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + 1

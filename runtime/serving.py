@@ -11,7 +11,7 @@ Python nor launch overhead. The graph's inputs are
     embeddings, the reference decoder's context), copied into the captured scorer's.
   - with `retrieve`, the exact filter's queries too (hash offsets, and hashes into a buffer with
     room for twice the batch's), and the post stage (`runtime.post.DevicePost`) is captured in the
-    same graph, right after the search: the ranked ads come to the host in one copy, with no
+    same graph, right after the search: the ranked ads in use come to the host, with no
     round trip between search and post.
 A scorer without `inputs` cannot be refreshed inside a graph, and the CPU has no graphs: those
 searches run eagerly (and `retrieve` runs the host post stage), and `eager_reason` says why (a
@@ -36,7 +36,7 @@ import torch
 
 from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask.planes import stack_queries
-from runtime.post import DevicePost, Retrieved, check_rank, check_top_k, expand
+from runtime.post import DevicePost, Retrieved, check_rank, check_top_k, expand, on_device
 from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search
 from sidindex.matchers.exact import ExactQueries
 from sidindex.modes import Mode, parse_mode
@@ -94,12 +94,13 @@ class Searcher:
                  host: EncodedRequests | None = None, top_k: int | None = None, rank: str = "score",
                  stages: bool = False) -> Retrieved:
         """The ranked eligible ads of one batch (`runtime.post.expand` of `search`): on a GPU
-        holding the index's post arrays, search and post stage replayed as one graph, the result
-        copied to the host once. requests: on the index's device (`runtime.to_device`); host: the
-        batch's host encoding, which the host post stage reads (the CPU, or an eager search)."""
+        holding the index's post arrays (`runtime.post.on_device`), search and post stage replayed
+        as one graph, the result brought to the host (its counts, then the rows in use). requests:
+        on the index's device (`runtime.to_device`); host: the batch's host encoding, which the host
+        post stage reads (the CPU, or an eager search)."""
         check_rank(index, rank)
         check_top_k(top_k)
-        if self._why_eager(index, scorer) is not None or index.post is None:
+        if self._why_eager(index, scorer) is not None or not on_device(index):
             beams = self._search(index, requests, scorer)
             return expand(index, requests if host is None else host, beams, top_k, stages, rank)
         with self._lock:
@@ -115,7 +116,9 @@ class Searcher:
             self._index = index
             key = (requests.batch, post)
             g = self._graphs.get(key)
-            if g is None or not _fits(g, requests, scorer):
+            # an update of ad states shares the trie (the generation) but may bring new post arrays
+            stale = g is not None and g.post is not None and not _same_tensors(g.post.arrays, index.post)
+            if g is None or stale or not _fits(g, requests, scorer):
                 g = self._graphs[key] = self._capture(index, requests, scorer, post)
             else:
                 if g.post is not None:
@@ -169,6 +172,11 @@ def _with_room(a: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(max(2 * len(a), 64), dtype=a.dtype, device=a.device)
     out[:len(a)].copy_(a)
     return out
+
+
+def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor] | None) -> bool:
+    """The same tensor objects by name (what a graph captured on `a` reads is `b`'s)."""
+    return b is not None and a.keys() == b.keys() and all(a[n] is b[n] for n in a)
 
 
 def _fits(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> bool:

@@ -165,6 +165,21 @@ def test_the_device_path_serves_a_slice_of_the_requests(case_beams):
     same(got, expand(case.index, case.req.slice(lo, B), part))
 
 
+def test_one_level_sids_keep_their_shape():
+    """SIDs of one token: both paths give (n, 1) SIDs, the same rows."""
+    from tests.test_gtm import scenario
+
+    ads = [{"country": None, "locations": []}, {"country": ["US"], "locations": []}, {"country": None, "locations": []}]
+    case = Case(scenario(ads, [(0,), (1,), (1,)], [0, 1, 2], level_sizes=(4,)), "cpu")
+    B = len(case.sc.requests)
+    beams = Beams(torch.tensor([[[1], [0]]] * B), torch.tensor([[-0.5, -1.0]] * B), torch.tensor([[1, 0]] * B))
+    host = expand(case.index, case.req, beams)
+    post = DevicePost(case.index, B, 2, arrays=post_tensors(case.index))
+    device = post.result(post.run(to_device(case.req, "cpu"), beams))
+    assert host.sid.shape == (len(host.ad_id), 1) and len(host.ad_id) > 0
+    same(host, device)
+
+
 def test_the_device_path_needs_its_arrays():
     from tests.test_gtm import scenario
 

@@ -25,7 +25,8 @@ import pyarrow as pa
 from sidindex.matchers.bits import ListCodes, list_codes
 from schemas.artifacts import AD_LIVE, EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
 from sidindex.matchers.kinds import KINDS
-from sidindex.matchers.plane import pairs_pass
+from sidindex.matchers.plane import PARALLEL_PAIRS, pairs_pass
+from sidindex.parallel import sized
 from sidindex.targeting import TargetingSpec
 
 if TYPE_CHECKING:
@@ -275,6 +276,7 @@ def _flags(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: 
     return flags
 
 
+@sized(PARALLEL_PAIRS, arg=2)
 @numba.njit(parallel=True, cache=True)
 def _values_pass(ad_off, ad_hashes, ads, req_off, req_hashes, reqs, ok):
     """ok[i] &= for every attribute, ad ads[i] is unrestricted or ANY value of request reqs[i] is

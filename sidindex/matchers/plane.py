@@ -24,6 +24,8 @@ from typing import Any
 import numba
 import numpy as np
 
+from sidindex.parallel import sized
+
 
 @dataclass(frozen=True)
 class PlaneQueries:
@@ -114,6 +116,10 @@ def row_passes(table, r, q_rows, ranges, woff):
     return True
 
 
+PARALLEL_PAIRS = 1 << 13  # pairs from which the exact and matcher passes use every thread (`sidindex.parallel`)
+
+
+@sized(PARALLEL_PAIRS, arg=1)
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _pairs_pass(table, rows, reqs, q_rows, ranges, woff, ok):
     for i in numba.prange(len(rows)):  # pairs in parallel

@@ -20,28 +20,13 @@ import polars as pl
 from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, ARRAYS_BY_NAME, MANIFEST_FILE, MAX_AD_VALUE
 from sidindex.errors import ArtifactError
 from sidindex.matchers.exact import ExactIndex
+from sidindex.parallel import sized
 from sidindex.trie.build import GTMIndex
 from sidindex.trie.patch import live_entries
 
 
-# A parallel launch wakes every numba thread: about 4 ms per call on a 2-core VM (1 us on one thread),
-# more than a serial pass over an array this short costs, so shorter ones are checked on one thread
-PARALLEL_ITEMS = 1 << 22
-
-
-def _sized(kernel):
-    """`kernel` on all of numba's threads when its first argument holds PARALLEL_ITEMS items or
-    more, else on one."""
-    def run(*args):
-        if len(args[0]) >= PARALLEL_ITEMS:
-            return kernel(*args)
-        threads = numba.get_num_threads()
-        numba.set_num_threads(1)
-        try:
-            return kernel(*args)
-        finally:
-            numba.set_num_threads(threads)
-    return run
+PARALLEL_ITEMS = 1 << 22  # a structure check shorter than this runs on one thread (`sidindex.parallel`)
+_sized = sized(PARALLEL_ITEMS)
 
 
 @_sized
