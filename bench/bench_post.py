@@ -34,11 +34,9 @@ import torch
 
 from bench.bench_search import bench_requests, build_snapshot, cuda_ms, wall_ms
 from runtime.loader import load_index
-from runtime.post import RRF_K, DevicePost, Retrieved, expand
+from runtime.post import RRF_K, DevicePost, Retrieved, exact_pairs, expand
 from runtime.requests import to_device
 from runtime.search import Beams, beam_search
-from schemas.artifacts import MATCHER_PLANES
-from sidindex.matchers.exact import ALL_STAGES, eligible_pairs, stage_flags
 from sidindex.modes import Mode
 from sidindex.requests import encode_requests
 from sidindex.snapshot import open_snapshot
@@ -68,14 +66,7 @@ def numpy_expand(index, requests, beams: Beams, top_k=None, stages=False, rank="
     first_of[1:] = (req[1:] != req[:-1]) | (ad[1:] != ad[:-1])
     req, ad, beam, sc = req[first_of], ad[first_of], beam[first_of], sc[first_of]
     generated = np.bincount(req, minlength=B)
-    per_stage = {}
-    if stages:
-        flags = stage_flags(snap.exact, requests, req, ad)
-        ok = flags == ALL_STAGES
-        per_stage = {"ads_per_stage": {p: np.bincount(req[(flags & (1 << i)) > 0], minlength=B)
-                                       for i, p in enumerate(MATCHER_PLANES)}}
-    else:
-        ok = eligible_pairs(snap.exact, requests, req, ad)
+    ok, per_stage = exact_pairs(snap.exact, requests, req, ad, B, stages)  # the one exact test, as `expand`
     req, ad, beam, sc = req[ok], ad[ok], beam[ok], sc[ok]
     ad_id = snap.ad_id[ad]
     val = None if g.ad_value is None else np.asarray(g.ad_value[ad], dtype=np.float64)
@@ -136,7 +127,7 @@ def time_post(index, requests_host, requests_device, beams: Beams, *, top_k: int
     if index.post is None or not beams.score.is_cuda:
         return res
     B, K = beams.score.shape
-    post = DevicePost(index, B, K, top_k=top_k, rank=rank, stages=stages)
+    post = DevicePost(index, B, K, top_k=top_k, rank=rank, stages=stages, pinned=True)  # as Searcher's
     res["pairs_capacity_per_request"] = post.pairs
     res["device_ms"] = cuda_ms(lambda: post.run(requests_device, beams), reps)
     res["device_identical"] = same(post.result(post.run(requests_device, beams)), want)

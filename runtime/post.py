@@ -130,14 +130,7 @@ def _expand_host(index: ServedIndex, requests: EncodedRequests, beams: Beams, to
     state = snap.exact.ad_state if snap.exact.ad_state is not None else np.zeros(0, dtype=np.uint8)
     req, ad, beam, sc, sids, generated = _best_pairs(leaf, score, g.leaf_ad_offsets, g.leaf_ads, state)
     # 4. the exact filter (`sidindex.matchers.exact`: the one exact test)
-    per_stage = {}
-    if stages:
-        flags = stage_flags(snap.exact, requests, req, ad)
-        ok = flags == ALL_STAGES
-        per_stage = {"ads_per_stage": {p: np.bincount(req[(flags & (1 << i)) > 0], minlength=B)
-                                       for i, p in enumerate(MATCHER_PLANES)}}
-    else:
-        ok = eligible_pairs(snap.exact, requests, req, ad)
+    ok, per_stage = exact_pairs(snap.exact, requests, req, ad, B, stages)
     # 5. rank per request (RANKS), then ad_id, and keep the top_k
     value = np.zeros(0) if g.ad_value is None else g.ad_value
     rows, place, eligible, sid, ad_id = _rank_rows(req, ad, beam, sc, ok, snap.ad_id, value, tokens,
@@ -145,6 +138,18 @@ def _expand_host(index: ServedIndex, requests: EncodedRequests, beams: Beams, to
     req, ad = req[rows], ad[rows]
     return Retrieved(req, place, ad, ad_id, sid, sc[rows], sids, generated,
                      eligible, **per_stage, value=None if g.ad_value is None else np.asarray(value[ad], np.float64))
+
+
+def exact_pairs(exact, requests: EncodedRequests, req: np.ndarray, ad: np.ndarray, batch: int,
+                stages: bool) -> tuple[np.ndarray, dict]:
+    """(n,) bool: does ad ad[i] (catalog row) pass request req[i] exactly (`sidindex.matchers.exact`),
+    and with `stages` {"ads_per_stage": per matcher plane (B,) int64 the pairs passing its attributes,
+    each plane on its own} (else {}), as `Retrieved` takes it. req, ad: (n,) int64; exact: an ExactIndex."""
+    if not stages:
+        return eligible_pairs(exact, requests, req, ad), {}
+    flags = stage_flags(exact, requests, req, ad)
+    return flags == ALL_STAGES, {"ads_per_stage": {p: np.bincount(req[(flags & (1 << i)) > 0], minlength=batch)
+                                                   for i, p in enumerate(MATCHER_PLANES)}}
 
 
 @sized(PARALLEL_PAIRS)
@@ -343,7 +348,8 @@ class DevicePost:
     `run` makes no host synchronisation (no `.item()`, no boolean-mask indexing, no data-dependent
     branch: padded slots carry a sentinel and sort last), so it can be captured in a CUDA graph
     after the search; `result` copies the buffer's counts, then only the result rows in use, to
-    the host (pinned memory kept between calls).
+    the host (with `pinned`, through pinned memory the stage keeps: for a stage read batch after
+    batch, as `runtime.Searcher`'s; a one-off stage would pay more to pin it than it saves).
 
         post = DevicePost(index, 16, 1024, top_k=100)
         buffer = post.run(requests_on_device, beams)   # capturable
@@ -354,7 +360,7 @@ class DevicePost:
 
     def __init__(self, index: ServedIndex, batch: int, beams: int, *, top_k: int | None = None, rank: str = "score",
                  stages: bool = False, max_values: int = MAX_REQUEST_VALUES,
-                 arrays: dict[str, torch.Tensor] | None = None) -> None:
+                 arrays: dict[str, torch.Tensor] | None = None, pinned: bool = False) -> None:
         check_rank(index, rank)
         self.arrays = index.post if arrays is None else arrays
         if self.arrays is None:
@@ -377,7 +383,8 @@ class DevicePost:
         self.fields = [("ad_row", 1), ("ad_id", 1), ("sid", self.length), ("score", 1)]
         self.fields += [("value", 1)] if self.has_value else []
         self.row_words = sum(w for _, w in self.fields)  # F
-        self._host: torch.Tensor | None = None  # pinned, for `result`'s copies
+        self.pinned = pinned
+        self._host: torch.Tensor | None = None  # with `pinned`: `result`'s copies land here
 
     def check(self, requests: EncodedRequests) -> None:
         """Refuse a batch with more values per attribute than the stage was sized for (ConfigError),
@@ -457,9 +464,10 @@ class DevicePost:
         return exact_filter(self.arrays, requests, ad, self.bounds.steps, self.max_values)
 
     def _fetch(self, buffer: torch.Tensor, lo: int, hi: int) -> np.ndarray:
-        """buffer[lo:hi] on the host: from a GPU through pinned memory (overwritten by the next call)."""
-        if not buffer.is_cuda:
-            return buffer[lo:hi].numpy()
+        """buffer[lo:hi] on the host: with `pinned`, from a GPU through the stage's pinned memory
+        (overwritten by the next call)."""
+        if not (buffer.is_cuda and self.pinned):
+            return buffer[lo:hi].cpu().numpy()
         if self._host is None or len(self._host) < len(buffer):
             self._host = torch.empty(len(buffer), dtype=torch.int64, pin_memory=True)
         self._host[lo:hi].copy_(buffer[lo:hi], non_blocking=True)

@@ -138,7 +138,7 @@ class Searcher:
             if not stage:
                 top_k, rank, stages = post
                 stage.append(DevicePost(index, requests.batch, beams.score.shape[1], top_k=top_k, rank=rank,
-                                        stages=stages))
+                                        stages=stages, pinned=True))  # read every replay
             return beams, stage[0].run(static, beams)
 
         run()  # checks, compiles kernels
