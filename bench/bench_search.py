@@ -225,23 +225,33 @@ def floor_rows(index, calls_by_mode: dict, bandwidth: float, reps: int) -> list[
                 passing = int(torch.isfinite(search_mod.gtm_candidates(*c[:7], Mode.CD_GTM)).sum())
                 nbytes += passing * (16 + row_bytes)
             ms = graph_ms(lambda c=c: mask_call(c), reps)
+            # the reference: every group tested query by query (no query tables)
+            by_query = graph_ms(lambda c=c: mask_call(c, tabled=False), reps) if mode.gtm else ms
             floor_ms = nbytes / bandwidth * 1e3
             out.append({"mode": mode.value, "step": d, "beams": beams, "entries": entries, "width": W,
                         "MB": nbytes / 1e6, "floor_us": floor_ms * 1e3, "mask_us": ms * 1e3,
-                        "of_floor": floor_ms / ms if ms else 0.0})
+                        "by_query_us": by_query * 1e3, "of_floor": floor_ms / ms if ms else 0.0})
     return out
 
 
 def sweep_shapes(calls: list[tuple], reps: int) -> dict:
-    """Mask ms per step for compact launch shapes (BLOCK, num_warps, Bloom queries per round)."""
-    from runtime.ops.gtm_mask.kernel import compact_shape
+    """Mask ms per step for compact launch shapes (BLOCK, num_warps, queries per round), then for
+    the queries streamed before a query table's lookups (unions, k-way partitions; `by query`: no
+    tables) at the default shape."""
+    from runtime.ops.gtm_mask.kernel import compact_shape, table_leads
 
-    shapes = [(32, 1, 4), (64, 1, 4), (64, 2, 4), (64, 2, 8), (128, 4, 2), (128, 4, 4), (128, 4, 8), (256, 8, 4)]
+    shapes = [(32, 1, 4), (64, 1, 4), (64, 2, 4), (64, 2, 8), (128, 2, 4), (128, 4, 2), (128, 4, 4), (128, 4, 8),
+              (256, 4, 4), (256, 8, 4)]
+    leads = [(0, 0), (2, 0), (8, 0), (32, 0), (8, 2), (8, 8), "by query"]
     out = {}
     for d, c in enumerate(calls):
-        chosen = compact_shape(d, c[7])
+        chosen, lead = compact_shape(d, c[7]), table_leads(d)
         out[f"step {d}"] = [{"shape": s, "ms": graph_ms(lambda s=s: mask_call(c, shape=s[:2], qstep=s[2]), reps),
                              "default": s == chosen} for s in shapes]
+        out[f"step {d} leads"] = [
+            {"shape": v, "default": v == lead, "ms": graph_ms(
+                lambda v=v: mask_call(c, tabled=False) if v == "by query" else mask_call(c, leads=v), reps)}
+            for v in leads if c[7].kway or v == "by query" or v[1] == 0]
     return out
 
 
@@ -263,7 +273,7 @@ def profile_kernels(index, dreq, scorer, beams, mode: Mode, runs: int = 5) -> li
 
 
 def mask_kernel_us(profile: list[dict]) -> float:
-    return sum(p["us_per_search"] for p in profile if p["kernel"].startswith("_gtm_mask_kernel"))
+    return sum(p["us_per_search"] for p in profile if p["kernel"].startswith(("_gtm_mask_kernel", "_tables_kernel")))
 
 
 def post_rows(index, host_req, dreq, found, reps: int) -> dict:
@@ -377,12 +387,13 @@ def report(res: dict, B: int, args) -> None:
         print(f"| {p['kernel']} | {p['us_per_search']:.1f} | {p['calls']:.0f} |")
     print("\nper step against the floor (bytes the step must move / copy bandwidth):")
     print("| mode | step | live beams | child entries | slots / request | MB | floor us | mask kernel us | "
-          "floor / kernel |\n|---|---|---|---|---|---|---|---|---|")
+          "floor / kernel | query by query us |\n|---|---|---|---|---|---|---|---|---|---|")
     for f in res["floor"]:
         print(f"| {f['mode']} | {f['step']} | {f['beams']:,} | {f['entries']:,} | {f['width']:,} | {f['MB']:.1f} | "
-              f"{f['floor_us']:.1f} | {f['mask_us']:.1f} | {f['of_floor']:.2f} |")
+              f"{f['floor_us']:.1f} | {f['mask_us']:.1f} | {f['of_floor']:.2f} | {f['by_query_us']:.1f} |")
     for mode, steps in res.get("sweep", {}).items():
-        print(f"\n{mode} mask ms per step by launch shape (BLOCK, warps, queries per round; * the default):")
+        print(f"\n{mode} mask ms per step by launch shape (BLOCK, warps, queries per round), then by queries "
+              "streamed before the table lookups (unions, partitions); * the default:")
         for key, variants in steps.items():
             best = min(variants, key=lambda v: v["ms"])
             print(f"  {key}: " + "  ".join(f"{v['shape']}{'*' if v['default'] else ''} {v['ms']:.3f}"

@@ -30,6 +30,7 @@ import torch
 from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask import gtm_candidates, gtm_mask
 from runtime.ops.gtm_mask.slots import decode, slots_of
+from runtime.ops.gtm_mask.tables import with_tables
 from runtime.requests import to_device
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
@@ -187,6 +188,8 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         check_fits(beams, B, V, dev, value_weight > 0)
     compact = mode.constrained and layout == "compact"
     kernels = impl == "triton" or (impl == "auto" and dev.type == "cuda")  # the layout's own kernels too
+    if kernels and mode.gtm:  # the query tables, once per search rather than per step
+        requests = with_tables(requests)
     node = torch.zeros(B, 1, dtype=torch.int64, device=dev)
     score = torch.zeros(B, 1, dtype=torch.float32, device=dev)
     tokens = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)

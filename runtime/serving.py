@@ -6,7 +6,9 @@ batch, or `retrieve(...)` for the ranked eligible ads (search and post stage, `r
 batches of that size copy their inputs into the graph's buffers and replay it, paying neither
 Python nor launch overhead. The graph's inputs are
   - the requests' queries: each plane's rows into a buffer with room for the largest batch seen
-    (a batch that needs more re-captures), the ranges into a (B, G, 2) buffer;
+    (a batch that needs more re-captures), the ranges into a (B, G, 2) buffer; the graph folds
+    them into query tables (`ops.gtm_mask.tables`) with room for as many queries per request as
+    the batch it was captured for had, rounded up to 64 (a batch with more re-captures);
   - the scorer's `inputs`: a dict of tensors the scorer reads each step (the codebook scorer's
     embeddings, the reference decoder's context), copied into the captured scorer's.
   - with `retrieve`, the exact filter's queries too (hash offsets, and hashes into a buffer with
@@ -185,6 +187,10 @@ def _fits(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> bool:
     if type(scorer) is not type(g.scorer):
         return False
     if any(len(p.rows) > len(mine.rows) for p, mine in zip(requests.planes, g.requests.planes)):
+        return False
+    # the graph's query tables hold 64 queries per mask word; a graph without tables is captured
+    # anew for a batch that would have them (a batch that would not replays one that has them)
+    if requests.stacked.layout.table_words > g.requests.stacked.layout.table_words:
         return False
     if g.post is not None and any(e is not None and (len(e.hashes) > len(mine.hashes)
                                                      or e.hash_offsets.shape != mine.hash_offsets.shape)

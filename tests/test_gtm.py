@@ -93,6 +93,25 @@ def as_int(row: np.ndarray) -> int:
 
 # --- scenarios ---------------------------------------------------------------------------------
 
+def draw_catalog(draw, attrs, level_sizes, max_ads: int, vocab=VOCAB, max_values: int = 6, max_sids: int = 3):
+    """(ads, sids, sid_ads) of a random catalog: per ad and attribute no restriction (None or []) or
+    up to `max_values` values (bloom ones from `vocab`), each ad under 1..max_sids distinct SIDs."""
+    def restriction(a: Attribute):
+        pool = list(a.values) if a.kind == BITMASK else vocab
+        return draw(st.one_of(st.none(), st.just([]),
+                              st.lists(st.sampled_from(pool), min_size=1, max_size=max_values, unique=True)))
+
+    n_ads = draw(st.integers(1, max_ads))
+    ads = [{a.name: restriction(a) for a in attrs} for _ in range(n_ads)]
+    sid = st.tuples(*[st.integers(0, k - 1) for k in level_sizes])
+    sids, sid_ads = [], []
+    for ad in range(n_ads):
+        for s in draw(st.lists(sid, min_size=1, max_size=max_sids, unique=True)):
+            sids.append(s)
+            sid_ads.append(ad)
+    return ads, sids, sid_ads
+
+
 @st.composite
 def scenarios(draw, max_ads: int = 20) -> Scenario:
     n_bl = draw(st.integers(0, 2))
@@ -104,18 +123,7 @@ def scenarios(draw, max_ads: int = 20) -> Scenario:
     spec = TargetingSpec(tuple(attrs))
     level_sizes = tuple(draw(st.lists(st.integers(1, 4), min_size=2, max_size=4)))
 
-    def restriction(a: Attribute):
-        pool = list(a.values) if a.kind == BITMASK else VOCAB
-        return draw(st.one_of(st.none(), st.just([]), st.lists(st.sampled_from(pool), min_size=1, max_size=6, unique=True)))
-
-    n_ads = draw(st.integers(1, max_ads))
-    ads = [{a.name: restriction(a) for a in attrs} for _ in range(n_ads)]
-    sid = st.tuples(*[st.integers(0, k - 1) for k in level_sizes])
-    sids, sid_ads = [], []
-    for ad in range(n_ads):
-        for s in draw(st.lists(sid, min_size=1, max_size=3, unique=True)):
-            sids.append(s)
-            sid_ads.append(ad)
+    ads, sids, sid_ads = draw_catalog(draw, attrs, level_sizes, max_ads)
 
     def request_value(a: Attribute):
         if a.kind == BITMASK:

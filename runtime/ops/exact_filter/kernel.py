@@ -42,7 +42,8 @@ def _rows_kernel(out, ad, words, q_words, q_ranges, C, N, s_ad, s_rb, s_rg,
     row = words + tl.minimum(tl.maximum(r, 0), N - 1) * W
     ok = real
     for g in tl.static_range(len(GLO)):
-        ok = _group_pass(ok, row, q_words, q_ranges + b * s_rb + g * s_rg, QW, GLO[g], GW[g], GA[g], SINGLE, QSTEP)
+        ok = _group_pass(ok, row, q_words, q_ranges + b * s_rb + g * s_rg, q_words, QW, GLO[g], GW[g], GA[g], SINGLE,
+                         QSTEP, False, 0, 0, 0)  # no query table: a pair's ad is one row
     tl.store(out + b * C + c, ok, mask=real)
 
 

@@ -6,10 +6,15 @@ entry existing at all; then (GTM) the matcher planes' test (`sidindex.matchers.p
 plane and word group by word group, the kernel compiled for the planes' layout (constexpr tuples).
 A plane with one query per request (bitmask) is tested word by word, a lane that failed loading
 nothing more (masked loads); otherwise a lane keeps its row's words of the group in registers
-while the request's queries stream past four at a time, until every live lane has a hit; a block
-with no live lane skips the stream. The planes are read through their stacks
-(`planes.TableStack`, `planes.QueryStack`), so one kernel serves any set of planes. With k-way partitions (KWAY), lanes that pass the union test try their partitions until
-one passes. A surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every
+while the request's queries stream past a few at a time, until every live lane has a hit; a block
+with no live lane skips the stream. A group with many queries per request (a Bloom attribute with
+tens of request locations) is tabled (`tables`): the search folds each request's queries into
+lookup tables once, and a lane then streams only the first few queries (`table_leads`, none at most
+depths) and looks the group up in 16 loads per word per 64 queries; lanes that fail (the costly
+ones when streaming: they try every query, and a block waits for them) cost what passing ones do.
+The planes are read through their stacks (`planes.TableStack`, `planes.QueryStack`), so one kernel
+serves any set of planes. With k-way partitions (KWAY), lanes that pass the union test try their
+partitions until one passes. A surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every
 other token stays -inf. With VALUE it also writes, in a second (M, V) output, its value bound
 (VALUE 1) or the value-guided key val + weight * log(max(bound, floor)) (VALUE 2, fused so the
 search makes no extra passes): the bound is the entry's `entry_value`, or with KWAY the
@@ -20,6 +25,8 @@ largest that passes). GTM, KWAY and VALUE are compile-time flags. Bits are int64
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -28,14 +35,18 @@ from runtime.ops.gtm_mask.planes import stack_tables
 from runtime.ops.gtm_mask.reference import NEG_INF, VALUE_FLOOR
 from runtime.ops.gtm_mask.slots import Slots
 from runtime.ops.gtm_mask.slots_kernel import beam_of_slot
+from runtime.ops.gtm_mask.tables import query_tables, table_pass
 from sidindex.modes import Mode
 
 
 @triton.jit
-def _group_pass(ok, row, q_lo, q_range, W: tl.constexpr, W_LO: tl.constexpr, N_W: tl.constexpr, A_W: tl.constexpr,
-                ONE: tl.constexpr, QSTEP: tl.constexpr):
+def _group_pass(ok, row, q_lo, q_range, tab, W: tl.constexpr, W_LO: tl.constexpr, N_W: tl.constexpr,
+                A_W: tl.constexpr, ONE: tl.constexpr, QSTEP: tl.constexpr, TABLED: tl.constexpr, LEAD: tl.constexpr,
+                J: tl.constexpr, CH: tl.constexpr):
     """ok & (each lane's `row` passes ANY of the queries q_range[0]..q_range[1]-1 on the group's
-    words W_LO..W_LO+N_W-1); rows and queries are W words wide, A_W is N_W rounded up to a power of 2."""
+    words W_LO..W_LO+N_W-1); rows and queries are W words wide, A_W is N_W rounded up to a power of 2.
+    TABLED: `tab` is the group's query table (J mask words, CH chunks): the first LEAD queries are
+    streamed, and lanes without a hit then look the group up in the table."""
     q = tl.load(q_range)
     if ONE:  # one query: word by word, a lane that failed loads nothing more
         for w in tl.static_range(N_W):
@@ -43,33 +54,43 @@ def _group_pass(ok, row, q_lo, q_range, W: tl.constexpr, W_LO: tl.constexpr, N_W
             x = tl.load(row + W_LO + w, mask=ok, other=0)
             ok = ok & ((x & u) == u)
     else:  # ANY query: the rows' words stay in registers while the queries stream past
-        wi = tl.arange(0, A_W)
-        wm = wi < N_W
-        rows = tl.load(row[:, None] + W_LO + wi[None, :], mask=ok[:, None] & wm[None, :], other=0)
-        q_hi = tl.load(q_range + 1)
         hit = tl.zeros_like(ok)
-        # QSTEP queries at a time (independent loads in flight), until every live lane has a hit
-        # or none is left to test
-        q = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, q, q_hi)
-        while q < q_hi:
-            for i in tl.static_range(QSTEP):
-                qw = tl.load(q_lo + (q + i) * W + W_LO + wi, mask=wm & (wi * 0 + q + i < q_hi), other=0)
-                need = A_W + tl.where(q + i < q_hi, 0, 1)  # past the last query nothing can match
-                hit = hit | (tl.sum(((rows & qw[None, :]) == qw[None, :]).to(tl.int32), axis=1) == need)
-            left = tl.sum((ok & (hit == 0)).to(tl.int32), axis=0)
-            q = tl.where(left > 0, q + QSTEP, q_hi)
+        if not TABLED or LEAD > 0:
+            wi = tl.arange(0, A_W)
+            wm = wi < N_W
+            rows = tl.load(row[:, None] + W_LO + wi[None, :], mask=ok[:, None] & wm[None, :], other=0)
+            q_end = tl.load(q_range + 1)
+            if TABLED:
+                q_end = tl.minimum(q_end, q + LEAD)
+            # QSTEP queries at a time (independent loads in flight), until every live lane has a hit
+            # or none is left to stream
+            q = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, q, q_end)
+            while q < q_end:
+                for i in tl.static_range(QSTEP):
+                    qw = tl.load(q_lo + (q + i) * W + W_LO + wi, mask=wm & (wi * 0 + q + i < q_end), other=0)
+                    need = A_W + tl.where(q + i < q_end, 0, 1)  # past the last query nothing can match
+                    hit = hit | (tl.sum(((rows & qw[None, :]) == qw[None, :]).to(tl.int32), axis=1) == need)
+                left = tl.sum((ok & (hit == 0)).to(tl.int32), axis=0)
+                q = tl.where(left > 0, q + QSTEP, q_end)
+        if TABLED:
+            rest = ok & (hit == 0)
+            if tl.sum(rest.to(tl.int32), axis=0) > 0:
+                hit = hit | table_pass(rest, row, tab, W_LO, N_W, J, CH)
         ok = ok & hit
     return ok
 
 
 @triton.jit
-def _rows_pass(ok, idx, stride, pos, b, words, t_base, q_words, q_base, q_ranges,
+def _rows_pass(ok, idx, stride, pos, b, words, t_base, q_words, q_base, q_ranges, tables,
                WIDTHS: tl.constexpr, SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr,
-               GW: tl.constexpr, GA: tl.constexpr, QSTEP: tl.constexpr):
+               GW: tl.constexpr, GA: tl.constexpr, GT: tl.constexpr, J: tl.constexpr, CH: tl.constexpr,
+               QSTEP: tl.constexpr, LEAD: tl.constexpr):
     """ok & (each lane's rows pass request b on every word group of every plane). A lane's row of
-    plane p is idx[p * stride + pos]. Layout tuples (`planes.GroupLayout`): per plane its width and
-    whether it has one query per group; per group its plane, first word, words, and words rounded
-    up to a power of two."""
+    plane p is idx[p * stride + pos]; `tables`, request b's query tables (`tables.query_tables`:
+    per tabled group J mask words x CH chunks x 16). Layout tuples (`planes.GroupLayout`): per
+    plane its width and whether it has one query per group; per group its plane, first word,
+    words, words rounded up to a power of two, and its table (-1: tested query by query); LEAD:
+    queries streamed before a tabled group's lookups."""
     G: tl.constexpr = len(GP)
     for p in tl.static_range(len(WIDTHS)):
         r = tl.load(idx + p * stride + pos, mask=ok, other=0).to(tl.int64)
@@ -77,20 +98,21 @@ def _rows_pass(ok, idx, stride, pos, b, words, t_base, q_words, q_base, q_ranges
         q_lo = q_words + tl.load(q_base + p)
         for g in tl.static_range(G):
             if GP[g] == p:  # resolved at compile time
-                ok = _group_pass(ok, row, q_lo, q_ranges + (b * G + g) * 2, WIDTHS[p], GLO[g], GW[g], GA[g],
-                                 SINGLE[p], QSTEP)
+                ok = _group_pass(ok, row, q_lo, q_ranges + (b * G + g) * 2, tables + GT[g] * (J * CH * 16),
+                                 WIDTHS[p], GLO[g], GW[g], GA[g], SINGLE[p], QSTEP, GT[g] >= 0, LEAD, J, CH)
     return ok
 
 
 @triton.jit
 def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offsets, csr_tokens,
                      words, t_base, index, E, part_offsets, part_index, T, max_parts,
-                     q_words, q_base, q_ranges, V, bound, entry_value, part_value, weight, floor, entry_live,
-                     slot_start, slot_total, K, width,
+                     q_words, q_base, q_ranges, tables, tab_stride, V, bound, entry_value, part_value, weight, floor,
+                     entry_live, slot_start, slot_total, K, width,
                      LIVE: tl.constexpr, GTM: tl.constexpr, KWAY: tl.constexpr, VALUE: tl.constexpr,
                      COMPACT: tl.constexpr, LOG_K: tl.constexpr, WIDTHS: tl.constexpr,
                      SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr, GW: tl.constexpr, GA: tl.constexpr,
-                     BLOCK: tl.constexpr, QSTEP: tl.constexpr):
+                     GT: tl.constexpr, J: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr, QSTEP: tl.constexpr,
+                     LEAD_U: tl.constexpr, LEAD_P: tl.constexpr):
     if COMPACT:  # program (request b, block of slots); a lane is slot s of b's candidate list
         b = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -112,10 +134,11 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
     tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
     if LIVE:  # an update's index: an entry with no live row beneath leads to no ad
         ok = ok & (tl.load(entry_live + e, mask=ok, other=0) != 0)
+    tables = tables + b * tab_stride  # request b's query tables
     first = tl.zeros([BLOCK], dtype=tl.int32)  # with KWAY: the position of each lane's first passing partition
     if GTM:
-        ok = _rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges,
-                        WIDTHS, SINGLE, GP, GLO, GW, GA, QSTEP)
+        ok = _rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges, tables,
+                        WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_U)
         if KWAY:
             p_lo = tl.load(part_offsets + e, mask=ok, other=0)
             n_p = tl.load(part_offsets + e + 1, mask=ok, other=0) - p_lo
@@ -124,7 +147,7 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
             while k < max_parts:  # until each live lane found a passing partition or ran out of them
                 has = ok & (k < n_p) & (any_part == 0)
                 hit = _rows_pass(has, part_index, T, p_lo + k, b, words, t_base, q_words, q_base,
-                                 q_ranges, WIDTHS, SINGLE, GP, GLO, GW, GA, QSTEP)
+                                 q_ranges, tables, WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_P)
                 if VALUE > 0:  # the largest value that passes (an entry's partitions fall in value)
                     first = tl.where(hit, k, first)
                 any_part = any_part | hit
@@ -159,25 +182,36 @@ def launch_shape(index, depth: int) -> tuple[int, int]:
 
 
 def compact_shape(depth: int, mode: Mode) -> tuple[int, int, int]:
-    """(BLOCK, num_warps, Bloom queries per round) of the compact layout, from the H200 sweep of
+    """(BLOCK, num_warps, queries per round) of the compact layout, from the H200 sweep of
     `bench/bench_search.py --sweep` at 10M SIDs: slots are packed, so blocks of 128 lanes idle
-    little; with k-way a block waits for its slowest lane's partitions, so smaller blocks win; shallow
-    unions are nearly full (a lane hits at its first queries: few per round), deeper ones miss more
-    (more queries per round keep more loads in flight)."""
+    little; with k-way a block waits for its slowest lane's partitions, so blocks of one warp win;
+    shallow unions are nearly full (a lane hits at its first queries: few per round), deeper ones
+    miss more (more queries per round keep more loads in flight)."""
     if mode.kway:
-        return 64, 2, 4
+        return 32, 1, 4
     return 128, 4, 2 if depth <= 1 else 8
+
+
+def table_leads(depth: int) -> tuple[int, int]:
+    """Queries streamed before a tabled group's lookups, (unions, k-way partitions), from the same
+    sweep. At depth 1 (millions of child entries, each union the OR of a few thousand ads) nearly
+    every lane hits within its first queries, so the lookups only serve the lanes those missed;
+    deeper unions and the partitions (a few ads' rows each) mostly miss and go straight to their
+    table, and the root's step is too small for either to matter."""
+    return (8 if depth == 1 else 0), 0
 
 
 def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
                     beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, with_bound: bool = False,
                     value_weight: float = 0.0, shape: tuple[int, int] | None = None, slots: Slots | None = None,
-                    qstep: int | None = None):
+                    qstep: int | None = None, tabled: bool = True, leads: tuple[int, int] | None = None):
     """Same contract as `gtm_mask_reference`. beam_request, beam_node: (M,) int64; beam_score: (M,)
     float32; logp: (M, V) float32 contiguous. shape: (BLOCK, num_warps), default `launch_shape`
-    (`compact_shape` with slots); qstep: Bloom queries tested per round (default 4, or
-    `compact_shape`'s with slots). With `slots` (`slots.Slots` of the M = B*K beams, request-major),
-    the outputs are (B, slots.width) in that layout instead (`slots.compact` of the dense ones)."""
+    (`compact_shape` with slots); qstep: queries tested per round of a group tested query by query
+    (default 4, or `compact_shape`'s with slots); tabled: test the groups the request layout tables
+    by their query tables (`requests.stacked.tables`, else made here), else query by query; leads:
+    queries streamed before the lookups, (unions, partitions) (default `table_leads`). With `slots`
+    (`slots.Slots` of the M = B*K beams, request-major), the outputs are (B, slots.width) in that layout instead (`slots.compact` of the dense ones)."""
     M, V = logp.shape
     value = 2 if value_weight > 0 else 1 if with_bound else 0
     if slots is None:
@@ -210,16 +244,22 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         t = stack_tables([p.table for p in planes], [p.index for p in planes],
                          [p.part_index for p in planes] if g.part_offsets is not None else None, logp.device)
     kway, lay = mode.kway, q.layout
+    lead_u, lead_p = leads or table_leads(depth)
+    tab = (q.tables if q.tables is not None else query_tables(q)) if mode.gtm and tabled else None
+    if tab is None:
+        lay = dataclasses.replace(lay, group_table=(-1,) * len(lay.group_plane))
     _gtm_mask_kernel[grid](
         out, logp, beam_score, beam_node, beam_request, g.node_offsets, g.csr_tokens,
         t.words, t.base, t.index, t.index.shape[1], g.part_offsets if kway else g.node_offsets,
         t.part_index if kway else t.index, t.part_index.shape[1] if kway else 0, index.max_parts if kway else 0,
-        q.words, q.base, q.ranges, V, out if extra is None else extra, g.entry_value if value else out,
+        q.words, q.base, q.ranges, q.words if tab is None else tab, 0 if tab is None else tab.stride(0),
+        V, out if extra is None else extra, g.entry_value if value else out,
         g.part_value if value and kway else out, float(value_weight), VALUE_FLOOR,
         g.node_offsets if g.entry_live is None else g.entry_live, start, total, K, width,
         LIVE=g.entry_live is not None, GTM=mode.gtm, KWAY=kway, VALUE=value, COMPACT=slots is not None,
         LOG_K=max(1, (K - 1).bit_length()), WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane,
         GLO=lay.group_lo,
-        GW=lay.group_words, GA=tuple(triton.next_power_of_2(max(w, 1)) for w in lay.group_words), BLOCK=BLOCK,
-        QSTEP=qstep, num_warps=warps)
+        GW=lay.group_words, GA=tuple(triton.next_power_of_2(max(w, 1)) for w in lay.group_words),
+        GT=lay.group_table, J=lay.table_words, CH=lay.table_chunks, BLOCK=BLOCK, QSTEP=qstep,
+        LEAD_U=lead_u, LEAD_P=lead_p, num_warps=warps)
     return out if extra is None else (out, extra)

@@ -13,6 +13,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+# A group one of whose requests has this many queries or more is tested by table lookups
+# (`tables`): 16 lookups per word per 64 queries, against a test per query per word.
+TABLE_FROM = 16
+
 
 @dataclass(frozen=True)
 class TableStack:
@@ -40,6 +44,9 @@ class GroupLayout:
     single:      per plane, whether each request has exactly one query per group
     group_plane, group_lo, group_words: per group (planes in order), its plane, its first word
                  within a row and its number of words
+    group_table: per group, its query table (`tables`) or -1: tested query by query
+    table_words: mask words J of every table (0 without one): room for 64 J queries per request
+    table_chunks: chunks CH of every table (16 per word of the widest tabled group)
     """
 
     widths: tuple[int, ...]
@@ -47,6 +54,14 @@ class GroupLayout:
     group_plane: tuple[int, ...]
     group_lo: tuple[int, ...]
     group_words: tuple[int, ...]
+    group_table: tuple[int, ...] = ()
+    table_words: int = 0
+    table_chunks: int = 0
+
+    @property
+    def tabled(self) -> list[int]:
+        """The tabled groups, in table order."""
+        return [g for g, t in enumerate(self.group_table) if t >= 0]
 
 
 @dataclass(frozen=True)
@@ -58,16 +73,19 @@ class QueryStack:
     ranges: (B, G, 2) int64 [start, end) of request b's queries for group g (rows of its plane),
             the groups of all planes in order
     layout: the groups, on the host
+    tables: (B, T, J, CH, 16) int64 the tabled groups' query tables (`tables.query_tables`), once
+            a search made them from these queries; None before (and without tabled groups)
     """
 
     words: torch.Tensor
     base: torch.Tensor
     ranges: torch.Tensor
     layout: GroupLayout
+    tables: torch.Tensor | None = None
 
     def slice(self, lo: int, hi: int) -> QueryStack:
         """Requests lo..hi-1 (the query rows stay shared)."""
-        return replace(self, ranges=self.ranges[lo:hi])
+        return replace(self, ranges=self.ranges[lo:hi], tables=None if self.tables is None else self.tables[lo:hi])
 
 
 def _flat(parts: list[torch.Tensor], device, rows: tuple[int, ...] | None = None):
@@ -98,19 +116,30 @@ def stack_tables(tables: list[torch.Tensor], index: list[torch.Tensor], part_ind
     return TableStack(words, torch.tensor(starts, dtype=torch.int64, device=device), rows(index), None if part_index is None else rows(part_index), views)
 
 
-def stack_queries(planes, device, rows: tuple[int, ...] | None = None):
+def stack_queries(planes, device, rows: tuple[int, ...] | None = None, table_from: int | None = None):
     """Stack a batch's per-plane queries (`PlaneQueries` of host or device tensors, word offsets on
     the host) onto `device`, each plane with room for rows[p] query rows (default its own). Returns
     the planes again, their rows and ranges now views of the stack's memory (nothing is held twice,
-    and one copy into the stack refreshes both), and the `QueryStack`."""
+    and one copy into the stack refreshes both), and the `QueryStack`. A group for which some
+    request has `table_from` (default TABLE_FROM) queries or more is tabled (`tables`)."""
     words, starts, views = _flat([q.rows for q in planes], device, rows)
-    ranges = torch.cat([q.ranges for q in planes], dim=1).to(device)
+    ranges = torch.cat([q.ranges for q in planes], dim=1)
+    # per group, the most queries a request has (read where the ranges are: the host, from to_device)
+    most = (ranges[..., 1] - ranges[..., 0]).amax(0).tolist() if len(ranges) else [0] * ranges.shape[1]
+    ranges = ranges.to(device)
     split = torch.split(ranges, [q.ranges.shape[1] for q in planes], dim=1)
     woff = [[int(w) for w in q.word_offsets] for q in planes]
+    group_plane = tuple(p for p, w in enumerate(woff) for _ in w[:-1])
+    group_words = tuple(hi - lo for w in woff for lo, hi in zip(w[:-1], w[1:]))
+    threshold = TABLE_FROM if table_from is None else table_from
+    tabled = [not planes[p].single and n >= threshold for p, n in zip(group_plane, most)]
+    table_of = np.cumsum(tabled) - 1
     layout = GroupLayout(widths=tuple(int(q.rows.shape[1]) for q in planes),
                          single=tuple(bool(q.single) for q in planes),
-                         group_plane=tuple(p for p, w in enumerate(woff) for _ in w[:-1]),
-                         group_lo=tuple(lo for w in woff for lo in w[:-1]),
-                         group_words=tuple(hi - lo for w in woff for lo, hi in zip(w[:-1], w[1:])))
+                         group_plane=group_plane, group_lo=tuple(lo for w in woff for lo in w[:-1]),
+                         group_words=group_words,
+                         group_table=tuple(int(table_of[g]) if t else -1 for g, t in enumerate(tabled)),
+                         table_words=max([-(-n // 64) for n, t in zip(most, tabled) if t], default=0),
+                         table_chunks=16 * max([w for w, t in zip(group_words, tabled) if t], default=0))
     planes = tuple(replace(q, rows=v, ranges=r) for q, v, r in zip(planes, views, split))
     return planes, QueryStack(words, torch.tensor(starts, dtype=torch.int64, device=device), ranges, layout)

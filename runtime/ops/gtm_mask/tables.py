@@ -1,0 +1,119 @@
+"""Query tables: a request's many queries of one word group folded into lookups (the Bloom
+ANY-of-many test at 16 loads per word per 64 queries, rather than a test per query).
+
+A row passes a group iff some query q has (row & q) == q on the group's words, i.e. for every
+4-bit chunk c of those words, q's bits in c are a subset of the row's. So per request and group,
+table[j, c, v] is the set, as the bits of an int64, of the queries 64j..64j+63 (of the request's
+queries for the group, in order) whose bits in chunk c are a subset of v (0..15); and a row passes
+iff for some j, the AND over chunks c of table[j, c, row's chunk c] is not 0. A lane then does 16
+lookups per word (each chunk's 16 entries are one 128-byte line, so a warp's lookups of a chunk
+share it) in place of testing every query, and the test is the same for a row that passes and one
+that fails: the streamed test's lanes that fail try every query, and a block waits for them.
+
+Legend: B requests, T tabled groups, J = ceil(queries / 64) mask words, CH chunks (16 per word of
+the widest tabled group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+NIBBLES = 16  # 4-bit chunks per 64-bit word
+BLOCK = 256  # table entries per program
+
+
+@triton.jit
+def _tables_kernel(out, q_words, q_base, q_ranges, G, g, p, t, T, W, W_LO, N, J: tl.constexpr, CH: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Program (request b, block of BLOCK entries of group g's table t): each lane one entry (chunk,
+    value), the request's queries of the group streamed past, 64 per mask word."""
+    b = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # entry (chunk c, value v) of the group
+    m = e < N
+    c, v = e // 16, (e % 16).to(tl.int64)
+    word = q_words + tl.load(q_base + p) + W_LO + c // 16
+    shift = (c % 16) * 4
+    start = tl.load(q_ranges + (b * G + g) * 2)
+    end = tl.load(q_ranges + (b * G + g) * 2 + 1)
+    for j in range(J):
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        lo = start + 64 * j
+        for i in range(lo, tl.minimum(end, lo + 64)):
+            nib = (tl.load(word + i * W, mask=m, other=0) >> shift) & 15
+            acc = acc | (((nib & ~v) == 0).to(tl.int64) << (i - lo))
+        tl.store(out + (((b * T + t) * J + j) * CH + c) * 16 + v, acc, mask=m)
+
+
+@triton.jit
+def table_pass(ok, row, tab, W_LO: tl.constexpr, N_W: tl.constexpr, J: tl.constexpr, CH: tl.constexpr):
+    """ok & (each lane's `row` passes ANY of its request's queries of the group whose words are
+    W_LO..W_LO+N_W-1): `tab` is the request's (J, CH, 16) table of the group. Lanes off `ok` load
+    nothing."""
+    hit = tl.zeros_like(ok)
+    for j in range(J):
+        acc = tl.full(ok.shape, -1, dtype=tl.int64)
+        for w in range(N_W):
+            x = tl.load(row + W_LO + w, mask=ok, other=0)
+            for c in tl.static_range(16):
+                acc = acc & tl.load(tab + (j * CH + w * 16 + c) * 16 + ((x >> (4 * c)) & 15), mask=ok, other=0)
+        hit = hit | (acc != 0)
+    return ok & hit
+
+
+def query_tables(stacked) -> torch.Tensor | None:
+    """(B, T, J, CH, 16) int64 the tables of the layout's tabled groups (`GroupLayout.group_table`)
+    for a `planes.QueryStack` on a device (or CPU tensors under the interpreter); None when no group
+    is tabled. Chunks past a group's own words are 0 (never read)."""
+    lay = stacked.layout
+    tabled = lay.tabled
+    if not tabled:
+        return None
+    B, G = stacked.ranges.shape[:2]
+    J, CH = lay.table_words, lay.table_chunks
+    ragged = any(lay.group_words[g] * NIBBLES < CH for g in tabled)  # else every entry is written
+    out = (torch.zeros if ragged else torch.empty)((B, len(tabled), J, CH, 16), dtype=torch.int64,
+                                                   device=stacked.words.device)
+    if B == 0:
+        return out
+    for g in tabled:  # one launch per tabled group (a Bloom attribute each)
+        p = lay.group_plane[g]
+        n = lay.group_words[g] * NIBBLES * 16
+        _tables_kernel[(B, triton.cdiv(n, BLOCK))](
+            out, stacked.words, stacked.base, stacked.ranges, G, g, p, lay.group_table[g], len(tabled),
+            lay.widths[p], lay.group_lo[g], n, J=J, CH=CH, BLOCK=BLOCK)
+    return out
+
+
+def with_tables(requests):
+    """`EncodedRequests` on a device with their query tables made (`QueryStack.tables`)."""
+    stacked = requests.stacked
+    return dataclasses.replace(requests, stacked=dataclasses.replace(stacked, tables=query_tables(stacked)))
+
+
+def query_tables_reference(stacked) -> torch.Tensor | None:
+    """`query_tables` in plain torch, query by query (what the kernel is tested against)."""
+    lay = stacked.layout
+    tabled = lay.tabled
+    if not tabled:
+        return None
+    B = stacked.ranges.shape[0]
+    J, CH = lay.table_words, lay.table_chunks
+    out = torch.zeros((B, len(tabled), J, CH, 16), dtype=torch.int64)
+    v = torch.arange(16)
+    shifts = torch.arange(NIBBLES) * 4
+    for g in tabled:
+        p, t, lo, n_w = lay.group_plane[g], lay.group_table[g], lay.group_lo[g], lay.group_words[g]
+        base, W = int(stacked.base[p]), lay.widths[p]
+        for b in range(B):
+            start, end = (int(x) for x in stacked.ranges[b, g])
+            for i in range(start, end):
+                row = stacked.words[base + i * W + lo: base + i * W + lo + n_w].cpu()
+                nib = ((row[:, None] >> shifts) & 15).reshape(-1)  # (n_w * 16,) the query's chunks
+                subset = (nib[:, None] & ~v) == 0  # (chunks, 16)
+                j, bit = divmod(i - start, 64)
+                out[b, t, j, :len(nib)] |= subset.long() << bit
+    return out
