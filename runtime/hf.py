@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from runtime.loader import ServedIndex
-from runtime.ops.gtm_mask import gtm_mask
+from runtime.ops.gtm_mask import gtm_mask, uses_triton
 from runtime.ops.gtm_mask.tables import with_tables
 from runtime.requests import to_device
 from runtime.search import child_nodes
@@ -60,7 +60,7 @@ class SidLogitsProcessor:
         if isinstance(requests, Requests):
             requests = encode_requests(requests, index.spec)
         self.requests = requests if requests.stacked is not None else to_device(requests, index.device)
-        if self.mode.gtm and (impl == "triton" or (impl == "auto" and index.device.type == "cuda")):
+        if self.mode.gtm and uses_triton(impl, index.device):
             self.requests = with_tables(self.requests)  # the kernel's query tables, once rather than per step
         L, V = index.sid_length, index.vocab_size
         if (token_offset is None) == (token_ids is None):

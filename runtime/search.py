@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from runtime.loader import ServedIndex
-from runtime.ops.gtm_mask import gtm_candidates, gtm_mask
+from runtime.ops.gtm_mask import gtm_candidates, gtm_mask, uses_triton
 from runtime.ops.gtm_mask.slots import decode, slots_of
 from runtime.ops.gtm_mask.tables import with_tables
 from runtime.requests import to_device
@@ -187,7 +187,7 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # a capture replays a checked search
         check_fits(beams, B, V, dev, value_weight > 0)
     compact = mode.constrained and layout == "compact"
-    kernels = impl == "triton" or (impl == "auto" and dev.type == "cuda")  # the layout's own kernels too
+    kernels = uses_triton(impl, dev)  # the layout's own kernels too
     if kernels and mode.gtm:  # the query tables, once per search rather than per step
         requests = with_tables(requests)
     node = torch.zeros(B, 1, dtype=torch.int64, device=dev)

@@ -18,6 +18,11 @@ from runtime.ops.gtm_mask.slots import Slots, compact
 from sidindex.modes import Mode
 
 
+def uses_triton(impl: str, device: torch.device) -> bool:
+    """Whether mask implementation `impl` runs the Triton kernels on `device` ("auto": on CUDA)."""
+    return impl == "triton" or (impl == "auto" and device.type == "cuda")
+
+
 def gtm_mask(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
              beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, impl: str = "auto", with_bound: bool = False,
              value_weight: float = 0.0):
@@ -34,7 +39,7 @@ def gtm_mask(index, requests, depth: int, beam_request: torch.Tensor, beam_node:
     impl: "triton", "numba" (CPU tensors), "torch" or "auto" (triton on CUDA, numba on the CPU)
     """
     if impl == "auto":
-        impl = "triton" if logp.is_cuda else "numba"
+        impl = "triton" if uses_triton(impl, logp.device) else "numba"
     if impl == "triton":
         from runtime.ops.gtm_mask.kernel import gtm_mask_triton
 
@@ -62,7 +67,7 @@ def gtm_candidates(index, requests, depth: int, slots: Slots, beam_node: torch.T
     their dense masks.
     """
     if impl == "auto":
-        impl = "triton" if logp.is_cuda else "numba"
+        impl = "triton" if uses_triton(impl, logp.device) else "numba"
     if impl == "triton":
         from runtime.ops.gtm_mask.kernel import gtm_mask_triton
 

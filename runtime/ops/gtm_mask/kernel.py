@@ -247,7 +247,7 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
     lead_u, lead_p = leads or table_leads(depth)
     tab = (q.tables if q.tables is not None else query_tables(q)) if mode.gtm and tabled else None
     if tab is None:
-        lay = dataclasses.replace(lay, group_table=(-1,) * len(lay.group_plane))
+        lay = dataclasses.replace(lay, group_table=(-1,) * len(lay.group_plane), table_words=0)
     _gtm_mask_kernel[grid](
         out, logp, beam_score, beam_node, beam_request, g.node_offsets, g.csr_tokens,
         t.words, t.base, t.index, t.index.shape[1], g.part_offsets if kway else g.node_offsets,

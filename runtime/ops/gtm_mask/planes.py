@@ -46,7 +46,6 @@ class GroupLayout:
                  within a row and its number of words
     group_table: per group, its query table (`tables`) or -1: tested query by query
     table_words: mask words J of every table (0 without one): room for 64 J queries per request
-    table_chunks: chunks CH of every table (16 per word of the widest tabled group)
     """
 
     widths: tuple[int, ...]
@@ -54,14 +53,18 @@ class GroupLayout:
     group_plane: tuple[int, ...]
     group_lo: tuple[int, ...]
     group_words: tuple[int, ...]
-    group_table: tuple[int, ...] = ()
-    table_words: int = 0
-    table_chunks: int = 0
+    group_table: tuple[int, ...]
+    table_words: int
 
     @property
     def tabled(self) -> list[int]:
         """The tabled groups, in table order."""
         return [g for g, t in enumerate(self.group_table) if t >= 0]
+
+    @property
+    def table_chunks(self) -> int:
+        """Chunks CH of every table: 16 per word of the widest tabled group (0 without one)."""
+        return 16 * max([self.group_words[g] for g in self.tabled], default=0)
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,6 @@ def stack_queries(planes, device, rows: tuple[int, ...] | None = None, table_fro
                          group_plane=group_plane, group_lo=tuple(lo for w in woff for lo in w[:-1]),
                          group_words=group_words,
                          group_table=tuple(int(table_of[g]) if t else -1 for g, t in enumerate(tabled)),
-                         table_words=max([-(-n // 64) for n, t in zip(most, tabled) if t], default=0),
-                         table_chunks=16 * max([w for w, t in zip(group_words, tabled) if t], default=0))
+                         table_words=max([-(-n // 64) for n, t in zip(most, tabled) if t], default=0))
     planes = tuple(replace(q, rows=v, ranges=r) for q, v, r in zip(planes, views, split))
     return planes, QueryStack(words, torch.tensor(starts, dtype=torch.int64, device=device), ranges, layout)
