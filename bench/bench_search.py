@@ -414,9 +414,10 @@ def verdicts(results: list[dict]) -> None:
               f"and plain torch {plain:.3f}")
         print(f"{'PASS' if all(r['identical'] for r in rows.values()) else 'MISS'}  {tag}: identical beams in every "
               "mode, implementation, layout and replay")
-        if "post" in res and "gpu_ms" in res["post"]:
+        if "post" in res and "graph_ms" in res["post"]:
             p = res["post"]
-            print(f"{'PASS' if p['gpu_ms'] <= 0.2 else 'MISS'}  {tag}: post on the GPU {p['gpu_ms']:.3f} ms <= 0.2")
+            print(f"{'PASS' if p['graph_ms'] <= 0.2 else 'MISS'}  {tag}: post on the GPU {p['graph_ms']:.3f} ms <= 0.2 "
+                  f"(graph; its torch reference {p.get('reference_graph_ms', float('nan')):.3f})")
         if "retrieve_ms" in rows["cd+gtm"]:
             rt = rows["cd+gtm"]["retrieve_ms"]
             print(f"{'PASS' if rt <= 1.5 else 'MISS'}  {tag}: search + post through runtime.Searcher {rt:.3f} ms <= 1.5")
@@ -427,8 +428,9 @@ def verdicts(results: list[dict]) -> None:
               f"({gtm / cd:.2f}x)")
     kw = big["modes"]["cd+gtm+kway"]["graph_ms"]
     print(f"{'PASS' if kw <= 1.5 else 'MISS'}  {tag}: cd+gtm+kway graph {kw:.3f} ms <= 1.5")
-    if "post" in big and "cpu_ms" in big["post"]:
-        print(f"{'PASS' if big['post']['cpu_ms'] <= 1 else 'MISS'}  post on the CPU {big['post']['cpu_ms']:.3f} ms <= 1")
+    if "post" in big and "numba_ms" in big["post"]:
+        print(f"{'PASS' if big['post']['numba_ms'] <= 1 else 'MISS'}  post on the CPU {big['post']['numba_ms']:.3f} ms "
+              "<= 1")
 
 
 def main() -> int:

@@ -14,8 +14,8 @@ Two implementations of the one contract (`Retrieved`), and `expand` picks:
   host    numba passes over the snapshot's memory maps (beams on the CPU, or an index without
           `ServedIndex.post`): expand + dedupe with a hash table per request, the exact filter of
           `sidindex.matchers.exact`, a merge sort per request.
-  device  `DevicePost`: torch ops and the exact filter's Triton kernels (`runtime.ops.exact_filter`)
-          on the tensors of `ServedIndex.post`, every shape fixed by the batch,
+  device  `DevicePost`: `runtime.ops.expand` (Triton kernels around the exact filter's, or its torch
+          reference) on the tensors of `ServedIndex.post`, every shape fixed by the batch,
           the beams and bounds of the index known on the host, no host synchronisation, so a CUDA
           graph can capture it right after the search; the result's counts, then its rows in use, come
           back through pinned memory.
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from runtime.loader import POST_ARRAYS, ServedIndex, post_bounds
-from runtime.ops.exact_filter import exact_filter
+from runtime.ops.expand import RANKS, RRF_K, PostLayout, expand_beams
 from runtime.requests import to_device
 from runtime.search import Beams
 from schemas.artifacts import AD_LIVE, MATCHER_PLANES
@@ -45,9 +45,6 @@ from sidindex.matchers.plane import PARALLEL_PAIRS
 from sidindex.parallel import sized
 from sidindex.requests import EncodedRequests
 
-RANKS = ("score", "value", "fused")
-RRF_K = 60  # reciprocal-rank fusion's constant (Cormack et al.; GR4AD-X uses the same form)
-_INT64_MAX = torch.iinfo(torch.int64).max
 DEVICE_ROWS = 1 << 31  # the device path packs a catalog row into 31 bits of its sort keys: larger catalogs run on the host
 
 
@@ -338,16 +335,14 @@ def post_tensors(index: ServedIndex, device: str | torch.device = "cpu") -> dict
 
 
 class DevicePost:
-    """The post stage on the device (torch ops, the exact filter's kernels), for a batch of `batch`
-    requests x `beams` beams.
+    """The post stage on the device (`runtime.ops.expand`: Triton kernels around the exact filter's),
+    for a batch of `batch` requests x `beams` beams.
 
     Every shape is fixed here, from host-known bounds: C = the most (request, ad) pairs `beams`
     distinct leaves hold (`loader.PostBounds`), T = min(top_k, C) result rows per request, M =
     `max_values` request values per attribute (the bound `sidindex.ingest.read_requests` enforces),
     one query per group of a plane whose requests have one each (`PlaneQueries.single`), else M.
-    `run` makes no host synchronisation (no `.item()`, no boolean-mask indexing, no data-dependent
-    branch: padded slots carry a sentinel and sort last), so it can be captured in a CUDA graph
-    after the search; `result` copies the buffer's counts, then only the result rows in use, to
+    `run` makes no host synchronisation, so it can be captured in a CUDA graph after the search; `result` copies the buffer's counts, then only the result rows in use, to
     the host (with `pinned`, through pinned memory the stage keeps: for a stage read batch after
     batch, as `runtime.Searcher`'s; a one-off stage would pay more to pin it than it saves).
 
@@ -356,11 +351,13 @@ class DevicePost:
         retrieved = post.result(buffer)
 
     arrays: the post arrays (`ServedIndex.post`, the default; `post_tensors` builds them anywhere).
+    impl: `runtime.ops.expand`'s ("auto": its Triton kernels on a GPU, the torch reference elsewhere).
+    The buffer's layout: `layout` (`runtime.ops.expand.PostLayout`).
     """
 
     def __init__(self, index: ServedIndex, batch: int, beams: int, *, top_k: int | None = None, rank: str = "score",
                  stages: bool = False, max_values: int = MAX_REQUEST_VALUES,
-                 arrays: dict[str, torch.Tensor] | None = None, pinned: bool = False) -> None:
+                 arrays: dict[str, torch.Tensor] | None = None, pinned: bool = False, impl: str = "auto") -> None:
         check_rank(index, rank)
         self.arrays = index.post if arrays is None else arrays
         if self.arrays is None:
@@ -370,19 +367,11 @@ class DevicePost:
             raise ConfigError(f"snapshot {index.id} has {len(self.arrays['ads']):,} catalog rows; the device post stage "
                               f"serves fewer than {DEVICE_ROWS:,}: run the post stage on the host (`expand` does)")
         check_top_k(top_k)
-        self.index, self.batch, self.beams, self.rank, self.stages = index, batch, beams, rank, stages
-        self.max_values = max_values
+        self.index, self.rank, self.max_values, self.impl = index, rank, max_values, impl
         self.bounds = index.post_bounds if arrays is None else post_bounds(arrays, index.snapshot)
-        self.pairs = self.bounds.most_pairs(beams)  # C
-        self.kept = self.pairs if top_k is None else min(top_k, self.pairs)  # T
-        self.has_value = "ad_value" in self.arrays
-        self.length = index.sid_length
-        # the layout of `run`'s buffer (int64): per request counts, then B*T result rows of F words,
-        # those in use first (request by request, ranked)
-        self.counts = ["sids", "generated", "eligible"] + ([f"stage_{p}" for p in MATCHER_PLANES] if stages else [])
-        self.fields = [("ad_row", 1), ("ad_id", 1), ("sid", self.length), ("score", 1)]
-        self.fields += [("value", 1)] if self.has_value else []
-        self.row_words = sum(w for _, w in self.fields)  # F
+        pairs = self.bounds.most_pairs(beams)  # C
+        self.layout = PostLayout(batch, beams, pairs, pairs if top_k is None else min(top_k, pairs),
+                                 index.sid_length, rank, stages, "ad_value" in self.arrays)
         self.pinned = pinned
         self._host: torch.Tensor | None = None  # with `pinned`: `result`'s copies land here
 
@@ -402,66 +391,8 @@ class DevicePost:
         beams: tokens (B, K, L) int64, score (B, K) float32, leaf (B, K) int64 on the device.
         """
         self.check(requests)
-        a = self.arrays
-        B, K, C, T = self.batch, self.beams, self.pairs, self.kept
-        dev = beams.score.device
-        offsets, leaf_ads, n_ads = a["leaf_ad_offsets"], a["leaf_ads"], len(a["ads"])
-        # 1. live beams on catalog SIDs, and where each one's ads start among its request's C slots
-        alive = (beams.leaf >= 0) & (beams.score > float("-inf"))                      # (B, K)
-        leaf = beams.leaf.clamp(min=0)
-        count = torch.where(alive, offsets[leaf + 1] - offsets[leaf], 0)                # (B, K)
-        upto = count.cumsum(1)                                                          # (B, K) inclusive
-        # 2. slot j of a request -> its beam (the first whose inclusive count passes j) and ad
-        slot = torch.arange(C, device=dev).repeat(B, 1)                                 # (B, C)
-        beam = torch.searchsorted(upto, slot, right=True).clamp(max=K - 1)              # (B, C)
-        within = slot - (upto.gather(1, beam) - count.gather(1, beam))
-        valid = slot < upto[:, -1:]
-        pos = (offsets[leaf.gather(1, beam)] + within).clamp(max=len(leaf_ads) - 1)
-        ad = torch.where(valid, leaf_ads[pos].long(), 0)
-        if "ad_state" in a:  # rows an update paused or deleted are never served
-            valid &= a["ad_state"][ad] == AD_LIVE
-        score = beams.score.gather(1, beam)                                             # (B, C) float32
-        # 3. one slot per (request, ad), best score first (stable: the first beam on ties): one sort
-        #    of ad x 2^32 + the score's 32-bit key (catalog rows < 2^31: it fits in int64)
-        perm = torch.sort(torch.where(valid, ad, n_ads) * 2 ** 32 + _score_key(score), dim=1, stable=True).indices
-        ad, beam, score, valid = (t.gather(1, perm) for t in (ad, beam, score, valid))
-        first = valid.clone()
-        first[:, 1:] &= ad[:, 1:] != ad[:, :-1]
-        # 4. the exact filter, every plane on its own (stage flags), on the first slot of each ad
-        passed = [p & first for p in self._planes(requests, ad)]
-        ok = first
-        for p in passed:
-            ok = ok & p
-        # 5. rank: ineligible slots last, then RANKS, then ad_id (as the ad's place in ad_id order)
-        order = self.bounds.ad_order[ad]
-        value = a["ad_value"][ad] if self.has_value else None
-        if self.rank == "score":
-            top = _sorted(_score_order(score, order, ok))
-        else:
-            by_value = _lex_order(_eligible_first([_score_order(score, order), _descending(value)], ok))
-            top = by_value
-            if self.rank == "fused":  # ranks among the request's eligible ads, which sort first
-                rs, rv = _ranks(_sorted(_score_order(score, order, ok))), _ranks(by_value)
-                top = _lex_order(_eligible_first([order, _descending(1 / (RRF_K + rs).double()
-                                                                     + 1 / (RRF_K + rv).double())], ok))
-        top = top[:, :T]
-        beam, ad = beam.gather(1, top), ad.gather(1, top)
-        counts = [alive.sum(1), first.sum(1), ok.sum(1)] + ([p.sum(1) for p in passed] if self.stages else [])
-        rows = [ad[..., None], a["ads"][ad][..., None], beams.tokens.gather(1, beam[..., None].expand(B, T, self.length)),
-                score.gather(1, top).view(torch.int32).long()[..., None]]
-        rows += [value.gather(1, top).view(torch.int64)[..., None]] if self.has_value else []
-        # 6. the rows in use first, in (request, rank) order: the host copies one prefix
-        used = (torch.arange(T, device=dev) < counts[2][:, None]).reshape(-1)                    # (B*T,)
-        dest = torch.where(used, used.cumsum(0) - 1, used.sum() + (~used).cumsum(0) - 1)
-        rows = torch.cat(rows, dim=2).reshape(B * T, -1)
-        packed = torch.empty_like(rows).index_copy_(0, dest, rows)                               # (B*T, F)
-        return torch.cat([torch.stack(counts).reshape(-1), packed.reshape(-1)])
-
-    def _planes(self, requests: EncodedRequests, ad: torch.Tensor) -> list[torch.Tensor]:
-        """Per matcher plane (B, C) bool: ad `ad` (B, C) int64 passes the plane's attributes for its
-        request exactly (`runtime.ops.exact_filter`: the Triton kernels on a GPU, the torch reference
-        on CPU tensors; `sidindex.matchers.exact`'s tests)."""
-        return exact_filter(self.arrays, requests, ad, self.bounds.steps, self.max_values)
+        return expand_beams(self.layout, self.arrays, self.bounds.ad_order, self.bounds.steps, requests, beams,
+                            self.max_values, self.impl)
 
     def _fetch(self, buffer: torch.Tensor, lo: int, hi: int) -> np.ndarray:
         """buffer[lo:hi] on the host: with `pinned`, from a GPU through the stage's pinned memory
@@ -476,72 +407,21 @@ class DevicePost:
 
     def result(self, buffer: torch.Tensor) -> Retrieved:
         """The `Retrieved` of a `run`'s buffer: its counts, then the rows in use, to the host."""
-        B, T = self.batch, self.kept
-        head = len(self.counts) * B
-        counts = dict(zip(self.counts, self._fetch(buffer, 0, head).reshape(-1, B).copy()))
+        lay = self.layout
+        B, T, F = lay.batch, lay.kept, lay.row_words
+        head = len(lay.counts) * B
+        counts = dict(zip(lay.counts, self._fetch(buffer, 0, head).reshape(-1, B).copy()))
         n = np.minimum(counts["eligible"], T)  # rows per request
         total = int(n.sum())
-        rows = self._fetch(buffer, head, head + total * self.row_words).reshape(total, self.row_words)
+        rows = self._fetch(buffer, head, head + total * F).reshape(total, F)
         parts, at = {}, 0
-        for name, width in self.fields:  # copies: the pinned buffer serves the next call
+        for name, width in lay.fields:  # copies: the pinned buffer serves the next call
             parts[name] = rows[:, at:at + width].copy() if name == "sid" else rows[:, at].copy()
             at += width
         req = np.repeat(np.arange(B, dtype=np.int64), n)
         rank = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + 1
-        per_stage = {"ads_per_stage": {p: counts[f"stage_{p}"] for p in MATCHER_PLANES}} if self.stages else {}
+        per_stage = {"ads_per_stage": {p: counts[f"stage_{p}"] for p in MATCHER_PLANES}} if lay.stages else {}
         return Retrieved(req, rank, parts["ad_row"], parts["ad_id"], parts["sid"],
                          parts["score"].astype(np.int32).view(np.float32), counts["sids"], counts["generated"],
                          counts["eligible"], **per_stage,
-                         value=parts["value"].view(np.float64) if self.has_value else None)
-
-
-def _score_key(x: torch.Tensor) -> torch.Tensor:
-    """(B, C) int64 in [0, 2^32): keys ordering float32 scores x descending as ascending ints."""
-    return _descending(x) + 2 ** 31
-
-
-def _score_order(score: torch.Tensor, order: torch.Tensor, ok: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, C) int64 keys ranking slots by score (B, C) float32 descending, then `order` (B, C) int64
-    in [0, 2^31), ascending, packed in one int64; the slots not `ok` (B, C) bool get the largest
-    score key (a live score's is below it) and sort last."""
-    key = _score_key(score) if ok is None else torch.where(ok, _score_key(score), 2 ** 32 - 1)
-    return key * 2 ** 31 + order
-
-
-def _sorted(key: torch.Tensor) -> torch.Tensor:
-    """(B, C) int64 per row the permutation sorting key (B, C) int64 ascending."""
-    return torch.sort(key, dim=1).indices
-
-
-def _descending(x: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordering the floats of x (float32 or float64, no NaN) descending as ascending
-    ints; -0.0 and 0.0 get one key (they compare equal)."""
-    bits = (x + 0.0).view(torch.int32 if x.dtype == torch.float32 else torch.int64).long()  # + 0.0: -0.0 -> 0.0
-    if x.dtype == torch.float32:
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # monotonic in x, as signed ints
-    else:
-        ordered = bits ^ ((bits >> 63) & _INT64_MAX)
-    return -ordered - 1  # never _INT64_MAX (that is the sentinel of the slots ranked last)
-
-
-def _eligible_first(keys: list[torch.Tensor], ok: torch.Tensor) -> list[torch.Tensor]:
-    """`keys` (for `_lex_order`) with the slots not `ok` (B, C) bool last: the most significant
-    key set to a sentinel no real key reaches (`_descending` never gives _INT64_MAX)."""
-    return keys[:-1] + [torch.where(ok, keys[-1], _INT64_MAX)]
-
-
-def _lex_order(keys: list[torch.Tensor]) -> torch.Tensor:
-    """(B, C) int64 per row the permutation sorting by keys (each (B, C) int64, ascending), the
-    last key the most significant: one stable sort per key, least significant first."""
-    perm = None
-    for key in keys:
-        k = key if perm is None else key.gather(1, perm)
-        idx = torch.sort(k, dim=1, stable=True).indices
-        perm = idx if perm is None else perm.gather(1, idx)
-    return perm
-
-
-def _ranks(perm: torch.Tensor) -> torch.Tensor:
-    """(B, C) int64 the 1-based place of each slot in its row's order `perm` (B, C)."""
-    place = torch.arange(1, perm.shape[1] + 1, device=perm.device).expand_as(perm)
-    return torch.empty_like(perm).scatter_(1, perm, place)
+                         value=parts["value"].view(np.float64) if lay.has_value else None)

@@ -1,6 +1,7 @@
 """The post stage against an independent brute force (DESIGN.md §3, §8, §16): the host numba path
-and the device torch path (`runtime.post.DevicePost`, here on CPU tensors) return exactly the
-result derived from the raw ad and request lists.
+and the device path (`runtime.post.DevicePost`, here on CPU tensors: its Triton kernels under
+TRITON_INTERPRET=1 and its torch reference) return exactly the result derived from the raw ad and
+request lists.
 
 Random small catalogs (`tests.test_gtm.scenarios`), some rows paused or deleted, ad ids that are
 not the catalog rows' order, and random beams rather than searched ones: beams on catalog SIDs in
@@ -27,19 +28,20 @@ from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import ConfigError
 from sidindex.targeting import BITMASK, BLOOM
 from tests.test_gtm import eligible, scenarios
-from tests.test_runtime import Case
+from tests.test_runtime import DEVICE, Case
 from tests.test_value import VALUES
 
 SCORES = [0.0, -0.5, -1.0, -1.0, -2.5]  # few values: equal scores are common
+IMPLS = ("torch", "triton")  # `runtime.ops.expand`'s: its reference and its kernels (the interpreter on CPU)
 KIND_OF_PLANE = {"bitmask": BITMASK, "bloom": BLOOM}
 
 
 @st.composite
-def cases(draw):
-    """(case, beams): a scenario with or without values, some rows paused or deleted, its ad ids
-    shuffled, and B x K random beams."""
-    sc = draw(scenarios(max_ads=12))
-    if draw(st.booleans()):
+def cases(draw, max_ads: int = 12, max_beams: int = 6, scores=SCORES, values: bool | None = None):
+    """(case, beams): a scenario with values (or not, or either: None), some rows paused or deleted,
+    its ad ids shuffled, and B x K random beams (K <= max_beams) scored from `scores`."""
+    sc = draw(scenarios(max_ads=max_ads))
+    if draw(st.booleans()) if values is None else values:
         sc = dataclasses.replace(sc, values=draw(st.lists(VALUES, min_size=len(sc.ads), max_size=len(sc.ads))))
     state = np.array(draw(st.lists(st.sampled_from([0, 0, 0, 1, 2]), min_size=len(sc.ads), max_size=len(sc.ads))),
                      dtype=np.uint8) if draw(st.booleans()) else None
@@ -50,7 +52,7 @@ def cases(draw):
     snap = dataclasses.replace(case.snap, ad_id=ad_id)
     case.snap, case.index = snap, load_index(snap, "cpu")
     catalog = sorted(set(sc.sids))
-    L, K = len(sc.level_sizes), draw(st.integers(1, 6))
+    L, K = len(sc.level_sizes), draw(st.integers(1, max_beams))
     tokens = np.zeros((len(sc.requests), K, L), dtype=np.int64)
     score = np.full((len(sc.requests), K), -np.inf, dtype=np.float32)
     leaf = np.full((len(sc.requests), K), -1, dtype=np.int64)
@@ -58,12 +60,12 @@ def cases(draw):
         taken = draw(st.lists(st.sampled_from(catalog), max_size=min(K, len(catalog)), unique=True))
         for k in draw(st.permutations(range(K)))[:len(taken)]:
             sid = taken.pop()
-            tokens[r, k], score[r, k] = sid, draw(st.sampled_from(SCORES))
+            tokens[r, k], score[r, k] = sid, draw(st.sampled_from(scores))
             leaf[r, k] = case.node(sid) - case.gtm.depth_offsets[L]
         for k in range(K):
             if leaf[r, k] < 0 and draw(st.booleans()):  # a SID outside the catalog (mode none), alive
                 tokens[r, k] = [L + level for level in range(L)]
-                score[r, k] = draw(st.sampled_from(SCORES))
+                score[r, k] = draw(st.sampled_from(scores))
     return case, Beams(torch.from_numpy(tokens), torch.from_numpy(score), torch.from_numpy(leaf))
 
 
@@ -145,11 +147,36 @@ def test_host_and_device_paths_equal_the_brute_force(case_beams, top_k, stages, 
     want = brute_force(case, beams, top_k, rank)
     host = expand(case.index, case.req, beams, top_k, stages, rank)
     check(host, want, stages)
-    post = DevicePost(case.index, *beams.score.shape, top_k=top_k, rank=rank, stages=stages,
-                      arrays=post_tensors(case.index))
-    device = post.result(post.run(to_device(case.req, "cpu"), beams))
-    check(device, want, stages)
-    same(host, device)
+    for impl in IMPLS:
+        device = device_post(case, beams, impl, top_k=top_k, rank=rank, stages=stages)
+        check(device, want, stages)
+        same(host, device)
+
+
+def moved(beams: Beams, dev) -> Beams:
+    return Beams(beams.tokens.to(dev), beams.score.to(dev), beams.leaf.to(dev))
+
+
+def device_post(case, beams: Beams, impl: str, **kw) -> Retrieved:
+    """`DevicePost` with `impl`: torch on CPU tensors, the Triton kernels on a GPU (in the
+    interpreter, on CPU tensors, without one)."""
+    dev = DEVICE if impl == "triton" else "cpu"
+    post = DevicePost(case.index, *beams.score.shape, arrays=post_tensors(case.index, dev), impl=impl, **kw)
+    return post.result(post.run(to_device(case.req, dev), moved(beams, dev)))
+
+
+@pytest.mark.parametrize("rank", RANKS)
+@settings(max_examples=3, deadline=None)
+@given(cases(max_ads=150, max_beams=80, scores=SCORES + [-0.0, -1e-45, -3.4e38, float("inf")], values=True),
+       st.sampled_from([None, 3]))
+def test_crowded_leaves_equal_the_brute_force(rank, case_beams, top_k):
+    """Many ads per SID and up to 80 beams (hundreds of slots per request: the kernels' block sorts and
+    searches take several steps), scores at float32's edges (-0.0 is 0.0, a subnormal, -3.4e38, inf),
+    every ranking."""
+    case, beams = case_beams
+    want = brute_force(case, beams, top_k, rank)
+    for impl in IMPLS:
+        check(device_post(case, beams, impl, top_k=top_k, rank=rank, stages=True), want, True)
 
 
 @settings(max_examples=10, deadline=None)
@@ -160,9 +187,10 @@ def test_the_device_path_serves_a_slice_of_the_requests(case_beams):
     B = beams.score.shape[0]
     lo = B // 2
     part = Beams(beams.tokens[lo:], beams.score[lo:], beams.leaf[lo:])
-    post = DevicePost(case.index, B - lo, beams.score.shape[1], arrays=post_tensors(case.index))
-    got = post.result(post.run(to_device(case.req, "cpu").slice(lo, B), part))
-    same(got, expand(case.index, case.req.slice(lo, B), part))
+    for impl, dev in (("torch", "cpu"), ("triton", DEVICE)):
+        post = DevicePost(case.index, B - lo, beams.score.shape[1], arrays=post_tensors(case.index, dev), impl=impl)
+        got = post.result(post.run(to_device(case.req, dev).slice(lo, B), moved(part, dev)))
+        same(got, expand(case.index, case.req.slice(lo, B), part))
 
 
 def test_one_level_sids_keep_their_shape():
@@ -174,10 +202,9 @@ def test_one_level_sids_keep_their_shape():
     B = len(case.sc.requests)
     beams = Beams(torch.tensor([[[1], [0]]] * B), torch.tensor([[-0.5, -1.0]] * B), torch.tensor([[1, 0]] * B))
     host = expand(case.index, case.req, beams)
-    post = DevicePost(case.index, B, 2, arrays=post_tensors(case.index))
-    device = post.result(post.run(to_device(case.req, "cpu"), beams))
     assert host.sid.shape == (len(host.ad_id), 1) and len(host.ad_id) > 0
-    same(host, device)
+    for impl in IMPLS:
+        same(host, device_post(case, beams, impl))
 
 
 def test_the_device_path_needs_its_arrays():
@@ -203,7 +230,7 @@ def test_searcher_retrieve_is_search_then_post(sc, seed, top_k, rank):
     """`runtime.Searcher.retrieve` (on a GPU: search and device post stage captured in one graph,
     replayed for a second batch) returns what the search followed by `expand` returns."""
     from runtime.serving import Searcher
-    from tests.test_runtime import DEVICE, TableScorer
+    from tests.test_runtime import TableScorer
 
     if rank != "score":
         sc = dataclasses.replace(sc, values=[float(v) for v in range(len(sc.ads))])

@@ -16,7 +16,7 @@ IMPLS = ("auto", "triton", "torch")
 
 
 def exact_filter(arrays: dict[str, torch.Tensor], requests, ad: torch.Tensor, steps: dict[str, tuple[int, ...]],
-                 max_values: int, impl: str = "auto") -> list[torch.Tensor]:
+                 max_values: int, impl: str = "auto", live: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Per matcher plane (`MATCHER_PLANES` order) (B, C) bool: ad `ad[b, c]` passes every attribute
     of the plane for request b. A `rows` plane: on every word group ANY of the request's queries q
     has (row & q) == q; a `values` plane: per attribute the ad has no values or ANY request value
@@ -33,6 +33,8 @@ def exact_filter(arrays: dict[str, torch.Tensor], requests, ad: torch.Tensor, st
     (`runtime.loader.PostBounds.steps`). max_values: the most queries or values a request has for one
     group or attribute (the reference's static shape; the kernels loop to the actual counts).
     impl: "triton", "torch" or "auto" (triton on CUDA tensors, torch elsewhere).
+    live: None, or (B,) int64: only request b's first live[b] slots hold pairs; the others are
+      False, and the kernels read nothing for them (the post kernels compact each request's pairs).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
@@ -41,5 +43,9 @@ def exact_filter(arrays: dict[str, torch.Tensor], requests, ad: torch.Tensor, st
     if impl == "triton":
         from runtime.ops.exact_filter.kernel import exact_filter_triton  # triton only where it runs
 
-        return exact_filter_triton(arrays, requests, ad, steps)
-    return exact_filter_reference(arrays, requests, ad, steps, max_values)
+        return exact_filter_triton(arrays, requests, ad, steps, live)
+    out = exact_filter_reference(arrays, requests, ad, steps, max_values)
+    if live is None:
+        return out
+    held = torch.arange(ad.shape[1], device=ad.device) < live[:, None]
+    return [p & held for p in out]

@@ -11,7 +11,8 @@ catalog (a slot that is not valid reads a real row; the caller masks it).
           attribute's fixed number of steps (`loader.PostBounds.steps`), compared as uint64, until every
           live lane found one; an ad with no values passes, a lane that failed an attribute loads
           nothing more
-Bits are int64 (the uint64 words reinterpreted): & and == are the same; only the hashes' order
+With `live` counts (HAS_LIVE), a request's slots past its count are False and load nothing: a block
+past them only stores. Bits are int64 (the uint64 words reinterpreted): & and == are the same; only the hashes' order
 needs the unsigned view.
 """
 
@@ -29,22 +30,30 @@ QSTEP = 4  # queries per round of a rows group (independent loads in flight)
 
 
 @triton.jit
-def _rows_kernel(out, ad, words, q_words, q_ranges, C, N, s_ad, s_rb, s_rg,
+def _rows_kernel(out, ad, held, words, q_words, q_ranges, C, N, s_ad, s_rb, s_rg,
                  W: tl.constexpr, QW: tl.constexpr, SINGLE: tl.constexpr, GLO: tl.constexpr, GW: tl.constexpr,
-                 GA: tl.constexpr, BLOCK: tl.constexpr, QSTEP: tl.constexpr):
+                 GA: tl.constexpr, HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr, QSTEP: tl.constexpr):
     """out[b, c] = ad[b, c]'s row words (N, W) passes request b's queries (rows QW words apart,
     ranges (B, G, 2) with strides s_rb, s_rg, 1) on every word group (first word, words, words
-    rounded up to a power of 2)."""
+    rounded up to a power of 2); with HAS_LIVE only for c < held[b]."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     real = c < C
-    r = tl.load(ad + b * s_ad + c, mask=real, other=0)
+    ok = _held(real, c, held, b, HAS_LIVE)
+    r = tl.load(ad + b * s_ad + c, mask=ok, other=0)
     row = words + tl.minimum(tl.maximum(r, 0), N - 1) * W
-    ok = real
     for g in tl.static_range(len(GLO)):
         ok = _group_pass(ok, row, q_words, q_ranges + b * s_rb + g * s_rg, q_words, QW, GLO[g], GW[g], GA[g], SINGLE,
                          QSTEP, False, 0, 0, 0)  # no query table: a pair's ad is one row
     tl.store(out + b * C + c, ok, mask=real)
+
+
+@triton.jit
+def _held(real, c, held, b, HAS_LIVE: tl.constexpr):
+    """real & (slot c holds a pair: c < held[b], the `live` counts) with HAS_LIVE, else real."""
+    if HAS_LIVE:
+        real = real & (c < tl.load(held + b))
+    return real
 
 
 @triton.jit
@@ -62,16 +71,17 @@ def _lower_bound(hashes, lo, hi, want, live, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _values_kernel(out, ad, ad_off, hashes, req_off, req_hashes, C, N, s_ad, s_qa, s_qb,
-                   STEPS: tl.constexpr, BLOCK: tl.constexpr):
+def _values_kernel(out, ad, held, ad_off, hashes, req_off, req_hashes, C, N, s_ad, s_qa, s_qb,
+                   STEPS: tl.constexpr, HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr):
     """out[b, c] = for every attribute a, ad ad[b, c] has no hashes (ad_off (A, N+1) into hashes,
     sorted as uint64) or one of request b's (req_off (A, B+1) with strides s_qa, s_qb into
-    req_hashes) is among them; STEPS[a] binary-search steps cover the most hashes an ad has."""
+    req_hashes) is among them; STEPS[a] binary-search steps cover the most hashes an ad has; with
+    HAS_LIVE only for c < held[b]."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     real = c < C
-    r = tl.minimum(tl.maximum(tl.load(ad + b * s_ad + c, mask=real, other=0), 0), N - 1)
-    ok = real
+    ok = _held(real, c, held, b, HAS_LIVE)
+    r = tl.minimum(tl.maximum(tl.load(ad + b * s_ad + c, mask=ok, other=0), 0), N - 1)
     for a in tl.static_range(len(STEPS)):
         lo = tl.load(ad_off + a * (N + 1) + r, mask=ok, other=0)
         hi = tl.load(ad_off + a * (N + 1) + r + 1, mask=ok, other=0)
@@ -94,14 +104,16 @@ def _values_kernel(out, ad, ad_off, hashes, req_off, req_hashes, C, N, s_ad, s_q
 
 
 def exact_filter_triton(arrays: dict[str, torch.Tensor], requests, ad: torch.Tensor,
-                        steps: dict[str, tuple[int, ...]]) -> list[torch.Tensor]:
-    """Same contract as `exact_filter_reference` (without its static query bound: the kernels loop
-    to each request's own counts). ad: (B, C) int64 with unit stride along C."""
+                        steps: dict[str, tuple[int, ...]], live: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Same contract as `runtime.ops.exact_filter.exact_filter` (without its static query bound: the
+    kernels loop to each request's own counts). ad: (B, C) int64 with unit stride along C."""
     if ad.dtype != torch.int64 or ad.dim() != 2 or (ad.shape[1] > 1 and ad.stride(1) != 1):
         raise ValueError(f"ad: expected (B, C) int64 with unit stride along C, got {tuple(ad.shape)} {ad.dtype} "
                          f"strides {ad.stride()}")
     B, C = ad.shape
     grid = (B, triton.cdiv(C, BLOCK))
+    has_live = live is not None
+    held = live if has_live else ad  # without counts, a pointer the kernels never read
     out = []
     for p, q, ex in zip(MATCHER_PLANES, requests.planes, requests.exact):
         if EXACT_FORM[p] == EXACT_ROWS:
@@ -113,11 +125,11 @@ def exact_filter_triton(arrays: dict[str, torch.Tensor], requests, ad: torch.Ten
             rows, q_rows = arrays[f"exact_{p}_rows"].contiguous(), q.rows.contiguous()
             ranges = q.ranges if q.ranges.stride(2) == 1 else q.ranges.contiguous()
             _rows_kernel[grid](
-                passed, ad, rows, q_rows, ranges, C, len(rows), ad.stride(0), ranges.stride(0), ranges.stride(1),
+                passed, ad, held, rows, q_rows, ranges, C, len(rows), ad.stride(0), ranges.stride(0), ranges.stride(1),
                 W=rows.shape[1], QW=q_rows.shape[1], SINGLE=bool(q.single), GLO=tuple(woff[:-1]),
                 GW=tuple(hi - lo for lo, hi in zip(woff[:-1], woff[1:])),
                 GA=tuple(triton.next_power_of_2(max(hi - lo, 1)) for lo, hi in zip(woff[:-1], woff[1:])),
-                BLOCK=BLOCK, QSTEP=QSTEP, num_warps=WARPS)
+                HAS_LIVE=has_live, BLOCK=BLOCK, QSTEP=QSTEP, num_warps=WARPS)
         else:
             hashes, ad_off = arrays[f"exact_{p}_hashes"], arrays[f"exact_{p}_hash_offsets"]
             if not (B and C and len(hashes)):  # no hashes: no ad restricted on any attribute (static)
@@ -126,8 +138,8 @@ def exact_filter_triton(arrays: dict[str, torch.Tensor], requests, ad: torch.Ten
             passed = torch.empty((B, C), dtype=torch.bool, device=ad.device)
             A = len(steps[p])
             _values_kernel[grid](
-                passed, ad, ad_off.contiguous(), hashes.contiguous(), ex.hash_offsets, ex.hashes.contiguous(),
+                passed, ad, held, ad_off.contiguous(), hashes.contiguous(), ex.hash_offsets, ex.hashes.contiguous(),
                 C, len(ad_off) // A - 1, ad.stride(0), ex.hash_offsets.stride(0), ex.hash_offsets.stride(1),
-                STEPS=tuple(steps[p]), BLOCK=BLOCK, num_warps=WARPS)
+                STEPS=tuple(steps[p]), HAS_LIVE=has_live, BLOCK=BLOCK, num_warps=WARPS)
         out.append(passed)
     return out

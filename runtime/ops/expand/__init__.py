@@ -1,0 +1,50 @@
+"""The device post stage's op (`runtime.post.DevicePost`, DESIGN.md §3, §8): a batch's beams ->
+its (request, ad) pairs, each ad's best score, the exact filter, and the ranked rows, packed into
+one int64 buffer (`PostLayout`), with no host synchronisation (a CUDA graph captures it).
+
+Two implementations of the one contract, and `expand_beams` picks:
+  triton  two kernels around the exact filter's (`kernel`): one program per request holds its C
+          slots in one block, sorts them there and ranks them there (C and K up to MAX_BLOCK)
+  torch   the reference (`reference`): whole-tensor ops, sorts along C; on CPU tensors, and past
+          MAX_BLOCK, where a block's bitonic sorts cost more than torch's segmented sorts
+Both give every count and every row in use bit for bit (tests compare them, the kernels under
+TRITON_INTERPRET=1); rows past those in use are unspecified.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.ops.expand.layout import MAX_BLOCK, RANKS, RRF_K, PostLayout
+from runtime.ops.expand.reference import expand_reference
+
+__all__ = ["MAX_BLOCK", "RANKS", "RRF_K", "PostLayout", "expand_beams"]
+
+IMPLS = ("auto", "triton", "torch")
+
+
+def expand_beams(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_order: torch.Tensor,
+                 steps: dict[str, tuple[int, ...]], requests, beams, max_values: int,
+                 impl: str = "auto") -> torch.Tensor:
+    """The post stage of one batch: (layout.size,) int64, the buffer `PostLayout` describes.
+
+    arrays: the post arrays by contract name (`ServedIndex.post` or `runtime.post.post_tensors`):
+      leaf_ad_offsets (S+1,) int64, leaf_ads (P,) int32/int64 catalog rows, ads (N,) int64 ad ids,
+      ad_value (N,) float64 when the layout has values, ad_state (N,) uint8 when updates wrote it,
+      and the exact filter's (`runtime.ops.exact_filter`).
+    ad_order: (N,) int64 each row's place in ascending ad_id order. steps: per values plane its
+    binary-search steps (`runtime.loader.PostBounds`). requests: the batch's device form
+    (`runtime.requests.to_device`). beams: tokens (B, K, L) int64, score (B, K) float32, leaf (B, K)
+    int64. max_values: the reference's static query bound. impl: "triton", "torch" or "auto"
+    (triton on CUDA tensors when C and K fit MAX_BLOCK, torch elsewhere).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        fits = max(layout.block, layout.beam_block) <= MAX_BLOCK and layout.pairs and layout.batch
+        impl = "triton" if beams.score.is_cuda and fits else "torch"
+    if impl == "triton":
+        from runtime.ops.expand.kernel import expand_triton  # triton only where it runs
+
+        return expand_triton(layout, arrays, ad_order, steps, requests, beams, max_values)
+    return expand_reference(layout, arrays, ad_order, steps, requests, beams, max_values)
