@@ -33,10 +33,10 @@ TOP = 2**63
 SPECIAL = [0, 1, TOP - 1, TOP, TOP + 1, 2**64 - 1]  # the edges of the signed and unsigned orders
 
 
-def both(arrays, requests, ad, steps, max_values):
+def both(arrays, requests, ad, steps, max_values, live=None):
     """(triton, torch) results, checked equal and (B, C) bool per plane."""
-    got = exact_filter(arrays, requests, ad, steps, max_values, impl="triton")
-    want = exact_filter(arrays, requests, ad, steps, max_values, impl="torch")
+    got = exact_filter(arrays, requests, ad, steps, max_values, impl="triton", live=live)
+    want = exact_filter(arrays, requests, ad, steps, max_values, impl="torch", live=live)
     assert len(got) == len(want) == len(MATCHER_PLANES)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype == torch.bool and g.shape == w.shape == ad.shape
@@ -134,10 +134,17 @@ def raw(draw):
 
 
 @settings(max_examples=40, deadline=None)
-@given(raw())
-def test_kernel_and_reference_equal_a_brute_force_on_raw_arrays(drawn):
+@given(raw(), st.data())
+def test_kernel_and_reference_equal_a_brute_force_on_raw_arrays(drawn, data):
+    """With `live` counts (the post kernels' compacted pairs), every slot past a request's count is
+    False; the others are the brute force's."""
     arrays, requests, ad, steps, max_values, want = drawn
-    got = both(arrays, requests, ad, steps, max_values)
+    B, C = ad.shape
+    live = data.draw(st.none() | st.lists(st.integers(0, C + 2), min_size=B, max_size=B))
+    if live is not None:
+        want = want & (np.arange(C) < np.array(live)[:, None])
+        live = torch.tensor(live, dtype=torch.int64)
+    got = both(arrays, requests, ad, steps, max_values, live)
     for p, g in enumerate(got):
         assert np.array_equal(g.numpy(), want[p]), MATCHER_PLANES[p]
 

@@ -114,12 +114,18 @@ def exact_filter_triton(arrays: dict[str, torch.Tensor], requests, ad: torch.Ten
     grid = (B, triton.cdiv(C, BLOCK))
     has_live = live is not None
     held = live if has_live else ad  # without counts, a pointer the kernels never read
+
+    def every() -> torch.Tensor:  # a plane without attributes passes every slot holding a pair (no launch)
+        if not has_live:
+            return torch.ones((B, C), dtype=torch.bool, device=ad.device)
+        return torch.arange(C, device=ad.device) < live[:, None]
+
     out = []
     for p, q, ex in zip(MATCHER_PLANES, requests.planes, requests.exact):
         if EXACT_FORM[p] == EXACT_ROWS:
             woff = [int(w) for w in q.word_offsets]
             if not (B and C and len(woff) > 1):  # a plane without attributes passes every ad (static)
-                out.append(torch.ones((B, C), dtype=torch.bool, device=ad.device))
+                out.append(every())
                 continue
             passed = torch.empty((B, C), dtype=torch.bool, device=ad.device)  # the kernel writes every slot
             rows, q_rows = arrays[f"exact_{p}_rows"].contiguous(), q.rows.contiguous()
@@ -133,7 +139,7 @@ def exact_filter_triton(arrays: dict[str, torch.Tensor], requests, ad: torch.Ten
         else:
             hashes, ad_off = arrays[f"exact_{p}_hashes"], arrays[f"exact_{p}_hash_offsets"]
             if not (B and C and len(hashes)):  # no hashes: no ad restricted on any attribute (static)
-                out.append(torch.ones((B, C), dtype=torch.bool, device=ad.device))
+                out.append(every())
                 continue
             passed = torch.empty((B, C), dtype=torch.bool, device=ad.device)
             A = len(steps[p])
