@@ -144,14 +144,16 @@ def time_post(index, requests_host, requests_device, beams: Beams, *, top_k: int
 
         res["graph_copy_ms"] = wall_ms(replay_and_copy, reps)
         res["graph_identical"] = same(replay_and_copy(), want)
-        # the op's torch reference (`runtime.ops.expand`), captured alike: what the kernels replace
+    except Exception as e:
+        res["graph_error"] = f"{type(e).__name__}: {e}"
+    try:  # the op's torch reference (`runtime.ops.expand`), captured alike: what the kernels replace
         ref = DevicePost(index, B, K, top_k=top_k, rank=rank, stages=stages, pinned=True, impl="torch")
         replay, out = captured(lambda: ref.run(requests_device, beams))
         res["reference_graph_ms"] = cuda_ms(replay, reps)
         replay()
         res["reference_identical"] = same(ref.result(out), want)
     except Exception as e:
-        res["graph_error"] = f"{type(e).__name__}: {e}"
+        res["reference_error"] = f"{type(e).__name__}: {e}"
     return res
 
 

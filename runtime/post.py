@@ -339,12 +339,13 @@ class DevicePost:
     for a batch of `batch` requests x `beams` beams.
 
     Every shape is fixed here, from host-known bounds: C = the most (request, ad) pairs `beams`
-    distinct leaves hold (`loader.PostBounds`), T = min(top_k, C) result rows per request, M =
-    `max_values` request values per attribute (the bound `sidindex.ingest.read_requests` enforces),
-    one query per group of a plane whose requests have one each (`PlaneQueries.single`), else M.
-    `run` makes no host synchronisation, so it can be captured in a CUDA graph after the search; `result` copies the buffer's counts, then only the result rows in use, to
-    the host (with `pinned`, through pinned memory the stage keeps: for a stage read batch after
-    batch, as `runtime.Searcher`'s; a one-off stage would pay more to pin it than it saves).
+    distinct leaves hold (`loader.PostBounds`), T = min(top_k, C) result rows per request; the
+    torch reference also takes M = `max_values` request values per attribute (the bound
+    `sidindex.ingest.read_requests` enforces; the kernels loop to each request's own). `run` makes
+    no host synchronisation, so it can be captured in a CUDA graph after the search; `result`
+    copies the buffer's counts, then only the result rows in use, to the host (with `pinned`,
+    through pinned memory the stage keeps: for a stage read batch after batch, as
+    `runtime.Searcher`'s; a one-off stage would pay more to pin it than it saves).
 
         post = DevicePost(index, 16, 1024, top_k=100)
         buffer = post.run(requests_on_device, beams)   # capturable

@@ -207,6 +207,22 @@ def test_one_level_sids_keep_their_shape():
         same(host, device_post(case, beams, impl))
 
 
+def test_the_kernels_refuse_beams_of_another_shape():
+    """Beams that do not match the stage's (B, K), or strided along K, are refused before any
+    launch (the kernels would read past them)."""
+    from tests.test_gtm import scenario
+
+    case = Case(scenario([{"country": None, "locations": []}], [(0, 0, 0)], [0]), "cpu")
+    B = len(case.sc.requests)
+    post = DevicePost(case.index, B, 2, arrays=post_tensors(case.index), impl="triton")
+    wide = Beams(torch.zeros(B, 3, 3, dtype=torch.int64), torch.zeros(B, 3), torch.zeros(B, 3, dtype=torch.int64))
+    strided = Beams(torch.zeros(B, 2, 3, dtype=torch.int64), torch.zeros(B, 4)[:, ::2],
+                    torch.zeros(B, 2, dtype=torch.int64))
+    for beams in (wide, strided):
+        with pytest.raises(ValueError, match="beams: expected"):
+            post.run(to_device(case.req, "cpu"), beams)
+
+
 def test_the_device_path_needs_its_arrays():
     from tests.test_gtm import scenario
 

@@ -83,8 +83,8 @@ def _values_kernel(out, ad, held, ad_off, hashes, req_off, req_hashes, C, N, s_a
     ok = _held(real, c, held, b, HAS_LIVE)
     r = tl.minimum(tl.maximum(tl.load(ad + b * s_ad + c, mask=ok, other=0), 0), N - 1)
     for a in tl.static_range(len(STEPS)):
-        lo = tl.load(ad_off + a * (N + 1) + r, mask=ok, other=0)
-        hi = tl.load(ad_off + a * (N + 1) + r + 1, mask=ok, other=0)
+        lo = tl.load(ad_off + tl.cast(N + 1, tl.int64) * a + r, mask=ok, other=0)
+        hi = tl.load(ad_off + tl.cast(N + 1, tl.int64) * a + r + 1, mask=ok, other=0)
         found = hi == lo  # unrestricted on a
         j = tl.load(req_off + a * s_qa + b * s_qb)
         end = tl.load(req_off + a * s_qa + (b + 1) * s_qb)

@@ -3,7 +3,7 @@ its (request, ad) pairs, each ad's best score, the exact filter, and the ranked 
 one int64 buffer (`PostLayout`), with no host synchronisation (a CUDA graph captures it).
 
 Two implementations of the one contract, and `expand_beams` picks:
-  triton  two kernels around the exact filter's (`kernel`): one program per request holds its C
+  triton  Triton kernels around the exact filter's (`kernel`): one program per request holds its C
           slots in one block, sorts them there and ranks them there (C and K up to MAX_BLOCK)
   torch   the reference (`reference`): whole-tensor ops, sorts along C; on CPU tensors, and past
           MAX_BLOCK, where a block's bitonic sorts cost more than torch's segmented sorts

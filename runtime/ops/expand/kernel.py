@@ -1,4 +1,4 @@
-"""The device post stage as two Triton kernels around the exact filter's (`runtime.ops.exact_filter`).
+"""The device post stage as Triton kernels around the exact filter's (`runtime.ops.exact_filter`).
 The torch reference (`reference`) spends about 60 small launches and several segmented sorts; here
 one program per request holds its slots in one block of BLOCK lanes (C rounded up to a power of 2,
 its beams in BK lanes) and does a request's work in registers and a little scratch memory:
@@ -12,9 +12,10 @@ its beams in BK lanes) and does a request's work in registers and a little scrat
                  4. those first slots compacted, in ad order, to the front of the request's C slots
                     (ad, beam), and the request's counts of live SIDs and generated ads
   exact filter   every plane, on each request's first `generated` slots only
+  _count_kernel  each request's eligible slots (and each plane's passes)
   _rank_kernel   5. the rank keys of RANKS over the eligible slots (ineligible ones last)
-                 6. the request's rows at their place among the batch's rows in use (the requests
-                    before it counted again from the filter's flags), and its counts
+                 6. the request's rows at their place among the batch's rows in use (after the
+                    earlier requests' min(eligible, T))
 
 A block's order comes from `tl.sort` (bitonic, keys only): `_rank_below` stores the sorted keys in
 scratch and binary-searches each lane's key there, which gives each lane its place when keys are
@@ -101,7 +102,7 @@ def _pairs_kernel(pair_ad, pair_beam, buf, scratch, leaf, score, offsets, leaf_a
     tl.store(sb + k, beam_place)
     tl.debug_barrier()
     # 2. slot j -> its beam and ad
-    valid = lanes < total
+    valid = lanes < tl.minimum(total, C)  # C bounds distinct leaves' ads (as the reference cuts them)
     beam = tl.minimum(beam_of_slot(sk, lanes, K, valid, LOG_K), K - 1)
     within = lanes - tl.load(sk + beam, mask=valid, other=0)
     place = tl.load(sb + beam, mask=valid, other=0)
@@ -130,22 +131,28 @@ def _pairs_kernel(pair_ad, pair_beam, buf, scratch, leaf, score, offsets, leaf_a
 
 
 @triton.jit
-def _passed(passed, b, B, C, lanes, real, P: tl.constexpr):
-    """real & (slot passes every plane's exact test): passed (P, B, C) uint8."""
+def _count_kernel(buf, passed, B, C, P: tl.constexpr, STAGES: tl.constexpr, BLOCK: tl.constexpr):
+    """Request b's eligible slots (every plane passed) into buf[2B + b], and with STAGES each plane's
+    into buf[(3 + p) B + b]: the counts `_rank_kernel`'s programs place their rows by."""
+    b = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    real = lanes < tl.load(buf + B + b)
     ok = real
     for p in tl.static_range(P):
-        ok = ok & (tl.load(passed + (p * B + b) * C + lanes, mask=real, other=0) != 0)
-    return ok
+        hit = real & (tl.load(passed + (p * B + b) * C + lanes, mask=real, other=0) != 0)
+        if STAGES:
+            tl.store(buf + (3 + p) * B + b, tl.sum(hit.to(tl.int64), axis=0))
+        ok = ok & hit
+    tl.store(buf + 2 * B + b, tl.sum(ok.to(tl.int64), axis=0))
 
 
 @triton.jit
 def _rank_kernel(buf, pair_ad, pair_beam, passed, scratch, score, tokens, ads, ad_order, ad_value,
                  B, C, T, s_score, s_tok_b, s_tok_k, s_tok_l, s_scratch,
-                 P: tl.constexpr, RANK: tl.constexpr, STAGES: tl.constexpr, HAS_VALUE: tl.constexpr,
-                 L: tl.constexpr, F: tl.constexpr, NC: tl.constexpr, RRF: tl.constexpr,
-                 BLOCK: tl.constexpr, LOG: tl.constexpr):
-    """Steps 5-6 for request b: its eligible and per-plane counts into buf's counts, its first
-    min(eligible, T) ranked rows (F words) into buf's rows, after the rows of requests 0..b-1."""
+                 P: tl.constexpr, RANK: tl.constexpr, HAS_VALUE: tl.constexpr, L: tl.constexpr, F: tl.constexpr,
+                 NC: tl.constexpr, RRF: tl.constexpr, BLOCK: tl.constexpr, LOG: tl.constexpr, BB: tl.constexpr):
+    """Steps 5-6 for request b: its first min(eligible, T) ranked rows (F words) into buf's rows,
+    after the rows of requests 0..b-1 (their eligible counts, `_count_kernel`'s; BB >= B)."""
     b = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     sa = scratch + b * s_scratch
@@ -154,11 +161,7 @@ def _rank_kernel(buf, pair_ad, pair_beam, passed, scratch, score, tokens, ads, a
     beam = tl.load(pair_beam + b * C + lanes, mask=real, other=0)
     ok = real
     for p in tl.static_range(P):
-        hit = real & (tl.load(passed + (p * B + b) * C + lanes, mask=real, other=0) != 0)
-        if STAGES:
-            tl.store(buf + (3 + p) * B + b, tl.sum(hit.to(tl.int64), axis=0))
-        ok = ok & hit
-    tl.store(buf + 2 * B + b, tl.sum(ok.to(tl.int64), axis=0))
+        ok = ok & (tl.load(passed + (p * B + b) * C + lanes, mask=real, other=0) != 0)
     # 5. ranks: by score (then ad_id, as the ad's place in ad_id order), the ineligible last
     sc = tl.load(score + b * s_score + beam, mask=real, other=0.0)
     order = tl.load(ad_order + ad, mask=real, other=0)
@@ -176,10 +179,8 @@ def _rank_kernel(buf, pair_ad, pair_beam, passed, scratch, score, tokens, ads, a
             dense = _rank_below(tl.where(ok, _descending(fused), _INT64_MAX), sa, BLOCK, LOG)
             place = _rank_below(dense * 2 ** 31 + order, sa, BLOCK, LOG)  # the ineligible: dense above all
     # 6. the rows in use before this request's: each earlier request's min(eligible, T)
-    before = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
-    for e in range(0, b):
-        held = _passed(passed, e, B, C, lanes, lanes < tl.load(buf + B + e), P)
-        before += tl.minimum(tl.sum(held.to(tl.int64), axis=0), T)
+    e = tl.arange(0, BB)
+    before = tl.sum(tl.minimum(tl.load(buf + 2 * B + e, mask=e < b, other=0), T), axis=0)
     keep = ok & (place < T)
     row = buf + NC * B + (before + place) * F
     tl.store(row, ad, mask=keep)
@@ -194,9 +195,15 @@ def _rank_kernel(buf, pair_ad, pair_beam, passed, scratch, score, tokens, ads, a
 
 def expand_triton(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_order: torch.Tensor,
                   steps: dict[str, tuple[int, ...]], requests, beams, max_values: int) -> torch.Tensor:
-    """`runtime.ops.expand.expand_beams` as the two kernels and the exact filter's (same arguments;
+    """`runtime.ops.expand.expand_beams` as the kernels and the exact filter's (same arguments;
     B, C >= 1; any block, but past `MAX_BLOCK` the sorts are slow to compile and to run)."""
     B, K, C, T = layout.batch, layout.beams, layout.pairs, layout.kept
+    leaf, score, tokens = beams.leaf, beams.score, beams.tokens
+    if not (leaf.shape == score.shape == (B, K) and tokens.shape == (B, K, layout.length)
+            and leaf.stride(1) == score.stride(1) == 1):
+        raise ValueError(f"beams: expected tokens (B, K, L) = {(B, K, layout.length)}, score and leaf (B, K) with unit "
+                         f"stride along K; got {tuple(tokens.shape)}, {tuple(score.shape)} strides {score.stride()}, "
+                         f"{tuple(leaf.shape)} strides {leaf.stride()}")
     block, beam_block = layout.block, layout.beam_block
     log, wide = block.bit_length() - 1, max(block, beam_block)
     dev = beams.score.device
@@ -205,7 +212,6 @@ def expand_triton(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_order:
     pair_ad = torch.empty((B, C), dtype=torch.int64, device=dev)
     pair_beam = torch.empty((B, C), dtype=torch.int64, device=dev)
     scratch = torch.empty((B, 3 * wide), dtype=torch.int64, device=dev)
-    leaf, score = beams.leaf, beams.score
     state = a.get("ad_state")
     _pairs_kernel[(B,)](
         pair_ad, pair_beam, buf, scratch, leaf, score, a["leaf_ad_offsets"], a["leaf_ads"],
@@ -214,12 +220,12 @@ def expand_triton(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_order:
         LOG_K=beam_block.bit_length() - 1, S=wide, num_warps=_warps(wide))
     passed = torch.stack(exact_filter(a, requests, pair_ad, steps, max_values, "triton", live=buf[B:2 * B]))
     passed = passed.view(torch.uint8)  # pair_ad past a request's `live` count is never written: these kernels skip it
-    tokens = beams.tokens
+    _count_kernel[(B,)](buf, passed, B, C, P=len(passed), STAGES=layout.stages, BLOCK=block, num_warps=4)
     value = a["ad_value"] if layout.has_value else score
     _rank_kernel[(B,)](
         buf, pair_ad, pair_beam, passed, scratch, score, tokens, a["ads"], ad_order, value,
         B, C, T, score.stride(0), tokens.stride(0), tokens.stride(1), tokens.stride(2), scratch.stride(0),
-        P=len(passed), RANK=RANKS.index(layout.rank), STAGES=layout.stages, HAS_VALUE=layout.has_value,
-        L=layout.length, F=layout.row_words, NC=len(layout.counts), RRF=RRF_K, BLOCK=block, LOG=log,
-        num_warps=_warps(block))
+        P=len(passed), RANK=RANKS.index(layout.rank), HAS_VALUE=layout.has_value, L=layout.length,
+        F=layout.row_words, NC=len(layout.counts), RRF=RRF_K, BLOCK=block, LOG=log,
+        BB=max(2, triton.next_power_of_2(B)), num_warps=_warps(block))
     return buf
