@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.loader import load_index
+from runtime.ops.expand import MAX_BLOCK, PostLayout, kernels_fit
 from runtime.post import RANKS, RRF_K, DevicePost, Retrieved, expand, post_tensors
 from runtime.requests import to_device
 from runtime.search import Beams
@@ -205,6 +206,18 @@ def test_one_level_sids_keep_their_shape():
     assert host.sid.shape == (len(host.ad_id), 1) and len(host.ad_id) > 0
     for impl in IMPLS:
         same(host, device_post(case, beams, impl))
+
+
+def test_the_kernels_take_what_fits_their_block():
+    """On a GPU "auto" runs the kernels up to MAX_BLOCK slots and beams, the torch reference past it
+    (and for a stage with no pairs to hold)."""
+    def layout(pairs, beams, batch=16):
+        return PostLayout(batch, beams, pairs, pairs, 3, "score", False, False)
+
+    assert kernels_fit(layout(MAX_BLOCK, 1024)) and kernels_fit(layout(1, 1))
+    assert not kernels_fit(layout(MAX_BLOCK + 1, 1024))
+    assert not kernels_fit(layout(100, MAX_BLOCK + 1))
+    assert not kernels_fit(layout(0, 8)) and not kernels_fit(layout(8, 8, batch=0))
 
 
 def test_the_kernels_refuse_beams_of_another_shape():

@@ -18,9 +18,14 @@ import torch
 from runtime.ops.expand.layout import MAX_BLOCK, RANKS, RRF_K, PostLayout
 from runtime.ops.expand.reference import expand_reference
 
-__all__ = ["MAX_BLOCK", "RANKS", "RRF_K", "PostLayout", "expand_beams"]
+__all__ = ["MAX_BLOCK", "RANKS", "RRF_K", "PostLayout", "expand_beams", "kernels_fit"]
 
 IMPLS = ("auto", "triton", "torch")
+
+
+def kernels_fit(layout: PostLayout) -> bool:
+    """The Triton kernels take this stage: some pairs, and slots and beams within MAX_BLOCK."""
+    return bool(layout.batch and layout.pairs) and max(layout.block, layout.beam_block) <= MAX_BLOCK
 
 
 def expand_beams(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_order: torch.Tensor,
@@ -41,8 +46,7 @@ def expand_beams(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_order: 
     if impl not in IMPLS:
         raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
     if impl == "auto":
-        fits = max(layout.block, layout.beam_block) <= MAX_BLOCK and layout.pairs and layout.batch
-        impl = "triton" if beams.score.is_cuda and fits else "torch"
+        impl = "triton" if beams.score.is_cuda and kernels_fit(layout) else "torch"
     if impl == "triton":
         from runtime.ops.expand.kernel import expand_triton  # triton only where it runs
 
