@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.ops.exact_filter.reference import exact_filter_reference
+from runtime.ops.exact_filter.reference import exact_filter_reference, held_slots
 
 IMPLS = ("auto", "triton", "torch")
 
@@ -47,5 +47,5 @@ def exact_filter(arrays: dict[str, torch.Tensor], requests, ad: torch.Tensor, st
     out = exact_filter_reference(arrays, requests, ad, steps, max_values)
     if live is None:
         return out
-    held = torch.arange(ad.shape[1], device=ad.device) < live[:, None]
+    held = held_slots(live, *ad.shape, ad.device)
     return [p & held for p in out]

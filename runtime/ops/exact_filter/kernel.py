@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.ops.exact_filter.reference import held_slots
 from runtime.ops.gtm_mask.kernel import _group_pass
 from schemas.artifacts import EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
 
@@ -115,17 +116,12 @@ def exact_filter_triton(arrays: dict[str, torch.Tensor], requests, ad: torch.Ten
     has_live = live is not None
     held = live if has_live else ad  # without counts, a pointer the kernels never read
 
-    def every() -> torch.Tensor:  # a plane without attributes passes every slot holding a pair (no launch)
-        if not has_live:
-            return torch.ones((B, C), dtype=torch.bool, device=ad.device)
-        return torch.arange(C, device=ad.device) < live[:, None]
-
     out = []
     for p, q, ex in zip(MATCHER_PLANES, requests.planes, requests.exact):
         if EXACT_FORM[p] == EXACT_ROWS:
             woff = [int(w) for w in q.word_offsets]
             if not (B and C and len(woff) > 1):  # a plane without attributes passes every ad (static)
-                out.append(every())
+                out.append(held_slots(live, B, C, ad.device))  # every slot holding a pair, no launch
                 continue
             passed = torch.empty((B, C), dtype=torch.bool, device=ad.device)  # the kernel writes every slot
             rows, q_rows = arrays[f"exact_{p}_rows"].contiguous(), q.rows.contiguous()
@@ -139,7 +135,7 @@ def exact_filter_triton(arrays: dict[str, torch.Tensor], requests, ad: torch.Ten
         else:
             hashes, ad_off = arrays[f"exact_{p}_hashes"], arrays[f"exact_{p}_hash_offsets"]
             if not (B and C and len(hashes)):  # no hashes: no ad restricted on any attribute (static)
-                out.append(every())
+                out.append(held_slots(live, B, C, ad.device))  # every slot holding a pair, no launch
                 continue
             passed = torch.empty((B, C), dtype=torch.bool, device=ad.device)
             A = len(steps[p])

@@ -19,6 +19,13 @@ from schemas.artifacts import EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
 _SIGN = torch.iinfo(torch.int64).min  # x ^ _SIGN orders uint64 bits (viewed as int64) as signed int64 compares
 
 
+def held_slots(live: torch.Tensor | None, B: int, C: int, device) -> torch.Tensor:
+    """(B, C) bool: the slots holding a pair, request b's first live[b] (every slot without counts)."""
+    if live is None:
+        return torch.ones((B, C), dtype=torch.bool, device=device)
+    return torch.arange(C, device=device) < live[:, None]
+
+
 def exact_filter_reference(arrays: dict[str, torch.Tensor], requests, ad: torch.Tensor,
                            steps: dict[str, tuple[int, ...]], max_values: int) -> list[torch.Tensor]:
     """Per matcher plane (B, C) bool: ad `ad` (B, C) int64 passes the plane's attributes for its
