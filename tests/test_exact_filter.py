@@ -1,4 +1,4 @@
-"""The device exact filter (`runtime.ops.exact_filter`): the Triton kernels (under
+"""The device exact filter (`runtime.ops.exact_filter`): the Triton kernels (on a GPU, else under
 TRITON_INTERPRET=1 on CPU tensors) equal the torch reference exactly on every slot, and both equal
 the host numba filter (`sidindex.matchers.exact.stage_flags`) on every live pair.
 
@@ -11,6 +11,7 @@ and more ad values, word groups of several words, one or many queries per group.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,15 +28,34 @@ from schemas.artifacts import MATCHER_PLANES
 from sidindex.matchers.exact import ExactQueries, stage_flags
 from sidindex.matchers.plane import PlaneQueries
 from tests.test_post import cases
+from tests.test_runtime import DEVICE
 
 ROWS, VALUES = MATCHER_PLANES.index("bitmask"), MATCHER_PLANES.index("bloom")
 TOP = 2**63
 SPECIAL = [0, 1, TOP - 1, TOP, TOP + 1, 2**64 - 1]  # the edges of the signed and unsigned orders
 
 
-def both(arrays, requests, ad, steps, max_values, live=None):
-    """(triton, torch) results, checked equal and (B, C) bool per plane."""
-    got = exact_filter(arrays, requests, ad, steps, max_values, impl="triton", live=live)
+def on(x, dev):
+    """x with every tensor in it (through dicts, tuples, dataclasses and namespaces) on dev."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dev)
+    if isinstance(x, dict):
+        return {k: on(v, dev) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return tuple(on(v, dev) for v in x)
+    if isinstance(x, SimpleNamespace):
+        return SimpleNamespace(**on(vars(x), dev))
+    if dataclasses.is_dataclass(x):
+        return dataclasses.replace(x, **{f.name: on(getattr(x, f.name), dev) for f in dataclasses.fields(x)})
+    return x
+
+
+def both(arrays, requests, ad, steps, max_values, live=None, device_requests=None):
+    """(triton on DEVICE, torch on the CPU) results, checked equal and (B, C) bool per plane.
+    device_requests: requests on DEVICE (default: `on(requests, DEVICE)`)."""
+    dreq = on(requests, DEVICE) if device_requests is None else device_requests
+    got = [g.cpu() for g in exact_filter(on(arrays, DEVICE), dreq, ad.to(DEVICE), steps, max_values, impl="triton",
+                                         live=None if live is None else live.to(DEVICE))]
     want = exact_filter(arrays, requests, ad, steps, max_values, impl="torch", live=live)
     assert len(got) == len(want) == len(MATCHER_PLANES)
     for g, w in zip(got, want):
@@ -54,7 +74,8 @@ def test_kernel_and_reference_equal_the_host_filter(case_beams, C, seed, sliced)
     N = len(case.sc.ads)
     ad = torch.from_numpy(np.random.default_rng(seed).integers(0, N, (B - lo, C)))
     arrays = post_tensors(case.index)
-    got = both(arrays, dev, ad, post_bounds(arrays, case.index.snapshot).steps, max(q.max_queries for q in dev.planes))
+    got = both(arrays, dev, ad, post_bounds(arrays, case.index.snapshot).steps, max(q.max_queries for q in dev.planes),
+               device_requests=to_device(case.req, DEVICE).slice(lo, B))
     reqs, ads = np.repeat(np.arange(B - lo), C), ad.numpy().reshape(-1)
     flags = stage_flags(case.snap.exact, host, reqs, ads)
     live = case.snap.exact.live(ads)  # stage_flags passes no stage of a paused or deleted row
