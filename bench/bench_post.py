@@ -15,6 +15,7 @@ about 1,024 live SIDs per request. Per path the median over --reps runs of one b
   device+copy   run (graph) + `DevicePost.result`: the one device-to-host copy and the host rows
   reference     `DevicePost` with the op's torch reference (impl "torch"), as a CUDA graph: on a GPU
                 the Triton kernels run where the slots fit `runtime.ops.expand.MAX_BLOCK`
+and the device path's GPU time per kernel (the profiler), for the score ranking.
 Every path must give the reference's `Retrieved`. Targets: post <= 0.2 ms per batch on the
 H200 (the graph), <= 1 ms on the CPU (numba).
 """
@@ -34,7 +35,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import numpy as np
 import torch
 
-from bench.bench_search import bench_requests, build_snapshot, captured, cuda_ms, wall_ms
+from bench.bench_search import (bench_requests, build_snapshot, captured, cuda_ms, print_profile, profile_kernels,
+                                 wall_ms)
 from runtime.loader import load_index
 from runtime.post import RRF_K, DevicePost, Retrieved, exact_pairs, expand
 from runtime.requests import to_device
@@ -134,6 +136,7 @@ def time_post(index, requests_host, requests_device, beams: Beams, *, top_k: int
     res["device_ms"] = cuda_ms(lambda: post.run(requests_device, beams), reps)
     res["device_identical"] = same(post.result(post.run(requests_device, beams)), want)
     res["expand_ms"] = wall_ms(lambda: expand(index, requests_device, beams, top_k, stages, rank), reps)
+    res["profile"] = profile_kernels(lambda: post.run(requests_device, beams))
     try:  # a failing capture means a host sync crept into the device path: report it
         replay, out = captured(lambda: post.run(requests_device, beams))
         res["graph_ms"] = cuda_ms(replay, reps)
@@ -206,6 +209,7 @@ def main() -> int:
               f"{dev_ms} | {graph} | {copy} | {ref} | {speed} | {same_all} |")
     print(f"\n{'PASS' if r0['numba_ms'] <= 1 else 'MISS'}  host post <= 1 ms per batch: {r0['numba_ms']:.3f} ms "
           f"(numba, score ranking)")
+    print_profile(r0.get("profile", []), "the device post stage (score ranking), per batch,")
     if "graph_ms" in r0:
         print(f"{'PASS' if r0['graph_ms'] <= 0.2 else 'MISS'}  device post <= 0.2 ms per batch: "
               f"{r0['graph_ms']:.3f} ms (CUDA graph), {r0['device_ms']:.3f} ms eager")

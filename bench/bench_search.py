@@ -255,25 +255,36 @@ def sweep_shapes(calls: list[tuple], reps: int) -> dict:
     return out
 
 
-def profile_kernels(index, dreq, scorer, beams, mode: Mode, runs: int = 5) -> list[dict]:
-    """GPU time per kernel over one search (mean of `runs`), largest first: what bounds the search."""
+def profile_kernels(fn, runs: int = 5) -> list[dict]:
+    """GPU time per kernel over one call of fn (a search, a post stage; mean of `runs`, after a
+    warm-up call), largest first: what bounds it."""
     from torch.profiler import ProfilerActivity, profile
 
+    fn()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
-            beam_search(index, dreq, scorer, beams, mode, "triton")
+            fn()
         torch.cuda.synchronize()
 
     def us(e) -> float:
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
-    rows = [{"kernel": e.key[:70], "us_per_search": us(e) / runs, "calls": e.count / runs}
+    rows = [{"kernel": e.key[:70], "us": us(e) / runs, "calls": e.count / runs}
             for e in prof.key_averages() if us(e) > 0]
-    return sorted(rows, key=lambda r: -r["us_per_search"])[:12]
+    return sorted(rows, key=lambda r: -r["us"])[:12]
+
+
+def print_profile(profile: list[dict], what: str) -> None:
+    """A `profile_kernels` table (nothing without one)."""
+    if profile:
+        print(f"\nwhere {what} spends GPU time (profiler):\n| kernel | us | calls |\n|---|---|---|")
+        for p in profile:
+            print(f"| {p['kernel']} | {p['us']:.1f} | {p['calls']:.0f} |")
 
 
 def mask_kernel_us(profile: list[dict]) -> float:
-    return sum(p["us_per_search"] for p in profile if p["kernel"].startswith(("_gtm_mask_kernel", "_tables_kernel")))
+    return sum(p["us"] for p in profile if p["kernel"].startswith(("_gtm_mask_kernel", "_tables_kernel")))
 
 
 def post_rows(index, host_req, dreq, found, reps: int) -> dict:
@@ -353,7 +364,8 @@ def one_size(n: int, args, beams: tuple[int, ...], dev) -> dict:
                 except Exception as e:
                     res["post"] = {"error": f"{type(e).__name__}: {e}"}
         res["modes"] = rows
-        res["profile"] = {m.value: profile_kernels(index, dreq, scorer, beams, m) if dev.type == "cuda" else []
+        res["profile"] = {m.value: profile_kernels(lambda m=m: beam_search(index, dreq, scorer, beams, m, "triton"))
+                          if dev.type == "cuda" else []
                           for m in CONSTRAINED}
         res["floor"] = floor_rows(index, calls_by_mode, res["bandwidth_GBs"] * 1e9, args.reps)
         if args.sweep:
@@ -382,9 +394,7 @@ def report(res: dict, B: int, args) -> None:
               f"| {r['live_sids_per_request']:.0f} |")
     print("\nmask kernel GPU time per search (profiler): " + ", ".join(
         f"{m} {mask_kernel_us(p):.0f} us" for m, p in res["profile"].items()))
-    print("\nwhere a cd+gtm search spends GPU time (profiler, per search):\n| kernel | us | calls |\n|---|---|---|")
-    for p in res["profile"]["cd+gtm"]:
-        print(f"| {p['kernel']} | {p['us_per_search']:.1f} | {p['calls']:.0f} |")
+    print_profile(res["profile"]["cd+gtm"], "a cd+gtm search, per search,")
     print("\nper step against the floor (bytes the step must move / copy bandwidth):")
     print("| mode | step | live beams | child entries | slots / request | MB | floor us | mask kernel us | "
           "floor / kernel | query by query us |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -401,7 +411,9 @@ def report(res: dict, B: int, args) -> None:
     if "post" in res:
         print("\npost stage (cd+gtm beams):")
         for k, v in res["post"].items():
-            print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
+            if k != "profile":
+                print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
+        print_profile(res["post"].get("profile", []), "the device post stage (kernels), per batch")
 
 
 def verdicts(results: list[dict]) -> None:
