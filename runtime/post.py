@@ -59,6 +59,7 @@ class Retrieved:
     ads_generated (ads under them, counted once per ad), ads_eligible (after the exact filter);
     with `stages`, ads_per_stage: per matcher plane (by name), the generated ads passing its
     attributes exactly (each stage on its own), else None.
+    The device path's rows are strided views of one (n, F) block, as numpy's column views are.
     """
 
     request: np.ndarray
@@ -368,6 +369,8 @@ class DevicePost:
             raise ConfigError(f"snapshot {index.id} has {len(self.arrays['ads']):,} catalog rows; the device post stage "
                               f"serves fewer than {DEVICE_ROWS:,}: run the post stage on the host (`expand` does)")
         check_top_k(top_k)
+        if rank != "score" and "ad_value" not in self.arrays:
+            raise ConfigError(f"rank {rank!r}: the post arrays given for snapshot {index.id} carry no ad values")
         self.index, self.rank, self.max_values, self.impl = index, rank, max_values, impl
         self.bounds = index.post_bounds if arrays is None else post_bounds(arrays, index.snapshot)
         pairs = self.bounds.most_pairs(beams)  # C
@@ -414,10 +417,12 @@ class DevicePost:
         counts = dict(zip(lay.counts, self._fetch(buffer, 0, head).reshape(-1, B).copy()))
         n = np.minimum(counts["eligible"], T)  # rows per request
         total = int(n.sum())
-        rows = self._fetch(buffer, head, head + total * F).reshape(total, F)
+        # one copy (the pinned buffer serves the next call); the fields are views of it: copying
+        # each strided column on its own costs five times as much
+        rows = self._fetch(buffer, head, head + total * F).reshape(total, F).copy()
         parts, at = {}, 0
-        for name, width in lay.fields:  # copies: the pinned buffer serves the next call
-            parts[name] = rows[:, at:at + width].copy() if name == "sid" else rows[:, at].copy()
+        for name, width in lay.fields:
+            parts[name] = rows[:, at:at + width] if name == "sid" else rows[:, at]
             at += width
         req = np.repeat(np.arange(B, dtype=np.int64), n)
         rank = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + 1

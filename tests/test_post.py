@@ -171,8 +171,8 @@ def device_post(case, beams: Beams, impl: str, **kw) -> Retrieved:
 @given(cases(max_ads=150, max_beams=80, scores=SCORES + [-0.0, -1e-45, -3.4e38, float("inf")], values=True),
        st.sampled_from([None, 3]))
 def test_crowded_leaves_equal_the_brute_force(rank, case_beams, top_k):
-    """Many ads per SID and up to 80 beams (hundreds of slots per request: the kernels' block sorts and
-    searches take several steps), scores at float32's edges (-0.0 is 0.0, a subnormal, -3.4e38, inf),
+    """Many ads per SID and up to 80 beams (hundreds of slots per request: hash chains, several
+    counting rounds per place), scores at float32's edges (-0.0 is 0.0, a subnormal, -3.4e38, inf),
     every ranking."""
     case, beams = case_beams
     want = brute_force(case, beams, top_k, rank)
@@ -206,6 +206,72 @@ def test_one_level_sids_keep_their_shape():
     assert host.sid.shape == (len(host.ad_id), 1) and len(host.ad_id) > 0
     for impl in IMPLS:
         same(host, device_post(case, beams, impl))
+
+
+def test_fused_ties_of_mirrored_ranks_fall_to_ad_id():
+    """Ads whose value order is their score order reversed: the ads at score ranks r and n + 1 - r
+    tie exactly on the fused score (1/(k + r) + 1/(k + n + 1 - r) either way round), so ad_id orders
+    them; a rank off by one on either side breaks the ties the other way."""
+    from tests.test_gtm import scenario
+
+    n = 9
+    sids = [(i % 3, i // 3 % 2, i % 4) for i in range(n)]  # one SID per ad
+    sc = scenario([{"country": None, "locations": []}] * n, sids, list(range(n)))
+    sc = dataclasses.replace(sc, values=[float(i) for i in range(n)])  # value rank: score rank reversed
+    case = Case(sc, "cpu")
+    B = len(sc.requests)
+    tokens = torch.tensor([sids] * B)
+    score = torch.tensor([[-0.25 * i for i in range(n)]] * B)
+    leaf = torch.tensor([[case.node(s) - case.gtm.depth_offsets[3] for s in sids]] * B)
+    beams = Beams(tokens, score, leaf)
+    want = brute_force(case, beams, None, "fused")
+    for got in [expand(case.index, case.req, beams, rank="fused")] + [device_post(case, beams, impl, rank="fused")
+                                                                        for impl in IMPLS]:
+        check(got, want, False)
+        first = got.request == 0
+        assert len(set(got.score[first].tolist())) == n  # every ad its own score rank
+
+
+POOL = np.flatnonzero(np.isin(((np.arange(1 << 16) * 2654435761) & 0xFFFFFFFF) >> 24, [254, 255, 0]))
+# catalog rows that `_pairs_kernel` hashes to the last two cells of a 256-cell table and the first:
+# chains of collisions that wrap around its end
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(1, 40), st.integers(1, 100), st.booleans())
+def test_first_slots_keep_each_ads_best_beam_through_collisions(seed, B, K, C, with_state):
+    """`_pairs_kernel` (`first_slots`) on raw arrays, every ad from a pool of hash collisions: per
+    request each live ad under its first C slots once, with the first beam of its best score, in
+    slot order, against a walk over the slots."""
+    from runtime.ops.expand.kernel import first_slots
+    from schemas.artifacts import AD_LIVE
+
+    rng = np.random.default_rng(seed)
+    S = int(rng.integers(1, 9))
+    lists = [rng.choice(POOL[:60], int(rng.integers(0, 13)), replace=False) for _ in range(S)]
+    offsets = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int64)
+    leaf_ads = np.concatenate(lists).astype(np.int32)
+    leaf = rng.integers(-1, S, (B, K))
+    score = rng.choice(np.float32([0.0, -0.0, -0.5, -1.0, -np.inf]), (B, K))
+    state = rng.choice(np.uint8([AD_LIVE, AD_LIVE, 1, 2]), 1 << 16) if with_state else None
+    t = torch.from_numpy
+    buf = torch.zeros(2 * B, dtype=torch.int64, device=DEVICE)
+    pair_ad, pair_beam = first_slots(t(leaf).to(DEVICE), t(score).to(DEVICE), t(offsets).to(DEVICE),
+                                     t(leaf_ads).to(DEVICE), None if state is None else t(state).to(DEVICE), C, buf)
+    buf, pair_ad, pair_beam = buf.cpu().numpy(), pair_ad.cpu().numpy(), pair_beam.cpu().numpy()
+    for b in range(B):
+        alive = [k for k in range(K) if leaf[b, k] >= 0 and score[b, k] > -np.inf]
+        slots = [(a, k) for k in alive for a in lists[leaf[b, k]]][:C]
+        best, at = {}, {}  # ad -> (its best beam, the slot holding it)
+        for j, (a, k) in enumerate(slots):
+            if state is not None and state[a] != AD_LIVE:
+                continue
+            if a not in best or score[b, k] > score[b, best[a]]:
+                best[a], at[a] = k, j
+        want = sorted(best, key=at.get)
+        assert buf[b] == len(alive) and buf[B + b] == len(want)
+        assert pair_ad[b, :len(want)].tolist() == want
+        assert pair_beam[b, :len(want)].tolist() == [best[a] for a in want]
 
 
 def test_the_kernels_take_what_fits_their_block():
@@ -251,6 +317,13 @@ def test_the_device_path_needs_its_arrays():
             expand(case.index, case.req, beams, top_k=bad)
     with pytest.raises(ConfigError, match="carries no ad values"):
         DevicePost(case.index, 1, 1, rank="value", arrays=post_tensors(case.index))
+    valued = Case(dataclasses.replace(sc, values=[1.0]), "cpu")
+    arrays = post_tensors(valued.index)
+    del arrays["ad_value"]
+    with pytest.raises(ConfigError, match="carry no ad values"):  # the kernels would read past the scores
+        DevicePost(valued.index, 1, 1, rank="fused", arrays=arrays)
+    with pytest.raises(ValueError, match="value or fused only with the ads' values"):
+        PostLayout(1, 1, 1, 1, 3, "value", False, False)
 
 
 @settings(max_examples=15, deadline=None)

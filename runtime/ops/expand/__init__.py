@@ -4,9 +4,10 @@ one int64 buffer (`PostLayout`), with no host synchronisation (a CUDA graph capt
 
 Two implementations of the one contract, and `expand_beams` picks:
   triton  Triton kernels around the exact filter's (`kernel`): one program per request holds its C
-          slots in one block, sorts them there and ranks them there (C and K up to MAX_BLOCK)
+          slots in one block and finds each ad's first slot by hashing, and the eligible ones are
+          ranked by counting over many programs (C and K up to MAX_BLOCK)
   torch   the reference (`reference`): whole-tensor ops, sorts along C; on CPU tensors, and past
-          MAX_BLOCK, where a block's bitonic sorts cost more than torch's segmented sorts
+          MAX_BLOCK, where one program per request holds more lanes than it was measured with
 Both give every count and every row in use bit for bit (tests compare them, the kernels under
 TRITON_INTERPRET=1); rows past those in use are unspecified.
 """

@@ -9,10 +9,8 @@ from schemas.artifacts import MATCHER_PLANES
 
 RANKS = ("score", "value", "fused")
 RRF_K = 60  # reciprocal-rank fusion's constant (Cormack et al.; GR4AD-X uses the same form)
-# the most slots (or beams) the kernels take: measured faster than the torch reference at 4,096 (a request's
-# 2,440 slots at 10M SIDs); at 8,192 each block sort does 2.3x the work (twice the lanes, 91 stages against 78)
-# on one SM per request, not measured against torch's segmented sorts
-MAX_BLOCK = 1 << 12
+# the most slots (or beams) the kernels take: one program per request holds a block of them
+MAX_BLOCK = 1 << 13
 
 
 @dataclass(frozen=True)
@@ -33,6 +31,11 @@ class PostLayout:
     rank: str
     stages: bool
     has_value: bool
+
+    def __post_init__(self) -> None:
+        if self.rank not in RANKS or (self.rank != "score" and not self.has_value):
+            raise ValueError(f"rank {self.rank!r}: expected one of {', '.join(RANKS)}, and value or fused only with "
+                             "the ads' values (has_value)")
 
     @property
     def counts(self) -> list[str]:
@@ -55,13 +58,14 @@ class PostLayout:
     @property
     def block(self) -> int:
         """The kernels' block of slots: C rounded up to a power of 2 (at least 2)."""
-        return _pow2(self.pairs)
+        return pow2(self.pairs)
 
     @property
     def beam_block(self) -> int:
         """The kernels' block of beams: K rounded up to a power of 2 (at least 2)."""
-        return _pow2(self.beams)
+        return pow2(self.beams)
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of 2 >= n, at least 2 (a kernel's block)."""
     return 1 << max(1, (n - 1).bit_length())
