@@ -44,8 +44,10 @@ _TILE, _CHUNK = 64, 32  # a place program's eligible slots, and the slots it com
 
 
 def _warps(block: int) -> int:
-    """Warps per program: about 16 slots a thread (the keys' registers)."""
-    return max(4, min(32, block // 512))
+    """Warps per program: 4 slots a thread up to 32 warps. A request's one program is bound by its
+    chains of dependent loads, so more threads in flight pay (H200, 4,096 slots: 0.145 ms a batch
+    at 32 warps, 0.170 at 8, 0.231 at 4)."""
+    return max(4, min(32, block // 128))
 
 
 @triton.jit
