@@ -129,7 +129,7 @@ def _pairs_kernel(pair_ad, pair_beam, buf, scratch, leaf, score, offsets, leaf_a
     tl.store(pair_ad + out, ad, mask=first)
     tl.store(pair_beam + out, beam, mask=first)
     tl.store(buf + b, tl.sum(alive.to(tl.int64), axis=0))
-    tl.store(buf + B + b, tl.sum(first.to(tl.int64), axis=0))
+    tl.store(buf + B + b, tl.sum(f, axis=0))
 
 
 @triton.jit
