@@ -24,10 +24,12 @@ lines (log-softmax, top-k over beams x vocabulary, reorder), as a graph; the mas
 per search from the profiler (cd+gtm against cd); the post stage (SIDs -> ads, best score, exact
 filter, ranking) on the GPU and the CPU for the cd+gtm beams; search + post through
 `runtime.Searcher.retrieve`; and, per step, the floor: the bytes the step must read and write
-(offsets, tokens, log-probabilities, matcher index and rows, one passing partition per passing
-entry with k-way, the candidates written and read by top-k) over the device's copy bandwidth,
-measured in the same run. Every implementation (Triton, torch reference) and layout must return
-identical beams, and the replays the eager search's.
+over the device's copy bandwidth, measured in the same run. Per request: its beams' offsets, its
+log-probabilities at its beams' child entries, the candidates written and read back by top-k.
+Once for the batch, since the requests share them and a repeated read hits the cache: each
+distinct child entry's token and matcher row numbers, each distinct matcher row, and with k-way
+each passing entry's partition offsets and first partition's rows. Every implementation (Triton,
+torch reference) and layout must return identical beams, and the replays the eager search's.
 
 Targets (issue 13): cd+gtm graph <= none graph and <= plain torch; cd+gtm mask kernel GPU time <=
 1.5x cd at 30M SIDs; cd+gtm+kway graph <= 1.5 ms at 30M SIDs; post <= 0.2 ms per batch on the GPU
@@ -55,6 +57,7 @@ import runtime.search as search_mod
 from bench.bench_gtm import bench_spec, generate
 from bench.bench_snapshot import write
 from runtime.loader import load_index
+from runtime.ops.gtm_mask.slots import entries as slot_entries
 from runtime.post import expand
 from runtime.requests import to_device
 from runtime.search import beam_search
@@ -207,30 +210,54 @@ def copy_bandwidth(dev) -> float:
     return 2 * a.nbytes / (ms / 1e3)
 
 
+def read_once(index, slots, passing: torch.Tensor | None = None) -> tuple[int, list[int]]:
+    """What a step's batch reads from the trie, each item once: the number of distinct child
+    entries in the layout `slots` (of every request's beams; with `passing`, (B, W) bool, only the
+    slots it marks), and per matcher plane the distinct rows they index (with `passing`, the rows
+    of their first partitions). The batch's requests share these (at step 1 every request reads
+    every depth-1 entry), and a repeated read hits the cache, so memory serves each once."""
+    B, W = slots.start.shape[0], slots.width
+    _, e, used = slot_entries(slots, torch.arange(W, device=slots.start.device).expand(B, W))
+    distinct = torch.unique(e[used if passing is None else used & passing])
+    g = index.gtm
+    if passing is None:
+        rows = [p.index[distinct] for p in g.planes]
+    else:
+        rows = [p.part_index[g.part_offsets[distinct]] for p in g.planes]
+    return len(distinct), [len(torch.unique(r.long())) for r in rows]
+
+
 def floor_rows(index, calls_by_mode: dict, bandwidth: float, reps: int) -> list[dict]:
     """Per mode and step: the bytes the step must move (module doc), the floor they give at
     `bandwidth`, the mask kernel's time and the fraction of the floor it reaches."""
-    words = [p.table.shape[1] for p in index.gtm.planes]
-    row_bytes = sum(4 + 8 * w for w in words)  # per plane: the entry's row index and its row
+    planes = index.gtm.planes
+
+    def trie_bytes(n_entries: int, rows: list[int], offsets: int) -> int:  # offsets, row numbers, rows
+        return n_entries * (offsets + 4 * len(planes)) + sum(r * 8 * p.table.shape[1] for r, p in zip(rows, planes))
+
     out = []
     for mode, calls in calls_by_mode.items():
         for d, c in enumerate(calls):
             slots, score = c[3], c[5]
             B, W = slots.start.shape[0], slots.width
             beams, entries = int((score > float("-inf")).sum()), int(slots.total.sum())
-            nbytes = beams * 16 + entries * (2 + 4) + B * W * 4 * 2  # offsets; token, logp; candidates out, top-k in
+            distinct, rows = read_once(index, slots)
+            # per request: its beams' offsets, its log-probabilities at its entries, its candidates
+            # written and read back by top-k; once for the batch: the entries' tokens
+            nbytes = beams * 16 + entries * 4 + B * W * 4 * 2 + distinct * 2
             if mode.gtm:
-                nbytes += entries * row_bytes
-            if mode.kway:  # the entries passing the union read one partition at least
-                passing = int(torch.isfinite(search_mod.gtm_candidates(*c[:7], Mode.CD_GTM)).sum())
-                nbytes += passing * (16 + row_bytes)
+                nbytes += trie_bytes(distinct, rows, 0)
+            if mode.kway:  # an entry passing its union reads one partition at least
+                passing = search_mod.gtm_candidates(*c[:7], Mode.CD_GTM).isfinite()
+                nbytes += trie_bytes(*read_once(index, slots, passing), 16)
             ms = graph_ms(lambda c=c: mask_call(c), reps)
             # the reference: every group tested query by query (no query tables)
             by_query = graph_ms(lambda c=c: mask_call(c, tabled=False), reps) if mode.gtm else ms
             floor_ms = nbytes / bandwidth * 1e3
-            out.append({"mode": mode.value, "step": d, "beams": beams, "entries": entries, "width": W,
-                        "MB": nbytes / 1e6, "floor_us": floor_ms * 1e3, "mask_us": ms * 1e3,
-                        "by_query_us": by_query * 1e3, "of_floor": floor_ms / ms if ms else 0.0})
+            out.append({"mode": mode.value, "step": d, "beams": beams, "entries": entries, "distinct_entries": distinct,
+                        "distinct_rows": rows, "width": W, "MB": nbytes / 1e6, "floor_us": floor_ms * 1e3,
+                        "mask_us": ms * 1e3, "by_query_us": by_query * 1e3,
+                        "of_floor": floor_ms / ms if ms else 0.0})
     return out
 
 
@@ -396,10 +423,12 @@ def report(res: dict, B: int, args) -> None:
         f"{m} {mask_kernel_us(p):.0f} us" for m, p in res["profile"].items()))
     print_profile(res["profile"]["cd+gtm"], "a cd+gtm search, per search,")
     print("\nper step against the floor (bytes the step must move / copy bandwidth):")
-    print("| mode | step | live beams | child entries | slots / request | MB | floor us | mask kernel us | "
-          "floor / kernel | query by query us |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("| mode | step | live beams | child entries | distinct entries | distinct rows per plane | "
+          "slots / request | MB | floor us | mask kernel us | floor / kernel | query by query us |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
     for f in res["floor"]:
-        print(f"| {f['mode']} | {f['step']} | {f['beams']:,} | {f['entries']:,} | {f['width']:,} | {f['MB']:.1f} | "
+        print(f"| {f['mode']} | {f['step']} | {f['beams']:,} | {f['entries']:,} | {f['distinct_entries']:,} | "
+              f"{' / '.join(f'{r:,}' for r in f['distinct_rows'])} | {f['width']:,} | {f['MB']:.1f} | "
               f"{f['floor_us']:.1f} | {f['mask_us']:.1f} | {f['of_floor']:.2f} | {f['by_query_us']:.1f} |")
     for mode, steps in res.get("sweep", {}).items():
         print(f"\n{mode} mask ms per step by launch shape (BLOCK, warps, queries per round), then by queries "

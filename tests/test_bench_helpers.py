@@ -1,9 +1,18 @@
-"""The SID benchmark compares against faiss RQ only after unpacking its bit-packed codes."""
+"""Benchmark helpers a reported figure depends on: the SID benchmark compares against faiss RQ
+only after unpacking its bit-packed codes; the search benchmark's floor counts what a step reads."""
 
 import faiss
 import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from bench.bench_search import read_once
 from bench.bench_sid import unpack_rq_codes
+from runtime.ops.gtm_mask.slots import entries as slot_entries
+from runtime.ops.gtm_mask.slots import slots_of
+from tests.test_gtm import scenarios
+from tests.test_runtime import Case
 
 
 def test_unpacked_faiss_codes_reconstruct_like_faiss():
@@ -18,3 +27,30 @@ def test_unpacked_faiss_codes_reconstruct_like_faiss():
     books = faiss.vector_to_array(rq.codebooks).reshape(levels, 1 << nbits, 6)
     recon = sum(books[lv][tokens[:, lv]] for lv in range(levels))
     np.testing.assert_allclose(recon, rq.decode(codes), rtol=0, atol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(scenarios(max_ads=15), st.integers(0, 2**32 - 1))
+def test_the_floor_counts_what_the_batch_reads_once(sc, seed):
+    """`bench_search.read_once` against a walk over every request's beams: the distinct child
+    entries, the distinct rows they index, and a passing entry's first partition's rows."""
+    case = Case(sc)
+    g, gen = case.gtm, np.random.default_rng(seed)
+    depth = int(gen.integers(0, g.sid_length))
+    nodes = np.arange(g.depth_offsets[depth], g.depth_offsets[depth + 1])
+    B, K = len(sc.requests), min(3, len(nodes))  # a request's beams sit at distinct nodes
+    node = torch.tensor(np.stack([gen.choice(nodes, K, replace=False) for _ in range(B)]), dtype=torch.int64)
+    score = torch.tensor(np.where(gen.random((B, K)) < 0.2, -np.inf, 0.0), dtype=torch.float32)
+    slots = slots_of(case.index, node, score, case.index.most_children(depth, K))
+    entries = {e for b in range(B) for k in range(K) if score[b, k] > -np.inf
+               for e in range(g.node_offsets[node[b, k]], g.node_offsets[node[b, k] + 1])}
+    n, rows = read_once(case.index, slots)
+    assert n == len(entries)
+    assert rows == [len({int(p.index[e]) for e in entries}) for p in g.planes]
+    passing = torch.tensor(gen.random((B, slots.width)) < 0.5)
+    _, e, used = slot_entries(slots, torch.arange(slots.width).expand(B, -1))
+    chosen = {int(x) for x in e[used & passing]}
+    n, rows = read_once(case.index, slots, passing)
+    assert n == len(chosen)
+    if g.part_offsets is not None:
+        assert rows == [len({int(p.part_index[g.part_offsets[x]]) for x in chosen}) for p in g.planes]
