@@ -344,3 +344,34 @@ def test_searcher_retrieve_is_search_then_post(sc, seed, top_k, rank):
     for _ in range(2):  # capture, then replay
         got = searcher.retrieve(case.index, case.dreq, scorer, host=case.req, top_k=top_k, rank=rank)
         same(got, expand(case.index, case.req, searcher.search(case.index, case.dreq, scorer), top_k, rank=rank))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 70), min_size=1, max_size=5), st.sampled_from(["random", "ranked", "reversed", "ties"]),
+       st.integers(0, 2**32 - 1))
+def test_segment_order_ranks_each_segment_as_a_sort_does(sizes, shape, seed):
+    """The host ranking's sort (`runtime.post._segment_order`) against numpy's lexsort, per
+    segment: keys ranked already (as the beams mostly deliver them, where merges only copy),
+    reversed, random, or a few values tied throughout (ad_id decides)."""
+    from runtime.post import _segment_order
+
+    gen = np.random.default_rng(seed)
+    n = sum(sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    if shape == "ties":
+        first, second = gen.integers(0, 3, n).astype(np.float64), gen.integers(0, 2, n).astype(np.float64)
+    else:
+        first, second = gen.normal(size=n), np.zeros(n)
+    ad_id = np.concatenate([gen.permutation(s) for s in sizes]).astype(np.int64)  # distinct per segment
+
+    def ranked() -> np.ndarray:
+        return np.concatenate([lo + np.lexsort((ad_id[lo:hi], -second[lo:hi], -first[lo:hi]))
+                               for lo, hi in zip(starts[:-1], starts[1:])]).astype(np.int64)
+
+    want = ranked()
+    if shape in ("ranked", "reversed"):  # lay the rows out in (or against) their ranked order
+        segments = zip(starts[:-1], starts[1:])
+        perm = want if shape == "ranked" else np.concatenate([want[lo:hi][::-1] for lo, hi in segments])
+        first, second, ad_id = first[perm], second[perm], ad_id[perm]
+        want = ranked()
+    np.testing.assert_array_equal(_segment_order(starts, first, second, ad_id), want)
