@@ -57,7 +57,7 @@ import runtime.search as search_mod
 from bench.bench_gtm import bench_spec, generate
 from bench.bench_snapshot import write
 from runtime.loader import load_index
-from runtime.ops.gtm_mask.slots import entries as slot_entries
+from runtime.ops.gtm_mask.slots import every_entry
 from runtime.post import expand
 from runtime.requests import to_device
 from runtime.search import beam_search
@@ -216,8 +216,7 @@ def read_once(index, slots, passing: torch.Tensor | None = None) -> tuple[int, l
     slots it marks), and per matcher plane the distinct rows they index (with `passing`, the rows
     of their first partitions). The batch's requests share these (at step 1 every request reads
     every depth-1 entry), and a repeated read hits the cache, so memory serves each once."""
-    B, W = slots.start.shape[0], slots.width
-    _, e, used = slot_entries(slots, torch.arange(W, device=slots.start.device).expand(B, W))
+    _, e, used = every_entry(slots)
     distinct = torch.unique(e[used if passing is None else used & passing])
     g = index.gtm
     if passing is None:

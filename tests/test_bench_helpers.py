@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from bench.bench_search import read_once
 from bench.bench_sid import unpack_rq_codes
-from runtime.ops.gtm_mask.slots import entries as slot_entries
 from runtime.ops.gtm_mask.slots import slots_of
 from tests.test_gtm import scenarios
 from tests.test_runtime import Case
@@ -48,8 +47,8 @@ def test_the_floor_counts_what_the_batch_reads_once(sc, seed):
     assert n == len(entries)
     assert rows == [len({int(p.index[e]) for e in entries}) for p in g.planes]
     passing = torch.tensor(gen.random((B, slots.width)) < 0.5)
-    _, e, used = slot_entries(slots, torch.arange(slots.width).expand(B, -1))
-    chosen = {int(x) for x in e[used & passing]}
+    chosen = {int(slots.first[b, k]) + c for b in range(B) for k in range(K)  # child c of beam k: slot start + c
+              for c in range(int(slots.count[b, k])) if passing[b, slots.start[b, k] + c]}
     n, rows = read_once(case.index, slots, passing)
     assert n == len(chosen)
     if g.part_offsets is not None:

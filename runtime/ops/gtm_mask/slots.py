@@ -63,6 +63,12 @@ def entries(slots: Slots, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return k, torch.where(used, slots.first.gather(1, k) + c, 0), used
 
 
+def every_entry(slots: Slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`entries` of every slot of the layout: (B, W) int64 beams, child entries, and (B, W) bool in use."""
+    B = slots.start.shape[0]
+    return entries(slots, torch.arange(slots.width, device=slots.start.device).expand(B, -1))
+
+
 def decode(index, slots: Slots, flat: torch.Tensor, chosen: torch.Tensor, tokens: torch.Tensor,
            kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The beams top-k chose: flat (B, N) int64 slots with scores chosen (B, N) float32 (-inf:
@@ -85,8 +91,7 @@ def compact(index, dense: torch.Tensor, slots: Slots, fill: float = NEG_INF) -> 
     """(B, W) the dense (B*K, V) per-token values laid out in slots; `fill` in unused slots. The
     reference of the kernel's compact output (and the CPU path's)."""
     B, K = slots.start.shape
-    slot = torch.arange(slots.width, device=dense.device).expand(B, -1)
-    k, e, used = entries(slots, slot)
+    k, e, used = every_entry(slots)
     tok = index.gtm.csr_tokens[e].long()
     got = dense.reshape(B, K, -1)[torch.arange(B, device=dense.device)[:, None], k, tok]
     return torch.where(used, got, fill)
