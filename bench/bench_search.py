@@ -28,7 +28,9 @@ over the device's copy bandwidth, measured in the same run. Per request: its bea
 log-probabilities at its beams' child entries, the candidates written and read back by top-k.
 Once for the batch, since the requests share them and a repeated read hits the cache: each
 distinct child entry's token and matcher row numbers, each distinct matcher row, and with k-way
-each passing entry's partition offsets and first partition's rows. Every implementation (Triton,
+each passing entry's partition offsets and first partition's rows. Where a step's depth has shared
+rows (its few distinct union rows, tested once per request: `runtime.ops.gtm_mask.shared_rows`), the
+table gives their number and the mask with every lane testing its own rows. Every implementation (Triton,
 torch reference) and layout must return identical beams, and the replays the eager search's.
 
 Targets (issue 13): cd+gtm graph <= none graph and <= plain torch; cd+gtm mask kernel GPU time <=
@@ -252,10 +254,14 @@ def floor_rows(index, calls_by_mode: dict, bandwidth: float, reps: int) -> list[
             ms = graph_ms(lambda c=c: mask_call(c), reps)
             # the reference: every group tested query by query (no query tables)
             by_query = graph_ms(lambda c=c: mask_call(c, tabled=False), reps) if mode.gtm else ms
+            # and every lane testing its own rows, where the depth has shared rows
+            shared = index.shared_rows[d] if mode.gtm and index.shared_rows else None
+            own = graph_ms(lambda c=c: mask_call(c, shared=False), reps) if shared is not None else ms
             floor_ms = nbytes / bandwidth * 1e3
             out.append({"mode": mode.value, "step": d, "beams": beams, "entries": entries, "distinct_entries": distinct,
                         "distinct_rows": rows, "width": W, "MB": nbytes / 1e6, "floor_us": floor_ms * 1e3,
-                        "mask_us": ms * 1e3, "by_query_us": by_query * 1e3,
+                        "mask_us": ms * 1e3, "by_query_us": by_query * 1e3, "own_rows_us": own * 1e3,
+                        "shared_rows": 0 if shared is None else shared.size,
                         "of_floor": floor_ms / ms if ms else 0.0})
     return out
 
@@ -423,12 +429,14 @@ def report(res: dict, B: int, args) -> None:
     print_profile(res["profile"]["cd+gtm"], "a cd+gtm search, per search,")
     print("\nper step against the floor (bytes the step must move / copy bandwidth):")
     print("| mode | step | live beams | child entries | distinct entries | distinct rows per plane | "
-          "slots / request | MB | floor us | mask kernel us | floor / kernel | query by query us |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "slots / request | MB | floor us | mask kernel us | floor / kernel | query by query us | "
+          "shared rows | each lane its own rows us |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for f in res["floor"]:
         print(f"| {f['mode']} | {f['step']} | {f['beams']:,} | {f['entries']:,} | {f['distinct_entries']:,} | "
               f"{' / '.join(f'{r:,}' for r in f['distinct_rows'])} | {f['width']:,} | {f['MB']:.1f} | "
-              f"{f['floor_us']:.1f} | {f['mask_us']:.1f} | {f['of_floor']:.2f} | {f['by_query_us']:.1f} |")
+              f"{f['floor_us']:.1f} | {f['mask_us']:.1f} | {f['of_floor']:.2f} | {f['by_query_us']:.1f} | "
+              f"{f['shared_rows']:,} | {f['own_rows_us']:.1f} |")
     for mode, steps in res.get("sweep", {}).items():
         print(f"\n{mode} mask ms per step by launch shape (BLOCK, warps, queries per round), then by queries "
               "streamed before the table lookups (unions, partitions); * the default:")

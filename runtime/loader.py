@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from runtime.ops.gtm_mask.planes import TableStack, stack_tables
+from runtime.ops.gtm_mask.shared_rows import SharedRows, shared_rows
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.artifact import THREADS
 from sidindex.errors import ConfigError, SidIndexError
@@ -105,6 +106,9 @@ class ServedIndex:
     shapes and the search's bounds, known on the host).
     fan_out_counts[d]: (C_d + 1,) int64 on the host, how many depth-d nodes have c children, for
          c = 0..max_children[d] (the search's candidate bound, `most_children`).
+    shared_rows[d]: on a GPU, the few distinct matcher rows of depth d's child entries, which the
+         mask tests once per request (`ops.gtm_mask.shared_rows`), or None where they are many;
+         () on the CPU.
     post: on a GPU, the arrays the post stage reads (`POST_ARRAYS` present in the snapshot, by
          their contract names) as device tensors; None on the CPU, whose post stage reads the
          memory maps.
@@ -125,6 +129,7 @@ class ServedIndex:
     leaf_start: int
     fan_out_counts: tuple[np.ndarray, ...] = ()
     tables: TableStack | None = None
+    shared_rows: tuple[SharedRows | None, ...] = ()
     post: dict[str, torch.Tensor] | None = None
     post_bounds: PostBounds | None = None
     load_info: dict = field(default_factory=dict)
@@ -354,9 +359,11 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
                 info["shared_with"] = base.id
             gtm = GTMIndex.from_arrays(g.level_sizes, moved | host, MATCHER_PLANES)
             out.append(ServedIndex(snap, device, gtm, entry_keys, (), (), 0, int(g.depth_offsets[g.sid_length]),
-                                   (), tables, post, bounds, info))  # the shapes below
-        for i, (index, shares) in enumerate(zip(out, whole)):  # every device's copies issued: each waits on its own
-            shape = {} if shares else _shapes(index.gtm)
+                                   tables=tables, post=post, post_bounds=bounds, load_info=info))  # shapes below
+        for i, (index, base, k, shares) in enumerate(zip(out, bases, kept, whole)):  # every device's copies issued
+            # the shared rows hold while the planes and offsets are the base's (an update of ad states)
+            same_rows = base is not None and planes | {"node_offsets"} <= k
+            shape = {} if shares else _shapes(index.gtm, base.shared_rows if same_rows else None)
             if index.post is not None and index.post_bounds is None:
                 shape["post_bounds"] = post_bounds(index.post, snap)
             out[i] = dataclasses.replace(index, **shape)
@@ -371,9 +378,10 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
     return out
 
 
-def _shapes(gtm: GTMIndex) -> dict:
+def _shapes(gtm: GTMIndex, shared: tuple[SharedRows | None, ...] | None = None) -> dict:
     """The launch shapes and search bounds of a served trie (`ServedIndex` fields), from its device
-    arrays where they are: fan-outs per depth reduced there, a few numbers to the host."""
+    arrays where they are: fan-outs per depth reduced there, a few numbers to the host. shared: the
+    depths' shared rows when they are known (else found here, on a GPU)."""
     fan_out, do = gtm.node_offsets.diff(), gtm.depth_offsets
     per_depth = [fan_out[int(do[d]):int(do[d + 1])] for d in range(gtm.sid_length)]
     most = torch.stack([f.max() for f in per_depth]).tolist()
@@ -382,7 +390,9 @@ def _shapes(gtm: GTMIndex) -> dict:
     return {"max_children": tuple(int(m) for m in most),
             "mean_children": tuple(int(-(-t // max(len(f), 1))) for t, f in zip(total, per_depth)),
             "max_parts": int(parts.diff().max()) if parts is not None and len(parts) > 1 else 0,
-            "fan_out_counts": tuple(torch.bincount(f, minlength=m + 1).cpu().numpy() for f, m in zip(per_depth, most))}
+            "fan_out_counts": tuple(torch.bincount(f, minlength=m + 1).cpu().numpy() for f, m in zip(per_depth, most)),
+            "shared_rows": shared if shared is not None else
+            tuple(shared_rows(gtm, d) for d in range(gtm.sid_length)) if fan_out.is_cuda else ()}
 
 
 def _post_names(snap: Snapshot) -> list[str]:

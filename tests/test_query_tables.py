@@ -132,9 +132,12 @@ def test_tabled_mask_equals_query_by_query_and_reference(sc, seed):
             assert torch.equal(gtm_mask_triton(*args), ref), (mode, d)
             assert torch.equal(gtm_mask_triton(*args, tabled=False), ref), (mode, d)
             assert torch.equal(gtm_mask_triton(*args, leads=(3, 5)), ref), (mode, d)  # streamed, then looked up
+            # the distinct union rows tested once per request (streamed, then looked up), then looked up
+            assert torch.equal(gtm_mask_triton(*args, shared=True, leads=(3, 0)), ref), (mode, d)
             want = gtm_mask(*args, impl="torch", with_bound=True)  # value bounds: k-way's first passing partition
-            got = gtm_mask_triton(*args, with_bound=True)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (mode, d)
+            for shared in (None, True):
+                got = gtm_mask_triton(*args, with_bound=True, shared=shared)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (mode, d, shared)
     scorer = TableScorer(g.vocab_size, seed)
     for mode in MODES:
         want = beam_search(case.index, case.dreq, scorer, (1,) + (8,) * (g.sid_length - 1), mode, "torch")

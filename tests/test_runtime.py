@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from runtime.loader import load_index
 from runtime.ops.gtm_mask import gtm_candidates, gtm_mask
+from runtime.ops.gtm_mask.kernel import gtm_mask_triton
 from runtime.ops.gtm_mask.slots import slots_of
 from runtime.post import expand
 from runtime.requests import to_device
@@ -101,6 +102,8 @@ def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed, updated):
             ref = gtm_mask(*args, impl="torch").cpu()
             ker = gtm_mask(*args, impl="triton").cpu()
             assert torch.equal(ref, ker), mode
+            if mode.gtm:  # the depth's distinct union rows tested once per request, then looked up
+                assert torch.equal(ref, gtm_mask_triton(*args, shared=True).cpu()), mode
             assert torch.equal(ref, gtm_mask(cpu.index, cpu.dreq, d, req, node, score, logp, mode, impl="numba")), mode
             # the compact layout: slot start[b, k] + c holds child c of beam k, then -inf
             want = torch.full((B, width), float("-inf"))
@@ -118,6 +121,10 @@ def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed, updated):
                 slots = slots_of(cs.index, node.reshape(B, K).to(on), score.reshape(B, K).to(on), width)
                 got = gtm_candidates(cs.index, cs.dreq, d, slots, node.to(on), score.to(on), logp.to(on), mode, impl)
                 assert torch.equal(got.cpu(), want), (mode, impl)
+                if impl == "triton" and mode.gtm:
+                    got = gtm_mask_triton(cs.index, cs.dreq, d, node.to(on), node.to(on), score.to(on), logp.to(on),
+                                          mode, slots=slots, shared=True)
+                    assert torch.equal(got.cpu(), want), (mode, "shared rows")
             for i in range(len(node)):
                 want = set() if score[i] == float("-inf") else {
                     t for t in passing_tokens(g, case.req, int(req[i]), int(node[i]), mode).tolist()

@@ -13,14 +13,17 @@ lookup tables once, and a lane then streams only the first few queries (`table_l
 depths) and looks the group up in 16 loads per word per 64 queries; lanes that fail (the costly
 ones when streaming: they try every query, and a block waits for them) cost what passing ones do.
 The planes are read through their stacks (`planes.TableStack`, `planes.QueryStack`), so one kernel
-serves any set of planes. With k-way partitions (KWAY), lanes that pass the union test try their
-partitions until one passes. A surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every
-other token stays -inf. With VALUE it also writes, in a second (M, V) output, its value bound
-(VALUE 1) or the value-guided key val + weight * log(max(bound, floor)) (VALUE 2, fused so the
-search makes no extra passes): the bound is the entry's `entry_value`, or with KWAY the
-`part_value` of its first passing partition (an entry's partitions fall in value, so that is the
-largest that passes). GTM, KWAY and VALUE are compile-time flags. Bits are int64
-(the uint64 rows reinterpreted): & and == are the same.
+serves any set of planes. Where the depth's child entries index few distinct union rows
+(`shared_rows`: near the root, where unions saturate), `_shared_pass_kernel` first tests each of
+them once per request, and the mask's lanes (SHARED) look their rows' results up instead. With
+k-way partitions (KWAY), lanes that pass the union test try their partitions until one passes. A
+surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every other token stays
+-inf. With VALUE it also writes, in a second (M, V) output, its value bound (VALUE 1) or the
+value-guided key val + weight * log(max(bound, floor)) (VALUE 2, fused so the search makes no extra
+passes): the bound is the entry's `entry_value`, or with KWAY the `part_value` of its first passing
+partition (an entry's partitions fall in value, so that is the largest that passes). GTM, KWAY,
+VALUE and SHARED are compile-time flags. Bits are int64 (the uint64 rows reinterpreted): & and ==
+are the same.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import triton.language as tl
 
 from runtime.ops.gtm_mask.planes import stack_tables
 from runtime.ops.gtm_mask.reference import NEG_INF, VALUE_FLOOR
+from runtime.ops.gtm_mask.shared_rows import SharedRows, shared_rows
 from runtime.ops.gtm_mask.slots import Slots
 from runtime.ops.gtm_mask.slots_kernel import beam_of_slot
 from runtime.ops.gtm_mask.tables import query_tables, table_pass
@@ -81,35 +85,66 @@ def _group_pass(ok, row, q_lo, q_range, tab, W: tl.constexpr, W_LO: tl.constexpr
 
 
 @triton.jit
+def plane_pass(ok, r, p: tl.constexpr, b, words, t_base, q_words, q_base, q_ranges, tables,
+               WIDTHS: tl.constexpr, SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr,
+               GW: tl.constexpr, GA: tl.constexpr, GT: tl.constexpr, J: tl.constexpr, CH: tl.constexpr,
+               QSTEP: tl.constexpr, LEAD: tl.constexpr):
+    """ok & (each lane's row r (int64) of plane p passes request b on every word group of the
+    plane). `tables`: request b's query tables (`tables.query_tables`: per tabled group J mask
+    words x CH chunks x 16). Layout tuples (`planes.GroupLayout`): per plane its width and whether
+    it has one query per group; per group its plane, first word, words, words rounded up to a power
+    of two, and its table (-1: tested query by query); LEAD: queries streamed before a tabled
+    group's lookups."""
+    G: tl.constexpr = len(GP)
+    row = words + tl.load(t_base + p) + r * WIDTHS[p]  # each lane's row of plane p
+    q_lo = q_words + tl.load(q_base + p)
+    for g in tl.static_range(G):
+        if GP[g] == p:  # resolved at compile time
+            ok = _group_pass(ok, row, q_lo, q_ranges + (b * G + g) * 2, tables + GT[g] * (J * CH * 16),
+                             WIDTHS[p], GLO[g], GW[g], GA[g], SINGLE[p], QSTEP, GT[g] >= 0, LEAD, J, CH)
+    return ok
+
+
+@triton.jit
 def _rows_pass(ok, idx, stride, pos, b, words, t_base, q_words, q_base, q_ranges, tables,
                WIDTHS: tl.constexpr, SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr,
                GW: tl.constexpr, GA: tl.constexpr, GT: tl.constexpr, J: tl.constexpr, CH: tl.constexpr,
                QSTEP: tl.constexpr, LEAD: tl.constexpr):
-    """ok & (each lane's rows pass request b on every word group of every plane). A lane's row of
-    plane p is idx[p * stride + pos]; `tables`, request b's query tables (`tables.query_tables`:
-    per tabled group J mask words x CH chunks x 16). Layout tuples (`planes.GroupLayout`): per
-    plane its width and whether it has one query per group; per group its plane, first word,
-    words, words rounded up to a power of two, and its table (-1: tested query by query); LEAD:
-    queries streamed before a tabled group's lookups."""
-    G: tl.constexpr = len(GP)
+    """ok & (each lane's rows pass request b on every plane, `plane_pass`). A lane's row of plane p
+    is idx[p * stride + pos]."""
     for p in tl.static_range(len(WIDTHS)):
         r = tl.load(idx + p * stride + pos, mask=ok, other=0).to(tl.int64)
-        row = words + tl.load(t_base + p) + r * WIDTHS[p]  # each lane's row of plane p
-        q_lo = q_words + tl.load(q_base + p)
-        for g in tl.static_range(G):
-            if GP[g] == p:  # resolved at compile time
-                ok = _group_pass(ok, row, q_lo, q_ranges + (b * G + g) * 2, tables + GT[g] * (J * CH * 16),
-                                 WIDTHS[p], GLO[g], GW[g], GA[g], SINGLE[p], QSTEP, GT[g] >= 0, LEAD, J, CH)
+        ok = plane_pass(ok, r, p, b, words, t_base, q_words, q_base, q_ranges, tables,
+                        WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD)
     return ok
+
+
+@triton.jit
+def _shared_pass_kernel(out, rows, ends, R, words, t_base, q_words, q_base, q_ranges, tables, tab_stride,
+                        WIDTHS: tl.constexpr, SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr,
+                        GW: tl.constexpr, GA: tl.constexpr, GT: tl.constexpr, J: tl.constexpr, CH: tl.constexpr,
+                        QSTEP: tl.constexpr, LEAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (block of BLOCK distinct rows, request b): out[b, i] = 1 where distinct row i (of the
+    plane whose positions hold i) passes request b (`shared_rows`)."""
+    b = tl.program_id(1).to(tl.int64)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    r = tl.load(rows + i, mask=i < R, other=0).to(tl.int64)
+    tables = tables + b * tab_stride
+    hit = tl.zeros([BLOCK], dtype=tl.int1)
+    for p in tl.static_range(len(WIDTHS)):
+        mine = (i >= tl.load(ends + p)) & (i < tl.load(ends + p + 1))
+        hit = hit | plane_pass(mine, r, p, b, words, t_base, q_words, q_base, q_ranges, tables,
+                               WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD)
+    tl.store(out + b * R + i, hit.to(tl.int8), mask=i < R)
 
 
 @triton.jit
 def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offsets, csr_tokens,
                      words, t_base, index, E, part_offsets, part_index, T, max_parts,
                      q_words, q_base, q_ranges, tables, tab_stride, V, bound, entry_value, part_value, weight, floor,
-                     entry_live, slot_start, slot_total, K, width,
-                     LIVE: tl.constexpr, GTM: tl.constexpr, KWAY: tl.constexpr, VALUE: tl.constexpr,
-                     COMPACT: tl.constexpr, LOG_K: tl.constexpr, WIDTHS: tl.constexpr,
+                     entry_live, slot_start, slot_total, K, width, shared_lo, shared_local, shared_n, shared_pass,
+                     shared_size, LIVE: tl.constexpr, SHARED: tl.constexpr, GTM: tl.constexpr, KWAY: tl.constexpr,
+                     VALUE: tl.constexpr, COMPACT: tl.constexpr, LOG_K: tl.constexpr, WIDTHS: tl.constexpr,
                      SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr, GW: tl.constexpr, GA: tl.constexpr,
                      GT: tl.constexpr, J: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr, QSTEP: tl.constexpr,
                      LEAD_U: tl.constexpr, LEAD_P: tl.constexpr):
@@ -136,24 +171,29 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
         ok = ok & (tl.load(entry_live + e, mask=ok, other=0) != 0)
     tables = tables + b * tab_stride  # request b's query tables
     first = tl.zeros([BLOCK], dtype=tl.int32)  # with KWAY: the position of each lane's first passing partition
-    if GTM:
+    if GTM and SHARED:  # the depth's few distinct rows were tested once per request: look them up
+        ok = ok & (e >= shared_lo) & (e < shared_lo + shared_n)  # the depth's entries (a caller's node is of it)
+        for p in tl.static_range(len(WIDTHS)):
+            at = tl.load(shared_local + p * shared_n + (e - shared_lo), mask=ok, other=0)
+            ok = ok & (tl.load(shared_pass + b * shared_size + at, mask=ok, other=0) != 0)
+    elif GTM:
         ok = _rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges, tables,
                         WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_U)
-        if KWAY:
-            p_lo = tl.load(part_offsets + e, mask=ok, other=0)
-            n_p = tl.load(part_offsets + e + 1, mask=ok, other=0) - p_lo
-            any_part = tl.zeros_like(ok)
-            k = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, 0, max_parts)
-            while k < max_parts:  # until each live lane found a passing partition or ran out of them
-                has = ok & (k < n_p) & (any_part == 0)
-                hit = _rows_pass(has, part_index, T, p_lo + k, b, words, t_base, q_words, q_base,
-                                 q_ranges, tables, WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_P)
-                if VALUE > 0:  # the largest value that passes (an entry's partitions fall in value)
-                    first = tl.where(hit, k, first)
-                any_part = any_part | hit
-                left = tl.sum((ok & (any_part == 0) & (k + 1 < n_p)).to(tl.int32), axis=0)
-                k = tl.where(left > 0, k + 1, max_parts)
-            ok = any_part
+    if GTM and KWAY:
+        p_lo = tl.load(part_offsets + e, mask=ok, other=0)
+        n_p = tl.load(part_offsets + e + 1, mask=ok, other=0) - p_lo
+        any_part = tl.zeros_like(ok)
+        k = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, 0, max_parts)
+        while k < max_parts:  # until each live lane found a passing partition or ran out of them
+            has = ok & (k < n_p) & (any_part == 0)
+            hit = _rows_pass(has, part_index, T, p_lo + k, b, words, t_base, q_words, q_base,
+                             q_ranges, tables, WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_P)
+            if VALUE > 0:  # the largest value that passes (an entry's partitions fall in value)
+                first = tl.where(hit, k, first)
+            any_part = any_part | hit
+            left = tl.sum((ok & (any_part == 0) & (k + 1 < n_p)).to(tl.int32), axis=0)
+            k = tl.where(left > 0, k + 1, max_parts)
+        ok = any_part
     val = score + tl.load(logp + m * V + tok, mask=ok, other=float("-inf"))
     val = tl.where(val == val, val, float("-inf"))  # NaN never passes
     if VALUE > 0:  # 1: the bound; 2: the value-guided key, val + weight * log(max(bound, floor))
@@ -171,6 +211,13 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
         tl.store(out + m * V + tok, val, mask=ok)
         if VALUE > 0:
             tl.store(bound + m * V + tok, bv, mask=ok)
+
+
+def layout_args(lay) -> dict:
+    """The constexpr arguments of `plane_pass` for a `planes.GroupLayout`."""
+    return dict(WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane, GLO=lay.group_lo, GW=lay.group_words,
+                GA=tuple(triton.next_power_of_2(max(w, 1)) for w in lay.group_words), GT=lay.group_table,
+                J=lay.table_words, CH=lay.table_chunks)
 
 
 def launch_shape(index, depth: int) -> tuple[int, int]:
@@ -204,14 +251,20 @@ def table_leads(depth: int) -> tuple[int, int]:
 def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
                     beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, with_bound: bool = False,
                     value_weight: float = 0.0, shape: tuple[int, int] | None = None, slots: Slots | None = None,
-                    qstep: int | None = None, tabled: bool = True, leads: tuple[int, int] | None = None):
+                    qstep: int | None = None, tabled: bool = True, leads: tuple[int, int] | None = None,
+                    shared: bool | None = None):
     """Same contract as `gtm_mask_reference`. beam_request, beam_node: (M,) int64; beam_score: (M,)
     float32; logp: (M, V) float32 contiguous. shape: (BLOCK, num_warps), default `launch_shape`
     (`compact_shape` with slots); qstep: queries tested per round of a group tested query by query
     (default 4, or `compact_shape`'s with slots); tabled: test the groups the request layout tables
     by their query tables (`requests.stacked.tables`, else made here), else query by query; leads:
     queries streamed before the lookups, (unions, partitions) (default `table_leads`). With `slots`
-    (`slots.Slots` of the M = B*K beams, request-major), the outputs are (B, slots.width) in that layout instead (`slots.compact` of the dense ones)."""
+    (`slots.Slots` of the M = B*K beams, request-major), the outputs are (B, slots.width) in that
+    layout instead (`slots.compact` of the dense ones). shared: test the depth's distinct union rows
+    once per request and look them up (`shared_rows`): None where the index has them
+    (`ServedIndex.shared_rows`; an index served on the CPU makes them here, per call), True always,
+    False never. With shared rows a beam whose node is not of `depth` passes nothing (the contract
+    has it of `depth`)."""
     M, V = logp.shape
     value = 2 if value_weight > 0 else 1 if with_bound else 0
     if slots is None:
@@ -237,17 +290,11 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         qstep = qstep or chosen
         grid = (B, triton.cdiv(width, BLOCK))
         start, total = slots.start, slots.total
-    g, q = index.gtm, requests.stacked
-    t = index.tables
-    if t is None:  # an index served on the CPU (the interpreter's tests) is stacked here, once per call
-        planes = g.planes
-        t = stack_tables([p.table for p in planes], [p.index for p in planes],
-                         [p.part_index for p in planes] if g.part_offsets is not None else None, logp.device)
-    kway, lay = mode.kway, q.layout
+    g, q, kway = index.gtm, requests.stacked, mode.kway
+    t, tab, lay = _stacks(index, requests, mode.gtm and tabled)
     lead_u, lead_p = leads or table_leads(depth)
-    tab = (q.tables if q.tables is not None else query_tables(q)) if mode.gtm and tabled else None
-    if tab is None:
-        lay = dataclasses.replace(lay, group_table=(-1,) * len(lay.group_plane), table_words=0)
+    sr = _shared(index, depth, shared) if mode.gtm else None
+    passed = None if sr is None else _shared_launch(sr, t, q, tab, lay, lead_u)
     _gtm_mask_kernel[grid](
         out, logp, beam_score, beam_node, beam_request, g.node_offsets, g.csr_tokens,
         t.words, t.base, t.index, t.index.shape[1], g.part_offsets if kway else g.node_offsets,
@@ -256,10 +303,55 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         V, out if extra is None else extra, g.entry_value if value else out,
         g.part_value if value and kway else out, float(value_weight), VALUE_FLOOR,
         g.node_offsets if g.entry_live is None else g.entry_live, start, total, K, width,
-        LIVE=g.entry_live is not None, GTM=mode.gtm, KWAY=kway, VALUE=value, COMPACT=slots is not None,
-        LOG_K=max(1, (K - 1).bit_length()), WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane,
-        GLO=lay.group_lo,
-        GW=lay.group_words, GA=tuple(triton.next_power_of_2(max(w, 1)) for w in lay.group_words),
-        GT=lay.group_table, J=lay.table_words, CH=lay.table_chunks, BLOCK=BLOCK, QSTEP=qstep,
+        0 if sr is None else sr.lo, g.node_offsets if sr is None else sr.local, 0 if sr is None else sr.local.shape[1],
+        g.node_offsets if sr is None else passed, 0 if sr is None else sr.size,
+        LIVE=g.entry_live is not None, SHARED=sr is not None, GTM=mode.gtm, KWAY=kway, VALUE=value,
+        COMPACT=slots is not None,
+        LOG_K=max(1, (K - 1).bit_length()), **layout_args(lay), BLOCK=BLOCK, QSTEP=qstep,
         LEAD_U=lead_u, LEAD_P=lead_p, num_warps=warps)
     return out if extra is None else (out, extra)
+
+
+def _stacks(index, requests, tabled: bool):
+    """What the kernels read the planes and queries through: the index's `planes.TableStack`, the
+    requests' query tables (None: every group tested query by query) and the group layout to match."""
+    t, q = index.tables, requests.stacked
+    if t is None:  # an index served on the CPU (the interpreter's tests) is stacked here, once per call
+        planes = index.gtm.planes
+        t = stack_tables([p.table for p in planes], [p.index for p in planes],
+                         [p.part_index for p in planes] if index.gtm.part_offsets is not None else None,
+                         q.words.device)
+    tab = (q.tables if q.tables is not None else query_tables(q)) if tabled else None
+    lay = q.layout if tab is not None else dataclasses.replace(q.layout, group_table=(-1,) * len(q.layout.group_plane),
+                                                               table_words=0)
+    return t, tab, lay
+
+
+def _shared(index, depth: int, shared: bool | None) -> SharedRows | None:
+    """The shared rows a mask of `depth` uses (`gtm_mask_triton`'s `shared`)."""
+    if shared is False:
+        return None
+    if shared is None and index.shared_rows:
+        return index.shared_rows[depth]
+    return shared_rows(index.gtm, depth, *((0, 1 << 62) if shared else ()))
+
+
+def shared_pass(index, requests, shared: SharedRows, tabled: bool = True, lead: int = 0) -> torch.Tensor:
+    """(B, R) int8: 1 where distinct row i of `shared` (of one depth of `index`) passes request b
+    on every word group of its plane, else 0 (`shared_rows`). requests: EncodedRequests on the
+    index's device; tabled, lead: as `gtm_mask_triton`'s tabled and leads (for unions)."""
+    t, tab, lay = _stacks(index, requests, tabled)
+    return _shared_launch(shared, t, requests.stacked, tab, lay, lead)
+
+
+def _shared_launch(shared: SharedRows, t, q, tab, lay, lead: int, block: int = 128) -> torch.Tensor:
+    """`shared_pass` through the stacks `_stacks` gave (t, tab, lay) and the requests' QueryStack q."""
+    B, R = q.ranges.shape[0], shared.size
+    out = torch.empty((B, R), dtype=torch.int8, device=shared.rows.device)
+    if B == 0 or R == 0:
+        return out
+    _shared_pass_kernel[(triton.cdiv(R, block), B)](  # rows on the first axis: it has no 65,535 limit
+        out, shared.rows, shared.ends, R, t.words, t.base, q.words, q.base, q.ranges,
+        q.words if tab is None else tab, 0 if tab is None else tab.stride(0),
+        **layout_args(lay), QSTEP=4, LEAD=lead, BLOCK=block, num_warps=4)
+    return out

@@ -87,3 +87,14 @@ def gtm_mask_reference(index, requests, depth: int, beam_request: torch.Tensor, 
         if with_bound:
             bound[s:s + chunk].scatter_(1, col, torch.where(ok, best, 0.0))
     return (out[:, :V], bound[:, :V]) if with_bound else out[:, :V]
+
+
+def shared_pass_reference(index, requests, shared) -> torch.Tensor:
+    """(B, R) bool: distinct row i of `shared` (`shared_rows.SharedRows`, of plane p) passes request
+    b on every word group of the plane (`plane_pass`). What `kernel.shared_pass` is tested against."""
+    out, B = [], requests.batch
+    for p, (plane, q) in enumerate(zip(index.gtm.planes, requests.planes)):
+        rows = shared.rows[int(shared.ends[p]):int(shared.ends[p + 1])].long()
+        table = plane.table[rows][None].expand(B, -1, -1)  # (B, R_p, W_p)
+        out.append(plane_pass(table, q, q.ranges, q.max_queries))
+    return torch.cat(out, dim=1)
