@@ -28,10 +28,11 @@ over the device's copy bandwidth, measured in the same run. Per request: its bea
 log-probabilities at its beams' child entries, the candidates written and read back by top-k.
 Once for the batch, since the requests share them and a repeated read hits the cache: each
 distinct child entry's token and matcher row numbers, each distinct matcher row, and with k-way
-each passing entry's partition offsets and first partition's rows. Where a step's depth has shared
-rows (its few distinct union rows, tested once per request: `runtime.ops.gtm_mask.shared_rows`), the
-table gives their number and the mask with every lane testing its own rows. Every implementation (Triton,
-torch reference) and layout must return identical beams, and the replays the eager search's.
+each passing entry's partition offsets and first partition's rows. Where a step's depth has
+shared rows (its few distinct union rows, tested once per request:
+`runtime.ops.gtm_mask.shared_rows`), the table gives their number and the mask with every lane
+testing its own rows. Every implementation (Triton, torch reference) and layout must return
+identical beams, and the replays the eager search's.
 
 Targets (issue 13): cd+gtm graph <= none graph and <= plain torch; cd+gtm mask kernel GPU time <=
 1.5x cd at 30M SIDs; cd+gtm+kway graph <= 1.5 ms at 30M SIDs; post <= 0.2 ms per batch on the GPU

@@ -35,7 +35,7 @@ from sidindex.targeting import BITMASK, BLOOM, Attribute, TargetingSpec
 from sidindex.trie.match import entries_pass
 from tests.test_gtm import Scenario, eligible, scenarios
 from tests.test_query_tables import VOCAB, crowded
-from tests.test_runtime import DEVICE, GPU, Case, TableScorer
+from tests.test_runtime import GPU, Case, TableScorer
 
 
 def _depth_entries(g, d: int) -> tuple[int, int]:

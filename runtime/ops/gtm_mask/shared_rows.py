@@ -19,6 +19,7 @@ Legend: P planes, E_d child entries of depth d's nodes, R distinct rows of all p
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +63,9 @@ def shared_rows(gtm, depth: int, few: int = FEW, most: int = MOST_ROWS) -> Share
     size = sum(counts)
     if size > most or hi - lo < few * size:
         return None
-    ends = [0]
-    for c in counts:
-        ends.append(ends[-1] + c)
+    ends = [0, *itertools.accumulate(counts)]
     local = torch.empty((len(rows), hi - lo), dtype=torch.int32, device=rows[0].device)
     for p, (r, mark) in enumerate(zip(rows, marks)):
         local[p] = (mark.cumsum(0) - 1 + ends[p])[r.long()]  # a marked row's rank among the plane's marked ones
     distinct = torch.cat([m.nonzero().flatten() for m in marks]).int()
     return SharedRows(lo, local, distinct, torch.tensor(ends, dtype=torch.int64, device=local.device), size)
-
