@@ -12,9 +12,13 @@ loaded onto the GPU. Requests: B=16, 64 locations each, random logits (fixed per
 search is timed). Beams 1,512,1024,1024. Medians over --reps (CUDA events). Per mode:
 
   graph       the whole search (log-softmax, mask, top-k, reorder, child lookup, 4 steps) captured
-              as a CUDA graph and replayed: what a serving loop pays
-  Searcher    `runtime.Searcher.search`, the public API's captured search (outputs copied out)
-  eager       `runtime.beam_search`, launch overhead included
+              as a CUDA graph and replayed, each step's compact layout capped to the widths the
+              Searcher settled on at its first batch (`runtime.search.capped_widths`; printed):
+              what a serving loop pays; the mask, profile and floor figures use them too
+  Searcher    `runtime.Searcher.search`, the public API's captured search (outputs copied out,
+              its overflow flag read)
+  eager       `runtime.beam_search`, launch overhead included (uncapped)
+  worst-case widths  the graph with every step's layout as wide as its widest nodes together
   dense       the same search with the dense candidate layout (every beam x token, then a
               search for each chosen (node, token)): the layout before compaction, as a graph
   mask        the mask kernel's calls alone with the inputs the search gave them, each captured
@@ -158,10 +162,11 @@ def same(a, b) -> bool:
 
 
 def graph_search_ms(index, dreq, scorer, beams, mode: Mode, reps: int, value_weight: float = 0.0,
-                    layout: str = "compact") -> tuple[float, bool]:
-    """Median ms of replaying the whole search captured as a CUDA graph, and whether the replay
-    gives the eager search's beams."""
-    replay, static = captured(lambda: beam_search(index, dreq, scorer, beams, mode, "triton", value_weight, layout))
+                    layout: str = "compact", widths=None) -> tuple[float, bool]:
+    """Median ms of replaying the whole search (compact layout capped to `widths`) captured as a
+    CUDA graph, and whether the replay gives the eager uncapped search's beams."""
+    replay, static = captured(lambda: beam_search(index, dreq, scorer, beams, mode, "triton", value_weight, layout,
+                                                  widths))
     ms = cuda_ms(replay, reps)
     return ms, same(static, beam_search(index, dreq, scorer, beams, mode, "triton", value_weight, layout))
 
@@ -179,8 +184,9 @@ def plain_search(logits: list[torch.Tensor], beams: tuple[int, ...]):
     return score, tokens
 
 
-def recorded_masks(index, dreq, scorer, beams, mode) -> list[tuple]:
-    """The arguments of every candidate-mask call one search makes (the search, traced once)."""
+def recorded_masks(index, dreq, scorer, beams, mode, widths=None) -> list[tuple]:
+    """The arguments of every candidate-mask call one search (capped to `widths`) makes (the
+    search, traced once)."""
     calls, real = [], search_mod.gtm_candidates
 
     def record(*args):
@@ -189,7 +195,7 @@ def recorded_masks(index, dreq, scorer, beams, mode) -> list[tuple]:
 
     search_mod.gtm_candidates = record
     try:
-        beam_search(index, dreq, scorer, beams, mode, "triton")
+        beam_search(index, dreq, scorer, beams, mode, "triton", widths=widths)
     finally:
         search_mod.gtm_candidates = real
     return calls
@@ -365,25 +371,29 @@ def one_size(n: int, args, beams: tuple[int, ...], dev) -> dict:
         res["bandwidth_GBs"] = copy_bandwidth(dev) / 1e9
         replay, _ = captured(lambda: plain_search(logits, beams))
         res["plain_torch_ms"] = cuda_ms(replay, args.reps)
-        rows, calls_by_mode = {}, {}
+        rows, calls_by_mode, widths_by_mode = {}, {}, {}
         for mode in Mode:
             r = rows[mode.value] = {}
             print(f"{n:,} ads, {mode}", file=sys.stderr, flush=True)
-            r["graph_ms"], r["graph_same"] = graph_search_ms(index, dreq, scorer, beams, mode, args.reps)
             searcher = Searcher(beams, mode)
-            got = searcher.search(index, dreq, Fixed())
+            got = searcher.search(index, dreq, Fixed())  # a step the batch overflows is widened here, once
+            widths = widths_by_mode[mode] = searcher.widths(index)  # what its graphs replay from now on
+            r["widths"] = widths
+            r["graph_ms"], r["graph_same"] = graph_search_ms(index, dreq, scorer, beams, mode, args.reps, widths=widths)
             r["searcher_ms"] = cuda_ms(lambda: searcher.search(index, dreq, Fixed()), args.reps)
             r["eager_ms"] = cuda_ms(lambda: beam_search(index, dreq, scorer, beams, mode), args.reps)
             fast = beam_search(index, dreq, scorer, beams, mode, "triton")
             r["live_sids_per_request"] = float(fast.alive.sum(1).float().mean())
             r["identical"] = same(got, fast) and searcher.eager_reason is None and r["graph_same"]
+            r["widened"] = searcher.widened  # searches the Searcher ran again wider, all at the first batch
             if mode.constrained:
+                r["worst_case_graph_ms"], worst_same = graph_search_ms(index, dreq, scorer, beams, mode, args.reps)
                 r["dense_graph_ms"], dense_same = graph_search_ms(index, dreq, scorer, beams, mode, args.reps,
                                                                    layout="dense")
                 slow = beam_search(index, dreq, scorer, beams, mode, "torch")  # the plain-torch mask, once
                 dense = beam_search(index, dreq, scorer, beams, mode, "triton", layout="dense")
-                r["identical"] &= same(fast, slow) and same(fast, dense) and dense_same
-                calls = calls_by_mode[mode] = recorded_masks(index, dreq, scorer, beams, mode)
+                r["identical"] &= same(fast, slow) and same(fast, dense) and dense_same and worst_same
+                calls = calls_by_mode[mode] = recorded_masks(index, dreq, scorer, beams, mode, widths)
                 r["mask_per_step_ms"] = [graph_ms(lambda c=c: mask_call(c), args.reps) for c in calls]
                 r["mask_ms"] = sum(r["mask_per_step_ms"])
             if mode is Mode.CD_GTM:
@@ -397,7 +407,8 @@ def one_size(n: int, args, beams: tuple[int, ...], dev) -> dict:
                 except Exception as e:
                     res["post"] = {"error": f"{type(e).__name__}: {e}"}
         res["modes"] = rows
-        res["profile"] = {m.value: profile_kernels(lambda m=m: beam_search(index, dreq, scorer, beams, m, "triton"))
+        res["profile"] = {m.value: profile_kernels(lambda m=m: beam_search(index, dreq, scorer, beams, m, "triton",
+                                                                           widths=widths_by_mode[m]))
                           if dev.type == "cuda" else []
                           for m in CONSTRAINED}
         res["floor"] = floor_rows(index, calls_by_mode, res["bandwidth_GBs"] * 1e9, args.reps)
@@ -414,17 +425,21 @@ def report(res: dict, B: int, args) -> None:
           f"open with checksums {res['open_s']:.2f} s")
     rows = res["modes"]
     none = rows["none"]["graph_ms"]
-    print("\n| mode | graph ms | / none | / plain torch | Searcher ms | eager ms | dense layout graph ms | "
-          "mask ms | identical | live SIDs / request |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| mode | graph ms | / none | / plain torch | Searcher ms | eager ms | worst-case widths graph ms | "
+          "dense layout graph ms | mask ms | identical | live SIDs / request |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print(f"| plain torch (unconstrained) | {res['plain_torch_ms']:.3f} | {res['plain_torch_ms'] / none:.2f} | 1.00 "
-          "| - | - | - | - | - | - |")
+          "| - | - | - | - | - | - | - |")
     for mode, r in rows.items():
-        dense = f"{r['dense_graph_ms']:.3f}" if "dense_graph_ms" in r else "-"
-        mask = f"{r['mask_ms']:.3f}" if "mask_ms" in r else "-"
+        worst, dense, mask = (f"{r[k]:.3f}" if k in r else "-" for k in ("worst_case_graph_ms", "dense_graph_ms",
+                                                                          "mask_ms"))
         print(f"| {mode} | {r['graph_ms']:.3f} | {r['graph_ms'] / none:.2f} | {r['graph_ms'] / res['plain_torch_ms']:.2f} "
-              f"| {r['searcher_ms']:.3f} | {r['eager_ms']:.3f} | {dense} | {mask} | {r['identical']} "
+              f"| {r['searcher_ms']:.3f} | {r['eager_ms']:.3f} | {worst} | {dense} | {mask} | {r['identical']} "
               f"| {r['live_sids_per_request']:.0f} |")
+    print("compact layout widths per step (the Searcher's after its first batch; - the worst case), and the "
+          "first batch's searches again wider: " + "; ".join(
+              f"{m} {', '.join('-' if w is None else f'{w:,}' for w in r['widths'])} ({r['widened']})"
+              for m, r in rows.items() if r.get("widths")))
     print("\nmask kernel GPU time per search (profiler): " + ", ".join(
         f"{m} {mask_kernel_us(p):.0f} us" for m, p in res["profile"].items()))
     print_profile(res["profile"]["cd+gtm"], "a cd+gtm search, per search,")

@@ -144,6 +144,15 @@ class ServedIndex:
         the `beams` largest fan-outs of that depth (the exact worst case of a search step)."""
         return largest_sum(self.fan_out_counts[depth], beams)
 
+    def typical_children(self, depth: int, beams: int) -> int:
+        """The child entries `beams` nodes of `depth` drawn at random have together, rounded up:
+        `beams` x the depth's mean fan-out, at most `most_children` (a search step's typical
+        width, where `most_children` is its worst case)."""
+        counts = self.fan_out_counts[depth]
+        entries = int(np.dot(counts, np.arange(len(counts))))
+        typical = -(-beams * entries // max(int(counts.sum()), 1))
+        return min(typical, self.most_children(depth, beams))
+
     @property
     def codebook(self) -> Codebook | None:
         """The codebook the snapshot carries, in memory since it was opened (the codebook scorer's)."""

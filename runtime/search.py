@@ -21,6 +21,7 @@ is the plain search, exactly. Scores stay log-probabilities.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Protocol
@@ -77,6 +78,10 @@ class Beams:
     tokens: torch.Tensor
     score: torch.Tensor
     leaf: torch.Tensor
+    # (L,) bool on the device: step d had more candidates than the width `beam_search`'s `widths`
+    # capped it to, so the beams are not exact (the first such step is the one to widen: later
+    # steps searched from inexact beams); None when no step's width was capped
+    overflow: torch.Tensor | None = None
 
     @property
     def alive(self) -> torch.Tensor:
@@ -163,7 +168,8 @@ LAYOUTS = ("compact", "dense")
 @torch.no_grad()  # a scorer module's logits carry no autograd graph through the search
 def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
                 beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
-                impl: str = "auto", value_weight: float = 0.0, layout: str = "compact") -> Beams:
+                impl: str = "auto", value_weight: float = 0.0, layout: str = "compact",
+                widths: tuple[int | None, ...] | None = None) -> Beams:
     """Search SIDs for a batch of requests.
 
     requests: their encoding, best already on the index's device (`runtime.requests.to_device`; a
@@ -172,15 +178,21 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     doc); 0, the default, searches by log-probability alone. layout: how a constrained step lays
     out its candidates for top-k: "compact" (`ops.gtm_mask.slots`: the beams' child entries only,
     the default) or "dense" (every beam x token, then a search for each chosen (node, token): the
-    reference). Dead beams come back with score -inf, token 0 at every position and leaf -1. A
-    search whose widest step would not fit the free memory is refused (ConfigError) before it
-    allocates.
+    reference). widths: per step, the most slots the compact layout gives a request's candidates
+    (None: the step's worst case, `ServedIndex.most_children`, the default for every step); a
+    capped step that needs more sets `Beams.overflow`, and the beams are then not exact
+    (`capped_widths`; `runtime.Searcher` searches again wider). Dead beams come back with score
+    -inf, token 0 at every position and leaf -1. A search whose widest step would not fit the free
+    memory is refused (ConfigError) before it allocates.
     """
     mode = parse_mode(mode, kway_available=index.kway)
     beams = parse_beams(beams, index.sid_length)
     check_value_weight(index, mode, value_weight)
     if layout not in LAYOUTS:
         raise ConfigError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    if widths is not None and (len(widths) != len(beams) or any(w is not None and w < 1 for w in widths)):
+        raise ConfigError(f"widths {widths!r}: give {len(beams)}, one per step, each a positive number of slots "
+                          "or None (the step's worst case)")
     if requests.stacked is None:  # the host encoding
         requests = to_device(requests, index.device)
     B, V, L, dev = requests.batch, index.vocab_size, index.sid_length, index.device
@@ -194,14 +206,20 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     score = torch.zeros(B, 1, dtype=torch.float32, device=dev)
     tokens = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)
     req = torch.arange(B, device=dev)
-    parent = None
+    parent = overflow = None
     for d in range(L):
         K = node.shape[1]
         logp = torch.log_softmax(scorer(d, tokens, parent).float(), dim=-1).reshape(B * K, V)
         k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
         key = None
         if compact:  # slots of the beams' child entries; padded so top-k always has k_next of them
-            slots = slots_of(index, node, score, max(index.most_children(d, K), k_next), kernels)
+            most = max(index.most_children(d, K), k_next)
+            slots = slots_of(index, node, score, most if widths is None or widths[d] is None else
+                             max(min(widths[d], most), k_next), kernels)
+            if slots.width < most:  # top-k selects among fewer slots; a request with more child entries overflows
+                if overflow is None:
+                    overflow = torch.zeros(L, dtype=torch.bool, device=dev)
+                overflow[d] = (slots.total > slots.width).any()
             cand = gtm_candidates(index, requests, d, slots, node.reshape(-1), score.reshape(-1), logp, mode, impl,
                                   value_weight)
         elif mode.constrained:
@@ -231,7 +249,19 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         node = child_nodes(index, node.gather(1, parent), tok, alive)
     alive = score > NEG_INF
     leaf = torch.where(alive & (node >= 0), node - index.leaf_start, -1)
-    return Beams(torch.where(alive[..., None], tokens, 0), score, leaf)
+    return Beams(torch.where(alive[..., None], tokens, 0), score, leaf, overflow)
+
+
+def capped_widths(index: ServedIndex, beams: tuple[int, ...] | str, slack: tuple[float, ...]) -> tuple[int | None, ...]:
+    """`beam_search`'s widths: per step d, slack[d] x the candidates its beams' nodes have
+    together when drawn at random (`ServedIndex.typical_children`), None where that reaches the
+    worst case. Top-k's time grows with the width it selects from, and a step's worst case (its
+    widest nodes together) can be ten times the typical one. A slack of 0: None."""
+    out = []
+    for d, K in enumerate(step_beams(parse_beams(beams, index.sid_length), index.vocab_size)):
+        cap = math.ceil(slack[d] * index.typical_children(d, K))
+        out.append(cap if 0 < cap < index.most_children(d, K) else None)
+    return tuple(out)
 
 
 def check_value_weight(index: ServedIndex, mode: Mode, value_weight: float) -> None:

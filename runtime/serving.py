@@ -19,6 +19,13 @@ A scorer without `inputs` cannot be refreshed inside a graph, and the CPU has no
 searches run eagerly (and `retrieve` runs the host post stage), and `eager_reason` says why (a
 warning says it once). Replayed results are copies: the next replay does not change them.
 
+Each step's top-k selects among a width the Searcher caps at `slack` x its beams' typical
+candidates (`runtime.search.capped_widths`): the worst case, the widest nodes of the depth together,
+can be ten times as wide, and top-k's time grows with its width. After each search the Searcher
+reads the search's overflow flags (one small copy to the host); a batch whose candidates did not
+fit is searched again with twice the slack at the first step that overflowed (kept for later
+batches), so every result is the uncapped search's.
+
 With a `SnapshotWatcher`, each request takes `watcher.current` once and passes it here: a graph
 belongs to the device arrays it was captured on, so a swapped-in snapshot is captured anew at its
 first batch and the old graphs are dropped (they read the old index's tensors); an update that
@@ -39,7 +46,7 @@ import torch
 from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask.planes import stack_queries
 from runtime.post import DevicePost, Retrieved, check_rank, check_top_k, expand, on_device
-from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search
+from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search, capped_widths
 from sidindex.matchers.exact import ExactQueries
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests
@@ -57,13 +64,25 @@ class _Graph:
     buffer: torch.Tensor | None = None
 
 
+SLACK = 2.0  # a step's compact layout: twice its beams' typical candidates (`search.capped_widths`)
+
+
 class Searcher:
     """Beam search for one (beams, mode, value weight), captured per batch size on a GPU (see the
-    module doc)."""
+    module doc).
+
+    slack: each step's top-k selects among `slack` x the candidates its beams' nodes typically
+    have (`runtime.search.capped_widths`) rather than its worst case, which can be ten times as
+    many; a batch with more candidates than that at some step is searched again with twice that
+    step's slack (`step_slack`), which later batches keep (`widened` counts those searches), so
+    results are always exact. 0: every step's worst case, never a second search.
+    """
 
     def __init__(self, beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
-                 impl: str = "auto", value_weight: float = 0.0) -> None:
+                 impl: str = "auto", value_weight: float = 0.0, slack: float = SLACK) -> None:
         self.beams, self.mode, self.impl, self.value_weight = beams, parse_mode(mode), impl, value_weight
+        self.slack, self.widened = slack, 0
+        self.step_slack: dict[int, float] = {}  # steps widened past `slack`
         self.eager_reason: str | None = None
         self._index: ServedIndex | None = None  # the graphs' index, held: they replay its tensors
         self._graphs: dict[int, _Graph] = {}
@@ -71,7 +90,36 @@ class Searcher:
 
     def _search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
         """The eager search this Searcher captures and replays."""
-        return beam_search(index, requests, scorer, self.beams, self.mode, self.impl, self.value_weight)
+        return beam_search(index, requests, scorer, self.beams, self.mode, self.impl, self.value_weight,
+                           widths=self.widths(index))
+
+    def widths(self, index: ServedIndex) -> tuple[int | None, ...] | None:
+        """The compact layout's width per step (None: the step's worst case) this Searcher's
+        searches of `index` use now (`runtime.search.capped_widths`)."""
+        if not self.mode.constrained:
+            return None
+        return capped_widths(index, self.beams, tuple(self.step_slack.get(d, self.slack)
+                                                       for d in range(index.sid_length)))
+
+    def _eager(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
+        beams = self._search(index, requests, scorer)
+        while self._widen(beams):
+            beams = self._search(index, requests, scorer)
+        return beams
+
+    def _widen(self, beams: Beams) -> bool:
+        """Whether a search overflowed a capped width (`Beams.overflow`; a copy to the host); if so
+        the first step that did gets twice the slack, and the graphs captured before are dropped."""
+        if beams.overflow is None:
+            return False
+        over = beams.overflow.cpu()
+        if not over.any():
+            return False
+        d = int(over.int().argmax())
+        with self._lock:
+            self.step_slack[d] = 2 * self.step_slack.get(d, self.slack)
+            self.widened, self._graphs = self.widened + 1, {}
+        return True
 
     def _why_eager(self, index: ServedIndex, scorer: Scorer) -> str | None:
         why = ("the index is on the CPU" if index.device.type != "cuda" else
@@ -87,10 +135,13 @@ class Searcher:
         """`runtime.beam_search(index, requests, scorer, beams, mode)`, replayed when it can be.
         requests: on the index's device (`runtime.to_device`)."""
         if self._why_eager(index, scorer) is not None:
-            return self._search(index, requests, scorer)
+            return self._eager(index, requests, scorer)
         with self._lock:  # the next replay overwrites the outputs
-            g = self._replay(index, requests, scorer, None)
-            return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+            while True:
+                g = self._replay(index, requests, scorer, None)
+                found = Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+                if not self._widen(g.out):  # read after the copies are queued: one wait for both
+                    return found
 
     def retrieve(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, *,
                  host: EncodedRequests | None = None, top_k: int | None = None, rank: str = "score",
@@ -103,11 +154,14 @@ class Searcher:
         check_rank(index, rank)
         check_top_k(top_k)
         if self._why_eager(index, scorer) is not None or not on_device(index):
-            beams = self._search(index, requests, scorer)
+            beams = self._eager(index, requests, scorer)
             return expand(index, requests if host is None else host, beams, top_k, stages, rank)
         with self._lock:
-            g = self._replay(index, requests, scorer, (top_k, rank, stages))
-            return g.post.result(g.buffer)
+            while True:
+                g = self._replay(index, requests, scorer, (top_k, rank, stages))
+                found = g.post.result(g.buffer)  # synchronised: the overflow flag is ready too
+                if not self._widen(g.out):
+                    return found
 
     def _replay(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, post: tuple | None) -> _Graph:
         """The graph of this batch size (and post stage), captured if it is not yet, replayed with

@@ -211,6 +211,53 @@ def test_beam_search_equals_brute_force(sc, seed, widths, nan_share):
                     assert all(case.node(sid) is not None for sid in got)
 
 
+@settings(max_examples=12, deadline=None)
+@given(scenarios(max_ads=12), st.integers(0, 2**32 - 1),
+       st.lists(st.one_of(st.none(), st.integers(-2, 2)), min_size=4, max_size=4))
+def test_capped_widths_overflow_exactly_when_a_step_needs_more(sc, seed, offsets):
+    """A search with capped widths is flagged at the first step where the uncapped search had a
+    request with more child entries than the capped step's slots, and equals it when not flagged.
+    Caps: the uncapped search's most child entries per request at each step, give or take two."""
+    case = Case(sc)
+    L = case.gtm.sid_length
+    beams = (1, 3, 5, 5)[:L]
+    scorer = TableScorer(case.gtm.vocab_size, seed)
+    for impl in ("torch", "triton"):
+        seen = {}
+        exact = _laid_out(seen, "exact", lambda: beam_search(case.index, case.dreq, scorer, beams, Mode.CD_GTM, impl))
+        widths = tuple(None if o is None else max(1, int(e.total.max()) + o) for o, e in zip(offsets, seen["exact"]))
+        capped = _laid_out(seen, "capped", lambda: beam_search(case.index, case.dreq, scorer, beams, Mode.CD_GTM, impl,
+                                                               widths=widths))
+        needs = [int(e.total.max()) > c.width for e, c in zip(seen["exact"], seen["capped"])]
+        shrunk = any(c.width < e.width for e, c in zip(seen["exact"], seen["capped"]))
+        assert (capped.overflow is not None) == shrunk, impl
+        flags = [False] * L if capped.overflow is None else capped.overflow.tolist()
+        assert any(flags) == any(needs), impl
+        if any(needs):  # the first step that overflowed (the later ones searched from inexact beams)
+            assert flags.index(True) == needs.index(True), impl
+        else:
+            assert all(torch.equal(getattr(capped, f), getattr(exact, f)) for f in ("tokens", "score", "leaf")), impl
+    with pytest.raises(ConfigError, match="one per step"):
+        beam_search(case.index, case.dreq, scorer, beams, Mode.CD_GTM, widths=(0,) * L)
+
+
+def _laid_out(seen: dict, name: str, search):
+    """search(), recording under seen[name] the compact layout (`slots.Slots`) of each step."""
+    import runtime.search as search_mod
+
+    real, seen[name] = search_mod.slots_of, []
+
+    def record(*args):
+        seen[name].append(real(*args))
+        return seen[name][-1]
+
+    search_mod.slots_of = record
+    try:
+        return search()
+    finally:
+        search_mod.slots_of = real
+
+
 @settings(max_examples=30, deadline=None)
 @given(scenarios(max_ads=15), st.integers(0, 2**32 - 1))
 def test_wide_beams_return_exactly_the_eligible_ads(sc, seed):

@@ -4,17 +4,21 @@ on the CPU it searches eagerly and says why."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from bench.bench_search import same_rows
 from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
+from runtime.post import expand
 from runtime.requests import to_device
 from runtime.search import beam_search
 from runtime.serving import Searcher
 from sidindex.modes import Mode
 from sidindex.requests import encode_requests
 from tests.test_gtm import requests_of, scenario
-from tests.test_runtime import GPU, Case
+from tests.test_runtime import DEVICE, GPU, Case
 
 SMALL = dict(context_vocab=50, context_length=6, d_model=32, layers=2, heads=2)
 ADS = [{"country": None if c is None else [c], "locations": locs} for c, locs in
@@ -65,6 +69,26 @@ def test_a_swapped_index_is_captured_anew_and_the_old_results_stand():
         kept.append((got, want))
         assert searcher._index is case.index
     assert all(same(got, want) for got, want in kept)
+
+
+def test_a_batch_past_the_capped_widths_is_searched_again_wider():
+    """A slack far too small (mode cd, whose beams all live, so a step has every child of its
+    beams): the search overflows until the slack has doubled enough; each result (search, and
+    search + post) is still the uncapped search's."""
+    case = Case(scenario(ADS, SIDS, list(range(len(ADS)))), DEVICE)
+    model = ReferenceDecoder(case.sc.level_sizes, **SMALL).to(DEVICE).eval()
+    searcher = Searcher((1, 3, 4), Mode.CD, slack=0.1)
+    host = encode_requests(requests_of(case.sc), case.sc.spec)
+    dreq = to_device(host, DEVICE)
+    ctx = context_tokens([[1, r] for r in range(dreq.batch)], SMALL["context_length"], SMALL["context_vocab"], DEVICE)
+    want = beam_search(case.index, dreq, DecoderScorer(model, ctx), (1, 3, 4), Mode.CD)
+    assert same(searcher.search(case.index, dreq, DecoderScorer(model, ctx)), want)
+    widened = searcher.widened
+    assert widened >= 1 and sum(math.log2(s / 0.1) for s in searcher.step_slack.values()) == widened
+    got = searcher.retrieve(case.index, dreq, DecoderScorer(model, ctx), host=host)
+    assert same_rows(got, expand(case.index, host, want))
+    assert searcher.widened == widened  # the slack it reached is kept
+    assert same(searcher.search(case.index, dreq, DecoderScorer(model, ctx)), want)
 
 
 def test_on_the_cpu_it_searches_eagerly_and_says_why():

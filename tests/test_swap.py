@@ -221,9 +221,11 @@ def test_the_launch_shapes_are_the_tries_fan_outs(root):
     assert index.leaf_start == g.depth_offsets[g.sid_length]
     for f, counts in zip(per_depth, index.fan_out_counts):
         assert counts.tolist() == np.bincount(f).tolist()
-    d = 1  # the K widest nodes' children together, by sorting
+    d = 1  # the K widest nodes' children together, by sorting; K random ones, by the mean
     for k in (1, 2, 5, len(per_depth[d]), len(per_depth[d]) + 3):
         assert index.most_children(d, k) == int(np.sort(per_depth[d])[::-1][:k].sum())
+        typical = -(-k * int(per_depth[d].sum()) // len(per_depth[d]))
+        assert index.typical_children(d, k) == min(typical, index.most_children(d, k))
 
 
 def test_several_devices_get_the_arrays_a_single_load_gives(root):

@@ -5,7 +5,8 @@ depth's mean fan-out (`launch_shape`), so few lanes idle. Each lane is one child
 entry existing at all; then (GTM) the matcher planes' test (`sidindex.matchers.plane`), plane by
 plane and word group by word group, the kernel compiled for the planes' layout (constexpr tuples).
 A plane with one query per request (bitmask) is tested word by word, a lane that failed loading
-nothing more (masked loads); otherwise a lane keeps its row's words of the group in registers
+nothing more (masked loads), and no lane loading a word the query has no bit in (a request's one
+country is one word of the four); otherwise a lane keeps its row's words of the group in registers
 while the request's queries stream past a few at a time, until every live lane has a hit; a block
 with no live lane skips the stream. A group with many queries per request (a Bloom attribute with
 tens of request locations) is tabled (`tables`): the search folds each request's queries into
@@ -52,10 +53,10 @@ def _group_pass(ok, row, q_lo, q_range, tab, W: tl.constexpr, W_LO: tl.constexpr
     TABLED: `tab` is the group's query table (J mask words, CH chunks): the first LEAD queries are
     streamed, and lanes without a hit then look the group up in the table."""
     q = tl.load(q_range)
-    if ONE:  # one query: word by word, a lane that failed loads nothing more
+    if ONE:  # one query: word by word, a lane that failed loads nothing more, nor a word the query has no bit in
         for w in tl.static_range(N_W):
             u = tl.load(q_lo + q * W + W_LO + w)
-            x = tl.load(row + W_LO + w, mask=ok, other=0)
+            x = tl.load(row + W_LO + w, mask=tl.where(u != 0, ok, tl.zeros_like(ok)), other=0)
             ok = ok & ((x & u) == u)
     else:  # ANY query: the rows' words stay in registers while the queries stream past
         hit = tl.zeros_like(ok)
