@@ -24,7 +24,9 @@ candidates (`runtime.search.capped_widths`): the worst case, the widest nodes of
 can be ten times as wide, and top-k's time grows with its width. After each search the Searcher
 reads the search's overflow flags (one small copy to the host); a batch whose candidates did not
 fit is searched again with twice the slack at the first step that overflowed (kept for later
-batches), so every result is the uncapped search's.
+batches). So no candidate is ever cut: each step keeps the top candidates the uncapped search
+would, and only where candidates tie at a step's cut (equal logits, such as a hash level's) may
+it keep other tied ones, as any two top-k implementations may.
 
 With a `SnapshotWatcher`, each request takes `watcher.current` once and passes it here: a graph
 belongs to the device arrays it was captured on, so a swapped-in snapshot is captured anew at its
@@ -75,7 +77,7 @@ class Searcher:
     have (`runtime.search.capped_widths`) rather than its worst case, which can be ten times as
     many; a batch with more candidates than that at some step is searched again with twice that
     step's slack (`step_slack`), which later batches keep (`widened` counts those searches), so
-    results are always exact. 0: every step's worst case, never a second search.
+    no candidate is cut (module doc). 0: every step's worst case, never a second search.
     """
 
     def __init__(self, beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,

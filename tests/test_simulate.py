@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import beam_search, codebook_scorer, encode_requests, load, read_requests, to_device
+from runtime import Searcher, codebook_scorer, encode_requests, load, read_requests, to_device
 from runtime.simulate import exhaustive_top_k, simulate
 from sidindex.ingest import read_catalog
 from sidindex.sid import assign_sids, hash_tokens, load_codebook
@@ -68,7 +68,9 @@ def test_rates_equal_counts_made_independently(study, sample_dir):
     req_rows = reqs.columns.to_dicts()
     dreq = to_device(encode_requests(reqs, spec), "cpu")
     for m in report["modes"]:
-        found = beam_search(index, dreq, codebook_scorer(index, dreq)(slice(0, REQUESTS)), beams, m["mode"])
+        # the search the study's retrieval runs (its widths: the hash level's logits tie, and which
+        # tied SIDs a top-k keeps depends on the slots it selects from)
+        found = Searcher(beams, m["mode"]).search(index, dreq, codebook_scorer(index, dreq)(slice(0, REQUESTS)))
         gen = bm = bl = el = 0
         per_request = []
         for q in range(REQUESTS):
