@@ -88,6 +88,9 @@ def retrieve(index: ServedIndex, requests: Requests, *, mode: Mode | str = Mode.
             (`factory_scorer` makes one from a user's 'MODULE:FACTORY')
     value_weight: λ of the value-guided search (`runtime.search`; 0: by log-probability alone)
     rank: how each request's ads are ranked (`runtime.post.RANKS`: score, value or fused)
+    The searches run through one `runtime.Searcher`, whose capped widths grow as batches overflow
+    them: the ads are the same whatever the widths, except where SIDs tie at a step's cut (equal
+    logits), whose kept ones may depend on the widths a batch met.
     """
     mode = parse_mode(mode, kway_available=index.kway)
     beams = parse_beams(beams, index.sid_length)

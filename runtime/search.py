@@ -22,6 +22,7 @@ is the plain search, exactly. Scores stay log-probabilities.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Protocol
@@ -59,7 +60,9 @@ class Scorer(Protocol):
     -inf, and dead beams may get any logits. `runtime.CodebookScorer` is the built-in one,
     `runtime.decoder.DecoderScorer` a transformer with a KV cache. A scorer that also exposes
     `inputs`, a dict of the tensors it reads (refreshed in place per batch), can be captured with
-    the whole search in a CUDA graph (`runtime.Searcher`). A scorer that ignores both arguments:
+    the whole search in a CUDA graph (`runtime.Searcher`). A scorer may be asked for a batch's
+    search more than once (a `Searcher` searches a batch again wider when it overflows), each
+    time from step 0. A scorer that ignores both arguments:
 
         def uniform(step: int, tokens: torch.Tensor, parent: torch.Tensor | None) -> torch.Tensor:
             return torch.zeros(*tokens.shape[:2], index.vocab_size, device=tokens.device)
@@ -179,9 +182,10 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     out its candidates for top-k: "compact" (`ops.gtm_mask.slots`: the beams' child entries only,
     the default) or "dense" (every beam x token, then a search for each chosen (node, token): the
     reference). widths: per step, the most slots the compact layout gives a request's candidates
-    (None: the step's worst case, `ServedIndex.most_children`, the default for every step); a
-    capped step that needs more sets `Beams.overflow`, and the beams are then not exact
-    (`capped_widths`; `runtime.Searcher` searches again wider). Dead beams come back with score
+    (None: the step's worst case, `ServedIndex.most_children`, the default for every step; a
+    width is raised to the step's beams to keep and lowered to its worst case; the dense layout
+    and mode none ignore them); a capped step that needs more sets `Beams.overflow`, and the
+    beams are then not exact (`capped_widths`; `runtime.Searcher` searches again wider). Dead beams come back with score
     -inf, token 0 at every position and leaf -1. A search whose widest step would not fit the free
     memory is refused (ConfigError) before it allocates.
     """
@@ -190,7 +194,8 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     check_value_weight(index, mode, value_weight)
     if layout not in LAYOUTS:
         raise ConfigError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
-    if widths is not None and (len(widths) != len(beams) or any(w is not None and w < 1 for w in widths)):
+    if widths is not None and (len(widths) != len(beams) or
+                               any(w is not None and (not isinstance(w, numbers.Integral) or w < 1) for w in widths)):
         raise ConfigError(f"widths {widths!r}: give {len(beams)}, one per step, each a positive number of slots "
                           "or None (the step's worst case)")
     if requests.stacked is None:  # the host encoding
@@ -252,16 +257,28 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     return Beams(torch.where(alive[..., None], tokens, 0), score, leaf, overflow)
 
 
-def capped_widths(index: ServedIndex, beams: tuple[int, ...] | str, slack: tuple[float, ...]) -> tuple[int | None, ...]:
-    """`beam_search`'s widths: per step d, slack[d] x the candidates its beams' nodes have
-    together when drawn at random (`ServedIndex.typical_children`), None where that reaches the
-    worst case. Top-k's time grows with the width it selects from, and a step's worst case (its
-    widest nodes together) can be ten times the typical one. A slack of 0: None."""
+def capped_widths(index: ServedIndex, beams: tuple[int, ...] | str,
+                  slack: float | tuple[float, ...]) -> tuple[int | None, ...]:
+    """`beam_search`'s widths: per step d, slack (or slack[d], one per step) x the candidates its
+    beams' nodes have together when drawn at random (`ServedIndex.typical_children`), None where
+    that reaches the worst case. Top-k's time grows with the width it selects from, and a step's
+    worst case (its widest nodes together) can be twelve times the typical one. A slack of 0:
+    None. A slack that is not a finite number >= 0 is a ConfigError."""
+    L = index.sid_length
+    slack = (slack,) * L if isinstance(slack, numbers.Real) else tuple(slack)
+    check_slack(slack, L)
     out = []
-    for d, K in enumerate(step_beams(parse_beams(beams, index.sid_length), index.vocab_size)):
+    for d, K in enumerate(step_beams(parse_beams(beams, L), index.vocab_size)):
         cap = math.ceil(slack[d] * index.typical_children(d, K))
         out.append(cap if 0 < cap < index.most_children(d, K) else None)
     return tuple(out)
+
+
+def check_slack(slack: tuple[float, ...], steps: int) -> None:
+    """One finite slack >= 0 per step (ConfigError otherwise)."""
+    if len(slack) != steps or not all(isinstance(s, numbers.Real) and 0 <= s < math.inf for s in slack):
+        raise ConfigError(f"slack {slack!r}: expected a finite number >= 0 (times a step's typical candidates; "
+                          f"0: every step's worst case), or {steps} of them, one per step")
 
 
 def check_value_weight(index: ServedIndex, mode: Mode, value_weight: float) -> None:

@@ -21,12 +21,13 @@ warning says it once). Replayed results are copies: the next replay does not cha
 
 Each step's top-k selects among a width the Searcher caps at `slack` x its beams' typical
 candidates (`runtime.search.capped_widths`): the worst case, the widest nodes of the depth together,
-can be ten times as wide, and top-k's time grows with its width. After each search the Searcher
+can be twelve times as wide, and top-k's time grows with its width. After each search the Searcher
 reads the search's overflow flags (one small copy to the host); a batch whose candidates did not
 fit is searched again with twice the slack at the first step that overflowed (kept for later
 batches). So no candidate is ever cut: each step keeps the top candidates the uncapped search
-would, and only where candidates tie at a step's cut (equal logits, such as a hash level's) may
-it keep other tied ones, as any two top-k implementations may.
+would from the same beams, and only where candidates tie at a step's cut (equal logits, such as a
+hash level's) may it keep other tied ones, as any two top-k implementations may (and the later
+steps then start from those).
 
 With a `SnapshotWatcher`, each request takes `watcher.current` once and passes it here: a graph
 belongs to the device arrays it was captured on, so a swapped-in snapshot is captured anew at its
@@ -48,7 +49,7 @@ import torch
 from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask.planes import stack_queries
 from runtime.post import DevicePost, Retrieved, check_rank, check_top_k, expand, on_device
-from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search, capped_widths
+from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search, capped_widths, check_slack
 from sidindex.matchers.exact import ExactQueries
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests
@@ -74,7 +75,7 @@ class Searcher:
     module doc).
 
     slack: each step's top-k selects among `slack` x the candidates its beams' nodes typically
-    have (`runtime.search.capped_widths`) rather than its worst case, which can be ten times as
+    have (`runtime.search.capped_widths`) rather than its worst case, which can be twelve times as
     many; a batch with more candidates than that at some step is searched again with twice that
     step's slack (`step_slack`), which later batches keep (`widened` counts those searches), so
     no candidate is cut (module doc). 0: every step's worst case, never a second search.
@@ -83,6 +84,7 @@ class Searcher:
     def __init__(self, beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
                  impl: str = "auto", value_weight: float = 0.0, slack: float = SLACK) -> None:
         self.beams, self.mode, self.impl, self.value_weight = beams, parse_mode(mode), impl, value_weight
+        check_slack((slack,), 1)
         self.slack, self.widened = slack, 0
         self.step_slack: dict[int, float] = {}  # steps widened past `slack`
         self.eager_reason: str | None = None
@@ -104,10 +106,11 @@ class Searcher:
                                                        for d in range(index.sid_length)))
 
     def _eager(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
-        beams = self._search(index, requests, scorer)
-        while self._widen(beams):
+        with self._lock:  # one search at a time, as with graphs: a batch that overflows widens once
             beams = self._search(index, requests, scorer)
-        return beams
+            while self._widen(beams):
+                beams = self._search(index, requests, scorer)
+            return dataclasses.replace(beams, overflow=None)  # as a replay's: its flags were read
 
     def _widen(self, beams: Beams) -> bool:
         """Whether a search overflowed a capped width (`Beams.overflow`; a copy to the host); if so

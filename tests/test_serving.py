@@ -15,6 +15,7 @@ from runtime.post import expand
 from runtime.requests import to_device
 from runtime.search import beam_search
 from runtime.serving import Searcher
+from sidindex.errors import ConfigError
 from sidindex.modes import Mode
 from sidindex.requests import encode_requests
 from tests.test_gtm import requests_of, scenario
@@ -89,6 +90,12 @@ def test_a_batch_past_the_capped_widths_is_searched_again_wider():
     assert same_rows(got, expand(case.index, host, want))
     assert searcher.widened == widened  # the slack it reached is kept
     assert same(searcher.search(case.index, dreq, DecoderScorer(model, ctx)), want)
+    fresh = Searcher((1, 3, 4), Mode.CD, slack=0.1)  # widened by search + post first
+    assert same_rows(fresh.retrieve(case.index, dreq, DecoderScorer(model, ctx), host=host), got)
+    assert fresh.widened == widened and fresh.step_slack == searcher.step_slack
+    for bad in (float("nan"), -1.0, float("inf")):
+        with pytest.raises(ConfigError, match="slack"):
+            Searcher((1, 3, 4), Mode.CD, slack=bad)
 
 
 def test_on_the_cpu_it_searches_eagerly_and_says_why():
