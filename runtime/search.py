@@ -185,9 +185,9 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     (None: the step's worst case, `ServedIndex.most_children`, the default for every step; a
     width is raised to the step's beams to keep and lowered to its worst case; the dense layout
     and mode none ignore them); a capped step that needs more sets `Beams.overflow`, and the
-    beams are then not exact (`capped_widths`; `runtime.Searcher` searches again wider). Dead beams come back with score
-    -inf, token 0 at every position and leaf -1. A search whose widest step would not fit the free
-    memory is refused (ConfigError) before it allocates.
+    beams are then not exact (`capped_widths`; `runtime.Searcher` searches again wider). Dead
+    beams come back with score -inf, token 0 at every position and leaf -1. A search whose widest
+    step would not fit the free memory is refused (ConfigError) before it allocates.
     """
     mode = parse_mode(mode, kway_available=index.kway)
     beams = parse_beams(beams, index.sid_length)

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from bench.bench_search import same_rows
 from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from runtime.post import expand
 from runtime.requests import to_device
@@ -19,6 +18,7 @@ from sidindex.errors import ConfigError
 from sidindex.modes import Mode
 from sidindex.requests import encode_requests
 from tests.test_gtm import requests_of, scenario
+from tests.test_post import same as same_retrieved
 from tests.test_runtime import DEVICE, GPU, Case
 
 SMALL = dict(context_vocab=50, context_length=6, d_model=32, layers=2, heads=2)
@@ -87,11 +87,11 @@ def test_a_batch_past_the_capped_widths_is_searched_again_wider():
     widened = searcher.widened
     assert widened >= 1 and sum(math.log2(s / 0.1) for s in searcher.step_slack.values()) == widened
     got = searcher.retrieve(case.index, dreq, DecoderScorer(model, ctx), host=host)
-    assert same_rows(got, expand(case.index, host, want))
+    same_retrieved(got, expand(case.index, host, want))
     assert searcher.widened == widened  # the slack it reached is kept
     assert same(searcher.search(case.index, dreq, DecoderScorer(model, ctx)), want)
     fresh = Searcher((1, 3, 4), Mode.CD, slack=0.1)  # widened by search + post first
-    assert same_rows(fresh.retrieve(case.index, dreq, DecoderScorer(model, ctx), host=host), got)
+    same_retrieved(fresh.retrieve(case.index, dreq, DecoderScorer(model, ctx), host=host), got)
     assert fresh.widened == widened and fresh.step_slack == searcher.step_slack
     for bad in (float("nan"), -1.0, float("inf")):
         with pytest.raises(ConfigError, match="slack"):

@@ -6,8 +6,9 @@ in token order, so slots keep the (beam, token) order of the dense (K, V) layout
 `total[b]` are empty. The width is fixed on the host, so shapes never depend on the data and the
 step can be captured in a CUDA graph: by default the bound `ServedIndex.most_children` (the K
 widest nodes of the depth), or a cap below it, where a request with more child entries keeps only
-its first `width` (`runtime.search.beam_search`'s widths: the search flags it). Top-k then selects among `width` slots instead of K x V, and a selected slot names
-its child entry directly: no search for the (node, token) pair.
+its first `width` (`runtime.search.beam_search`'s widths: the search flags it). Top-k then
+selects among `width` slots instead of K x V, and a selected slot names its child entry directly:
+no search for the (node, token) pair.
 
 Legend: B requests, K beams each, V the logit width, W the layout's width.
 """
@@ -37,8 +38,8 @@ class Slots:
 def slots_of(index, node: torch.Tensor, score: torch.Tensor, width: int, kernel: bool = False) -> Slots:
     """The layout of beams at trie nodes `node` (B, K) int64 with scores `score` (B, K) float32
     (-inf: dead, no children); `width`: slots per request (`total` may exceed it: the slots past
-`width` are not laid out). kernel: in one
-    Triton launch (`slots_kernel`; CUDA tensors, or the interpreter), else these torch ops."""
+    `width` are not laid out). kernel: in one Triton launch (`slots_kernel`; CUDA tensors, or the
+    interpreter), else these torch ops."""
     if kernel:
         from runtime.ops.gtm_mask.slots_kernel import slots_triton
 
