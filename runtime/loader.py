@@ -98,7 +98,10 @@ class ServedIndex:
          per plane its index (E,) int32, part_index (T,) int32 or None and table (R_p, W_p) int64,
          the uint64 rows' bits); HOST_ARRAYS stay the host memory maps. The host index is `snapshot.gtm`.
     tables: on a GPU, the planes stacked for the Triton kernel (the planes' tensors are views of
-         it, so nothing is held twice); None on the CPU, whose arrays are the memory maps themselves.
+         it, so nothing is held twice), each plane's rows renumbered in the order the entries, then
+         the partitions, first use them (`planes.first_use_order`: a beam's children read rows side
+         by side), so a device plane's row numbers are not the host index's; None on the CPU, whose
+         arrays are the memory maps themselves.
     entry_keys: (E,) int64 = parent node * V + token, ascending (the entry of a (node, token) pair
          by binary search).
     max_children[d]: the widest fan-out of a depth-d node; mean_children[d]: the mean, rounded up;
@@ -348,7 +351,8 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
                 if tables is None:
                     parts = [source[f"part_{p}_index"] for p in MATCHER_PLANES] if g.part_offsets is not None else None
                     tables = stack_tables([source[f"{p}_table"] for p in MATCHER_PLANES],
-                                          [source[f"{p}_index"] for p in MATCHER_PLANES], parts, device)
+                                          [source[f"{p}_index"] for p in MATCHER_PLANES], parts, device,
+                                          by_first_use=True)
                 moved = {n: source[n].to(device, non_blocking=True) for n in served if n not in k | planes}
                 for i, p in enumerate(MATCHER_PLANES):
                     moved |= {f"{p}_table": tables.tables[i], f"{p}_index": tables.index[i]}

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from runtime.loader import load_index
 from runtime.ops.gtm_mask import gtm_candidates, gtm_mask
 from runtime.ops.gtm_mask.kernel import gtm_mask_triton
+from runtime.ops.gtm_mask.planes import stack_tables
 from runtime.ops.gtm_mask.slots import slots_of
 from runtime.post import expand
 from runtime.requests import to_device
@@ -140,6 +141,27 @@ def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed, updated):
                         assert (state[ads] == 0).any(), (mode, i, t)
                 for t in got:
                     assert ref[i, t] == score[i] + logp[i, t]
+
+
+@settings(max_examples=25, deadline=None)
+@given(scenarios())
+def test_rows_by_first_use_name_the_same_rows(sc):
+    """The loader's renumbering on a GPU (`stack_tables(by_first_use=True)`): every entry and
+    partition names a row with the same bits as before, and the numbers go up in order of first use."""
+    g = Case(sc, "cpu").index.gtm
+    parts = [p.part_index for p in g.planes] if g.part_offsets is not None else None
+    args = ([p.table for p in g.planes], [p.index for p in g.planes], parts, "cpu")
+    was, now = stack_tables(*args), stack_tables(*args, by_first_use=True)
+    for p, plane in enumerate(g.planes):
+        uses = [(was.index[p], now.index[p])] + ([] if parts is None else [(was.part_index[p], now.part_index[p])])
+        for old, new in uses:
+            assert torch.equal(was.tables[p][old.long()], now.tables[p][new.long()])
+        seen: dict[int, int] = {}
+        for r in torch.cat([new for _, new in uses]).tolist():
+            seen.setdefault(r, len(seen))
+        assert all(r == i for r, i in seen.items())  # each row first named after every lower one
+        unused = sorted(set(range(len(plane.table))) - {int(r) for old, _ in uses for r in old.tolist()})
+        assert torch.equal(now.tables[p][len(seen):], plane.table[unused])  # then the rows nothing names
 
 
 # --- beam search ------------------------------------------------------------------------------------

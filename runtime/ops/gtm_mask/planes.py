@@ -105,9 +105,11 @@ def _flat(parts: list[torch.Tensor], device, rows: tuple[int, ...] | None = None
 
 
 def stack_tables(tables: list[torch.Tensor], index: list[torch.Tensor], part_index: list[torch.Tensor] | None,
-                 device) -> TableStack:
+                 device, by_first_use: bool = False) -> TableStack:
     """Stack per-plane tables (R_p, W_p) int64, entry indexes (E,) int32 and partition indexes (T,)
-    int32 (host or device tensors) onto `device`, each copied once."""
+    int32 (host or device tensors) onto `device`, each copied once. by_first_use: renumber each
+    plane's rows on `device` in the order the entries, then the partitions, first use them
+    (`first_use_order`); the stack then means the same rows by other numbers than its sources."""
     words, starts, views = _flat(tables, device)
 
     def rows(parts):
@@ -116,7 +118,32 @@ def stack_tables(tables: list[torch.Tensor], index: list[torch.Tensor], part_ind
             out[p].copy_(src, non_blocking=True)
         return out
 
-    return TableStack(words, torch.tensor(starts, dtype=torch.int64, device=device), rows(index), None if part_index is None else rows(part_index), views)
+    stack = TableStack(words, torch.tensor(starts, dtype=torch.int64, device=device), rows(index),
+                       None if part_index is None else rows(part_index), views)
+    if by_first_use:
+        for p, table in enumerate(views):
+            uses = [stack.index[p]] + ([] if stack.part_index is None else [stack.part_index[p]])
+            order = first_use_order(uses, len(table))
+            new = torch.empty_like(order)
+            new[order] = torch.arange(len(order), device=device)
+            table.copy_(table[order])
+            for u in uses:
+                u.copy_(new[u.long()])
+    return stack
+
+
+def first_use_order(uses: list[torch.Tensor], rows: int) -> torch.Tensor:
+    """(rows,) int64 a plane's row numbers in the order `uses` ((n_i,) int32 row numbers, taken one
+    after another) first name them; rows never named last, in their order.
+
+    The entries are numbered depth by depth and a node's children side by side, so in this order
+    the rows of a beam's children mostly follow one another: the mask's lanes (consecutive child
+    entries) then read consecutive rows, where the build's order (an ad's own row, in catalog order,
+    for most deep entries) scatters them."""
+    named = torch.cat([u.long() for u in uses]) if uses else torch.zeros(0, dtype=torch.int64)
+    first = torch.full((rows,), len(named), dtype=torch.int64, device=named.device)
+    first.scatter_reduce_(0, named, torch.arange(len(named), device=named.device), "amin")
+    return torch.argsort(first, stable=True)
 
 
 def stack_queries(planes, device, rows: tuple[int, ...] | None = None, table_from: int | None = None):
