@@ -24,11 +24,12 @@ search is timed). Beams 1,512,1024,1024. Medians over --reps (CUDA events). Per 
   mask        the mask kernel's calls alone with the inputs the search gave them, each captured
               and replayed (its GPU time, no launch overhead), summed over the steps
 Beside them, in the same run: `plain torch`, an unconstrained beam search in a dozen plain torch
-lines (log-softmax, top-k over beams x vocabulary, reorder), as a graph; the mask kernel's GPU time
-per search from the profiler (cd+gtm against cd); the post stage (SIDs -> ads, best score, exact
-filter, ranking) on the GPU and the CPU for the cd+gtm beams; search + post through
-`runtime.Searcher.retrieve`; and, per step, the floor: the bytes the step must read and write
-over the device's copy bandwidth, measured in the same run. Per request: its beams' offsets, its
+lines (log-softmax, top-k over beams x vocabulary, reorder), as a graph; the masks' GPU time per
+search from the profiler (every mask kernel: the mask, the query tables and the shared rows' test;
+cd+gtm against cd); the post stage (SIDs -> ads, best score, exact filter, ranking) on the GPU
+and the CPU for the cd+gtm beams; search + post through `runtime.Searcher.retrieve`; and, per
+step, the floor: the bytes the step must read and write over the device's copy bandwidth,
+measured in the same run. Per request: its beams' offsets, its
 log-probabilities at its beams' child entries, the candidates written and read back by top-k.
 Once for the batch, since the requests share them and a repeated read hits the cache: each
 distinct child entry's token and matcher row numbers, each distinct matcher row, and with k-way

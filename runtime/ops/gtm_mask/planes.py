@@ -140,7 +140,7 @@ def first_use_order(uses: list[torch.Tensor], rows: int) -> torch.Tensor:
     the rows of a beam's children mostly follow one another: the mask's lanes (consecutive child
     entries) then read consecutive rows, where the build's order (an ad's own row, in catalog order,
     for most deep entries) scatters them."""
-    named = torch.cat([u.long() for u in uses]) if uses else torch.zeros(0, dtype=torch.int64)
+    named = torch.cat([u.long() for u in uses])
     first = torch.full((rows,), len(named), dtype=torch.int64, device=named.device)
     first.scatter_reduce_(0, named, torch.arange(len(named), device=named.device), "amin")
     return torch.argsort(first, stable=True)
