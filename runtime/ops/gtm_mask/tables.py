@@ -52,14 +52,16 @@ def _tables_kernel(out, q_words, q_base, q_ranges, G, g, p, t, T, W, W_LO, N, J:
 def table_pass(ok, row, tab, W_LO: tl.constexpr, N_W: tl.constexpr, J: tl.constexpr, CH: tl.constexpr):
     """ok & (each lane's `row` passes ANY of its request's queries of the group whose words are
     W_LO..W_LO+N_W-1): `tab` is the request's (J, CH, 16) table of the group. Lanes off `ok` load
-    nothing."""
+    nothing. Unrolled, so each lookup's place is a constant plus its chunk's value."""
     hit = tl.zeros_like(ok)
-    for j in range(J):
+    for j in tl.static_range(J):
         acc = tl.full(ok.shape, -1, dtype=tl.int64)
-        for w in range(N_W):
+        for w in tl.static_range(N_W):
             x = tl.load(row + W_LO + w, mask=ok, other=0)
+            halves = (x.to(tl.int32), (x >> 32).to(tl.int32))  # chunks from 32-bit halves: cheaper shifts
             for c in tl.static_range(16):
-                acc = acc & tl.load(tab + (j * CH + w * 16 + c) * 16 + ((x >> (4 * c)) & 15), mask=ok, other=0)
+                nib = (halves[c // 8] >> (4 * (c % 8))) & 15
+                acc = acc & tl.load(tab + ((j * CH + w * 16 + c) * 16) + nib, mask=ok, other=0)
         hit = hit | (acc != 0)
     return ok & hit
 
