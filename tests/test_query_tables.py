@@ -6,7 +6,9 @@ lookups must decide exactly what testing query by query decides.
   queries per request so a table takes several mask words).
 - The mask kernel with tables equals the kernel testing query by query and the torch reference,
   in every mode, on catalogs whose requests carry tens to hundreds of locations; beam search with
-  them returns the reference's beams.
+  them returns the reference's beams. In the compact layout (dead beams, a width short of the slots
+  in use) the tabled groups tested only on the lanes that passed the others, packed, give what
+  testing them on every lane and the reference give.
 - A Searcher captured for a batch with few queries per group re-captures for a batch whose tables
   need more mask words (the graph's tables have room for 64 queries per mask word).
 """
@@ -18,12 +20,13 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from runtime.ops.gtm_mask import gtm_mask
-from runtime.ops.gtm_mask.kernel import gtm_mask_triton
+from runtime.ops.gtm_mask.kernel import gtm_mask_triton, packs
 from runtime.ops.gtm_mask.planes import TABLE_FROM, stack_queries
+from runtime.ops.gtm_mask.slots import compact, slots_of
 from runtime.ops.gtm_mask.tables import query_tables, query_tables_reference
 from runtime.search import beam_search
 from runtime.requests import to_device
@@ -112,7 +115,7 @@ def crowded(draw, max_ads: int = 14) -> Scenario:
     return Scenario(spec, ads, sids, sid_ads, level_sizes, requests, kway, values)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(crowded(), st.integers(0, 2**32 - 1))
 def test_tabled_mask_equals_query_by_query_and_reference(sc, seed):
     case = Case(sc)
@@ -143,6 +146,43 @@ def test_tabled_mask_equals_query_by_query_and_reference(sc, seed):
         want = beam_search(case.index, case.dreq, scorer, (1,) + (8,) * (g.sid_length - 1), mode, "torch")
         got = beam_search(case.index, case.dreq, scorer, (1,) + (8,) * (g.sid_length - 1), mode, "triton")
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.score, want.score), mode
+
+
+@settings(max_examples=4, deadline=None)
+@given(crowded(), st.integers(0, 2**32 - 1))
+def test_packed_compact_mask_equals_reference(sc, seed):
+    """The compact layout with dead beams and a width short of some requests' slots: the tabled
+    groups tested only on the lanes that passed the others, packed (`kernel.packs`: the GTM mode
+    without k-way), or on every lane, with value bounds and keys."""
+    case = Case(sc)
+    g, B, mode = case.gtm, len(sc.requests), Mode.CD_GTM
+    assume(packs(mode, None, case.dreq.stacked.layout))  # some request brings a table's worth of locations
+    gen = torch.Generator().manual_seed(seed)
+    for d in range(g.sid_length):
+        nodes = np.arange(g.depth_offsets[d], g.depth_offsets[d + 1])
+        K = len(nodes)
+        node = torch.tensor(np.tile(nodes, B), dtype=torch.int64, device=DEVICE)
+        req = torch.tensor(np.repeat(np.arange(B), K), dtype=torch.int64, device=DEVICE)
+        score = torch.randn(len(node), generator=gen)
+        score[::3] = float("-inf")
+        score = score.to(DEVICE)
+        logp = torch.randn(len(node), g.vocab_size, generator=gen).to(DEVICE)
+        width = max(1, case.index.most_children(d, K) - 1)
+        slots = slots_of(case.index, node.reshape(B, K), score.reshape(B, K), width)
+        args = (case.index, case.dreq, d, req, node, score, logp, mode)
+        ref = compact(case.index, gtm_mask(*args, impl="torch"), slots)
+        bound = compact(case.index, gtm_mask(*args, impl="torch", with_bound=True)[1], slots, 0.0)
+        keys = []
+        for pack in (True, False):  # (by default only steps of `kernel.PACK_FROM` lanes or more pack)
+            assert torch.equal(gtm_mask_triton(*args, slots=slots, pack=pack), ref), (d, pack)
+            got = gtm_mask_triton(*args, slots=slots, pack=pack, with_bound=True)
+            assert torch.equal(got[0], ref) and torch.equal(got[1], bound), (d, pack)
+            got = gtm_mask_triton(*args, slots=slots, pack=pack, value_weight=0.5)
+            assert torch.equal(got[0], ref), (d, pack)
+            keys.append(got[1])
+        assert torch.equal(keys[0], keys[1]), d  # the same arithmetic (test_value: against the reference's)
+        # packed chunks smaller than a program's survivors (several chunks per program)
+        assert torch.equal(gtm_mask_triton(*args, slots=slots, shape=(64, 1), pack=True), ref), d
 
 
 class Fixed(TableScorer):

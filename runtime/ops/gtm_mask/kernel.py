@@ -13,6 +13,12 @@ tens of request locations) is tabled (`tables`): the search folds each request's
 lookup tables once, and a lane then streams only the first few queries (`table_leads`, none at most
 depths) and looks the group up in 16 loads per word per 64 queries; lanes that fail (the costly
 ones when streaming: they try every query, and a block waits for them) cost what passing ones do.
+In the compact layout, where some groups are tabled and some not (`packs`: PACK; by default on steps
+of PACK_FROM lanes or more), the lanes take
+the untabled groups' test first, and only its survivors the lookups: they are packed, through a
+per-program scratch and a barrier, into full chunks of PACK = 32 x num_warps lanes. Otherwise a
+warp ran every lookup whenever one of its lanes survived, and at 30M SIDs about one lane in ten of
+depth 2 does, in nearly every warp.
 The planes are read through their stacks (`planes.TableStack`, `planes.QueryStack`), so one kernel
 serves any set of planes. Where the depth's child entries index few distinct union rows
 (`shared_rows`: near the root, where unions saturate), `_shared_pass_kernel` first tests each of
@@ -42,6 +48,16 @@ from runtime.ops.gtm_mask.slots import Slots
 from runtime.ops.gtm_mask.slots_kernel import beam_of_slot
 from runtime.ops.gtm_mask.tables import query_tables, table_pass
 from sidindex.modes import Mode
+
+# which word groups `plane_pass` tests (bits: a plane's kinds of groups, `_plane_kinds`)
+UNTABLED = tl.constexpr(1)
+TABLED = tl.constexpr(2)
+ALL = tl.constexpr(3)
+PACKED_SHAPE = (512, 4, 8)  # (BLOCK, num_warps, queries per round) of a packed compact mask (H200 sweep)
+# Lanes (requests x slots) from which a compact mask packs by default. A smaller step (30M SIDs'
+# depth 3, 87K lanes: 16.5 against 14.2 us packed) fills about one wave of the GPU and is bound by
+# its chain of dependent loads, which packing lengthens; depth 2's 2.8M lanes gain a quarter.
+PACK_FROM = 1 << 20
 
 
 @triton.jit
@@ -89,18 +105,18 @@ def _group_pass(ok, row, q_lo, q_range, tab, W: tl.constexpr, W_LO: tl.constexpr
 def plane_pass(ok, r, p: tl.constexpr, b, words, t_base, q_words, q_base, q_ranges, tables,
                WIDTHS: tl.constexpr, SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr,
                GW: tl.constexpr, GA: tl.constexpr, GT: tl.constexpr, J: tl.constexpr, CH: tl.constexpr,
-               QSTEP: tl.constexpr, LEAD: tl.constexpr):
+               QSTEP: tl.constexpr, LEAD: tl.constexpr, KIND: tl.constexpr):
     """ok & (each lane's row r (int64) of plane p passes request b on every word group of the
-    plane). `tables`: request b's query tables (`tables.query_tables`: per tabled group J mask
-    words x CH chunks x 16). Layout tuples (`planes.GroupLayout`): per plane its width and whether
-    it has one query per group; per group its plane, first word, words, words rounded up to a power
-    of two, and its table (-1: tested query by query); LEAD: queries streamed before a tabled
-    group's lookups."""
+    plane, or only on its groups of KIND: ALL, UNTABLED or TABLED). `tables`: request b's query
+    tables (`tables.query_tables`: per tabled group J mask words x CH chunks x 16). Layout tuples
+    (`planes.GroupLayout`): per plane its width and whether it has one query per group; per group
+    its plane, first word, words, words rounded up to a power of two, and its table (-1: tested
+    query by query); LEAD: queries streamed before a tabled group's lookups."""
     G: tl.constexpr = len(GP)
     row = words + tl.load(t_base + p) + r * WIDTHS[p]  # each lane's row of plane p
     q_lo = q_words + tl.load(q_base + p)
     for g in tl.static_range(G):
-        if GP[g] == p:  # resolved at compile time
+        if GP[g] == p and (KIND == ALL or (KIND == TABLED) == (GT[g] >= 0)):  # resolved at compile time
             ok = _group_pass(ok, row, q_lo, q_ranges + (b * G + g) * 2, tables + GT[g] * (J * CH * 16),
                              WIDTHS[p], GLO[g], GW[g], GA[g], SINGLE[p], QSTEP, GT[g] >= 0, LEAD, J, CH)
     return ok
@@ -108,15 +124,17 @@ def plane_pass(ok, r, p: tl.constexpr, b, words, t_base, q_words, q_base, q_rang
 
 @triton.jit
 def _rows_pass(ok, idx, stride, pos, b, words, t_base, q_words, q_base, q_ranges, tables,
-               WIDTHS: tl.constexpr, SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr,
+               WIDTHS: tl.constexpr, SINGLE: tl.constexpr, PKIND: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr,
                GW: tl.constexpr, GA: tl.constexpr, GT: tl.constexpr, J: tl.constexpr, CH: tl.constexpr,
-               QSTEP: tl.constexpr, LEAD: tl.constexpr):
-    """ok & (each lane's rows pass request b on every plane, `plane_pass`). A lane's row of plane p
-    is idx[p * stride + pos]."""
+               QSTEP: tl.constexpr, LEAD: tl.constexpr, KIND: tl.constexpr):
+    """ok & (each lane's rows pass request b on every plane's groups of KIND, `plane_pass`). A
+    lane's row of plane p is idx[p * stride + pos]; a plane without a group of KIND (PKIND[p], bits
+    of the kinds it has) is not read."""
     for p in tl.static_range(len(WIDTHS)):
-        r = tl.load(idx + p * stride + pos, mask=ok, other=0).to(tl.int64)
-        ok = plane_pass(ok, r, p, b, words, t_base, q_words, q_base, q_ranges, tables,
-                        WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD)
+        if KIND == ALL or PKIND[p] == ALL or PKIND[p] == KIND:  # resolved at compile time
+            r = tl.load(idx + p * stride + pos, mask=ok, other=0).to(tl.int64)
+            ok = plane_pass(ok, r, p, b, words, t_base, q_words, q_base, q_ranges, tables,
+                            WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD, KIND)
     return ok
 
 
@@ -135,8 +153,26 @@ def _shared_pass_kernel(out, rows, ends, R, words, t_base, q_words, q_base, q_ra
     for p in tl.static_range(len(WIDTHS)):
         mine = (i >= tl.load(ends + p)) & (i < tl.load(ends + p + 1))
         hit = hit | plane_pass(mine, r, p, b, words, t_base, q_words, q_base, q_ranges, tables,
-                               WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD)
+                               WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD, ALL)
     tl.store(out + b * R + i, hit.to(tl.int8), mask=i < R)
+
+
+@triton.jit
+def _outputs(ok, m, e, tok, score, logp, V, entry_value, part_value, part_offsets, first, weight, floor,
+             KWAY: tl.constexpr, VALUE: tl.constexpr):
+    """Each lane's value beam_score + logp[tok] (-inf off `ok`, and for NaN) and with VALUE its
+    bound or value-guided key (the kernel's docstring; anything without VALUE)."""
+    val = score + tl.load(logp + m * V + tok, mask=ok, other=float("-inf"))
+    val = tl.where(val == val, val, float("-inf"))  # NaN never passes
+    bv = val
+    if VALUE > 0:  # 1: the bound; 2: the value-guided key, val + weight * log(max(bound, floor))
+        if KWAY:
+            bv = tl.load(part_value + tl.load(part_offsets + e, mask=ok, other=0) + first, mask=ok, other=0.0)
+        else:
+            bv = tl.load(entry_value + e, mask=ok, other=0.0)
+        if VALUE == 2:
+            bv = tl.where(ok, val + weight * tl.log(tl.maximum(bv, floor)), float("-inf"))
+    return val, bv
 
 
 @triton.jit
@@ -144,15 +180,16 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
                      words, t_base, index, E, part_offsets, part_index, T, max_parts,
                      q_words, q_base, q_ranges, tables, tab_stride, V, bound, entry_value, part_value, weight, floor,
                      entry_live, slot_start, slot_total, K, width, shared_lo, shared_local, shared_n, shared_pass,
-                     shared_size, LIVE: tl.constexpr, SHARED: tl.constexpr, GTM: tl.constexpr, KWAY: tl.constexpr,
-                     VALUE: tl.constexpr, COMPACT: tl.constexpr, LOG_K: tl.constexpr, WIDTHS: tl.constexpr,
-                     SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr, GW: tl.constexpr, GA: tl.constexpr,
-                     GT: tl.constexpr, J: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr, QSTEP: tl.constexpr,
+                     shared_size, scratch, LIVE: tl.constexpr, SHARED: tl.constexpr, GTM: tl.constexpr,
+                     KWAY: tl.constexpr, VALUE: tl.constexpr, COMPACT: tl.constexpr, PACK: tl.constexpr,
+                     LOG_K: tl.constexpr, WIDTHS: tl.constexpr, SINGLE: tl.constexpr, PKIND: tl.constexpr,
+                     GP: tl.constexpr, GLO: tl.constexpr, GW: tl.constexpr, GA: tl.constexpr, GT: tl.constexpr,
+                     J: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr, QSTEP: tl.constexpr,
                      LEAD_U: tl.constexpr, LEAD_P: tl.constexpr):
     if COMPACT:  # program (request b, block of slots); a lane is slot s of b's candidate list
         b = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        real = s < tl.load(slot_total + b)  # past b's last child entry a slot only gets -inf
+        real = s < tl.minimum(tl.load(slot_total + b), width)  # past b's last child entry a slot only gets -inf
         m = b * K + beam_of_slot(slot_start + b * K, s, K, real, LOG_K)
         score = tl.load(beam_score + m, mask=real, other=float("-inf"))
         lo = tl.load(node_offsets + tl.load(beam_node + m, mask=real, other=0), mask=real, other=0)
@@ -167,7 +204,8 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
         e = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = e < hi
         b = tl.load(beam_request + m)
-    tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
+    if PACK == 0:  # (loaded early: the tests hide its latency)
+        tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
     if LIVE:  # an update's index: an entry with no live row beneath leads to no ad
         ok = ok & (tl.load(entry_live + e, mask=ok, other=0) != 0)
     tables = tables + b * tab_stride  # request b's query tables
@@ -177,9 +215,39 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
         for p in tl.static_range(len(WIDTHS)):
             at = tl.load(shared_local + p * shared_n + (e - shared_lo), mask=ok, other=0)
             ok = ok & (tl.load(shared_pass + b * shared_size + at, mask=ok, other=0) != 0)
+    elif PACK > 0:  # (GTM) the untabled groups first; the tabled ones on their survivors, packed
+        ok = _rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges, tables,
+                        WIDTHS, SINGLE, PKIND, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_U, UNTABLED)
+        # 1. the lanes that failed are written now
+        tl.store(out + b * width + s, float("-inf"), mask=(s < width) & ~ok)
+        if VALUE > 0:
+            tl.store(bound + b * width + s, 0.0 if VALUE == 1 else float("-inf"), mask=(s < width) & ~ok)
+        # 2. the survivors' entries and (beam, slot) side by side in the program's scratch, so that
+        # the lookups run on full chunks of PACK lanes rather than on every warp holding one
+        n = tl.sum(ok.to(tl.int32), axis=0)
+        at = tl.cumsum(ok.to(tl.int32), axis=0) - 1
+        own = scratch + (tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * (2 * BLOCK)
+        tl.store(own + at, e, mask=ok)
+        tl.store(own + BLOCK + at, (m << 32) | s, mask=ok)
+        tl.debug_barrier()
+        # 3. chunk by chunk, the tabled groups' test and the survivors' outputs
+        for c in range(0, n, PACK):
+            i = c + tl.arange(0, PACK)
+            live = i < n
+            pe = tl.load(own + i, mask=live, other=0)
+            ms = tl.load(own + BLOCK + i, mask=live, other=0)
+            pm, ps = ms >> 32, ms & 0xFFFFFFFF
+            hit = _rows_pass(live, index, E, pe, b, words, t_base, q_words, q_base, q_ranges, tables,
+                             WIDTHS, SINGLE, PKIND, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_U, TABLED)
+            val, bv = _outputs(hit, pm, pe, tl.load(csr_tokens + pe, mask=hit, other=0).to(tl.int64),
+                               tl.load(beam_score + pm, mask=hit, other=0.0), logp, V, entry_value, part_value,
+                               part_offsets, 0, weight, floor, KWAY, VALUE)
+            tl.store(out + b * width + ps, tl.where(hit, val, float("-inf")), mask=live)
+            if VALUE > 0:
+                tl.store(bound + b * width + ps, bv, mask=live)
     elif GTM:
         ok = _rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges, tables,
-                        WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_U)
+                        WIDTHS, SINGLE, PKIND, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_U, ALL)
     if GTM and KWAY:
         p_lo = tl.load(part_offsets + e, mask=ok, other=0)
         n_p = tl.load(part_offsets + e + 1, mask=ok, other=0) - p_lo
@@ -188,30 +256,24 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
         while k < max_parts:  # until each live lane found a passing partition or ran out of them
             has = ok & (k < n_p) & (any_part == 0)
             hit = _rows_pass(has, part_index, T, p_lo + k, b, words, t_base, q_words, q_base,
-                             q_ranges, tables, WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_P)
+                             q_ranges, tables, WIDTHS, SINGLE, PKIND, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_P, ALL)
             if VALUE > 0:  # the largest value that passes (an entry's partitions fall in value)
                 first = tl.where(hit, k, first)
             any_part = any_part | hit
             left = tl.sum((ok & (any_part == 0) & (k + 1 < n_p)).to(tl.int32), axis=0)
             k = tl.where(left > 0, k + 1, max_parts)
         ok = any_part
-    val = score + tl.load(logp + m * V + tok, mask=ok, other=float("-inf"))
-    val = tl.where(val == val, val, float("-inf"))  # NaN never passes
-    if VALUE > 0:  # 1: the bound; 2: the value-guided key, val + weight * log(max(bound, floor))
-        if KWAY:
-            bv = tl.load(part_value + tl.load(part_offsets + e, mask=ok, other=0) + first, mask=ok, other=0.0)
+    if PACK == 0:  # (packed lanes were written chunk by chunk)
+        val, bv = _outputs(ok, m, e, tok, score, logp, V, entry_value, part_value, part_offsets, first, weight,
+                           floor, KWAY, VALUE)
+        if COMPACT:  # every slot is written: no fill beforehand
+            tl.store(out + b * width + s, tl.where(ok, val, float("-inf")), mask=s < width)
+            if VALUE > 0:
+                tl.store(bound + b * width + s, bv, mask=s < width)
         else:
-            bv = tl.load(entry_value + e, mask=ok, other=0.0)
-        if VALUE == 2:
-            bv = tl.where(ok, val + weight * tl.log(tl.maximum(bv, floor)), float("-inf"))
-    if COMPACT:  # every slot is written: no fill beforehand
-        tl.store(out + b * width + s, tl.where(ok, val, float("-inf")), mask=s < width)
-        if VALUE > 0:
-            tl.store(bound + b * width + s, bv, mask=s < width)
-    else:
-        tl.store(out + m * V + tok, val, mask=ok)
-        if VALUE > 0:
-            tl.store(bound + m * V + tok, bv, mask=ok)
+            tl.store(out + m * V + tok, val, mask=ok)
+            if VALUE > 0:
+                tl.store(bound + m * V + tok, bv, mask=ok)
 
 
 def layout_args(lay) -> dict:
@@ -219,6 +281,14 @@ def layout_args(lay) -> dict:
     return dict(WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane, GLO=lay.group_lo, GW=lay.group_words,
                 GA=tuple(triton.next_power_of_2(max(w, 1)) for w in lay.group_words), GT=lay.group_table,
                 J=lay.table_words, CH=lay.table_chunks)
+
+
+def _plane_kinds(lay) -> tuple[int, ...]:
+    """Per plane, the kinds of its word groups (bits UNTABLED, TABLED): the mask's PKIND."""
+    kinds = [0] * len(lay.widths)
+    for p, t in zip(lay.group_plane, lay.group_table):
+        kinds[p] |= TABLED.value if t >= 0 else UNTABLED.value
+    return tuple(kinds)
 
 
 def launch_shape(index, depth: int) -> tuple[int, int]:
@@ -229,15 +299,29 @@ def launch_shape(index, depth: int) -> tuple[int, int]:
     return block, max(1, min(4, block // 32))
 
 
-def compact_shape(depth: int, mode: Mode) -> tuple[int, int, int]:
+def compact_shape(depth: int, mode: Mode, packed: bool = False, shared: bool = False) -> tuple[int, int, int]:
     """(BLOCK, num_warps, queries per round) of the compact layout, from the H200 sweep of
     `bench/bench_search.py --sweep` at 10M SIDs: slots are packed, so blocks of 128 lanes idle
     little; with k-way a block waits for its slowest lane's partitions, so blocks of one warp win;
     shallow unions are nearly full (a lane hits at its first queries: few per round), deeper ones
-    miss more (more queries per round keep more loads in flight)."""
+    miss more (more queries per round keep more loads in flight). From the sweeps at 30M SIDs: a
+    packed mask (`packs`) runs blocks of 512 lanes on 4 warps (depth 2: 66 against 90 us unpacked,
+    about one lane in ten surviving into chunks of 128), and one looking shared rows up (`shared`),
+    blocks of 256 on 2 warps (depth 1: 57-61 against 63-70 us)."""
     if mode.kway:
         return 32, 1, 4
+    if packed:
+        return PACKED_SHAPE
+    if shared:
+        return 256, 2, 4  # (no query is streamed)
     return 128, 4, 2 if depth <= 1 else 8
+
+
+def packs(mode: Mode, shared: SharedRows | None, lay) -> bool:
+    """Whether a compact mask can test the groups tabled in `lay` (`planes.GroupLayout`) only on
+    the lanes that passed the others, packed: in a GTM mode without k-way or shared rows, with some
+    groups tabled and some not."""
+    return mode.gtm and not mode.kway and shared is None and len({t >= 0 for t in lay.group_table}) == 2
 
 
 def table_leads(depth: int) -> tuple[int, int]:
@@ -253,7 +337,7 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
                     beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, with_bound: bool = False,
                     value_weight: float = 0.0, shape: tuple[int, int] | None = None, slots: Slots | None = None,
                     qstep: int | None = None, tabled: bool = True, leads: tuple[int, int] | None = None,
-                    shared: bool | None = None):
+                    shared: bool | None = None, pack: bool | None = None):
     """Same contract as `gtm_mask_reference`. beam_request, beam_node: (M,) int64; beam_score: (M,)
     float32; logp: (M, V) float32 contiguous. shape: (BLOCK, num_warps), default `launch_shape`
     (`compact_shape` with slots); qstep: queries tested per round of a group tested query by query
@@ -265,7 +349,10 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
     once per request and look them up (`shared_rows`): None where the index has them
     (`ServedIndex.shared_rows`; an index served on the CPU makes them here, per call), True always,
     False never. With shared rows a beam whose node is not of `depth` passes nothing (the contract
-    has it of `depth`)."""
+    has it of `depth`). pack: with slots, test the groups tested by table lookups only on the lanes
+    that passed the others, packed into full chunks of 32 x num_warps (`compact_shape`'s packed
+    shape), where that applies (`packs`): None for steps of PACK_FROM lanes or more, True always,
+    False never."""
     M, V = logp.shape
     value = 2 if value_weight > 0 else 1 if with_bound else 0
     if slots is None:
@@ -286,16 +373,20 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         extra = None if not value else torch.empty((B, width), dtype=torch.float32, device=logp.device)
         if B == 0 or width == 0:
             return out if extra is None else (out, extra)
-        BLOCK, warps, chosen = compact_shape(depth, mode)
-        BLOCK, warps = shape or (BLOCK, warps)
-        qstep = qstep or chosen
-        grid = (B, triton.cdiv(width, BLOCK))
         start, total = slots.start, slots.total
     g, q, kway = index.gtm, requests.stacked, mode.kway
     t, tab, lay = _stacks(index, requests, mode.gtm and tabled)
     lead_u, lead_p = leads or table_leads(depth)
     sr = _shared(index, depth, shared) if mode.gtm else None
     passed = None if sr is None else _shared_launch(sr, t, q, tab, lay, lead_u)
+    packed = slots is not None and packs(mode, sr, lay) and (B * width >= PACK_FROM if pack is None else pack)
+    if slots is not None:
+        BLOCK, warps, chosen = compact_shape(depth, mode, packed, sr is not None)
+        BLOCK, warps = shape or (BLOCK, warps)
+        qstep = qstep or chosen
+        grid = (B, triton.cdiv(width, BLOCK))
+    # with packing, each program's survivors: BLOCK entries, then BLOCK (beam << 32 | slot)
+    scratch = torch.empty(grid[0] * grid[1] * 2 * BLOCK if packed else 0, dtype=torch.int64, device=logp.device)
     _gtm_mask_kernel[grid](
         out, logp, beam_score, beam_node, beam_request, g.node_offsets, g.csr_tokens,
         t.words, t.base, t.index, t.index.shape[1], g.part_offsets if kway else g.node_offsets,
@@ -305,10 +396,10 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         g.part_value if value and kway else out, float(value_weight), VALUE_FLOOR,
         g.node_offsets if g.entry_live is None else g.entry_live, start, total, K, width,
         0 if sr is None else sr.lo, g.node_offsets if sr is None else sr.local, 0 if sr is None else sr.local.shape[1],
-        g.node_offsets if sr is None else passed, 0 if sr is None else sr.size,
+        g.node_offsets if sr is None else passed, 0 if sr is None else sr.size, scratch,
         LIVE=g.entry_live is not None, SHARED=sr is not None, GTM=mode.gtm, KWAY=kway, VALUE=value,
-        COMPACT=slots is not None,
-        LOG_K=max(1, (K - 1).bit_length()), **layout_args(lay), BLOCK=BLOCK, QSTEP=qstep,
+        COMPACT=slots is not None, PACK=32 * warps if packed else 0, LOG_K=max(1, (K - 1).bit_length()),
+        PKIND=_plane_kinds(lay), **layout_args(lay), BLOCK=BLOCK, QSTEP=qstep,
         LEAD_U=lead_u, LEAD_P=lead_p, num_warps=warps)
     return out if extra is None else (out, extra)
 
