@@ -278,7 +278,7 @@ def sweep_shapes(calls: list[tuple], reps: int) -> dict:
     """Mask ms per step for compact launch shapes (BLOCK, num_warps, queries per round), then for
     the queries streamed before a query table's lookups (unions, k-way partitions; `by query`: no
     tables) at the default shape."""
-    from runtime.ops.gtm_mask.kernel import PACK_FROM, compact_shape, packs, table_leads
+    from runtime.ops.gtm_mask.kernel import compact_shape, packs, table_leads
 
     shapes = [(32, 1, 4), (64, 1, 4), (64, 2, 4), (64, 2, 8), (128, 2, 4), (128, 4, 2), (128, 4, 4), (128, 4, 8),
               (256, 2, 4), (256, 2, 8), (256, 4, 4), (256, 8, 4), (512, 4, 8), (1024, 4, 8)]
@@ -286,8 +286,9 @@ def sweep_shapes(calls: list[tuple], reps: int) -> dict:
     out = {}
     for d, c in enumerate(calls):
         shared = c[0].shared_rows[d] if c[0].shared_rows else None
-        can = packs(c[7], shared, c[1].stacked.layout)  # then each shape both packed and not
-        packed = can and c[3].start.shape[0] * c[3].width >= PACK_FROM
+        lay, lanes = c[1].stacked.layout, c[3].start.shape[0] * c[3].width
+        can = packs(c[7], shared, lay, lanes, True)  # then each shape both packed and not
+        packed = packs(c[7], shared, lay, lanes)
         chosen, lead = compact_shape(d, c[7], packed, shared is not None), table_leads(d)
         out[f"step {d}"] = [
             {"shape": (*s, "packed" if p else "not packed") if can else s, "default": s == chosen and p == packed,

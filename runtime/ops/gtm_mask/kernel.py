@@ -13,12 +13,11 @@ tens of request locations) is tabled (`tables`): the search folds each request's
 lookup tables once, and a lane then streams only the first few queries (`table_leads`, none at most
 depths) and looks the group up in 16 loads per word per 64 queries; lanes that fail (the costly
 ones when streaming: they try every query, and a block waits for them) cost what passing ones do.
-In the compact layout, where some groups are tabled and some not (`packs`: PACK; by default on steps
-of PACK_FROM lanes or more), the lanes take
-the untabled groups' test first, and only its survivors the lookups: they are packed, through a
-per-program scratch and a barrier, into full chunks of PACK = 32 x num_warps lanes. Otherwise a
-warp ran every lookup whenever one of its lanes survived, and at 30M SIDs about one lane in ten of
-depth 2 does, in nearly every warp.
+In the compact layout, where some groups are tabled and some not (`packs`: PACK; by default on
+steps of PACK_FROM lanes or more), the lanes take the untabled groups' test first, and only its
+survivors the lookups: they are packed, through a per-program scratch and a barrier, into full
+chunks of PACK = 32 x num_warps lanes. Otherwise a warp ran every lookup whenever one of its lanes
+survived, and at 30M SIDs about one lane in ten of depth 2 does, in nearly every warp.
 The planes are read through their stacks (`planes.TableStack`, `planes.QueryStack`), so one kernel
 serves any set of planes. Where the depth's child entries index few distinct union rows
 (`shared_rows`: near the root, where unions saturate), `_shared_pass_kernel` first tests each of
@@ -317,11 +316,14 @@ def compact_shape(depth: int, mode: Mode, packed: bool = False, shared: bool = F
     return 128, 4, 2 if depth <= 1 else 8
 
 
-def packs(mode: Mode, shared: SharedRows | None, lay) -> bool:
-    """Whether a compact mask can test the groups tabled in `lay` (`planes.GroupLayout`) only on
-    the lanes that passed the others, packed: in a GTM mode without k-way or shared rows, with some
-    groups tabled and some not."""
-    return mode.gtm and not mode.kway and shared is None and len({t >= 0 for t in lay.group_table}) == 2
+def packs(mode: Mode, shared: SharedRows | None, lay, lanes: int, pack: bool | None = None) -> bool:
+    """Whether a compact mask of `lanes` (requests x slots) tests the groups tabled in `lay`
+    (`planes.GroupLayout`) only on the lanes that passed the others, packed. It can in a GTM mode
+    without k-way or shared rows, with some groups tabled and some not; then pack None: from
+    PACK_FROM lanes, True: always, False: never."""
+    if not (mode.gtm and not mode.kway and shared is None and len({t >= 0 for t in lay.group_table}) == 2):
+        return False
+    return lanes >= PACK_FROM if pack is None else pack
 
 
 def table_leads(depth: int) -> tuple[int, int]:
@@ -379,14 +381,14 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
     lead_u, lead_p = leads or table_leads(depth)
     sr = _shared(index, depth, shared) if mode.gtm else None
     passed = None if sr is None else _shared_launch(sr, t, q, tab, lay, lead_u)
-    packed = slots is not None and packs(mode, sr, lay) and (B * width >= PACK_FROM if pack is None else pack)
+    packed = slots is not None and packs(mode, sr, lay, B * width, pack)
     if slots is not None:
         BLOCK, warps, chosen = compact_shape(depth, mode, packed, sr is not None)
         BLOCK, warps = shape or (BLOCK, warps)
         qstep = qstep or chosen
         grid = (B, triton.cdiv(width, BLOCK))
     # with packing, each program's survivors: BLOCK entries, then BLOCK (beam << 32 | slot)
-    scratch = torch.empty(grid[0] * grid[1] * 2 * BLOCK if packed else 0, dtype=torch.int64, device=logp.device)
+    scratch = torch.empty(grid[0] * grid[1] * 2 * BLOCK, dtype=torch.int64, device=logp.device) if packed else out
     _gtm_mask_kernel[grid](
         out, logp, beam_score, beam_node, beam_request, g.node_offsets, g.csr_tokens,
         t.words, t.base, t.index, t.index.shape[1], g.part_offsets if kway else g.node_offsets,
