@@ -21,11 +21,13 @@ search is timed). Beams 1,512,1024,1024. Medians over --reps (CUDA events). Per 
   worst-case widths  the graph with every step's layout as wide as its widest nodes together
   dense       the same search with the dense candidate layout (every beam x token, then a
               search for each chosen (node, token)): the layout before compaction, as a graph
-  mask        the mask kernel's calls alone with the inputs the search gave them, each captured
-              and replayed (its GPU time, no launch overhead), summed over the steps
+  mask        the mask kernel's calls alone with the inputs the search gave them (the requests'
+              query tables and shared rows' tests made), each captured and replayed (its GPU
+              time, no launch overhead), summed over the steps
 Beside them, in the same run: `plain torch`, an unconstrained beam search in a dozen plain torch
 lines (log-softmax, top-k over beams x vocabulary, reorder), as a graph; the masks' GPU time per
-search from the profiler (every mask kernel: the mask, the query tables and the shared rows' test;
+search from the profiler (every mask kernel: the masks, whose first step's launch also makes the
+requests' query tables and shared rows' tests, and a launch of its own where one makes them;
 cd+gtm against cd); the post stage (SIDs -> ads, best score, exact filter, ranking) on the GPU
 and the CPU for the cd+gtm beams; search + post through `runtime.Searcher.retrieve`; and, per
 step, the floor: the bytes the step must read and write over the device's copy bandwidth,
@@ -203,12 +205,14 @@ def recorded_masks(index, dreq, scorer, beams, mode, widths=None) -> list[tuple]
 
 
 def mask_call(c, impl: str = "triton", **shape):
-    """Replay a recorded candidate-mask call (index, requests, depth, slots, node, score, logp, mode, ...)."""
+    """Replay a recorded candidate-mask call (index, requests, depth, slots, node, score, logp, mode,
+    impl, value_weight, prepare): with `shape` (`gtm_mask_triton`'s keywords) the mask alone, else
+    as the search made it (the first step making the requests' tables and shared rows' tests too)."""
     if shape:
         from runtime.ops.gtm_mask.kernel import gtm_mask_triton
 
         return gtm_mask_triton(c[0], c[1], c[2], c[4], c[4], c[5], c[6], c[7], slots=c[3], **shape)
-    return search_mod.gtm_candidates(*c[:8], impl=impl)
+    return search_mod.gtm_candidates(*c[:8], impl=impl, prepare=c[10] if len(c) > 10 else None)
 
 
 def copy_bandwidth(dev) -> float:
@@ -269,7 +273,7 @@ def floor_rows(index, calls_by_mode: dict, bandwidth: float, reps: int) -> list[
             out.append({"mode": mode.value, "step": d, "beams": beams, "entries": entries, "distinct_entries": distinct,
                         "distinct_rows": rows, "width": W, "MB": nbytes / 1e6, "floor_us": floor_ms * 1e3,
                         "mask_us": ms * 1e3, "by_query_us": by_query * 1e3, "own_rows_us": own * 1e3,
-                        "shared_rows": 0 if shared is None else shared.size,
+                        "shared_rows": 0 if shared is None else shared.count,
                         "of_floor": floor_ms / ms if ms else 0.0})
     return out
 
@@ -329,8 +333,8 @@ def print_profile(profile: list[dict], what: str) -> None:
             print(f"| {p['kernel']} | {p['us']:.1f} | {p['calls']:.0f} |")
 
 
-# the kernels of a search's masks: the mask, the query tables and the shared rows' tests
-MASK_KERNELS = ("_gtm_mask_kernel", "_tables_kernel", "_shared_pass_kernel")
+# the kernels of a search's masks: the mask, and the query tables and shared rows' tests made before it
+MASK_KERNELS = ("_gtm_mask_kernel", "_prepare_kernel")
 
 
 def mask_kernel_us(profile: list[dict]) -> float:

@@ -30,7 +30,7 @@ import torch
 
 from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask import gtm_mask, uses_triton
-from runtime.ops.gtm_mask.tables import with_tables
+from runtime.ops.gtm_mask.prepare import prepared
 from runtime.requests import to_device
 from runtime.search import child_nodes
 from sidindex.errors import ConfigError
@@ -61,7 +61,7 @@ class SidLogitsProcessor:
             requests = encode_requests(requests, index.spec)
         self.requests = requests if requests.stacked is not None else to_device(requests, index.device)
         if self.mode.gtm and uses_triton(impl, index.device):
-            self.requests = with_tables(self.requests)  # the kernel's query tables, once rather than per step
+            self.requests = prepared(self.requests, index)  # the query tables and shared rows' tests, once
         L, V = index.sid_length, index.vocab_size
         if (token_offset is None) == (token_ids is None):
             raise ConfigError("give exactly one of token_offset (SID token t of level d is token_offset + d * V + t) "

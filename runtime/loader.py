@@ -109,9 +109,9 @@ class ServedIndex:
     shapes and the search's bounds, known on the host).
     fan_out_counts[d]: (C_d + 1,) int64 on the host, how many depth-d nodes have c children, for
          c = 0..max_children[d] (the search's candidate bound, `most_children`).
-    shared_rows[d]: on a GPU, the few distinct matcher rows of depth d's child entries, which the
-         mask tests once per request (`ops.gtm_mask.shared_rows`), or None where they are many;
-         () on the CPU.
+    shared_rows[d]: on a GPU, the few distinct matcher rows of depth d's child entries, which a
+         search tests once per request before its first step (`ops.gtm_mask.shared_rows`, one
+         set for every depth), or None where they are many; () on the CPU.
     post: on a GPU, the arrays the post stage reads (`POST_ARRAYS` present in the snapshot, by
          their contract names) as device tensors; None on the CPU, whose post stage reads the
          memory maps.
@@ -404,8 +404,7 @@ def _shapes(gtm: GTMIndex, shared: tuple[SharedRows | None, ...] | None = None) 
             "mean_children": tuple(int(-(-t // max(len(f), 1))) for t, f in zip(total, per_depth)),
             "max_parts": int(parts.diff().max()) if parts is not None and len(parts) > 1 else 0,
             "fan_out_counts": tuple(torch.bincount(f, minlength=m + 1).cpu().numpy() for f, m in zip(per_depth, most)),
-            "shared_rows": shared if shared is not None else
-            tuple(shared_rows(gtm, d) for d in range(gtm.sid_length)) if fan_out.is_cuda else ()}
+            "shared_rows": shared if shared is not None else shared_rows(gtm) if fan_out.is_cuda else ()}
 
 
 def _post_names(snap: Snapshot) -> list[str]:

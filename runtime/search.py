@@ -32,7 +32,7 @@ import torch
 from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask import gtm_candidates, gtm_mask, uses_triton
 from runtime.ops.gtm_mask.slots import decode, slots_of
-from runtime.ops.gtm_mask.tables import with_tables
+from runtime.ops.gtm_mask.prepare import planned, prepared
 from runtime.requests import to_device
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
@@ -205,8 +205,11 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         check_fits(beams, B, V, dev, value_weight > 0)
     compact = mode.constrained and layout == "compact"
     kernels = uses_triton(impl, dev)  # the layout's own kernels too
-    if kernels and mode.gtm:  # the query tables, once per search rather than per step
-        requests = with_tables(requests)
+    plan = None  # the query tables and the shared rows' tests, once per search: in the first step's mask launch
+    if kernels and mode.gtm and compact:
+        requests, plan = planned(requests, index)
+    elif kernels and mode.gtm:
+        requests = prepared(requests, index)
     node = torch.zeros(B, 1, dtype=torch.int64, device=dev)
     score = torch.zeros(B, 1, dtype=torch.float32, device=dev)
     tokens = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)
@@ -226,7 +229,7 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
                     overflow = torch.zeros(L, dtype=torch.bool, device=dev)
                 overflow[d] = (slots.total > slots.width).any()
             cand = gtm_candidates(index, requests, d, slots, node.reshape(-1), score.reshape(-1), logp, mode, impl,
-                                  value_weight)
+                                  value_weight, plan if d == 0 else None)
         elif mode.constrained:
             # dead beams (-inf) sit at node -1; they read the root's offsets and pass nothing
             cand = gtm_mask(index, requests, d, req.repeat_interleave(K), node.reshape(-1).clamp(min=0),

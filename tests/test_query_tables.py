@@ -27,7 +27,8 @@ from runtime.ops.gtm_mask import gtm_mask
 from runtime.ops.gtm_mask.kernel import gtm_mask_triton, packs
 from runtime.ops.gtm_mask.planes import TABLE_FROM, stack_queries
 from runtime.ops.gtm_mask.slots import compact, slots_of
-from runtime.ops.gtm_mask.tables import query_tables, query_tables_reference
+from runtime.ops.gtm_mask.prepare import query_tables
+from runtime.ops.gtm_mask.tables import query_tables_reference
 from runtime.search import beam_search
 from runtime.requests import to_device
 from runtime.serving import Searcher

@@ -1,12 +1,14 @@
 """Shared rows (`runtime.ops.gtm_mask.shared_rows`): a depth's distinct matcher rows, tested once per
-request, must decide what testing each entry's own rows decides.
+request before the search's first step, must decide what testing each entry's own rows decides.
 
 - `shared_rows` names, for every child entry of a depth and every plane, a position holding that
-  entry's row; the positions of a plane are its distinct rows, each once; it declines exactly the
-  depths whose rows are not few (against counts made here with numpy).
-- The Triton test of the distinct rows (under TRITON_INTERPRET=1 without a GPU) equals the torch
-  reference, and both equal the CPU matcher's test of a row, on random catalogs and requests, the
-  Bloom groups tested query by query and through their tables. (The mask with shared rows is
+  entry's row; the positions a depth names are its distinct rows, each once, of that plane, and
+  the depths' positions do not overlap; it declines exactly the depths whose rows are not few
+  (against counts made here with numpy).
+- The Triton test of the set (under TRITON_INTERPRET=1 without a GPU) equals the torch reference,
+  and both equal the CPU matcher's test of each depth's entries, on random catalogs and requests,
+  with few locations and with tens to hundreds (the Bloom groups then tabled); `prepared` makes the
+  same test and, in the same launch, the query tables' reference. (The mask with shared rows is
   compared with the reference in `test_runtime` and `test_query_tables`.)
 - Beam search (and on a GPU the captured `Searcher`) with shared rows at every depth returns the
   torch reference's beams in every mode; a catalog whose unions saturate gets shared rows at the
@@ -24,9 +26,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.ops.gtm_mask.kernel import _shared, shared_pass
+from runtime.ops.gtm_mask import gtm_candidates
+from runtime.ops.gtm_mask.kernel import _shared, gtm_mask_triton
+from runtime.ops.gtm_mask.prepare import passed_for, planned, prepared, shared_pass
 from runtime.ops.gtm_mask.reference import shared_pass_reference
+from runtime.ops.gtm_mask.tables import query_tables_reference
 from runtime.ops.gtm_mask.shared_rows import FEW, MOST_ROWS, shared_rows
+from runtime.ops.gtm_mask.slots import slots_of
 from runtime.search import beam_search
 from runtime.serving import Searcher
 from sidindex.config import KWayConfig
@@ -47,44 +53,73 @@ def _depth_entries(g, d: int) -> tuple[int, int]:
 def test_shared_rows_name_each_entrys_row(sc):
     case = Case(sc, "cpu")
     g = case.gtm
-    for d in range(g.sid_length):
+    every = shared_rows(case.index.gtm, few=0, most=1 << 62)
+    assert len(every) == g.sid_length
+    named = []
+    for d, got in enumerate(every):
         lo, hi = _depth_entries(g, d)
-        distinct = [np.unique(p.index[lo:hi]) for p in g.planes]
-        R = sum(len(u) for u in distinct)
-        got = shared_rows(case.index.gtm, d, few=0, most=1 << 62)
         if hi == lo:
             assert got is None
             continue
-        assert got.lo == lo and got.size == R and got.local.shape == (len(g.planes), hi - lo)
-        ends = got.ends.tolist()
-        for p, plane in enumerate(g.planes):
-            assert np.array_equal(got.rows[ends[p]:ends[p + 1]].numpy(), distinct[p])  # each distinct row once
+        distinct = [np.unique(p.index[lo:hi]) for p in g.planes]
+        R = sum(len(u) for u in distinct)
+        assert got.lo == lo and got.count == R and got.local.shape == (len(g.planes), hi - lo)
+        rows, plane = got.rows.numpy(), got.plane.numpy()
+        assert got.rows is every[0].rows and got.size == len(rows) == len(plane)  # one set for every depth
+        for p, pl in enumerate(g.planes):
             local = got.local[p].numpy()
-            assert ((local >= ends[p]) & (local < ends[p + 1])).all()
-            assert np.array_equal(got.rows.numpy()[local], plane.index[lo:hi])
+            assert (plane[local] == p).all()
+            assert np.array_equal(rows[local], pl.index[lo:hi])
+            positions = np.unique(local)  # each distinct row once
+            assert np.array_equal(np.sort(rows[positions]), distinct[p])
+            named.append(positions)
         # declined exactly where the rows are not few: fewer than `few` entries per row, or too many rows
         ratio = (hi - lo) // R
-        assert shared_rows(case.index.gtm, d, few=ratio, most=R) is not None
-        assert shared_rows(case.index.gtm, d, few=ratio + 1, most=R) is None
-        assert shared_rows(case.index.gtm, d, few=0, most=R - 1) is None
-        assert (shared_rows(case.index.gtm, d) is None) == (hi - lo < FEW * R or R > MOST_ROWS)
+        assert shared_rows(case.index.gtm, few=ratio, most=R)[d] is not None
+        assert shared_rows(case.index.gtm, few=ratio + 1, most=R)[d] is None
+        assert shared_rows(case.index.gtm, few=0, most=R - 1)[d] is None
+        assert (shared_rows(case.index.gtm)[d] is None) == (hi - lo < FEW * R or R > MOST_ROWS)
+    named = np.concatenate(named)
+    assert len(np.unique(named)) == len(named) == every[0].size  # the depths' positions do not overlap
 
 
 def _check_pass(case: Case) -> None:
     g = case.gtm
-    for d in range(g.sid_length):
-        sr = shared_rows(case.index.gtm, d, few=0, most=1 << 62)
-        if sr is None:
+    every = shared_rows(case.index.gtm, few=0, most=1 << 62)
+    sr = next((s for s in every if s is not None), None)
+    if sr is None:
+        return
+    want = shared_pass_reference(case.index, case.dreq, sr).cpu()
+    got = shared_pass(case.index, case.dreq, sr)
+    assert got.dtype == torch.int8 and torch.equal(got.cpu() != 0, want)
+    # in one launch with the query tables, as a search makes them
+    ready = prepared(case.dreq, dataclasses.replace(case.index, shared_rows=every)).stacked
+    assert torch.equal(passed_for(ready, sr).cpu() != 0, want)
+    tables = query_tables_reference(case.dreq.stacked)
+    assert (ready.tables is None) == (tables is None)
+    assert tables is None or torch.equal(ready.tables.cpu(), tables)
+    # made by the first step's mask launch beside its own lanes, as a compact search makes them
+    index = dataclasses.replace(case.index, shared_rows=every)
+    for mode in (Mode.CD_GTM, Mode.CD_GTM_KWAY):
+        reqs, plan = planned(case.dreq, index)
+        B, V = case.dreq.batch, case.gtm.vocab_size
+        dev = case.dreq.stacked.words.device
+        node, score = torch.zeros(B, 1, dtype=torch.int64, device=dev), torch.zeros(B, 1, device=dev)
+        slots = slots_of(index, node, score, max(index.most_children(0, 1), 1), True)
+        logp = torch.log_softmax(torch.randn(B, V, generator=torch.Generator().manual_seed(B)), -1).to(dev)
+        got = gtm_mask_triton(index, reqs, 0, node.flatten(), node.flatten(), score.flatten(), logp, mode,
+                              slots=slots, prepare=plan)
+        assert torch.equal(got, gtm_candidates(index, case.dreq, 0, slots, node.flatten(), score.flatten(), logp,
+                                               mode, "torch")), mode
+        assert torch.equal(passed_for(reqs.stacked, sr).cpu() != 0, want), mode
+        assert tables is None or torch.equal(reqs.stacked.tables.cpu(), tables), mode
+    for d, s in enumerate(every):
+        if s is None:
             continue
-        want = shared_pass_reference(case.index, case.dreq, sr).cpu()
-        for tabled in (True, False):
-            for lead in (0, 3):
-                got = shared_pass(case.index, case.dreq, sr, tabled, lead)
-                assert torch.equal(got.cpu() != 0, want), (d, tabled, lead)
         # the matcher's own test of each depth entry on the host: an entry passes iff its row of
         # every plane does
-        local = sr.local.cpu().numpy()
-        entries = np.arange(sr.lo, sr.lo + local.shape[1])
+        local = s.local.cpu().numpy()
+        entries = np.arange(s.lo, s.lo + local.shape[1])
         for b in range(case.dreq.batch):
             ok = entries_pass(g, case.req.planes, entries, np.full(len(entries), b), False)
             assert np.array_equal(ok, want[b, local].all(0).numpy()), (d, b)
@@ -127,7 +162,7 @@ def _same_beams(index, case: Case, seed: int) -> None:
 @given(scenarios(max_ads=16), st.integers(0, 2**32 - 1))
 def test_searches_with_shared_rows_at_every_depth_equal_the_reference(sc, seed):
     case = Case(sc)
-    forced = tuple(shared_rows(case.index.gtm, d, few=0, most=1 << 62) for d in range(case.gtm.sid_length))
+    forced = shared_rows(case.index.gtm, few=0, most=1 << 62)
     _same_beams(dataclasses.replace(case.index, shared_rows=forced, generation=object()), case, seed)
 
 
@@ -144,7 +179,7 @@ def test_saturated_unions_get_shared_rows_by_default():
     case = Case(sc)
     for d in range(2):
         got = _shared(case.index, d, None)
-        assert got is not None and got.size == 2, d
+        assert got is not None and got.count == 2, d
         if GPU:
             assert case.index.shared_rows[d] is not None, d
     _same_beams(case.index, case, 0)
@@ -160,8 +195,8 @@ def test_saturated_unions_get_shared_rows_by_default():
 def test_a_gpu_index_has_the_shared_rows_of_its_depths(sc):
     case = Case(sc, "cuda")
     assert len(case.index.shared_rows) == case.gtm.sid_length
-    for d, got in enumerate(case.index.shared_rows):
-        want = shared_rows(case.index.gtm, d)
+    for d, (got, want) in enumerate(zip(case.index.shared_rows, shared_rows(case.index.gtm))):
         assert (got is None) == (want is None), d
         if got is not None:
             assert got.lo == want.lo and torch.equal(got.local, want.local) and torch.equal(got.rows, want.rows)
+            assert torch.equal(got.plane, want.plane)

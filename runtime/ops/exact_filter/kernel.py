@@ -3,7 +3,7 @@
 One program per (request b, block of BLOCK slots); b is uniform in a program, so the request's
 queries and values are scalars every lane shares. Each lane is one slot, its ad clamped into the
 catalog (a slot that is not valid reads a real row; the caller masks it).
-  rows    word group by word group, the matcher kernel's group test (`gtm_mask.kernel._group_pass`,
+  rows    word group by word group, the matcher kernel's group test (`gtm_mask.row_pass.group_pass`,
           the one copy of "ANY query q has (row & q) == q"): a lane's words of the group stay in
           registers while the request's queries stream past, until every live lane has a hit
   values  attribute by attribute, the request's values stream past (a scalar loop to the request's
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from runtime.ops.exact_filter.reference import held_slots
-from runtime.ops.gtm_mask.kernel import _group_pass
+from runtime.ops.gtm_mask.row_pass import group_pass
 from schemas.artifacts import EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
 
 BLOCK, WARPS = 128, 4  # slots per program: a request's C slots are many (C >= 1,024 at 1,024 beams)
@@ -44,7 +44,7 @@ def _rows_kernel(out, ad, held, words, q_words, q_ranges, C, N, s_ad, s_rb, s_rg
     r = tl.load(ad + b * s_ad + c, mask=ok, other=0)
     row = words + tl.minimum(tl.maximum(r, 0), N - 1) * W
     for g in tl.static_range(len(GLO)):
-        ok = _group_pass(ok, row, q_words, q_ranges + b * s_rb + g * s_rg, q_words, QW, GLO[g], GW[g], GA[g], SINGLE,
+        ok = group_pass(ok, row, q_words, q_ranges + b * s_rb + g * s_rg, q_words, QW, GLO[g], GW[g], GA[g], SINGLE,
                          QSTEP, False, 0, 0, 0)  # no query table: a pair's ad is one row
     tl.store(out + b * C + c, ok, mask=real)
 

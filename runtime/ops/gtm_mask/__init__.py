@@ -56,7 +56,7 @@ def gtm_mask(index, requests, depth: int, beam_request: torch.Tensor, beam_node:
 
 
 def gtm_candidates(index, requests, depth: int, slots: Slots, beam_node: torch.Tensor, beam_score: torch.Tensor,
-                   logp: torch.Tensor, mode: Mode, impl: str = "auto", value_weight: float = 0.0):
+                   logp: torch.Tensor, mode: Mode, impl: str = "auto", value_weight: float = 0.0, prepare=None):
     """(B, W) float32 candidate scores of a step's B*K beams in the compact layout `slots`
     (`slots.compact` of `gtm_mask`'s): slot j of request b holds its child's beam_score + logp
     where the child passes `mode`, -inf elsewhere and in unused slots. With value_weight > 0, also
@@ -64,7 +64,7 @@ def gtm_candidates(index, requests, depth: int, slots: Slots, beam_node: torch.T
 
     beam_node, beam_score: (B*K,) int64 / float32 request-major; logp: (B*K, V) float32. The
     Triton kernel writes the layout directly; the torch reference and the numba path lay out
-    their dense masks.
+    their dense masks. prepare: a `prepare.Plan` the Triton kernel makes in the same launch.
     """
     if impl == "auto":
         impl = "triton" if uses_triton(impl, logp.device) else "numba"
@@ -72,7 +72,7 @@ def gtm_candidates(index, requests, depth: int, slots: Slots, beam_node: torch.T
         from runtime.ops.gtm_mask.kernel import gtm_mask_triton
 
         return gtm_mask_triton(index, requests, depth, beam_node, beam_node, beam_score, logp.contiguous(), mode,
-                               value_weight=value_weight, slots=slots)
+                               value_weight=value_weight, slots=slots, prepare=prepare)
     B, K = slots.start.shape
     req = torch.arange(B, device=logp.device).repeat_interleave(K)
     got = gtm_mask(index, requests, depth, req, beam_node, beam_score, logp, mode, impl, value_weight=value_weight)

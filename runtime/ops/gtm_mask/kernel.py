@@ -2,17 +2,13 @@
 
 One program per (beam, block of BLOCK child entries of the beam's trie node); BLOCK follows the
 depth's mean fan-out (`launch_shape`), so few lanes idle. Each lane is one child entry: CD is the
-entry existing at all; then (GTM) the matcher planes' test (`sidindex.matchers.plane`), plane by
-plane and word group by word group, the kernel compiled for the planes' layout (constexpr tuples).
-A plane with one query per request (bitmask) is tested word by word, a lane that failed loading
-nothing more (masked loads), and no lane loading a word the query has no bit in (a request's one
-country is one word of the four); otherwise a lane keeps its row's words of the group in registers
-while the request's queries stream past a few at a time, until every live lane has a hit; a block
-with no live lane skips the stream. A group with many queries per request (a Bloom attribute with
-tens of request locations) is tabled (`tables`): the search folds each request's queries into
-lookup tables once, and a lane then streams only the first few queries (`table_leads`, none at most
-depths) and looks the group up in 16 loads per word per 64 queries; lanes that fail (the costly
-ones when streaming: they try every query, and a block waits for them) cost what passing ones do.
+entry existing at all; then (GTM) the matcher planes' test (`row_pass`), plane by plane and word
+group by word group, the kernel compiled for the planes' layout (constexpr tuples). A group with
+many queries per request (a Bloom attribute with tens of request locations) is tabled (`tables`):
+the search folds each request's queries into lookup tables once (`prepare`), and a lane then
+streams only the first few queries (`table_leads`, none at most depths) and looks the group up in
+16 loads per word per 64 queries; lanes that fail (the costly ones when streaming: they try every
+query, and a block waits for them) cost what passing ones do.
 In the compact layout, where some groups are tabled and some not (`packs`: PACK; by default on
 steps of PACK_FROM lanes or more), the lanes take the untabled groups' test first, and only its
 survivors the lookups: they are packed, through a per-program scratch and a barrier, into full
@@ -20,8 +16,10 @@ chunks of PACK = 32 x num_warps lanes. Otherwise a warp ran every lookup wheneve
 survived, and at 30M SIDs about one lane in ten of depth 2 does, in nearly every warp.
 The planes are read through their stacks (`planes.TableStack`, `planes.QueryStack`), so one kernel
 serves any set of planes. Where the depth's child entries index few distinct union rows
-(`shared_rows`: near the root, where unions saturate), `_shared_pass_kernel` first tests each of
-them once per request, and the mask's lanes (SHARED) look their rows' results up instead. With
+(`shared_rows`: near the root, where unions saturate), each of them was tested once per request
+by the search's first step (`prepare`), and the mask's lanes (SHARED) look their rows' results up
+instead. A compact first step makes those tables and tests itself, in programs past its mask's
+(PREP, `prepare.prepare_block`). With
 k-way partitions (KWAY), lanes that pass the union test try their partitions until one passes. A
 surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every other token stays
 -inf. With VALUE it also writes, in a second (M, V) output, its value bound (VALUE 1) or the
@@ -34,126 +32,24 @@ are the same.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
-from runtime.ops.gtm_mask.planes import stack_tables
+from runtime.ops.gtm_mask.prepare import (Plan, idle_args, index_stack, launch, passed_for, prepare_block, query_tables,
+                                          shared_pass, untabled_layout)
 from runtime.ops.gtm_mask.reference import NEG_INF, VALUE_FLOOR
+from runtime.ops.gtm_mask.row_pass import ALL, TABLED, UNTABLED, layout_args, plane_kinds, rows_pass
 from runtime.ops.gtm_mask.shared_rows import SharedRows, shared_rows
 from runtime.ops.gtm_mask.slots import Slots
 from runtime.ops.gtm_mask.slots_kernel import beam_of_slot
-from runtime.ops.gtm_mask.tables import query_tables, table_pass
 from sidindex.modes import Mode
 
-# which word groups `plane_pass` tests (bits: a plane's kinds of groups, `_plane_kinds`)
-UNTABLED = tl.constexpr(1)
-TABLED = tl.constexpr(2)
-ALL = tl.constexpr(3)
 PACKED_SHAPE = (512, 4, 8)  # (BLOCK, num_warps, queries per round) of a packed compact mask (H200 sweep)
 # Lanes (requests x slots) from which a compact mask packs by default. A smaller step (30M SIDs'
 # depth 3, 87K lanes: 16.5 against 14.2 us packed) fills about one wave of the GPU and is bound by
 # its chain of dependent loads, which packing lengthens; depth 2's 2.8M lanes gain a quarter.
 PACK_FROM = 1 << 20
-
-
-@triton.jit
-def _group_pass(ok, row, q_lo, q_range, tab, W: tl.constexpr, W_LO: tl.constexpr, N_W: tl.constexpr,
-                A_W: tl.constexpr, ONE: tl.constexpr, QSTEP: tl.constexpr, TABLED: tl.constexpr, LEAD: tl.constexpr,
-                J: tl.constexpr, CH: tl.constexpr):
-    """ok & (each lane's `row` passes ANY of the queries q_range[0]..q_range[1]-1 on the group's
-    words W_LO..W_LO+N_W-1); rows and queries are W words wide, A_W is N_W rounded up to a power of 2.
-    TABLED: `tab` is the group's query table (J mask words, CH chunks): the first LEAD queries are
-    streamed, and lanes without a hit then look the group up in the table."""
-    q = tl.load(q_range)
-    if ONE:  # one query: word by word, a lane that failed loads nothing more, nor a word the query has no bit in
-        for w in tl.static_range(N_W):
-            u = tl.load(q_lo + q * W + W_LO + w)
-            x = tl.load(row + W_LO + w, mask=tl.where(u != 0, ok, tl.zeros_like(ok)), other=0)
-            ok = ok & ((x & u) == u)
-    else:  # ANY query: the rows' words stay in registers while the queries stream past
-        hit = tl.zeros_like(ok)
-        if not TABLED or LEAD > 0:
-            wi = tl.arange(0, A_W)
-            wm = wi < N_W
-            rows = tl.load(row[:, None] + W_LO + wi[None, :], mask=ok[:, None] & wm[None, :], other=0)
-            q_end = tl.load(q_range + 1)
-            if TABLED:
-                q_end = tl.minimum(q_end, q + LEAD)
-            # QSTEP queries at a time (independent loads in flight), until every live lane has a hit
-            # or none is left to stream
-            q = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, q, q_end)
-            while q < q_end:
-                for i in tl.static_range(QSTEP):
-                    qw = tl.load(q_lo + (q + i) * W + W_LO + wi, mask=wm & (wi * 0 + q + i < q_end), other=0)
-                    need = A_W + tl.where(q + i < q_end, 0, 1)  # past the last query nothing can match
-                    hit = hit | (tl.sum(((rows & qw[None, :]) == qw[None, :]).to(tl.int32), axis=1) == need)
-                left = tl.sum((ok & (hit == 0)).to(tl.int32), axis=0)
-                q = tl.where(left > 0, q + QSTEP, q_end)
-        if TABLED:
-            rest = ok & (hit == 0)
-            if tl.sum(rest.to(tl.int32), axis=0) > 0:
-                hit = hit | table_pass(rest, row, tab, W_LO, N_W, J, CH)
-        ok = ok & hit
-    return ok
-
-
-@triton.jit
-def plane_pass(ok, r, p: tl.constexpr, b, words, t_base, q_words, q_base, q_ranges, tables,
-               WIDTHS: tl.constexpr, SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr,
-               GW: tl.constexpr, GA: tl.constexpr, GT: tl.constexpr, J: tl.constexpr, CH: tl.constexpr,
-               QSTEP: tl.constexpr, LEAD: tl.constexpr, KIND: tl.constexpr):
-    """ok & (each lane's row r (int64) of plane p passes request b on every word group of the
-    plane, or only on its groups of KIND: ALL, UNTABLED or TABLED). `tables`: request b's query
-    tables (`tables.query_tables`: per tabled group J mask words x CH chunks x 16). Layout tuples
-    (`planes.GroupLayout`): per plane its width and whether it has one query per group; per group
-    its plane, first word, words, words rounded up to a power of two, and its table (-1: tested
-    query by query); LEAD: queries streamed before a tabled group's lookups."""
-    G: tl.constexpr = len(GP)
-    row = words + tl.load(t_base + p) + r * WIDTHS[p]  # each lane's row of plane p
-    q_lo = q_words + tl.load(q_base + p)
-    for g in tl.static_range(G):
-        if GP[g] == p and (KIND == ALL or (KIND == TABLED) == (GT[g] >= 0)):  # resolved at compile time
-            ok = _group_pass(ok, row, q_lo, q_ranges + (b * G + g) * 2, tables + GT[g] * (J * CH * 16),
-                             WIDTHS[p], GLO[g], GW[g], GA[g], SINGLE[p], QSTEP, GT[g] >= 0, LEAD, J, CH)
-    return ok
-
-
-@triton.jit
-def _rows_pass(ok, idx, stride, pos, b, words, t_base, q_words, q_base, q_ranges, tables,
-               WIDTHS: tl.constexpr, SINGLE: tl.constexpr, PKIND: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr,
-               GW: tl.constexpr, GA: tl.constexpr, GT: tl.constexpr, J: tl.constexpr, CH: tl.constexpr,
-               QSTEP: tl.constexpr, LEAD: tl.constexpr, KIND: tl.constexpr):
-    """ok & (each lane's rows pass request b on every plane's groups of KIND, `plane_pass`). A
-    lane's row of plane p is idx[p * stride + pos]; a plane without a group of KIND (PKIND[p], bits
-    of the kinds it has) is not read."""
-    for p in tl.static_range(len(WIDTHS)):
-        if KIND == ALL or PKIND[p] == ALL or PKIND[p] == KIND:  # resolved at compile time
-            r = tl.load(idx + p * stride + pos, mask=ok, other=0).to(tl.int64)
-            ok = plane_pass(ok, r, p, b, words, t_base, q_words, q_base, q_ranges, tables,
-                            WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD, KIND)
-    return ok
-
-
-@triton.jit
-def _shared_pass_kernel(out, rows, ends, R, words, t_base, q_words, q_base, q_ranges, tables, tab_stride,
-                        WIDTHS: tl.constexpr, SINGLE: tl.constexpr, GP: tl.constexpr, GLO: tl.constexpr,
-                        GW: tl.constexpr, GA: tl.constexpr, GT: tl.constexpr, J: tl.constexpr, CH: tl.constexpr,
-                        QSTEP: tl.constexpr, LEAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (block of BLOCK distinct rows, request b): out[b, i] = 1 where distinct row i (of the
-    plane whose positions hold i) passes request b (`shared_rows`)."""
-    b = tl.program_id(1).to(tl.int64)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    r = tl.load(rows + i, mask=i < R, other=0).to(tl.int64)
-    tables = tables + b * tab_stride
-    hit = tl.zeros([BLOCK], dtype=tl.int1)
-    for p in tl.static_range(len(WIDTHS)):
-        mine = (i >= tl.load(ends + p)) & (i < tl.load(ends + p + 1))
-        hit = hit | plane_pass(mine, r, p, b, words, t_base, q_words, q_base, q_ranges, tables,
-                               WIDTHS, SINGLE, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD, ALL)
-    tl.store(out + b * R + i, hit.to(tl.int8), mask=i < R)
 
 
 @triton.jit
@@ -178,116 +74,112 @@ def _outputs(ok, m, e, tok, score, logp, V, entry_value, part_value, part_offset
 def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offsets, csr_tokens,
                      words, t_base, index, E, part_offsets, part_index, T, max_parts,
                      q_words, q_base, q_ranges, tables, tab_stride, V, bound, entry_value, part_value, weight, floor,
-                     entry_live, slot_start, slot_total, K, width, shared_lo, shared_local, shared_n, shared_pass,
-                     shared_size, scratch, LIVE: tl.constexpr, SHARED: tl.constexpr, GTM: tl.constexpr,
-                     KWAY: tl.constexpr, VALUE: tl.constexpr, COMPACT: tl.constexpr, PACK: tl.constexpr,
-                     LOG_K: tl.constexpr, WIDTHS: tl.constexpr, SINGLE: tl.constexpr, PKIND: tl.constexpr,
-                     GP: tl.constexpr, GLO: tl.constexpr, GW: tl.constexpr, GA: tl.constexpr, GT: tl.constexpr,
-                     J: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr, QSTEP: tl.constexpr,
-                     LEAD_U: tl.constexpr, LEAD_P: tl.constexpr):
-    if COMPACT:  # program (request b, block of slots); a lane is slot s of b's candidate list
-        b = tl.program_id(0).to(tl.int64)
-        s = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        real = s < tl.minimum(tl.load(slot_total + b), width)  # past b's last child entry a slot only gets -inf
-        m = b * K + beam_of_slot(slot_start + b * K, s, K, real, LOG_K)
-        score = tl.load(beam_score + m, mask=real, other=float("-inf"))
-        lo = tl.load(node_offsets + tl.load(beam_node + m, mask=real, other=0), mask=real, other=0)
-        e = lo + s - tl.load(slot_start + m, mask=real, other=0)
-        ok = real & (score > float("-inf"))  # as in the dense path: a dead beam passes nothing
-    else:  # program (beam m, block of its node's child entries)
-        m = tl.program_id(0).to(tl.int64)
-        score = tl.load(beam_score + m)
-        node = tl.load(beam_node + m)
-        lo = tl.load(node_offsets + node)
-        hi = tl.where(score > float("-inf"), tl.load(node_offsets + node + 1), lo)  # a dead beam has no children
-        e = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = e < hi
-        b = tl.load(beam_request + m)
-    if PACK == 0:  # (loaded early: the tests hide its latency)
-        tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
-    if LIVE:  # an update's index: an entry with no live row beneath leads to no ad
-        ok = ok & (tl.load(entry_live + e, mask=ok, other=0) != 0)
-    tables = tables + b * tab_stride  # request b's query tables
-    first = tl.zeros([BLOCK], dtype=tl.int32)  # with KWAY: the position of each lane's first passing partition
-    if GTM and SHARED:  # the depth's few distinct rows were tested once per request: look them up
-        ok = ok & (e >= shared_lo) & (e < shared_lo + shared_n)  # the depth's entries (a caller's node is of it)
-        for p in tl.static_range(len(WIDTHS)):
-            at = tl.load(shared_local + p * shared_n + (e - shared_lo), mask=ok, other=0)
-            ok = ok & (tl.load(shared_pass + b * shared_size + at, mask=ok, other=0) != 0)
-    elif PACK > 0:  # (GTM) the untabled groups first; the tabled ones on their survivors, packed
-        ok = _rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges, tables,
-                        WIDTHS, SINGLE, PKIND, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_U, UNTABLED)
-        # 1. the lanes that failed are written now
-        tl.store(out + b * width + s, float("-inf"), mask=(s < width) & ~ok)
-        if VALUE > 0:
-            tl.store(bound + b * width + s, 0.0 if VALUE == 1 else float("-inf"), mask=(s < width) & ~ok)
-        # 2. the survivors' entries and (beam, slot) side by side in the program's scratch, so that
-        # the lookups run on full chunks of PACK lanes rather than on every warp holding one
-        n = tl.sum(ok.to(tl.int32), axis=0)
-        at = tl.cumsum(ok.to(tl.int32), axis=0) - 1
-        own = scratch + (tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * (2 * BLOCK)
-        tl.store(own + at, e, mask=ok)
-        tl.store(own + BLOCK + at, (m << 32) | s, mask=ok)
-        tl.debug_barrier()
-        # 3. chunk by chunk, the tabled groups' test and the survivors' outputs
-        for c in range(0, n, PACK):
-            i = c + tl.arange(0, PACK)
-            live = i < n
-            pe = tl.load(own + i, mask=live, other=0)
-            ms = tl.load(own + BLOCK + i, mask=live, other=0)
-            pm, ps = ms >> 32, ms & 0xFFFFFFFF
-            hit = _rows_pass(live, index, E, pe, b, words, t_base, q_words, q_base, q_ranges, tables,
-                             WIDTHS, SINGLE, PKIND, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_U, TABLED)
-            val, bv = _outputs(hit, pm, pe, tl.load(csr_tokens + pe, mask=hit, other=0).to(tl.int64),
-                               tl.load(beam_score + pm, mask=hit, other=0.0), logp, V, entry_value, part_value,
-                               part_offsets, 0, weight, floor, KWAY, VALUE)
-            tl.store(out + b * width + ps, tl.where(hit, val, float("-inf")), mask=live)
+                     entry_live, slot_start, slot_total, K, width, shared_lo, shared_local, shared_n, shared_ok,
+                     shared_size, scratch, prep_from, tab_out, pass_out, s_rows, s_plane, R,
+                     LIVE: tl.constexpr, SHARED: tl.constexpr, GTM: tl.constexpr, KWAY: tl.constexpr,
+                     VALUE: tl.constexpr, COMPACT: tl.constexpr, PACK: tl.constexpr, LOG_K: tl.constexpr,
+                     WIDTHS: tl.constexpr, SINGLE: tl.constexpr, PKIND: tl.constexpr, GP: tl.constexpr,
+                     GLO: tl.constexpr, GW: tl.constexpr, GA: tl.constexpr, GT: tl.constexpr, J: tl.constexpr,
+                     CH: tl.constexpr, BLOCK: tl.constexpr, QSTEP: tl.constexpr, LEAD_U: tl.constexpr,
+                     LEAD_P: tl.constexpr, PREP: tl.constexpr, TG: tl.constexpr, TOFF: tl.constexpr,
+                     PJ: tl.constexpr, PCH: tl.constexpr, TABLE_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr):
+    prep = False
+    if PREP:  # programs past the mask's make what later steps' masks read (`prepare.prepare_block`)
+        prep = tl.program_id(1) >= prep_from
+    if prep:
+        prepare_block(tl.program_id(1) - prep_from, tl.program_id(0).to(tl.int64), tab_out, pass_out, q_words,
+                      q_base, q_ranges, s_rows, s_plane, R, words, t_base, WIDTHS, SINGLE, GP, GLO, GW, GA, GT, TG,
+                      TOFF, PJ, PCH, QSTEP, TABLE_BLOCK, ROW_BLOCK)
+    else:
+        if COMPACT:  # program (request b, block of slots); a lane is slot s of b's candidate list
+            b = tl.program_id(0).to(tl.int64)
+            s = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            real = s < tl.minimum(tl.load(slot_total + b), width)  # past b's last child entry a slot only gets -inf
+            m = b * K + beam_of_slot(slot_start + b * K, s, K, real, LOG_K)
+            score = tl.load(beam_score + m, mask=real, other=float("-inf"))
+            lo = tl.load(node_offsets + tl.load(beam_node + m, mask=real, other=0), mask=real, other=0)
+            e = lo + s - tl.load(slot_start + m, mask=real, other=0)
+            ok = real & (score > float("-inf"))  # as in the dense path: a dead beam passes nothing
+        else:  # program (beam m, block of its node's child entries)
+            m = tl.program_id(0).to(tl.int64)
+            score = tl.load(beam_score + m)
+            node = tl.load(beam_node + m)
+            lo = tl.load(node_offsets + node)
+            hi = tl.where(score > float("-inf"), tl.load(node_offsets + node + 1), lo)  # a dead beam has no children
+            e = lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            ok = e < hi
+            b = tl.load(beam_request + m)
+        if PACK == 0:  # (loaded early: the tests hide its latency)
+            tok = tl.load(csr_tokens + e, mask=ok, other=0).to(tl.int64)
+        if LIVE:  # an update's index: an entry with no live row beneath leads to no ad
+            ok = ok & (tl.load(entry_live + e, mask=ok, other=0) != 0)
+        tables = tables + b * tab_stride  # request b's query tables
+        first = tl.zeros([BLOCK], dtype=tl.int32)  # with KWAY: the position of each lane's first passing partition
+        if GTM and SHARED:  # the depth's few distinct rows were tested once per request: look them up
+            live = ok & (e >= shared_lo) & (e < shared_lo + shared_n)  # the depth's entries (a caller's node is of it)
+            ok = live
+            for p in tl.static_range(len(WIDTHS)):  # masked by `live`, not `ok`: every plane's loads in flight at once
+                at = tl.load(shared_local + p * shared_n + (e - shared_lo), mask=live, other=0)
+                ok = ok & (tl.load(shared_ok + b * shared_size + at, mask=live, other=0) != 0)
+        elif PACK > 0:  # (GTM) the untabled groups first; the tabled ones on their survivors, packed
+            ok = rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges, tables,
+                           WIDTHS, SINGLE, PKIND, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_U, UNTABLED)
+            # 1. the lanes that failed are written now
+            tl.store(out + b * width + s, float("-inf"), mask=(s < width) & ~ok)
             if VALUE > 0:
-                tl.store(bound + b * width + ps, bv, mask=live)
-    elif GTM:
-        ok = _rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges, tables,
-                        WIDTHS, SINGLE, PKIND, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_U, ALL)
-    if GTM and KWAY:
-        p_lo = tl.load(part_offsets + e, mask=ok, other=0)
-        n_p = tl.load(part_offsets + e + 1, mask=ok, other=0) - p_lo
-        any_part = tl.zeros_like(ok)
-        k = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, 0, max_parts)
-        while k < max_parts:  # until each live lane found a passing partition or ran out of them
-            has = ok & (k < n_p) & (any_part == 0)
-            hit = _rows_pass(has, part_index, T, p_lo + k, b, words, t_base, q_words, q_base,
-                             q_ranges, tables, WIDTHS, SINGLE, PKIND, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_P, ALL)
-            if VALUE > 0:  # the largest value that passes (an entry's partitions fall in value)
-                first = tl.where(hit, k, first)
-            any_part = any_part | hit
-            left = tl.sum((ok & (any_part == 0) & (k + 1 < n_p)).to(tl.int32), axis=0)
-            k = tl.where(left > 0, k + 1, max_parts)
-        ok = any_part
-    if PACK == 0:  # (packed lanes were written chunk by chunk)
-        val, bv = _outputs(ok, m, e, tok, score, logp, V, entry_value, part_value, part_offsets, first, weight,
-                           floor, KWAY, VALUE)
-        if COMPACT:  # every slot is written: no fill beforehand
-            tl.store(out + b * width + s, tl.where(ok, val, float("-inf")), mask=s < width)
-            if VALUE > 0:
-                tl.store(bound + b * width + s, bv, mask=s < width)
-        else:
-            tl.store(out + m * V + tok, val, mask=ok)
-            if VALUE > 0:
-                tl.store(bound + m * V + tok, bv, mask=ok)
-
-
-def layout_args(lay) -> dict:
-    """The constexpr arguments of `plane_pass` for a `planes.GroupLayout`."""
-    return dict(WIDTHS=lay.widths, SINGLE=lay.single, GP=lay.group_plane, GLO=lay.group_lo, GW=lay.group_words,
-                GA=tuple(triton.next_power_of_2(max(w, 1)) for w in lay.group_words), GT=lay.group_table,
-                J=lay.table_words, CH=lay.table_chunks)
-
-
-def _plane_kinds(lay) -> tuple[int, ...]:
-    """Per plane, the kinds of its word groups (bits UNTABLED, TABLED): the mask's PKIND."""
-    kinds = [0] * len(lay.widths)
-    for p, t in zip(lay.group_plane, lay.group_table):
-        kinds[p] |= TABLED.value if t >= 0 else UNTABLED.value
-    return tuple(kinds)
+                tl.store(bound + b * width + s, 0.0 if VALUE == 1 else float("-inf"), mask=(s < width) & ~ok)
+            # 2. the survivors' entries and (beam, slot) side by side in the program's scratch, so that
+            # the lookups run on full chunks of PACK lanes rather than on every warp holding one
+            n = tl.sum(ok.to(tl.int32), axis=0)
+            at = tl.cumsum(ok.to(tl.int32), axis=0) - 1
+            own = scratch + (tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * (2 * BLOCK)
+            tl.store(own + at, e, mask=ok)
+            tl.store(own + BLOCK + at, (m << 32) | s, mask=ok)
+            tl.debug_barrier()
+            # 3. chunk by chunk, the tabled groups' test and the survivors' outputs
+            for c in range(0, n, PACK):
+                i = c + tl.arange(0, PACK)
+                live = i < n
+                pe = tl.load(own + i, mask=live, other=0)
+                ms = tl.load(own + BLOCK + i, mask=live, other=0)
+                pm, ps = ms >> 32, ms & 0xFFFFFFFF
+                hit = rows_pass(live, index, E, pe, b, words, t_base, q_words, q_base, q_ranges, tables,
+                                WIDTHS, SINGLE, PKIND, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_U, TABLED)
+                val, bv = _outputs(hit, pm, pe, tl.load(csr_tokens + pe, mask=hit, other=0).to(tl.int64),
+                                   tl.load(beam_score + pm, mask=hit, other=0.0), logp, V, entry_value, part_value,
+                                   part_offsets, 0, weight, floor, KWAY, VALUE)
+                tl.store(out + b * width + ps, tl.where(hit, val, float("-inf")), mask=live)
+                if VALUE > 0:
+                    tl.store(bound + b * width + ps, bv, mask=live)
+        elif GTM:
+            ok = rows_pass(ok, index, E, e, b, words, t_base, q_words, q_base, q_ranges, tables,
+                           WIDTHS, SINGLE, PKIND, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_U, ALL)
+        if GTM and KWAY:
+            p_lo = tl.load(part_offsets + e, mask=ok, other=0)
+            n_p = tl.load(part_offsets + e + 1, mask=ok, other=0) - p_lo
+            any_part = tl.zeros_like(ok)
+            k = tl.where(tl.sum(ok.to(tl.int32), axis=0) > 0, 0, max_parts)
+            while k < max_parts:  # until each live lane found a passing partition or ran out of them
+                has = ok & (k < n_p) & (any_part == 0)
+                hit = rows_pass(has, part_index, T, p_lo + k, b, words, t_base, q_words, q_base, q_ranges, tables,
+                                WIDTHS, SINGLE, PKIND, GP, GLO, GW, GA, GT, J, CH, QSTEP, LEAD_P, ALL)
+                if VALUE > 0:  # the largest value that passes (an entry's partitions fall in value)
+                    first = tl.where(hit, k, first)
+                any_part = any_part | hit
+                left = tl.sum((ok & (any_part == 0) & (k + 1 < n_p)).to(tl.int32), axis=0)
+                k = tl.where(left > 0, k + 1, max_parts)
+            ok = any_part
+        if PACK == 0:  # (packed lanes were written chunk by chunk)
+            val, bv = _outputs(ok, m, e, tok, score, logp, V, entry_value, part_value, part_offsets, first, weight,
+                               floor, KWAY, VALUE)
+            if COMPACT:  # every slot is written: no fill beforehand
+                tl.store(out + b * width + s, tl.where(ok, val, float("-inf")), mask=s < width)
+                if VALUE > 0:
+                    tl.store(bound + b * width + s, bv, mask=s < width)
+            else:
+                tl.store(out + m * V + tok, val, mask=ok)
+                if VALUE > 0:
+                    tl.store(bound + m * V + tok, bv, mask=ok)
 
 
 def launch_shape(index, depth: int) -> tuple[int, int]:
@@ -339,7 +231,7 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
                     beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, with_bound: bool = False,
                     value_weight: float = 0.0, shape: tuple[int, int] | None = None, slots: Slots | None = None,
                     qstep: int | None = None, tabled: bool = True, leads: tuple[int, int] | None = None,
-                    shared: bool | None = None, pack: bool | None = None):
+                    shared: bool | None = None, pack: bool | None = None, prepare: Plan | None = None):
     """Same contract as `gtm_mask_reference`. beam_request, beam_node: (M,) int64; beam_score: (M,)
     float32; logp: (M, V) float32 contiguous. shape: (BLOCK, num_warps), default `launch_shape`
     (`compact_shape` with slots); qstep: queries tested per round of a group tested query by query
@@ -354,7 +246,11 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
     has it of `depth`). pack: with slots, test the groups tested by table lookups only on the lanes
     that passed the others, packed into full chunks of 32 x num_warps (`compact_shape`'s packed
     shape), where that applies (`packs`): None for steps of PACK_FROM lanes or more, True always,
-    False never."""
+    False never. prepare: with slots, a `prepare.Plan` of `requests` (`prepare.planned`) whose
+    outputs programs past the mask's make in the same launch; the mask itself then tests every
+    group query by query and its lanes' own rows (it cannot read what the launch makes)."""
+    if prepare is not None and slots is None:
+        raise ValueError("a mask launch prepares only in the compact layout (slots)")
     M, V = logp.shape
     value = 2 if value_weight > 0 else 1 if with_bound else 0
     if slots is None:
@@ -374,19 +270,29 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         out = torch.empty((B, width), dtype=torch.float32, device=logp.device)  # the kernel writes every slot
         extra = None if not value else torch.empty((B, width), dtype=torch.float32, device=logp.device)
         if B == 0 or width == 0:
+            if prepare is not None:
+                launch(prepare, index_stack(index, requests.stacked))
             return out if extra is None else (out, extra)
         start, total = slots.start, slots.total
+    if prepare is not None:  # (its tables and shared rows are not made yet)
+        tabled, shared = False, False
     g, q, kway = index.gtm, requests.stacked, mode.kway
     t, tab, lay = _stacks(index, requests, mode.gtm and tabled)
     lead_u, lead_p = leads or table_leads(depth)
     sr = _shared(index, depth, shared) if mode.gtm else None
-    passed = None if sr is None else _shared_launch(sr, t, q, tab, lay, lead_u)
+    passed = None if sr is None else passed_for(q, sr)
+    if sr is not None and passed is None:  # requests not `prepare.prepared` for this index
+        passed = shared_pass(index, requests, sr)
     packed = slots is not None and packs(mode, sr, lay, B * width, pack)
     if slots is not None:
         BLOCK, warps, chosen = compact_shape(depth, mode, packed, sr is not None)
         BLOCK, warps = shape or (BLOCK, warps)
         qstep = qstep or chosen
         grid = (B, triton.cdiv(width, BLOCK))
+    prep_from, prep = grid[1], idle_args(out)
+    if prepare is not None:  # `prepare_block` on programs past the mask's
+        prep, blocks = prepare.launch_args(warps)
+        grid = (B, grid[1] + blocks)
     # with packing, each program's survivors: BLOCK entries, then BLOCK (beam << 32 | slot)
     scratch = torch.empty(grid[0] * grid[1] * 2 * BLOCK, dtype=torch.int64, device=logp.device) if packed else out
     _gtm_mask_kernel[grid](
@@ -398,10 +304,11 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         g.part_value if value and kway else out, float(value_weight), VALUE_FLOOR,
         g.node_offsets if g.entry_live is None else g.entry_live, start, total, K, width,
         0 if sr is None else sr.lo, g.node_offsets if sr is None else sr.local, 0 if sr is None else sr.local.shape[1],
-        g.node_offsets if sr is None else passed, 0 if sr is None else sr.size, scratch,
+        g.node_offsets if sr is None else passed, 0 if sr is None else sr.size, scratch, prep_from,
+        **prep, PREP=grid[1] > prep_from,
         LIVE=g.entry_live is not None, SHARED=sr is not None, GTM=mode.gtm, KWAY=kway, VALUE=value,
         COMPACT=slots is not None, PACK=32 * warps if packed else 0, LOG_K=max(1, (K - 1).bit_length()),
-        PKIND=_plane_kinds(lay), **layout_args(lay), BLOCK=BLOCK, QSTEP=qstep,
+        PKIND=plane_kinds(lay), **layout_args(lay), BLOCK=BLOCK, QSTEP=qstep,
         LEAD_U=lead_u, LEAD_P=lead_p, num_warps=warps)
     return out if extra is None else (out, extra)
 
@@ -409,16 +316,9 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
 def _stacks(index, requests, tabled: bool):
     """What the kernels read the planes and queries through: the index's `planes.TableStack`, the
     requests' query tables (None: every group tested query by query) and the group layout to match."""
-    t, q = index.tables, requests.stacked
-    if t is None:  # an index served on the CPU (the interpreter's tests) is stacked here, once per call
-        planes = index.gtm.planes
-        t = stack_tables([p.table for p in planes], [p.index for p in planes],
-                         [p.part_index for p in planes] if index.gtm.part_offsets is not None else None,
-                         q.words.device)
+    q = requests.stacked
     tab = (q.tables if q.tables is not None else query_tables(q)) if tabled else None
-    lay = q.layout if tab is not None else dataclasses.replace(q.layout, group_table=(-1,) * len(q.layout.group_plane),
-                                                               table_words=0)
-    return t, tab, lay
+    return index_stack(index, q), tab, q.layout if tab is not None else untabled_layout(q.layout)
 
 
 def _shared(index, depth: int, shared: bool | None) -> SharedRows | None:
@@ -427,25 +327,4 @@ def _shared(index, depth: int, shared: bool | None) -> SharedRows | None:
         return None
     if shared is None and index.shared_rows:
         return index.shared_rows[depth]
-    return shared_rows(index.gtm, depth, *((0, 1 << 62) if shared else ()))
-
-
-def shared_pass(index, requests, shared: SharedRows, tabled: bool = True, lead: int = 0) -> torch.Tensor:
-    """(B, R) int8: 1 where distinct row i of `shared` (of one depth of `index`) passes request b
-    on every word group of its plane, else 0 (`shared_rows`). requests: EncodedRequests on the
-    index's device; tabled, lead: as `gtm_mask_triton`'s tabled and leads (for unions)."""
-    t, tab, lay = _stacks(index, requests, tabled)
-    return _shared_launch(shared, t, requests.stacked, tab, lay, lead)
-
-
-def _shared_launch(shared: SharedRows, t, q, tab, lay, lead: int, block: int = 128) -> torch.Tensor:
-    """`shared_pass` through the stacks `_stacks` gave (t, tab, lay) and the requests' QueryStack q."""
-    B, R = q.ranges.shape[0], shared.size
-    out = torch.empty((B, R), dtype=torch.int8, device=shared.rows.device)
-    if B == 0 or R == 0:
-        return out
-    _shared_pass_kernel[(triton.cdiv(R, block), B)](  # rows on the first axis: it has no 65,535 limit
-        out, shared.rows, shared.ends, R, t.words, t.base, q.words, q.base, q.ranges,
-        q.words if tab is None else tab, 0 if tab is None else tab.stride(0),
-        **layout_args(lay), QSTEP=4, LEAD=lead, BLOCK=block, num_warps=4)
-    return out
+    return shared_rows(index.gtm, *((0, 1 << 62) if shared else ()))[depth]

@@ -76,8 +76,10 @@ class QueryStack:
     ranges: (B, G, 2) int64 [start, end) of request b's queries for group g (rows of its plane),
             the groups of all planes in order
     layout: the groups, on the host
-    tables: (B, T, J, CH, 16) int64 the tabled groups' query tables (`tables.query_tables`), once
-            a search made them from these queries; None before (and without tabled groups)
+    tables: (B, T, J, CH, 16) int64 the tabled groups' query tables, once a search made them from
+            these queries (`prepare.prepared`); None before (and without tabled groups)
+    passed: (B, R) int8 each shared row's test (`prepare.prepared`), made with the tables for the
+            set whose rows tensor is `passed_rows` (`shared_rows.SharedRows.rows`); None before
     """
 
     words: torch.Tensor
@@ -85,10 +87,13 @@ class QueryStack:
     ranges: torch.Tensor
     layout: GroupLayout
     tables: torch.Tensor | None = None
+    passed: torch.Tensor | None = None
+    passed_rows: torch.Tensor | None = None
 
     def slice(self, lo: int, hi: int) -> QueryStack:
         """Requests lo..hi-1 (the query rows stay shared)."""
-        return replace(self, ranges=self.ranges[lo:hi], tables=None if self.tables is None else self.tables[lo:hi])
+        return replace(self, ranges=self.ranges[lo:hi], tables=None if self.tables is None else self.tables[lo:hi],
+                       passed=None if self.passed is None else self.passed[lo:hi])
 
 
 def _flat(parts: list[torch.Tensor], device, rows: tuple[int, ...] | None = None):

@@ -90,11 +90,13 @@ def gtm_mask_reference(index, requests, depth: int, beam_request: torch.Tensor, 
 
 
 def shared_pass_reference(index, requests, shared) -> torch.Tensor:
-    """(B, R) bool: distinct row i of `shared` (`shared_rows.SharedRows`, of plane p) passes request
-    b on every word group of the plane (`plane_pass`). What `kernel.shared_pass` is tested against."""
-    out, B = [], requests.batch
+    """(B, R) bool: row i of the shared rows' set (`shared_rows.SharedRows`, row i of plane
+    plane[i]) passes request b on every word group of its plane (`plane_pass`). What
+    `prepare.shared_pass` is tested against."""
+    B = requests.batch
+    out = torch.zeros((B, shared.size), dtype=torch.bool, device=shared.rows.device)
     for p, (plane, q) in enumerate(zip(index.gtm.planes, requests.planes)):
-        rows = shared.rows[int(shared.ends[p]):int(shared.ends[p + 1])].long()
-        table = plane.table[rows][None].expand(B, -1, -1)  # (B, R_p, W_p)
-        out.append(plane_pass(table, q, q.ranges, q.max_queries))
-    return torch.cat(out, dim=1)
+        mine = (shared.plane == p).nonzero().flatten()
+        table = plane.table[shared.rows[mine].long()][None].expand(B, -1, -1)  # (B, R_p, W_p)
+        out[:, mine] = plane_pass(table, q, q.ranges, q.max_queries)
+    return out

@@ -16,23 +16,22 @@ the widest tabled group).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
 NIBBLES = 16  # 4-bit chunks per 64-bit word
-BLOCK = 256  # table entries per program
 
 
 @triton.jit
-def _tables_kernel(out, q_words, q_base, q_ranges, G, g, p, t, T, W, W_LO, N, J: tl.constexpr, CH: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """Program (request b, block of BLOCK entries of group g's table t): each lane one entry (chunk,
-    value), the request's queries of the group streamed past, 64 per mask word."""
-    b = tl.program_id(0).to(tl.int64)
-    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # entry (chunk c, value v) of the group
+def build_table(out, q_words, q_base, q_ranges, b, G, g: tl.constexpr, p: tl.constexpr, t: tl.constexpr,
+                T, blk, W: tl.constexpr, W_LO: tl.constexpr, N: tl.constexpr, J: tl.constexpr, CH: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Block `blk` of BLOCK entries of request b's table t, for group g (of plane p, words
+    W_LO.., N = its words x 16 chunks x 16 values): each lane one entry (chunk, value), the
+    request's queries of the group tested 64 at a time, unrolled (all 64 loads in flight at once:
+    a loop of 64 loads waited for each, 8.0 against 3.7 us on the H200)."""
+    e = blk * BLOCK + tl.arange(0, BLOCK)
     m = e < N
     c, v = e // 16, (e % 16).to(tl.int64)
     word = q_words + tl.load(q_base + p) + W_LO + c // 16
@@ -41,10 +40,10 @@ def _tables_kernel(out, q_words, q_base, q_ranges, G, g, p, t, T, W, W_LO, N, J:
     end = tl.load(q_ranges + (b * G + g) * 2 + 1)
     for j in range(J):
         acc = tl.zeros([BLOCK], dtype=tl.int64)
-        lo = start + 64 * j
-        for i in range(lo, tl.minimum(end, lo + 64)):
-            nib = (tl.load(word + i * W, mask=m, other=0) >> shift) & 15
-            acc = acc | (((nib & ~v) == 0).to(tl.int64) << (i - lo))
+        for i in tl.static_range(64):
+            q = e * 0 + start + 64 * j + i  # (per lane: the interpreter takes no block & scalar mask)
+            nib = (tl.load(word + q * W, mask=m & (q < end), other=0) >> shift) & 15
+            acc = acc | ((((nib & ~v) == 0) & (q < end)).to(tl.int64) << i)
         tl.store(out + (((b * T + t) * J + j) * CH + c) * 16 + v, acc, mask=m)
 
 
@@ -66,38 +65,8 @@ def table_pass(ok, row, tab, W_LO: tl.constexpr, N_W: tl.constexpr, J: tl.conste
     return ok & hit
 
 
-def query_tables(stacked) -> torch.Tensor | None:
-    """(B, T, J, CH, 16) int64 the tables of the layout's tabled groups (`GroupLayout.group_table`)
-    for a `planes.QueryStack` on a device (or CPU tensors under the interpreter); None when no group
-    is tabled. Chunks past a group's own words are 0 (never read)."""
-    lay = stacked.layout
-    tabled = lay.tabled
-    if not tabled:
-        return None
-    B, G = stacked.ranges.shape[:2]
-    J, CH = lay.table_words, lay.table_chunks
-    ragged = any(lay.group_words[g] * NIBBLES < CH for g in tabled)  # else every entry is written
-    out = (torch.zeros if ragged else torch.empty)((B, len(tabled), J, CH, 16), dtype=torch.int64,
-                                                   device=stacked.words.device)
-    if B == 0:
-        return out
-    for g in tabled:  # one launch per tabled group (a Bloom attribute each)
-        p = lay.group_plane[g]
-        n = lay.group_words[g] * NIBBLES * 16
-        _tables_kernel[(B, triton.cdiv(n, BLOCK))](
-            out, stacked.words, stacked.base, stacked.ranges, G, g, p, lay.group_table[g], len(tabled),
-            lay.widths[p], lay.group_lo[g], n, J=J, CH=CH, BLOCK=BLOCK)
-    return out
-
-
-def with_tables(requests):
-    """`EncodedRequests` on a device with their query tables made (`QueryStack.tables`)."""
-    stacked = requests.stacked
-    return dataclasses.replace(requests, stacked=dataclasses.replace(stacked, tables=query_tables(stacked)))
-
-
 def query_tables_reference(stacked) -> torch.Tensor | None:
-    """`query_tables` in plain torch, query by query (what the kernel is tested against)."""
+    """`prepare.query_tables` in plain torch, query by query (what the kernel is tested against)."""
     lay = stacked.layout
     tabled = lay.tabled
     if not tabled:
