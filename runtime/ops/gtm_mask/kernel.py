@@ -40,7 +40,7 @@ from runtime.ops.gtm_mask.prepare import (Plan, idle_args, index_stack, launch, 
                                           shared_pass, untabled_layout)
 from runtime.ops.gtm_mask.reference import NEG_INF, VALUE_FLOOR
 from runtime.ops.gtm_mask.row_pass import ALL, TABLED, UNTABLED, layout_args, plane_kinds, rows_pass
-from runtime.ops.gtm_mask.shared_rows import SharedRows, shared_rows
+from runtime.ops.gtm_mask.shared_rows import FEW, MOST_ROWS, SharedRows, shared_rows
 from runtime.ops.gtm_mask.slots import Slots
 from runtime.ops.gtm_mask.slots_kernel import beam_of_slot
 from sidindex.modes import Mode
@@ -327,4 +327,4 @@ def _shared(index, depth: int, shared: bool | None) -> SharedRows | None:
         return None
     if shared is None and index.shared_rows:
         return index.shared_rows[depth]
-    return shared_rows(index.gtm, *((0, 1 << 62) if shared else ()))[depth]
+    return shared_rows(index.gtm, *((0, 1 << 62) if shared else (FEW, MOST_ROWS)), only=depth)[depth]

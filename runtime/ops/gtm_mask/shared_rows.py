@@ -49,16 +49,17 @@ class SharedRows:
     count: int
 
 
-def shared_rows(gtm, few: int = FEW, most: int = MOST_ROWS) -> tuple[SharedRows | None, ...]:
+def shared_rows(gtm, few: int = FEW, most: int = MOST_ROWS, only: int | None = None) -> tuple[SharedRows | None, ...]:
     """Per depth, its shared rows (tensors where the trie's are), or None where they are not few
     (entries < few x distinct rows, or distinct rows > most); the depths' rows are one set, depth
-    by depth and plane by plane. gtm: a GTMIndex of tensors (`ServedIndex.gtm`). Each plane's rows
-    in use are marked, not sorted: O(E_d + R_p) per depth."""
+    by depth and plane by plane. gtm: a GTMIndex of tensors (`ServedIndex.gtm`); only: that depth
+    alone (the others None; what one mask made per call tests). Each plane's rows in use are
+    marked, not sorted: O(E_d + R_p) per depth."""
     do, off = gtm.depth_offsets, gtm.node_offsets
     found: dict[int, tuple[int, int, list[torch.Tensor], list[int]]] = {}
     for d in range(gtm.sid_length):  # 1. each depth's rows in use, per plane; keep the depths where they are few
         lo, hi = (int(x) for x in off[[int(do[d]), int(do[d + 1])]].tolist())
-        if hi == lo:
+        if hi == lo or only not in (None, d):
             continue
         marks = []
         for p in gtm.planes:
