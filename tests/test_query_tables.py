@@ -27,7 +27,7 @@ from runtime.ops.gtm_mask import gtm_mask
 from runtime.ops.gtm_mask.kernel import gtm_mask_triton, packs
 from runtime.ops.gtm_mask.planes import TABLE_FROM, stack_queries
 from runtime.ops.gtm_mask.slots import compact, slots_of
-from runtime.ops.gtm_mask.prepare import query_tables
+from runtime.ops.gtm_mask.prepare import prepared, query_tables
 from runtime.ops.gtm_mask.tables import query_tables_reference
 from runtime.search import beam_search
 from runtime.requests import to_device
@@ -123,6 +123,12 @@ def test_tabled_mask_equals_query_by_query_and_reference(sc, seed):
     g, B = case.gtm, len(sc.requests)
     assert any(t >= 0 for t in case.dreq.stacked.layout.group_table) == any(
         len(r[a.name]) >= TABLE_FROM for r in sc.requests for a in sc.spec.bloom)
+    # the tables made once, as a search makes them (a mask without them makes them per call, as
+    # `test_table_kernel_equals_reference` does; under the interpreter that costs several masks)
+    ready = prepared(case.dreq, case.index)
+    tables = query_tables_reference(case.dreq.stacked)
+    assert (tables is None) == (ready.stacked.tables is None)
+    assert tables is None or torch.equal(ready.stacked.tables.cpu(), tables)
     gen = torch.Generator().manual_seed(seed)
     for d in range(g.sid_length):
         nodes = np.arange(g.depth_offsets[d], g.depth_offsets[d + 1])
@@ -131,14 +137,18 @@ def test_tabled_mask_equals_query_by_query_and_reference(sc, seed):
         score = torch.randn(len(node), generator=gen).to(DEVICE)
         logp = torch.randn(len(node), g.vocab_size, generator=gen).to(DEVICE)
         for mode in MODES:
-            args = (case.index, case.dreq, d, req, node, score, logp, mode)
-            ref = gtm_mask(*args, impl="torch")
+            rest = (d, req, node, score, logp, mode)
+            ref = gtm_mask(case.index, case.dreq, *rest, impl="torch")
+            args = (case.index, ready, *rest)
             assert torch.equal(gtm_mask_triton(*args), ref), (mode, d)
+            if d == g.sid_length - 1:  # requests without tables: the mask makes them, per call
+                assert torch.equal(gtm_mask_triton(case.index, case.dreq, *rest), ref), (mode, d)
             assert torch.equal(gtm_mask_triton(*args, tabled=False), ref), (mode, d)
             assert torch.equal(gtm_mask_triton(*args, leads=(3, 5)), ref), (mode, d)  # streamed, then looked up
             # the distinct union rows tested once per request (streamed, then looked up), then looked up
             assert torch.equal(gtm_mask_triton(*args, shared=True, leads=(3, 0)), ref), (mode, d)
-            want = gtm_mask(*args, impl="torch", with_bound=True)  # value bounds: k-way's first passing partition
+            # value bounds: k-way's first passing partition
+            want = gtm_mask(case.index, case.dreq, *rest, impl="torch", with_bound=True)
             for shared in (None, True):
                 got = gtm_mask_triton(*args, with_bound=True, shared=shared)
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (mode, d, shared)
@@ -158,6 +168,7 @@ def test_packed_compact_mask_equals_reference(sc, seed):
     case = Case(sc)
     g, B, mode = case.gtm, len(sc.requests), Mode.CD_GTM
     assume(packs(mode, None, case.dreq.stacked.layout, 0, True))  # some request brings a table's worth of locations
+    ready = prepared(case.dreq, case.index)  # the tables made once, as a search makes them
     gen = torch.Generator().manual_seed(seed)
     for d in range(g.sid_length):
         nodes = np.arange(g.depth_offsets[d], g.depth_offsets[d + 1])
@@ -170,9 +181,11 @@ def test_packed_compact_mask_equals_reference(sc, seed):
         logp = torch.randn(len(node), g.vocab_size, generator=gen).to(DEVICE)
         width = max(1, case.index.most_children(d, K) - 1)
         slots = slots_of(case.index, node.reshape(B, K), score.reshape(B, K), width)
-        args = (case.index, case.dreq, d, req, node, score, logp, mode)
-        ref = compact(case.index, gtm_mask(*args, impl="torch"), slots)
-        bound = compact(case.index, gtm_mask(*args, impl="torch", with_bound=True)[1], slots, 0.0)
+        rest = (d, req, node, score, logp, mode)
+        want = (case.index, case.dreq, *rest)
+        ref = compact(case.index, gtm_mask(*want, impl="torch"), slots)
+        bound = compact(case.index, gtm_mask(*want, impl="torch", with_bound=True)[1], slots, 0.0)
+        args = (case.index, ready, *rest)
         keys = []
         for pack in (True, False):  # (by default only steps of `kernel.PACK_FROM` lanes or more pack)
             assert torch.equal(gtm_mask_triton(*args, slots=slots, pack=pack), ref), (d, pack)

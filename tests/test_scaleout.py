@@ -34,6 +34,8 @@ from sidindex.trie.kway import KWayConfig
 from sidindex.trie.partition import build_gtm_partitioned, token_ranges
 from tests.conftest import run_cli, sampled_codebook
 
+pytestmark = pytest.mark.xdist_group("ray")  # the module's tests on one worker: one local Ray session
+
 # the codebook is sampled from the catalog (`sampled_codebook`), so a small catalog can leave a level on
 # one code: the quality gate would refuse it, and these tests compare the engines, not the codebook
 CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_centroid = 4\n'
