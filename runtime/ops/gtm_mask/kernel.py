@@ -282,7 +282,7 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
     sr = _shared(index, depth, shared) if mode.gtm else None
     passed = None if sr is None else passed_for(q, sr)
     if sr is not None and passed is None:  # requests not `prepare.prepared` for this index
-        passed = shared_pass(index, requests, sr)
+        passed = shared_pass(index, requests, sr, t)
     packed = slots is not None and packs(mode, sr, lay, B * width, pack)
     if slots is not None:
         BLOCK, warps, chosen = compact_shape(depth, mode, packed, sr is not None)

@@ -167,10 +167,12 @@ def index_stack(index, stacked: QueryStack):
                         stacked.words.device)
 
 
-def shared_pass(index, requests, shared: SharedRows) -> torch.Tensor:
+def shared_pass(index, requests, shared: SharedRows, stack=None) -> torch.Tensor:
     """(B, R) int8: 1 where row i of the shared rows' set passes request b on every word group of
-    its plane, else 0. requests: EncodedRequests on the index's device."""
-    return prepare(requests.stacked, False, shared, index_stack(index, requests.stacked)).passed
+    its plane, else 0. requests: EncodedRequests on the index's device; stack: `index_stack`'s,
+    where the caller has it (on the CPU it is stacked per call)."""
+    stack = stack if stack is not None else index_stack(index, requests.stacked)
+    return prepare(requests.stacked, False, shared, stack).passed
 
 
 def planned(requests, index) -> tuple:
