@@ -363,9 +363,8 @@ def regular_input(path: str | Path, what: str) -> Path:
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
-        dangling = path.is_symlink()
-        raise InputError(f"{path}: the {what} is missing ("
-                         + ("a symbolic link to no file)" if dangling else "no file at this path)")) from None
+        where = "a symbolic link to no file" if path.is_symlink() else f"no {what} at this path"
+        raise InputError(f"{path}: file not found ({where})") from None
     except OSError as e:
         raise InputError(f"{path}: the {what} cannot be read ({e.strerror})") from None
     if not stat.S_ISREG(mode):
