@@ -56,7 +56,7 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
     values: the snapshot carries ad values (upsert rows then need a `value`; without, none may)
     known, paused: (n,) int64 the ids of the snapshot's ads (live or paused), and of its paused ones
     """
-    df = read_table(path)
+    df = read_table(path, "change file")
     for name in ("ad_id", "op"):
         if name not in df.columns:
             raise InputError(f"{path}: missing column {name!r} (a change file has ad_id, op and the catalog's columns)")

@@ -19,6 +19,7 @@ import polars as pl
 
 from schemas import CATALOG, REQUESTS
 from schemas.artifacts import MAX_AD_VALUE
+from sidindex.artifact import regular_input
 from sidindex.errors import InputError
 from sidindex.targeting import TargetingSpec
 
@@ -82,16 +83,15 @@ class Requests:
                         self.columns.slice(lo, hi - lo), None if self.table is None else self.table.slice(lo, hi - lo))
 
 
-def read_table(path: str | Path) -> pl.DataFrame:
-    """Read a Parquet or Arrow IPC (file or stream) table, chosen by its magic bytes."""
-    path = Path(path)
+def read_table(path: str | Path, what: str) -> pl.DataFrame:
+    """Read the Parquet or Arrow IPC (file or stream) table at `path`, chosen by its magic bytes;
+    `what` names it in messages ("catalog")."""
+    path = regular_input(path, what)
     try:
         with path.open("rb") as f:
             head = f.read(6)
-    except FileNotFoundError:
-        raise InputError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a directory; expected a Parquet or Arrow IPC file") from None
+    except OSError as e:  # no permission, an I/O error
+        raise InputError(f"{path}: the {what} cannot be read ({e.strerror or e})") from None
     try:
         if head[:4] == b"PAR1":
             return pl.read_parquet(path)
@@ -115,7 +115,7 @@ def read_catalog(
     hash_keys: columns that must be present, integer or string, and non-null
     dim:       expected embedding length (e.g. a codebook's); default: the length of row 0
     """
-    df = read_table(path)
+    df = read_table(path, "catalog")
     if df.height == 0:
         raise InputError(f"{path}: the catalog holds no rows; nothing to index")
     return catalog_rows(df, str(path), spec=spec, hash_keys=hash_keys, dim=dim)
@@ -159,7 +159,7 @@ def read_requests(
 
     Bitmask values outside the declared set are legal: they mean "unknown" (DESIGN.md §3).
     """
-    df = read_table(path)
+    df = read_table(path, "request table")
     v = _Validator(str(path), df)
     if df.height == 0:
         raise InputError(f"{path}: the request table holds no rows")

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from schemas.artifacts import MATCHER_PLANES
+from sidindex.artifact import regular_input
 from sidindex.errors import EngineError, InputError
 from sidindex.ingest import check_unique_ad_ids
 from sidindex.matchers.exact import ExactIndex
@@ -65,12 +66,9 @@ def fragments(path: Path) -> list[Fragment]:
     """The fragments of the Parquet catalog at `path`: its row groups."""
     import pyarrow.parquet as pq
 
-    if path.is_dir():
-        raise InputError(f"{path}: is a directory; expected a Parquet or Arrow IPC file")
+    regular_input(path, "catalog")
     try:
         meta = pq.ParquetFile(path).metadata
-    except FileNotFoundError:
-        raise InputError(f"{path}: file not found") from None
     except Exception as e:  # pyarrow raises several types for a file that is not Parquet
         raise InputError(f"{path}: the ray engine reads Parquet catalogs (their row groups are its fragments) "
                          f"and cannot read this one as Parquet: {e}") from None
