@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,30 +59,32 @@ class SIDConfig:
 
     def __post_init__(self) -> None:
         where = "[sid]"
-        if not self.levels or any(not _is_int(k) or not 1 <= k <= MAX_TOKEN + 1 for k in self.levels):
+        if not _is_list(self.levels, lambda k: _is_int(k) and 1 <= k <= MAX_TOKEN + 1):
             raise ConfigError(f"{where} levels: expected a non-empty list of sizes in 1..{MAX_TOKEN + 1}, "
-                              f"got {list(self.levels)!r}")
+                              f"got {_shown(self.levels)}")
         if not _is_int(self.hash_size) or not 1 <= self.hash_size <= MAX_TOKEN + 1:
-            raise ConfigError(f"{where} hash_size: expected an integer in 1..{MAX_TOKEN + 1}, got {self.hash_size!r}")
-        if not self.hash_keys or any(not isinstance(k, str) or not k for k in self.hash_keys):
-            raise ConfigError(f"{where} hash_keys: expected a non-empty list of column names, got {self.hash_keys!r}")
+            raise ConfigError(f"{where} hash_size: expected an integer in 1..{MAX_TOKEN + 1}, "
+                              f"got {_shown(self.hash_size)}")
+        if not _is_list(self.hash_keys, lambda k: isinstance(k, str) and k != ""):
+            raise ConfigError(f"{where} hash_keys: expected a non-empty list of column names, "
+                              f"got {_shown(self.hash_keys)}")
         if math.prod(self.levels) * self.hash_size >= 2**63:
             raise ConfigError(f"{where} levels: the product of all level sizes must stay below 2^63 "
                               "(SIDs are keyed as one int64); use fewer or smaller levels")
         if not _is_int(self.paths) or not 1 <= self.paths <= 8:
-            raise ConfigError(f"{where} paths: expected an integer in 1..8, got {self.paths!r}")
+            raise ConfigError(f"{where} paths: expected an integer in 1..8, got {_shown(self.paths)}")
         if self.path_ratio is not None and not (_is_num(self.path_ratio) and self.path_ratio >= 0):
-            raise ConfigError(f"{where} path_ratio: expected a number >= 0, got {self.path_ratio!r}")
+            raise ConfigError(f"{where} path_ratio: expected a number >= 0, got {_shown(self.path_ratio)}")
         if not isinstance(self.balanced, bool):
-            raise ConfigError(f"{where} balanced: expected true or false, got {self.balanced!r}")
+            raise ConfigError(f"{where} balanced: expected true or false, got {_shown(self.balanced)}")
         if not _is_num(self.capacity) or not 1.0 <= self.capacity <= 100.0:
             raise ConfigError(f"{where} capacity: expected a number in [1, 100] (1 = perfectly "
-                              f"balanced), got {self.capacity!r}")
+                              f"balanced), got {_shown(self.capacity)}")
         for name, lo in (("balanced_iters", 0), ("train_sample", 1), ("niter", 1), ("seed", 0),
                          ("min_points_per_centroid", 1)):
             v = getattr(self, name)
             if not _is_int(v) or v < lo:
-                raise ConfigError(f"{where} {name}: expected an integer >= {lo}, got {v!r}")
+                raise ConfigError(f"{where} {name}: expected an integer >= {lo}, got {_shown(v)}")
 
     @property
     def sid_length(self) -> int:
@@ -96,13 +99,15 @@ class QualityThresholds:
 
     def __post_init__(self) -> None:
         if self.min_level_codes is not None and (not _is_int(self.min_level_codes) or self.min_level_codes < 1):
-            raise ConfigError(f"[quality] min_level_codes: expected an integer >= 1, got {self.min_level_codes!r}")
+            raise ConfigError(f"[quality] min_level_codes: expected an integer >= 1, "
+                              f"got {_shown(self.min_level_codes)}")
         if self.max_sid_share is not None and not (_is_num(self.max_sid_share) and 0 < self.max_sid_share <= 1):
-            raise ConfigError(f"[quality] max_sid_share: expected a number in (0, 1], got {self.max_sid_share!r}")
+            raise ConfigError(f"[quality] max_sid_share: expected a number in (0, 1], "
+                              f"got {_shown(self.max_sid_share)}")
         if self.min_level_perplexity is not None and not (_is_num(self.min_level_perplexity)
                                                           and self.min_level_perplexity >= 1):
             raise ConfigError(f"[quality] min_level_perplexity: expected a number >= 1, "
-                              f"got {self.min_level_perplexity!r}")
+                              f"got {_shown(self.min_level_perplexity)}")
 
 
 @dataclass(frozen=True)
@@ -113,14 +118,15 @@ class KWayConfig:
     target_fill: float = 0.5              # dynamic
 
     def __post_init__(self) -> None:
-        if self.mode not in ("static", "dynamic"):
-            raise ConfigError(f"[kway] mode: expected 'static' or 'dynamic', got {self.mode!r}")
-        if not self.k or any(not isinstance(v, int) or v < 1 for v in self.k):
-            raise ConfigError(f"[kway] k: expected positive integers per position, got {list(self.k)!r}")
-        if not isinstance(self.k_max, int) or self.k_max < 1:
-            raise ConfigError(f"[kway] k_max: expected an integer >= 1, got {self.k_max!r}")
-        if not 0 < self.target_fill <= 1:
-            raise ConfigError(f"[kway] target_fill: expected a number in (0, 1], got {self.target_fill!r}")
+        if not isinstance(self.mode, str) or self.mode not in ("static", "dynamic"):
+            raise ConfigError(f"[kway] mode: expected 'static' or 'dynamic', got {_shown(self.mode)}")
+        if not _is_list(self.k, lambda v: _is_int(v) and v >= 1):
+            raise ConfigError(f"[kway] k: expected a non-empty list of positive integers (one per position), "
+                              f"got {_shown(self.k)}")
+        if not _is_int(self.k_max) or self.k_max < 1:
+            raise ConfigError(f"[kway] k_max: expected an integer >= 1, got {_shown(self.k_max)}")
+        if not (_is_num(self.target_fill) and 0 < self.target_fill <= 1):
+            raise ConfigError(f"[kway] target_fill: expected a number in (0, 1], got {_shown(self.target_fill)}")
 
     def k_at(self, position: int) -> int:
         """Partitions allowed at a transition position (static: the last k repeats)."""
@@ -145,7 +151,7 @@ def load_config(path: str | Path | None) -> BuildConfig:
     """Read a build config; `None` gives the defaults. Unknown keys are errors (likely typos)."""
     if path is None:
         return BuildConfig()
-    doc = read_toml(path)
+    doc = read_toml(path, what="build config")
     check_keys(doc, {"sid", "quality", "kway"}, str(path))
     sid = _section(doc, "sid", SIDConfig, path)
     quality = _section(doc, "quality", QualityThresholds, path)
@@ -170,4 +176,15 @@ def _is_int(v: object) -> bool:
 
 
 def _is_num(v: object) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    # an int of any size is finite (math.isfinite overflows converting one beyond float's range)
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+def _is_list(v: object, each) -> bool:
+    """Whether `v` is a non-empty list (a tuple, as `_section` passes it) whose every item passes `each`."""
+    return isinstance(v, (tuple, list)) and len(v) > 0 and all(each(x) for x in v)
+
+
+def _shown(v: object) -> str:
+    """`v` as a message shows it: a list as written, long values cut short."""
+    return reprlib.repr(list(v) if isinstance(v, tuple) else v)

@@ -6,6 +6,7 @@ The spec is a TOML file with an array of ``[[attribute]]`` tables; see ``schemas
 from __future__ import annotations
 
 import json
+import reprlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -93,16 +94,20 @@ class TargetingSpec:
 
 def load_targeting(path: str | Path) -> TargetingSpec:
     """Read and validate a targeting spec file."""
-    return spec_from_dict(read_toml(path, InputError), str(path))
+    return spec_from_dict(read_toml(path, InputError, "targeting spec"), str(path))
 
 
 def spec_from_dict(doc: dict, where: str = "targeting spec") -> TargetingSpec:
     check_keys(doc, {"version", "attribute"}, where, InputError)
     version = doc.get("version", TARGETING_ATTRIBUTE.version)
-    if version != TARGETING_ATTRIBUTE.version:
-        raise InputError(f"{where}: version {version!r} is not supported (this sidindex reads "
+    # type first: true and 1.0 equal 1
+    if type(version) is not int or version != TARGETING_ATTRIBUTE.version:
+        raise InputError(f"{where}: version {reprlib.repr(version)} is not supported (this sidindex reads "
                          f"version {TARGETING_ATTRIBUTE.version})")
     tables = doc.get("attribute")
+    if isinstance(tables, dict):
+        raise InputError(f"{where}: 'attribute' is one table; declare each attribute as an [[attribute]] table "
+                         "(double brackets)")
     if not isinstance(tables, list) or not tables:
         raise InputError(f"{where}: declares no attributes; add at least one [[attribute]] table")
     allowed = {f.name for f in TARGETING_ATTRIBUTE.fields}
@@ -126,7 +131,7 @@ def spec_from_dict(doc: dict, where: str = "targeting spec") -> TargetingSpec:
         elif kind == BLOOM:
             attrs.append(_bloom(t, at, name))
         else:
-            raise InputError(f"{at}: kind must be 'bitmask' or 'bloom', got {kind!r}")
+            raise InputError(f"{at}: kind must be 'bitmask' or 'bloom', got {reprlib.repr(kind)}")
     return TargetingSpec(tuple(attrs), source=where)
 
 
@@ -139,7 +144,7 @@ def _bitmask(t: dict, at: str, name: str) -> Attribute:
     seen: set[str] = set()
     for v in values:
         if not isinstance(v, str) or not v:
-            raise InputError(f"{at}: every value must be a non-empty string, got {v!r}")
+            raise InputError(f"{at}: every value must be a non-empty string, got {reprlib.repr(v)}")
         if v in seen:
             raise InputError(f"{at}: value {v!r} is declared twice")
         seen.add(v)
@@ -152,9 +157,9 @@ def _bloom(t: dict, at: str, name: str) -> Attribute:
     bits = t.get("bits", DEFAULT_BLOOM_BITS)
     hashes = t.get("hashes", DEFAULT_BLOOM_HASHES)
     if isinstance(bits, bool) or not isinstance(bits, int) or bits <= 0 or bits % 64:
-        raise InputError(f"{at}: 'bits' must be a positive multiple of 64, got {bits!r}")
+        raise InputError(f"{at}: 'bits' must be a positive multiple of 64, got {reprlib.repr(bits)}")
     if isinstance(hashes, bool) or not isinstance(hashes, int) or not 1 <= hashes <= MAX_BLOOM_HASHES:
-        raise InputError(f"{at}: 'hashes' must be an integer in 1..{MAX_BLOOM_HASHES}, got {hashes!r}")
+        raise InputError(f"{at}: 'hashes' must be an integer in 1..{MAX_BLOOM_HASHES}, got {reprlib.repr(hashes)}")
     return Attribute(name, BLOOM, bits=bits, hashes=hashes)
 
 
