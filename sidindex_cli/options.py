@@ -10,6 +10,7 @@ from typing import Iterator
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from sidindex.errors import ConfigError
 from sidindex_cli.render import err
 
 CATALOG_OPT = typer.Option(..., "--catalog", help="Catalog file (Parquet or Arrow IPC), see schemas/CONTRACTS.md.",
@@ -43,13 +44,24 @@ def progress_bar(enabled: bool) -> Iterator:
         yield update
 
 
+def output_file(path: Path | None) -> Path | None:
+    """`path` (None passes) when the directory it names a file in exists; else a ConfigError
+    naming that directory: a typo in an output path must not create a tree of folders. Also an
+    option's callback, so that a command refuses the path before any work."""
+    if path is not None and not path.parent.is_dir():
+        problem = "is not a directory" if path.parent.exists() else "the directory does not exist"
+        raise ConfigError(f"{path.parent}: {problem}, so {path.name!r} cannot be written there; "
+                          "create the directory first or correct the path")
+    return path
+
+
 def write_table(table, path: Path) -> None:
-    """Write a pyarrow table to `path` (.parquet, else uncompressed Arrow IPC) under a temporary
-    name, then rename it into place: a reader never sees half a file."""
+    """Write a pyarrow table to `path` (.parquet, else uncompressed Arrow IPC; its directory must
+    exist) under a temporary name, then rename it into place: a reader never sees half a file."""
     import pyarrow.parquet as pq
     from pyarrow import feather
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    output_file(path)
     tmp = path.with_name(f".{path.name}.tmp")
     if path.suffix == ".parquet":
         pq.write_table(table, tmp)
