@@ -14,14 +14,19 @@ JOB.toml:
     force     = false
     reports   = "/srv/sidindex/reports"       # optional: default ROOT/reports
     changes   = "/data/ads/changes"           # for --update: a directory of change files
+    changes_applied_through = "20261204T1200.parquet"  # optional: the newest change file the catalog
+                                              # export holds (a full build applies the later ones again)
 
-The intended loop: a full build on schedule (every few hours) from a catalog export that holds
-every change made before the export; between them, `--update` every minute or so. An update run
-applies each pending change file of the `changes` directory (`*.parquet`, `*.arrow`), in name
-order, with `sidindex update`, and moves it into `changes/applied/` once published, so each file
-is applied once (a run killed between publishing a file and archiving it archives it next time,
-unapplied again); the first file that fails stops the run and stays pending (fix or remove it).
-Name files so that name order is time order (e.g. a UTC timestamp). Updates only grow matchers;
+The intended loop: a full build on schedule (every few hours) from a catalog export; between
+them, `--update` every minute or so. An update run applies each pending change file of the
+`changes` directory (`*.parquet`, `*.arrow`), in name order, with `sidindex update`, and moves it
+into `changes/applied/` once published, so each file is applied once: a file the ROOT's journal
+already holds (or that a full build's export held, by `changes_applied_through`) is archived
+without being applied again, whatever ran in between (a run killed between publishing a file and
+archiving it, a full build). The first file that fails stops the run and stays pending (fix or
+remove it). Name files so that name order is time order (e.g. a UTC timestamp). A full build keeps
+paused ads paused, and applies again the change files published after the export's
+`changes_applied_through` (without it, it warns and applies none). Updates only grow matchers;
 the next full build compacts them (`sidindex inspect` shows the stale entries in between).
 
 Each run writes one JSON report (reports/<UTC time>.json, and reports/latest.json) whatever the
@@ -30,6 +35,7 @@ a code an orchestrator can act on:
     0  published a new snapshot        10  inputs unchanged (no pending change file), nothing published
     2  bad input, config or artifact   3   a quality gate failed (nothing published)
        (a bad job file too)
+    130, 143  interrupted by SIGINT, SIGTERM (nothing published unless the report names a snapshot)
     1  anything else (a bug, a full disk); the previous snapshot stays published
 
 Two cases print one line on stderr (and never a traceback):
@@ -52,13 +58,14 @@ from pathlib import Path
 
 from sidindex.artifact import sha256_file
 from sidindex.errors import ConfigError, SidIndexError
+from sidindex.interrupts import Interrupted, interrupts_raise
 from sidindex.root import Root
-from sidindex.snapshot import Manifest
 from sidindex.job import run_build, run_update
 from sidindex.tomlio import check_keys, read_toml
 
 UNCHANGED = 10
-_KEYS = {"catalog", "targeting", "root", "config", "codebook", "keep", "force", "reports", "changes"}
+_KEYS = {"catalog", "targeting", "root", "config", "codebook", "keep", "force", "reports", "changes",
+         "changes_applied_through"}
 CHANGE_FILES = ("*.parquet", "*.arrow")
 APPLIED = "applied"
 
@@ -75,7 +82,7 @@ def load_job(path: Path) -> dict:
     for key in ("catalog", "targeting", "root"):
         if not isinstance(doc.get(key), str):
             raise ConfigError(f"{path}: '{key}' is required (a path)")
-    for key in ("config", "codebook", "reports", "changes"):
+    for key in ("config", "codebook", "reports", "changes", "changes_applied_through"):
         if not isinstance(doc.get(key, ""), str):
             raise ConfigError(f"{path}: '{key}' must be a path (a string)")
     keep = doc.get("keep", 3)
@@ -104,10 +111,15 @@ def run(job_path: Path, update: bool = False) -> tuple[int, dict]:
         else:
             opt = {k: Path(job[k]) for k in ("config", "codebook") if k in job}
             report |= run_build(Path(job["catalog"]), Path(job["targeting"]), Path(job["root"]),
-                                keep=job.get("keep", 3), force=job.get("force", False), **opt)
+                                keep=job.get("keep", 3), force=job.get("force", False),
+                                changes_through=job.get("changes_applied_through"), **opt)
         code = 0 if report["status"] == "published" else UNCHANGED
     except SidIndexError as e:
         report |= {"status": "failed", "error": str(e), "error_type": type(e).__name__}
+        code = e.exit_code
+    except Interrupted as e:
+        report |= {"status": "interrupted", "error": e.describe(), "error_type": "Interrupted",
+                   **({"snapshot_id": e.published} if e.published else {})}
         code = e.exit_code
     # BaseException, not Exception: the report must say what happened whatever it was, and a Rust panic
     # in polars (pyo3's PanicException), SystemExit from a library or Ctrl-C are not Exceptions.
@@ -150,11 +162,14 @@ def apply_pending(job: dict, job_path: Path) -> dict:
 
 
 def _published_from(root: Path, path: Path) -> bool:
-    """Whether ROOT's published snapshot is the update that applied change file `path`."""
+    """Whether change file `path` is already in ROOT's published snapshot: an update published it
+    (the journal holds the same bytes), or a full build's catalog export held it (it is named at or
+    before the export's `changes_applied_through`)."""
     layout = Root(root)
-    current = layout.current_id()
-    lineage = Manifest.read(layout.snapshot_dir(current)).lineage if current else None
-    return lineage is not None and lineage["source"] == sha256_file(path)
+    through = layout.through()
+    if through is not None and path.name <= through:
+        return True
+    return sha256_file(path) in {digest for digest, _ in layout.journal()}
 
 
 def _write_report(directory: Path, report: dict) -> None:
@@ -179,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(rest) != 1 or rest[0] in ("-h", "--help") or rest[0].startswith("-"):
         print(__doc__)
         return 0 if rest and rest[0] in ("-h", "--help") else 2
-    code, report = run(Path(rest[0]), update)
+    with interrupts_raise():
+        code, report = run(Path(rest[0]), update)
     if "report_error" in report:
         _one_line(f"error: {report['report_error']}; the report follows on stdout")
         print(json.dumps(report, default=str))  # the only copy of it

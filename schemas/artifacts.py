@@ -17,14 +17,16 @@ SNAPSHOT_FORMAT = "sidindex.snapshot"
 # Versions 3 to 5 are named by the arrays they hold: 3 without ad values, 4 with them, 5 written by an
 # update between rebuilds (DESIGN.md §15: the ad states and the lineage). Version 6 adds a fast digest
 # of every file (FAST_DIGEST, what a serving host checks when it opens a snapshot) and holds any of
-# those groups of arrays (the array list says which); this code writes it for every snapshot, and
-# reads all four.
+# those groups of arrays (the array list says which). Version 7 lets a full build hold the ad states
+# without a lineage (the paused ads it carried forward from the snapshot it replaces, DESIGN.md §15);
+# this code writes it for every snapshot, and reads all five.
 VALUE_FREE_VERSION = 3
 VALUE_VERSION = 4
 UPDATED_VERSION = 5
 DIGEST_VERSION = 6
-SNAPSHOT_VERSION = DIGEST_VERSION  # the newest this code writes
-READ_VERSIONS = (VALUE_FREE_VERSION, VALUE_VERSION, UPDATED_VERSION, DIGEST_VERSION)
+STATES_VERSION = 7
+SNAPSHOT_VERSION = STATES_VERSION  # the newest this code writes
+READ_VERSIONS = (VALUE_FREE_VERSION, VALUE_VERSION, UPDATED_VERSION, DIGEST_VERSION, STATES_VERSION)
 
 # The fast digest: XXH3-128 (seed 0) of the concatenated 16-byte canonical (big-endian) XXH3-128
 # digests of the file's consecutive FAST_DIGEST_CHUNK-byte chunks (the last one shorter; an empty
@@ -65,7 +67,8 @@ GROUPS = {"index": (lambda kway, value, updated: True, "always"),
           "kway": (lambda kway, value, updated: kway, "with k-way partitions"),
           "value": (lambda kway, value, updated: value, "with ad values (DESIGN.md §16)"),
           "kway+value": (lambda kway, value, updated: kway and value, "with k-way partitions and ad values"),
-          "updated": (lambda kway, value, updated: updated, "written by an update (DESIGN.md §15)")}
+          "updated": (lambda kway, value, updated: updated, "with ad states: written by an update, or by a full "
+                      "build that carried paused ads forward (DESIGN.md §15)")}
 
 
 @dataclass(frozen=True)
@@ -200,15 +203,17 @@ class ManifestKey:
 
 
 def manifest_keys(version: int, updated: bool) -> tuple[ManifestKey, ...]:
-    """The keys a manifest of format `version` holds, (updated) written by an update."""
+    """The keys a manifest of format `version` holds, (updated) written by an update (with a lineage)."""
     return tuple(k for k in MANIFEST_KEYS if version >= k.since and present(k.group, False, False, updated))
 
 
 MANIFEST_KEYS = (
     ManifestKey("format", "string", f"`{SNAPSHOT_FORMAT}`."),
-    ManifestKey("format_version", "int", f"{DIGEST_VERSION}: every file carries `{FAST_DIGEST}`, and `arrays` says "
-                                         "which groups are present. Written by earlier sidindex versions, still "
-                                         f"read: {UPDATED_VERSION} when an update wrote the snapshot (`ad_state` "
+    ManifestKey("format_version", "int", f"{STATES_VERSION}: every file carries `{FAST_DIGEST}`, `arrays` says "
+                                         "which groups are present, and a full build may hold `ad_state` without "
+                                         "`lineage`. Written by earlier sidindex versions, still read: "
+                                         f"{DIGEST_VERSION} as {STATES_VERSION}, but `ad_state` comes with "
+                                         f"`lineage`; {UPDATED_VERSION} when an update wrote the snapshot (`ad_state` "
                                          f"and `lineage` present), else {VALUE_VERSION} when it carries the "
                                          f"`value` arrays, else {VALUE_FREE_VERSION}; files with `sha256` only. "
                                          "A reader refuses other versions (a newer one saying to upgrade)."),
@@ -225,7 +230,8 @@ MANIFEST_KEYS = (
     ManifestKey("stats", "object", "Build statistics (GRACE Tables 1 and 2)."),
     ManifestKey("quality", "object | null", "The SID quality report of the build."),
     ManifestKey("arrays", "object", "Per array name: `rows` and `width` (null for 1-D)."),
-    ManifestKey("lineage", "object", "Present exactly when an update wrote the snapshot: `full_build` (the id of the full build "
+    ManifestKey("lineage", "object", "Present exactly when an update wrote the snapshot (which then holds `ad_state`): "
+                                     "`full_build` (the id of the full build "
                                      "the updates started from), `base` (the snapshot this update was applied to), "
                                      "`updates` (updates since the full build), `source` (sha256 of the change "
                                      "file), `changes` (rows per op of this update), `paused` and `deleted` (rows "

@@ -43,18 +43,28 @@ class Changes:
     paused: np.ndarray
     resumed: np.ndarray
 
+    @classmethod
+    def pausing(cls, ids: np.ndarray, path: str) -> Changes:
+        """Pausing the ads `ids` (n,) int64 and nothing else (a full build keeping paused ads paused)."""
+        none = np.zeros(0, dtype=np.int64)
+        return cls(path, dict.fromkeys(CHANGE_OPS, 0) | {"pause": len(ids)}, none, None, np.zeros(0, dtype=bool),
+                   np.asarray(ids, dtype=np.int64), none)
+
     @property
     def empty(self) -> bool:
         return not any(self.counts.values())
 
 
 def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], dim: int, values: bool,
-                 known: np.ndarray, paused: np.ndarray) -> Changes:
+                 known: np.ndarray, paused: np.ndarray, replay: bool = False) -> Changes:
     """Read and validate a change file against a snapshot.
 
     hash_keys, dim: the codebook's (upsert rows are validated as catalog rows with them)
     values: the snapshot carries ad values (upsert rows then need a `value`; without, none may)
     known, paused: (n,) int64 the ids of the snapshot's ads (live or paused), and of its paused ones
+    replay: the file was applied once already and is applied again over a newer catalog export (a
+            full build's, `sidindex.job`): a delete, pause or resume naming an ad the export no
+            longer holds is dropped (the catalog removed the ad itself), not refused
     """
     df = read_table(path, "change file")
     for name in ("ad_id", "op"):
@@ -91,7 +101,10 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
     rows = rows.with_columns(before=data_op.shift(1).forward_fill().over("ad_id"),
                              in_base=pl.col("ad_id").is_in(_among(known, ids)))
     exists = (pl.col("before") == "upsert").fill_null(False) | (pl.col("before").is_null() & pl.col("in_base"))
-    orphan = rows.filter(pl.col("op").is_in(["delete", "pause", "resume"]) & ~exists)
+    needs_ad = pl.col("op").is_in(["delete", "pause", "resume"]) & ~exists
+    if replay:
+        rows = rows.filter(~needs_ad)
+    orphan = rows.filter(needs_ad)
     if orphan.height:
         row = orphan.row(0, named=True)
         raise InputError(f"{path}: column 'ad_id', row {row['pos']}: {row['op']} names ad {row['ad_id']}, which "

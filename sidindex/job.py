@@ -1,18 +1,31 @@
 """The jobs behind `sidindex build` / `update` and the scheduled rebuild (DESIGN.md §1, §7, §15).
 
 build:  ingest + validate -> codebook (reuse the frozen one, or train) -> SIDs + quality gates ->
-        GTM + exact index -> write snapshot -> open and validate it -> publish -> retention
-update: open the published snapshot -> validate the whole change file -> apply it
-        (`sidindex.update`) -> write what changed, link the rest -> open and validate -> publish
+        GTM + exact index -> carry the published snapshot's paused ads forward and re-apply the
+        journal's change files newer than the catalog export -> write snapshot -> open and
+        validate it -> publish -> retention
+update: verify the published snapshot in full (digests, structure, matcher cover) -> validate
+        the whole change file -> apply it (`sidindex.update`) -> write what changed, link the
+        rest -> open and validate -> publish, journaling the change file
 
 Under ROOT's build lock. The input fingerprint (catalog bytes, targeting spec, build config,
 codebook id, snapshot format; for an update, the base's and the change file's bytes) is recorded
 in the manifest; when the published snapshot already has a build's, nothing new is published
 unless `force`. Any failure publishes nothing.
+
+Changes survive full builds. Pauses are not in the catalog, so a build keeps every ad the
+published snapshot has paused paused (by ad_id): a pause ends only with a resume or a delete.
+Deletes and upserts live in the catalog export, which may predate the latest updates: given the
+name of the newest change file the export holds (`changes_through`), a build re-applies every
+journaled change file named after it (`sidindex.root`), in the order they were published, before
+it publishes. Without that name it re-applies none and says so in its report's warnings.
+A build publishes only over the snapshot it started from; with `changes_through` it may start
+from whatever CURRENT names once it holds the lock, since it re-applies what was published since.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
@@ -21,10 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas.artifacts import AD_LIVE, AD_PAUSED, SNAPSHOT_VERSION
-from sidindex.artifact import sha256_file
+from schemas.artifacts import AD_LIVE, AD_PAUSED, ARRAYS_BY_NAME, SNAPSHOT_VERSION
+from sidindex.artifact import regular_input, sha256_file
 from sidindex.build import build_index
-from sidindex.changes import read_changes
+from sidindex.changes import Changes, read_changes
 from sidindex.config import BuildConfig, load_config
 from sidindex.errors import ArtifactError, ConfigError, QualityGateError
 from sidindex.ingest import Catalog, read_catalog
@@ -32,12 +45,13 @@ from sidindex.matchers.exact import ExactIndex
 from sidindex.root import Root, new_snapshot_id
 from sidindex.sid import Codebook, assign_sids, hash_tokens, load_codebook, save_codebook, sid_quality, train_codebook
 from sidindex.sid.quality import QualityReport, quality_report
-from sidindex.snapshot import Manifest, open_snapshot, write_snapshot
+from sidindex.snapshot import Manifest, Snapshot, open_snapshot, write_snapshot
 from sidindex.targeting import TargetingSpec, load_targeting
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
+from sidindex.trie.cover import uncovered
 from sidindex.trie.stats import GTMStats, gtm_stats
-from sidindex.update import ads_in_state, apply_changes
+from sidindex.update import Indexed, ads_in_state, apply_changes
 
 Progress = Callable[[str, int, int], None]
 
@@ -45,12 +59,15 @@ Progress = Callable[[str, int, int], None]
 def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None = None, codebook: Path | None = None,
               force: bool = False, keep: int = 3, progress: Progress | None = None,
               waiting: Callable[[], None] | None = None, engine: str = "local", ray_address: str | None = None,
-              workers: int | None = None) -> dict:
-    """Run the job; returns its report (status "published" or "unchanged", ids, counts, seconds).
+              workers: int | None = None, changes_through: str | None = None) -> dict:
+    """Run the job; returns its report (status "published" or "unchanged", ids, counts, what was
+    carried forward, warnings, seconds).
 
     engine: "local" (this process; `workers` threads build the trie as subtries, default 1) or "ray"
     (`sidindex.ray_build`: a local Ray on `workers` CPUs, or the cluster at `ray_address`; it
     needs a frozen codebook). Both publish the same arrays.
+    changes_through: the name of the newest change file the catalog export holds (see the module
+    docstring); None: unknown.
     """
     if engine not in ENGINES:
         raise ConfigError(f"unknown build engine {engine!r}; expected one of {', '.join(ENGINES)}")
@@ -58,13 +75,22 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
         raise ConfigError("a Ray address applies to the ray engine only")
     if ray_address is not None and workers is not None:
         raise ConfigError("a number of workers sizes a local Ray; a Ray cluster brings its own CPUs")
+    if changes_through is not None and (not changes_through or Path(changes_through).name != changes_through):
+        raise ConfigError(f"{changes_through!r} does not name a change file (a file name, without a directory)")
     progress = progress or (lambda *_: None)
     clock = StageClock()
+    regular_input(catalog, "catalog")  # before the lock: a FIFO would hold it while blocking the read
     cfg = load_config(config)
     spec = load_targeting(targeting)
     layout = Root(root)
+    started_over = layout.current_or_none()
     with layout.lock(waiting):
         clock.restart()  # time spent waiting for the lock is not the build's
+        published = layout.current_or_none()
+        if changes_through is None and published != started_over:
+            raise ArtifactError(f"{root}: snapshot {published} was published while this build waited for the ROOT; "
+                                "its changes may be newer than this catalog export and would be reverted, so nothing "
+                                "was built. Run the build again (or give it the newest change file its export holds)")
         cb, cb_source = _codebook(layout, codebook)
         report = {"root": str(root), "codebook": cb_source, "engine": engine}
         if engine == "ray":
@@ -94,6 +120,8 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
             raise QualityGateError("SID quality gate failed, nothing published: " + "; ".join(built.quality.failures))
         clock.seconds |= built.seconds
         clock.restart()
+        built, carried, warnings = _carry_changes(layout, published, built, cb, changes_through)
+        clock.lap("carry changes")
         snapshot_id = new_snapshot_id(fingerprint)
         counts = {"ads": len(built.ad_id), "sid_rows": len(built.gtm.leaf_ads), "sids": built.stats.sids,
                   "nodes": built.stats.num_nodes}
@@ -104,12 +132,14 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
                            build_config=cfg.to_dict(), counts=counts, stats=built.stats.to_dict(),
                            quality=built.quality.to_dict())
 
-        path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep)
+        path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep, expected=published)
+        if changes_through is not None:
+            layout.mark_through(changes_through)
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
             "fingerprint": fingerprint, "codebook_id": cb.id, **counts,
-            "matcher_bytes": built.stats.matcher_bytes, **({"ray": built.shape} if built.shape else {}),
-            "seconds": _rounded(clock)}
+            "matcher_bytes": built.stats.matcher_bytes, "carried": carried, "warnings": warnings,
+            **({"ray": built.shape} if built.shape else {}), "seconds": _rounded(clock)}
 
 
 ENGINES = ("local", "ray")
@@ -159,9 +189,56 @@ def _on_ray(catalog: Path, spec: TargetingSpec, cfg: BuildConfig, cb: Codebook, 
                   r.shape)
 
 
+def _carry_changes(root: Root, published: str | None, built: _Built, cb: Codebook, through: str | None
+                   ) -> tuple[_Built, dict, list[str]]:
+    """`built` with the ads the published snapshot has paused paused, and the journal's change files
+    named after `through` re-applied in the order they were published; what was carried, and
+    the warnings for the report."""
+    journal = [change for _, change in root.journal()]
+    replay = [f for f in journal if through is not None and f.name > through]
+    warnings = []
+    if through is None and journal:
+        warnings.append(f"{len(journal)} change file(s) published by updates since the last full build "
+                        f"({journal[0].name} .. {journal[-1].name}) were not re-applied: the build was not told which "
+                        "of them its catalog export holds, so the deletes and upserts of any it lacks are reverted "
+                        "(paused ads stay paused)")
+    index: Indexed = built
+    paused = _paused(root, published)
+    kept = paused[np.isin(paused, built.ad_id)]  # an ad the export no longer holds is gone, pause and all
+    if len(kept):
+        index = apply_changes(index, Changes.pausing(kept, f"{root.snapshot_dir(published)} (paused ads)"), cb)
+    for f in replay:
+        change = read_changes(str(f), built.exact.spec, hash_keys=cb.hash_keys, dim=cb.dim,
+                              values=built.gtm.ad_value is not None, known=ads_in_state(index, AD_LIVE, AD_PAUSED),
+                              paused=ads_in_state(index, AD_PAUSED), replay=True)
+        index = apply_changes(index, change, cb)
+    carried = {"paused": len(kept), "replayed": [f.name for f in replay]}
+    if index is built:
+        return built, carried, warnings
+    stats = gtm_stats(index.gtm, tuple(layout.bits for layout in built.exact.spec.layouts)) if replay else built.stats
+    return dataclasses.replace(built, gtm=index.gtm, exact=index.exact, ad_id=index.ad_id, stats=stats), carried, \
+        warnings
+
+
+def _paused(root: Root, published: str | None) -> np.ndarray:
+    """(n,) int64 the ids of the ads the published snapshot has paused, read from the verified
+    snapshot (a full build without ad states has none)."""
+    if published is None:
+        return np.zeros(0, dtype=np.int64)
+    directory = root.snapshot_dir(published)
+    try:
+        if "ad_state" not in Manifest.read(directory).arrays:
+            return np.zeros(0, dtype=np.int64)
+        return ads_in_state(open_snapshot(directory, verify=True), AD_PAUSED)
+    except ArtifactError as e:
+        raise ArtifactError(f"cannot carry the ads paused in the published snapshot forward ({e}); a build from the "
+                            "catalog alone would serve them again. Restore that snapshot, or move its ROOT's CURRENT "
+                            "aside to build without it") from None
+
+
 def _unchanged(root: Root, fingerprint: str) -> dict | None:
     """The "unchanged" report when the published snapshot was built from `fingerprint`, else None."""
-    published = _current(root)
+    published = root.current_or_none()
     try:
         manifest = Manifest.read(root.snapshot_dir(published)) if published else None
     except ArtifactError:  # unreadable: build anew
@@ -174,18 +251,27 @@ def _unchanged(root: Root, fingerprint: str) -> dict | None:
 
 def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[], None] | None = None) -> dict:
     """Apply a change file to ROOT's published snapshot and publish the result; returns its report
-    (status "published", or "unchanged" for a file without rows; ids, counts, lineage, seconds)."""
+    (status "published", or "unchanged" for a file without rows; ids, counts, lineage, seconds).
+
+    Nothing read is trusted: the published snapshot is verified in full (every file's digest, its
+    structure, its matchers' cover) before it is used, since whatever it holds is written into the
+    new snapshot under fresh digests; the new snapshot is validated before it publishes."""
     clock = StageClock()
     layout = Root(root)
-    with layout.lock(waiting):
+    regular_input(changes, "change file")  # before the lock: a FIFO would hold it while blocking the read
+    if layout.current_or_none() is None:  # before the lock too: a refused update creates nothing
+        raise ArtifactError(f"{root}: no published snapshot to update; build one first")
+    with layout.lock(waiting, create=False):
         clock.restart()
-        if _current(layout) is None:
+        published = layout.current_or_none()
+        if published is None:
             raise ArtifactError(f"{root}: no published snapshot to update; build one first")
-        base = open_snapshot(root, verify=False)  # checked when it was published; its structure again now
+        base = open_snapshot(layout.snapshot_dir(published), verify=True)
+        check_cover(base)
         cb = base.codebook
         if cb is None:
             raise ArtifactError(f"{base.path}: carries no codebook, so new ads cannot get SIDs; rebuild it")
-        clock.lap("open base")
+        clock.lap("verify base")
         change = read_changes(str(changes), base.spec, hash_keys=cb.hash_keys, dim=cb.dim,
                               values=base.gtm.ad_value is not None,
                               known=ads_in_state(base, AD_LIVE, AD_PAUSED), paused=ads_in_state(base, AD_PAUSED))
@@ -211,11 +297,24 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
                            build_config=m.build_config, counts=counts, stats=m.stats, quality=m.quality, base=base,
                            lineage=lineage)
 
-        # the new files were hashed as they were written (read back); the check validates structure
-        path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=False, base=base), keep)
+        def check(directory: Path) -> None:
+            # files linked from the base were verified above, in this job; new ones were hashed as written
+            new = open_snapshot(directory, verify=True, base=base)
+            if g is not base.gtm:  # new SIDs: new matcher rows
+                check_cover(new)
+
+        path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=Path(changes))
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report, **counts,
             "new_sid_rows": updated.sid_rows, "lineage": lineage, "seconds": _rounded(clock)}
+
+
+def check_cover(snap: Snapshot) -> None:
+    """Raise ArtifactError unless every matcher row of the opened snapshot covers what lies beneath
+    it (`sidindex.trie.cover`)."""
+    for name, what in uncovered(snap.gtm, snap.exact):
+        raise ArtifactError(f"{snap.path / ARRAYS_BY_NAME[name].file}: {what}; the snapshot is corrupt (its digests may have "
+                            "been rewritten over the damage)")
 
 
 def _rounded(clock: StageClock) -> dict[str, float]:
@@ -236,13 +335,3 @@ def _fingerprint(catalog: Path, spec: dict, config: dict, codebook_id: str) -> s
     h.update(json.dumps({"targeting": spec, "config": config, "codebook": codebook_id,
                          "snapshot_format": SNAPSHOT_VERSION}, sort_keys=True).encode())
     return h.hexdigest()
-
-
-def _current(root: Root) -> str | None:
-    """The published id; None when CURRENT is unreadable (a new build replaces it)."""
-    try:
-        return root.current_id()
-    except ArtifactError:
-        return None
-
-

@@ -1,4 +1,5 @@
-"""Apply a change file's net effect to an opened snapshot (DESIGN.md §15).
+"""Apply a change file's net effect to an index: an opened snapshot, a full build's result, or an
+earlier update's (DESIGN.md §15).
 
     pause / resume / delete   the rows' `ad_state` only; the trie and matchers stay as they are
     upsert                    the ad's old row (if any) is deleted; its new data becomes a new row
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import polars as pl
@@ -25,10 +27,17 @@ from sidindex.changes import Changes
 from sidindex.errors import InputError
 from sidindex.matchers.exact import ExactIndex, concat_exact
 from sidindex.sid import Codebook, assign_sids, hash_tokens
-from sidindex.snapshot import Snapshot
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
 from sidindex.trie.patch import insert_sids, liveness
+
+
+class Indexed(Protocol):
+    """What changes apply to: `sidindex.snapshot.Snapshot`, a build's result, an `UpdatedIndex`."""
+
+    gtm: GTMIndex
+    exact: ExactIndex
+    ad_id: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -53,16 +62,23 @@ class UpdatedIndex:
                 "dead_sids": self.dead_sids}
 
 
-def ads_in_state(snap: Snapshot, *states: int) -> np.ndarray:
-    """(n,) int64 the ids of the snapshot's rows in one of `states`."""
-    return np.asarray(snap.ad_id)[np.isin(snap.row_states, states)]
+def row_states(index: Indexed) -> np.ndarray:
+    """(N,) uint8 each catalog row's state (`schemas.artifacts.AD_LIVE`, ...; all live when the
+    index has no states)."""
+    st = index.exact.ad_state
+    return np.zeros(len(index.ad_id), dtype=np.uint8) if st is None else st
 
 
-def apply_changes(snap: Snapshot, changes: Changes, codebook: Codebook) -> UpdatedIndex:
-    """The snapshot's arrays with `changes` applied (read by `sidindex.changes.read_changes`
-    against this snapshot)."""
+def ads_in_state(index: Indexed, *states: int) -> np.ndarray:
+    """(n,) int64 the ids of the index's rows in one of `states`."""
+    return np.asarray(index.ad_id)[np.isin(row_states(index), states)]
+
+
+def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> UpdatedIndex:
+    """The index's arrays with `changes` applied (read by `sidindex.changes.read_changes` against
+    this index)."""
     clock = StageClock()
-    state = snap.row_states.copy()
+    state = row_states(snap).copy()
     served = state != AD_DELETED  # rows an id may name: its only one that is not deleted
     ids = pl.Series(snap.ad_id)
     for wanted, new_state in ((changes.removed, AD_DELETED), (changes.paused, AD_PAUSED), (changes.resumed, AD_LIVE)):
@@ -78,7 +94,7 @@ def apply_changes(snap: Snapshot, changes: Changes, codebook: Codebook) -> Updat
         tokens = hash_tokens(added.columns, codebook.hash_keys, codebook.hash_size)
         sids = assign_sids(codebook, added.embedding, tokens)
         clock.lap("assign SIDs")
-        ad_rows, new_exact = encode_ads(snap.spec, added.columns)
+        ad_rows, new_exact = encode_ads(snap.exact.spec, added.columns)
         clock.lap("encode")
         n = len(ad_id)
         gtm = insert_sids(gtm, sids.sids, sids.ad_index + n, ad_rows, added.value)

@@ -140,6 +140,11 @@ def build(
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="local: threads building the trie as "
                                           "subtries by first token (default 1: the whole trie at once, the fastest "
                                           "on a few cores). ray: CPUs of the local Ray (default: every core)."),
+    changes_through: Optional[str] = typer.Option(
+        None, "--changes-applied-through", metavar="NAME",
+        help="The newest change file (its file name) whose changes the catalog export already holds. Change files "
+             "that `sidindex update` published after it are applied again on top of the build, so their deletes and "
+             "upserts survive it. Without it none are, and the build warns if there are some."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Build and publish a snapshot: the main job, end to end.
@@ -149,17 +154,28 @@ def build(
     validates it, then publishes it atomically. An unchanged catalog with the same spec, config and
     codebook publishes nothing (status "unchanged") unless --force. On any failure the published
     snapshot stays as it was.
+
+    Changes survive the build. An ad the published snapshot has paused stays paused (pauses are
+    not in the catalog): a paused ad is never served again until an update resumes or deletes it.
+    Deletes and upserts published by updates after the catalog export are applied again when
+    --changes-applied-through names the newest change file the export holds. A build refuses to
+    publish over a snapshot another writer published while it waited (exit 2; run it again).
     """
     from sidindex.job import run_build
 
     with progress_bar(not as_json and err.is_terminal) as progress:
         report = run_build(catalog, targeting, root, config=config, codebook=codebook, force=force, keep=keep,
                            progress=progress, waiting=lambda: err.print("waiting for another build on this ROOT ..."),
-                           engine=engine, ray_address=ray_address, workers=workers)
+                           engine=engine, ray_address=ray_address, workers=workers, changes_through=changes_through)
+    for warning in report.get("warnings", ()):
+        err.print(f"warning: {warning}", highlight=False, soft_wrap=True)
     if as_json:
         emit(report, True, "")
         return
-    shown = {k: v for k, v in report.items() if k not in ("seconds", "ray")}
+    shown = {k: v for k, v in report.items() if k not in ("seconds", "ray", "carried", "warnings")}
+    if "carried" in report:
+        shown |= {"paused_ads_kept": report["carried"]["paused"],
+                  "changes_applied_again": ", ".join(report["carried"]["replayed"]) or "none"}
     if "ray" in report:
         shape = report["ray"]
         shown |= {"fragments": shape["fragments"], "parts": shape["parts"],

@@ -33,7 +33,8 @@ def _ids(n: int) -> list[str]:
 
 
 def _publish(root: Root, sid: str, keep: int) -> Path:
-    return root.publish(sid, lambda d: (d / "manifest.json").write_text(sid), lambda d: None, keep)
+    return root.publish(sid, lambda d: (d / "manifest.json").write_text(sid), lambda d: None, keep,
+                        expected=root.current_or_none())
 
 
 def _present(root: Root) -> set[str]:

@@ -21,6 +21,7 @@ from schemas.artifacts import (
     READ_VERSIONS,
     SNAPSHOT_FORMAT,
     SNAPSHOT_VERSION,
+    STATES_VERSION,
     manifest_keys,
     present,
     snapshot_version,
@@ -107,8 +108,9 @@ class Manifest:
         del doc["format_version"]
         doc["level_sizes"] = list(self.level_sizes)
         doc["files"] = {n: f.listing() for n, f in self.files.items()}
-        if (self.lineage is None) == ("ad_state" in self.arrays):
-            raise ValueError("a manifest has a lineage exactly when an update wrote it (the ad_state array)")
+        if not _states_fit(self.version, self.lineage is not None, "ad_state" in self.arrays):
+            raise ValueError("a lineage comes with the ad_state array (and before format version "
+                             f"{STATES_VERSION}, ad_state with a lineage)")
         if self.version < DIGEST_VERSION and self.version != snapshot_version(self.arrays):
             raise ValueError(f"format version {self.version} does not hold these arrays")
         if any((f.fast is None) == (self.version >= DIGEST_VERSION) for f in self.files.values()):
@@ -136,7 +138,11 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
         return ArtifactError(f"{path}: {msg}")
 
     version = doc["format_version"]
-    contract = manifest_keys(version, isinstance(doc.get("arrays"), dict) and "ad_state" in doc["arrays"])
+    states = isinstance(doc.get("arrays"), dict) and "ad_state" in doc["arrays"]
+    if not _states_fit(version, "lineage" in doc, states):
+        raise bad("an update's lineage comes with the ad_state array" + (
+            f", and before format version {STATES_VERSION} ad_state with a lineage" if version < STATES_VERSION else ""))
+    contract = manifest_keys(version, "lineage" in doc)
     keys = {k.key for k in contract}
     if set(doc) != keys:
         missing, extra = sorted(keys - set(doc)), sorted(set(doc) - keys)
@@ -156,6 +162,12 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
         level_sizes=tuple(sizes), arrays=_arrays(bad, doc["arrays"], doc["kway"]),
         files=_files(bad, doc["files"], version >= DIGEST_VERSION),
         lineage=_lineage(bad, doc["lineage"]) if "lineage" in doc else None, format_version=version)
+
+
+def _states_fit(version: int, lineage: bool, states: bool) -> bool:
+    """An update writes ad states and its lineage; from STATES_VERSION on a full build may write
+    states alone (the paused ads it carried forward)."""
+    return states if lineage else (not states or version >= STATES_VERSION)
 
 
 def _is_int(x: object) -> bool:
