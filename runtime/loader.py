@@ -458,7 +458,8 @@ class SnapshotWatcher:
     old index is freed only when its last request drops it. With several devices the new snapshot is
     read, verified and staged once, and every device swaps together, only once each one loaded it.
     Whatever a new snapshot holds, the old one keeps serving unless the new one loaded completely;
-    `last_error` then says why it did not. An update of the served snapshot (`sidindex update`)
+    `last_error` then says why it did not. A new snapshot is accepted exactly when `load` of the
+    ROOT and `sidindex validate` accept it. An update of the served snapshot (`sidindex update`)
     shares its unchanged files: they are neither hashed nor mapped again, and when only ad states
     changed nothing moves to the device and a `Searcher` keeps replaying its graphs.
     """
@@ -489,9 +490,10 @@ class SnapshotWatcher:
                 self._refused = None  # CURRENT moved: whatever it names next is tried
             if published is None or published in (self.current.id, self._refused):
                 return False
-            # an update of the served snapshot shares its checked files and device arrays
-            new = load(self.root.snapshot_dir(published), list(self.devices), verify=self.verify,
-                       base=list(self.indexes))
+            # the ROOT, opened as `load` and `sidindex validate` open it (CURRENT read again, once
+            # more if retention prunes it meanwhile); an update of the served snapshot shares its
+            # checked files and device arrays
+            new = load(self.root.path, list(self.devices), verify=self.verify, base=list(self.indexes))
         except Exception as e:  # a serving process must outlive any snapshot (a bad file, a bug in a reader)
             why = e if isinstance(e, SidIndexError) else f"{type(e).__name__} while polling {self.root.path}: {e}"
             self.last_error = f"kept serving snapshot {self.current.id}: {why}"

@@ -116,17 +116,15 @@ class Root:
 
     @staticmethod
     def resolve(path: str | Path) -> Path:
-        """A snapshot directory from a ROOT (its CURRENT) or a snapshot directory."""
+        """A snapshot directory from a ROOT (its CURRENT) or a snapshot directory (opening refuses
+        either through a symbolic link: `Manifest.read`)."""
         path = Path(path)
         root = Root(path)
         if os.path.lexists(root.current_file):
             current = root.current_id()
             if current is None:
                 raise ArtifactError(f"{path}: a ROOT with no published snapshot (no CURRENT)")
-            directory = root.snapshot_dir(current)
-            if directory.is_symlink():
-                raise ArtifactError(f"{directory}: is a symbolic link; a ROOT's snapshots are its own directories")
-            return directory
+            return root.snapshot_dir(current)
         if os.path.lexists(path / MANIFEST_FILE):
             return path
         if not os.path.lexists(path):

@@ -2,8 +2,8 @@
 
 `Manifest.read` refuses anything but an exact, intact manifest of this format version: sealed
 (`sidindex.artifact.read_sealed`: bounded, canonical, checksummed, no duplicate keys), with exactly the
-contract's keys, each of its type, and an id equal to its directory's name. Everything after it
-reads typed attributes, never keys.
+contract's keys, each of its type, and an id equal to its directory's name (a directory, not a
+symbolic link to one). Everything after it reads typed attributes, never keys.
 """
 
 from __future__ import annotations
@@ -123,6 +123,8 @@ class Manifest:
     def read(cls, directory: Path) -> Manifest:
         """The manifest of the snapshot `directory`, checked as the module docstring says."""
         path = directory / MANIFEST_FILE
+        if directory.is_symlink():  # one pointing out of its ROOT would serve files retention and builds never see
+            raise ArtifactError(f"{directory}: is a symbolic link; a snapshot is read from its own directory only")
         if not directory.is_dir():
             raise pruned(directory)
         doc = read_sealed(path, SNAPSHOT_FORMAT, READ_VERSIONS, "snapshot", gone=GONE_VERSIONS)

@@ -123,9 +123,10 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
     strong:   with verify, check every file's sha256 too (`sidindex validate`; several times slower)
     prefault: read every page of every array now, so the first queries do not wait on page faults
     base:     an open snapshot this one may share files with (an update's base): a file that is the
-              base's own (the same inode, the same manifest entry) is neither hashed nor mapped
-              again, its checked array reused; when only the ad states changed, only they are
-              validated (what a serving host applies within a second of an update)
+              base's own (the same inode, and the same manifest entry and array shape) is neither
+              hashed nor mapped again, its checked array reused; when only the ad states changed,
+              only they are validated (what a serving host applies within a second of an update).
+              Whatever it shares, a snapshot is accepted exactly when it is without a base
     A ROOT whose snapshot retention deletes while it is being opened is read again (CURRENT then
     names a newer one). Seconds per phase are in the result's `open_seconds`.
     """
@@ -174,14 +175,18 @@ def _open(directory: Path, verify: bool, strong: bool, prefault: bool, base: Sna
 
 
 def _shared_files(directory: Path, m: Manifest, spec: TargetingSpec, base: Snapshot) -> frozenset[str]:
-    """The files of `directory` that are the base's own: one inode, one manifest entry. None when
-    the manifests disagree on what the arrays mean (level sizes, spec, partitions, codebook, the
-    arrays present but an update's), since the base's checks held for the base's manifest."""
+    """The files of `directory` that are the base's own: one inode, and everything the manifests
+    say of it the same (its entry, the shape of the array it holds). None when the manifests
+    disagree on what the arrays mean (level sizes, spec, partitions, codebook, the arrays present
+    but an update's), since the base's checks held for the base's manifest."""
     b = base.manifest
     if (m.level_sizes != b.level_sizes or spec != base.spec or m.kway != b.kway or m.codebook_id != b.codebook_id
             or set(m.arrays) - STATE_ARRAYS != set(b.arrays) - STATE_ARRAYS):
         return frozenset()
-    return frozenset(n for n, f in m.files.items() if b.files.get(n) == f and same_file(directory / n, base.path / n))
+    held = {ARRAYS_BY_NAME[n].file: n for n in m.arrays}  # one array per file
+    return frozenset(n for n, f in m.files.items()
+                     if b.files.get(n) == f and (n not in held or m.arrays[held[n]] == b.arrays.get(held[n]))
+                     and same_file(directory / n, base.path / n))
 
 
 def _codebook(directory: Path, m: Manifest) -> Codebook | None:
