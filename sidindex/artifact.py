@@ -324,9 +324,10 @@ def verify_files(directory: Path, listed: dict[str, dict], skip: str, *, checksu
                             "files its manifest lists")
     for name, entry in listed.items():
         path = directory / name
-        if name not in found:
-            raise ArtifactError(f"{path}: missing (the manifest lists it)")
-        size = path.stat().st_size
+        try:
+            size = found[name].stat(follow_symlinks=False).st_size
+        except (KeyError, FileNotFoundError):  # gone since it was listed: a directory being deleted, too
+            raise ArtifactError(f"{path}: missing (the manifest lists it)") from None
         if size != entry["bytes"]:
             raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced?)")
     if not checksums:

@@ -58,7 +58,8 @@ def new_snapshot_id(fingerprint: str) -> str:
 
 
 def pruned(directory: Path) -> ArtifactError:
-    """The error for a snapshot directory that is gone: retention deletes old snapshots under readers."""
+    """The error for a snapshot directory that is gone, or going: retention deletes old snapshots
+    under readers."""
     return ArtifactError(f"{directory}: no such snapshot (pruned by retention, or never published); open its ROOT "
                          "again for the current one")
 

@@ -3,6 +3,10 @@
 - One validator: over crafted snapshots published as an update of the served one (sharing its
   files by hard link), a watcher polling over the served snapshot swaps exactly when
   `runtime.load` of the ROOT succeeds and exactly when `sidindex validate` exits 0.
+- Retention under readers: a reader whose snapshot is pruned while it is opened reads CURRENT again
+  and opens the newer one, once; pruned again, or given the snapshot directory itself, it gets the
+  "pruned" error, never a file of it reported missing. A reader racing real `--keep 1` publishes
+  gets nothing else.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +24,7 @@ import polars as pl
 import pytest
 
 import runtime
+import sidindex.snapshot.snapshot as snapshot_module
 from schemas.artifacts import AD_DELETED, AD_LIVE, FAST_DIGEST
 from sidindex.artifact import seal
 from sidindex.errors import ArtifactError
@@ -32,6 +39,7 @@ from tests.test_snapshot import reseal, rewrite_array
 CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_centroid = 4\n'
           '[kway]\nmode = "dynamic"\nk_max = 3\n')
 N_ADS = 150
+PRUNED = "pruned by retention"
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +193,96 @@ def test_the_watcher_validate_and_load_agree(built, tmp_path, monkeypatch, case)
     assert code in (0, 2)
     if valid:  # through the shared files: only the new ad states were checked and moved
         assert watcher.current.load_info["shared_with"] == built["served"]
+
+
+# --- retention under readers -----------------------------------------------------------------------
+
+def _prune_while_opening(monkeypatch, root: Root, newer: list[str], *, whole: bool = False) -> None:
+    """The first calls of opening's file check each publish the next id of `newer` and prune the
+    snapshot being opened first: its Arrow files deleted, its directory still there (retention's
+    rmtree midway), or with `whole` the directory gone."""
+    check, todo = snapshot_module.verify_files, list(newer)
+
+    def publish_and_prune(directory: Path, *args, **kwargs):
+        if todo:
+            root.current_file.write_text(todo.pop(0) + "\n")
+            if whole:
+                shutil.rmtree(directory)
+            for f in directory.glob("*.arrow"):
+                f.unlink()
+        return check(directory, *args, **kwargs)
+
+    monkeypatch.setattr(snapshot_module, "verify_files", publish_and_prune)
+
+
+def _open_root(root: Root) -> str:
+    return open_snapshot(root.path).id
+
+
+def _load_root(root: Root) -> str:
+    return runtime.load(root.path, "cpu").id
+
+
+@pytest.mark.parametrize("read", [_open_root, _load_root])
+def test_a_reader_pruned_mid_open_opens_the_newer_snapshot(built, tmp_path, monkeypatch, read):
+    root = _copy(built, tmp_path / "root", built["full"])
+    _prune_while_opening(monkeypatch, root, [built["served"]])
+    assert read(root) == built["served"]
+    assert root.snapshot_dir(built["full"]).is_dir()  # found with files missing, not gone: CURRENT said it
+
+
+@pytest.mark.parametrize("read", [_open_root, _load_root])
+def test_a_reader_pruned_twice_is_told_so(built, tmp_path, monkeypatch, read):
+    root = _copy(built, tmp_path / "root", built["full"])
+    _prune_while_opening(monkeypatch, root, [built["served"], built["update"]])
+    with pytest.raises(ArtifactError, match=PRUNED) as e:
+        read(root)
+    assert "missing" not in str(e.value) and built["served"] in str(e.value)
+
+
+def test_a_snapshot_directory_deleted_under_its_reader_is_pruned(built, tmp_path, monkeypatch):
+    root = _copy(built, tmp_path / "root", built["full"])
+    _prune_while_opening(monkeypatch, root, [built["served"]], whole=True)
+    with pytest.raises(ArtifactError, match=PRUNED):
+        open_snapshot(root.snapshot_dir(built["full"]))
+
+
+def test_a_watcher_pruned_mid_poll_swaps_to_the_newer_snapshot_or_says_pruned(built, tmp_path, monkeypatch):
+    root = _copy(built, tmp_path / "root", built["full"])
+    watcher = runtime.SnapshotWatcher(root.path, "cpu")
+    root.current_file.write_text(built["served"] + "\n")
+    _prune_while_opening(monkeypatch, root, [built["update"]])
+    assert watcher.poll() and watcher.current.id == built["update"]
+    root = _copy(built, tmp_path / "again", built["full"])
+    watcher = runtime.SnapshotWatcher(root.path, "cpu")
+    root.current_file.write_text(built["served"] + "\n")
+    _prune_while_opening(monkeypatch, root, [built["update"], built["full"]])
+    assert not watcher.poll() and watcher.current.id == built["full"] and PRUNED in watcher.last_error
+
+
+PUBLISHER = """
+import sys
+from sidindex.job import run_update
+root, pause, resume, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+for i in range(n):
+    run_update(root, pause if i % 2 else resume, keep=1)
+"""
+
+
+def test_readers_racing_keep_1_publishes_load_or_are_told_pruned(built, tmp_path):
+    root = _copy(built, tmp_path / "root", built["update"])
+    publisher = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(root.path), str(built["dir"] / "pause.parquet"),
+                                  str(built["dir"] / "resume.parquet"), "8"], stderr=subprocess.PIPE, text=True)
+    loaded, pruned, deadline = set(), 0, time.monotonic() + 60
+    try:
+        while publisher.poll() is None and time.monotonic() < deadline:
+            try:
+                loaded.add(runtime.load(root.path, "cpu").id)
+            except ArtifactError as e:
+                assert PRUNED in str(e), e
+                pruned += 1
+    finally:
+        publisher.kill()
+        _, err = publisher.communicate()
+    assert publisher.returncode == 0, err
+    assert len(loaded) > 1, (loaded, pruned)  # loads interleaved with the publishes

@@ -12,6 +12,7 @@ Nothing is unpickled.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from schemas.artifacts import ARRAYS_BY_NAME, EXACT_FORM, EXACT_ROWS, MANIFEST_F
 from sidindex.artifact import link_file, list_files, same_file, verify_files
 from sidindex.errors import ArtifactError, SidIndexError
 from sidindex.matchers.exact import ExactIndex
-from sidindex.root import Root
+from sidindex.root import Root, pruned
 from sidindex.sid.codebook import Codebook, load_codebook, save_codebook
 from sidindex.snapshot.arrays import map_array, prefault_pages, same_memory, write_array
 from sidindex.snapshot.manifest import ArrayShape, FileEntry, Manifest
@@ -30,8 +31,6 @@ from sidindex.snapshot.validate import STATE_ARRAYS, check_structure, check_line
 from sidindex.targeting import TargetingSpec, spec_from_dict
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
-
-_RETRIES = 3  # a ROOT's CURRENT re-read this often when retention prunes the snapshot mid-open
 
 
 @dataclass(frozen=True)
@@ -127,17 +126,36 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
               hashed nor mapped again, its checked array reused; when only the ad states changed,
               only they are validated (what a serving host applies within a second of an update).
               Whatever it shares, a snapshot is accepted exactly when it is without a base
-    A ROOT whose snapshot retention deletes while it is being opened is read again (CURRENT then
-    names a newer one). Seconds per phase are in the result's `open_seconds`.
+    A ROOT whose snapshot retention prunes while it is being opened (`_pruned`) is read again once,
+    for the snapshot CURRENT names now; when that one is pruned too, and for a snapshot directory
+    pruned under the reader, the error is `sidindex.root.pruned`. Seconds per phase are in the
+    result's `open_seconds`.
     """
-    for attempt in range(_RETRIES):
+    path = Path(path)
+    for attempt in range(2):
         directory = Root.resolve(path)
         try:
             return _open(directory, verify, strong, prefault, base)
         except ArtifactError:
-            if directory == Path(path) or directory.is_dir() or attempt == _RETRIES - 1:
+            if not _pruned(path, directory):
                 raise
+            if attempt or directory == path:
+                raise pruned(directory) from None
     raise AssertionError("unreachable")
+
+
+def _pruned(path: Path, directory: Path) -> bool:
+    """Whether retention took `directory`, opened from `path`, away: it is gone, or `path` is a ROOT
+    whose CURRENT names another snapshot now (retention deletes only what CURRENT does not name,
+    and a reader may see a file missing while it still is)."""
+    if not os.path.lexists(directory):
+        return True
+    if directory == path:
+        return False
+    try:
+        return Root(path).current_id() != directory.name
+    except ArtifactError:  # CURRENT unreadable: the snapshot's own error says more
+        return False
 
 
 def _open(directory: Path, verify: bool, strong: bool, prefault: bool, base: Snapshot | None) -> Snapshot:
