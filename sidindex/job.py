@@ -39,7 +39,7 @@ from sidindex.artifact import regular_input, sha256_file
 from sidindex.build import build_index
 from sidindex.changes import Changes, read_changes
 from sidindex.config import BuildConfig, load_config
-from sidindex.errors import ArtifactError, ConfigError, QualityGateError
+from sidindex.errors import ArtifactError, ConfigError, InputError, QualityGateError
 from sidindex.ingest import Catalog, read_catalog
 from sidindex.matchers.exact import ExactIndex
 from sidindex.root import Root, new_snapshot_id
@@ -91,6 +91,11 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
             raise ArtifactError(f"{root}: snapshot {published} was published while this build waited for the ROOT; "
                                 "its changes may be newer than this catalog export and would be reverted, so nothing "
                                 "was built. Run the build again (or give it the newest change file its export holds)")
+        through = layout.through()
+        if changes_through is not None and through is not None and changes_through < through:
+            raise InputError(f"the catalog export holds the change files through {changes_through!r}, fewer than the "
+                             f"export of the published build did (through {through!r}); building from it would revert "
+                             "the changes in between. Build from a newer export")
         cb, cb_source = _codebook(layout, codebook)
         report = {"root": str(root), "codebook": cb_source, "engine": engine}
         if engine == "ray":

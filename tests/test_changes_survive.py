@@ -1,0 +1,328 @@
+"""Nothing laundered, nothing reverted (DESIGN.md §7, §15):
+
+- An update trusts nothing it reads: over a base whose matcher rows were zeroed or flipped (digests
+  resealed over the damage) or whose bytes were flipped (digests left), it publishes nothing.
+- Changes survive full builds: a paused ad stays paused through `sidindex build --force`; with the
+  export's watermark, deletes and upserts published after the export are applied again; a property
+  test over change sequences and interleaved builds from exports of any age finds the served ads
+  always equal to the catalog's live ones, and never a paused one.
+- A build that waited while another writer published refuses; the scheduled pipeline archives a
+  change file it already applied, whatever ran since, instead of sticking on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from schemas.artifacts import AD_LIVE, AD_PAUSED
+from sidindex.errors import InputError
+from sidindex.job import run_build, run_update
+from sidindex.root import Root
+from sidindex.snapshot import open_snapshot
+from tests.conftest import run_cli
+from tests.test_snapshot import reseal
+from tests.test_update import N_BASE, _changes, _upsert, built, pool  # noqa: F401 (fixtures)
+
+
+def _root(built: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(built, tmp_path / "root"))
+
+
+def _published(root: Path) -> tuple:
+    """What a failed job must leave as it was: CURRENT, HISTORY, the snapshot directories, the journal."""
+    listing = lambda d: sorted(p.name for p in d.iterdir()) if d.is_dir() else []  # noqa: E731
+    return ((root / "CURRENT").read_text(), (root / "HISTORY").read_text(), listing(root / "snapshots"),
+            listing(root / "changes"))
+
+
+def _live(root: Path) -> set[int]:
+    snap = open_snapshot(root, verify=True)
+    return set(snap.ad_id[snap.row_states == AD_LIVE].tolist())
+
+
+# --- an update over a corrupt base ----------------------------------------------------------------
+
+def _sid_entry_row(snap, plane: str) -> int:
+    """The row of the bloom or bitmask table under the first SID's entry (what a SID-level flip hits)."""
+    g = snap.gtm
+    p = next(p for p in g.planes if p.name == plane)
+    return int(p.index[int(g.depth_offsets[g.sid_length]) - 1])
+
+
+def _edit_table(d: Path, plane: str, edit, seal: bool = True) -> None:
+    """Edit plane's table in place (its file's bytes), resealing the manifest's digests unless not `seal`."""
+    snap = open_snapshot(d)
+    table = next(p for p in snap.gtm.planes if p.name == plane).table
+    path = d / f"{plane}_table.arrow"
+    raw = bytearray(path.read_bytes())
+    start = raw.find(table.tobytes())  # the column's buffer inside the Arrow file
+    assert start >= 0
+    rows = table.copy()
+    edit(snap, rows)
+    raw[start:start + rows.nbytes] = rows.tobytes()
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(raw))
+    if seal:
+        reseal(d)
+
+
+def _zero_sid_row(plane):
+    return lambda snap, rows: rows.__setitem__(_sid_entry_row(snap, plane), 0)
+
+
+def _drop_a_needed_bitmask_bit(snap, rows):
+    """Clear a bit of the first SID's bitmask row that one of its ads needs."""
+    r = _sid_entry_row(snap, "bitmask")
+    ad = int(snap.gtm.leaf_ads[0])
+    need = snap.exact.planes[0].rows[ad]
+    w = int(np.flatnonzero(need)[0])
+    rows[r, w] &= ~(need[w] & (~need[w] + np.uint64(1)))  # the lowest bit the ad sets
+
+
+def _zero_inner_bloom_bits(snap, rows):
+    """Clear the root's first child's bloom row: its subtree's rows are no longer inside it."""
+    rows[int(snap.gtm.planes[1].index[0])] = 0
+
+
+def _flip_bytes(snap, rows):
+    rows.view(np.uint8)[: 64] ^= 0xFF
+
+
+@pytest.mark.parametrize("edit, seal, message", [
+    (_zero_sid_row("bloom"), True, "bloom_table.arrow: a "),  # a SID's row, or an inner one sharing it
+    (_zero_sid_row("bitmask"), True, "bitmask_table.arrow: a "),
+    (_drop_a_needed_bitmask_bit, True, "bitmask_table.arrow: a "),
+    (_zero_inner_bloom_bits, True, "bloom_table.arrow: a prefix's matcher row lacks a bit of one of its children"),
+    (_flip_bytes, False, "bloom_table.arrow: checksum mismatch"),
+], ids=["zeroed-bloom-resealed", "zeroed-bitmask-resealed", "bitmask-bit-resealed", "inner-bloom-resealed",
+        "flipped-not-resealed"])
+@pytest.mark.parametrize("op", ["upsert", "pause"])
+def test_an_update_over_a_corrupt_base_publishes_nothing(built, pool, tmp_path, edit, seal, message, op):
+    root = _root(built, tmp_path)
+    current = Root(root).snapshot_dir(Root(root).current_id())
+    _edit_table(current, "bloom" if "bloom" in message else "bitmask", edit, seal)
+    before = _published(root)
+    ad = int(pool["catalog"]["ad_id"][0])
+    rows = [_upsert(pool, N_BASE, 10**9)] if op == "upsert" else [{"ad_id": ad, "op": "pause"}]
+    r = run_cli("update", root, "--changes", _changes(pool, tmp_path / "c.parquet", rows))
+    assert r.returncode == 2 and message in r.stderr and "corrupt" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert _published(root) == before
+
+
+def test_a_refused_update_creates_nothing(pool, tmp_path):
+    path = _changes(pool, tmp_path / "c.parquet", [{"ad_id": 1, "op": "pause"}])
+    for root in (tmp_path / "missing" / "root", tmp_path / "empty"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        r = run_cli("update", root, "--changes", path)
+        assert r.returncode == 2 and "no published snapshot to update" in r.stderr
+    assert not (tmp_path / "missing").exists() and list((tmp_path / "empty").iterdir()) == []
+
+
+# --- pauses, deletes and upserts through full builds ------------------------------------------------
+
+def _export(pool, tmp_path: Path, ads: pl.DataFrame, name: str = "catalog.parquet") -> Path:
+    path = tmp_path / name
+    ads.write_parquet(path)
+    return path
+
+
+def _build(pool, root: Path, catalog: Path, *extra) -> dict:
+    r = run_cli("build", "--catalog", catalog, "--targeting", pool["targeting"], "--out", root, "--config",
+                pool["dir"] / "build.toml", "--force", "--json", *extra)
+    assert r.returncode == 0, r.stderr
+    return {**json.loads(r.stdout), "stderr": r.stderr}
+
+
+def test_a_paused_ad_stays_paused_through_a_full_build(built, pool, tmp_path):
+    root = _root(built, tmp_path)
+    ads = pool["catalog"].head(N_BASE)
+    paused = ads["ad_id"].head(3).to_list()
+    run_update(root, _changes(pool, tmp_path / "0001.parquet", [{"ad_id": a, "op": "pause"} for a in paused]))
+    report = _build(pool, root, _export(pool, tmp_path, ads))  # the export knows nothing of pauses
+    assert report["carried"] == {"paused": 3, "replayed": []}
+    assert "were not re-applied" in report["stderr"]  # no watermark: said on stderr
+    snap = open_snapshot(root, verify=True)
+    assert snap.manifest.lineage is None and snap.manifest.version == 7
+    assert set(snap.ad_id[snap.row_states == AD_PAUSED].tolist()) == set(paused)
+    assert _live(root) == set(ads["ad_id"].to_list()) - set(paused)
+    assert run_cli("validate", root).returncode == 0
+    # a resume ends the pause; the next build keeps it ended
+    run_update(root, _changes(pool, tmp_path / "0002.parquet", [{"ad_id": paused[0], "op": "resume"}]))
+    _build(pool, root, _export(pool, tmp_path, ads))
+    assert _live(root) == set(ads["ad_id"].to_list()) - set(paused[1:])
+
+
+def test_changes_after_the_export_are_applied_again_with_its_watermark(built, pool, tmp_path):
+    root = _root(built, tmp_path)
+    ads = pool["catalog"].head(N_BASE)
+    ids = ads["ad_id"].to_list()
+    old = _export(pool, tmp_path, ads, "export-old.parquet")  # taken before every change file below
+    run_update(root, _changes(pool, tmp_path / "0001.parquet", [{"ad_id": ids[0], "op": "delete"}]))
+    run_update(root, _changes(pool, tmp_path / "0002.parquet", [_upsert(pool, N_BASE, 10**9),
+                                                                 {"ad_id": ids[1], "op": "delete"}]))
+    want = set(ids[2:]) | {10**9}
+    report = _build(pool, root, old, "--changes-applied-through", "0000.parquet")
+    assert report["carried"]["replayed"] == ["0001.parquet", "0002.parquet"] and report["warnings"] == []
+    assert _live(root) == want
+    # an export holding 0001 (ids[0] gone from it): only 0002 is applied again, and 0001 leaves the journal
+    newer = _export(pool, tmp_path, ads.filter(pl.col("ad_id") != ids[0]), "export-new.parquet")
+    report = _build(pool, root, newer, "--changes-applied-through", "0001.parquet")
+    assert report["carried"]["replayed"] == ["0002.parquet"] and _live(root) == want
+    assert [f.name for _, f in Root(root).journal()] == ["0002.parquet"] and Root(root).through() == "0001.parquet"
+    r = run_cli("build", "--catalog", newer, "--targeting", pool["targeting"], "--out", root,
+                "--changes-applied-through", "a/b.parquet")
+    assert r.returncode == 2 and "does not name a change file" in r.stderr
+
+
+# rounds of 1-3 change files (pause/resume/delete an existing ad, or upsert a new one), each round
+# ending in a full build from an export `lag` change files old, told its watermark (an export older
+# than the last build's is refused)
+CHANGE = st.tuples(st.sampled_from(["pause", "resume", "delete", "new"]), st.integers(0, 10**6))
+ROUNDS = st.lists(st.tuples(st.lists(CHANGE, min_size=1, max_size=3), st.integers(0, 3)), min_size=1, max_size=3)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rounds=ROUNDS)
+def test_no_interleaving_of_changes_and_builds_serves_a_paused_ad(built, pool, tmp_path_factory, rounds):
+    tmp = tmp_path_factory.mktemp("interleaved")
+    root = _root(built, tmp)
+    fresh = pool["catalog"].tail(len(pool["catalog"]) - N_BASE)
+    catalog = [pool["catalog"].head(N_BASE)]  # the catalog after each change file (pauses are not in it)
+    paused: set[int] = set()
+    names = ["0000.parquet"]  # change file names; catalog[k] holds every change up to names[k]
+    through = 0  # the newest export a build read
+
+    def check():
+        live = _live(root)
+        assert not live & paused  # never a paused ad
+        assert live == set(catalog[-1]["ad_id"].to_list()) - paused  # nor a deleted one, nor one lost
+
+    for changes, lag in rounds:
+        for op, pick in changes:
+            now = catalog[-1]
+            ids = now["ad_id"].to_list()
+            if op == "new":
+                ad = 10**9 + len(names)
+                rows = [_upsert(pool, N_BASE + pick % len(fresh), ad)]
+                new = fresh.slice(pick % len(fresh), 1).with_columns(pl.lit(ad, dtype=pl.Int64).alias("ad_id"))
+                now = pl.concat([now, new])
+            else:
+                ad = ids[pick % len(ids)]
+                rows = [{"ad_id": ad, "op": op}]
+                if op == "delete":
+                    now = now.filter(pl.col("ad_id") != ad)
+                    paused.discard(ad)
+                elif op == "pause":
+                    paused.add(ad)
+                else:
+                    paused.discard(ad)
+            names.append(f"{len(names):04d}.parquet")
+            run_update(root, _changes(pool, tmp / names[-1], rows))
+            catalog.append(now)
+            check()
+        k = max(0, len(catalog) - 1 - lag)
+        export = _export(pool, tmp, catalog[k], f"export{len(names)}.parquet")
+        build = lambda: run_build(export, pool["targeting"], root, config=pool["dir"] / "build.toml",  # noqa: E731
+                                  codebook=root, force=True, changes_through=names[k])
+        if k < through:
+            before = _published(root)
+            with pytest.raises(InputError, match="building from it would revert the changes in between"):
+                build()
+            assert _published(root) == before
+        else:
+            report = build()
+            assert report["carried"]["replayed"] == names[k + 1:]
+            through = k
+        check()
+
+
+# --- racing writers and the scheduled pipeline ------------------------------------------------------
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+import sidindex.job as job
+real = job.apply_changes
+def held(*a, **k):  # holds the ROOT's lock until the test says go
+    Path(sys.argv[3]).touch()
+    while not Path(sys.argv[4]).exists():
+        time.sleep(0.02)
+    return real(*a, **k)
+job.apply_changes = held
+job.run_update(Path(sys.argv[1]), Path(sys.argv[2]))
+"""
+
+
+def _wait_for(path: Path, timeout: float = 60) -> None:
+    t0 = time.monotonic()
+    while not path.exists():
+        assert time.monotonic() - t0 < timeout, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def test_a_build_that_waited_while_another_writer_published_refuses(built, pool, tmp_path):
+    root = _root(built, tmp_path)
+    change = _changes(pool, tmp_path / "0001.parquet", [{"ad_id": int(pool["catalog"]["ad_id"][0]), "op": "delete"}])
+    export = _export(pool, tmp_path, pool["catalog"].head(N_BASE))
+    held, go = tmp_path / "held", tmp_path / "go"
+    update = subprocess.Popen([sys.executable, "-c", HOLDER, str(root), str(change), str(held), str(go)],
+                              stderr=subprocess.PIPE, text=True)
+    _wait_for(held)  # the update holds the lock
+    build = subprocess.Popen([shutil.which("sidindex"), "build", "--catalog", str(export), "--targeting",
+                              str(pool["targeting"]), "--out", str(root), "--config", str(pool["dir"] / "build.toml"),
+                              "--force"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while "waiting" not in (build.stderr.readline() if build.poll() is None else "waiting"):
+        assert time.monotonic() - t0 < 60
+    go.touch()
+    assert update.wait(timeout=120) == 0, update.stderr.read()
+    published = Root(root).current_id()
+    _, err = build.communicate(timeout=300)
+    assert build.returncode == 2 and f"snapshot {published} was published while this build waited" in err, err
+    assert Root(root).current_id() == published  # the update stands
+
+
+def test_the_pipeline_archives_a_change_file_a_build_already_holds(built, pool, tmp_path):
+    root = _root(built, tmp_path)
+    changes = tmp_path / "changes"
+    changes.mkdir()
+    ids = pool["catalog"]["ad_id"].head(N_BASE).to_list()
+    export = _export(pool, tmp_path, pool["catalog"].head(N_BASE))
+    job = tmp_path / "job.toml"
+
+    def write_job(**extra):
+        keys = {"catalog": export, "targeting": pool["targeting"], "root": root, "config": pool["dir"] / "build.toml",
+                "changes": changes, **extra}
+        job.write_text("".join(f'{k} = "{v}"\n' for k, v in keys.items()))
+
+    def pipeline(*args):
+        return subprocess.run([sys.executable, "-m", "pipelines.rebuild", str(job), *args], capture_output=True,
+                              text=True, timeout=300)
+
+    # 0001 published by an update that was killed before it archived the file, then a full build
+    _changes(pool, changes / "0001.parquet", [{"ad_id": ids[0], "op": "delete"}])
+    run_update(root, changes / "0001.parquet")
+    for n, extra in enumerate(({}, {"changes_applied_through": "0001.parquet"})):  # without a watermark, with one
+        write_job(**extra)
+        assert pipeline().returncode == 0
+        later = f"{n + 2:04d}.parquet"
+        _changes(pool, changes / later, [{"ad_id": ids[n + 1], "op": "pause"}])
+        r = pipeline("--update")
+        assert r.returncode == 0, r.stderr
+        applied = {a["file"]: a["status"] for a in json.loads((root / "reports" / "latest.json").read_text())["applied"]}
+        assert applied == {"0001.parquet": "already applied", later: "published"}
+        assert sorted(p.name for p in changes.iterdir()) == ["applied"] and ids[n + 1] not in _live(root)
+        (changes / "applied" / "0001.parquet").replace(changes / "0001.parquet")  # pending again
