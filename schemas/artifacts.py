@@ -190,6 +190,10 @@ SNAPSHOT_RELATIONS = (
     "part_value falling (not rising) within each entry's partitions, the first equal to the entry's entry_value.",
     "level_sizes (manifest): L values in [1, 32768], equal to the carried codebook's.",
     "manifest counts: ads = N, sid_rows = P, sids = S, nodes = num_nodes.",
+    "Matcher cover (no false negative): per plane, the row of an inner entry holds every bit of each child "
+    "entry's row; the bitmask row of a SID's entry holds every bit of each of its ads' exact_bitmask_rows; the "
+    "bloom row of a SID's entry has, per attribute, all ones where one of its ads has no values there and some "
+    "bit set where it has some (the ads' bloom rows are not kept; k-way partitions are not covered).",
 )
 
 

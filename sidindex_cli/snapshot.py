@@ -23,14 +23,14 @@ def validate(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
     Checks the manifest (sealed by its own checksum, strict keys, id = directory name), that the
     directory holds exactly the files it lists (regular files, no links), each file's size,
     sha256 and fast digest (the carried codebook included; opening checks the fast digest alone),
-    each Arrow file's schema and lengths, and the index
-    structure (offsets rising without wrap-around, every index in range, every relation between
-    arrays; see schemas/CONTRACTS.md).
+    each Arrow file's schema and lengths, the index structure (offsets rising without
+    wrap-around, every index in range, every relation between arrays; see schemas/CONTRACTS.md),
+    and that every matcher row covers what lies beneath it (a row damaged under resealed digests).
     """
     from sidindex.snapshot import open_snapshot
 
     t0 = time.perf_counter()
-    snap = open_snapshot(snapshot, verify=True, strong=True)
+    snap = open_snapshot(snapshot, verify=True, strong=True, cover=True)
     emit({"status": "ok", "snapshot_id": snap.id, "path": str(snap.path), "files": len(snap.manifest.files),
           "bytes": snap.manifest.total_bytes, "seconds": round(time.perf_counter() - t0, 2)}, as_json, "snapshot valid")
 

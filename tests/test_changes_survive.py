@@ -120,6 +120,9 @@ def test_an_update_over_a_corrupt_base_publishes_nothing(built, pool, tmp_path, 
     assert r.returncode == 2 and message in r.stderr and "corrupt" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert _published(root) == before
+    if op == "pause":  # validate refuses the base as the update did
+        r = run_cli("validate", root)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
 def test_a_refused_update_creates_nothing(pool, tmp_path):

@@ -27,7 +27,7 @@ from sidindex.root import Root, pruned
 from sidindex.sid.codebook import Codebook, load_codebook, save_codebook
 from sidindex.snapshot.arrays import map_array, prefault_pages, same_memory, write_array
 from sidindex.snapshot.manifest import ArrayShape, FileEntry, Manifest
-from sidindex.snapshot.validate import STATE_ARRAYS, check_structure, check_lineage
+from sidindex.snapshot.validate import STATE_ARRAYS, check_cover, check_lineage, check_structure
 from sidindex.targeting import TargetingSpec, spec_from_dict
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
@@ -113,13 +113,15 @@ def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.
     return manifest
 
 
-def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False, prefault: bool = False,
-                  base: Snapshot | None = None) -> Snapshot:
+def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False, cover: bool = False,
+                  prefault: bool = False, base: Snapshot | None = None) -> Snapshot:
     """Open a ROOT's published snapshot (its CURRENT) or a snapshot directory.
 
     verify:   also check every file's fast digest (reads every byte, in parallel chunks; a snapshot
               written before fast digests: its sha256). Structure is always validated
     strong:   with verify, check every file's sha256 too (`sidindex validate`; several times slower)
+    cover:    also check that every matcher row covers what lies beneath it (`check_cover`: what
+              digests resealed over damaged rows cannot show; `sidindex validate` and an update's base)
     prefault: read every page of every array now, so the first queries do not wait on page faults
     base:     an open snapshot this one may share files with (an update's base): a file that is the
               base's own (the same inode, and the same manifest entry and array shape) is neither
@@ -135,7 +137,7 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
     for attempt in range(2):
         directory = Root.resolve(path)
         try:
-            return _open(directory, verify, strong, prefault, base)
+            return _open(directory, verify, strong, cover, prefault, base)
         except ArtifactError:
             if not _pruned(path, directory):
                 raise
@@ -158,7 +160,8 @@ def _pruned(path: Path, directory: Path) -> bool:
         return False
 
 
-def _open(directory: Path, verify: bool, strong: bool, prefault: bool, base: Snapshot | None) -> Snapshot:
+def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bool, base: Snapshot | None
+          ) -> Snapshot:
     clock = StageClock()
     m = Manifest.read(directory)
     where = directory / MANIFEST_FILE
@@ -182,6 +185,8 @@ def _open(directory: Path, verify: bool, strong: bool, prefault: bool, base: Sna
     check_structure(directory, gtm, exact, ad_id, m.counts, changed=set(arrays) - set(reused) if reused else None,
                     base_state=None if base is None else base.row_states)
     check_lineage(directory, m.lineage, exact.ad_state)
+    if cover:
+        check_cover(directory, gtm, exact)
     codebook = base.codebook if shared and m.codebook_id == base.manifest.codebook_id and all(
         n in shared for n in m.files if n.startswith("codebooks/")) else _codebook(directory, m)
     clock.lap("structure")

@@ -22,6 +22,7 @@ from sidindex.errors import ArtifactError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.parallel import sized
 from sidindex.trie.build import GTMIndex
+from sidindex.trie.cover import uncovered
 from sidindex.trie.patch import live_entries
 
 
@@ -286,6 +287,14 @@ def _values(need: _Need, gtm: GTMIndex) -> None:
     if gtm.part_value is not None:
         need(_bad_partitions(gtm.part_value, gtm.part_offsets, ev) == 0, "part_value",
              "an entry's partitions must fall in value from the entry's own bound")
+
+
+def check_cover(path: Path, gtm: GTMIndex, exact: ExactIndex) -> None:
+    """Raise ArtifactError naming the first matcher table whose rows do not cover what lies beneath
+    them (`sidindex.trie.cover`); the structure must have passed `check_structure`."""
+    need = _Need(path)
+    for name, what in uncovered(gtm, exact):
+        need(False, name, f"{what} (its digests may have been written over the damage)")
 
 
 def check_lineage(path: Path, lineage: dict | None, ad_state: np.ndarray | None) -> None:
