@@ -303,7 +303,7 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         # files linked from the base were verified above, in this job; new ones were hashed as written,
         # and new SIDs bring new matcher rows
         check = lambda d: open_snapshot(d, verify=True, cover=g is not base.gtm, base=base)  # noqa: E731
-        path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=Path(changes))
+        path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=(Path(changes), source))
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report, **counts,
             "new_sid_rows": updated.sid_rows, "lineage": lineage, "seconds": _rounded(clock)}

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from schemas.artifacts import MANIFEST_FILE
-from sidindex.artifact import fsync_path, publish_dir, read_bounded, sha256_file
+from sidindex.artifact import fsync_path, publish_dir, read_bounded
 from sidindex.errors import ArtifactError
 from sidindex.interrupts import Interrupted, interrupts_deferred
 
@@ -177,14 +177,13 @@ class Root:
         return doomed
 
     def publish(self, snapshot_id: str, write: Callable[[Path], None], check: Callable[[Path], None],
-                keep: int, *, expected: str | None, journal: Path | None = None) -> Path:
+                keep: int, *, expected: str | None, journal: tuple[Path, str] | None = None) -> Path:
         """Write, check and publish a snapshot, then apply retention; returns its directory.
 
         write(directory) fills the new, empty directory; check(directory) raises if it is not sound.
         expected: the id CURRENT named when the job read what it publishes (None: nothing was
             published); another one there now is refused, the job's work is not published.
-        journal: the change file an update applied, kept as the journal entry of `snapshot_id`
-            (read by the caller; its sha256 names the entry).
+        journal: (change file, its sha256) an update applied, kept as the journal entry of `snapshot_id`.
         An interrupt (`sidindex.interrupts`) during the commit is raised after it, with
         `published` set: the snapshot is then CURRENT.
         """
@@ -194,18 +193,17 @@ class Root:
         tmp.mkdir()
         final = self.snapshot_dir(snapshot_id)
         entry = self.changes / f"{TMP_PREFIX}{snapshot_id}"
-        entry_name = f"{snapshot_id}.{sha256_file(journal, follow_links=True)}" if journal is not None else ""
         try:
             write(tmp)
             check(tmp)
             if journal is not None:
                 entry.mkdir(parents=True)
-                shutil.copyfile(journal, entry / journal.name)
+                shutil.copyfile(journal[0], entry / journal[0].name)
             self._check_current(expected)
             with interrupts_deferred():
                 try:
                     if journal is not None:  # before CURRENT: a crash leaves an entry newer than CURRENT, removed
-                        publish_dir(entry, self.changes / entry_name)
+                        publish_dir(entry, self.changes / f"{snapshot_id}.{journal[1]}")
                     publish_dir(tmp, final)
                     self._replace(self.current_file, snapshot_id + "\n")
                     history = [i for i in self.history() if i != snapshot_id] + [snapshot_id]
