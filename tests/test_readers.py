@@ -2,7 +2,8 @@
 
 - One validator: over crafted snapshots published as an update of the served one (sharing its
   files by hard link), a watcher polling over the served snapshot swaps exactly when
-  `runtime.load` of the ROOT succeeds and exactly when `sidindex validate` exits 0.
+  `runtime.load` of the ROOT succeeds and exactly when `sidindex validate` exits 0 (the checks
+  `validate` alone makes off the serving path, sha256 and matcher cover, hold in every case).
 - Retention under readers: a reader whose snapshot is pruned while it is opened reads CURRENT again
   and opens the newer one, once; pruned again, or given the snapshot directory itself, it gets the
   "pruned" error, never a file of it reported missing. A reader racing real `--keep 1` publishes
