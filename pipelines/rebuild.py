@@ -169,7 +169,7 @@ def _published_from(root: Path, path: Path) -> bool:
     through = layout.through()
     if through is not None and path.name <= through:
         return True
-    return sha256_file(path) in {digest for digest, _ in layout.journal()}
+    return sha256_file(path) in {e.digest for e in layout.journal()}
 
 
 def _write_report(directory: Path, report: dict) -> None:

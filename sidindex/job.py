@@ -19,8 +19,9 @@ Deletes and upserts live in the catalog export, which may predate the latest upd
 name of the newest change file the export holds (`changes_through`), a build re-applies every
 journaled change file named after it (`sidindex.root`), in the order they were published, before
 it publishes. Without that name it re-applies none and says so in its report's warnings.
-A build publishes only over the snapshot it started from; with `changes_through` it may start
-from whatever CURRENT names once it holds the lock, since it re-applies what was published since.
+Without `changes_through`, a build that waited for the lock while an update published refuses
+(that update's deletes and upserts are likely newer than its export); with it, the build re-applies
+them. Either way a job publishes only over the CURRENT it read under the lock (`Root.publish`).
 """
 
 from __future__ import annotations
@@ -86,10 +87,12 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
     with layout.lock(waiting):
         clock.restart()  # time spent waiting for the lock is not the build's
         published = layout.current_or_none()
-        if changes_through is None and published != started_over:
-            raise ArtifactError(f"{root}: snapshot {published} was published while this build waited for the ROOT; "
-                                "its changes may be newer than this catalog export and would be reverted, so nothing "
-                                "was built. Run the build again (or give it the newest change file its export holds)")
+        if changes_through is None and published != started_over and any(
+                e.update > (started_over or "") for e in layout.journal()):
+            raise ArtifactError(f"{root}: an update was published while this build waited for the ROOT (CURRENT is "
+                                f"now {published}); its changes may be newer than this catalog export and would be "
+                                "reverted, so nothing was built. Run the build again (or give it the newest change "
+                                "file its export holds)")
         through = layout.through()
         if changes_through is not None and through is not None and changes_through < through:
             raise InputError(f"the catalog export holds the change files through {changes_through!r}, fewer than the "
@@ -198,7 +201,7 @@ def _carry_changes(root: Root, published: str | None, built: _Built, cb: Codeboo
     """`built` with the ads the published snapshot has paused paused, and the journal's change files
     named after `through` re-applied in the order they were published; what was carried, and
     the warnings for the report."""
-    journal = [change for _, change in root.journal()]
+    journal = [e.file for e in root.journal()]
     replay = [f for f in journal if through is not None and f.name > through]
     warnings = []
     if through is None and journal:

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 from schemas.artifacts import MANIFEST_FILE
 from sidindex.artifact import fsync_path, publish_dir, read_bounded
@@ -49,6 +50,14 @@ JOURNAL_ENTRY = re.compile(r"^[0-9]{8}T[0-9]{12}Z-[0-9a-f]{8}\.[0-9a-f]{64}$")  
 TMP_PREFIX = ".tmp-"
 _POINTER_BYTES = 256  # CURRENT holds one id
 _HISTORY_BYTES = 1 << 20
+
+
+class JournalEntry(NamedTuple):
+    """A change file an update published: the update's snapshot id, the file's sha256, the file."""
+
+    update: str
+    digest: str
+    file: Path
 
 
 def new_snapshot_id(fingerprint: str) -> str:
@@ -228,8 +237,8 @@ class Root:
 
     # --- the change journal -----------------------------------------------------------------
 
-    def journal(self) -> list[tuple[str, Path]]:
-        """(sha256, change file) of each published journal entry, oldest first."""
+    def journal(self) -> list[JournalEntry]:
+        """The published journal entries, oldest first."""
         current = self.current_or_none()
         if current is None or not self.changes.is_dir():
             return []
@@ -238,7 +247,7 @@ class Root:
             files = [f for f in d.iterdir() if f.is_file() and not f.is_symlink()] if d.is_dir() else []
             if len(files) != 1:
                 raise ArtifactError(f"{d}: a journal entry holds exactly one change file, found {len(files)}")
-            out.append((d.name.rpartition(".")[2], files[0]))
+            out.append(JournalEntry(_entry_id(d), d.name.rpartition(".")[2], files[0]))
         return out
 
     def through(self) -> str | None:
@@ -256,9 +265,9 @@ class Root:
         then drop the journal entries it makes redundant (their names are at or before it)."""
         self.changes.mkdir(parents=True, exist_ok=True)
         self._replace(self.through_file, name + "\n")
-        for _, change in self.journal():
-            if change.name <= name:
-                shutil.rmtree(change.parent, ignore_errors=True)
+        for entry in self.journal():
+            if entry.file.name <= name:
+                shutil.rmtree(entry.file.parent, ignore_errors=True)
 
     def _replace(self, path: Path, text: str) -> None:
         tmp = path.with_name(path.name + ".tmp")
@@ -276,8 +285,13 @@ class Root:
         published = [i for i in self.history() if i != current]
         kept = set(published[max(0, len(published) - (keep - 1)):] if keep > 1 else []) | {current}
         doomed = sorted(p.name for p in self.snapshots.iterdir() if SNAPSHOT_ID.match(p.name) and p.name not in kept)
-        for i in doomed:
-            shutil.rmtree(self.snapshot_dir(i), ignore_errors=True)
+        for i in doomed:  # renamed away first: a reader sees the snapshot whole or gone, never half deleted
+            gone = self.snapshots / f"{TMP_PREFIX}pruned-{i}"
+            try:
+                os.rename(self.snapshot_dir(i), gone)
+            except OSError:
+                continue
+            shutil.rmtree(gone, ignore_errors=True)
         self._replace(self.history_file, "".join(f"{i}\n" for i in self.history() if i in kept))
         return doomed
 

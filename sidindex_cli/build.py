@@ -158,8 +158,8 @@ def build(
     Changes survive the build. An ad the published snapshot has paused stays paused (pauses are
     not in the catalog): a paused ad is never served again until an update resumes or deletes it.
     Deletes and upserts published by updates after the catalog export are applied again when
-    --changes-applied-through names the newest change file the export holds. A build refuses to
-    publish over a snapshot another writer published while it waited (exit 2; run it again).
+    --changes-applied-through names the newest change file the export holds. Without it, a build
+    that waited while an update published refuses (exit 2; run it again).
     """
     from sidindex.job import run_build
 

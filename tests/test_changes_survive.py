@@ -184,7 +184,7 @@ def test_changes_after_the_export_are_applied_again_with_its_watermark(built, po
     newer = _export(pool, tmp_path, ads.filter(pl.col("ad_id") != ids[0]), "export-new.parquet")
     report = _build(pool, root, newer, "--changes-applied-through", "0001.parquet")
     assert report["carried"]["replayed"] == ["0002.parquet"] and _live(root) == want
-    assert [f.name for _, f in Root(root).journal()] == ["0002.parquet"] and Root(root).through() == "0001.parquet"
+    assert [e.file.name for e in Root(root).journal()] == ["0002.parquet"] and Root(root).through() == "0001.parquet"
     r = run_cli("build", "--catalog", newer, "--targeting", pool["targeting"], "--out", root,
                 "--changes-applied-through", "a/b.parquet")
     assert r.returncode == 2 and "does not name a change file" in r.stderr
@@ -294,7 +294,7 @@ def test_a_build_that_waited_while_another_writer_published_refuses(built, pool,
     assert update.wait(timeout=120) == 0, update.stderr.read()
     published = Root(root).current_id()
     _, err = build.communicate(timeout=300)
-    assert build.returncode == 2 and f"snapshot {published} was published while this build waited" in err, err
+    assert build.returncode == 2 and f"an update was published while this build waited for the ROOT (CURRENT is now {published})" in err, err
     assert Root(root).current_id() == published  # the update stands
 
 
