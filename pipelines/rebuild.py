@@ -194,8 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(rest) != 1 or rest[0] in ("-h", "--help") or rest[0].startswith("-"):
         print(__doc__)
         return 0 if rest and rest[0] in ("-h", "--help") else 2
-    with interrupts_raise():
-        code, report = run(Path(rest[0]), update)
+    try:
+        with interrupts_raise():
+            code, report = run(Path(rest[0]), update)
+    except Interrupted as e:  # while the report was written: the run's own outcome is in it, or lost
+        _one_line(f"error: {e.describe('the run report may be incomplete')}")
+        return e.exit_code
+    if report.get("status") == "interrupted":
+        _one_line(f"error: {report['error']}")
     if "report_error" in report:
         _one_line(f"error: {report['report_error']}; the report follows on stdout")
         print(json.dumps(report, default=str))  # the only copy of it

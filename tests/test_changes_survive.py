@@ -329,3 +329,45 @@ def test_the_pipeline_archives_a_change_file_a_build_already_holds(built, pool, 
         assert applied == {"0001.parquet": "already applied", later: "published"}
         assert sorted(p.name for p in changes.iterdir()) == ["applied"] and ids[n + 1] not in _live(root)
         (changes / "applied" / "0001.parquet").replace(changes / "0001.parquet")  # pending again
+
+
+LOCKER = """
+import sys
+from pathlib import Path
+from sidindex.root import Root
+with Root(sys.argv[1]).lock():
+    Path(sys.argv[2]).touch()
+    sys.stdin.read()  # until the test closes it
+"""
+
+
+@pytest.mark.parametrize("signum, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_an_interrupted_pipeline_run_exits_128_plus_the_signal_and_publishes_nothing(built, pool, tmp_path, signum,
+                                                                                       code):
+    import signal
+
+    root = _root(built, tmp_path)
+    job = tmp_path / "job.toml"
+    keys = {"catalog": _export(pool, tmp_path, pool["catalog"].head(N_BASE)), "targeting": pool["targeting"],
+            "root": root, "config": pool["dir"] / "build.toml", "force": "true"}
+    job.write_text("".join(f'{k} = "{v}"\n' if k != "force" else f"{k} = {v}\n" for k, v in keys.items()))
+    before = _published(root)
+    locked = tmp_path / "locked"
+    locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(root), str(locked)], stdin=subprocess.PIPE)
+    try:
+        _wait_for(locked)
+        run = subprocess.Popen([sys.executable, "-m", "pipelines.rebuild", str(job)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        t0 = time.monotonic()  # until its main thread waits on the ROOT's lock, past start-up
+        while "lock" not in Path(f"/proc/{run.pid}/wchan").read_text():
+            assert time.monotonic() - t0 < 60 and run.poll() is None
+            time.sleep(0.05)
+        run.send_signal(getattr(signal, signum))
+        out, err = run.communicate(timeout=60)
+    finally:
+        locker.stdin.close()
+        locker.wait(timeout=60)
+    assert run.returncode == code and f"interrupted by {signum}; nothing published" in err, err
+    assert "Traceback" not in err and json.loads(out)["status"] == "interrupted"
+    assert json.loads((root / "reports" / "latest.json").read_text())["exit_code"] == code
+    assert _published(root)[:3] == before[:3]
