@@ -65,6 +65,10 @@ def interrupts_raise() -> Iterator[None]:
     if not _main_thread():
         yield
         return
+    # polars, when first imported, installs a SIGINT handler that chains to the one in place and
+    # restarts the interrupted system call: imported inside, it would hold a SIGINT until a lock
+    # wait or a blocking read ends. Imported before, its handler is replaced by ours.
+    import polars  # noqa: F401
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     for s, handler in previous.items():
         if handler is not signal.SIG_IGN:
