@@ -20,6 +20,7 @@ import sys
 import torch
 
 from sidindex.errors import ScorerError
+from sidindex.interrupts import from_signal
 from sidindex.sid.codebook import Codebook
 
 
@@ -70,14 +71,34 @@ def load_factory(spec: str) -> ScorerFactory:
         raise ScorerError(f"scorer {spec!r}: expected MODULE:FACTORY, e.g. my_model:make_scorer")
     if "" not in sys.path and os.getcwd() not in sys.path:  # the working directory, as `python -m` would
         sys.path.insert(0, os.getcwd())
-    try:
-        mod = importlib.import_module(module)
-    except Exception as e:  # the user's module: any error in it is theirs to fix
-        raise ScorerError(f"scorer {spec!r}: cannot import {module!r}: {type(e).__name__}: {e}") from None
-    factory = getattr(mod, name, None)
+    mod = users(spec, f"cannot import {module!r}", importlib.import_module, module)
+    factory = users(spec, f"reading {name!r} of {module!r}", getattr, mod, name, None)
     if not callable(factory):
         raise ScorerError(f"scorer {spec!r}: module {module!r} ({mod.__file__}) has no callable {name!r}")
     return ScorerFactory(factory, spec)
+
+
+def users(spec: str, what: str, fn, *args):
+    """fn(*args), code of the user's scorer module: whatever it raises, SystemExit and other
+    BaseExceptions included, is a ScorerError naming the scorer and `what` failed; only a signal
+    that arrived (`sidindex.interrupts.from_signal`) passes through."""
+    try:
+        return fn(*args)
+    except BaseException as e:
+        if from_signal(e):
+            raise
+        raise ScorerError(f"scorer {spec!r}: {what}: {_described(e)}") from None
+
+
+def _described(e: BaseException) -> str:
+    """'ValueError: bad shape'; 'it called sys.exit(3)' for a SystemExit."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({'' if e.code is None else repr(e.code)})"
+    try:
+        text = str(e)
+    except Exception:  # the user's __str__
+        text = ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class ScorerFactory:
@@ -87,10 +108,7 @@ class ScorerFactory:
         self.factory, self.spec = factory, spec
 
     def for_batch(self, batch, device: torch.device, level_sizes: tuple[int, ...]):
-        try:
-            scorer = self.factory(batch, device, level_sizes)
-        except Exception as e:
-            raise ScorerError(f"scorer {self.spec!r}: the factory failed: {type(e).__name__}: {e}") from None
+        scorer = users(self.spec, "the factory failed", self.factory, batch, device, level_sizes)
         if not callable(scorer):
             raise ScorerError(f"scorer {self.spec!r}: the factory returned {type(scorer).__name__}, not a scorer "
                               "(a callable scorer(step, tokens, parent) -> logits)")
@@ -98,19 +116,29 @@ class ScorerFactory:
 
 
 class _Checked:
-    """Calls a user's scorer and checks what it returns (host metadata only: no device sync)."""
+    """Calls a user's scorer and checks what it returns (host metadata only: no device sync); its
+    attributes (`inputs`, `prefix_independent`) are the wrapped scorer's, their reading and calling
+    failing as a ScorerError too."""
 
     def __init__(self, scorer, spec: str, V: int) -> None:
         self.scorer, self.spec, self.V = scorer, spec, V
 
-    def __getattr__(self, name: str):  # `inputs`, `prefix_independent`: the wrapped scorer's
-        return getattr(self.__dict__["scorer"], name)
+    def __getattr__(self, name: str):
+        spec = self.__dict__["spec"]
+        try:
+            attr = getattr(self.__dict__["scorer"], name)
+        except AttributeError:  # absent: a getattr with a default takes that
+            raise
+        except BaseException as e:
+            if from_signal(e):
+                raise
+            raise ScorerError(f"scorer {spec!r}: reading its {name!r} failed: {_described(e)}") from None
+        if not callable(attr):
+            return attr
+        return lambda *args: users(spec, f"its {name!r} failed", attr, *args)
 
     def __call__(self, step: int, tokens: torch.Tensor, parent: torch.Tensor | None) -> torch.Tensor:
-        try:
-            out = self.scorer(step, tokens, parent)
-        except Exception as e:
-            raise ScorerError(f"scorer {self.spec!r} failed at step {step}: {type(e).__name__}: {e}") from None
+        out = users(self.spec, f"failed at step {step}", self.scorer, step, tokens, parent)
         want = (*tokens.shape[:2], self.V)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or not out.is_floating_point() \
                 or out.device != tokens.device:

@@ -1,0 +1,249 @@
+"""Exit codes mean what happened (DESIGN.md §9).
+
+- SIGINT and SIGTERM stop `build`, `update` and `retrieve` with exit 130 and 143 and one line on
+  stderr, publishing (or writing) nothing: CURRENT and HISTORY stay as they were, no snapshot
+  directory or temporary is left, CURRENT still validates. Each signal lands at a known point:
+  while the command waits for the ROOT's lock (held here), or while the user's scorer factory
+  runs (it leaves a marker, then sleeps).
+- A user's scorer module that exits (sys.exit()), raises KeyboardInterrupt or a BaseException of
+  its own, or fails on attribute access, in its import, factory or scorer, is one line naming it
+  and exit 2, never a traceback, never another command's exit code (3 is the quality gate's).
+- Memory running out is one line saying so and what to do, exit 2; an exit code typer returns
+  is never a success.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import run_cli
+from tests.test_retrieve import build_root
+
+CONFIG = '[sid]\nlevels = [16, 8, 8]\nhash_size = 64\npaths = 1\nmin_points_per_centroid = 10\n'
+
+# Starts the console script with SIGINT at its default (a test run from a shell's background job
+# would hand it on ignored); exec keeps the pid.
+LAUNCH = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+
+MODELS = '''
+import pathlib
+import sys
+import time
+
+import torch
+
+
+class Stop(BaseException):
+    """Not an Exception."""
+
+
+def slow(batch, device, level_sizes):
+    pathlib.Path("factory-started").touch()
+    time.sleep(60)
+
+
+def exits(batch, device, level_sizes):
+    sys.exit()
+
+
+def exits_3(batch, device, level_sizes):
+    def scorer(step, tokens, parent):
+        sys.exit(3)
+    return scorer
+
+
+def interrupts(batch, device, level_sizes):
+    raise KeyboardInterrupt
+
+
+def stops(batch, device, level_sizes):
+    def scorer(step, tokens, parent):
+        raise Stop("a plug-in's own")
+    return scorer
+
+
+class Opaque:
+    def __init__(self, V):
+        self.V = V
+
+    def __call__(self, step, tokens, parent):
+        return torch.zeros(*tokens.shape[:2], self.V, device=tokens.device)
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"{name} is not ready")
+
+
+def opaque(batch, device, level_sizes):
+    return Opaque(max(level_sizes))
+'''
+
+LAZY = '''
+def __getattr__(name):
+    raise RuntimeError(f"{name} is not loaded")
+'''
+
+EXITS_ON_IMPORT = 'import sys\nsys.exit(1)\n'
+
+
+@pytest.fixture(scope="module")
+def root(sample_dir, tmp_path_factory) -> Path:
+    return build_root(sample_dir, tmp_path_factory.mktemp("interrupts"), CONFIG)
+
+
+@pytest.fixture(scope="module")
+def work(sample_dir, root) -> Path:
+    """The working directory of the commands: the scorer modules, 2 requests, a change file."""
+    work = root.parent / "work"
+    work.mkdir()
+    for name, text in (("models", MODELS), ("lazy", LAZY), ("exits_on_import", EXITS_ON_IMPORT)):
+        (work / f"{name}.py").write_text(text)
+    pq.write_table(pq.read_table(sample_dir / "requests.parquet").slice(0, 2), work / "requests.parquet")
+    ads = pq.read_table(sample_dir / "catalog.parquet").column("ad_id").slice(0, 3)
+    pq.write_table(pa.table({"ad_id": ads, "op": ["pause"] * 3}), work / "changes.parquet")
+    return work
+
+
+def start(*args, cwd: Path) -> subprocess.Popen:
+    exe = shutil.which("sidindex")
+    assert exe, "the sidindex console script is not installed (pip install -e .)"
+    return subprocess.Popen([sys.executable, "-c", LAUNCH, exe, *map(str, args)], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def published(root: Path) -> tuple:
+    """What a ROOT has published: CURRENT, HISTORY and every entry of snapshots/ and codebooks/."""
+    return ((root / "CURRENT").read_text(), (root / "HISTORY").read_text(),
+            sorted(os.listdir(root / "snapshots")), sorted(os.listdir(root / "codebooks")))
+
+
+def stopped(p: subprocess.Popen, signum: int) -> list[str]:
+    """Send `signum` to the command, which must then exit 128 + signum; its remaining stderr lines."""
+    p.send_signal(signum)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signum, err
+    assert "Traceback" not in err
+    return err.strip().splitlines()
+
+
+SIGNALS = [(signal.SIGINT, "SIGINT"), (signal.SIGTERM, "SIGTERM")]
+
+
+@pytest.mark.parametrize("signum, name", SIGNALS)
+@pytest.mark.parametrize("command", ["build", "update"])
+def test_a_signal_while_waiting_for_the_root_publishes_nothing(root, work, sample_dir, command, signum, name):
+    before = published(root)
+    args = (("build", "--catalog", sample_dir / "catalog.parquet", "--targeting", sample_dir / "targeting.toml",
+             "--out", root, "--config", root.parent / "build.toml", "--force") if command == "build" else
+            ("update", root, "--changes", work / "changes.parquet"))
+    with open(root / ".lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another build holds the ROOT
+        try:
+            p = start(*args, cwd=work)
+            ready, _, _ = select.select([p.stderr], [], [], 60)
+            assert ready, "the command did not wait for the lock"
+            lines = stopped(p, signum)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert lines[-1] == f"interrupted by {name}; nothing published"
+    assert all(line.startswith("waiting for") for line in lines[:-1]), lines
+    assert published(root) == before
+    r = run_cli("validate", root, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("signum, name", SIGNALS)
+def test_a_signal_during_retrieve_writes_nothing(root, work, signum, name):
+    marker, out = work / "factory-started", work / f"{name}.parquet"
+    marker.unlink(missing_ok=True)
+    p = start("retrieve", root, "--requests", "requests.parquet", "--out", out, "--device", "cpu",
+              "--scorer", "models:slow", cwd=work)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():  # the factory runs: the search has begun
+            assert p.poll() is None, p.communicate()[1]
+            assert time.monotonic() < deadline, "the scorer factory was never called"
+            time.sleep(0.02)
+        lines = stopped(p, signum)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert lines == [f"interrupted by {name}; nothing written"]
+    assert not out.exists() and not list(work.glob(f".{out.name}*"))
+
+
+FAILING = [  # factory, what the line says, the commands that reach the failure
+    ("models:exits", "the factory failed: it called sys.exit()", ("retrieve", "simulate")),
+    ("models:exits_3", "failed at step 0: it called sys.exit(3)", ("retrieve", "simulate")),
+    ("models:interrupts", "the factory failed: KeyboardInterrupt", ("retrieve", "simulate")),
+    ("models:stops", "failed at step 0: Stop: a plug-in's own", ("retrieve", "simulate")),
+    ("lazy:make", "reading 'make' of 'lazy': RuntimeError: make is not loaded", ("retrieve", "simulate")),
+    # simulate asks a scorer whether a step depends on the prefix; retrieve on the CPU reads no attribute
+    ("models:opaque", "reading its 'prefix_independent' failed: RuntimeError: prefix_independent is not ready",
+     ("simulate",)),
+    ("exits_on_import:make", "cannot import 'exits_on_import': it called sys.exit(1)", ("retrieve",)),
+]
+
+
+@pytest.mark.parametrize("factory, message, command",
+                         [(f, m, c) for f, m, commands in FAILING for c in commands])
+def test_a_scorer_that_exits_or_raises_a_base_exception_is_one_line_exit_2(root, work, factory, message, command):
+    out = work / "failed.parquet"
+    extra = ("--out", out) if command == "retrieve" else ("--top-k", "5")
+    r = run_cli(command, root, "--requests", "requests.parquet", "--device", "cpu", "--scorer", factory, *extra,
+                cwd=work, timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines() == [f"error: scorer {factory!r}: {message}"], r.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("raised, line", [
+    (MemoryError("Unable to allocate 192. MiB for an array"),
+     "error: out of host memory: `sidindex retrieve` could not allocate what it needed (Unable to allocate 192. MiB "
+     "for an array); give it more memory or less to hold at once: fewer requests per file, or per search "
+     "(--batch-size)"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 33554432 bytes."),
+     "error: out of host memory: `sidindex retrieve` could not allocate what it needed ([enforce fail at "
+     "alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 33554432 "
+     "bytes.); give it more memory or less to hold at once: fewer requests per file, or per search (--batch-size)"),
+])
+def test_running_out_of_memory_is_one_line_exit_2(monkeypatch, capsys, raised, line):
+    """What numpy or pyarrow (a MemoryError) and torch's CPU allocator (a RuntimeError) raise when an
+    allocation fails; a real one needs a process limit that depends on the host."""
+    def app(standalone_mode):
+        raise raised
+
+    assert _main_exits(monkeypatch, app) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+def test_an_exit_code_typer_returns_is_never_a_success(monkeypatch, capsys):
+    """typer returns 130 for a KeyboardInterrupt it caught (raised by code: a SIGINT is Interrupted)."""
+    assert _main_exits(monkeypatch, lambda standalone_mode: 130) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["interrupted; nothing written"]
+
+
+def _main_exits(monkeypatch, app) -> int:
+    """The exit code of `sidindex retrieve` whose typer app is `app`."""
+    from sidindex_cli import app as cli
+
+    monkeypatch.setattr(cli, "app", app)
+    monkeypatch.setattr(sys, "argv", ["sidindex", "retrieve"])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    return e.value.code
