@@ -56,7 +56,8 @@ class Scorer(Protocol):
     previous K beams) that beam k extends, or None when there are no previous beams to reuse (step
     0, and every call of the exhaustive scan in `runtime.simulate`): a decoder with a KV cache
     reorders its cache with `parent` and runs only the new token, and computes from `tokens` when
-    `parent` is None. Returns (B, K, V) float logits; a token beyond the level's size should get
+    `parent` is None. Both are the scorer's own copies (`logits_of`): writing into them changes
+    nothing the search keeps. Returns (B, K, V) float logits; a token beyond the level's size should get
     -inf, and dead beams may get any logits. `runtime.CodebookScorer` is the built-in one,
     `runtime.decoder.DecoderScorer` a transformer with a KV cache. A scorer that also exposes
     `inputs`, a dict of the tensors it reads (refreshed in place per batch), can be captured with
@@ -217,7 +218,7 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     parent = overflow = None
     for d in range(L):
         K = node.shape[1]
-        logp = torch.log_softmax(scorer(d, tokens, parent).float(), dim=-1).reshape(B * K, V)
+        logp = torch.log_softmax(logits_of(scorer, d, tokens, parent).float(), dim=-1).reshape(B * K, V)
         k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
         key = None
         if compact:  # slots of the beams' child entries; padded so top-k always has k_next of them
@@ -258,6 +259,14 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     alive = score > NEG_INF
     leaf = torch.where(alive & (node >= 0), node - index.leaf_start, -1)
     return Beams(torch.where(alive[..., None], tokens, 0), score, leaf, overflow)
+
+
+def logits_of(scorer: Scorer, step: int, tokens: torch.Tensor, parent: torch.Tensor | None) -> torch.Tensor:
+    """scorer(step, tokens, parent), given copies of tokens (B, K, step) int64 and parent (B, K)
+    int64 (or None): the search keeps the originals, which a scorer writing into its arguments
+    must not change. Device copies, so neither a host wait nor a break in a captured graph; at
+    most B x K x (step + 1) x 8 bytes a step."""
+    return scorer(step, tokens.clone(), None if parent is None else parent.clone())
 
 
 def capped_widths(index: ServedIndex, beams: tuple[int, ...] | str,

@@ -28,7 +28,7 @@ import torch
 from runtime.loader import ServedIndex
 from runtime.requests import to_device
 from runtime.retrieve import codebook_scorer, retrieve
-from runtime.search import Scorer, check_value_weight, parse_beams
+from runtime.search import Scorer, check_value_weight, logits_of, parse_beams
 from sidindex.ingest import Requests
 from sidindex.matchers.exact import eligible_mask
 from sidindex.modes import Mode, parse_mode
@@ -80,7 +80,7 @@ def node_scores(index: ServedIndex, scorer: Scorer, levels: list[TrieLevel], chu
             e = min(lv.hi, s + chunk)
             ask = lv.paths[:1] if constant else lv.paths[s - lv.lo:e - lv.lo]
             # no previous beams to reuse: the chunks of a depth are not one call's beams
-            logp = torch.log_softmax(scorer(d, ask[None], None).float()[0], dim=-1)  # (n or 1, V)
+            logp = torch.log_softmax(logits_of(scorer, d, ask[None], None).float()[0], dim=-1)  # (n or 1, V)
             e_lo, e_hi = int(g.node_offsets[s]), int(g.node_offsets[e])
             parent = lv.parent[e_lo - lv.e_lo:e_hi - lv.e_lo]
             row = torch.zeros_like(parent) if constant else parent - s
