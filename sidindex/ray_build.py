@@ -12,14 +12,18 @@
 
 Errors: a fragment's bad row fails the build with the local engine's message (the first error a
 whole-file validation meets, ranked by `InputError.rank`; ad ids are checked for repeats across
-fragments once every fragment is read); a task that dies (its worker killed) or a cluster that
-cannot be reached raises `EngineError`. Nothing is published on failure. Ray is an optional extra.
+fragments once every fragment is read), a corrupt row group with the parse error naming it; a task
+that dies (its worker killed) or a cluster that cannot be reached raises `EngineError`. Nothing is
+published on failure. A local Ray started for a build ends with it, even when its driver is killed.
+Ray is an optional extra.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,10 +96,18 @@ def build_on_ray(path: Path, spec: TargetingSpec, codebook: Codebook, *, kway: K
     frags = fragments(path)
     started = not ray.is_initialized()
     if started:
-        os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # keeps Ray from warning about GPUs
+        env = {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}  # keeps Ray from warning about GPUs
+        if address is None:
+            # Ray gives the processes it starts a parent-death signal, but not the agents its raylet
+            # starts: when the driver is killed, they see the raylet gone and wait for the GCS (dead
+            # too) to take their report, 60 s by default. A local GCS is never restarted, so waiting
+            # for it is pointless: 5 s, and a killed build leaves no process behind
+            env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "5"
         try:
-            ray.init(address=address, num_cpus=None if address else workers or default_workers(),
-                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+            with _environment(env):
+                # "local": a Ray of the build's own, never one that RAY_ADDRESS or `ray start` left running
+                ray.init(address=address or "local", num_cpus=None if address else workers or default_workers(),
+                         include_dashboard=False, log_to_driver=False, configure_logging=False)
         except Exception as e:  # Ray raises many types here, plain Exception among them
             ray.shutdown()
             raise EngineError(f"cannot start or reach Ray{f' at {address}' if address else ''}: {e}") from None
@@ -107,6 +119,19 @@ def build_on_ray(path: Path, spec: TargetingSpec, codebook: Codebook, *, kway: K
     finally:
         if started:
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in this process's environment, unless set already (a user's own setting wins), and
+    so in that of the processes started meanwhile (a local Ray's read it when they start)."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _run(ray, path: Path, spec: TargetingSpec, codebook: Codebook, kway: KWayConfig | None, frags: list[Fragment],
@@ -125,8 +150,13 @@ def _run(ray, path: Path, spec: TargetingSpec, codebook: Codebook, kway: KWayCon
 
         try:
             table = pq.ParquetFile(source).read_row_group(f.group)
-        except Exception as e:  # a corrupt row group: the local engine's words for an unreadable file
-            return _Failed(f"{path}: cannot be read as Parquet or Arrow IPC: {e}", (-1, -1, -1), None), None, None
+            # pyarrow leaves what it decoded unchecked (a string's UTF-8 above all), and polars takes
+            # it as valid: a corrupt page would make the worker panic or crash instead of naming it
+            table.validate(full=True)
+        except Exception as e:  # a corrupt row group; ranked first, as the local engine fails reading
+            return _Failed(f"{path}: row group {f.group} (from file row {f.first_row}) cannot be read as Parquet: "
+                           f"{' '.join(str(e).split()).rstrip('.')}; the file is corrupt: write it again", (-1, -1, -1),
+                           None), None, None
         try:
             ads, sid_rows = stages.prepare_fragment(table, f.first_row, str(path), spec, codebook)
         except InputError as e:  # reported by the driver, which ranks every fragment's error

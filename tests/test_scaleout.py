@@ -4,9 +4,12 @@ message, and a killed worker fails it; neither publishes anything."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -327,3 +330,85 @@ def test_a_killed_worker_fails_the_build_and_publishes_nothing(spec, write_catal
     assert r.stderr.startswith("error: the ray build failed, nothing published") and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "root" / "CURRENT").exists()
     assert not list((tmp_path / "root").glob("snapshots/*"))
+
+
+def _corrupt_row_group(path: Path, group: int, how: str) -> None:
+    """Damage row group `group` of the Parquet file at `path` in place, its footer left whole."""
+    meta = pq.ParquetFile(path).metadata.row_group(group)
+    chunks = {meta.column(i).path_in_schema: meta.column(i) for i in range(meta.num_columns)}
+    data = bytearray(path.read_bytes())
+    if how == "a page that does not decompress":
+        c = chunks["embedding.list.element"]
+        data[c.data_page_offset + 8:c.data_page_offset + c.total_compressed_size] = bytes(c.total_compressed_size - 8)
+    else:  # a string that is not UTF-8: the file is written uncompressed, plain, so a value's bytes are found
+        c = chunks["country.list.element"]
+        chunk = bytes(data[c.data_page_offset:c.data_page_offset + c.total_compressed_size])
+        value = re.search(rb"\x02\x00\x00\x00[A-Z]{2}", chunk)  # a length-prefixed 2-letter code
+        data[c.data_page_offset + value.start() + 4] = 0xFF
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("how", ["a page that does not decompress", "a string that is not UTF-8"])
+def test_a_corrupt_row_group_fails_the_ray_build_with_the_parse_error(ray_session, spec, write_catalog, tmp_path,
+                                                                      how):
+    """Never a worker's panic or death in its place, however the tasks race: the same line each time."""
+    _, spec_path = write_catalog(pl.DataFrame({"x": [0]}))
+    good = sample_catalog(120, spec, dim=16, seed=2)
+    job = _job(tmp_path, good, spec_path, False, 20)
+    plain = {"compression": "none", "use_dictionary": False} if "UTF-8" in how else {}
+    pq.write_table(good, job["catalog"], row_group_size=20, **plain)
+    _corrupt_row_group(job["catalog"], 2, how)
+    with pytest.raises(InputError):
+        _build(job, tmp_path / "local", "local")
+    messages = set()
+    for _ in range(3):
+        with pytest.raises(InputError) as e:
+            _build(job, tmp_path / "ray", "ray")
+        messages.add(str(e.value))
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message.startswith(f"{job['catalog']}: row group 2 (from file row 40) cannot be read as Parquet: ")
+    assert "\n" not in message and not (tmp_path / "ray" / "CURRENT").exists()
+
+
+def _in_session(session: int) -> dict[int, int]:
+    """{pid: parent pid} of the live processes of session `session` (a process the test started, and
+    what it started)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, ppid, _, sid = f.read().rsplit(")", 1)[1].split()[:4]
+        except OSError:
+            continue
+        if int(sid) == session and state != "Z":
+            out[int(pid)] = int(ppid)
+    return out
+
+
+def test_a_killed_build_driver_leaves_no_ray_process(sample_dir, tmp_path):
+    """SIGKILL the driver of a local Ray once Ray runs: every process of its session ends soon after."""
+    catalog = pl.read_parquet(sample_dir / "catalog.parquet")
+    save_codebook(sampled_codebook(catalog), tmp_path / "cb")
+    driver = subprocess.Popen([shutil.which("sidindex"), "build", "--catalog", sample_dir / "catalog.parquet",
+                               "--targeting", sample_dir / "targeting.toml", "--codebook", tmp_path / "cb",
+                               "--out", tmp_path / "root", "--engine", "ray", "--workers", "1"],
+                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        # Ray runs once the raylet has started its own (agents, workers): the driver's grandchildren
+        while (sum(ppid != driver.pid for pid, ppid in _in_session(driver.pid).items() if pid != driver.pid) < 2
+               and driver.poll() is None and time.monotonic() < deadline):
+            time.sleep(0.05)
+        assert driver.poll() is None, "the build ended before Ray was seen running"
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 45
+        while _in_session(driver.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = _in_session(driver.pid)
+        assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in left]
+    finally:
+        for pid in _in_session(driver.pid):  # only the processes this test started
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
