@@ -72,12 +72,7 @@ APPLIED = "applied"
 
 def load_job(path: Path) -> dict:
     """Read and check JOB.toml; every problem with it, an unreadable file included, is a `ConfigError`."""
-    try:
-        doc = read_toml(path)
-    except UnicodeDecodeError as e:  # tomllib decodes the bytes as UTF-8 itself
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the job file as UTF-8") from None
-    except OSError as e:  # a directory, no permission, an I/O error
-        raise ConfigError(f"{path}: cannot be read ({e.strerror or e}); expected a TOML job file") from None
+    doc = read_toml(path, what="job file")
     check_keys(doc, _KEYS, str(path))
     for key in ("catalog", "targeting", "root"):
         if not isinstance(doc.get(key), str):

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from sidindex.errors import QualityGateError
-from sidindex_cli.options import CATALOG_OPT, CONFIG_OPT, JSON_OPT, TARGETING_OPT, progress_bar, write_table
+from sidindex_cli.options import CATALOG_OPT, CONFIG_OPT, JSON_OPT, TARGETING_OPT, output_file, progress_bar, write_table
 from sidindex_cli.render import emit, err, print_quality, print_seconds
 
 app = typer.Typer()
@@ -80,10 +80,12 @@ def sid_train(
 def sid_assign(
     catalog: Path = CATALOG_OPT,
     codebook: Path = typer.Option(..., "--codebook", help="Codebook directory, or a ROOT holding exactly one."),
-    out_file: Path = typer.Option(..., "--out", help="Output Parquet file: ad_id, path, sid (L plain int16 tokens)."),
+    out_file: Path = typer.Option(..., "--out", callback=output_file,
+                                  help="Output Parquet file: ad_id, path, sid (L plain int16 tokens)."),
     targeting: Optional[Path] = TARGETING_OPT,
     config: Optional[Path] = CONFIG_OPT,
-    report: Optional[Path] = typer.Option(None, "--report", help="Also write the quality report as JSON here."),
+    report: Optional[Path] = typer.Option(None, "--report", callback=output_file,
+                                          help="Also write the quality report as JSON here."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Assign SIDs to every ad with a frozen codebook, and report their quality.

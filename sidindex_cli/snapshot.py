@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from schemas.artifacts import MATCHER_PLANES
-from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG
+from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, output_file
 from sidindex.errors import ArtifactError
 from sidindex_cli.render import emit, print_positions
 
@@ -38,7 +38,7 @@ def validate(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
 @app.command()
 def inspect(
     snapshot: Path = SNAPSHOT_ARG,
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw fill rate and storage per position to this "
+    plot: Optional[Path] = typer.Option(None, "--plot", callback=output_file, help="Also draw fill rate and storage per position to this "
                                         "PNG (needs matplotlib: pip install 'sidindex[plot]')."),
     as_json: bool = JSON_OPT,
 ) -> None:
