@@ -46,7 +46,7 @@ from sidindex.errors import ArtifactError
 from sidindex.interrupts import Interrupted, interrupts_deferred
 
 SNAPSHOT_ID = re.compile(r"^[0-9]{8}T[0-9]{12}Z-[0-9a-f]{8}$")
-JOURNAL_ENTRY = re.compile(r"^[0-9]{8}T[0-9]{12}Z-[0-9a-f]{8}\.[0-9a-f]{64}$")  # <update id>.<sha256 of its file>
+JOURNAL_ENTRY = re.compile(SNAPSHOT_ID.pattern.removesuffix("$") + r"\.[0-9a-f]{64}$")  # <update id>.<sha256 of its file>
 TMP_PREFIX = ".tmp-"
 _POINTER_BYTES = 256  # CURRENT holds one id
 _HISTORY_BYTES = 1 << 20
