@@ -63,8 +63,12 @@ def write_table(table, path: Path) -> None:
 
     output_file(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    if path.suffix == ".parquet":
-        pq.write_table(table, tmp)
-    else:
-        feather.write_feather(table, str(tmp), compression="uncompressed")
-    tmp.replace(path)
+    try:
+        if path.suffix == ".parquet":
+            pq.write_table(table, tmp)
+        else:
+            feather.write_feather(table, str(tmp), compression="uncompressed")
+        tmp.replace(path)
+    except BaseException:  # an error, or an interrupt: no half-written file left beside the output
+        tmp.unlink(missing_ok=True)
+        raise

@@ -10,7 +10,7 @@ import typer
 
 from sidindex.errors import ArtifactError, ConfigError
 from sidindex.modes import Mode, parse_mode, served_modes
-from sidindex_cli.options import BEAMS_OPT, DEVICE_OPT, JSON_OPT, SNAPSHOT_ARG, progress_bar, write_table
+from sidindex_cli.options import BEAMS_OPT, DEVICE_OPT, JSON_OPT, SNAPSHOT_ARG, output_file, progress_bar, write_table
 
 SCORER_OPT = typer.Option(
     None, "--scorer", metavar="MODULE:FACTORY",
@@ -32,7 +32,8 @@ def retrieve(
     snapshot: Path = SNAPSHOT_ARG,
     requests: Path = typer.Option(..., "--requests", help="Request table (Parquet or Arrow IPC) with an `embedding` "
                                   "column for the codebook scorer, see schemas/CONTRACTS.md."),
-    out_file: Path = typer.Option(..., "--out", help="Output file: .parquet, or Arrow IPC otherwise. Columns "
+    out_file: Path = typer.Option(..., "--out", callback=output_file,
+                                  help="Output file: .parquet, or Arrow IPC otherwise. Columns "
                                   "request_id, rank, ad_id, sid, score, and value with ad values."),
     mode: str = typer.Option("cd+gtm", "--mode", help=" | ".join(m.value for m in Mode) + " (a mode that tests k-way "
                              "partitions needs a snapshot built with [kway])."),
@@ -93,7 +94,8 @@ def simulate(
     top_k: int = typer.Option(100, "--top-k", min=1, help="K of recall@K and of 'requests short of K'."),
     max_requests: Optional[int] = typer.Option(None, "--max-requests", min=1, help="Use the first N requests only."),
     device: str = DEVICE_OPT,
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw pass rates and recall per mode to this PNG."),
+    plot: Optional[Path] = typer.Option(None, "--plot", callback=output_file,
+                                        help="Also draw pass rates and recall per mode to this PNG."),
     scorer: Optional[str] = SCORER_OPT,
     value_weights: Optional[str] = typer.Option(None, "--value-weights", metavar="L1,L2,...",
                                                 help="Also run the value-guided search at these weights (see "
