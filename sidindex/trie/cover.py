@@ -27,6 +27,15 @@ from sidindex.trie.build import GTMIndex
 _sized = sized(1 << 20)
 
 
+@numba.njit(cache=True, inline="always")
+def _lacks(row: np.ndarray, table: np.ndarray, r: int) -> bool:
+    """Whether `row` (W,) uint64 has a bit that table[r] lacks."""
+    for w in range(table.shape[1]):
+        if row[w] & ~table[r, w]:
+            return True
+    return False
+
+
 @_sized
 @numba.njit(parallel=True, cache=True)
 def _children_outside(no: np.ndarray, table: np.ndarray, index: np.ndarray, inner_end: int) -> int:
@@ -36,11 +45,7 @@ def _children_outside(no: np.ndarray, table: np.ndarray, index: np.ndarray, inne
     for i in numba.prange(1, inner_end):
         r = index[i - 1]
         for c in range(no[i], no[i + 1]):
-            rc = index[c]
-            for w in range(table.shape[1]):
-                if table[rc, w] & ~table[r, w]:
-                    bad += 1
-                    break
+            bad += _lacks(table[index[c]], table, r)
     return bad
 
 
@@ -54,11 +59,7 @@ def _ads_outside(lo: np.ndarray, leaf_ads: np.ndarray, table: np.ndarray, index:
     for s in numba.prange(len(lo) - 1):
         r = index[first + s]
         for j in range(lo[s], lo[s + 1]):
-            a = leaf_ads[j]
-            for w in range(table.shape[1]):
-                if rows[a, w] & ~table[r, w]:
-                    bad += 1
-                    break
+            bad += _lacks(rows[leaf_ads[j]], table, r)
     return bad
 
 
