@@ -19,7 +19,7 @@ SNAPSHOT_FORMAT = "sidindex.snapshot"
 # of every file (FAST_DIGEST, what a serving host checks when it opens a snapshot) and holds any of
 # those groups of arrays (the array list says which). Version 7 lets a full build hold the ad states
 # without a lineage (the paused ads it carried forward from the snapshot it replaces, DESIGN.md §15);
-# this code writes it for every snapshot, and reads all five.
+# this code writes the oldest of 6 and 7 that holds a snapshot (`written_version`), and reads all five.
 VALUE_FREE_VERSION = 3
 VALUE_VERSION = 4
 UPDATED_VERSION = 5
@@ -33,6 +33,13 @@ READ_VERSIONS = (VALUE_FREE_VERSION, VALUE_VERSION, UPDATED_VERSION, DIGEST_VERS
 # file has none), so one large file is verified by many threads at once.
 FAST_DIGEST = "xxh3_128"
 FAST_DIGEST_CHUNK = 1 << 24
+
+
+def written_version(arrays, lineage: bool) -> int:
+    """The format version a new snapshot holding the arrays named in `arrays` is written at: the
+    oldest that can hold it, so that a reader not yet upgraded reads every snapshot it can (only a
+    full build that carried ad states forward, `ad_state` without a lineage, needs STATES_VERSION)."""
+    return STATES_VERSION if "ad_state" in arrays and not lineage else DIGEST_VERSION
 
 
 def snapshot_version(arrays) -> int:
@@ -213,14 +220,15 @@ def manifest_keys(version: int, updated: bool) -> tuple[ManifestKey, ...]:
 
 MANIFEST_KEYS = (
     ManifestKey("format", "string", f"`{SNAPSHOT_FORMAT}`."),
-    ManifestKey("format_version", "int", f"{STATES_VERSION}: every file carries `{FAST_DIGEST}`, `arrays` says "
-                                         "which groups are present, and a full build may hold `ad_state` without "
-                                         "`lineage`. Written by earlier sidindex versions, still read: "
-                                         f"{DIGEST_VERSION} as {STATES_VERSION}, but `ad_state` comes with "
-                                         f"`lineage`; {UPDATED_VERSION} when an update wrote the snapshot (`ad_state` "
-                                         f"and `lineage` present), else {VALUE_VERSION} when it carries the "
-                                         f"`value` arrays, else {VALUE_FREE_VERSION}; files with `sha256` only. "
-                                         "A reader refuses other versions (a newer one saying to upgrade)."),
+    ManifestKey("format_version", "int", f"{DIGEST_VERSION}: every file carries `{FAST_DIGEST}`, and `arrays` says "
+                                         "which groups are present; `ad_state` comes with `lineage`. "
+                                         f"{STATES_VERSION}: the same, but a full build holds `ad_state` without "
+                                         "`lineage` (the paused ads it carried forward); written only then. Written "
+                                         f"by earlier sidindex versions, still read: {UPDATED_VERSION} when an "
+                                         "update wrote the snapshot (`ad_state` and `lineage` present), else "
+                                         f"{VALUE_VERSION} when it carries the `value` arrays, else "
+                                         f"{VALUE_FREE_VERSION}; files with `sha256` only. A reader refuses other "
+                                         "versions (a newer one saying to upgrade)."),
     ManifestKey("id", "string", "Snapshot id, equal to the directory name: `YYYYMMDDTHHMMSSffffffZ-<8 hex>`."),
     ManifestKey("created", "string", "UTC time of the build, ISO 8601."),
     ManifestKey("input_fingerprint", "string", "sha256 over the catalog bytes, spec, config, codebook id, format."),

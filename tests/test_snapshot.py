@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.artifacts import ARRAYS_BY_NAME, READ_VERSIONS, SNAPSHOT_ARRAYS, SNAPSHOT_VERSION
+from schemas.artifacts import ARRAYS_BY_NAME, DIGEST_VERSION, READ_VERSIONS, SNAPSHOT_ARRAYS
 from sidindex.artifact import list_files, seal
 from sidindex.build import build_index
 from sidindex.errors import ArtifactError
@@ -156,7 +156,7 @@ def test_rewriting_helpers_reach_the_structure_checks(snap_dir):
 
 def _dup_key(snap_dir: Path) -> None:
     raw = (snap_dir / "manifest.json").read_text()
-    key = f' "format_version": {SNAPSHOT_VERSION},\n'
+    key = f' "format_version": {DIGEST_VERSION},\n'
     (snap_dir / "manifest.json").write_text(raw.replace(key, key + key))
 
 

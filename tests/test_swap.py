@@ -68,7 +68,7 @@ def test_fast_digest_is_the_documented_chunked_xxh3(tmp_path, size):
 
 def test_a_new_snapshot_lists_every_file_with_its_fast_digest(snap_dir):
     m = _manifest(snap_dir)
-    assert m["format_version"] == SNAPSHOT_VERSION == open_snapshot(snap_dir).manifest.version
+    assert m["format_version"] == DIGEST_VERSION == open_snapshot(snap_dir).manifest.version  # 7 only with states
     for name, entry in m["files"].items():
         assert set(entry) == {"bytes", "sha256", FAST_DIGEST}
         assert entry[FAST_DIGEST] == _reference_digest((snap_dir / name).read_bytes(), FAST_DIGEST_CHUNK), name
@@ -167,7 +167,7 @@ def test_a_snapshot_written_over_an_older_one_carries_fast_digests_for_the_files
     m = write_snapshot(tmp_path / "new" / new_id, old.gtm, old.exact, old.ad_id, old.spec, snapshot_id=new_id,
                        codebook=old.codebook, counts=old.manifest.counts, stats=old.manifest.stats, base=old)
     assert all(same_file(tmp_path / "new" / new_id / n, snap_dir / n) for n in m.files)  # every file linked
-    assert m.version == SNAPSHOT_VERSION and all(f.fast is not None for f in m.files.values())
+    assert m.version == DIGEST_VERSION and all(f.fast is not None for f in m.files.values())
     assert open_snapshot(tmp_path / "new" / new_id).manifest.files == m.files
 
 

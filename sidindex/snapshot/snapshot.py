@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas.artifacts import ARRAYS_BY_NAME, EXACT_FORM, EXACT_ROWS, MANIFEST_FILE, MATCHER_PLANES
+from schemas.artifacts import (AD_DELETED, ARRAYS_BY_NAME, EXACT_FORM, EXACT_ROWS, MANIFEST_FILE, MATCHER_PLANES,
+                              written_version)
 from sidindex.artifact import link_file, list_files, same_file, verify_files
 from sidindex.errors import ArtifactError, SidIndexError
 from sidindex.matchers.exact import ExactIndex
@@ -108,7 +109,7 @@ def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.
         files={n: FileEntry.of(e) for n, e in list_files(directory, MANIFEST_FILE,
                                                           {n: f.listing() for n, f in kept.items()},
                                                           fast=True).items()},
-        lineage=lineage)
+        lineage=lineage, format_version=written_version(arrays, lineage is not None))
     (directory / MANIFEST_FILE).write_bytes(manifest.to_bytes())
     return manifest
 
@@ -144,6 +145,25 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
             if attempt or directory == path:
                 raise pruned(directory) from None
     raise AssertionError("unreachable")
+
+
+def read_states(directory: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """(N,) int64 ad ids and (N,) uint8 row states of the snapshot `directory`, or None when it
+    holds no states: only their two files are hashed (against the sealed manifest; every other file's
+    presence and size is checked), what a full build carries forward without reading the whole
+    snapshot."""
+    m = Manifest.read(directory)
+    if "ad_state" not in m.arrays:
+        return None
+    names = ("ads", "ad_state")
+    read = frozenset(ARRAYS_BY_NAME[n].file for n in names)
+    verify_files(directory, {n: f.listing() for n, f in m.files.items()}, MANIFEST_FILE,
+                 trusted=frozenset(m.files) - read)
+    ads, state = (map_array(directory, ARRAYS_BY_NAME[n], m.arrays[n].shape) for n in names)
+    if len(state) != len(ads) or not np.all(state <= AD_DELETED):
+        raise ArtifactError(f"{directory / ARRAYS_BY_NAME['ad_state'].file}: one known state per ad row expected; "
+                            "the snapshot is corrupt")
+    return ads, state
 
 
 def _pruned(path: Path, directory: Path) -> bool:
