@@ -56,10 +56,8 @@ import time
 import traceback
 from pathlib import Path
 
-from sidindex.artifact import sha256_file
 from sidindex.errors import ConfigError, SidIndexError
 from sidindex.interrupts import Interrupted, interrupts_raise
-from sidindex.root import Root
 from sidindex.job import run_build, run_update
 from sidindex.tomlio import check_keys, read_toml
 
@@ -106,7 +104,7 @@ def run(job_path: Path, update: bool = False) -> tuple[int, dict]:
         else:
             opt = {k: Path(job[k]) for k in ("config", "codebook") if k in job}
             report |= run_build(Path(job["catalog"]), Path(job["targeting"]), Path(job["root"]),
-                                keep=job.get("keep", 3), force=job.get("force", False),
+                                keep=job.get("keep", 3), force=job.get("force", False), waiting=_waiting,
                                 changes_through=job.get("changes_applied_through"), **opt)
         code = 0 if report["status"] == "published" else UNCHANGED
     except SidIndexError as e:
@@ -143,28 +141,14 @@ def apply_pending(job: dict, job_path: Path) -> dict:
         raise ConfigError(f"{job_path}: 'changes' = {str(directory)!r} is not a directory")
     pending = sorted({p for pattern in CHANGE_FILES for p in directory.glob(pattern) if p.is_file()})
     applied = []
-    for path in pending:
-        if _published_from(Path(job["root"]), path):  # a run killed between publishing it and archiving it
-            report = {"status": "already applied", "snapshot_id": None}
-        else:
-            report = run_update(Path(job["root"]), path, keep=job.get("keep", 3))
+    for path in pending:  # one the published snapshot holds (a run killed before archiving it, a build) is not applied
+        report = run_update(Path(job["root"]), path, keep=job.get("keep", 3), once=True, waiting=_waiting)
         (directory / APPLIED).mkdir(exist_ok=True)
         path.replace(directory / APPLIED / path.name)
         applied.append({"file": path.name, "status": report["status"], "snapshot_id": report["snapshot_id"]})
     published = [a for a in applied if a["status"] == "published"]
     return {"status": "published" if published else "unchanged", "applied": applied,
             **({"snapshot_id": published[-1]["snapshot_id"]} if published else {})}
-
-
-def _published_from(root: Path, path: Path) -> bool:
-    """Whether change file `path` is already in ROOT's published snapshot: an update published it
-    (the journal holds the same bytes), or a full build's catalog export held it (it is named at or
-    before the export's `changes_applied_through`)."""
-    layout = Root(root)
-    through = layout.through()
-    if through is not None and path.name <= through:
-        return True
-    return sha256_file(path) in {e.digest for e in layout.journal()}
 
 
 def _write_report(directory: Path, report: dict) -> None:
@@ -206,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: report.get(k) for k in ("status", "snapshot_id", "exit_code", "error") if k in report},
                      default=str))
     return code
+
+
+def _waiting() -> None:
+    _one_line("waiting for another build or update on this ROOT ...")
 
 
 def _one_line(message: str) -> None:

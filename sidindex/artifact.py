@@ -347,9 +347,19 @@ def verify_files(directory: Path, listed: dict[str, dict], skip: str, *, checksu
 def publish_dir(tmp: Path, final: Path) -> None:
     """fsync every file and directory below the filled `tmp`, rename it to `final`, fsync the parent.
     A crash at any point leaves either no `final` or a complete one."""
-    for p in sorted(tmp.rglob("*"), reverse=True):  # files before the directories holding them
+    fsync_tree(tmp)
+    rename_synced(tmp, final)
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every file and directory below `directory`, and it."""
+    for p in sorted(directory.rglob("*"), reverse=True):  # files before the directories holding them
         fsync_path(p)
-    fsync_path(tmp)
+    fsync_path(directory)
+
+
+def rename_synced(tmp: Path, final: Path) -> None:
+    """Rename the synced `tmp` to `final` and fsync the parent (the rename itself)."""
     os.rename(tmp, final)
     fsync_path(final.parent)
 

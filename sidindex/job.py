@@ -46,7 +46,7 @@ from sidindex.matchers.exact import ExactIndex
 from sidindex.root import Root, new_snapshot_id
 from sidindex.sid import Codebook, assign_sids, hash_tokens, load_codebook, save_codebook, sid_quality, train_codebook
 from sidindex.sid.quality import QualityReport, quality_report
-from sidindex.snapshot import Manifest, open_snapshot, write_snapshot
+from sidindex.snapshot import Manifest, open_snapshot, read_states, write_snapshot
 from sidindex.targeting import TargetingSpec, load_targeting
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
@@ -83,10 +83,10 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
     cfg = load_config(config)
     spec = load_targeting(targeting)
     layout = Root(root)
-    started_over = layout.current_or_none()
+    started_over = _published(layout)
     with layout.lock(waiting):
         clock.restart()  # time spent waiting for the lock is not the build's
-        published = layout.current_or_none()
+        published = _published(layout)
         if changes_through is None and published != started_over and any(
                 e.update > (started_over or "") for e in layout.journal()):
             raise ArtifactError(f"{root}: an update was published while this build waited for the ROOT (CURRENT is "
@@ -116,7 +116,7 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
                 save_codebook(cb, layout.path)
                 report["codebook"] = "trained"
                 clock.lap("train codebook")
-        fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id)
+        fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id, changes_through)
         if not force and (unchanged := _unchanged(layout, fingerprint)):
             return {**unchanged, **report, "codebook_id": cb.id, "seconds": _rounded(clock)}
         if engine == "ray":  # after the check: unchanged inputs cost no cluster time
@@ -139,9 +139,8 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
                            build_config=cfg.to_dict(), counts=counts, stats=built.stats.to_dict(),
                            quality=built.quality.to_dict())
 
-        path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep, expected=published)
-        if changes_through is not None:
-            layout.mark_through(changes_through)
+        path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep, expected=published,
+                              through=changes_through)
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
             "fingerprint": fingerprint, "codebook_id": cb.id, **counts,
@@ -205,21 +204,22 @@ def _carry_changes(root: Root, published: str | None, built: _Built, cb: Codeboo
     replay = [f for f in journal if through is not None and f.name > through]
     warnings = []
     if through is None and journal:
-        warnings.append(f"{len(journal)} change file(s) published by updates since the last full build "
-                        f"({journal[0].name} .. {journal[-1].name}) were not re-applied: the build was not told which "
-                        "of them its catalog export holds, so the deletes and upserts of any it lacks are reverted "
-                        "(paused ads stay paused)")
+        warnings.append(f"{len(journal)} change file(s) in the ROOT's journal ({journal[0].name} .. "
+                        f"{journal[-1].name}, published by updates since the last build told its export's newest "
+                        "change file) were not re-applied: the build was not told which of them its catalog export "
+                        "holds, so the deletes and upserts of any it lacks are reverted (paused ads stay paused)")
     index: Indexed = built
     paused = _paused(root, published)
-    kept = paused[np.isin(paused, built.ad_id)]  # an ad the export no longer holds is gone, pause and all
-    if len(kept):
-        index = apply_changes(index, Changes.pausing(kept, f"{root.snapshot_dir(published)} (paused ads)"), cb)
+    if len(paused):  # an ad the export no longer holds is gone, pause and all
+        paused = paused[np.isin(paused, built.ad_id)]
+    if len(paused):
+        index = apply_changes(index, Changes.pausing(paused, f"{root.snapshot_dir(published)} (paused ads)"), cb)
     for f in replay:
         change = read_changes(str(f), built.exact.spec, hash_keys=cb.hash_keys, dim=cb.dim,
                               values=built.gtm.ad_value is not None, known=ads_in_state(index, AD_LIVE, AD_PAUSED),
                               paused=ads_in_state(index, AD_PAUSED), replay=True)
         index = apply_changes(index, change, cb)
-    carried = {"paused": len(kept), "replayed": [f.name for f in replay]}
+    carried = {"paused": len(paused), "replayed": [f.name for f in replay]}
     if index is built:
         return built, carried, warnings
     stats = gtm_stats(index.gtm, tuple(layout.bits for layout in built.exact.spec.layouts)) if replay else built.stats
@@ -227,20 +227,31 @@ def _carry_changes(root: Root, published: str | None, built: _Built, cb: Codeboo
         warnings
 
 
+def _published(root: Root) -> str | None:
+    """The id CURRENT names, None when nothing is published; an unreadable CURRENT is refused: a
+    build over it could not keep the paused ads of the snapshot it names."""
+    try:
+        return root.current_id()
+    except ArtifactError as e:
+        raise ArtifactError(f"{e}; a build cannot carry that snapshot's paused ads forward. Restore CURRENT, or move "
+                            "it aside to build without them") from None
+
+
 def _paused(root: Root, published: str | None) -> np.ndarray:
-    """(n,) int64 the ids of the ads the published snapshot has paused, read from the verified
-    snapshot (a full build without ad states has none)."""
+    """(n,) int64 the ids of the ads the published snapshot has paused, read from its verified
+    ad ids and states (a full build without ad states has none)."""
     if published is None:
         return np.zeros(0, dtype=np.int64)
-    directory = root.snapshot_dir(published)
     try:
-        if "ad_state" not in Manifest.read(directory).arrays:
-            return np.zeros(0, dtype=np.int64)
-        return ads_in_state(open_snapshot(directory, verify=True), AD_PAUSED)
+        states = read_states(root.snapshot_dir(published))
     except ArtifactError as e:
         raise ArtifactError(f"cannot carry the ads paused in the published snapshot forward ({e}); a build from the "
                             "catalog alone would serve them again. Restore that snapshot, or move its ROOT's CURRENT "
                             "aside to build without it") from None
+    if states is None:
+        return np.zeros(0, dtype=np.int64)
+    ads, state = states
+    return np.asarray(ads)[state == AD_PAUSED]
 
 
 def _unchanged(root: Root, fingerprint: str) -> dict | None:
@@ -256,29 +267,32 @@ def _unchanged(root: Root, fingerprint: str) -> dict | None:
             "ads": manifest.counts.get("ads")}
 
 
-def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[], None] | None = None) -> dict:
+def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[], None] | None = None,
+               once: bool = False) -> dict:
     """Apply a change file to ROOT's published snapshot and publish the result; returns its report
-    (status "published", or "unchanged" for a file without rows; ids, counts, lineage, seconds).
+    (status "published", "unchanged" for a file without rows, or with `once` "already applied" for
+    a file the published snapshot holds (`Root.holds`); ids, counts, lineage, seconds).
 
     Nothing read is trusted: the published snapshot is verified in full (every file's digest, its
     structure, its matchers' cover) before it is used, since whatever it holds is written into the
-    new snapshot under fresh digests; the new snapshot is validated before it publishes."""
+    new snapshot under fresh digests; the new snapshot is validated before it publishes. The change
+    file is read, digested and journaled from one copy."""
     clock = StageClock()
     layout = Root(root)
     regular_input(changes, "change file")  # before the lock: a FIFO would hold it while blocking the read
-    if layout.current_or_none() is None:  # before the lock too: a refused update creates nothing
-        raise ArtifactError(f"{root}: no published snapshot to update; build one first")
-    with layout.lock(waiting, create=False):
+    _to_update(layout)  # before the lock too: a refused update creates nothing
+    with layout.lock(waiting, create=False), layout.staged_change(Path(changes)) as staged:
         clock.restart()
-        published = layout.current_or_none()
-        if published is None:
-            raise ArtifactError(f"{root}: no published snapshot to update; build one first")
+        published = _to_update(layout)
+        source = sha256_file(staged)
+        if once and layout.holds(Path(changes).name, source):
+            return {"status": "already applied", "snapshot_id": None, "root": str(root), "seconds": _rounded(clock)}
         base = open_snapshot(layout.snapshot_dir(published), verify=True, cover=True)
         cb = base.codebook
         if cb is None:
             raise ArtifactError(f"{base.path}: carries no codebook, so new ads cannot get SIDs; rebuild it")
         clock.lap("verify base")
-        change = read_changes(str(changes), base.spec, hash_keys=cb.hash_keys, dim=cb.dim,
+        change = read_changes(str(staged), base.spec, hash_keys=cb.hash_keys, dim=cb.dim,
                               values=base.gtm.ad_value is not None,
                               known=ads_in_state(base, AD_LIVE, AD_PAUSED), paused=ads_in_state(base, AD_PAUSED))
         clock.lap("read changes")
@@ -288,7 +302,6 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         updated = apply_changes(base, change, cb)
         clock.seconds |= {f"apply: {k}": v for k, v in updated.seconds.items()}
         clock.restart()
-        source = sha256_file(Path(changes), follow_links=True)
         fingerprint = hashlib.sha256((base.manifest.input_fingerprint + source).encode()).hexdigest()
         snapshot_id = new_snapshot_id(fingerprint)
         g = updated.gtm
@@ -303,13 +316,21 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
                            build_config=m.build_config, counts=counts, stats=m.stats, quality=m.quality, base=base,
                            lineage=lineage)
 
-        # files linked from the base were verified above, in this job; new ones were hashed as written,
-        # and new SIDs bring new matcher rows
-        check = lambda d: open_snapshot(d, verify=True, cover=g is not base.gtm, base=base)  # noqa: E731
-        path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=(Path(changes), source))
+        # files linked from the base were verified above, in this job, and are trusted; the new ones
+        # are hashed again as read back, and new SIDs bring new matcher rows to cover
+        check = lambda d: open_snapshot(d, verify=True, cover=updated.sid_rows > 0, base=base)  # noqa: E731
+        path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=(staged, source))
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report, **counts,
             "new_sid_rows": updated.sid_rows, "lineage": lineage, "seconds": _rounded(clock)}
+
+
+def _to_update(root: Root) -> str:
+    """The published id an update applies to."""
+    published = root.current_id()
+    if published is None:
+        raise ArtifactError(f"{root.path}: no published snapshot to update; build one first")
+    return published
 
 
 def _rounded(clock: StageClock) -> dict[str, float]:
@@ -325,8 +346,10 @@ def _codebook(root: Root, given: Path | None):
     return load_codebook(root.path), "reused"
 
 
-def _fingerprint(catalog: Path, spec: dict, config: dict, codebook_id: str) -> str:
+def _fingerprint(catalog: Path, spec: dict, config: dict, codebook_id: str, changes_through: str | None) -> str:
     h = hashlib.sha256(sha256_file(Path(catalog), follow_links=True).encode())  # a link to the latest export
     h.update(json.dumps({"targeting": spec, "config": config, "codebook": codebook_id,
-                         "snapshot_format": SNAPSHOT_VERSION}, sort_keys=True).encode())
+                         "snapshot_format": SNAPSHOT_VERSION,  # the export's watermark decides what is re-applied
+                         **({"changes_through": changes_through} if changes_through else {})},
+                        sort_keys=True).encode())
     return h.hexdigest()

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from schemas.artifacts import MANIFEST_FILE
-from sidindex.artifact import fsync_path, publish_dir, read_bounded
+from sidindex.artifact import fsync_path, fsync_tree, read_bounded, rename_synced
 from sidindex.errors import ArtifactError
 from sidindex.interrupts import Interrupted, interrupts_deferred
 
@@ -168,16 +168,25 @@ class Root:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
-    def clean_temporaries(self) -> list[Path]:
+    def clean_temporaries(self, spare: Path | None = None) -> list[Path]:
         """Remove what killed builds and updates left (we hold the lock, so nothing of ours is in
-        progress): temporaries, and journal entries of updates that never published."""
+        progress but `spare`, a change file being staged): temporaries, and journal entries of
+        updates that never published (newer than CURRENT; with nothing published, the whole journal
+        and THROUGH belong to no snapshot)."""
         doomed = [p for d in (self.snapshots, self.codebooks, self.changes) if d.is_dir()
-                  for p in d.glob(TMP_PREFIX + "*")]
+                  for p in d.glob(TMP_PREFIX + "*") if p != spare]
         doomed += [p.with_name(p.name + ".tmp") for p in (self.current_file, self.history_file, self.through_file)
                    if os.path.lexists(p.with_name(p.name + ".tmp"))]
-        current = self.current_or_none()
-        if self.changes.is_dir() and current is not None:
-            doomed += [p for p in self.changes.iterdir() if JOURNAL_ENTRY.match(p.name) and _entry_id(p) > current]
+        if self.changes.is_dir():
+            try:
+                current = self.current_id()
+            except ArtifactError:  # unreadable: a build refuses it, and nothing here is touched
+                current = ""
+            entries = [p for p in self.changes.iterdir() if JOURNAL_ENTRY.match(p.name)]
+            if current is None:
+                doomed += entries + ([self.through_file] if os.path.lexists(self.through_file) else [])
+            elif current:
+                doomed += [p for p in entries if _entry_id(p) > current]
         for p in doomed:
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
@@ -186,49 +195,59 @@ class Root:
         return doomed
 
     def publish(self, snapshot_id: str, write: Callable[[Path], None], check: Callable[[Path], None],
-                keep: int, *, expected: str | None, journal: tuple[Path, str] | None = None) -> Path:
+                keep: int, *, expected: str | None, journal: tuple[Path, str] | None = None,
+                through: str | None = None) -> Path:
         """Write, check and publish a snapshot, then apply retention; returns its directory.
 
         write(directory) fills the new, empty directory; check(directory) raises if it is not sound.
         expected: the id CURRENT named when the job read what it publishes (None: nothing was
-            published); another one there now is refused, the job's work is not published.
-        journal: (change file, its sha256) an update applied, kept as the journal entry of `snapshot_id`.
-        An interrupt (`sidindex.interrupts`) during the commit is raised after it, with
-        `published` set: the snapshot is then CURRENT.
+            published). The lock keeps other writers out; one that does not take it and published
+            meanwhile is refused rather than reverted.
+        journal: (change file staged by `staged_change`, its sha256) an update applied, which becomes
+            the journal entry of `snapshot_id` in the commit.
+        through: a full build's export's watermark, recorded in the commit (THROUGH); the journal
+            entries it makes redundant are dropped after it.
+        The commit (the renames) runs with SIGINT and SIGTERM held: an interrupt that came during it,
+        or during retention after it, is raised with `published` set (the snapshot is CURRENT).
         """
         self.snapshots.mkdir(parents=True, exist_ok=True)
-        self.clean_temporaries()
+        self.clean_temporaries(spare=journal[0].parent if journal is not None else None)
         tmp = self.snapshots / f"{TMP_PREFIX}{snapshot_id}"
         tmp.mkdir()
         final = self.snapshot_dir(snapshot_id)
-        entry = self.changes / f"{TMP_PREFIX}{snapshot_id}"
         try:
             write(tmp)
             check(tmp)
-            if journal is not None:
-                entry.mkdir(parents=True)
-                shutil.copyfile(journal[0], entry / journal[0].name)
             self._check_current(expected)
+            fsync_tree(tmp)  # before the held section: a signal waits for the renames alone
+            if journal is not None:
+                fsync_tree(journal[0].parent)
             with interrupts_deferred():
-                try:
-                    if journal is not None:  # before CURRENT: a crash leaves an entry newer than CURRENT, removed
-                        publish_dir(entry, self.changes / f"{snapshot_id}.{journal[1]}")
-                    publish_dir(tmp, final)
-                    self._replace(self.current_file, snapshot_id + "\n")
-                    history = [i for i in self.history() if i != snapshot_id] + [snapshot_id]
-                    self._replace(self.history_file, "\n".join(history) + "\n")
-                except Interrupted as e:  # raised on leaving the held section, after the commit
-                    e.published = snapshot_id
-                    raise
-        except BaseException:
+                if journal is not None:  # before CURRENT: a crash leaves an entry newer than CURRENT, removed
+                    rename_synced(journal[0].parent, self.changes / f"{snapshot_id}.{journal[1]}")
+                rename_synced(tmp, final)
+                self._replace(self.current_file, snapshot_id + "\n")
+                history = [i for i in self.history() if i != snapshot_id] + [snapshot_id]
+                self._replace(self.history_file, "\n".join(history) + "\n")
+                if through is not None:
+                    self._replace(self.through_file, through + "\n")
+        except BaseException as e:
+            if isinstance(e, Interrupted) and self.current_or_none() == snapshot_id:
+                e.published = snapshot_id  # held during the commit, raised once it was done
             shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
-            shutil.rmtree(entry, ignore_errors=True)
             raise
-        self.prune(keep)
+        try:
+            self.prune(keep)
+            if through is not None:
+                self._drop_journal(through)
+        except Interrupted as e:
+            e.published = snapshot_id
+            raise
         return final
 
     def _check_current(self, expected: str | None) -> None:
-        """Refuse to publish over a CURRENT that is not `expected` (another writer's publication)."""
+        """Refuse to publish over a CURRENT that is not `expected`: a writer that does not take the
+        lock (another host, a hand) published meanwhile, and this job would revert it."""
         now = self.current_or_none()
         if now != expected:
             raise ArtifactError(f"{self.path}: snapshot {now} was published while this job ran (it started from "
@@ -237,9 +256,23 @@ class Root:
 
     # --- the change journal -----------------------------------------------------------------
 
+    @contextmanager
+    def staged_change(self, path: Path) -> Iterator[Path]:
+        """A copy of change file `path` in a temporary journal entry: what an update reads, digests
+        and journals (`publish`), so the three are the same bytes. Removed on leaving, unless
+        published."""
+        entry = self.changes / f"{TMP_PREFIX}{os.getpid()}-{time.time_ns()}"
+        entry.mkdir(parents=True)
+        try:
+            shutil.copyfile(path, entry / path.name)
+            yield entry / path.name
+        finally:
+            shutil.rmtree(entry, ignore_errors=True)
+
     def journal(self) -> list[JournalEntry]:
-        """The published journal entries, oldest first."""
-        current = self.current_or_none()
+        """The published journal entries, oldest first (an unreadable CURRENT is refused: which
+        entries were published would be a guess)."""
+        current = self.current_id()
         if current is None or not self.changes.is_dir():
             return []
         out = []
@@ -260,14 +293,21 @@ class Root:
             raise
         return raw.decode("utf-8", "replace").strip() or None
 
-    def mark_through(self, name: str) -> None:
-        """Record that the published full build's export held every change file named up to `name`,
-        then drop the journal entries it makes redundant (their names are at or before it)."""
-        self.changes.mkdir(parents=True, exist_ok=True)
-        self._replace(self.through_file, name + "\n")
-        for entry in self.journal():
-            if entry.file.name <= name:
-                shutil.rmtree(entry.file.parent, ignore_errors=True)
+    def holds(self, name: str, digest: str) -> bool:
+        """Whether the published snapshot holds change file `name` with sha256 `digest`: an update
+        published it (the journal has it), or a full build's export did (named at or before THROUGH)."""
+        through = self.through()
+        return (through is not None and name <= through) or any(
+            (e.file.name, e.digest) == (name, digest) for e in self.journal())
+
+    def _drop_journal(self, through: str) -> None:
+        """Drop the journal entries named at or before `through`, each renamed away first (a crash
+        leaves a temporary, never a half-deleted entry)."""
+        for e in self.journal():
+            if e.file.name <= through:
+                gone = self.changes / f"{TMP_PREFIX}dropped-{e.file.parent.name}"
+                os.rename(e.file.parent, gone)
+                shutil.rmtree(gone, ignore_errors=True)
 
     def _replace(self, path: Path, text: str) -> None:
         tmp = path.with_name(path.name + ".tmp")

@@ -43,7 +43,7 @@ def _root(built: Path, tmp_path: Path) -> Path:
 def _published(root: Path) -> tuple:
     """What a failed job must leave as it was: CURRENT, HISTORY, the snapshot directories, the journal."""
     listing = lambda d: sorted(p.name for p in d.iterdir()) if d.is_dir() else []  # noqa: E731
-    return ((root / "CURRENT").read_text(), (root / "HISTORY").read_text(), listing(root / "snapshots"),
+    return ((root / "CURRENT").read_bytes(), (root / "HISTORY").read_bytes(), listing(root / "snapshots"),
             listing(root / "changes"))
 
 
@@ -190,10 +190,11 @@ def test_changes_after_the_export_are_applied_again_with_its_watermark(built, po
     assert r.returncode == 2 and "does not name a change file" in r.stderr
 
 
-# rounds of 1-3 change files (pause/resume/delete an existing ad, or upsert a new one), each round
+# rounds of 1-3 change files (pause/resume/delete an existing ad, upsert a new one or one deleted
+# before), each round
 # ending in a full build from an export `lag` change files old, told its watermark (an export older
 # than the last build's is refused)
-CHANGE = st.tuples(st.sampled_from(["pause", "resume", "delete", "new"]), st.integers(0, 10**6))
+CHANGE = st.tuples(st.sampled_from(["pause", "resume", "delete", "new", "revive"]), st.integers(0, 10**6))
 ROUNDS = st.lists(st.tuples(st.lists(CHANGE, min_size=1, max_size=3), st.integers(0, 3)), min_size=1, max_size=3)
 
 
@@ -205,6 +206,7 @@ def test_no_interleaving_of_changes_and_builds_serves_a_paused_ad(built, pool, t
     fresh = pool["catalog"].tail(len(pool["catalog"]) - N_BASE)
     catalog = [pool["catalog"].head(N_BASE)]  # the catalog after each change file (pauses are not in it)
     paused: set[int] = set()
+    deleted: list[int] = []
     names = ["0000.parquet"]  # change file names; catalog[k] holds every change up to names[k]
     through = 0  # the newest export a build read
 
@@ -217,8 +219,8 @@ def test_no_interleaving_of_changes_and_builds_serves_a_paused_ad(built, pool, t
         for op, pick in changes:
             now = catalog[-1]
             ids = now["ad_id"].to_list()
-            if op == "new":
-                ad = 10**9 + len(names)
+            if op in ("new", "revive"):
+                ad = deleted.pop(pick % len(deleted)) if op == "revive" and deleted else 10**9 + len(names)
                 rows = [_upsert(pool, N_BASE + pick % len(fresh), ad)]
                 new = fresh.slice(pick % len(fresh), 1).with_columns(pl.lit(ad, dtype=pl.Int64).alias("ad_id"))
                 now = pl.concat([now, new])
@@ -228,6 +230,7 @@ def test_no_interleaving_of_changes_and_builds_serves_a_paused_ad(built, pool, t
                 if op == "delete":
                     now = now.filter(pl.col("ad_id") != ad)
                     paused.discard(ad)
+                    deleted.append(ad)
                 elif op == "pause":
                     paused.add(ad)
                 else:
@@ -358,10 +361,8 @@ def test_an_interrupted_pipeline_run_exits_128_plus_the_signal_and_publishes_not
         _wait_for(locked)
         run = subprocess.Popen([sys.executable, "-m", "pipelines.rebuild", str(job)], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-        t0 = time.monotonic()  # until its main thread waits on the ROOT's lock, past start-up
-        while "lock" not in Path(f"/proc/{run.pid}/wchan").read_text():
-            assert time.monotonic() - t0 < 60 and run.poll() is None
-            time.sleep(0.05)
+        waiting = run.stderr.readline()  # past start-up, waiting on the ROOT's lock
+        assert "waiting for another build or update on this ROOT" in waiting, waiting
         run.send_signal(getattr(signal, signum))
         out, err = run.communicate(timeout=60)
     finally:
@@ -371,3 +372,29 @@ def test_an_interrupted_pipeline_run_exits_128_plus_the_signal_and_publishes_not
     assert "Traceback" not in err and json.loads(out)["status"] == "interrupted"
     assert json.loads((root / "reports" / "latest.json").read_text())["exit_code"] == code
     assert _published(root)[:3] == before[:3]
+
+
+def test_a_later_change_file_with_an_earlier_ones_bytes_is_applied(built, pool, tmp_path):
+    """pause, resume, then pause again in a file with the first one's bytes: the journal matches a
+    file by name and bytes, so the third is applied, not taken for the first."""
+    root = _root(built, tmp_path)
+    ad = int(pool["catalog"]["ad_id"][0])
+    first = _changes(pool, tmp_path / "0001.parquet", [{"ad_id": ad, "op": "pause"}])
+    run_update(root, first, once=True)
+    run_update(root, _changes(pool, tmp_path / "0002.parquet", [{"ad_id": ad, "op": "resume"}]), once=True)
+    third = tmp_path / "0003.parquet"
+    shutil.copyfile(first, third)
+    assert run_update(root, third, once=True)["status"] == "published" and ad not in _live(root)
+    assert run_update(root, first, once=True)["status"] == "already applied"
+
+
+def test_an_unreadable_current_is_refused_not_built_over(built, pool, tmp_path):
+    root = _root(built, tmp_path)
+    (root / "CURRENT").write_bytes(b"\xff\xfe garbage")
+    before = _published(root)
+    r = run_cli("build", "--catalog", _export(pool, tmp_path, pool["catalog"].head(N_BASE)), "--targeting",
+                pool["targeting"], "--out", root, "--config", pool["dir"] / "build.toml", "--force")
+    assert r.returncode == 2 and "does not name a snapshot" in r.stderr and "Restore CURRENT" in r.stderr, r.stderr
+    r = run_cli("update", root, "--changes", _changes(pool, tmp_path / "c.parquet", [{"ad_id": 1, "op": "pause"}]))
+    assert r.returncode == 2 and "does not name a snapshot" in r.stderr, r.stderr
+    assert _published(root) == before

@@ -142,3 +142,32 @@ def test_a_root_without_history_keeps_its_newest_snapshots(tmp_path):
     with root.lock():
         _publish(root, new_snapshot_id("abababab"), keep=2)
     assert len(_present(root)) == 2 and d in _present(root)
+
+
+@pytest.mark.parametrize("during", ["write", "commit", "retention"])
+def test_an_interrupt_says_whether_the_snapshot_was_published(tmp_path, monkeypatch, during):
+    """A signal before the commit publishes nothing; one during it is held until the commit is done,
+    and one during retention after it, and both say the snapshot was published."""
+    from sidindex.interrupts import Interrupted, interrupts_raise
+
+    root = Root(tmp_path / "root")
+    old, new = _ids(2)
+    _publish(root, old, keep=3)
+    kill = lambda *_: os.kill(os.getpid(), signal.SIGTERM)  # noqa: E731
+    replace, prune = Root._replace, Root.prune
+    if during == "commit":  # in the middle of it: CURRENT replaced, HISTORY not yet
+        monkeypatch.setattr(Root, "_replace", lambda self, path, text: (
+            replace(self, path, text), path == self.current_file and kill()))
+    elif during == "retention":
+        monkeypatch.setattr(Root, "prune", lambda self, keep: (kill(), prune(self, keep))[1])
+    write = (lambda d: (kill(), (d / "manifest.json").write_text(new))) if during == "write" else \
+        (lambda d: (d / "manifest.json").write_text(new))
+    with pytest.raises(Interrupted) as e, interrupts_raise():
+        root.publish(new, write, lambda d: None, 3, expected=old)
+    assert e.value.exit_code == 143
+    if during == "write":
+        assert e.value.published is None and root.current_id() == old and _present(root) == {old}
+        assert "nothing published" in e.value.describe()
+    else:
+        assert e.value.published == new and root.current_id() == new and root.history()[-1] == new
+        assert f"snapshot {new} was published first" in e.value.describe()

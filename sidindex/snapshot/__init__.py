@@ -2,6 +2,6 @@
 and retention are `sidindex.root.Root`'s."""
 
 from sidindex.snapshot.manifest import Manifest
-from sidindex.snapshot.snapshot import Snapshot, open_snapshot, write_snapshot
+from sidindex.snapshot.snapshot import Snapshot, open_snapshot, read_states, write_snapshot
 
-__all__ = ["Manifest", "Snapshot", "open_snapshot", "write_snapshot"]
+__all__ = ["Manifest", "Snapshot", "open_snapshot", "read_states", "write_snapshot"]
