@@ -459,7 +459,8 @@ class SnapshotWatcher:
     read, verified and staged once, and every device swaps together, only once each one loaded it.
     Whatever a new snapshot holds, the old one keeps serving unless the new one loaded completely;
     `last_error` then says why it did not. A new snapshot is accepted exactly when `load` of the
-    ROOT and `sidindex validate` accept it. An update of the served snapshot (`sidindex update`)
+    ROOT accepts it, through the same checks (`sidindex validate` adds every sha256 and the matchers'
+    cover, which a swap does not pay for). An update of the served snapshot (`sidindex update`)
     shares its unchanged files: they are neither hashed nor mapped again, and when only ad states
     changed nothing moves to the device and a `Searcher` keeps replaying its graphs.
     """

@@ -176,8 +176,11 @@ def _is_int(v: object) -> bool:
 
 
 def _is_num(v: object) -> bool:
-    # an int of any size is finite (math.isfinite overflows converting one beyond float's range)
-    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
+    """A finite number a float can hold (TOML integers have no bound: 1e400 as an int overflows later)."""
+    try:
+        return (_is_int(v) or isinstance(v, float)) and math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 def _is_list(v: object, each) -> bool:

@@ -144,7 +144,7 @@ def test_a_link_to_a_regular_file_is_read(sample_dir, tmp_path):
 
 # --- TOML inputs with bad values ------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, where", [
+CONFIG_CASES = [
     ("[sid]\nlevels = -3\n", "[sid] levels: expected a non-empty list of sizes in 1..32768, got -3"),
     ("[sid]\nlevels = \"512\"\n", "[sid] levels: expected a non-empty list"),
     ("[sid]\nlevels = 512.0\n", "[sid] levels: expected a non-empty list"),
@@ -165,12 +165,32 @@ def test_a_link_to_a_regular_file_is_read(sample_dir, tmp_path):
     ("[kway]\ntarget_fill = \"x\"\n", "[kway] target_fill: expected a number"),
     ("[kway]\nmode = [\"static\"]\n", "[kway] mode: expected 'static' or 'dynamic'"),
     ("sid = 3\n", "[sid] must be a table"),
-])
-def test_a_build_config_value_of_the_wrong_type_is_one_config_error(text, where, tmp_path):
-    path = tmp_path / "build.toml"
+]
+
+TARGETING_CASES = [
+    ("version = true\n[[attribute]]\nname = \"a\"\nkind = \"bloom\"\n", "version True is not supported"),
+    ("version = 1.0\n[[attribute]]\nname = \"a\"\nkind = \"bloom\"\n", "version 1.0 is not supported"),
+    ("[attribute]\nname = \"a\"\nkind = \"bloom\"\n", "'attribute' is one table; declare each attribute as an "
+                                                       "[[attribute]] table"),
+    ("attribute = [1]\n", "attribute #1: expected a table, got int"),
+    ("[[attribute]]\nname = 3\nkind = \"bloom\"\n", "attribute #1: 'name' must be a non-empty string"),
+    ("[[attribute]]\nname = \"a\"\nkind = [\"bloom\"]\n", "attribute 'a': kind must be 'bitmask' or 'bloom'"),
+    ("[[attribute]]\nname = \"a\"\nkind = \"bitmask\"\nvalues = \"US\"\n", "needs a non-empty 'values' list"),
+    ("[[attribute]]\nname = \"a\"\nkind = \"bitmask\"\nvalues = [1]\n", "every value must be a non-empty string"),
+    ("[[attribute]]\nname = \"a\"\nkind = \"bloom\"\nbits = 256.0\n", "'bits' must be a positive multiple of 64"),
+    ("[[attribute]]\nname = \"a\"\nkind = \"bloom\"\nhashes = true\n", "'hashes' must be an integer in 1..16"),
+    ("[[attribute]]\nname = \"a\"\nkind = \"bloom\"\nbits = {x = 1}\n", "'bits' must be a positive multiple of 64"),
+]
+
+
+@pytest.mark.parametrize("load, error, text, where",
+                         [(load_config, ConfigError, *c) for c in CONFIG_CASES] +
+                         [(load_targeting, InputError, *c) for c in TARGETING_CASES])
+def test_a_toml_value_of_the_wrong_type_is_one_line_naming_the_file(load, error, text, where, tmp_path):
+    path = tmp_path / "input.toml"
     path.write_text(text)
-    with pytest.raises(ConfigError) as e:
-        load_config(path)
+    with pytest.raises(error) as e:
+        load(path)
     assert str(e.value).startswith(f"{path}: ") and where in str(e.value) and "\n" not in str(e.value)
 
 
@@ -189,28 +209,6 @@ def test_a_toml_input_that_is_not_utf8_toml_is_refused_naming_it(content, tmp_pa
         load_config(path)
     with pytest.raises(InputError, match=rf"^{path}: "):
         load_targeting(path)
-
-
-@pytest.mark.parametrize("text, where", [
-    ("version = true\n[[attribute]]\nname = \"a\"\nkind = \"bloom\"\n", "version True is not supported"),
-    ("version = 1.0\n[[attribute]]\nname = \"a\"\nkind = \"bloom\"\n", "version 1.0 is not supported"),
-    ("[attribute]\nname = \"a\"\nkind = \"bloom\"\n", "'attribute' is one table; declare each attribute as an "
-                                                       "[[attribute]] table"),
-    ("attribute = [1]\n", "attribute #1: expected a table, got int"),
-    ("[[attribute]]\nname = 3\nkind = \"bloom\"\n", "attribute #1: 'name' must be a non-empty string"),
-    ("[[attribute]]\nname = \"a\"\nkind = [\"bloom\"]\n", "attribute 'a': kind must be 'bitmask' or 'bloom'"),
-    ("[[attribute]]\nname = \"a\"\nkind = \"bitmask\"\nvalues = \"US\"\n", "needs a non-empty 'values' list"),
-    ("[[attribute]]\nname = \"a\"\nkind = \"bitmask\"\nvalues = [1]\n", "every value must be a non-empty string"),
-    ("[[attribute]]\nname = \"a\"\nkind = \"bloom\"\nbits = 256.0\n", "'bits' must be a positive multiple of 64"),
-    ("[[attribute]]\nname = \"a\"\nkind = \"bloom\"\nhashes = true\n", "'hashes' must be an integer in 1..16"),
-    ("[[attribute]]\nname = \"a\"\nkind = \"bloom\"\nbits = {x = 1}\n", "'bits' must be a positive multiple of 64"),
-])
-def test_a_targeting_value_of_the_wrong_type_is_one_input_error(text, where, tmp_path):
-    path = tmp_path / "targeting.toml"
-    path.write_text(text)
-    with pytest.raises(InputError) as e:
-        load_targeting(path)
-    assert str(e.value).startswith(f"{path}: ") and where in str(e.value) and "\n" not in str(e.value)
 
 
 def test_bad_config_values_and_bytes_exit_2_in_one_line(sample_dir, tmp_path):
