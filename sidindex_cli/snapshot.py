@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from schemas.artifacts import MATCHER_PLANES
+from schemas.artifacts import AD_DELETED, AD_PAUSED, MATCHER_PLANES
 from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, output_file
 from sidindex.errors import ArtifactError
 from sidindex_cli.render import emit, print_positions
@@ -65,7 +65,7 @@ def inspect(
                    "ads_per_sid": f"p50 {st['ads_per_sid_p50']:g}  p99 {st['ads_per_sid_p99']:g}  "
                                   f"max {st['ads_per_sid_max']}",
                    "sids_per_ad": f"mean {st['sids_per_ad_mean']:.2f}  max {st['sids_per_ad_max']}",
-                   **_lineage(m)}
+                   **_lineage(snap)}
         if plot is not None:
             from sidindex_cli.plot import plot_positions
 
@@ -80,10 +80,15 @@ def inspect(
         raise ArtifactError(f"{snap.path / 'manifest.json'}: its statistics are malformed ({type(e).__name__}: {e})") from None
 
 
-def _lineage(m) -> dict:
-    """What inspect shows of a snapshot's updates since its full build."""
+def _lineage(snap) -> dict:
+    """What inspect shows of a snapshot's updates since its full build (and of the ad states a full
+    build kept: paused ads carried forward, changes applied again after its export)."""
+    m = snap.manifest
     if m.lineage is None:
-        return {"full_build": m.id, "updates_since_full_build": 0}
+        states = {} if snap.exact.ad_state is None else {
+            "paused_ads": int((snap.row_states == AD_PAUSED).sum()),
+            "deleted_rows": int((snap.row_states == AD_DELETED).sum())}
+        return {"full_build": m.id, "updates_since_full_build": 0, **states}
     lin = m.lineage
     return {"full_build": lin["full_build"], "updates_since_full_build": lin["updates"], "update_base": lin["base"],
             "paused_ads": lin["paused"], "deleted_rows": lin["deleted"], "stale_entries": lin["stale_entries"],

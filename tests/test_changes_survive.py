@@ -162,6 +162,7 @@ def test_a_paused_ad_stays_paused_through_a_full_build(built, pool, tmp_path):
     assert set(snap.ad_id[snap.row_states == AD_PAUSED].tolist()) == set(paused)
     assert _live(root) == set(ads["ad_id"].to_list()) - set(paused)
     assert run_cli("validate", root).returncode == 0
+    assert json.loads(run_cli("inspect", root, "--json").stdout)["paused_ads"] == 3
     # a resume ends the pause; the next build keeps it ended
     run_update(root, _changes(pool, tmp_path / "0002.parquet", [{"ad_id": paused[0], "op": "resume"}]))
     _build(pool, root, _export(pool, tmp_path, ads))

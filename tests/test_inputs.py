@@ -145,6 +145,7 @@ def test_a_link_to_a_regular_file_is_read(sample_dir, tmp_path):
 # --- TOML inputs with bad values ------------------------------------------------------------------
 
 CONFIG_CASES = [
+    ("[sid]\npath_ratio = 1" + "0" * 400 + "\n", "[sid] path_ratio: expected a number >= 0"),
     ("[sid]\nlevels = -3\n", "[sid] levels: expected a non-empty list of sizes in 1..32768, got -3"),
     ("[sid]\nlevels = \"512\"\n", "[sid] levels: expected a non-empty list"),
     ("[sid]\nlevels = 512.0\n", "[sid] levels: expected a non-empty list"),
