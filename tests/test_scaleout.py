@@ -10,7 +10,6 @@ import re
 import shutil
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -293,41 +292,38 @@ def test_ray_engine_cli_errors_are_one_line(sample_dir, tmp_path):
     assert not (tmp_path / "root" / "CURRENT").exists()
 
 
-def _ray_tasks(name: str) -> list[int]:
-    """Pids of Ray worker processes running the task `name` (Ray titles them ray::<name>)."""
+def _ray_tasks(name: str, session: int) -> list[int]:
+    """Pids of the Ray worker processes of session `session` (a build the test started) running
+    the task `name` (Ray titles them ray::<name>): never another job's."""
     out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in _in_session(session):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if f.read().startswith(f"ray::{name}".encode()):
-                    out.append(int(pid))
+                    out.append(pid)
         except OSError:
             pass
     return out
 
 
 def test_a_killed_worker_fails_the_build_and_publishes_nothing(spec, write_catalog, tmp_path):
-    """SIGKILL a worker while it prepares a fragment: the console script exits 2 with one line."""
+    """SIGKILL a worker of the build while it prepares a fragment: the console script exits 2 with one line."""
     _, spec_path = write_catalog(pl.DataFrame({"x": [0]}))
     job = _job(tmp_path, sample_catalog(200_000, spec, dim=16, seed=5), spec_path, False, 100_000)
-    killed = []
-
-    def kill_first():
-        deadline = time.monotonic() + 240
-        while not killed and time.monotonic() < deadline:
-            for pid in _ray_tasks("prepare"):
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            time.sleep(0.005)
-
-    killer = threading.Thread(target=kill_first)
-    killer.start()
-    r = run_cli("build", "--catalog", job["catalog"], "--targeting", job["targeting"], "--config", job["config"],
-                "--codebook", job["codebook"], "--out", tmp_path / "root", "--engine", "ray", "--workers", "2")
-    killer.join()
+    build = subprocess.Popen([shutil.which("sidindex"), "build", "--catalog", job["catalog"], "--targeting",
+                              job["targeting"], "--config", job["config"], "--codebook", job["codebook"], "--out",
+                              tmp_path / "root", "--engine", "ray", "--workers", "2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    killed, deadline = [], time.monotonic() + 240
+    while not killed and build.poll() is None and time.monotonic() < deadline:
+        for pid in _ray_tasks("prepare", build.pid):  # the build's session: its own workers only
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        time.sleep(0.005)
+    _, err = build.communicate(timeout=300)
     assert killed, "no worker was seen running a fragment"
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.startswith("error: the ray build failed, nothing published") and len(r.stderr.strip().splitlines()) == 1
+    assert build.returncode == 2, err
+    assert err.startswith("error: the ray build failed, nothing published") and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "root" / "CURRENT").exists()
     assert not list((tmp_path / "root").glob("snapshots/*"))
 
