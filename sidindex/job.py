@@ -200,8 +200,14 @@ def _carry_changes(root: Root, published: str | None, built: _Built, cb: Codeboo
     """`built` with the ads the published snapshot has paused paused, and the journal's change files
     named after `through` re-applied in the order they were published; what was carried, and
     the warnings for the report."""
-    journal = [e.file for e in root.journal()]
-    replay = [f for f in journal if through is not None and f.name > through]
+    entries = root.journal()
+    journal = [e.file for e in entries]
+    replay = [e.file for e in entries if through is not None and e.file.name > through]
+    for e in entries:  # a journaled file is applied again only as the update that published it read it
+        if e.file in replay and sha256_file(e.file) != e.digest:
+            raise ArtifactError(f"{e.file}: its sha256 is not the one its journal entry was published with; the "
+                                "journal is corrupt, so the changes published after the export cannot be applied "
+                                "again. Restore the file, or build from an export that holds it")
     warnings = []
     if through is None and journal:
         warnings.append(f"{len(journal)} change file(s) in the ROOT's journal ({journal[0].name} .. "

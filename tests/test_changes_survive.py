@@ -189,6 +189,13 @@ def test_changes_after_the_export_are_applied_again_with_its_watermark(built, po
     r = run_cli("build", "--catalog", newer, "--targeting", pool["targeting"], "--out", root,
                 "--changes-applied-through", "a/b.parquet")
     assert r.returncode == 2 and "does not name a change file" in r.stderr
+    journaled = Root(root).journal()[0].file  # a journal file changed since its update published it
+    os.chmod(journaled, 0o644)
+    pl.read_parquet(journaled).with_columns(pl.lit("pause").alias("op")).write_parquet(journaled)
+    before = _published(root)
+    r = run_cli("build", "--catalog", newer, "--targeting", pool["targeting"], "--out", root, "--config",
+                pool["dir"] / "build.toml", "--force", "--changes-applied-through", "0001.parquet")
+    assert r.returncode == 2 and "the journal is corrupt" in r.stderr and _published(root) == before, r.stderr
 
 
 # rounds of 1-3 change files (pause/resume/delete an existing ad, upsert a new one or one deleted
