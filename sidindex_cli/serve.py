@@ -17,6 +17,10 @@ SCORER_OPT = typer.Option(
     help="Your model as the scorer: FACTORY(batch: pyarrow.Table, device, level_sizes) -> scorer(step, tokens, "
          "parent) -> logits, MODULE importable from the working directory or PYTHONPATH; `batch` holds the "
          "batch's request rows with every column of the request file. Default: the codebook scorer.")
+SCORER_TIMEOUT_OPT = typer.Option(
+    None, "--scorer-timeout", min=0.001, metavar="SECONDS",
+    help="With --scorer: the most any one call into your module (its import, the factory, a scorer step) may "
+         "take; a call still running then stops the command with one line naming it (exit 2). Default: no limit.")
 VALUE_WEIGHT_OPT = typer.Option(
     0.0, "--value-weight", min=0.0, metavar="LAMBDA",
     help="Value-guided search: keep the beams with the best log-probability + LAMBDA x log(value bound), the bound "
@@ -43,6 +47,7 @@ def retrieve(
                                         "every eligible ad the search reached)."),
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Requests searched together."),
     scorer: Optional[str] = SCORER_OPT,
+    scorer_timeout: Optional[float] = SCORER_TIMEOUT_OPT,
     value_weight: float = VALUE_WEIGHT_OPT,
     rank: str = typer.Option("score", "--rank", help="Rank each request's ads by score (best log-probability), "
                              "value (the ad's `value`) or fused (reciprocal-rank fusion of both)."),
@@ -57,10 +62,9 @@ def retrieve(
     """
 
     import runtime
-    from runtime.scorer import load_factory
 
     chosen = parse_mode(mode)  # a typo fails before the snapshot loads; retrieve checks it against the index
-    factory = load_factory(scorer) if scorer else None  # so does a module that cannot be imported
+    factory = _factory(scorer, scorer_timeout)  # so does a module that cannot be imported
     t0 = time.perf_counter()
     index = runtime.load(snapshot, device, verify=False)
     beam_sizes = runtime.parse_beams(beams, index.sid_length)
@@ -97,6 +101,7 @@ def simulate(
     plot: Optional[Path] = typer.Option(None, "--plot", callback=output_file,
                                         help="Also draw pass rates and recall per mode to this PNG."),
     scorer: Optional[str] = SCORER_OPT,
+    scorer_timeout: Optional[float] = SCORER_TIMEOUT_OPT,
     value_weights: Optional[str] = typer.Option(None, "--value-weights", metavar="L1,L2,...",
                                                 help="Also run the value-guided search at these weights (see "
                                                 "retrieve --value-weight) and report its value@K and recall@K."),
@@ -114,12 +119,11 @@ def simulate(
     (--value-weights; --plot then also draws value@K against the weight).
     """
     import runtime
-    from runtime.scorer import load_factory
     from runtime.simulate import simulate as run_study
 
     named = tuple(parse_mode(m.strip()) for m in modes.split(",")) if modes else None  # typos fail before loading
     weights = _weights(value_weights)
-    factory = load_factory(scorer) if scorer else None
+    factory = _factory(scorer, scorer_timeout)
     index = runtime.load(snapshot, device, verify=False)
     beam_sizes = runtime.parse_beams(beams, index.sid_length)
     reqs = runtime.read_requests(requests, index)
@@ -162,3 +166,13 @@ def _kway_label(snap) -> str | None:
                                      f"dynamic, k_max {cfg.get('k_max')}, target fill {cfg.get('target_fill')}")
     except (AttributeError, KeyError, TypeError) as e:
         raise ArtifactError(f"{snap.path / 'manifest.json'}: its k-way build config is malformed ({e})") from None
+
+
+def _factory(scorer: str | None, timeout: float | None):
+    """The user's scorer factory named by --scorer (imported now: a module that cannot be imported
+    fails before any work), or None for the codebook scorer."""
+    from runtime.scorer import load_factory
+
+    if timeout is not None and not scorer:
+        raise ConfigError("--scorer-timeout limits a scorer given with --scorer; give one, or drop the timeout")
+    return load_factory(scorer, timeout) if scorer else None

@@ -87,6 +87,13 @@ class Opaque:
 
 def opaque(batch, device, level_sizes):
     return Opaque(max(level_sizes))
+
+
+def spins(batch, device, level_sizes):
+    def scorer(step, tokens, parent):
+        while True:
+            pass
+    return scorer
 '''
 
 LAZY = '''
@@ -247,3 +254,16 @@ def _main_exits(monkeypatch, app) -> int:
     with pytest.raises(SystemExit) as e:
         cli.main()
     return e.value.code
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("models:slow", "the factory failed: no result within 0.5 s (the scorer timeout)"),
+    ("models:spins", "failed at step 0: no result within 0.5 s (the scorer timeout)"),
+])
+def test_a_scorer_that_outlives_its_timeout_is_one_line_exit_2(root, work, factory, message):
+    r = run_cli("retrieve", root, "--requests", "requests.parquet", "--device", "cpu", "--scorer", factory,
+                "--scorer-timeout", "0.5", "--out", work / "late.parquet", cwd=work, timeout=50)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: scorer {factory!r}: {message}"], r.stderr
+    r = run_cli("retrieve", root, "--requests", "requests.parquet", "--scorer-timeout", "0.5", "--out",
+                work / "late.parquet", cwd=work)
+    assert r.returncode == 2 and "--scorer-timeout limits a scorer given with --scorer" in r.stderr
