@@ -44,10 +44,16 @@ class Contract:
         raise KeyError(name)
 
 
+# Schema metadata key of a catalog export: the newest change file (its file name) whose changes
+# the export holds, which a full build re-applies the journal after (DESIGN.md §15)
+CHANGES_THROUGH_KEY = "sidindex.changes_applied_through"
+
 CATALOG = Contract(
     name="catalog",
     version=1,
-    doc="One row per ad; Parquet or Arrow IPC.",
+    doc=f"One row per ad; Parquet or Arrow IPC. The schema's metadata may carry `{CHANGES_THROUGH_KEY}`: the "
+        "name of the newest change file whose changes the export holds, so that a full build applies the "
+        "change files published after it again (the build option of that name says the same).",
     fields=(
         Field("ad_id", "int64", True, False, "Unique ad identifier; an unsigned id must fit int64 (below 2**63)."),
         Field("embedding", "vector<float32>", True, False,

@@ -83,23 +83,45 @@ class Requests:
                         self.columns.slice(lo, hi - lo), None if self.table is None else self.table.slice(lo, hi - lo))
 
 
-def read_table(path: str | Path, what: str) -> pl.DataFrame:
-    """Read the Parquet or Arrow IPC (file or stream) table at `path`, chosen by its magic bytes;
-    `what` names it in messages ("catalog")."""
+def _form(path: str | Path, what: str) -> tuple[Path, str]:
+    """(path, "parquet" | "ipc file" | "ipc stream") of the regular file at `path`, by its magic bytes."""
     path = regular_input(path, what)
     try:
         with path.open("rb") as f:
             head = f.read(6)
     except OSError as e:  # no permission, an I/O error
         raise InputError(f"{path}: the {what} cannot be read ({e.strerror or e})") from None
+    return path, "parquet" if head[:4] == b"PAR1" else "ipc file" if head == b"ARROW1" else "ipc stream"
+
+
+def read_table(path: str | Path, what: str) -> pl.DataFrame:
+    """Read the Parquet or Arrow IPC (file or stream) table at `path`, chosen by its magic bytes;
+    `what` names it in messages ("catalog")."""
+    path, form = _form(path, what)
     try:
-        if head[:4] == b"PAR1":
+        if form == "parquet":
             return pl.read_parquet(path)
-        if head == b"ARROW1":
-            return pl.read_ipc(path)
-        return pl.read_ipc_stream(path)
+        return pl.read_ipc(path) if form == "ipc file" else pl.read_ipc_stream(path)
     except Exception as e:  # polars raises many types for corrupt input
         raise InputError(f"{path}: cannot be read as Parquet or Arrow IPC: {e}") from None
+
+
+def table_metadata(path: str | Path, what: str) -> dict[str, str]:
+    """The key-value metadata of the schema of the table at `path` (as `read_table` reads it),
+    decoded as UTF-8; no rows are read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path, form = _form(path, what)
+    try:
+        if form == "parquet":
+            schema = pq.read_schema(path)
+        else:
+            with pa.memory_map(str(path)) as source:
+                schema = (pa.ipc.open_file if form == "ipc file" else pa.ipc.open_stream)(source).schema
+    except Exception as e:  # pyarrow raises several types for corrupt input
+        raise InputError(f"{path}: cannot be read as Parquet or Arrow IPC: {e}") from None
+    return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in (schema.metadata or {}).items()}
 
 
 def read_catalog(

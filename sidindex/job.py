@@ -16,7 +16,8 @@ unless `force`. Any failure publishes nothing.
 Changes survive full builds. Pauses are not in the catalog, so a build keeps every ad the
 published snapshot has paused paused (by ad_id): a pause ends only with a resume or a delete.
 Deletes and upserts live in the catalog export, which may predate the latest updates: given the
-name of the newest change file the export holds (`changes_through`), a build re-applies every
+name of the newest change file the export holds (`changes_through`, or the export's own
+`schemas.contracts.CHANGES_THROUGH_KEY` metadata), a build re-applies every
 journaled change file named after it (`sidindex.root`), in the order they were published, before
 it publishes. Without that name it re-applies none and says so in its report's warnings.
 Without `changes_through`, a build that waited for the lock while an update published refuses
@@ -36,12 +37,13 @@ from pathlib import Path
 import numpy as np
 
 from schemas.artifacts import AD_LIVE, AD_PAUSED, SNAPSHOT_VERSION
+from schemas.contracts import CHANGES_THROUGH_KEY
 from sidindex.artifact import regular_input, sha256_file
 from sidindex.build import build_index
 from sidindex.changes import Changes, read_changes
 from sidindex.config import BuildConfig, load_config
 from sidindex.errors import ArtifactError, ConfigError, InputError, QualityGateError
-from sidindex.ingest import Catalog, read_catalog
+from sidindex.ingest import Catalog, read_catalog, table_metadata
 from sidindex.matchers.exact import ExactIndex
 from sidindex.root import Root, new_snapshot_id
 from sidindex.sid import Codebook, assign_sids, hash_tokens, load_codebook, save_codebook, sid_quality, train_codebook
@@ -75,11 +77,15 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
         raise ConfigError("a Ray address applies to the ray engine only")
     if ray_address is not None and workers is not None:
         raise ConfigError("a number of workers sizes a local Ray; a Ray cluster brings its own CPUs")
+    exported = table_metadata(catalog, "catalog").get(CHANGES_THROUGH_KEY)  # also: a regular file, before the lock
+    if changes_through is not None and exported is not None and changes_through != exported:
+        raise ConfigError(f"{catalog}: the export says it holds the change files through {exported!r} (its "
+                          f"{CHANGES_THROUGH_KEY!r} metadata), the build was told {changes_through!r}; give one")
+    changes_through = changes_through if changes_through is not None else exported
     if changes_through is not None and (not changes_through or Path(changes_through).name != changes_through):
         raise ConfigError(f"{changes_through!r} does not name a change file (a file name, without a directory)")
     progress = progress or (lambda *_: None)
     clock = StageClock()
-    regular_input(catalog, "catalog")  # before the lock: a FIFO would hold it while blocking the read
     cfg = load_config(config)
     spec = load_targeting(targeting)
     layout = Root(root)

@@ -146,7 +146,9 @@ def build(
         None, "--changes-applied-through", metavar="NAME",
         help="The newest change file (its file name) whose changes the catalog export already holds. Change files "
              "that `sidindex update` published after it are applied again on top of the build, so their deletes and "
-             "upserts survive it. Without it none are, and the build warns if there are some."),
+             "upserts survive it. Default: the catalog's own schema metadata "
+             "`sidindex.changes_applied_through`, if it has it. Without either none are, and the build warns if "
+             "there are some."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Build and publish a snapshot: the main job, end to end.

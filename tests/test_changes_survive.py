@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas.artifacts import AD_LIVE, AD_PAUSED
+from schemas.contracts import CHANGES_THROUGH_KEY
 from sidindex.errors import InputError
 from sidindex.job import run_build, run_update
 from sidindex.root import Root
@@ -189,6 +190,17 @@ def test_changes_after_the_export_are_applied_again_with_its_watermark(built, po
     r = run_cli("build", "--catalog", newer, "--targeting", pool["targeting"], "--out", root,
                 "--changes-applied-through", "a/b.parquet")
     assert r.returncode == 2 and "does not name a change file" in r.stderr
+    # the watermark carried by the export itself: the same as the option, and refused when they disagree
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(newer)
+    pq.write_table(table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                                  CHANGES_THROUGH_KEY: "0001.parquet"}), newer)
+    report = _build(pool, root, newer)
+    assert report["carried"]["replayed"] == ["0002.parquet"] and report["warnings"] == [] and _live(root) == want
+    r = run_cli("build", "--catalog", newer, "--targeting", pool["targeting"], "--out", root,
+                "--changes-applied-through", "0002.parquet")
+    assert r.returncode == 2 and "the build was told '0002.parquet'" in r.stderr, r.stderr
     journaled = Root(root).journal()[0].file  # a journal file changed since its update published it
     os.chmod(journaled, 0o644)
     pl.read_parquet(journaled).with_columns(pl.lit("pause").alias("op")).write_parquet(journaled)
