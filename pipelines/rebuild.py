@@ -15,7 +15,8 @@ JOB.toml:
     reports   = "/srv/sidindex/reports"       # optional: default ROOT/reports
     changes   = "/data/ads/changes"           # for --update: a directory of change files
     changes_applied_through = "20261204T1200.parquet"  # optional: the newest change file the catalog
-                                              # export holds (a full build applies the later ones again)
+                                              # export holds (a full build applies the later ones again);
+                                              # default: the export's own schema metadata of that name
 
 The intended loop: a full build on schedule (every few hours) from a catalog export; between
 them, `--update` every minute or so. An update run applies each pending change file of the
