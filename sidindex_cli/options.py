@@ -56,12 +56,12 @@ def output_file(path: Path | None) -> Path | None:
 
 
 def write_table(table, path: Path) -> None:
-    """Write a pyarrow table to `path` (.parquet, else uncompressed Arrow IPC; its directory must
-    exist) under a temporary name, then rename it into place: a reader never sees half a file."""
+    """Write a pyarrow table to `path` (.parquet, else uncompressed Arrow IPC; its directory checked
+    by the option's `output_file`) under a temporary name, then rename it into place: a reader never
+    sees half a file."""
     import pyarrow.parquet as pq
     from pyarrow import feather
 
-    output_file(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         if path.suffix == ".parquet":

@@ -8,7 +8,6 @@ import numpy as np
 
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import InputError
-from sidindex_cli.options import output_file
 
 
 def _pyplot():
@@ -27,7 +26,6 @@ def plot_positions(positions: list[dict], kway: bool, path: Path, title: str) ->
 
     positions: `GTMStats.to_dict()["positions"]` (a snapshot manifest's stats)
     """
-    output_file(path)
     plt = _pyplot()
     x = [p["position"] for p in positions]
     fig, (fill, store) = plt.subplots(1, 2, figsize=(13, 4))
@@ -56,7 +54,6 @@ def plot_positions(positions: list[dict], kway: bool, path: Path, title: str) ->
 
 def plot_study(report: dict, path: Path) -> None:
     """Pass rates per stage and recall@K per mode (a `sidindex simulate` report) to a PNG."""
-    output_file(path)
     plt = _pyplot()
     modes = report["modes"]
     k = report["top_k"]
