@@ -63,8 +63,7 @@ def open_regular(path: Path, *, follow_links: bool = False) -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise ArtifactError(f"{path}: is {kind}; artifacts are read from regular files only")
+        raise ArtifactError(f"{path}: is {_kind(mode)}; artifacts are read from regular files only")
     return fd
 
 
@@ -379,8 +378,12 @@ def regular_input(path: str | Path, what: str) -> Path:
     except OSError as e:
         raise InputError(f"{path}: the {what} cannot be read ({e.strerror})") from None
     if not stat.S_ISREG(mode):
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-        raise InputError(f"{path}: the {what} is {kind}; it must be a regular file (or a symbolic link to one)")
+        raise InputError(f"{path}: the {what} is {_kind(mode)}; it must be a regular file (or a symbolic link to one)")
     return path
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not regular is, from its st_mode."""
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
