@@ -62,23 +62,16 @@ class UpdatedIndex:
                 "dead_sids": self.dead_sids}
 
 
-def row_states(index: Indexed) -> np.ndarray:
-    """(N,) uint8 each catalog row's state (`schemas.artifacts.AD_LIVE`, ...; all live when the
-    index has no states)."""
-    st = index.exact.ad_state
-    return np.zeros(len(index.ad_id), dtype=np.uint8) if st is None else st
-
-
 def ads_in_state(index: Indexed, *states: int) -> np.ndarray:
     """(n,) int64 the ids of the index's rows in one of `states`."""
-    return np.asarray(index.ad_id)[np.isin(row_states(index), states)]
+    return np.asarray(index.ad_id)[np.isin(index.exact.states(len(index.ad_id)), states)]
 
 
 def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> UpdatedIndex:
     """The index's arrays with `changes` applied (read by `sidindex.changes.read_changes` against
     this index)."""
     clock = StageClock()
-    state = row_states(snap).copy()
+    state = snap.exact.states(len(snap.ad_id)).copy()
     served = state != AD_DELETED  # rows an id may name: its only one that is not deleted
     ids = pl.Series(snap.ad_id)
     for wanted, new_state in ((changes.removed, AD_DELETED), (changes.paused, AD_PAUSED), (changes.resumed, AD_LIVE)):

@@ -127,6 +127,11 @@ class ExactIndex:
         out = {n: a for p in self.planes for n, a in p.arrays().items()}
         return out if self.ad_state is None else out | {"ad_state": self.ad_state}
 
+    def states(self, n: int) -> np.ndarray:
+        """(n,) uint8 each of the n catalog rows' state (`schemas.artifacts.AD_LIVE`, ...; all live
+        when no update or carried pause wrote states)."""
+        return np.zeros(n, dtype=np.uint8) if self.ad_state is None else self.ad_state
+
     def live(self, ads: np.ndarray) -> np.ndarray:
         """(n,) bool: which catalog rows `ads` (n,) int64 are live (neither paused nor deleted)."""
         if self.ad_state is None:

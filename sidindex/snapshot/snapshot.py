@@ -58,8 +58,7 @@ class Snapshot:
     @property
     def row_states(self) -> np.ndarray:
         """(N,) uint8 each catalog row's state (`schemas.artifacts.AD_LIVE`, ...; all live for a full build)."""
-        st = self.exact.ad_state
-        return np.zeros(len(self.ad_id), dtype=np.uint8) if st is None else st
+        return self.exact.states(len(self.ad_id))
 
 
 def _arrays(gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> dict[str, np.ndarray]:
