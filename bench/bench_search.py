@@ -73,7 +73,7 @@ from runtime.requests import to_device
 from runtime.search import beam_search
 from runtime.serving import Searcher
 from sidindex.config import KWayConfig
-from sidindex.ingest import Requests
+from sidindex.requests import Requests
 from sidindex.modes import Mode
 from sidindex.requests import encode_requests
 from sidindex.sample import location_vocabulary, sample_requests, zipf_weights

@@ -51,7 +51,7 @@ from bench.bench_search import bench_requests, build_snapshot, cuda_ms, graph_se
 from runtime import Searcher, beam_search, codebook_scorer, load_index, to_device
 from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from sidindex.config import SIDConfig
-from sidindex.ingest import Requests
+from sidindex.requests import Requests
 from sidindex.modes import Mode
 from sidindex.requests import encode_requests
 from sidindex.sid import Codebook

@@ -5,12 +5,13 @@ A serving host needs only this namespace:
 
     import runtime
     index = runtime.load(ROOT_OR_SNAPSHOT, "cuda")      # or runtime.SnapshotWatcher(ROOT, "cuda")
-    reqs = runtime.read_requests("requests.parquet", index)
-    run = runtime.retrieve(index, reqs, mode="cd+gtm", beams=(1, 512, 1024, 1024))
+    retriever = runtime.Retriever(index, mode="cd+gtm", beams=(1, 512, 1024, 1024), batch_sizes=(1, 16))
+    table = retriever.retrieve(arrow_batch)      # or a polars frame, or a list of dicts
 
 Modules:
     loader      snapshot -> ServedIndex on a device; SnapshotWatcher swaps to newly published snapshots
-    requests    read a request file; a batch's encoding (`sidindex.requests`) onto the device
+    requests    requests in memory or from a file, validated; a batch's encoding onto the device in one copy
+    retriever   Retriever: the serving object (validate, encode, search and post in one graph, Arrow out)
     ops/        the fused CD+GTM mask: Triton kernel, torch reference, numba CPU path
     search      beam search in every Mode (`sidindex.modes`); the Scorer protocol
     serving     Searcher: the search captured as CUDA graphs per batch size, replayed
@@ -18,7 +19,7 @@ Modules:
     decoder     a reference transformer decoder with a KV cache: the worked example of a model
     hf          SidLogitsProcessor: the same mask inside Hugging Face `generate` (extra `sidindex[hf]`)
     post        SIDs -> ads, best score per ad, exact filter, ranking
-    retrieve    all of it over a request table, in batches
+    retrieve    a whole request table through a Retriever; the scorers of the studies
     simulate    pass rates and recall per mode (`sidindex simulate`)
 
 Layering (DESIGN.md §2): `runtime` reads artifacts only through `sidindex`'s readers and never
@@ -27,8 +28,9 @@ serving commands do, when they run). Triton is imported only when a kernel first
 """
 
 from runtime.loader import ServedIndex, SnapshotWatcher, load, load_index
-from runtime.requests import read_requests, to_device
+from runtime.requests import read_requests, requests_from, to_device
 from runtime.retrieve import RetrievalRun, codebook_scorer, factory_scorer, retrieve
+from runtime.retriever import Retriever
 from runtime.scorer import CodebookScorer
 from runtime.search import Beams, Scorer, beam_search, parse_beams
 from runtime.serving import Searcher
@@ -41,6 +43,7 @@ __all__ = [
     "EncodedRequests",
     "Mode",
     "RetrievalRun",
+    "Retriever",
     "Scorer",
     "Searcher",
     "ServedIndex",
@@ -54,6 +57,7 @@ __all__ = [
     "parse_beams",
     "parse_mode",
     "read_requests",
+    "requests_from",
     "retrieve",
     "to_device",
 ]

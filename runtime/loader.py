@@ -15,7 +15,7 @@ import dataclasses
 import re
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -472,6 +472,9 @@ class SnapshotWatcher:
         self.device = devices[0]
         self.indexes: tuple[ServedIndex, ...] = tuple(load(self.root.path, devices, verify=verify))
         self.last_error: str | None = None
+        # called with a newly loaded snapshot's indexes before it is swapped in (a `runtime.Retriever`
+        # warms it there); one that raises keeps the old snapshot serving, as a failed load does
+        self.before_swap: list[Callable[[tuple[ServedIndex, ...]], None]] = []
         self._refused: str | None = None  # the published id that failed: not loaded again until CURRENT moves
         self._lock = threading.Lock()
 
@@ -494,14 +497,16 @@ class SnapshotWatcher:
             # the ROOT, opened as `load` and `sidindex validate` open it (CURRENT read again, once
             # more if retention prunes it meanwhile); an update of the served snapshot shares its
             # checked files and device arrays
-            new = load(self.root.path, list(self.devices), verify=self.verify, base=list(self.indexes))
+            new = tuple(load(self.root.path, list(self.devices), verify=self.verify, base=list(self.indexes)))
+            for hook in self.before_swap:
+                hook(new)
         except Exception as e:  # a serving process must outlive any snapshot (a bad file, a bug in a reader)
             why = e if isinstance(e, SidIndexError) else f"{type(e).__name__} while polling {self.root.path}: {e}"
             self.last_error = f"kept serving snapshot {self.current.id}: {why}"
             self._refused = published
             return False
         else:
-            self.indexes, self.last_error = tuple(new), None
+            self.indexes, self.last_error = new, None
             return True
         finally:
             self._lock.release()

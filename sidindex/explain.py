@@ -17,11 +17,10 @@ import numpy as np
 
 from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED
 from sidindex.errors import InputError
-from sidindex.ingest import Requests
 from sidindex.matchers.exact import attribute_eligibility
 from sidindex.matchers.kinds import KINDS
 from sidindex.modes import Mode, parse_mode, served_modes
-from sidindex.requests import encode_requests
+from sidindex.requests import Requests, encode_requests
 from sidindex.snapshot import Snapshot
 
 

@@ -1,7 +1,7 @@
-"""Catalog and request ingestion: read with polars, validate against `schemas`, normalise.
+"""Catalog ingestion: read with polars, validate against `schemas`, normalise.
 
-One validator per table converts, checks and returns arrays the rest of the pipeline can rely on
-(`Catalog`, `Requests`). Every failure is an `InputError` naming the file, the column, a row
+One validator (`Validator`) converts, checks and returns arrays the rest of the pipeline can rely
+on (`Catalog`; requests' batches too, through `sidindex.requests`). Every failure is an `InputError` naming the file, the column, a row
 (0-based, as in a data frame) and the offending value. Legend: N ads, B requests, D embedding dims.
 
 Bounds checked here so that later stages cannot fail obscurely: ids must fit int64 (a uint64 id above
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
-from schemas import CATALOG, REQUESTS
+from schemas import CATALOG
 from schemas.artifacts import MAX_AD_VALUE
 from sidindex.artifact import regular_input
 from sidindex.errors import InputError
 from sidindex.targeting import TargetingSpec
 
-MAX_REQUEST_VALUES = 64
 # Embedding elements are refused beyond this absolute value. faiss k-means and the SID assignment compute
 # squared distances in float32: with |x| <= 1e6 a squared distance stays below 4e12 * D, finite for any
 # realistic D, while 1e19 squares to 1e38, at float32's limit (3.4e38): the sums overflow to inf and faiss
@@ -53,36 +53,6 @@ class Catalog:
         return len(self.ad_id)
 
 
-@dataclass(frozen=True)
-class Requests:
-    """A validated request table.
-
-    request_id: (B,) int64, unique
-    embedding:  (B, D) float32, finite, |x| <= MAX_ABS_EMBEDDING; None when the table has no embedding column
-    columns:    one column per targeting attribute (string for bitmask, list<string> for bloom)
-    table:      the file's rows with every column as read, extra columns included (a user's scorer
-                reads them, e.g. history token ids); None when the requests were built in memory
-    """
-
-    path: str
-    request_id: np.ndarray
-    embedding: np.ndarray | None
-    columns: pl.DataFrame
-    table: pl.DataFrame | None = None
-
-    def __len__(self) -> int:
-        return len(self.request_id)
-
-    def head(self, n: int) -> Requests:
-        """The first n requests."""
-        return self.rows(0, n)
-
-    def rows(self, lo: int, hi: int) -> Requests:
-        """Requests lo..hi-1."""
-        return Requests(self.path, self.request_id[lo:hi], None if self.embedding is None else self.embedding[lo:hi],
-                        self.columns.slice(lo, hi - lo), None if self.table is None else self.table.slice(lo, hi - lo))
-
-
 def _form(path: str | Path, what: str) -> tuple[Path, str]:
     """(path, "parquet" | "ipc file" | "ipc stream") of the regular file at `path`, by its magic bytes."""
     path = regular_input(path, what)
@@ -106,10 +76,25 @@ def read_table(path: str | Path, what: str) -> pl.DataFrame:
         raise InputError(f"{path}: cannot be read as Parquet or Arrow IPC: {e}") from None
 
 
+def open_table(path: str | Path, what: str) -> pa.Table:
+    """The Parquet or Arrow IPC table at `path` as a pyarrow.Table (memory-mapped where the form
+    allows), chosen by its magic bytes; `what` names it in messages ("request table")."""
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+
+    path, form = _form(path, what)
+    try:
+        if form == "parquet":
+            return pq.read_table(path)
+        with pa.memory_map(str(path)) as source:
+            return (ipc.open_file if form == "ipc file" else ipc.open_stream)(source).read_all()
+    except Exception as e:  # pyarrow raises several types for corrupt input
+        raise InputError(f"{path}: cannot be read as Parquet or Arrow IPC: {e}") from None
+
+
 def table_metadata(path: str | Path, what: str) -> dict[str, str]:
     """The key-value metadata of the schema of the table at `path` (as `read_table` reads it),
     decoded as UTF-8; no rows are read."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     path, form = _form(path, what)
@@ -148,7 +133,7 @@ def catalog_rows(df: pl.DataFrame, path: str, *, spec: TargetingSpec | None = No
     """Validate catalog rows `df` read from `path` (as `read_catalog`); errors name row `rows[i]`
     of the file for row i of `df` (default: i), and `unique=False` lets an ad_id repeat (a change
     file may upsert an ad twice)."""
-    v = _Validator(path, df, rows)
+    v = Validator(path, df, rows)
     ad_id = v.int64(CATALOG.field("ad_id").name)
     if unique:
         v.unique(CATALOG.field("ad_id").name, ad_id)
@@ -167,43 +152,16 @@ def catalog_rows(df: pl.DataFrame, path: str, *, spec: TargetingSpec | None = No
 def check_unique_ad_ids(ad_id: np.ndarray, path: str) -> None:
     """Refuse a repeated id in a whole catalog's ad_id (N,) int64 as `read_catalog` does: for an
     engine that validates a catalog's fragments apart (unique=False), once all are read."""
-    _Validator(path, pl.DataFrame()).unique(CATALOG.field("ad_id").name, ad_id)
-
-
-def read_requests(
-    path: str | Path,
-    spec: TargetingSpec,
-    *,
-    max_values: int = MAX_REQUEST_VALUES,
-    dim: int | None = None,
-) -> Requests:
-    """Read and validate a request table (contract `schemas.REQUESTS`).
-
-    Bitmask values outside the declared set are legal: they mean "unknown" (DESIGN.md §3).
-    """
-    df = read_table(path, "request table")
-    v = _Validator(str(path), df)
-    if df.height == 0:
-        raise InputError(f"{path}: the request table holds no rows")
-    request_id = v.int64(REQUESTS.field("request_id").name)
-    v.unique("request_id", request_id)
-    embedding = v.vector("embedding", dim) if "embedding" in df.columns else None
-    keep = []
-    for a in spec.attributes:
-        if a.one_request_value:
-            keep.append(v.string(a.name))
-        else:
-            keep.append(v.string_list(a.name, declared=None, max_len=max_values))
-    return Requests(str(path), request_id, embedding, pl.DataFrame(keep), df)
+    Validator(path, pl.DataFrame()).unique(CATALOG.field("ad_id").name, ad_id)
 
 
 def int64_column(df: pl.DataFrame, path: str, name: str) -> np.ndarray:
     """(rows,) int64 the integer column `name` of `df` (read from `path`): no nulls, every value
     within int64, or an InputError naming the row."""
-    return _Validator(path, df).int64(name)
+    return Validator(path, df).int64(name)
 
 
-class _Validator:
+class Validator:
     """Column checks for one table; each returns the converted column or raises `InputError`."""
 
     def __init__(self, path: str, df: pl.DataFrame, rows: np.ndarray | None = None) -> None:

@@ -1,21 +1,239 @@
-"""A batch of requests encoded once for everything that tests them (DESIGN.md §4): the trie
-matchers (CPU matcher, mask kernels) and the exact ad-level filter.
+"""Requests: a batch validated against a targeting spec (`Requests`), and its encoding, made once
+for everything that tests it (DESIGN.md §4): the trie matchers (CPU matcher, mask kernels) and
+the exact ad-level filter (`EncodedRequests`).
 
-Legend: B requests.
+Requests arrive in memory (an RPC's Arrow record batch, a polars frame, dicts) or in a file;
+`requests_from` takes any of them, and `read_requests` reads a file and calls it. Validation
+works on the Arrow columns as they are: a few vectorised checks decide that a batch is good, and
+only a batch that fails them is handed to the catalog's column validator (`sidindex.ingest`),
+which names the column, the row and the value, so a request in memory and one in a file are
+refused with the same words.
+
+Encoding reads the Arrow buffers directly (`encode_requests`): the bitmask values are looked up
+in their declared sets, and every Bloom and exact hash is computed by one numba pass over a
+column's bytes (`sidindex.matchers.murmur`), with no Python loop per value. Everything an
+encoding holds lives in one int64 arena (a caller may pass a reused, pinned one): the planes'
+query rows back to back, the groups' ranges, the exact filter's hashes and the embedding, so a
+device copy of the whole batch is one copy (`runtime.requests.to_device`).
+
+Legend: B requests, D embedding dims, G word groups of all planes, A a plane's attributes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
+import numba
 import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from sidindex.ingest import Requests
-from sidindex.matchers.exact import ExactQueries, encode_exact_queries
+from schemas import REQUESTS
+from schemas.artifacts import EXACT_FORM, EXACT_ROWS
+from sidindex.errors import InputError
+from sidindex.ingest import MAX_ABS_EMBEDDING, INT64_MAX, Validator, open_table
+from sidindex.matchers.bitmask import BitmaskLayout
+from sidindex.matchers.bloom import BLOOM_SEED
+from sidindex.matchers.exact import EXACT_SEED, ExactQueries
 from sidindex.matchers.kinds import KINDS
+from sidindex.matchers.murmur import murmur3_32, murmur3_x64_64, string_buffers
 from sidindex.matchers.plane import PlaneQueries
 from sidindex.targeting import TargetingSpec
+
+MAX_REQUEST_VALUES = 64
+ALL_ONES = np.int64(-1)  # a query row word with every bit set (uint64 bits held as int64)
+
+
+@dataclass(frozen=True)
+class Requests:
+    """A validated request batch.
+
+    source:     where it came from, named in messages (a file's path, or what the caller says)
+    request_id: (B,) int64, unique
+    embedding:  (B, D) float32, finite, |x| <= MAX_ABS_EMBEDDING; None when there is no embedding column
+    columns:    pyarrow.Table, one column per targeting attribute in spec order, as given (a string
+                column for bitmask, a list of strings for bloom; nulls mean unknown/none)
+    table:      pyarrow.Table, every column as given, extra columns included (a user's scorer reads
+                them, e.g. history token ids)
+    """
+
+    source: str
+    request_id: np.ndarray
+    embedding: np.ndarray | None
+    columns: pa.Table
+    table: pa.Table
+
+    @property
+    def path(self) -> str:  # the name messages have always used
+        return self.source
+
+    def __len__(self) -> int:
+        return len(self.request_id)
+
+    def head(self, n: int) -> Requests:
+        """The first n requests."""
+        return self.rows(0, n)
+
+    def rows(self, lo: int, hi: int) -> Requests:
+        """Requests lo..hi-1 (zero-copy)."""
+        return Requests(self.source, self.request_id[lo:hi], None if self.embedding is None else self.embedding[lo:hi],
+                        self.columns.slice(lo, hi - lo), self.table.slice(lo, hi - lo))
+
+
+def read_requests(path: str | Path, spec: TargetingSpec, *, max_values: int = MAX_REQUEST_VALUES,
+                  dim: int | None = None) -> Requests:
+    """Read and validate a request file (Parquet or Arrow IPC; contract `schemas.REQUESTS`)."""
+    return requests_from(open_table(path, "request table"), spec, source=str(path), max_values=max_values, dim=dim)
+
+
+def requests_from(data: Any, spec: TargetingSpec, *, source: str = "requests", max_values: int = MAX_REQUEST_VALUES,
+                  dim: int | None = None) -> Requests:
+    """Validate a request batch held in memory (contract `schemas.REQUESTS`).
+
+    data: a pyarrow.Table or RecordBatch, a polars DataFrame, or a list of dicts (one per
+          request, keys as the columns); Arrow data is used without a copy
+    source: names the batch in messages ("{source}: column 'country', row 3: ...")
+    max_values: the most values a request may bring for one bloom attribute
+    dim: the embedding length expected (a codebook's); default the length of row 0
+    Bitmask values outside the declared set are legal: they mean "unknown" (DESIGN.md §3).
+    An InputError names the column, the row and the value, as for a file.
+    """
+    table = as_table(data, source)
+    names = table.column_names
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise InputError(f"{source}: column {twice!r} appears {names.count(twice)} times; give each column once")
+    if table.num_rows == 0:
+        raise InputError(f"{source}: the request table holds no rows")
+    fast = _fast_checks(table, spec, max_values, dim)
+    if fast is None:  # some check failed: the column validator finds which row and says so
+        _refuse(table, spec, source, max_values, dim)
+    request_id, embedding = fast
+    columns = pa.table({a.name: table.column(a.name) for a in spec.attributes}) if spec.attributes else pa.table({})
+    return Requests(source, request_id, embedding, columns, table)
+
+
+def as_table(data: Any, source: str) -> pa.Table:
+    """A pyarrow.Table of `data` (see `requests_from`)."""
+    if isinstance(data, pa.Table):
+        return data
+    if isinstance(data, pa.RecordBatch):
+        return pa.Table.from_batches([data])
+    if isinstance(data, pl.DataFrame):
+        return data.to_arrow()
+    if isinstance(data, list) and all(isinstance(r, dict) for r in data):
+        try:
+            return pa.Table.from_pylist(data)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:  # a column whose rows disagree on a type
+            raise InputError(f"{source}: the requests' values do not form a table: {e}") from None
+    raise InputError(f"{source}: expected requests as a pyarrow Table or RecordBatch, a polars DataFrame or a list "
+                     f"of dicts, got {type(data).__name__}")
+
+
+def _null_like(t: pa.DataType) -> bool:
+    """A column of nulls only (null values mean unknown, or no values)."""
+    return pa.types.is_null(t) or pa.types.is_dictionary(t) and pa.types.is_null(t.value_type)
+
+
+def _string_like(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        return _string_like(t.value_type)
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _list_like(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or \
+        pa.types.is_list_view(t) or pa.types.is_large_list_view(t)
+
+
+def _fast_checks(table: pa.Table, spec: TargetingSpec, max_values: int, dim: int | None):
+    """(request_id (B,) int64, embedding (B, D) float32 or None) when every check of
+    `ingest.Validator` would pass, else None. Vectorised: a few Arrow and numpy calls per column."""
+    names = set(table.column_names)
+    rid = REQUESTS.field("request_id").name
+    if rid not in names or not pa.types.is_integer(table.schema.field(rid).type):
+        return None
+    col = table.column(rid)
+    if col.null_count:
+        return None
+    ids = col.to_numpy()
+    if ids.dtype == np.uint64 and len(ids) and ids.max() > INT64_MAX:
+        return None
+    ids = ids.astype(np.int64, copy=False)
+    if len(np.unique(ids)) != len(ids):
+        return None
+    embedding = None
+    if "embedding" in names:
+        embedding = _embedding(table.column("embedding"), dim)
+        if embedding is None:
+            return None
+    for a in spec.attributes:
+        if a.name not in names:
+            return None
+        t, col = table.schema.field(a.name).type, table.column(a.name)
+        if _null_like(t):
+            continue
+        if a.one_request_value:
+            if not _string_like(t):
+                return None
+            continue
+        if not (_list_like(t) and (_string_like(t.value_type) or _null_like(t.value_type))):
+            return None
+        for chunk in col.chunks:
+            lengths = pc.list_value_length(chunk)
+            if len(chunk) and (pc.max(lengths).as_py() or 0) > max_values:
+                return None
+            if pc.list_flatten(chunk).null_count:  # a null inside a list (null lists flatten to nothing)
+                return None
+    return ids, embedding
+
+
+def _embedding(col: pa.ChunkedArray, dim: int | None) -> np.ndarray | None:
+    """(B, D) float32 of a good embedding column (`Validator.vector`'s checks), else None."""
+    t = col.type
+    if not (_list_like(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
+        return None
+    if col.null_count:
+        return None
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if pa.types.is_fixed_size_list(t):
+        d = t.list_size
+    else:
+        lengths = pc.list_value_length(arr).to_numpy()
+        d = int(lengths[0])
+        if (lengths != d).any():
+            return None
+    if d == 0 or (dim is not None and d != dim):
+        return None
+    values = arr.flatten()
+    if values.null_count:
+        return None
+    x = values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(len(arr), d)
+    if not (np.abs(x) <= MAX_ABS_EMBEDDING).all():  # NaN fails too
+        return None
+    return x
+
+
+def _refuse(table: pa.Table, spec: TargetingSpec, source: str, max_values: int, dim: int | None) -> None:
+    """Raise the InputError the column validator gives the batch that failed a fast check."""
+    try:
+        df = pl.from_arrow(table)
+    except Exception as e:  # an Arrow type polars cannot hold (e.g. a union): name it
+        raise InputError(f"{source}: the requests cannot be read as a table: {e}") from None
+    v = Validator(source, df)
+    v.unique(REQUESTS.field("request_id").name, v.int64(REQUESTS.field("request_id").name))
+    if "embedding" in df.columns:
+        v.vector("embedding", dim)
+    for a in spec.attributes:
+        if a.one_request_value:
+            v.string(a.name)
+        else:
+            v.string_list(a.name, declared=None, max_len=max_values)
+    raise InputError(f"{source}: the requests were refused by a check the validator does not name "
+                     "(a bug: please report it with the batch)")
 
 
 @dataclass(frozen=True)
@@ -30,6 +248,8 @@ class EncodedRequests:
     embedding:    (B, D) float32, or None when the table has no embedding column
     stacked:      None on the host; on a device (`runtime.requests.to_device`, where the planes'
                   rows and ranges are tensors) the planes stacked as the Triton kernel reads them
+    arena:        on the host, the (n,) int64 array every other array here is a view of (one copy
+                  moves the batch), or None for an encoding put together otherwise
     """
 
     source: str
@@ -37,6 +257,7 @@ class EncodedRequests:
     exact: tuple[ExactQueries | None, ...]
     embedding: np.ndarray | None
     stacked: Any = None
+    arena: np.ndarray | None = None
 
     @property
     def batch(self) -> int:
@@ -49,8 +270,154 @@ class EncodedRequests:
                        embedding=None if self.embedding is None else self.embedding[lo:hi])
 
 
-def encode_requests(requests: Requests, spec: TargetingSpec) -> EncodedRequests:
-    """Encode a validated request table (`sidindex.ingest.read_requests` against `spec`)."""
-    cols = requests.columns
-    planes = tuple(k.encode_requests(layout, cols) for k, layout in zip(KINDS, spec.layouts))
-    return EncodedRequests(requests.path, planes, encode_exact_queries(spec, cols), requests.embedding)
+class _Carver:
+    """Hands out consecutive, zeroed-or-filled views of one int64 arena (see `arena_words`)."""
+
+    def __init__(self, arena: np.ndarray) -> None:
+        self.arena, self.at = arena, 0
+
+    def take(self, shape: tuple[int, ...], dtype=np.int64) -> np.ndarray:
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        words = -(-n // 8)
+        view = self.arena[self.at:self.at + words].view(np.uint8)[:n].view(dtype).reshape(shape)
+        self.at += words
+        return view
+
+
+def _list_parts(col: pa.ChunkedArray, n: int):
+    """(lengths (B,) int64, value starts (B,) int64 into the flat values, the flat values as Arrow
+    string buffers (offsets, data)) of a validated list<string> column (or a null-typed one)."""
+    if _null_like(col.type) or n == 0:
+        empty = np.zeros(1, dtype=np.int64)
+        return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), empty, np.zeros(0, dtype=np.uint8)
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
+        arr = arr.cast(pa.large_list(arr.type.value_type))
+    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64, copy=False)
+    flat = pc.list_flatten(arr)  # null lists contribute nothing
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    if _null_like(flat.type):
+        return lengths, starts, np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.uint8)
+    offsets, data = string_buffers(flat)
+    return lengths, starts, offsets, data
+
+
+@numba.njit(cache=True, nogil=True)
+def _bloom_attribute(lengths, starts, str_offsets, data, rows, row0, lo, hi, bits, hashes,
+                     ranges, group, exact, exact0):
+    """One bloom attribute's query rows and exact hashes, for every request.
+
+    Request b's values (flat values starts[b]..starts[b]+lengths[b]) each get a query row,
+    rows[row0 + ...], with `hashes` bits set at BLOOM_SEED + i hash positions in the attribute's
+    words lo..hi (one all-ones row when it has none); ranges[b, group] their [start, end); the
+    values' exact hashes go to exact[exact0 + ...], sorted per request. Returns the next free row
+    and exact slot. rows: (Q, W) int64, zeroed; ranges: (B, G, 2) int64; exact: (T,) uint64.
+    """
+    r, e = row0, exact0
+    for b in range(len(lengths)):
+        ranges[b, group, 0] = r
+        if lengths[b] == 0:
+            for w in range(lo, hi):
+                rows[r, w] = -1
+            r += 1
+        e_lo = e
+        for k in range(starts[b], starts[b] + lengths[b]):
+            s, t = str_offsets[k], str_offsets[k + 1]
+            for i in range(hashes):
+                pos = np.int64(murmur3_32(data, s, t, np.uint32(BLOOM_SEED + i)) % np.uint32(bits))
+                bit = lo * 64 + pos
+                rows[r, bit >> 6] |= np.int64(1) << np.int64(bit & 63)
+            r += 1
+            exact[e] = murmur3_x64_64(data, s, t, np.uint64(EXACT_SEED))
+            e += 1
+        exact[e_lo:e] = np.sort(exact[e_lo:e])
+        ranges[b, group, 1] = r
+    return r, e
+
+
+def arena_words(requests: Requests, spec: TargetingSpec) -> int:
+    """The int64 words `encode_requests` needs for `requests` (an arena at least this long)."""
+    n, words = len(requests), 0
+    bm, bl = spec.bitmask_layout, spec.bloom_layout
+    groups = 1 + len(bl.names)
+    q_bloom = 0
+    for name in bl.names:
+        col = requests.columns.column(name)
+        if not _null_like(col.type) and n:
+            lengths = pc.fill_null(pc.list_value_length(col), 0)
+            q_bloom += n + int(pc.sum(lengths).as_py() or 0)  # at most one extra (all-ones) row each
+        else:
+            q_bloom += n
+    words += n * bm.words + q_bloom * bl.words  # query rows
+    words += n * groups * 2  # ranges
+    words += len(bl.names) * (n + 1) + q_bloom  # exact offsets and hashes
+    d = 0 if requests.embedding is None else requests.embedding.shape[1]
+    return words + -(-n * d // 2)
+
+
+def encode_requests(requests: Requests, spec: TargetingSpec, arena: np.ndarray | None = None) -> EncodedRequests:
+    """Encode a validated batch (`requests_from`/`read_requests` against `spec`).
+
+    arena: an (n,) int64 array of at least `arena_words(requests, spec)` words to write into
+    (reused and pinned by a serving host); default a new one. The encoding's arrays are views
+    of it, valid until the arena is written again.
+    """
+    n = len(requests)
+    need = arena_words(requests, spec)
+    if arena is None or len(arena) < need:
+        arena = np.empty(need, dtype=np.int64)
+    carve = _Carver(arena)
+    bm, bl = spec.bitmask_layout, spec.bloom_layout
+    assert [k.name for k in KINDS] == ["bitmask", "bloom"] and EXACT_FORM["bitmask"] == EXACT_ROWS \
+        and EXACT_FORM["bloom"] != EXACT_ROWS, "the encoder writes these two planes"
+    parts = [_list_parts(requests.columns.column(name), n) for name in bl.names]
+    q_bloom = sum(int(np.maximum(p[0], 1).sum()) for p in parts)
+    # 1. the planes' query rows, back to back: the query stack's words
+    words = carve.take((n * bm.words + q_bloom * bl.words,))
+    words[:] = 0
+    bm_rows = words[:n * bm.words].reshape(n, bm.words)
+    bl_rows = words[n * bm.words:].reshape(q_bloom, bl.words)
+    G = 1 + len(bl.names)
+    ranges = carve.take((n, G, 2))
+    # 2. bitmask: each request's user row, one bit per attribute (its value's, or "unknown")
+    _bitmask_rows(requests.columns, bm, bm_rows)
+    ranges[:, 0, 0] = np.arange(n)
+    ranges[:, 0, 1] = ranges[:, 0, 0] + 1
+    # 3. bloom: a query row per value (attribute-major), and the exact hashes, in one pass per attribute
+    offsets = carve.take((len(bl.names), n + 1))
+    hashes = carve.take((q_bloom,), np.uint64)
+    r = e = 0
+    for a, (lengths, starts, str_offsets, data) in enumerate(parts):
+        offsets[a, 0] = e
+        np.cumsum(lengths, out=offsets[a, 1:])
+        offsets[a, 1:] += e
+        r, e = _bloom_attribute(lengths, starts, str_offsets, data, bl_rows, r, bl.word_offsets[a],
+                                bl.word_offsets[a + 1], bl.attribute_bits[a], bl.hashes[a], ranges, 1 + a, hashes, e)
+    embedding = None
+    if requests.embedding is not None:
+        embedding = carve.take(requests.embedding.shape, np.float32)
+        embedding[:] = requests.embedding
+    planes = (PlaneQueries(bm_rows.view(np.uint64), ranges[:, :1], np.array([0, bm.words], dtype=np.int64),
+                           single=True),
+              PlaneQueries(bl_rows.view(np.uint64), ranges[:, 1:], np.array(bl.word_offsets, dtype=np.int64)))
+    exact = (None, ExactQueries(offsets, hashes[:e]))
+    return EncodedRequests(requests.source, planes, exact, embedding, arena=arena)
+
+
+def _bitmask_rows(columns: pa.Table, layout: BitmaskLayout, out: np.ndarray) -> None:
+    """Set each request's bit per bitmask attribute in out (B, W) int64: its value's, or the
+    attribute's unknown bit for a null or undeclared value."""
+    b = np.arange(len(out))
+    for a, (name, values) in enumerate(zip(layout.names, layout.values)):
+        col = columns.column(name)
+        if _null_like(col.type):
+            codes = np.full(len(out), len(values), dtype=np.int64)
+        else:
+            if pa.types.is_dictionary(col.type) or pa.types.is_string_view(col.type):
+                col = col.cast(pa.large_string())
+            found = pc.index_in(col, value_set=layout.value_sets[a])
+            codes = pc.fill_null(found, len(values)).to_numpy().astype(np.int64, copy=False)
+        bit = layout.offsets[a] + codes
+        out[b, bit >> 6] |= np.left_shift(np.int64(1), bit & 63)
+

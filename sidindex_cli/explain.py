@@ -33,7 +33,7 @@ def explain(
     ineligible ad fails. With --ad, every SID of that ad is explained for that ad alone.
     """
     from sidindex.explain import Explainer, request_row
-    from sidindex.ingest import read_requests
+    from sidindex.requests import read_requests
     from sidindex.snapshot import open_snapshot
 
     if (sid is None) == (ad is None):
@@ -44,7 +44,7 @@ def explain(
     ex = Explainer(snap, reqs, row)
     results = ex.sid(parse_sid(sid)) if sid is not None else None
     results = [results] if results is not None else ex.ad(ad)
-    values = reqs.columns.row(row, named=True)
+    values = reqs.columns.slice(row, 1).to_pylist()[0]
     if as_json:
         emit({"snapshot_id": snap.id, "request_id": int(reqs.request_id[row]), "request": values,
                "explanations": [r.to_dict() for r in results]}, True, "")

@@ -134,14 +134,14 @@ def print_study(report: dict, top_k: int) -> None:
     t = Table(title=f"per mode ({report['requests']} requests): ads generated and their pass rates per stage, "
               f"eligible ads per request, requests short of {top_k}, recall, ms per request", title_justify="left")
     cols = ["mode", "generated", *MATCHER_PLANES, "final", "eligible/req", "p10", f"<{top_k}", f"recall@{top_k}",
-            "search ms", "post ms"]
+            "encode ms", "search+post ms"]
     for c in cols:
         t.add_column(c, justify="right")
     for m in report["modes"]:
         t.add_row(m["mode"], f"{m['ads_generated']:,}", *(pct(m[f"{p}_rate"]) for p in MATCHER_PLANES),
                   pct(m["final_rate"]), f"{m['eligible_per_request_mean']:.1f}", f"{m['eligible_per_request_p10']:.0f}",
                   str(m["requests_short_of_k"]), "-" if m[f"recall_at_{top_k}"] is None else f"{m[f'recall_at_{top_k}']:.3f}",
-                  f"{m['search_ms_per_request']:.1f}", f"{m['post_ms_per_request']:.1f}")
+                  f"{m['encode_ms_per_request']:.2f}", f"{m['search_ms_per_request']:.1f}")
     out.print(t)
     if any(f"value_at_{top_k}" in m for m in report["modes"]):
         v = Table(title=f"value@{top_k}: the K most valuable eligible ads returned against the catalog's, by value "

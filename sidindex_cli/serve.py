@@ -70,10 +70,9 @@ def retrieve(
     beam_sizes = runtime.parse_beams(beams, index.sid_length)
     reqs = runtime.read_requests(requests, index)
     load_s = time.perf_counter() - t0
-    scorer_for = runtime.factory_scorer(factory, index, reqs) if factory else None
     with progress_bar(not as_json and err.is_terminal) as progress:
         run = runtime.retrieve(index, reqs, mode=chosen, beams=beam_sizes, top_k=top_k, batch_size=batch_size,
-                               scorer=scorer_for, progress=progress, value_weight=value_weight, rank=rank)
+                               scorer=factory, progress=progress, value_weight=value_weight, rank=rank)
     table = run.table(reqs.request_id)
     write_table(table, out_file)
     r = run.result
@@ -130,9 +129,8 @@ def simulate(
     if max_requests is not None:
         reqs = reqs.head(max_requests)
     chosen = named or served_modes(index.kway)
-    scorer_for = runtime.factory_scorer(factory, index, reqs) if factory else None
     with progress_bar(not as_json and err.is_terminal) as progress:
-        report = run_study(index, reqs, chosen, beam_sizes, top_k, scorer_for=scorer_for, progress=progress,
+        report = run_study(index, reqs, chosen, beam_sizes, top_k, scorer=factory, progress=progress,
                            value_weights=weights)
     report["kway"] = _kway_label(index.snapshot) if index.kway else None
     if plot is not None:

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import polars as pl
 import pytest
 from hypothesis import given, settings
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from sidindex.explain import Explainer, request_row
 from sidindex_cli.explain import parse_sid
 from sidindex.errors import InputError
-from sidindex.ingest import Requests
+from sidindex.requests import Requests
 from sidindex.matchers.exact import eligible_mask
 from sidindex.snapshot.snapshot import Snapshot
 from sidindex.trie.match import passing_tokens
@@ -86,7 +87,7 @@ def test_sid_not_in_catalog_stops_at_the_first_missing_prefix():
 
 
 def test_request_row_and_parse_sid():
-    req = Requests("r.parquet", np.array([7, 9]), None, pl.DataFrame({"x": [1, 2]}))
+    req = Requests("r.parquet", np.array([7, 9]), None, pa.table({"x": [1, 2]}), pa.table({"x": [1, 2]}))
     assert request_row(req, 9) == 1
     with pytest.raises(InputError, match="choose one by its request_id"):
         request_row(req, None)

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidindex.errors import ConfigError
-from sidindex.ingest import Requests
+from sidindex.requests import Requests, requests_from
 from sidindex.matchers.bitmask import bitmask_layout, encode_ad_rows as bitmask_rows
 from sidindex.matchers.bloom import BLOOM_SEED, bloom_layout, encode_ad_rows as bloom_rows
 from sidindex.matchers.exact import build_exact_index, eligible_mask
@@ -148,7 +148,7 @@ def frame(spec: TargetingSpec, rows: list[dict], bitmask_type) -> pl.DataFrame:
 def requests_of(sc: Scenario) -> Requests:
     """The scenario's requests as a validated request table."""
     rows = frame(sc.spec, sc.requests, pl.String)
-    return Requests("requests", np.arange(len(sc.requests), dtype=np.int64), None, rows)
+    return requests_from(rows.with_columns(request_id=pl.int_range(0, len(sc.requests), eager=True)), sc.spec)
 
 
 MANIFEST = SimpleNamespace(id="test")  # what an in-memory Snapshot of a scenario reads of its manifest

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import pytest
 
 from sidindex.errors import InputError
-from sidindex.ingest import MAX_ABS_EMBEDDING, read_catalog, read_requests
+from sidindex.ingest import MAX_ABS_EMBEDDING, read_catalog
+from sidindex.requests import read_requests
 from sidindex.sample import sample_requests
 
 
@@ -219,7 +221,7 @@ def test_requests_validate(tmp_path, spec):
     pq.write_table(table, path)
     req = read_requests(path, spec, dim=8)
     assert req.embedding.shape == (30, 8) and len(req) == 30
-    assert req.columns["country"].dtype == pl.String
+    assert req.columns.column("country").type == pa.string()
     # undeclared bitmask values are legal in requests ("unknown"); more than 64 locations is not
     df = pl.from_arrow(table)
     locs = df["locations"].to_list()

@@ -162,10 +162,10 @@ def test_scorer_factory_from_the_command_line(root, sample_dir, tmp_path):
     got = pl.read_parquet(out)
     assert got.height > 0
     sizes = load(root, "cpu").level_sizes
-    norm = math.log(math.exp(5.0) + max(sizes) - 1)  # log-softmax over the full vocabulary
+    norm = [math.log(math.exp(5.0) + size - 1) for size in sizes]  # log-softmax over each level's tokens
     for row in got.iter_rows(named=True):  # each score is the user's model's, from the extra column
         first = int(reqs.filter(pl.col("request_id") == row["request_id"])["history"][0][0])
-        want = sum((5.0 if t == (first + d) % sizes[d] else 0.0) - norm for d, t in enumerate(row["sid"]))
+        want = sum((5.0 if t == (first + d) % sizes[d] else 0.0) - norm[d] for d, t in enumerate(row["sid"]))
         assert row["score"] == pytest.approx(want, abs=1e-4)
     for factory, message in [("my_model:broken", "failed at step 0: RuntimeError: out of cheese"),
                              ("my_model:wrong_shape", "returned (3,) torch.float32"),

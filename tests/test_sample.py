@@ -6,7 +6,8 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
-from sidindex.ingest import read_catalog, read_requests
+from sidindex.ingest import read_catalog
+from sidindex.requests import read_requests
 from sidindex.sample import sample_catalog, sample_requests
 from sidindex.targeting import load_targeting
 

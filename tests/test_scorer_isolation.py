@@ -125,7 +125,8 @@ def test_retrieve_and_the_exhaustive_scan_are_unchanged(work, scorers):
     def results(kind):
         levels = trie_levels(index)
         make = _scorer(scorers, kind, index, reqs)
-        r = runtime.retrieve(index, reqs, beams=BEAMS, batch_size=4, scorer=make).result
+        factory = runtime.scorer.ScorerFactory(getattr(scorers, kind), kind)
+        r = runtime.retrieve(index, reqs, beams=BEAMS, batch_size=4, scorer=factory).result
         # two requests' scans read the same trie paths
         return (r.request, r.ad_id, r.sid, r.score, r.rank), [node_scores(index, make(slice(q, q + 1)), levels)
                                                                for q in (0, 1)]

@@ -65,7 +65,7 @@ def test_rates_equal_counts_made_independently(study, sample_dir):
     beams, k = (1, 8, 16, 16), 5
     report = simulate(index, reqs, ("cd", "cd+gtm", "cd+gtm+kway"), beams, k)
     rows = cat.columns.to_dicts()
-    req_rows = reqs.columns.to_dicts()
+    req_rows = reqs.columns.to_pylist()
     dreq = to_device(encode_requests(reqs, spec), "cpu")
     for m in report["modes"]:
         # the search the study's retrieval runs (its widths: the hash level's logits tie, and which
@@ -96,7 +96,7 @@ def test_rates_equal_counts_made_independently(study, sample_dir):
 def test_exhaustive_top_k_equals_scoring_every_sid_alone(study):
     base, index, reqs, ads_of, cat = study
     spec = index.snapshot.spec
-    rows, req_rows = cat.columns.to_dicts(), reqs.columns.to_dicts()
+    rows, req_rows = cat.columns.to_dicts(), reqs.columns.to_pylist()
     k = 7
     got, best_value = exhaustive_top_k(index, reqs, k)
     dreq = to_device(encode_requests(reqs, spec), "cpu")

@@ -10,6 +10,7 @@ plane (`sidindex.matchers.plane`), one word group whose only query is the user r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import polars as pl
@@ -20,9 +21,8 @@ from sidindex.matchers.bits import (
     list_codes,
     mask_row,
     or_value_bits,
-    set_bits,
 )
-from sidindex.matchers.plane import MatcherKind, PlaneQueries, one_query_each
+from sidindex.matchers.plane import MatcherKind, PlaneQueries
 from sidindex.targeting import TargetingSpec
 
 
@@ -42,6 +42,14 @@ class BitmaskLayout:
     @property
     def words(self) -> int:
         return max(1, -(-self.bits // 64))
+
+    @cached_property
+    def value_sets(self) -> tuple:
+        """Each attribute's declared values as a pyarrow string array, made once per layout (a
+        request's value is looked up in it)."""
+        import pyarrow as pa
+
+        return tuple(pa.array(list(v), type=pa.string()) for v in self.values)
 
     def segment_mask(self, a: int) -> np.ndarray:
         return mask_row(self.words, self.offsets[a], self.offsets[a + 1])
@@ -68,21 +76,6 @@ def encode_ad_rows(layout: BitmaskLayout, columns: pl.DataFrame, codes: dict[str
     return out
 
 
-def encode_request_queries(layout: BitmaskLayout, columns: pl.DataFrame) -> PlaneQueries:
-    """Each request's user row (B, W) uint64 as its one query; null or undeclared values set the
-    unknown bit."""
-    b = columns.height
-    out = empty_rows(b, layout.words)
-    rows = np.arange(b, dtype=np.int64)
-    for a, (name, values) in enumerate(zip(layout.names, layout.values)):
-        unknown = len(values)
-        codes = (columns.get_column(name)
-                 .replace_strict(list(values), range(len(values)), default=unknown, return_dtype=pl.Int64)
-                 .fill_null(unknown).to_numpy())
-        set_bits(out, rows, layout.offsets[a] + codes)
-    return one_query_each(out)
-
-
 def attribute_passes(layout: BitmaskLayout, row: np.ndarray, queries: PlaneQueries, request: int) -> np.ndarray:
     """(A,) bool: does matcher `row` (W,) uint64 pass request `request` on each bitmask attribute.
 
@@ -94,4 +87,4 @@ def attribute_passes(layout: BitmaskLayout, row: np.ndarray, queries: PlaneQueri
                      for a in range(len(layout.names))], dtype=bool)
 
 
-KIND = MatcherKind("bitmask", bitmask_layout, encode_ad_rows, encode_request_queries, attribute_passes)
+KIND = MatcherKind("bitmask", bitmask_layout, encode_ad_rows, attribute_passes)

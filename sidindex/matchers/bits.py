@@ -23,14 +23,6 @@ def mask_row(words: int, lo: int, hi: int) -> np.ndarray:
 
 
 @numba.njit(cache=True)
-def set_bits(out, rows, bits):
-    """out[rows[i]] |= bit bits[i], for every i. out: (n, W) uint64; rows, bits: (T,) int64."""
-    for i in range(len(rows)):
-        b = bits[i]
-        out[rows[i], b >> 6] |= np.uint64(1) << np.uint64(b & 63)
-
-
-@numba.njit(cache=True)
 def or_value_bits(out, lengths, codes, value_bits, word_offset):
     """Row r ORs in the bits of its values: out[r] |= value_bits[codes[k]] for its run of codes.
 

@@ -72,36 +72,10 @@ def encode_ad_rows(layout: BloomLayout, columns: pl.DataFrame, codes: dict[str, 
     return out
 
 
-def encode_request_queries(layout: BloomLayout, columns: pl.DataFrame) -> PlaneQueries:
-    """Query rows for validated request columns: one row per request value of each bloom
-    attribute (a word group), or one all-ones row when the request has no value for it."""
-    b = columns.height
-    parts, counts = [], np.zeros((b, len(layout.names)), dtype=np.int64)
-    for a, name in enumerate(layout.names):
-        lo, hi = layout.word_offsets[a], layout.word_offsets[a + 1]
-        lc = list_codes(columns.get_column(name))
-        n_q = np.maximum(lc.lengths, 1)  # no values: one all-ones query (matches unrestricted only)
-        rows = empty_rows(int(n_q.sum()), layout.words)
-        # query rows in request order: one per value, or one all-ones row for a request without values
-        values_per_row = np.ones(len(rows), dtype=np.int64)
-        all_ones = np.concatenate([[0], np.cumsum(n_q)[:-1]])[lc.lengths == 0]
-        values_per_row[all_ones] = 0
-        rows[all_ones, lo:hi] = np.uint64(0xFFFFFFFFFFFFFFFF)
-        or_value_bits(rows, values_per_row, lc.codes, value_positions(lc.distinct, layout.attribute_bits[a], layout.hashes[a]), lo)
-        parts.append(rows)
-        counts[:, a] = n_q
-    # attribute-major storage: attribute a's queries follow attribute a-1's
-    base = np.concatenate([[0], np.cumsum([len(p) for p in parts])[:-1]]).astype(np.int64)
-    ends = base + np.cumsum(counts, axis=0)
-    ranges = np.stack([ends - counts, ends], axis=-1)
-    all_rows = np.concatenate(parts) if parts else empty_rows(0, layout.words)
-    return PlaneQueries(all_rows, ranges.astype(np.int64, copy=False), np.array(layout.word_offsets, dtype=np.int64))
-
-
 def attribute_passes(layout: BloomLayout, row: np.ndarray, queries: PlaneQueries, request: int) -> np.ndarray:
     """(A,) bool: does matcher `row` (W_bl,) uint64 pass each bloom attribute (a word group) for
     request `request`."""
     return group_passes(row, queries, request)
 
 
-KIND = MatcherKind("bloom", bloom_layout, encode_ad_rows, encode_request_queries, attribute_passes)
+KIND = MatcherKind("bloom", bloom_layout, encode_ad_rows, attribute_passes)

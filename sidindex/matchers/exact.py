@@ -86,13 +86,6 @@ class ExactQueries:
         return ExactQueries(self.hash_offsets[:, lo:hi + 1], self.hashes)
 
 
-def encode_exact_queries(spec: TargetingSpec, columns: pl.DataFrame) -> tuple[ExactQueries | None, ...]:
-    """Per plane, the exact values of validated request columns (None for a `rows` plane, whose
-    exact test reads the plane's queries)."""
-    return tuple(None if EXACT_FORM[k.name] == EXACT_ROWS else ExactQueries(*hash_lists(columns, layout.names))
-                 for k, layout in zip(KINDS, spec.layouts))
-
-
 @dataclass(frozen=True)
 class ExactPlane:
     """One plane's exact data: `rows` (N, W) uint64 for a `rows` plane; for a `values` plane

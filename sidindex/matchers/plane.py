@@ -68,22 +68,13 @@ class MatcherKind:
     layout:           TargetingSpec -> the kind's layout (`names` of its attributes, `words` per
                       row, meaningful `bits` per row), derived once per spec (`TargetingSpec.layouts`)
     encode_ads:       (layout, catalog columns, flattened codes or None) -> (N, W) uint64 ad rows
-    encode_requests:  (layout, request columns) -> PlaneQueries
     attribute_passes: (layout, row (W,), PlaneQueries, request) -> (A,) bool per attribute (explanations)
     """
 
     name: str
     layout: Callable[[Any], Any]
     encode_ads: Callable[..., np.ndarray]
-    encode_requests: Callable[..., PlaneQueries]
     attribute_passes: Callable[..., np.ndarray]
-
-
-def one_query_each(rows: np.ndarray) -> PlaneQueries:
-    """Queries of a plane tested as one group, request b's only query being rows[b] (B, W)."""
-    b = np.arange(len(rows), dtype=np.int64)
-    return PlaneQueries(rows, np.stack([b, b + 1], axis=-1)[:, None, :],
-                        np.array([0, rows.shape[1]], dtype=np.int64), single=True)
 
 
 def group_passes(row: np.ndarray, queries: PlaneQueries, request: int) -> np.ndarray:

@@ -159,9 +159,26 @@ def stack_queries(planes, device, rows: tuple[int, ...] | None = None, table_fro
     request has `table_from` (default TABLE_FROM) queries or more is tabled (`tables`)."""
     words, starts, views = _flat([q.rows for q in planes], device, rows)
     ranges = torch.cat([q.ranges for q in planes], dim=1)
-    # per group, the most queries a request has (read where the ranges are: the host, from to_device)
-    most = (ranges[..., 1] - ranges[..., 0]).amax(0).tolist() if len(ranges) else [0] * ranges.shape[1]
-    ranges = ranges.to(device)
+    return stacked_views(planes, words, starts, views, ranges, most_queries(ranges), table_from)
+
+
+def most_queries(ranges) -> list[int]:
+    """Per group, the most queries a request has: read where the ranges are (numpy or torch; the
+    host, from `runtime.to_device`)."""
+    if not len(ranges):
+        return [0] * ranges.shape[1]
+    return [int(n) for n in (ranges[..., 1] - ranges[..., 0]).max(0).tolist()] if isinstance(ranges, np.ndarray) \
+        else (ranges[..., 1] - ranges[..., 0]).amax(0).tolist()
+
+
+def stacked_views(planes, words: torch.Tensor, starts: list[int], views, ranges, most: list[int],
+                  table_from: int | None = None):
+    """`stack_queries`' result for planes whose rows already lie back to back in `words` (views:
+    each plane's rows as a view of it, from word starts[p]), and whose groups' ranges (B, G, 2)
+    int64 are `ranges` (moved to the words' device if they are not there); most: per group the
+    most queries a request has (`most_queries`, read on the host)."""
+    device = words.device
+    ranges = torch.as_tensor(ranges).to(device)
     split = torch.split(ranges, [q.ranges.shape[1] for q in planes], dim=1)
     woff = [[int(w) for w in q.word_offsets] for q in planes]
     group_plane = tuple(p for p, w in enumerate(woff) for _ in w[:-1])

@@ -1,0 +1,342 @@
+"""The serving object: requests in memory in, ranked eligible ads out, warm from the first request
+(DESIGN.md §12).
+
+    retriever = runtime.Retriever(runtime.SnapshotWatcher(ROOT, "cuda"), mode="cd+gtm",
+                                  beams=(1, 512, 1024, 1024), batch_sizes=(1, 4, 16))
+    table = retriever.retrieve(record_batch)        # pyarrow.Table: request_id, rank, ad_id, sid, score
+
+A batch goes through these stages, each once:
+  1. validate: `sidindex.requests.requests_from` (a few vectorised checks; a bad batch is refused
+     naming its column, row and value);
+  2. encode: `sidindex.requests.encode_requests` into the retriever's arena, pinned on a GPU and
+     reused by every batch;
+  3. copy: the arena to the device in one copy (`runtime.requests.to_device`);
+  4. search and post stage: `runtime.Searcher.retrieve`, one CUDA graph per batch size replayed
+     with the batch's inputs refreshed in place, ending with the result's copy to the host: the
+     batch's one synchronisation;
+  5. the Arrow result.
+A batch larger than the largest configured size is cut into batches of that size; on a GPU a
+batch is padded to the nearest configured size with copies of its last request (whose rows are
+dropped), so every batch replays a graph captured at warm-up. Over a `SnapshotWatcher`, each
+batch runs on the snapshot current when it starts, and a new snapshot is warmed (its graphs
+captured, with the old one's widths) before the watcher swaps it in, on the poller's thread.
+
+Warm start: at construction and for each new snapshot, every configured batch size is searched
+once with requests shaped like the largest a batch can be (every bloom attribute at its most
+values), which compiles the kernels, captures the graphs with room for any batch, and, with
+`warmup` requests (real ones: a few hundred from traffic), widens each step's compact width
+until those requests fit, so serving does not widen. Triton keeps compiled kernels in its cache
+directory (TRITON_CACHE_DIR, default ~/.triton/cache): point it at a persistent volume for a
+restarted host to find them.
+
+Thread safety: `retrieve` may be called from several threads; batches run one at a time (a
+searcher's graphs share their input buffers, and the arena is reused), so concurrent callers
+queue on a lock rather than run on several CUDA streams: one batch keeps the GPU busy for its
+whole search, which is a chain of dependent steps, and a second stream would need its own
+graphs, buffers and arena for little overlap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from runtime.loader import ServedIndex, SnapshotWatcher
+from runtime.post import Retrieved, check_rank, check_top_k
+from runtime.requests import requests_from, to_device
+from runtime.scorer import CodebookScorer, ScorerFactory, load_factory
+from runtime.search import DEFAULT_BEAMS, check_value_weight, parse_beams
+from runtime.serving import Searcher
+from sidindex.errors import ArtifactError, ConfigError, InputError
+from sidindex.modes import Mode, parse_mode
+from sidindex.requests import MAX_REQUEST_VALUES, Requests, arena_words, encode_requests
+from sidindex.targeting import BITMASK
+
+STAGES = ("validate", "encode", "copy", "search_post", "result")
+
+
+@dataclass
+class Counters:
+    """What a retriever has done since it was made (`Retriever.counters`): batches and requests
+    served, the searches widened (each one a second search of its batch and new graphs; 0 in a
+    steady state), snapshots warmed and swapped to, and the seconds spent per stage (`STAGES`)."""
+
+    batches: int = 0
+    requests: int = 0
+    widenings: int = 0
+    warmed: int = 0
+    swaps: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+
+    def to_dict(self) -> dict:
+        return {"batches": self.batches, "requests": self.requests, "widenings": self.widenings,
+                "warmed": self.warmed, "swaps": self.swaps, "seconds": dict(self.seconds)}
+
+
+class Retriever:
+    """Ranked eligible ads for requests held in memory (module doc).
+
+    index:        a ServedIndex (`runtime.load`) or a SnapshotWatcher (whose swaps it follows)
+    mode, beams:  the search (`runtime.parse_mode`, `runtime.parse_beams`)
+    scorer:       None (the codebook scorer, from each request's embedding), a user's factory
+                  'MODULE:FACTORY' (`runtime.scorer.load_factory`), or a loaded `ScorerFactory`
+    batch_sizes:  the batch sizes to serve (graphs captured at warm-up on a GPU)
+    value_weight: λ of the value-guided search (0: by log-probability); rank: how each request's
+                  ads are ranked (`runtime.post.RANKS`); top_k: the most ads per request (None: all)
+    warmup:       requests (anything `retrieve` takes) to warm up with, beside the synthetic ones;
+                  warm: False to skip warming (the first batch of each size then pays for it)
+    """
+
+    def __init__(self, index: ServedIndex | SnapshotWatcher, *, mode: Mode | str = Mode.CD_GTM,
+                 beams: tuple[int, ...] | str = DEFAULT_BEAMS, scorer: str | ScorerFactory | None = None,
+                 batch_sizes: tuple[int, ...] = (16,), value_weight: float = 0.0, rank: str = "score",
+                 top_k: int | None = None, impl: str = "auto", warmup=None, warm: bool = True) -> None:
+        self.watcher = index if isinstance(index, SnapshotWatcher) else None
+        self._index = None if self.watcher else index
+        first = self.index
+        self.mode = parse_mode(mode, kway_available=first.kway)
+        self.beams = parse_beams(beams, first.sid_length)
+        check_value_weight(first, self.mode, value_weight)
+        check_rank(first, rank)
+        check_top_k(top_k)
+        sizes = tuple(sorted(set(batch_sizes)))
+        if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
+            raise ConfigError(f"batch sizes {batch_sizes!r}: give one or more positive numbers of requests")
+        self.batch_sizes, self.value_weight, self.rank, self.top_k, self.impl = sizes, value_weight, rank, top_k, impl
+        self.factory = load_factory(scorer) if isinstance(scorer, str) else scorer
+        self.counters = Counters()
+        self._lock = threading.RLock()
+        self._searchers: dict[object, tuple[ServedIndex, Searcher]] = {}  # by generation: the served and the warmed
+        self._codebooks: dict[object, CodebookScorer] = {}
+        self._arena: torch.Tensor | None = None
+        self._served: object | None = None
+        self._warmup = None if warmup is None else self._validated(warmup, first, "warm-up requests")
+        self.warm = warm
+        if warm:
+            self.prepare(first)
+        if self.watcher is not None:
+            self.watcher.before_swap.append(self._before_swap)
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def retrieve(self, requests, *, source: str = "requests") -> pa.Table:
+        """Ranked eligible ads of `requests` (a pyarrow Table or RecordBatch, a polars DataFrame,
+        or a list of dicts, validated as a request file is; `source` names them in messages), as a
+        pyarrow.Table: request_id, rank, ad_id, sid (fixed_size_list<int16>), score, and value
+        when the snapshot has ad values. An InputError names a bad request's column and row."""
+        index = self.index
+        t = time.perf_counter()
+        reqs = self._validated(requests, index, source)
+        t1 = time.perf_counter()
+        found, _ = self.run(reqs, index)
+        t2 = time.perf_counter()
+        out = table_of(found, reqs.request_id)
+        with self._lock:
+            self.counters.seconds["validate"] += t1 - t
+            self.counters.seconds["result"] += time.perf_counter() - t2
+        return out
+
+    @property
+    def index(self) -> ServedIndex:
+        """The index the next batch runs on: the watcher's current one, or the one given."""
+        return self.watcher.current if self.watcher else self._index
+
+    def run(self, requests: Requests, index: ServedIndex | None = None, *, stages: bool = False,
+            progress: Callable | None = None) -> tuple[Retrieved, dict[str, float]]:
+        """The `Retrieved` rows of validated requests (their rows numbered within `requests`), and
+        the seconds per stage; stages: with each ad's stage flags (`runtime.post.expand`)."""
+        index = index or self.index
+        seconds = dict.fromkeys(STAGES, 0.0)
+        parts = []
+        n, most = len(requests), self.batch_sizes[-1]
+        with self._lock:
+            searcher = self._searcher(index)
+            widened = searcher.widened
+            for lo in range(0, n, most):
+                hi = min(n, lo + most)
+                parts.append((lo, self._batch(index, searcher, requests.rows(lo, hi), stages, seconds)))
+                if progress:
+                    progress("retrieve", hi, n)
+            c = self.counters
+            c.widenings += searcher.widened - widened
+            c.batches, c.requests = c.batches + len(parts), c.requests + n
+            for k, v in seconds.items():
+                c.seconds[k] += v
+        return concat(parts), seconds
+
+    def _batch(self, index: ServedIndex, searcher: Searcher, reqs: Requests, stages: bool,
+               seconds: dict[str, float]) -> Retrieved:
+        """One batch of at most the largest batch size, padded on a GPU to a configured size."""
+        n = len(reqs)
+        t = time.perf_counter()
+        padded = self._padded(reqs, index)
+        host = encode_requests(padded, index.spec, self._arena_for(padded, index))
+        t1 = time.perf_counter()
+        dev = to_device(host, index.device)
+        t2 = time.perf_counter()
+        found = searcher.retrieve(index, dev, self._scorer(index, padded, dev), host=host, top_k=self.top_k,
+                                  rank=self.rank, stages=stages)
+        t3 = time.perf_counter()
+        seconds["encode"] += t1 - t
+        seconds["copy"] += t2 - t1
+        seconds["search_post"] += t3 - t2
+        return found if len(padded) == n else _first_requests(found, n)
+
+    def _padded(self, reqs: Requests, index: ServedIndex) -> Requests:
+        """reqs, on a GPU grown to the smallest configured batch size holding them by repeating
+        the last request (a graph per size; the CPU has none, so nothing is padded)."""
+        n = len(reqs)
+        if index.device.type != "cuda":
+            return reqs
+        size = next(b for b in self.batch_sizes if b >= n)
+        if size == n:
+            return reqs
+        take = np.minimum(np.arange(size), n - 1)
+        emb = None if reqs.embedding is None else reqs.embedding[take]
+        return Requests(reqs.source, np.arange(size, dtype=np.int64), emb, reqs.columns.take(take),
+                        reqs.table.take(take))
+
+    def _arena_for(self, reqs: Requests, index: ServedIndex) -> np.ndarray:
+        """The reused arena, grown (twice what it must hold) when a batch needs more; pinned on a
+        GPU. The last batch's copy from it finished: its result was read."""
+        need = arena_words(reqs, index.spec)
+        if self._arena is None or len(self._arena) < need:
+            self._arena = torch.empty(2 * need, dtype=torch.int64, pin_memory=index.device.type == "cuda")
+        return self._arena.numpy()
+
+    def _scorer(self, index: ServedIndex, reqs: Requests, dev):
+        """The batch's scorer: the user's factory's, or the codebook scorer of its embeddings."""
+        if self.factory is not None:
+            return self.factory.for_batch(reqs.table, index.device, index.level_sizes)
+        shared = self._codebooks.get(index.generation)
+        if shared is None:
+            cb = index.codebook
+            if cb is None:
+                raise ArtifactError(f"snapshot {index.id} carries no codebook; the codebook scorer needs one (serve a "
+                                    "snapshot built with a codebook, or bring your own scorer)")
+            shared = self._codebooks[index.generation] = CodebookScorer(
+                cb, torch.zeros(0, cb.dim, device=index.device))
+        if dev.embedding is None:
+            raise InputError(f"{reqs.source}: the codebook scorer needs an `embedding` column in the requests")
+        return shared.for_embedding(dev.embedding)
+
+    def _validated(self, data, index: ServedIndex, source: str) -> Requests:
+        return data if isinstance(data, Requests) else requests_from(data, index, source=source)
+
+    # -- warm start and swaps --------------------------------------------------------------
+
+    def _searcher(self, index: ServedIndex) -> Searcher:
+        """The searcher of `index`'s device arrays (made, and warmed, at its first batch if no
+        swap warmed it); searchers of indexes no longer served are dropped."""
+        key = index.generation
+        hit = self._searchers.get(key)
+        if hit is None:
+            self.prepare(index) if self.warm else self._new_searcher(index)
+            hit = self._searchers[key]
+        if self._served is not key:
+            if self._served is not None:
+                self.counters.swaps += 1
+            self._served = key
+            keep = {key} | ({self.watcher.current.generation} if self.watcher else set())
+            self._searchers = {k: v for k, v in self._searchers.items() if k in keep}
+            self._codebooks = {k: v for k, v in self._codebooks.items() if k in keep}
+        return hit[1]
+
+    def _new_searcher(self, index: ServedIndex) -> Searcher:
+        searcher = Searcher(self.beams, self.mode, self.impl, self.value_weight)
+        served = self._searchers.get(self._served)
+        if served is not None:  # the widths the served snapshot's traffic needed
+            searcher.step_slack = dict(served[1].step_slack)
+        self._searchers[index.generation] = (index, searcher)
+        return searcher
+
+    def prepare(self, index: ServedIndex) -> None:
+        """Warm `index` (module doc): every batch size searched once with the largest requests,
+        then the warm-up requests, so no batch it serves compiles, captures or widens."""
+        with self._lock:
+            searcher = self._searchers.get(index.generation, (None, None))[1] or self._new_searcher(index)
+            dummy = self._validated(largest_requests(index, self.batch_sizes[-1]), index, "warm-up requests")
+            seconds = dict.fromkeys(STAGES, 0.0)
+            for b in self.batch_sizes:
+                self._batch(index, searcher, dummy.head(b), False, seconds)
+            if self._warmup is not None:
+                most = self.batch_sizes[-1]
+                for lo in range(0, len(self._warmup), most):
+                    self._batch(index, searcher, self._warmup.rows(lo, min(len(self._warmup), lo + most)), False,
+                                seconds)
+            self.counters.warmed += 1
+
+    def _before_swap(self, indexes: tuple[ServedIndex, ...]) -> None:
+        """The watcher's hook: warm its new snapshot before it is swapped in."""
+        if self.warm:
+            self.prepare(indexes[0])
+
+    def close(self) -> None:
+        """Stop following the watcher (its swaps no longer warm this retriever)."""
+        if self.watcher is not None and self._before_swap in self.watcher.before_swap:
+            self.watcher.before_swap.remove(self._before_swap)
+
+
+def largest_requests(index: ServedIndex, n: int) -> pa.Table:
+    """n requests as large as a batch can hold: every bloom attribute at MAX_REQUEST_VALUES
+    distinct values, bitmask attributes unknown, a zero embedding of the codebook's length."""
+    cols: dict[str, pa.Array] = {"request_id": pa.array(np.arange(n, dtype=np.int64))}
+    for a in index.spec.attributes:
+        if a.kind == BITMASK:
+            cols[a.name] = pa.nulls(n, pa.string())
+        else:
+            cols[a.name] = pa.array([[f"\0warm-up {i}" for i in range(MAX_REQUEST_VALUES)]] * n,
+                                    type=pa.list_(pa.string()))
+    cb = index.codebook
+    if cb is not None:
+        cols["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(n * cb.dim, dtype=np.float32)), cb.dim)
+    return pa.table(cols)
+
+
+PER_REQUEST = ("sids", "ads_generated", "ads_eligible", "ads_per_stage")  # `Retrieved`'s (B,) fields
+
+
+def _first_requests(r: Retrieved, n: int) -> Retrieved:
+    """The rows of requests 0..n-1 of a padded batch's result (ranked by request: a prefix)."""
+    rows = int(np.searchsorted(r.request, n))
+
+    def cut(name: str, v):
+        if v is None:
+            return None
+        if isinstance(v, dict):
+            return {k: cut(name, x) for k, x in v.items()}
+        return v[:n] if name in PER_REQUEST else v[:rows]
+
+    return Retrieved(**{name: cut(name, v) for name, v in vars(r).items()})
+
+
+def concat(parts: list[tuple[int, Retrieved]]) -> Retrieved:
+    """Batches -> one result; request rows shifted to the whole table's."""
+    out = {}
+    for name in vars(parts[0][1]):
+        vals = [getattr(p, name) for _, p in parts]
+        if name == "request":
+            vals = [v + lo for v, (lo, _) in zip(vals, parts)]
+        if vals[0] is None:
+            out[name] = None
+        elif isinstance(vals[0], dict):  # per stage
+            out[name] = {k: np.concatenate([v[k] for v in vals]) for k in vals[0]}
+        else:
+            out[name] = np.concatenate(vals)
+    return Retrieved(**out)
+
+
+def table_of(r: Retrieved, request_id: np.ndarray) -> pa.Table:
+    """request_id, rank, ad_id, sid (fixed_size_list<int16> of L tokens), score, and value when the
+    snapshot has ad values."""
+    L = r.sid.shape[1] if r.sid.ndim == 2 else 0
+    sid = pa.FixedSizeListArray.from_arrays(pa.array(r.sid.reshape(-1).astype(np.int16)), L)
+    value = {} if r.value is None else {"value": pa.array(r.value)}
+    return pa.table({"request_id": pa.array(request_id[r.request]), "rank": pa.array(r.rank),
+                     "ad_id": pa.array(r.ad_id), "sid": sid, "score": pa.array(r.score)} | value)

@@ -1,0 +1,257 @@
+"""Requests in memory and from files: one validation, one encoding.
+
+The encoding is compared with a brute-force reference written here from the contract (mmh3 per
+value, bits set one at a time), over random batches in every form a serving host holds them in;
+a bad batch in memory is refused with the words a file with the same rows gets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mmh3
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import runtime
+from sidindex.errors import InputError
+from sidindex.matchers.bloom import BLOOM_SEED
+from sidindex.matchers.exact import EXACT_SEED
+from sidindex.requests import encode_requests, read_requests, requests_from
+from sidindex.sample import sample_requests
+from sidindex.targeting import Attribute, TargetingSpec
+
+SPEC = TargetingSpec((Attribute("country", "bitmask", values=("US", "GB", "é中")),
+                      Attribute("age", "bitmask", values=tuple(f"a{i}" for i in range(70))),
+                      Attribute("locations", "bloom", bits=128, hashes=3),
+                      Attribute("apps", "bloom", bits=64, hashes=1)))
+
+
+def reference(columns: list[dict], spec: TargetingSpec):
+    """(bitmask rows (B, W), per request per bloom attribute its query rows as a list, per bloom
+    attribute (offsets, hashes)) from the contract, one value at a time."""
+    bm, bl = spec.bitmask_layout, spec.bloom_layout
+    B = len(columns)
+    rows = np.zeros((B, bm.words), dtype=np.uint64)
+    for b, r in enumerate(columns):
+        for a, (name, values) in enumerate(zip(bm.names, bm.values)):
+            v = r.get(name)
+            bit = bm.offsets[a] + (values.index(v) if v in values else len(values))
+            rows[b, bit // 64] |= np.uint64(1) << np.uint64(bit % 64)
+    queries, exact = [], []
+    for a, name in enumerate(bl.names):
+        lo, hi = bl.word_offsets[a], bl.word_offsets[a + 1]
+        per, offsets, hashes = [], [0], []
+        for r in columns:
+            vals = r.get(name) or []
+            qs = []
+            for v in vals:
+                q = np.zeros(bl.words, dtype=np.uint64)
+                for i in range(bl.hashes[a]):
+                    bit = lo * 64 + mmh3.hash(v, BLOOM_SEED + i, signed=False) % bl.attribute_bits[a]
+                    q[bit // 64] |= np.uint64(1) << np.uint64(bit % 64)
+                qs.append(q)
+            if not vals:
+                q = np.zeros(bl.words, dtype=np.uint64)
+                q[lo:hi] = np.uint64(2**64 - 1)
+                qs.append(q)
+            per.append(qs)
+            hashes += sorted(mmh3.hash64(v, EXACT_SEED, signed=False)[0] for v in vals)
+            offsets.append(len(hashes))
+        queries.append(per)
+        exact.append((np.array(offsets), np.array(hashes, dtype=np.uint64)))
+    return rows, queries, exact
+
+
+def check_encoding(enc, columns: list[dict], spec: TargetingSpec, embedding=None) -> None:
+    rows, queries, exact = reference(columns, spec)
+    bm_plane, bl_plane = enc.planes
+    assert bm_plane.single and bm_plane.ranges.shape == (len(columns), 1, 2)
+    got = np.stack([bm_plane.rows[s:e][0] for s, e in bm_plane.ranges[:, 0]])
+    np.testing.assert_array_equal(got, rows)
+    for a, per in enumerate(queries):
+        for b, qs in enumerate(per):
+            s, e = bl_plane.ranges[b, a]
+            np.testing.assert_array_equal(bl_plane.rows[s:e], np.array(qs).reshape(-1, spec.bloom_layout.words))
+    offs = enc.exact[1].hash_offsets
+    for a, (o, h) in enumerate(exact):
+        got_h = np.concatenate([enc.exact[1].hashes[offs[a, b]:offs[a, b + 1]] for b in range(len(columns))])
+        np.testing.assert_array_equal(np.diff(offs[a]), np.diff(o))
+        np.testing.assert_array_equal(got_h, h)
+    if embedding is not None:
+        np.testing.assert_array_equal(enc.embedding, embedding)
+
+
+text = st.text(alphabet=st.characters(codec="utf-8"), max_size=12)
+bitmask_value = st.one_of(st.none(), st.sampled_from(["US", "GB", "é中", "a0", "a69", "a35", "", "XX", "a70"]))
+request_rows = st.lists(st.fixed_dictionaries({
+    "country": bitmask_value, "age": bitmask_value,
+    "locations": st.one_of(st.none(), st.lists(text, max_size=9)),
+    "apps": st.one_of(st.none(), st.lists(st.sampled_from(["a", "b", "\x00", "🙂" * 5, "x" * 40]), max_size=4)),
+}), min_size=1, max_size=20)
+
+
+def as_form(rows: list[dict], form: str, slice_at: int):
+    """The rows in one of the forms a host holds requests in (ids and a 2-d embedding added)."""
+    rows = [{"request_id": i * 7 - 3, **r, "embedding": [float(i), -0.5]} for i, r in enumerate(rows)]
+    pad = [{"request_id": 10_000 + i, "country": "US", "age": None, "locations": ["p"], "apps": [],
+            "embedding": [0.0, 0.0]} for i in range(slice_at)]
+    table = pa.Table.from_pylist(pad + rows)
+    table = table.slice(slice_at)  # a slice: offsets into buffers that hold other rows
+    if form == "table":
+        return table
+    if form == "batches":  # several chunks
+        return pa.Table.from_batches(table.to_batches(max_chunksize=3)) if len(table) > 3 else table
+    if form == "record batch":
+        return table.combine_chunks().to_batches()[0] if len(table) else table
+    if form == "large and dictionary":
+        i = table.schema.get_field_index("country")
+        table = table.set_column(i, "country", table.column("country").dictionary_encode())
+        return table.cast(pa.schema([
+            f.with_type(pa.large_string()) if f.name == "age" else
+            f.with_type(pa.large_list(pa.large_string())) if f.name == "locations" else f for f in table.schema]))
+    if form == "polars":
+        return pl.from_arrow(table)
+    assert form == "dicts"
+    return table.to_pylist()
+
+
+FORMS = ("table", "batches", "record batch", "large and dictionary", "polars", "dicts")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=request_rows, form=st.sampled_from(FORMS), slice_at=st.integers(0, 3))
+def test_encoding_equals_the_contract_in_every_form(rows, form, slice_at):
+    data = as_form(rows, form, slice_at)
+    reqs = requests_from(data, SPEC)
+    np.testing.assert_array_equal(reqs.request_id, [i * 7 - 3 for i in range(len(rows))])
+    emb = np.array([[float(i), -0.5] for i in range(len(rows))], dtype=np.float32)
+    check_encoding(encode_requests(reqs, SPEC), rows, SPEC, emb)
+    # a reused arena gives the same encoding (and the same arena is written again)
+    arena = np.full(1 << 12, 7, dtype=np.int64)
+    enc = encode_requests(reqs, SPEC, arena)
+    check_encoding(enc, rows, SPEC, emb)
+    assert enc.arena is arena or len(arena) < 64
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=request_rows, lo=st.integers(0, 5))
+def test_the_device_form_is_one_copy_that_equals_the_arrays(rows, lo):
+    """to_device of an encoding views one copy of its arena; the tensors hold the arrays' values
+    and the query stack is what stacking the planes one by one gives."""
+    enc = encode_requests(requests_from(as_form(rows, "table", 0), SPEC), SPEC)
+    lo = min(lo, len(rows) - 1)
+    part = enc.slice(lo, len(rows))
+    dev = runtime.to_device(part, "cpu")
+    one_by_one = runtime.to_device(dataclasses.replace(part, arena=None), "cpu")
+    for got, want in zip(dev.planes, part.planes):
+        np.testing.assert_array_equal(got.rows.numpy().view(np.uint64), want.rows)
+        np.testing.assert_array_equal(got.ranges.numpy(), want.ranges)
+    assert dev.stacked.layout == one_by_one.stacked.layout
+    for got, want in zip(dev.planes, one_by_one.planes):
+        for b in range(part.batch):
+            for g in range(got.ranges.shape[1]):
+                s, e = got.ranges[b, g].tolist()
+                s2, e2 = want.ranges[b, g].tolist()
+                assert torch.equal(got.rows[s:e], want.rows[s2:e2])
+    words = dev.stacked.words
+    for p, plane in enumerate(dev.planes):  # the stack's words hold the planes' rows where base says
+        base = int(dev.stacked.base[p])
+        assert torch.equal(words[base:base + plane.rows.numel()].view(plane.rows.shape), plane.rows)
+    for got, want in zip(dev.exact, part.exact):
+        assert (got is None) == (want is None)
+        if got is not None:
+            np.testing.assert_array_equal(got.hash_offsets.numpy(), want.hash_offsets)
+            np.testing.assert_array_equal(got.hashes.numpy().view(np.uint64), want.hashes)
+    np.testing.assert_array_equal(dev.embedding.numpy(), part.embedding)
+    assert dev.stacked.words.untyped_storage().data_ptr() == torch.from_numpy(enc.arena).untyped_storage().data_ptr()
+
+
+def test_sample_requests_encode_as_the_contract_says():
+    from sidindex.targeting import load_targeting
+
+    spec = load_targeting("data_samples/targeting.toml")
+    table = sample_requests(40, spec, dim=8, seed=5)
+    check_encoding(encode_requests(requests_from(table, spec), spec), table.to_pylist(), spec)
+
+
+# Each bad batch: a mutation of 30 good sample requests, and the words its error must hold.
+BAD = [
+    ("missing column", lambda t: t.drop_columns(["country"]), "missing column 'country'"),
+    ("id type", lambda t: t.set_column(0, "request_id", pa.array([str(i) for i in range(30)])),
+     "column 'request_id': has type"),
+    ("null id", lambda t: t.set_column(0, "request_id", pa.array([None] + list(range(1, 30)), pa.int64())),
+     "column 'request_id', row 0: is null"),
+    ("uint64 beyond int64", lambda t: t.set_column(0, "request_id", pa.array(
+        list(range(2**63 - 29, 2**63)) + [2**63], pa.uint64())), "row 29: value 9223372036854775808 does not fit int64"),
+    ("int64 extremes repeated", lambda t: t.set_column(0, "request_id", pa.array(
+        [-2**63, 2**63 - 1] * 15, pa.int64())), "row 2: value -9223372036854775808 also appears in row 0"),
+    ("duplicate id", lambda t: t.set_column(0, "request_id", pa.array([5] * 30, pa.int64())),
+     "column 'request_id', row 1: value 5 also appears in row 0"),
+    ("bitmask type", lambda t: t.set_column(1, "country", pa.array(list(range(30)))), "column 'country': has type"),
+    ("bloom type", lambda t: t.set_column(t.schema.get_field_index("locations"), "locations",
+                                          pa.array(["x"] * 30)), "column 'locations': has type"),
+    ("too many values", lambda t: _set(t, "locations", 4, [f"geo:{i}" for i in range(65)]),
+     "column 'locations', row 4: holds 65 values; at most 64"),
+    ("null inside a list", lambda t: _set(t, "locations", 9, ["geo:00001", None]),
+     "column 'locations', row 9: holds a null value inside its list"),
+    ("NaN", lambda t: _emb(t, 6, 2, float("nan")), "column 'embedding', row 6: element 2 is nan"),
+    ("1e19", lambda t: _emb(t, 6, 2, 1e19), "column 'embedding', row 6: element 2 is 1e+19, beyond the allowed"),
+    ("-inf", lambda t: _emb(t, 3, 0, float("-inf")), "column 'embedding', row 3: element 0 is -inf"),
+    ("short embedding", lambda t: t.set_column(t.schema.get_field_index("embedding"), "embedding", pa.array(
+        [[0.5] * 8] * 7 + [[0.5] * 7] + [[0.5] * 8] * 22)), "column 'embedding', row 7: has 7 values, expected 8"),
+    ("null embedding", lambda t: t.set_column(t.schema.get_field_index("embedding"), "embedding", pa.array(
+        [[0.5] * 8] * 11 + [None] + [[0.5] * 8] * 18)), "column 'embedding', row 11: is null"),
+    ("null element", lambda t: t.set_column(t.schema.get_field_index("embedding"), "embedding", pa.array(
+        [[0.5] * 8] * 2 + [[0.5] * 7 + [None]] + [[0.5] * 8] * 27)), "column 'embedding', row 2: element 7"),
+    ("embedding type", lambda t: t.set_column(t.schema.get_field_index("embedding"), "embedding",
+                                              pa.array(["x"] * 30)), "column 'embedding': has type"),
+]
+
+
+def _set(t: pa.Table, name: str, row: int, value) -> pa.Table:
+    rows = t.column(name).to_pylist()
+    rows[row] = value
+    return t.set_column(t.schema.get_field_index(name), name, pa.array(rows, t.schema.field(name).type))
+
+
+def _emb(t: pa.Table, row: int, col: int, value: float) -> pa.Table:
+    rows = [[float(x) for x in r] for r in t.column("embedding").to_pylist()]
+    rows[row][col] = value
+    return t.set_column(t.schema.get_field_index("embedding"), "embedding", pa.array(rows, pa.list_(pa.float64())))
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_a_bad_batch_in_memory_is_refused_as_its_file_is(case, spec, tmp_path):
+    _, mutate, words = case
+    table = mutate(sample_requests(30, spec, dim=8, seed=2))
+    path = tmp_path / "requests.parquet"
+    pq.write_table(table, path)
+    with pytest.raises(InputError) as from_file:
+        read_requests(path, spec, dim=8)
+    forms = [table, table.to_batches()[0] if table.num_rows else table, pl.from_arrow(table)]
+    for data in forms:
+        with pytest.raises(InputError) as in_memory:
+            requests_from(data, spec, source="batch 12", dim=8)
+        assert words in str(in_memory.value)
+        assert str(in_memory.value) == str(from_file.value).replace(str(path), "batch 12")
+    assert "\n" not in str(from_file.value)
+
+
+def test_refusals_of_what_is_not_a_batch(spec):
+    with pytest.raises(InputError, match="requests: the request table holds no rows"):
+        requests_from([], spec)
+    with pytest.raises(InputError, match="expected requests as a pyarrow Table or RecordBatch, a polars DataFrame or "
+                                         "a list of dicts, got str"):
+        requests_from("requests.parquet", spec)
+    twice = pa.table([pa.array([1]), pa.array(["US"]), pa.array(["GB"])], names=["request_id", "country", "country"])
+    with pytest.raises(InputError, match=r"rq: column 'country' appears 2 times; give each column once"):
+        requests_from(twice, spec, source="rq")
+    with pytest.raises(InputError, match=r"rq: the requests' values do not form a table"):
+        requests_from([{"request_id": 1, "country": "US"}, {"request_id": 2, "country": 3}], spec, source="rq")
