@@ -1,0 +1,158 @@
+"""`runtime.Retriever`, the serving object: requests in memory in, the ranked eligible ads out as
+Arrow, equal to the reference path (beam search, then the post stage) batch by batch, in every
+mode; any form of the same requests gives the same table; a bad request is refused naming its row
+and the retriever keeps serving; a watcher's new snapshot is warmed before it is swapped in; and
+concurrent callers get what serial ones get."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import runtime
+from runtime.post import expand
+from runtime.retriever import _first_requests, table_of
+from sidindex.errors import InputError
+from tests.conftest import run_cli
+from tests.test_post import same as same_retrieved
+from tests.test_retrieve import CONFIG, build_root
+
+BEAMS = (1, 8, 16, 16)
+
+
+@pytest.fixture(scope="module")
+def root(sample_dir, tmp_path_factory) -> Path:
+    return build_root(sample_dir, tmp_path_factory.mktemp("retriever"), CONFIG)
+
+
+@pytest.fixture(scope="module")
+def requests_table(sample_dir) -> pa.Table:
+    return pq.read_table(sample_dir / "requests.parquet").slice(0, 23)
+
+
+def reference(index, table: pa.Table, mode: str, batch: int, **kw) -> pa.Table:
+    """The reference path, batch by batch: validate, encode, beam search with the codebook
+    scorer, the post stage; then the Arrow rows."""
+    reqs = runtime.requests_from(table, index)
+    parts = []
+    for lo in range(0, len(reqs), batch):
+        host = runtime.encode_requests(reqs.rows(lo, min(len(reqs), lo + batch)), index.spec)
+        dev = runtime.to_device(host, index.device)
+        scorer = runtime.codebook_scorer(index, dev)(slice(0, dev.batch))
+        beams = runtime.beam_search(index, dev, scorer, BEAMS, mode, value_weight=kw.get("value_weight", 0.0))
+        r = expand(index, host, beams, kw.get("top_k"), rank=kw.get("rank", "score"))
+        parts.append(table_of(r, reqs.request_id[lo:lo + batch]))
+    return pa.concat_tables(parts)
+
+
+@pytest.mark.parametrize("mode", ["none", "cd", "cd+gtm", "cd+gtm+kway"])
+def test_the_retriever_equals_search_then_post(root, requests_table, mode):
+    index = runtime.load(root, "cpu")
+    retriever = runtime.Retriever(index, mode=mode, beams=BEAMS, batch_sizes=(4, 8))
+    got = retriever.retrieve(requests_table)
+    want = reference(index, requests_table, mode, 8)
+    assert got.num_rows > 0 and got.equals(want)
+    assert got.column_names == ["request_id", "rank", "ad_id", "sid", "score", "value"]  # the sample has values
+    c = retriever.counters
+    assert c.batches == 3 and c.requests == 23 and c.warmed == 1 and c.widenings == 0
+    assert all(c.seconds[s] > 0 for s in ("validate", "encode", "search_post", "result"))
+
+
+def test_top_k_rank_and_value_weight_reach_the_search(root, requests_table):
+    index = runtime.load(root, "cpu")
+    if index.gtm.ad_value is None:
+        pytest.skip("the sample catalog has no values")
+    kw = dict(top_k=3, rank="fused", value_weight=0.5)
+    got = runtime.Retriever(index, mode="cd+gtm", beams=BEAMS, batch_sizes=(16,), **kw).retrieve(requests_table)
+    assert got.equals(reference(index, requests_table, "cd+gtm", 16, **kw))
+    assert "value" in got.column_names and max(got.column("rank").to_pylist()) <= 3
+
+
+def test_every_form_of_the_same_requests_gives_the_same_table(root, requests_table):
+    retriever = runtime.Retriever(runtime.load(root, "cpu"), beams=BEAMS, batch_sizes=(16,))
+    want = retriever.retrieve(requests_table)
+    for data in (requests_table.to_batches()[0], pl.from_arrow(requests_table), requests_table.to_pylist(),
+                 pa.Table.from_batches(requests_table.to_batches(max_chunksize=5))):
+        assert retriever.retrieve(data).equals(want)
+
+
+def test_a_bad_request_is_refused_by_row_and_the_retriever_keeps_serving(root, requests_table):
+    retriever = runtime.Retriever(runtime.load(root, "cpu"), beams=BEAMS, batch_sizes=(16,))
+    want = retriever.retrieve(requests_table)
+    rows = requests_table.to_pylist()
+    rows[5]["embedding"] = [1e19] * len(rows[5]["embedding"])
+    with pytest.raises(InputError, match=r"^rpc batch 7: column 'embedding', row 5: element 0 is 1e\+19"):
+        retriever.retrieve(rows, source="rpc batch 7")
+    rows[5]["embedding"] = rows[5]["embedding"][:3]
+    with pytest.raises(InputError, match=r"column 'embedding', row 5: has 3 values, expected \d+ \(the codebook"):
+        retriever.retrieve(rows)
+    assert retriever.retrieve(requests_table).equals(want)
+
+
+def test_a_padded_batch_keeps_its_own_requests_rows(root, requests_table):
+    """On a GPU a batch is padded to a configured size with copies of its last request: the cut of
+    the padded result is the result of the batch alone (each request's rows are its own)."""
+    index = runtime.load(root, "cpu")
+    reqs = runtime.requests_from(requests_table, index)
+
+    def post(n: int):
+        host = runtime.encode_requests(reqs.head(n), index.spec)
+        dev = runtime.to_device(host, "cpu")
+        beams = runtime.beam_search(index, dev, runtime.codebook_scorer(index, dev)(slice(0, n)), BEAMS, "cd+gtm")
+        return expand(index, host, beams, stages=True)
+
+    same_retrieved(_first_requests(post(11), 5), post(5))
+
+
+def test_concurrent_callers_get_what_serial_callers_get(root, requests_table):
+    retriever = runtime.Retriever(runtime.load(root, "cpu"), beams=BEAMS, batch_sizes=(4,))
+    parts = [requests_table.slice(lo, 6) for lo in range(0, 18, 6)]
+    want = [retriever.retrieve(p) for p in parts]
+    got: dict[int, list] = {}
+
+    def call(i: int) -> None:
+        got[i] = [retriever.retrieve(p) for p in parts]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(all(g.equals(w) for g, w in zip(got[i], want)) for i in range(3))
+
+
+def test_a_watchers_new_snapshot_is_warmed_before_it_serves(root, requests_table, tmp_path):
+    work = Path(shutil.copytree(root, tmp_path / "root"))
+    watcher = runtime.SnapshotWatcher(work, "cpu")
+    retriever = runtime.Retriever(watcher, beams=BEAMS, batch_sizes=(8,))
+    before = retriever.retrieve(requests_table)
+    paused = int(before.column("ad_id")[0].as_py())
+    pq.write_table(pa.table({"ad_id": pa.array([paused], pa.int64()), "op": ["pause"]}), tmp_path / "changes.parquet")
+    r = run_cli("update", work, "--changes", tmp_path / "changes.parquet", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert watcher.poll()
+    assert retriever.counters.warmed == 2  # warmed by the hook, before the swap
+    after = retriever.retrieve(requests_table)
+    assert paused not in after.column("ad_id").to_pylist()
+    assert retriever.counters.swaps == 1 and retriever.index is watcher.current
+    assert after.equals(reference(watcher.current, requests_table, "cd+gtm", 8))
+
+    def broken(_indexes):
+        raise RuntimeError("warm-up failed")
+
+    watcher.before_swap.append(broken)  # a hook that fails keeps the old snapshot serving
+    other = int(after.column("ad_id")[0].as_py())
+    pq.write_table(pa.table({"ad_id": pa.array([other], pa.int64()), "op": ["pause"]}), tmp_path / "more.parquet")
+    r = run_cli("update", work, "--changes", tmp_path / "more.parquet", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    served = watcher.current
+    assert not watcher.poll() and watcher.current is served and "warm-up failed" in watcher.last_error
+    assert retriever.retrieve(requests_table).equals(after)
+    retriever.close()
+    assert retriever._before_swap not in watcher.before_swap
