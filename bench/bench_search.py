@@ -73,7 +73,7 @@ from runtime.requests import to_device
 from runtime.search import beam_search
 from runtime.serving import Searcher
 from sidindex.config import KWayConfig
-from sidindex.requests import Requests
+from sidindex.requests import Requests, requests_from
 from sidindex.modes import Mode
 from sidindex.requests import encode_requests
 from sidindex.sample import location_vocabulary, sample_requests, zipf_weights
@@ -99,8 +99,8 @@ def bench_requests(B: int, n_locations: int, seed: int = 3) -> Requests:
     vocab = location_vocabulary()
     p = zipf_weights(len(vocab), 1.0)
     locs = [vocab[rng.choice(len(vocab), n_locations, replace=False, p=p)].tolist() for _ in range(B)]
-    cols = table.select([a.name for a in spec.attributes]).with_columns(pl.Series("locations", locs))
-    return Requests("bench", table["request_id"].to_numpy(), None, cols)
+    table = table.drop("embedding").with_columns(pl.Series("locations", locs))
+    return requests_from(table, spec, source="bench")
 
 
 def wall_ms(fn, reps: int, warmup: int = 2) -> float:

@@ -44,14 +44,15 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from bench.bench_gtm import LEVELS
-from bench.bench_search import bench_requests, build_snapshot, cuda_ms, graph_search_ms, same, wall_ms
+from bench.bench_search import bench_requests, bench_spec, build_snapshot, cuda_ms, graph_search_ms, same, wall_ms
 from runtime import Searcher, beam_search, codebook_scorer, load_index, to_device
 from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from sidindex.config import SIDConfig
-from sidindex.requests import Requests
+from sidindex.requests import Requests, requests_from
 from sidindex.modes import Mode
 from sidindex.requests import encode_requests
 from sidindex.sid import Codebook
@@ -78,7 +79,10 @@ def two_batches(B: int, seed: int = 3) -> Requests:
     """2B requests: two batches of `bench_requests`, with random embeddings."""
     a, b = bench_requests(B, 64, seed), bench_requests(B, 64, seed + 1)
     emb = np.random.default_rng(seed).standard_normal((2 * B, DIM)).astype(np.float32)
-    return Requests("bench", np.arange(2 * B, dtype=np.int64), emb, a.columns.vstack(b.columns))
+    table = pa.concat_tables([a.table, b.table]).drop_columns(["request_id"]).append_column(
+        "request_id", pa.array(np.arange(2 * B, dtype=np.int64))).append_column(
+        "embedding", pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), DIM))
+    return requests_from(table, bench_spec(), source="bench")
 
 
 def timer(device: torch.device):
