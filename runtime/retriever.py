@@ -55,7 +55,7 @@ from runtime.search import DEFAULT_BEAMS, check_value_weight, parse_beams
 from runtime.serving import Searcher
 from sidindex.errors import ArtifactError, ConfigError, InputError
 from sidindex.modes import Mode, parse_mode
-from sidindex.requests import MAX_REQUEST_VALUES, Requests, arena_words, encode_requests
+from sidindex.requests import MAX_REQUEST_VALUES, Requests, encode_requests
 from sidindex.targeting import BITMASK
 
 STAGES = ("validate", "encode", "copy", "search_post", "result")
@@ -176,7 +176,7 @@ class Retriever:
         n = len(reqs)
         t = time.perf_counter()
         padded = self._padded(reqs, index)
-        host = encode_requests(padded, index.spec, self._arena_for(padded, index))
+        host = encode_requests(padded, index.spec, lambda words: self._arena_of(words, index))
         t1 = time.perf_counter()
         dev = to_device(host, index.device)
         t2 = time.perf_counter()
@@ -202,10 +202,9 @@ class Retriever:
         return Requests(reqs.source, np.arange(size, dtype=np.int64), emb, reqs.columns.take(take),
                         reqs.table.take(take))
 
-    def _arena_for(self, reqs: Requests, index: ServedIndex) -> np.ndarray:
-        """The reused arena, grown (twice what it must hold) when a batch needs more; pinned on a
-        GPU. The last batch's copy from it finished: its result was read."""
-        need = arena_words(reqs, index.spec)
+    def _arena_of(self, need: int, index: ServedIndex) -> np.ndarray:
+        """The reused arena of at least `need` words, grown (to twice that) when a batch needs
+        more; pinned on a GPU. The last batch's copy from it finished: its result was read."""
         if self._arena is None or len(self._arena) < need:
             self._arena = torch.empty(2 * need, dtype=torch.int64, pin_memory=index.device.type == "cuda")
         return self._arena.numpy()

@@ -21,6 +21,7 @@ Legend: B requests, D embedding dims, G word groups of all planes, A a plane's a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,6 @@ from schemas import REQUESTS
 from schemas.artifacts import EXACT_FORM, EXACT_ROWS
 from sidindex.errors import InputError
 from sidindex.ingest import MAX_ABS_EMBEDDING, INT64_MAX, Validator, open_table
-from sidindex.matchers.bitmask import BitmaskLayout
 from sidindex.matchers.bloom import BLOOM_SEED
 from sidindex.matchers.exact import EXACT_SEED, ExactQueries
 from sidindex.matchers.kinds import KINDS
@@ -284,50 +284,119 @@ class _Carver:
         return view
 
 
-def _list_parts(col: pa.ChunkedArray, n: int):
-    """(lengths (B,) int64, value starts (B,) int64 into the flat values, the flat values as Arrow
-    string buffers (offsets, data)) of a validated list<string> column (or a null-typed one)."""
-    if _null_like(col.type) or n == 0:
-        empty = np.zeros(1, dtype=np.int64)
-        return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), empty, np.zeros(0, dtype=np.uint8)
-    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+def _single(col: pa.ChunkedArray) -> pa.Array:
+    return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+
+
+_NONE_VALID = np.zeros(0, dtype=np.uint8)  # a validity bitmap of no bytes: every slot valid
+
+
+def _validity(arr: pa.Array) -> tuple[np.ndarray, int]:
+    """(bitmap (bytes,) uint8, bit offset of slot 0) of arr's validity; no bytes when none is null."""
+    buf = arr.buffers()[0]
+    if arr.null_count == 0 or buf is None:
+        return _NONE_VALID, 0
+    return np.frombuffer(buf, dtype=np.uint8), arr.offset
+
+
+def _strings(col: pa.ChunkedArray, n: int):
+    """(validity, bit offset, offsets (n+1,), data (bytes,) uint8) of a validated string column;
+    a column of nulls only is n null slots."""
+    if _null_like(col.type):
+        return np.zeros((n + 7) // 8, dtype=np.uint8), 0, np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.uint8)
+    arr = _single(col)
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    valid, bit = _validity(arr)
+    offsets, data = string_buffers(arr)
+    return valid, bit, offsets, data
+
+
+def _lists(col: pa.ChunkedArray, n: int):
+    """(validity, bit offset, list offsets (n+1,), the values' string offsets and data) of a
+    validated list<string> column (null values inside a list were refused); a column of nulls
+    only, or of lists of nulls only, is n lists without values."""
+    if _null_like(col.type) or _null_like(col.type.value_type):
+        return _NONE_VALID, 0, np.zeros(n + 1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(0, np.uint8)
+    arr = _single(col)
     if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
         arr = arr.cast(pa.large_list(arr.type.value_type))
-    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy().astype(np.int64, copy=False)
-    flat = pc.list_flatten(arr)  # null lists contribute nothing
-    starts = np.zeros(n, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    if _null_like(flat.type):
-        return lengths, starts, np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.uint8)
-    offsets, data = string_buffers(flat)
-    return lengths, starts, offsets, data
+    valid, bit = _validity(arr)
+    width = np.int32 if pa.types.is_list(arr.type) else np.int64
+    list_offsets = np.frombuffer(arr.buffers()[1], dtype=width)[arr.offset:arr.offset + n + 1]
+    values = arr.values  # the whole child: the list offsets index it
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary_decode()
+    offsets, data = string_buffers(values)
+    return valid, bit, list_offsets, offsets, data
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _is_valid(valid, bit, i):
+    return len(valid) == 0 or (valid[(bit + i) >> 3] >> ((bit + i) & 7)) & 1
 
 
 @numba.njit(cache=True, nogil=True)
-def _bloom_attribute(lengths, starts, str_offsets, data, rows, row0, lo, hi, bits, hashes,
+def _list_values(valid, bit, list_offsets):
+    """(B,) int64 the values of each list (0 for a null one)."""
+    n = len(list_offsets) - 1
+    out = np.zeros(n, dtype=np.int64)
+    for b in range(n):
+        if _is_valid(valid, bit, b):
+            out[b] = list_offsets[b + 1] - list_offsets[b]
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _bitmask_attribute(out, bit0, unknown, valid, bit, offsets, data, t_hashes, t_codes, t_offsets, t_data):
+    """Set, in each request's row of out (B, W) int64, the bit bit0 + the index of its value among
+    the attribute's declared values (table `BitmaskLayout.lookup`), or bit0 + unknown for a null
+    or undeclared value."""
+    for b in range(out.shape[0]):
+        code = unknown
+        if _is_valid(valid, bit, b):
+            s, e = offsets[b], offsets[b + 1]
+            h = murmur3_32(data, s, e, np.uint32(0))
+            i = np.searchsorted(t_hashes, h)
+            while i < len(t_hashes) and t_hashes[i] == h:  # equal hashes: compare the bytes
+                vs, ve = t_offsets[i], t_offsets[i + 1]
+                if ve - vs == e - s and (data[s:e] == t_data[vs:ve]).all():
+                    code = t_codes[i]
+                    break
+                i += 1
+        k = bit0 + code
+        out[b, k >> 6] |= np.int64(1) << np.int64(k & 63)
+
+
+@numba.njit(cache=True, nogil=True)
+def _bloom_attribute(valid, bit, list_offsets, str_offsets, data, rows, row0, lo, hi, bits, hashes,
                      ranges, group, exact, exact0):
     """One bloom attribute's query rows and exact hashes, for every request.
 
-    Request b's values (flat values starts[b]..starts[b]+lengths[b]) each get a query row,
-    rows[row0 + ...], with `hashes` bits set at BLOOM_SEED + i hash positions in the attribute's
-    words lo..hi (one all-ones row when it has none); ranges[b, group] their [start, end); the
-    values' exact hashes go to exact[exact0 + ...], sorted per request. Returns the next free row
-    and exact slot. rows: (Q, W) int64, zeroed; ranges: (B, G, 2) int64; exact: (T,) uint64.
+    Request b's values (list b: values list_offsets[b]..list_offsets[b+1] of the strings at
+    str_offsets, unless the list is null) each get a query row, rows[row0 + ...], with `hashes`
+    bits set at BLOOM_SEED + i hash positions in the attribute's words lo..hi (one all-ones row
+    when it has none); ranges[b, group] their [start, end); the values' exact hashes go to
+    exact[exact0 + ...], sorted per request. Returns the next free row and exact slot.
+    rows: (Q, W) int64, zeroed; ranges: (B, G, 2) int64; exact: (T,) uint64.
     """
     r, e = row0, exact0
-    for b in range(len(lengths)):
+    for b in range(len(list_offsets) - 1):
         ranges[b, group, 0] = r
-        if lengths[b] == 0:
+        first, last = list_offsets[b], list_offsets[b + 1]
+        if not _is_valid(valid, bit, b):
+            last = first
+        if last == first:
             for w in range(lo, hi):
                 rows[r, w] = -1
             r += 1
         e_lo = e
-        for k in range(starts[b], starts[b] + lengths[b]):
+        for k in range(first, last):
             s, t = str_offsets[k], str_offsets[k + 1]
             for i in range(hashes):
                 pos = np.int64(murmur3_32(data, s, t, np.uint32(BLOOM_SEED + i)) % np.uint32(bits))
-                bit = lo * 64 + pos
-                rows[r, bit >> 6] |= np.int64(1) << np.int64(bit & 63)
+                at = lo * 64 + pos
+                rows[r, at >> 6] |= np.int64(1) << np.int64(at & 63)
             r += 1
             exact[e] = murmur3_x64_64(data, s, t, np.uint64(EXACT_SEED))
             e += 1
@@ -336,63 +405,49 @@ def _bloom_attribute(lengths, starts, str_offsets, data, rows, row0, lo, hi, bit
     return r, e
 
 
-def arena_words(requests: Requests, spec: TargetingSpec) -> int:
-    """The int64 words `encode_requests` needs for `requests` (an arena at least this long)."""
-    n, words = len(requests), 0
-    bm, bl = spec.bitmask_layout, spec.bloom_layout
-    groups = 1 + len(bl.names)
-    q_bloom = 0
-    for name in bl.names:
-        col = requests.columns.column(name)
-        if not _null_like(col.type) and n:
-            lengths = pc.fill_null(pc.list_value_length(col), 0)
-            q_bloom += n + int(pc.sum(lengths).as_py() or 0)  # at most one extra (all-ones) row each
-        else:
-            q_bloom += n
-    words += n * bm.words + q_bloom * bl.words  # query rows
-    words += n * groups * 2  # ranges
-    words += len(bl.names) * (n + 1) + q_bloom  # exact offsets and hashes
-    d = 0 if requests.embedding is None else requests.embedding.shape[1]
-    return words + -(-n * d // 2)
-
-
-def encode_requests(requests: Requests, spec: TargetingSpec, arena: np.ndarray | None = None) -> EncodedRequests:
+def encode_requests(requests: Requests, spec: TargetingSpec,
+                    arena: np.ndarray | Callable[[int], np.ndarray] | None = None) -> EncodedRequests:
     """Encode a validated batch (`requests_from`/`read_requests` against `spec`).
 
-    arena: an (n,) int64 array of at least `arena_words(requests, spec)` words to write into
-    (reused and pinned by a serving host); default a new one. The encoding's arrays are views
-    of it, valid until the arena is written again.
+    arena: an (n,) int64 array to write into (reused and pinned by a serving host), or a function
+    giving one of at least the words it is asked for; default a new array. One too short is not
+    used. The encoding's arrays are views of the arena, valid until it is written again.
     """
     n = len(requests)
-    need = arena_words(requests, spec)
-    if arena is None or len(arena) < need:
-        arena = np.empty(need, dtype=np.int64)
-    carve = _Carver(arena)
     bm, bl = spec.bitmask_layout, spec.bloom_layout
     assert [k.name for k in KINDS] == ["bitmask", "bloom"] and EXACT_FORM["bitmask"] == EXACT_ROWS \
         and EXACT_FORM["bloom"] != EXACT_ROWS, "the encoder writes these two planes"
-    parts = [_list_parts(requests.columns.column(name), n) for name in bl.names]
-    q_bloom = sum(int(np.maximum(p[0], 1).sum()) for p in parts)
+    lists = [_lists(requests.columns.column(name), n) for name in bl.names]
+    values = [_list_values(v, b, o) for v, b, o, _, _ in lists]
+    q_bloom = sum(int(np.maximum(c, 1).sum()) for c in values)
+    G = 1 + len(bl.names)
+    d = 0 if requests.embedding is None else requests.embedding.shape[1]
+    need = n * bm.words + q_bloom * bl.words + n * G * 2 + len(bl.names) * (n + 1) + q_bloom + -(-n * d // 2)
+    arena = arena(need) if callable(arena) else arena
+    if arena is None or len(arena) < need:
+        arena = np.empty(need, dtype=np.int64)
+    carve = _Carver(arena)
     # 1. the planes' query rows, back to back: the query stack's words
     words = carve.take((n * bm.words + q_bloom * bl.words,))
     words[:] = 0
     bm_rows = words[:n * bm.words].reshape(n, bm.words)
     bl_rows = words[n * bm.words:].reshape(q_bloom, bl.words)
-    G = 1 + len(bl.names)
     ranges = carve.take((n, G, 2))
     # 2. bitmask: each request's user row, one bit per attribute (its value's, or "unknown")
-    _bitmask_rows(requests.columns, bm, bm_rows)
+    for a, (name, table) in enumerate(zip(bm.names, bm.lookup)):
+        _bitmask_attribute(bm_rows, bm.offsets[a], len(bm.values[a]), *_strings(requests.columns.column(name), n),
+                           *table)
     ranges[:, 0, 0] = np.arange(n)
     ranges[:, 0, 1] = ranges[:, 0, 0] + 1
     # 3. bloom: a query row per value (attribute-major), and the exact hashes, in one pass per attribute
     offsets = carve.take((len(bl.names), n + 1))
     hashes = carve.take((q_bloom,), np.uint64)
     r = e = 0
-    for a, (lengths, starts, str_offsets, data) in enumerate(parts):
+    for a, (valid, bit, list_offsets, str_offsets, data) in enumerate(lists):
         offsets[a, 0] = e
-        np.cumsum(lengths, out=offsets[a, 1:])
+        np.cumsum(values[a], out=offsets[a, 1:])
         offsets[a, 1:] += e
-        r, e = _bloom_attribute(lengths, starts, str_offsets, data, bl_rows, r, bl.word_offsets[a],
+        r, e = _bloom_attribute(valid, bit, list_offsets, str_offsets, data, bl_rows, r, bl.word_offsets[a],
                                 bl.word_offsets[a + 1], bl.attribute_bits[a], bl.hashes[a], ranges, 1 + a, hashes, e)
     embedding = None
     if requests.embedding is not None:
@@ -403,21 +458,3 @@ def encode_requests(requests: Requests, spec: TargetingSpec, arena: np.ndarray |
               PlaneQueries(bl_rows.view(np.uint64), ranges[:, 1:], np.array(bl.word_offsets, dtype=np.int64)))
     exact = (None, ExactQueries(offsets, hashes[:e]))
     return EncodedRequests(requests.source, planes, exact, embedding, arena=arena)
-
-
-def _bitmask_rows(columns: pa.Table, layout: BitmaskLayout, out: np.ndarray) -> None:
-    """Set each request's bit per bitmask attribute in out (B, W) int64: its value's, or the
-    attribute's unknown bit for a null or undeclared value."""
-    b = np.arange(len(out))
-    for a, (name, values) in enumerate(zip(layout.names, layout.values)):
-        col = columns.column(name)
-        if _null_like(col.type):
-            codes = np.full(len(out), len(values), dtype=np.int64)
-        else:
-            if pa.types.is_dictionary(col.type) or pa.types.is_string_view(col.type):
-                col = col.cast(pa.large_string())
-            found = pc.index_in(col, value_set=layout.value_sets[a])
-            codes = pc.fill_null(found, len(values)).to_numpy().astype(np.int64, copy=False)
-        bit = layout.offsets[a] + codes
-        out[b, bit >> 6] |= np.left_shift(np.int64(1), bit & 63)
-

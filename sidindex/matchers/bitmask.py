@@ -44,12 +44,26 @@ class BitmaskLayout:
         return max(1, -(-self.bits // 64))
 
     @cached_property
-    def value_sets(self) -> tuple:
-        """Each attribute's declared values as a pyarrow string array, made once per layout (a
-        request's value is looked up in it)."""
-        import pyarrow as pa
+    def lookup(self) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]:
+        """Per attribute, its declared values as a table a request's value is looked up in
+        without a Python loop (`sidindex.requests`): (hashes (V,) uint32 sorted, codes (V,) int64
+        each hash's value index, offsets (V+1,) int64 and data (bytes,) uint8 the values' UTF-8
+        bytes in hash order); murmur3_32 with seed 0 of the bytes, the bytes compared on a hit."""
+        from sidindex.matchers.murmur import murmur3_32
 
-        return tuple(pa.array(list(v), type=pa.string()) for v in self.values)
+        out = []
+        for values in self.values:
+            raw = [v.encode("utf-8") for v in values]
+            data = np.frombuffer(b"".join(raw), dtype=np.uint8)
+            offsets = np.concatenate([[0], np.cumsum([len(r) for r in raw])]).astype(np.int64)
+            hashes = np.array([murmur3_32(data, offsets[i], offsets[i + 1], 0) for i in range(len(raw))],
+                              dtype=np.uint32)
+            order = np.argsort(hashes, kind="stable")
+            raw = [raw[i] for i in order]
+            sorted_offsets = np.concatenate([[0], np.cumsum([len(r) for r in raw])]).astype(np.int64)
+            out.append((hashes[order], order.astype(np.int64), sorted_offsets,
+                        np.frombuffer(b"".join(raw), dtype=np.uint8)))
+        return tuple(out)
 
     def segment_mask(self, a: int) -> np.ndarray:
         return mask_row(self.words, self.offsets[a], self.offsets[a + 1])
