@@ -288,7 +288,18 @@ def _single(col: pa.ChunkedArray) -> pa.Array:
     return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
 
 
-_NONE_VALID = np.zeros(0, dtype=np.uint8)  # a validity bitmap of no bytes: every slot valid
+def _fixed(a: np.ndarray, dtype) -> np.ndarray:
+    """a as a read-only array of `dtype`: the numba kernels then see one type whatever the
+    column's form (32- or 64-bit offsets, Arrow's read-only buffers or a new array), and compile
+    once, at warm-up, rather than at the first batch of another form."""
+    a = np.asarray(a, dtype=dtype)
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+_NONE_VALID = _fixed(np.zeros(0), np.uint8)  # a validity bitmap of no bytes: every slot valid
 
 
 def _validity(arr: pa.Array) -> tuple[np.ndarray, int]:
@@ -296,20 +307,21 @@ def _validity(arr: pa.Array) -> tuple[np.ndarray, int]:
     buf = arr.buffers()[0]
     if arr.null_count == 0 or buf is None:
         return _NONE_VALID, 0
-    return np.frombuffer(buf, dtype=np.uint8), arr.offset
+    return _fixed(np.frombuffer(buf, dtype=np.uint8), np.uint8), arr.offset
 
 
 def _strings(col: pa.ChunkedArray, n: int):
     """(validity, bit offset, offsets (n+1,), data (bytes,) uint8) of a validated string column;
     a column of nulls only is n null slots."""
     if _null_like(col.type):
-        return np.zeros((n + 7) // 8, dtype=np.uint8), 0, np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.uint8)
+        return (_fixed(np.zeros((n + 7) // 8), np.uint8), 0, _fixed(np.zeros(n + 1), np.int64),
+                _fixed(np.zeros(0), np.uint8))
     arr = _single(col)
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
     valid, bit = _validity(arr)
     offsets, data = string_buffers(arr)
-    return valid, bit, offsets, data
+    return valid, bit, _fixed(offsets, np.int64), _fixed(data, np.uint8)
 
 
 def _lists(col: pa.ChunkedArray, n: int):
@@ -317,7 +329,8 @@ def _lists(col: pa.ChunkedArray, n: int):
     validated list<string> column (null values inside a list were refused); a column of nulls
     only, or of lists of nulls only, is n lists without values."""
     if _null_like(col.type) or _null_like(col.type.value_type):
-        return _NONE_VALID, 0, np.zeros(n + 1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(0, np.uint8)
+        return (_NONE_VALID, 0, _fixed(np.zeros(n + 1), np.int64), _fixed(np.zeros(1), np.int64),
+                _fixed(np.zeros(0), np.uint8))
     arr = _single(col)
     if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
         arr = arr.cast(pa.large_list(arr.type.value_type))
@@ -328,7 +341,7 @@ def _lists(col: pa.ChunkedArray, n: int):
     if pa.types.is_dictionary(values.type):
         values = values.dictionary_decode()
     offsets, data = string_buffers(values)
-    return valid, bit, list_offsets, offsets, data
+    return valid, bit, _fixed(list_offsets, np.int64), _fixed(offsets, np.int64), _fixed(data, np.uint8)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

@@ -255,3 +255,19 @@ def test_refusals_of_what_is_not_a_batch(spec):
         requests_from(twice, spec, source="rq")
     with pytest.raises(InputError, match=r"rq: the requests' values do not form a table"):
         requests_from([{"request_id": 1, "country": "US"}, {"request_id": 2, "country": 3}], spec, source="rq")
+
+
+def test_every_form_runs_one_compiled_kernel():
+    """The encoder's kernels see one type whatever form a batch comes in, so a warm-up compiles
+    every kernel a batch will run (a new form would otherwise compile for seconds mid-stream)."""
+    from sidindex.requests import _bitmask_attribute, _bloom_attribute, _list_values
+
+    rows = [{"country": "US", "age": None, "locations": ["a", "b"], "apps": None},
+            {"country": None, "age": "a1", "locations": None, "apps": ["x"]}]
+    for form in FORMS:
+        for slice_at in (0, 2):
+            encode_requests(requests_from(as_form(rows, form, slice_at), SPEC), SPEC)
+    all_null = pa.table({"request_id": [1, 2], "country": pa.nulls(2), "age": pa.nulls(2), "locations": pa.nulls(2),
+                         "apps": pa.nulls(2, pa.list_(pa.null()))})
+    encode_requests(requests_from(all_null, SPEC), SPEC)  # what a warm-up's columns look like
+    assert [len(k.signatures) for k in (_bitmask_attribute, _bloom_attribute, _list_values)] == [1, 1, 1]

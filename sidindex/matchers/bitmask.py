@@ -61,8 +61,10 @@ class BitmaskLayout:
             order = np.argsort(hashes, kind="stable")
             raw = [raw[i] for i in order]
             sorted_offsets = np.concatenate([[0], np.cumsum([len(r) for r in raw])]).astype(np.int64)
-            out.append((hashes[order], order.astype(np.int64), sorted_offsets,
-                        np.frombuffer(b"".join(raw), dtype=np.uint8)))
+            table = (hashes[order], order.astype(np.int64), sorted_offsets, np.frombuffer(b"".join(raw), dtype=np.uint8))
+            for a in table:  # read-only, as every array the lookup's kernel reads (one compiled type)
+                a.flags.writeable = False
+            out.append(table)
         return tuple(out)
 
     def segment_mask(self, a: int) -> np.ndarray:
