@@ -23,9 +23,11 @@ captured, with the old one's widths) before the watcher swaps it in, on the poll
 
 Warm start: at construction and for each new snapshot, every configured batch size is searched
 once with requests shaped like the largest a batch can be (every bloom attribute at its most
-values), which compiles the kernels, captures the graphs with room for any batch, and, with
-`warmup` requests (real ones: a few hundred from traffic), widens each step's compact width
-until those requests fit, so serving does not widen. Triton keeps compiled kernels in its cache
+values), which compiles the kernels and captures the graphs with room for any batch. Their
+embeddings are rebuilt from random paths of the codebook, so their beams go where the catalog's
+ads are and a few more such batches widen each step's compact width as real traffic would; with
+`warmup` requests (real ones: a few hundred from traffic; what a user's scorer needs, whose
+factory reads its own columns) the widths fit those too, so serving rarely widens. Triton keeps compiled kernels in its cache
 directory (TRITON_CACHE_DIR, default ~/.triton/cache): point it at a persistent volume for a
 restarted host to find them.
 
@@ -54,6 +56,7 @@ from runtime.scorer import CodebookScorer, ScorerFactory, load_factory
 from runtime.search import DEFAULT_BEAMS, check_value_weight, parse_beams
 from runtime.serving import Searcher
 from sidindex.errors import ArtifactError, ConfigError, InputError
+from sidindex.ingest import MAX_ABS_EMBEDDING
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import MAX_REQUEST_VALUES, Requests, encode_requests
 from sidindex.targeting import BITMASK
@@ -257,15 +260,23 @@ class Retriever:
 
     def prepare(self, index: ServedIndex) -> None:
         """Warm `index` (module doc): every batch size searched once with the largest requests,
-        then the warm-up requests, so no batch it serves compiles, captures or widens."""
+        then WARM_BATCHES batches of the largest size (with a codebook) and the warm-up requests,
+        so that no batch it serves compiles, captures or (mostly) widens."""
         with self._lock:
             searcher = self._searchers.get(index.generation, (None, None))[1] or self._new_searcher(index)
-            dummy = self._validated(largest_requests(index, self.batch_sizes[-1]), index, "warm-up requests")
+            most = self.batch_sizes[-1]
             seconds = dict.fromkeys(STAGES, 0.0)
-            for b in self.batch_sizes:
-                self._batch(index, searcher, dummy.head(b), False, seconds)
+            synthetic = self.factory is None and index.codebook is not None  # a user's scorer reads its own columns
+            if synthetic:
+                batches = WARM_BATCHES * most
+                dummy = self._validated(largest_requests(index, batches), index, "warm-up requests")
+                for b in self.batch_sizes:
+                    self._batch(index, searcher, dummy.head(b), False, seconds)
+                for lo in range(0, batches, most):
+                    self._batch(index, searcher, dummy.rows(lo, lo + most), False, seconds)
             if self._warmup is not None:
-                most = self.batch_sizes[-1]
+                for b in self.batch_sizes if not synthetic else ():
+                    self._batch(index, searcher, self._warmup.head(min(b, len(self._warmup))), False, seconds)
                 for lo in range(0, len(self._warmup), most):
                     self._batch(index, searcher, self._warmup.rows(lo, min(len(self._warmup), lo + most)), False,
                                 seconds)
@@ -282,9 +293,14 @@ class Retriever:
             self.watcher.before_swap.remove(self._before_swap)
 
 
-def largest_requests(index: ServedIndex, n: int) -> pa.Table:
+WARM_BATCHES = 8  # batches of the largest size a warm-up searches to size the widths (module doc)
+
+
+def largest_requests(index: ServedIndex, n: int, seed: int = 0) -> pa.Table:
     """n requests as large as a batch can hold: every bloom attribute at MAX_REQUEST_VALUES
-    distinct values, bitmask attributes unknown, a zero embedding of the codebook's length."""
+    distinct values, bitmask attributes unknown; with a codebook, embeddings rebuilt from random
+    paths of it (a centroid per level, summed), which lead the beams where the catalog's ads
+    are, as real requests' do."""
     cols: dict[str, pa.Array] = {"request_id": pa.array(np.arange(n, dtype=np.int64))}
     for a in index.spec.attributes:
         if a.kind == BITMASK:
@@ -294,7 +310,10 @@ def largest_requests(index: ServedIndex, n: int) -> pa.Table:
                                     type=pa.list_(pa.string()))
     cb = index.codebook
     if cb is not None:
-        cols["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(n * cb.dim, dtype=np.float32)), cb.dim)
+        rng = np.random.default_rng(seed)
+        emb = sum(c[rng.integers(0, len(c), n)] for c in cb.centroids).astype(np.float32)
+        emb = np.clip(emb, -MAX_ABS_EMBEDDING, MAX_ABS_EMBEDDING)
+        cols["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), cb.dim)
     return pa.table(cols)
 
 
