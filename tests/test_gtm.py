@@ -148,7 +148,8 @@ def frame(spec: TargetingSpec, rows: list[dict], bitmask_type) -> pl.DataFrame:
 def requests_of(sc: Scenario) -> Requests:
     """The scenario's requests as a validated request table."""
     rows = frame(sc.spec, sc.requests, pl.String)
-    return requests_from(rows.with_columns(request_id=pl.int_range(0, len(sc.requests), eager=True)), sc.spec)
+    ids = pl.int_range(0, len(sc.requests), eager=True)  # scenarios may bring more values than a request file may
+    return requests_from(rows.with_columns(request_id=ids), sc.spec, max_values=1 << 20)
 
 
 MANIFEST = SimpleNamespace(id="test")  # what an in-memory Snapshot of a scenario reads of its manifest
