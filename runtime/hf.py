@@ -12,16 +12,18 @@ token_offset + d * V + t, or token_ids[d, t] for any other mapping. Per step the
 the tokens generated so far, walks them down the trie on the device (a binary search of the index's
 entry keys per level, for all rows at once: no Python loop over beams, no host synchronisation),
 and masks with the same CD+GTM mask as `runtime.search` (Triton on CUDA, the CPU path otherwise).
-What it returns is the model's distribution over the level's V tokens (log-softmax over their ids),
+What it returns is the model's distribution over the level's `level_sizes[d]` tokens (log-softmax
+over their ids, `runtime.search.level_log_probs`: the distribution `runtime.beam_search` uses),
 -inf at every token the mode does not allow and at every id that is not one of the level's tokens,
 EOS and special tokens included. With the same model, `generate` beam search at a fixed width
 returns the SIDs of `runtime.beam_search` at that width, whose scorer gives the model's logits at
-the level's ids. A row with no allowed token (its prefix left the catalog, or nothing under it is
-eligible) gets DEAD (-1e30) at the level's tokens and -inf elsewhere: it keeps the shape of a SID
-and never ends early on EOS, and its score marks it dead; keep the sequences whose
-`sequences_scores` exceed -1e6 (generate also starts spare beams at -1e9), as `runtime.beam_search`
-drops dead beams. When every beam of every request dies, generate stops early and returns the
-prompts alone.
+the level's ids (whatever it gives past the level's size), with the same scores (its
+`sequences_scores` with length_penalty=0). A row with no allowed token (its prefix left the
+catalog, or nothing under it is eligible) gets DEAD (-1e30) at the level's tokens and -inf
+elsewhere: it keeps the shape of a SID and never ends early on EOS, and its score marks it dead;
+keep the sequences whose `sequences_scores` exceed -1e6 (generate also starts spare beams at
+-1e9), as `runtime.beam_search` drops dead beams. When every beam of every request dies, generate
+stops early and returns the prompts alone.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask import gtm_mask, uses_triton
 from runtime.ops.gtm_mask.prepare import prepared
 from runtime.requests import to_device
-from runtime.search import child_nodes
+from runtime.search import child_nodes, level_log_probs
 from sidindex.errors import ConfigError
-from sidindex.ingest import Requests
+from sidindex.requests import Requests
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests, encode_requests
 
@@ -111,8 +113,7 @@ class SidLogitsProcessor:
         node = self.nodes(input_ids, vocab)
         size = index.level_sizes[d]
         ids = self.token_ids[d, :size]
-        level = torch.full((N, index.vocab_size), NEG_INF, dtype=torch.float32, device=scores.device)
-        level[:, :size] = torch.log_softmax(scores[:, ids].float(), dim=-1)
+        level = level_log_probs(scores[:, self.token_ids[d]], size)  # (N, V): the ids past `size` are never read
         if self.mode.constrained:
             req = torch.arange(N, device=scores.device) // self.num_beams
             alive = torch.where(node >= 0, 0.0, NEG_INF).float()

@@ -39,7 +39,7 @@ from runtime.requests import to_device
 from runtime.search import Beams
 from schemas.artifacts import AD_LIVE, MATCHER_PLANES
 from sidindex.errors import ConfigError
-from sidindex.ingest import MAX_REQUEST_VALUES
+from sidindex.requests import MAX_REQUEST_VALUES
 from sidindex.matchers.exact import ALL_STAGES, eligible_pairs, stage_flags
 from sidindex.matchers.plane import PARALLEL_PAIRS
 from sidindex.parallel import sized
@@ -346,7 +346,7 @@ class DevicePost:
     Every shape is fixed here, from host-known bounds: C = the most (request, ad) pairs `beams`
     distinct leaves hold (`loader.PostBounds`), T = min(top_k, C) result rows per request; the
     torch reference also takes M = `max_values` request values per attribute (the bound
-    `sidindex.ingest.read_requests` enforces; the kernels loop to each request's own). `run` makes
+    `sidindex.requests.requests_from` enforces; the kernels loop to each request's own). `run` makes
     no host synchronisation, so it can be captured in a CUDA graph after the search; `result`
     copies the buffer's counts, then only the result rows in use, to the host (with `pinned`,
     through pinned memory the stage keeps: for a stage read batch after batch, as

@@ -1,10 +1,13 @@
 """Constrained beam search over SIDs (DESIGN.md §8).
 
 Step d (0..L-1) starts from the beams of the previous step (one root beam per request at step 0):
-the scorer gives logits for every beam, log-softmax turns them into log-probabilities, the mask
-keeps beam_score + logp only at the tokens the mode allows, and top-k over each request's
-(beams x V) candidates picks the next beams. Everything stays on the device and every shape is
-fixed by the beam sizes, so the loop never waits on the host and can be captured in a CUDA graph.
+the scorer gives logits for every beam, a log-softmax over the level's tokens turns them into
+log-probabilities (`level_log_probs`: the first `level_sizes[d]` of the V logits are the
+distribution, whatever the scorer gives beyond them; `runtime.hf` and `runtime.simulate` use the
+same), the mask keeps beam_score + logp only at the tokens the mode allows, and top-k over each
+request's (beams x V) candidates picks the next beams. Everything stays on the device and every
+shape is fixed by the beam sizes, so the loop never waits on the host and can be captured in a
+CUDA graph.
 
 Beam sizes: beams[0] is the root (1); beams[d] (d >= 1) beams are kept after step d-1, and
 beams[-1] after the last step. A beam whose candidates are all disallowed dies: the top-k may
@@ -57,9 +60,11 @@ class Scorer(Protocol):
     0, and every call of the exhaustive scan in `runtime.simulate`): a decoder with a KV cache
     reorders its cache with `parent` and runs only the new token, and computes from `tokens` when
     `parent` is None. Both are the scorer's own copies (`logits_of`): writing into them changes
-    nothing the search keeps. Returns (B, K, V) float logits; a token beyond the level's size should get
-    -inf, and dead beams may get any logits. `runtime.CodebookScorer` is the built-in one,
-    `runtime.decoder.DecoderScorer` a transformer with a KV cache. A scorer that also exposes
+    nothing the search keeps. Returns (B, K, V) float logits, of which the level's first
+    `level_sizes[step]` are the distribution: the search log-softmaxes over them alone
+    (`level_log_probs`), so a logit beyond the level's size is never read (-inf there or any
+    other value), and dead beams may get any logits. `runtime.CodebookScorer` is the built-in
+    one, `runtime.decoder.DecoderScorer` a transformer with a KV cache. A scorer that also exposes
     `inputs`, a dict of the tensors it reads (refreshed in place per batch), can be captured with
     the whole search in a CUDA graph (`runtime.Searcher`). A scorer may be asked for a batch's
     search more than once (a `Searcher` searches a batch again wider when it overflows), each
@@ -218,7 +223,7 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     parent = overflow = None
     for d in range(L):
         K = node.shape[1]
-        logp = torch.log_softmax(logits_of(scorer, d, tokens, parent).float(), dim=-1).reshape(B * K, V)
+        logp = level_log_probs(logits_of(scorer, d, tokens, parent), index.level_sizes[d]).reshape(B * K, V)
         k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
         key = None
         if compact:  # slots of the beams' child entries; padded so top-k always has k_next of them
@@ -235,10 +240,9 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
             # dead beams (-inf) sit at node -1; they read the root's offsets and pass nothing
             cand = gtm_mask(index, requests, d, req.repeat_interleave(K), node.reshape(-1).clamp(min=0),
                             score.reshape(-1), logp, mode, impl, value_weight=value_weight)
-        else:  # any in-vocabulary token of this level
+        else:  # any token of this level (logp is -inf beyond it)
             cand = score.reshape(-1, 1) + logp
             cand = torch.where(torch.isnan(cand), NEG_INF, cand)
-            cand[:, index.level_sizes[d]:] = NEG_INF
         if value_weight > 0:  # the kernel's value-guided key (`ops.gtm_mask.reference.value_key`)
             cand, key = cand
         cand = cand.reshape(B, -1)
@@ -259,6 +263,18 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     alive = score > NEG_INF
     leaf = torch.where(alive & (node >= 0), node - index.leaf_start, -1)
     return Beams(torch.where(alive[..., None], tokens, 0), score, leaf, overflow)
+
+
+def level_log_probs(logits: torch.Tensor, size: int) -> torch.Tensor:
+    """(..., V) float32 log-probabilities of a level of `size` tokens from logits (..., V): the
+    log-softmax over the first `size` logits, -inf beyond them whatever the logits are there. The
+    one distribution of the search, `runtime.hf.SidLogitsProcessor` and `runtime.simulate`. `size`
+    is a host int: a slice, no host synchronisation."""
+    logits = logits.float()
+    V = logits.shape[-1]
+    if size >= V:
+        return torch.log_softmax(logits, dim=-1)
+    return torch.nn.functional.pad(torch.log_softmax(logits[..., :size], dim=-1), (0, V - size), value=NEG_INF)
 
 
 def logits_of(scorer: Scorer, step: int, tokens: torch.Tensor, parent: torch.Tensor | None) -> torch.Tensor:

@@ -27,12 +27,12 @@ import torch
 
 from runtime.loader import ServedIndex
 from runtime.requests import to_device
-from runtime.retrieve import codebook_scorer, retrieve
-from runtime.search import Scorer, check_value_weight, logits_of, parse_beams
-from sidindex.ingest import Requests
+from runtime.retrieve import codebook_scorer, factory_scorer, retrieve
+from runtime.scorer import ScorerFactory
+from runtime.search import Scorer, check_value_weight, level_log_probs, logits_of, parse_beams
 from sidindex.matchers.exact import eligible_mask
 from sidindex.modes import Mode, parse_mode
-from sidindex.requests import encode_requests
+from sidindex.requests import Requests, encode_requests
 
 BUCKETS = (0, 1, 100, 1_000, 10_000, 100_000)  # generated ads per request: [0, 1), [1, 100), ...
 
@@ -70,7 +70,9 @@ def trie_levels(index: ServedIndex) -> list[TrieLevel]:
 @torch.no_grad()
 def node_scores(index: ServedIndex, scorer: Scorer, levels: list[TrieLevel], chunk: int = 16384) -> torch.Tensor:
     """(num_nodes,) float32 accumulated log-probability of every trie node's prefix for one request
-    (a scorer for a batch of one); the root scores 0. Leaves are SIDs. levels: `trie_levels`."""
+    (a scorer for a batch of one), each level's distribution over its `level_sizes[d]` tokens as
+    the search's (`runtime.search.level_log_probs`); the root scores 0. Leaves are SIDs. levels:
+    `trie_levels`."""
     g = index.snapshot.gtm  # the host index: offsets read as Python ints
     tokens = index.gtm.csr_tokens.long()
     score = torch.zeros(g.num_nodes, dtype=torch.float32, device=index.device)
@@ -80,7 +82,7 @@ def node_scores(index: ServedIndex, scorer: Scorer, levels: list[TrieLevel], chu
             e = min(lv.hi, s + chunk)
             ask = lv.paths[:1] if constant else lv.paths[s - lv.lo:e - lv.lo]
             # no previous beams to reuse: the chunks of a depth are not one call's beams
-            logp = torch.log_softmax(logits_of(scorer, d, ask[None], None).float()[0], dim=-1)  # (n or 1, V)
+            logp = level_log_probs(logits_of(scorer, d, ask[None], None)[0], index.level_sizes[d])  # (n or 1, V)
             e_lo, e_hi = int(g.node_offsets[s]), int(g.node_offsets[e])
             parent = lv.parent[e_lo - lv.e_lo:e_hi - lv.e_lo]
             row = torch.zeros_like(parent) if constant else parent - s
@@ -88,14 +90,14 @@ def node_scores(index: ServedIndex, scorer: Scorer, levels: list[TrieLevel], chu
     return score
 
 
-def exhaustive_top_k(index: ServedIndex, requests: Requests, k: int, scorer_for=None
+def exhaustive_top_k(index: ServedIndex, requests: Requests, k: int, scorer: ScorerFactory | None = None
                      ) -> tuple[list[np.ndarray], np.ndarray | None]:
     """Per request, the catalog rows of its k best eligible ads (score descending, then ad_id),
     over the whole catalog; and (R,) float64 the summed values of its k most valuable eligible ads
-    (None without ad values). scorer_for: rows -> Scorer (default: the codebook scorer)."""
+    (None without ad values). scorer: a user's factory (default: the codebook scorer)."""
     snap, g = index.snapshot, index.gtm
     host = encode_requests(requests, index.spec)
-    scorer_for = scorer_for or codebook_scorer(index, to_device(host, index.device))
+    scorer_for = factory_scorer(scorer, index, requests) if scorer else codebook_scorer(index, to_device(host, index.device))
     n_ads = len(snap.ad_id)
     leaf_ads = torch.from_numpy(np.asarray(g.leaf_ads)).to(index.device)
     per_leaf = torch.from_numpy(np.diff(g.leaf_ad_offsets)).to(index.device)
@@ -147,7 +149,7 @@ def _request_rows(r, n: int) -> np.ndarray:
 
 
 def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ...], beams: tuple[int, ...] | str,
-             k: int, batch_size: int = 16, scorer_for=None, progress=None, value_weights: tuple[float, ...] = ()
+             k: int, batch_size: int = 16, scorer: ScorerFactory | None = None, progress=None, value_weights: tuple[float, ...] = ()
              ) -> dict:
     """The study's report (plain data, see the module docstring). value_weights: the λ > 0 of the
     value-guided searches to compare (a snapshot with ad values)."""
@@ -158,7 +160,7 @@ def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ..
             check_value_weight(index, mode, w)
     progress = progress or (lambda *_: None)
     t = time.perf_counter()
-    truth, best_value = exhaustive_top_k(index, requests, k, scorer_for)
+    truth, best_value = exhaustive_top_k(index, requests, k, scorer)
     exhaustive_s = time.perf_counter() - t
     progress("exhaustive", 1, 1)
     n = len(requests)
@@ -166,13 +168,13 @@ def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ..
               "exhaustive_ms_per_request": 1e3 * exhaustive_s / n, "modes": []}
     for mode in modes:
         run = retrieve(index, requests, mode=mode, beams=beams, batch_size=batch_size, stages=True,
-                       scorer=scorer_for)
+                       scorer=scorer)
         r = run.result
         valued = {}
         if best_value is not None:
             valued = {f"value_at_{k}": value_at_k(r, best_value, k), "value_by_weight": []}
             for w in value_weights if mode.constrained else ():
-                guided = retrieve(index, requests, mode=mode, beams=beams, batch_size=batch_size, scorer=scorer_for,
+                guided = retrieve(index, requests, mode=mode, beams=beams, batch_size=batch_size, scorer=scorer,
                                   value_weight=w).result
                 valued["value_by_weight"].append({"weight": w, f"value_at_{k}": value_at_k(guided, best_value, k),
                                                   f"recall_at_{k}": recall_at_k(guided, truth, k)})
@@ -184,8 +186,8 @@ def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ..
             "requests_whose_beams_all_died": int((r.sids == 0).sum()),
             f"recall_at_{k}": recall_at_k(r, truth, k), **valued,
             "requests_without_eligible_ads_in_catalog": int(sum(len(b) == 0 for b in truth)),
-            "search_ms_per_request": 1e3 * run.seconds["search"] / n,
-            "post_ms_per_request": 1e3 * run.seconds["post"] / n,
+            "encode_ms_per_request": 1e3 * (run.seconds["encode"] + run.seconds["copy"]) / n,
+            "search_ms_per_request": 1e3 * run.seconds["search_post"] / n,
             "buckets": _buckets(r.ads_generated, r.ads_per_stage, r.ads_eligible)})
         progress("modes", len(report["modes"]), len(modes))
     return report

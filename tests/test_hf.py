@@ -3,6 +3,9 @@ initialised GPT-2 built from a config (nothing is downloaded).
 
 - Beam search with the processor returns the SIDs of sidindex's own beam search at the same width,
   whose scorer is the same model, in every mode; every SID it returns is in the catalog.
+- Both normalise over a level's own tokens: on levels smaller than the vocabulary, with a scorer
+  whose logits past a level's size are the model's (finite), generate and sidindex's search return
+  the same SIDs with the same scores, and the exhaustive scan of `runtime.simulate` scores them so.
 - Greedy decoding with the processor is sidindex's search at width 1.
 """
 
@@ -17,11 +20,12 @@ transformers = pytest.importorskip("transformers")
 
 from runtime.hf import SidLogitsProcessor  # noqa: E402
 from runtime.search import beam_search  # noqa: E402
+from runtime.simulate import node_scores, trie_levels  # noqa: E402
 from sidindex.errors import ConfigError  # noqa: E402
 from sidindex.modes import Mode  # noqa: E402
 from sidindex.config import KWayConfig  # noqa: E402
 from sidindex.targeting import BITMASK, Attribute, TargetingSpec  # noqa: E402
-from tests.test_gtm import Scenario, scenarios  # noqa: E402
+from tests.test_gtm import Scenario, scenario, scenarios  # noqa: E402
 from tests.test_runtime import DEVICE, Case, searched  # noqa: E402
 
 OFFSET, PROMPT = 3, 4  # ids 0..2 are special (pad, bos, eos); every request's prompt has 4 tokens
@@ -35,9 +39,10 @@ def model_for(case: Case, seed: int):
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
-def model_scorer(model, prompts: torch.Tensor, case: Case):
+def model_scorer(model, prompts: torch.Tensor, case: Case, beyond: bool = True):
     """sidindex's scorer for the same model: its next-token logits at the level's ids (whole
-    sequences recomputed: the model, not its cache, is what is compared)."""
+    sequences recomputed: the model, not its cache, is what is compared); with `beyond`, -inf past
+    the level's size, else the model's logits at the ids there too."""
     V, sizes = case.gtm.vocab_size, case.gtm.level_sizes
 
     @torch.no_grad()
@@ -47,7 +52,8 @@ def model_scorer(model, prompts: torch.Tensor, case: Case):
         seq = torch.cat([prompts[:, None, :].expand(B, K, -1), ids], dim=2).reshape(B * K, -1)
         logits = model(seq).logits[:, -1].float()
         out = logits[:, OFFSET + step * V:OFFSET + (step + 1) * V].clone()
-        out[:, sizes[step]:] = float("-inf")
+        if beyond:
+            out[:, sizes[step]:] = float("-inf")
         return out.view(B, K, V)
 
     return scorer
@@ -94,6 +100,58 @@ def test_generate_with_the_processor_equals_sidindex_beam_search(sc, seed, K):
             assert got[r] == set(searched(case, found, r)), (mode, r)
             if mode.constrained:
                 assert all(case.node(sid) is not None for sid in got[r])
+
+
+def scored(case: Case, out, K: int) -> list[dict]:
+    """Per request, {SID: score} of its returned sequences whose beams never died (generate run with
+    length_penalty=0: a sequence's score is its summed log-probabilities)."""
+    V, L = case.gtm.vocab_size, case.gtm.sid_length
+    B = out.sequences_scores.numel() // K
+    got = [{} for _ in range(B)]
+    if out.sequences.shape[1] < PROMPT + L:  # every beam died: generate stopped early
+        return got
+    seqs, scores = out.sequences[:, PROMPT:PROMPT + L].view(B, K, L), out.sequences_scores.view(B, K)
+    for b in range(B):
+        for k in range(K):
+            if scores[b, k] > -1e6:
+                sid = tuple(int(t) - OFFSET - d * V for d, t in enumerate(seqs[b, k].tolist()))
+                got[b][sid] = float(scores[b, k])
+    return got
+
+
+@settings(max_examples=6, deadline=None)
+@given(scenarios(max_ads=10).filter(lambda sc: min(sc.level_sizes) < max(sc.level_sizes)), st.integers(0, 2**16),
+       st.integers(2, 4))
+@example(None, 7, 3)  # the fixed catalog below: levels of 3, 2 and 4 tokens
+def test_generate_and_beam_search_share_the_level_distribution(sc, seed, K):
+    if sc is None:
+        ads = [{"country": ["US"], "locations": []}, {"country": None, "locations": ["loc1"]},
+               {"country": None, "locations": []}]
+        sc = scenario(ads, [(0, 0, 0), (0, 1, 3), (1, 0, 2), (2, 1, 1), (2, 0, 3)], [0, 1, 2, 2, 0])
+    case = Case(sc, DEVICE)
+    model = model_for(case, seed).to(DEVICE)
+    B, L = len(sc.requests), case.gtm.sid_length
+    prompts = torch.randint(OFFSET, model.config.vocab_size, (B, PROMPT),
+                            generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    scorer = model_scorer(model, prompts, case, beyond=False)  # finite logits past each level's size
+    levels = trie_levels(case.index)
+    scan = [node_scores(case.index, model_scorer(model, prompts[r:r + 1], case, beyond=False), levels).cpu()
+            for r in range(B)]
+    for mode in Mode:
+        proc = SidLogitsProcessor(case.index, case.req, mode, prompt_length=PROMPT, num_beams=K, token_offset=OFFSET)
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), num_beams=K, num_return_sequences=K,
+                             max_new_tokens=L, min_new_tokens=L, do_sample=False, length_penalty=0.0,
+                             output_scores=True, return_dict_in_generate=True,
+                             logits_processor=transformers.LogitsProcessorList([proc]))
+        found = beam_search(case.index, case.dreq, scorer, (1,) + (K,) * (L - 1), mode)
+        got = scored(case, out, K)
+        for r in range(B):
+            want = searched(case, found, r)
+            assert got[r].keys() == want.keys(), (mode, r)
+            for sid in want:
+                assert got[r][sid] == pytest.approx(want[sid], rel=1e-4, abs=1e-4), (mode, r, sid)
+                if mode.constrained:  # a catalog SID: the scan's score of its leaf
+                    assert float(scan[r][case.node(sid)]) == pytest.approx(want[sid], rel=1e-4, abs=1e-4)
 
 
 def test_greedy_decoding_is_width_one_search():

@@ -186,8 +186,10 @@ class TableScorer:
         key = (prefix * weights[:prefix.shape[-1]]).sum(-1) + prefix.shape[-1]
         return table[step % 4][key % 257]
 
-    def one(self, prefix: tuple[int, ...]) -> torch.Tensor:
-        return torch.log_softmax(self(len(prefix), torch.tensor([[list(prefix)]], dtype=torch.int64))[0, 0], -1)
+    def one(self, prefix: tuple[int, ...], size: int) -> torch.Tensor:
+        """The log-probabilities after `prefix` of a level of `size` tokens: over its first `size` logits."""
+        logits = self(len(prefix), torch.tensor([[list(prefix)]], dtype=torch.int64))[0, 0, :size]
+        return torch.log_softmax(logits, -1)
 
 
 def brute_force_search(case: Case, r: int, scorer: TableScorer, beams: tuple[int, ...], mode: Mode) -> dict:
@@ -197,7 +199,7 @@ def brute_force_search(case: Case, r: int, scorer: TableScorer, beams: tuple[int
     for d in range(L):
         cand = []
         for prefix, score in live:
-            logp = scorer.one(prefix)
+            logp = scorer.one(prefix, case.sc.level_sizes[d])
             for t in case.allowed(r, prefix, mode):
                 s = score + float(logp[t])
                 if not math.isnan(s) and s > float("-inf"):

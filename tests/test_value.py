@@ -137,7 +137,7 @@ def brute_force_by_value(case: Case, r: int, scorer: TableScorer, beams: tuple[i
     for d in range(L):
         cand = []
         for prefix, score in live:
-            logp = scorer.one(prefix)
+            logp = scorer.one(prefix, case.sc.level_sizes[d])
             node = case.node(prefix)
             for t in case.allowed(r, prefix, mode):
                 e = np.array([g.node_offsets[node] + np.searchsorted(g.csr_tokens[g.node_offsets[node]:
