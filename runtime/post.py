@@ -2,13 +2,14 @@
 
 The SID -> ad CSR expands every live beam into its ads (dropping rows an update paused or
 deleted), an ad reached through several SIDs keeps its best score and that SID (on equal scores
-the first beam's), and the exact ad-level filter drops every ineligible ad (Bloom false positives
-stop here). Ranked per request by one of RANKS:
+the first beam's: the search ranks its beams in one order on every device, `runtime.search`), and
+the exact ad-level filter drops every ineligible ad (Bloom false positives stop here). Ranked per
+request by one of RANKS:
   score  the ad's best log-probability (the default)
   value  the ad's value (the catalog's `value`), then its score
   fused  reciprocal-rank fusion of the two rankings, 1/(RRF_K + score rank) + 1/(RRF_K + value rank)
          (as GR4AD-X fuses its rankings)
-then ad_id.
+then ad_id: a total order, so equal scores (hash-level SIDs tie) rank alike on both paths below.
 
 Two implementations of the one contract (`Retrieved`), and `expand` picks:
   host    numba passes over the snapshot's memory maps (beams on the CPU, or an index without

@@ -9,6 +9,15 @@ request's (beams x V) candidates picks the next beams. Everything stays on the d
 shape is fixed by the beam sizes, so the loop never waits on the host and can be captured in a
 CUDA graph.
 
+One order: top-k ranks a step's candidates by score, and candidates of equal score (hash-level
+tokens get equal logits) by the beam they extend, in the previous step's ranking, then by token
+(`ops.order.top_k`; the beams of every step come ranked so). The rule names no position a device's
+top-k happened to leave, so the torch, numba and Triton paths, the dense and compact layouts, any
+width that does not overflow, and the CPU and CUDA keep the same beams in the same order for the
+same candidate scores (mode none too). Across devices the scores themselves are equal only where
+their log-softmaxes are bit for bit (uniform levels, such as the hash level, are); elsewhere the
+last bit may differ, and so may a tie it decides.
+
 Beam sizes: beams[0] is the root (1); beams[d] (d >= 1) beams are kept after step d-1, and
 beams[-1] after the last step. A beam whose candidates are all disallowed dies: the top-k may
 still pick its -inf slots when too few candidates survive, but they are marked dead and never
@@ -36,6 +45,7 @@ from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask import gtm_candidates, gtm_mask, uses_triton
 from runtime.ops.gtm_mask.slots import decode, slots_of
 from runtime.ops.gtm_mask.prepare import planned, prepared
+from runtime.ops.order import top_k
 from runtime.requests import to_device
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
@@ -44,9 +54,10 @@ from sidindex.requests import EncodedRequests
 DEFAULT_BEAMS = (1, 512, 1024, 1024)
 NEG_INF = float("-inf")
 # Bytes a candidate (one beam x token pair of a step) costs: the scorer's logits, their log-softmax
-# and the masked scores (float32 each), and top-k's working copy (a float32 value and an int64
-# index, as a sort needs). An estimate of the widest step, not a bound.
-CANDIDATE_BYTES = 4 + 4 + 4 + 4 + 8
+# and the masked scores (float32 each), its int64 ranking key (`ops.order.top_k`) and a float32
+# temporary that computes it, and top-k's working copy (an int64 key and an int64 index, as a sort
+# needs). An estimate of the widest step, not a bound.
+CANDIDATE_BYTES = 4 + 4 + 4 + 8 + 4 + 8 + 8
 VALUE_BYTES = 4 + 4  # the value-guided search's key, and the torch and CPU paths' bound beside it
 MAX_VALUE_WEIGHT = 1e6  # far past any useful weight; a larger one overflows the float32 keys
 
@@ -80,7 +91,8 @@ class Scorer(Protocol):
 @dataclass(frozen=True)
 class Beams:
     """tokens: (B, K, L) int64 SIDs; score: (B, K) float32 accumulated log-probability (-inf: dead),
-    beams ranked per request by it (by the value-guided key with a value weight); leaf: (B, K)
+    beams ranked per request by it (by the value-guided key with a value weight), equal ones by the
+    search's fixed tie rule (module doc), so the order is the same on every device; leaf: (B, K)
     int64 leaf index of the SID (-1 when it is not a catalog SID, which only mode "none" produces,
     or the beam is dead)."""
 
@@ -246,12 +258,9 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         if value_weight > 0:  # the kernel's value-guided key (`ops.gtm_mask.reference.value_key`)
             cand, key = cand
         cand = cand.reshape(B, -1)
-        # only the last step's order matters (the result is ranked); unsorted top-k is cheaper
-        if key is None:
-            score, flat = cand.topk(k_next, dim=1, sorted=d == L - 1)
-        else:
-            flat = key.reshape(B, -1).topk(k_next, dim=1, sorted=d == L - 1).indices
-            score = cand.gather(1, flat)
+        # candidates lie by beam (ranked), then token, in both layouts: ties fall to the lower position
+        flat = top_k(cand if key is None else key.reshape(B, -1), k_next)
+        score = cand.gather(1, flat)
         if compact:  # a slot names its beam and child entry
             parent, tok, node, tokens = decode(index, slots, flat, score, tokens, kernels)
             continue

@@ -53,7 +53,7 @@ def _warps(block: int) -> int:
 @triton.jit
 def _descending(x):
     """int64 keys ordering the floats x (float32 or float64, no NaN) descending as ascending ints,
-    as `reference._descending` (-0.0 and 0.0 one key; never _INT64_MAX)."""
+    as `runtime.ops.order.descending` (-0.0 and 0.0 one key; never _INT64_MAX)."""
     x = x + 0.0  # -0.0 -> 0.0
     if x.dtype == tl.float32:
         bits = x.to(tl.int32, bitcast=True).to(tl.int64)
@@ -66,7 +66,7 @@ def _descending(x):
 
 @triton.jit
 def _score_key(x):
-    """int64 in [0, 2^32): float32 scores x descending as ascending ints (`reference.score_key`)."""
+    """int64 in [0, 2^32): float32 scores x descending as ascending ints (`runtime.ops.order.score_key`)."""
     return _descending(x) + 2 ** 31
 
 

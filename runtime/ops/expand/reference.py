@@ -13,6 +13,7 @@ import torch
 
 from runtime.ops.exact_filter import exact_filter
 from runtime.ops.expand.layout import RRF_K, PostLayout
+from runtime.ops.order import descending, score_key
 from schemas.artifacts import AD_LIVE
 
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -57,11 +58,11 @@ def expand_reference(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_ord
     if layout.rank == "score":
         top = _sorted(_score_order(score, order, ok))
     else:
-        by_value = _lex_order(_eligible_first([_score_order(score, order), _descending(value)], ok))
+        by_value = _lex_order(_eligible_first([_score_order(score, order), descending(value)], ok))
         top = by_value
         if layout.rank == "fused":  # ranks among the request's eligible ads, which sort first
             rs, rv = _ranks(_sorted(_score_order(score, order, ok))), _ranks(by_value)
-            top = _lex_order(_eligible_first([order, _descending(1 / (RRF_K + rs).double()
+            top = _lex_order(_eligible_first([order, descending(1 / (RRF_K + rs).double()
                                                                  + 1 / (RRF_K + rv).double())], ok))
     top = top[:, :T]
     beam, ad = beam.gather(1, top), ad.gather(1, top)
@@ -77,11 +78,6 @@ def expand_reference(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_ord
     return torch.cat([torch.stack(counts).reshape(-1), packed.reshape(-1)])
 
 
-def score_key(x: torch.Tensor) -> torch.Tensor:
-    """(B, C) int64 in [0, 2^32): keys ordering float32 scores x descending as ascending ints."""
-    return _descending(x) + 2 ** 31
-
-
 def _score_order(score: torch.Tensor, order: torch.Tensor, ok: torch.Tensor | None = None) -> torch.Tensor:
     """(B, C) int64 keys ranking slots by score (B, C) float32 descending, then `order` (B, C) int64
     in [0, 2^31), ascending, packed in one int64; the slots not `ok` (B, C) bool get the largest
@@ -95,20 +91,9 @@ def _sorted(key: torch.Tensor) -> torch.Tensor:
     return torch.sort(key, dim=1).indices
 
 
-def _descending(x: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordering the floats of x (float32 or float64, no NaN) descending as ascending
-    ints; -0.0 and 0.0 get one key (they compare equal)."""
-    bits = (x + 0.0).view(torch.int32 if x.dtype == torch.float32 else torch.int64).long()  # + 0.0: -0.0 -> 0.0
-    if x.dtype == torch.float32:
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # monotonic in x, as signed ints
-    else:
-        ordered = bits ^ ((bits >> 63) & _INT64_MAX)
-    return -ordered - 1  # never _INT64_MAX (that is the sentinel of the slots ranked last)
-
-
 def _eligible_first(keys: list[torch.Tensor], ok: torch.Tensor) -> list[torch.Tensor]:
     """`keys` (for `_lex_order`) with the slots not `ok` (B, C) bool last: the most significant
-    key set to a sentinel no real key reaches (`_descending` never gives _INT64_MAX)."""
+    key set to a sentinel no real key reaches (`descending` never gives _INT64_MAX)."""
     return keys[:-1] + [torch.where(ok, keys[-1], _INT64_MAX)]
 
 

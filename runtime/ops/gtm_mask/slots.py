@@ -2,13 +2,14 @@
 
 Only a beam's child entries can be candidates, so a step lays out, per request, its beams' child
 entries one beam after another: slot `start[b, k] + c` of request b is child c of beam k (children
-in token order, so slots keep the (beam, token) order of the dense (K, V) layout), and slots past
-`total[b]` are empty. The width is fixed on the host, so shapes never depend on the data and the
-step can be captured in a CUDA graph: by default the bound `ServedIndex.most_children` (the K
-widest nodes of the depth), or a cap below it, where a request with more child entries keeps only
-its first `width` (`runtime.search.beam_search`'s widths: the search flags it). Top-k then
-selects among `width` slots instead of K x V, and a selected slot names its child entry directly:
-no search for the (node, token) pair.
+in token order, so slots keep the (beam, token) order of the dense (K, V) layout: the order the
+search's top-k breaks ties by, `runtime.ops.order.top_k`), and slots past `total[b]` are empty.
+The width is fixed on the host, so shapes never depend on the data and the step can be captured
+in a CUDA graph: by default the bound `ServedIndex.most_children` (the K widest nodes of the
+depth), or a cap below it, where a request with more child entries keeps only its first `width`
+(`runtime.search.beam_search`'s widths: the search flags it). Top-k then selects among `width`
+slots instead of K x V, and a selected slot names its child entry directly: no search for the
+(node, token) pair.
 
 Legend: B requests, K beams each, V the logit width, W the layout's width.
 """

@@ -1,0 +1,193 @@
+"""One order (DESIGN.md §8): candidates of equal score keep the same beams in the same order on
+every path, on random small catalogs and scorers whose logits tie (all equal, equal within the
+hash level as the codebook scorer's, or drawn from three values).
+
+- Beam search returns identical tokens, scores and leaves, in the same order, with the torch,
+  numba and Triton (under TRITON_INTERPRET=1 without a GPU) masks, the dense and compact layouts,
+  and capped widths that do not overflow; value-guided search too.
+- That order is the documented one: score, then the rank of the beam a candidate extends, then
+  its token (a brute force that sorts each step's candidates stably, in float32 as the search adds).
+- The post stage ranks those beams identically on the host and the device path (its torch
+  reference and its kernels).
+- `ops.order.top_k` ranks as a stable sort by score descending does.
+- On a GPU, the CPU and CUDA searches (and post stages) agree exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.post import RANKS, expand
+from runtime.search import beam_search
+from sidindex.modes import Mode
+from tests.test_gtm import scenarios
+from tests.test_post import IMPLS as POST_IMPLS
+from tests.test_post import device_post, same
+from tests.test_runtime import GPU, Case
+from tests.test_value import VALUES
+
+KINDS = ("uniform", "hash", "few")
+FIELDS = ("tokens", "score", "leaf")
+
+
+class TiedScorer:
+    """Logits that depend only on the prefix and tie: "uniform" (all 0), "hash" (random below the
+    last level, 0 at it: equal within the hash level, as `runtime.CodebookScorer`'s) or "few"
+    (each -1, 0 or 1); -inf past each level's size, so the distribution is the level's whichever
+    way a search normalises."""
+
+    def __init__(self, sizes: tuple[int, ...], seed: int, kind: str) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.sizes, self.V, L = sizes, max(sizes), len(sizes)
+        table = torch.randn(L, 257, self.V, generator=gen) * 3
+        if kind == "uniform":
+            table.zero_()
+        elif kind == "hash":
+            table[L - 1] = 0
+        else:
+            table = torch.randint(-1, 2, table.shape, generator=gen).float()
+        for d, size in enumerate(sizes):
+            table[d, :, size:] = float("-inf")
+        self.table = table
+
+    def __call__(self, step: int, prefix: torch.Tensor, parent: torch.Tensor | None = None) -> torch.Tensor:
+        weights = torch.tensor([31, 7, 3], dtype=torch.int64, device=prefix.device)[:prefix.shape[-1]]
+        return self.table.to(prefix.device)[step][((prefix * weights).sum(-1) + prefix.shape[-1]) % 257]
+
+    def log_probs(self, prefix: tuple[int, ...]) -> np.ndarray:
+        """(V,) float32 log-probabilities after `prefix`, as the search computes them."""
+        logits = self(len(prefix), torch.tensor([[list(prefix)]], dtype=torch.int64))
+        size = self.sizes[len(prefix)]
+        return torch.log_softmax(logits[..., :size], -1)[0, 0].numpy()
+
+
+def beams_of(case: Case) -> tuple[int, ...]:
+    return (1, 2, 3, 3)[:case.gtm.sid_length]
+
+
+def paths(mode: Mode) -> list[tuple[str, str]]:
+    """(impl, layout) of every path the CPU runs for `mode` (mode none: one)."""
+    if not mode.constrained:
+        return [("torch", "dense")]
+    return [(impl, layout) for impl in ("torch", "numba", "triton") for layout in ("compact", "dense")]
+
+
+def assert_same(a, b, what) -> None:
+    for f in FIELDS:
+        assert torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu()), (what, f)
+
+
+def ranked_brute_force(case: Case, r: int, scorer: TiedScorer, beams: tuple[int, ...], mode: Mode) -> list:
+    """[(SID, score)] of request r's live final beams, ranked: per step every allowed child of every
+    beam, enumerated by beam (ranked) then token, scored in float32, sorted stably by score."""
+    live = [((), np.float32(0.0))]
+    L = case.gtm.sid_length
+    for d in range(L):
+        cand = []
+        for prefix, score in live:
+            logp = scorer.log_probs(prefix)
+            for t in case.allowed(r, prefix, mode):
+                s = np.float32(score + logp[t])
+                if not math.isnan(s) and s > -np.inf:
+                    cand.append((prefix + (t,), s))
+        cand.sort(key=lambda c: -c[1])
+        live = cand[:beams[d + 1] if d + 1 < L else beams[-1]]
+    return live
+
+
+def ranked(found, r: int) -> list:
+    alive = found.alive[r].cpu()
+    return [(tuple(found.tokens[r, k].tolist()), np.float32(found.score[r, k])) for k in range(len(alive))
+            if alive[k]]
+
+
+@settings(max_examples=20, deadline=None)
+@given(scenarios(max_ads=12), st.integers(0, 2**32 - 1), st.sampled_from(KINDS), st.integers(1, 3))
+def test_tied_logits_give_one_order_on_every_path(sc, seed, kind, cap):
+    case = Case(sc, "cpu")
+    scorer, beams = TiedScorer(sc.level_sizes, seed, kind), beams_of(case)
+    for mode in Mode:
+        first = None
+        for impl, layout in paths(mode):
+            found = beam_search(case.index, case.dreq, scorer, beams, mode, impl, layout=layout)
+            first = found if first is None else first
+            assert_same(found, first, (mode, impl, layout))
+            if layout == "compact":  # capped widths: the same beams wherever no step overflowed
+                capped = beam_search(case.index, case.dreq, scorer, beams, mode, impl,
+                                     widths=(cap,) * case.gtm.sid_length)
+                if capped.overflow is None or not capped.overflow.any():
+                    assert_same(capped, first, (mode, impl, "capped", cap))
+        for r in range(len(sc.requests)):
+            assert ranked(first, r) == ranked_brute_force(case, r, scorer, beams, mode), (mode, r)
+
+
+@settings(max_examples=10, deadline=None)
+@given(scenarios(max_ads=12), st.data(), st.integers(0, 2**32 - 1), st.sampled_from(KINDS),
+       st.sampled_from([0.5, 1.0, 4.0]))
+def test_value_guided_ties_give_one_order_on_every_path(sc, data, seed, kind, weight):
+    sc = dataclasses.replace(sc, values=data.draw(st.lists(VALUES, min_size=len(sc.ads), max_size=len(sc.ads))))
+    case = Case(sc, "cpu")
+    scorer, beams = TiedScorer(sc.level_sizes, seed, kind), beams_of(case)
+    for mode in (Mode.CD, Mode.CD_GTM, Mode.CD_GTM_KWAY):
+        first = None
+        for impl, layout in paths(mode):
+            found = beam_search(case.index, case.dreq, scorer, beams, mode, impl, value_weight=weight, layout=layout)
+            first = found if first is None else first
+            assert_same(found, first, (mode, impl, layout))
+
+
+@settings(max_examples=10, deadline=None)
+@given(scenarios(max_ads=12), st.data(), st.integers(0, 2**32 - 1), st.sampled_from(KINDS))
+def test_the_post_stage_ranks_tied_beams_alike_on_host_and_device(sc, data, seed, kind):
+    if data.draw(st.booleans()):
+        sc = dataclasses.replace(sc, values=data.draw(st.lists(VALUES, min_size=len(sc.ads), max_size=len(sc.ads))))
+    case = Case(sc, "cpu")
+    scorer = TiedScorer(sc.level_sizes, seed, kind)
+    for mode in Mode:
+        found = beam_search(case.index, case.dreq, scorer, beams_of(case), mode, "torch")
+        for rank in RANKS if sc.values is not None else ("score",):
+            host = expand(case.index, case.req, found, None, False, rank)
+            for impl in POST_IMPLS:
+                same(host, device_post(case, found, impl, rank=rank))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, -0.0, -1.0, -1.5, 2.0, float("-inf")]), min_size=1, max_size=40), st.data())
+def test_top_k_ranks_as_a_stable_sort_by_score(values, data):
+    from runtime.ops.order import top_k
+
+    k = data.draw(st.integers(1, len(values)))
+    got = top_k(torch.tensor([values], dtype=torch.float32), k)[0].tolist()
+    assert got == sorted(range(len(values)), key=lambda i: -values[i])[:k]  # stable: ties to the lower position
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@settings(max_examples=25, deadline=None)
+@given(scenarios(max_ads=15), st.integers(0, 2**32 - 1), st.sampled_from(("uniform", "hash")), st.integers(1, 3))
+def test_cpu_and_cuda_keep_the_same_tied_beams(sc, seed, kind, cap):
+    """Uniform levels give bit-equal log-probabilities on both devices, so ties are ties on both:
+    the beams, their order and the post stage's rows must be identical (scores to the last bit
+    of a log-softmax)."""
+    cpu, gpu = Case(sc, "cpu"), Case(sc, "cuda")
+    scorer = TiedScorer(sc.level_sizes, seed, kind)
+    beams = beams_of(cpu)
+    for mode in Mode:
+        want = beam_search(cpu.index, cpu.dreq, scorer, beams, mode, "numba" if mode.constrained else "torch")
+        for impl, layout in [("triton", "compact"), ("triton", "dense"), ("torch", "compact")]:
+            got = beam_search(gpu.index, gpu.dreq, scorer, beams, mode, impl, layout=layout)
+            assert torch.equal(got.tokens.cpu(), want.tokens) and torch.equal(got.leaf.cpu(), want.leaf), (mode, impl)
+            assert torch.allclose(got.score.cpu(), want.score, rtol=1e-6, atol=1e-6), (mode, impl)
+            capped = beam_search(gpu.index, gpu.dreq, scorer, beams, mode, impl, widths=(cap,) * len(beams))
+            if capped.overflow is None or not capped.overflow.any():
+                assert torch.equal(capped.tokens.cpu(), want.tokens), (mode, impl, cap)
+        host = expand(cpu.index, cpu.req, want)
+        device = expand(gpu.index, gpu.dreq, beam_search(gpu.index, gpu.dreq, scorer, beams, mode))
+        for f in ("request", "rank", "ad_row", "sid"):
+            assert np.array_equal(getattr(host, f), getattr(device, f)), (mode, f)
