@@ -13,6 +13,7 @@ Modules:
     requests    requests in memory or from a file, validated; a batch's encoding onto the device in one copy
     retriever   Retriever: the serving object (validate, encode, search and post in one graph, Arrow out)
     ops/        the fused CD+GTM mask: Triton kernel, torch reference, numba CPU path
+    constraint  Constraint: one batch's trie walk and mask per step, for the search and the HF processor
     search      beam search in every Mode (`sidindex.modes`); the Scorer protocol
     serving     Searcher: the search captured as CUDA graphs per batch size, replayed
     scorer      the built-in codebook scorer; users' scorers named MODULE:FACTORY

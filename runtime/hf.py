@@ -9,9 +9,10 @@
 Row n of a step's input_ids belongs to request n // (N / B) (generate keeps a request's beams, or
 its samples, together). The model's vocabulary id of token t at SID level d is
 token_offset + d * V + t, or token_ids[d, t] for any other mapping. Per step the processor reads
-the tokens generated so far, walks them down the trie on the device (a binary search of the index's
-entry keys per level, for all rows at once: no Python loop over beams, no host synchronisation),
-and masks with the same CD+GTM mask as `runtime.search` (Triton on CUDA, the CPU path otherwise).
+the tokens generated so far, walks them down the trie on the device and masks them, through the
+same `runtime.constraint.Constraint` as `runtime.beam_search` (a binary search of the index's
+entry keys per level, for all rows at once: no Python loop over beams, no host synchronisation;
+Triton on CUDA, the CPU path otherwise).
 What it returns is the model's distribution over the level's `level_sizes[d]` tokens (log-softmax
 over their ids, `runtime.search.level_log_probs`: the distribution `runtime.beam_search` uses),
 -inf at every token the mode does not allow and at every id that is not one of the level's tokens,
@@ -31,10 +32,8 @@ from __future__ import annotations
 import torch
 
 from runtime.loader import ServedIndex
-from runtime.ops.gtm_mask import gtm_mask, uses_triton
-from runtime.ops.gtm_mask.prepare import prepared
-from runtime.requests import to_device
-from runtime.search import child_nodes, level_log_probs
+from runtime.constraint import Constraint
+from runtime.search import level_log_probs
 from sidindex.errors import ConfigError
 from sidindex.requests import Requests
 from sidindex.modes import Mode, parse_mode
@@ -61,9 +60,8 @@ class SidLogitsProcessor:
             prompt_length, num_beams, impl
         if isinstance(requests, Requests):
             requests = encode_requests(requests, index.spec)
-        self.requests = requests if requests.stacked is not None else to_device(requests, index.device)
-        if self.mode.gtm and uses_triton(impl, index.device):
-            self.requests = prepared(self.requests, index)  # the query tables and shared rows' tests, once
+        # the walk and the mask of `runtime.beam_search`, the batch's tables made once
+        self.constraint = Constraint(index, requests, self.mode, impl, compact=False)
         L, V = index.sid_length, index.vocab_size
         if (token_offset is None) == (token_ids is None):
             raise ConfigError("give exactly one of token_offset (SID token t of level d is token_offset + d * V + t) "
@@ -94,16 +92,14 @@ class SidLogitsProcessor:
         """(N,) int64 trie node of each row's generated tokens (-1 where they left the catalog), for
         a model of `vocab` token ids."""
         inv = self._inverse(vocab)
-        node = torch.zeros(input_ids.shape[0], dtype=torch.int64, device=input_ids.device)
-        for d in range(input_ids.shape[1] - self.P):
-            tok = inv[d][input_ids[:, self.P + d]]
-            node = child_nodes(self.index, node, tok.clamp(min=0), (tok >= 0) & (node >= 0))
-        return node
+        generated = input_ids[:, self.P:]
+        levels = torch.arange(generated.shape[1], device=input_ids.device)
+        return self.constraint.walk(inv[levels, generated])  # SID tokens, -1 for any other id
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         index, (N, vocab) = self.index, scores.shape
         d = input_ids.shape[1] - self.P
-        B = self.requests.batch
+        B = self.constraint.batch
         if N != B * self.num_beams:
             raise ConfigError(f"generate passed {N} rows for {B} requests with {self.num_beams} row(s) each: give one "
                               "prompt per request, and num_beams as the rows generate keeps per request")
@@ -117,7 +113,7 @@ class SidLogitsProcessor:
         if self.mode.constrained:
             req = torch.arange(N, device=scores.device) // self.num_beams
             alive = torch.where(node >= 0, 0.0, NEG_INF).float()
-            level = gtm_mask(index, self.requests, d, req, node.clamp(min=0), alive, level, self.mode, self.impl)
+            level = self.constraint.mask(d, req, node, alive, level)
         level = level[:, :size]
         stuck = ~torch.isfinite(level).any(dim=1, keepdim=True)  # no allowed token: a dead row
         out[:, ids] = torch.where(stuck, DEAD, level).to(out.dtype)

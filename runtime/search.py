@@ -42,11 +42,8 @@ from typing import Protocol
 import torch
 
 from runtime.loader import ServedIndex
-from runtime.ops.gtm_mask import gtm_candidates, gtm_mask, uses_triton
-from runtime.ops.gtm_mask.slots import decode, slots_of
-from runtime.ops.gtm_mask.prepare import planned, prepared
+from runtime.constraint import Constraint
 from runtime.ops.order import top_k
-from runtime.requests import to_device
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests
@@ -216,18 +213,11 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
                                any(w is not None and (not isinstance(w, numbers.Integral) or w < 1) for w in widths)):
         raise ConfigError(f"widths {widths!r}: give {len(beams)}, one per step, each a positive number of slots "
                           "or None (the step's worst case)")
-    if requests.stacked is None:  # the host encoding
-        requests = to_device(requests, index.device)
-    B, V, L, dev = requests.batch, index.vocab_size, index.sid_length, index.device
+    compact = mode.constrained and layout == "compact"
+    constraint = Constraint(index, requests, mode, impl, compact)  # the walk and the mask of every step
+    B, V, L, dev = constraint.batch, index.vocab_size, index.sid_length, index.device
     if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # a capture replays a checked search
         check_fits(beams, B, V, dev, value_weight > 0)
-    compact = mode.constrained and layout == "compact"
-    kernels = uses_triton(impl, dev)  # the layout's own kernels too
-    plan = None  # the query tables and the shared rows' tests, once per search: in the first step's mask launch
-    if kernels and mode.gtm and compact:
-        requests, plan = planned(requests, index)
-    elif kernels and mode.gtm:
-        requests = prepared(requests, index)
     node = torch.zeros(B, 1, dtype=torch.int64, device=dev)
     score = torch.zeros(B, 1, dtype=torch.float32, device=dev)
     tokens = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)
@@ -240,18 +230,16 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         key = None
         if compact:  # slots of the beams' child entries; padded so top-k always has k_next of them
             most = max(index.most_children(d, K), k_next)
-            slots = slots_of(index, node, score, most if widths is None or widths[d] is None else
-                             max(min(widths[d], most), k_next), kernels)
+            slots = constraint.slots(node, score, most if widths is None or widths[d] is None else
+                                     max(min(widths[d], most), k_next))
             if slots.width < most:  # top-k selects among fewer slots; a request with more child entries overflows
                 if overflow is None:
                     overflow = torch.zeros(L, dtype=torch.bool, device=dev)
                 overflow[d] = (slots.total > slots.width).any()
-            cand = gtm_candidates(index, requests, d, slots, node.reshape(-1), score.reshape(-1), logp, mode, impl,
-                                  value_weight, plan if d == 0 else None)
+            cand = constraint.candidates(d, slots, node.reshape(-1), score.reshape(-1), logp, value_weight)
         elif mode.constrained:
-            # dead beams (-inf) sit at node -1; they read the root's offsets and pass nothing
-            cand = gtm_mask(index, requests, d, req.repeat_interleave(K), node.reshape(-1).clamp(min=0),
-                            score.reshape(-1), logp, mode, impl, value_weight=value_weight)
+            cand = constraint.mask(d, req.repeat_interleave(K), node.reshape(-1), score.reshape(-1), logp,
+                                   value_weight)
         else:  # any token of this level (logp is -inf beyond it)
             cand = score.reshape(-1, 1) + logp
             cand = torch.where(torch.isnan(cand), NEG_INF, cand)
@@ -262,13 +250,13 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         flat = top_k(cand if key is None else key.reshape(B, -1), k_next)
         score = cand.gather(1, flat)
         if compact:  # a slot names its beam and child entry
-            parent, tok, node, tokens = decode(index, slots, flat, score, tokens, kernels)
+            parent, tok, node, tokens = constraint.chosen(slots, flat, score, tokens)
             continue
         alive = score > NEG_INF
         parent, tok = flat // V, flat % V
         tok = torch.where(alive, tok, 0)  # a dead slot's token is arbitrary: keep it in every level's range
         tokens = torch.cat([tokens.gather(1, parent[..., None].expand(-1, -1, d)), tok[..., None]], dim=2)
-        node = child_nodes(index, node.gather(1, parent), tok, alive)
+        node = constraint.child(node.gather(1, parent), tok, alive)
     alive = score > NEG_INF
     leaf = torch.where(alive & (node >= 0), node - index.leaf_start, -1)
     return Beams(torch.where(alive[..., None], tokens, 0), score, leaf, overflow)
@@ -329,12 +317,3 @@ def check_value_weight(index: ServedIndex, mode: Mode, value_weight: float) -> N
     if value_weight > 0 and index.gtm.entry_value is None:
         raise ConfigError(f"snapshot {index.id} carries no ad values: build it from a catalog with a `value` column "
                           "to search by value")
-
-
-def child_nodes(index: ServedIndex, node: torch.Tensor, tok: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
-    """The trie node reached from `node` by `tok` (same shape), -1 where there is none (or the beam
-    is dead): binary search of (node, token) in the sorted entry keys."""
-    key = node * index.vocab_size + tok
-    e = torch.searchsorted(index.entry_keys, key).clamp(max=len(index.entry_keys) - 1)
-    found = alive & (node >= 0) & (index.entry_keys[e] == key)
-    return torch.where(found, index.gtm.csr_child_nodes[e].long(), -1)

@@ -267,19 +267,19 @@ def test_capped_widths_overflow_exactly_when_a_step_needs_more(sc, seed, offsets
 
 def _laid_out(seen: dict, name: str, search):
     """search(), recording under seen[name] the compact layout (`slots.Slots`) of each step."""
-    import runtime.search as search_mod
+    import runtime.constraint as constraint
 
-    real, seen[name] = search_mod.slots_of, []
+    real, seen[name] = constraint.slots_of, []
 
     def record(*args):
         seen[name].append(real(*args))
         return seen[name][-1]
 
-    search_mod.slots_of = record
+    constraint.slots_of = record
     try:
         return search()
     finally:
-        search_mod.slots_of = real
+        constraint.slots_of = real
 
 
 @settings(max_examples=30, deadline=None)
