@@ -1,7 +1,8 @@
 """The matcher kinds, in plane order (`schemas.artifacts.MATCHER_PLANES`): the one list everything
 that builds, stores or tests matcher rows iterates over. A new kind: its attribute in
 `sidindex.targeting` (and its columns' contract in `schemas.contracts`), a module here exporting
-its `MatcherKind`, its plane and exact form in `schemas.artifacts`, and an entry below."""
+its `MatcherKind`, its plane and exact form in `schemas.artifacts`, an entry below, and its requests'
+encoding in `sidindex.requests.encode_requests` (which writes the planes it knows, and says so)."""
 
 from __future__ import annotations
 
