@@ -24,10 +24,8 @@ candidates (`runtime.search.capped_widths`): the worst case, the widest nodes of
 can be twelve times as wide, and top-k's time grows with its width. After each search the Searcher
 reads the search's overflow flags (one small copy to the host); a batch whose candidates did not
 fit is searched again with twice the slack at the first step that overflowed (kept for later
-batches). So no candidate is ever cut: each step keeps the top candidates the uncapped search
-would from the same beams, and only where candidates tie at a step's cut (equal logits, such as a
-hash level's) may it keep other tied ones, as any two top-k implementations may (and the later
-steps then start from those).
+batches). So no candidate is ever cut: each step keeps the candidates the uncapped search would,
+ties included (`runtime.ops.order`: a width changes no candidate's place relative to another's).
 
 With a `SnapshotWatcher`, each request takes `watcher.current` once and passes it here: a graph
 belongs to the device arrays it was captured on, so a swapped-in snapshot is captured anew at its
