@@ -46,6 +46,7 @@ OUTCOMES = {
     "sample": _Outcome("the --out directory may hold some of its files", "fewer --ads or --requests"),
     "retrieve": _Outcome("nothing written", "fewer requests per file, or per search (--batch-size)"),
     "simulate": _Outcome("nothing written", "fewer requests (--max-requests)"),
+    "serve": _Outcome("nothing written", "smaller --beams or --max-batch"),
     **{c: _Outcome("nothing written") for c in ("explain", "inspect", "validate")},
 }
 

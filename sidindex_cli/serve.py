@@ -1,7 +1,8 @@
-"""Commands that run the serving path: `retrieve`, `simulate`."""
+"""Commands that run the serving path: `retrieve`, `simulate`, `serve`."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,6 +27,12 @@ VALUE_WEIGHT_OPT = typer.Option(
     help="Value-guided search: keep the beams with the best log-probability + LAMBDA x log(value bound), the bound "
          "being the largest value of an ad under the prefix that can pass (1 ranks prefixes by probability x value). "
          "Needs a snapshot built from a catalog with a `value` column. 0: by log-probability alone.")
+MODE_OPT = typer.Option("cd+gtm", "--mode", help=" | ".join(m.value for m in Mode) + " (a mode that tests k-way "
+                        "partitions needs a snapshot built with \\[kway]).")
+TOP_K_OPT = typer.Option(None, "--top-k", min=1, help="Keep at most K ads per request (default: every eligible ad "
+                         "the search reached).")
+RANK_OPT = typer.Option("score", "--rank", help="Rank each request's ads by score (best log-probability), value (the "
+                        "ad's `value`) or fused (reciprocal-rank fusion of both).")
 from sidindex_cli.render import emit, err, print_study
 
 app = typer.Typer()
@@ -39,18 +46,15 @@ def retrieve(
     out_file: Path = typer.Option(..., "--out", callback=output_file,
                                   help="Output file: .parquet, or Arrow IPC otherwise. Columns "
                                   "request_id, rank, ad_id, sid, score, and value with ad values."),
-    mode: str = typer.Option("cd+gtm", "--mode", help=" | ".join(m.value for m in Mode) + " (a mode that tests k-way "
-                             "partitions needs a snapshot built with [kway])."),
+    mode: str = MODE_OPT,
     beams: str = BEAMS_OPT,
     device: str = DEVICE_OPT,
-    top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="Keep at most K ads per request (default: "
-                                        "every eligible ad the search reached)."),
+    top_k: Optional[int] = TOP_K_OPT,
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Requests searched together."),
     scorer: Optional[str] = SCORER_OPT,
     scorer_timeout: Optional[float] = SCORER_TIMEOUT_OPT,
     value_weight: float = VALUE_WEIGHT_OPT,
-    rank: str = typer.Option("score", "--rank", help="Rank each request's ads by score (best log-probability), "
-                             "value (the ad's `value`) or fused (reciprocal-rank fusion of both)."),
+    rank: str = RANK_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Retrieve eligible ads: constrained beam search over SIDs, then SID -> ads and the exact filter.
@@ -174,3 +178,64 @@ def _factory(scorer: str | None, timeout: float | None):
     if timeout is not None and not scorer:
         raise ConfigError("--scorer-timeout limits a scorer given with --scorer; give one, or drop the timeout")
     return load_factory(scorer, timeout) if scorer else None
+
+
+@app.command()
+def serve(
+    root: Path = typer.Argument(..., help="The ROOT to serve: its published snapshot, swapped for each newer one."),
+    device: str = DEVICE_OPT,
+    mode: str = MODE_OPT,
+    beams: str = BEAMS_OPT,
+    scorer: Optional[str] = SCORER_OPT,
+    scorer_timeout: Optional[float] = SCORER_TIMEOUT_OPT,
+    max_batch: int = typer.Option(16, "--max-batch", min=1, help="The most requests searched together."),
+    max_wait_us: int = typer.Option(500, "--max-wait-us", min=0, help="How long a request waits for others to "
+                                    "join its batch, in microseconds."),
+    max_queue: int = typer.Option(1024, "--max-queue", min=1, help="The most requests waiting; one more gets 503 "
+                                  "with Retry-After."),
+    poll_seconds: float = typer.Option(1.0, "--poll-seconds", min=0.01, help="How often ROOT is checked for a newly "
+                                       "published snapshot (warmed, then swapped in between batches)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port to listen on."),
+    value_weight: float = VALUE_WEIGHT_OPT,
+    rank: str = RANK_OPT,
+    top_k: Optional[int] = TOP_K_OPT,
+) -> None:
+    """Serve retrieval over HTTP, batching concurrent requests and following ROOT's snapshots.
+
+    POST /retrieve takes JSON {"requests": \\[{"request_id": 1, "embedding": \\[...], "country": "US"}]} or an
+    Arrow IPC stream, and answers in the same form with the ranked eligible ads and the snapshot that served them.
+
+    GET /healthz, /readyz, /snapshot and /metrics (Prometheus) report on it. A bad request gets 400 with one
+    line; a full queue 503 with Retry-After. SIGTERM finishes the requests in flight, then exits 0.
+
+    Needs the extra: pip install 'sidindex\\[serve]'. Example: sidindex serve runs/sample --port 8000
+    """
+    try:
+        import uvicorn
+
+        from runtime.server import RetrievalServer
+    except ImportError as e:
+        raise ConfigError(f"sidindex serve needs the extra 'serve' ({e.name} is missing): "
+                          "pip install 'sidindex[serve]'") from None
+    import runtime
+
+    chosen = parse_mode(mode)
+    factory = _factory(scorer, scorer_timeout)
+    watcher = runtime.SnapshotWatcher(root, device)
+    sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch} | {max_batch}))
+    err.print(f"warming snapshot {watcher.current.id} on {watcher.device} (batch sizes {', '.join(map(str, sizes))})",
+              highlight=False)
+    retriever = runtime.Retriever(watcher, mode=chosen, beams=beams, scorer=factory, batch_sizes=sizes,
+                                  value_weight=value_weight, rank=rank, top_k=top_k)
+    server = RetrievalServer(watcher, retriever, max_batch=max_batch, max_wait_us=max_wait_us, max_queue=max_queue,
+                             poll_seconds=poll_seconds)
+    err.print(f"serving {root} on http://{host}:{port}", highlight=False)
+    # uvicorn drains on SIGTERM (no new connections, every request in flight answered), then raises
+    # the signal again for the handler it found: a drained stop is this command's success
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.run(server.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err.print("stopped: every request in flight was answered", highlight=False)
