@@ -1,0 +1,275 @@
+"""`sidindex serve`: the HTTP server answers as the Retriever does, in JSON and Arrow, batches
+concurrent requests (request ids may repeat across clients), refuses bad requests by field, is
+busy rather than unbounded, keeps serving past a failing scorer and a corrupt snapshot, swaps to
+a new snapshot between batches, reports on itself, and drains on SIGTERM (the console script)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("httpx")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+import runtime  # noqa: E402
+from runtime.scorer import ScorerFactory  # noqa: E402
+from runtime.server import ARROW_STREAM, RetrievalServer  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
+from tests.test_retrieve import CONFIG, build_root  # noqa: E402
+
+BEAMS = (1, 8, 16, 16)
+
+
+@pytest.fixture(scope="module")
+def built(sample_dir, tmp_path_factory) -> Path:
+    return build_root(sample_dir, tmp_path_factory.mktemp("server"), CONFIG)
+
+
+@pytest.fixture
+def root(built, tmp_path) -> Path:
+    return Path(shutil.copytree(built, tmp_path / "root"))
+
+
+@pytest.fixture(scope="module")
+def rows(sample_dir) -> list[dict]:
+    return pq.read_table(sample_dir / "requests.parquet").slice(0, 12).to_pylist()
+
+
+def serving(root: Path, scorer=None, **kw) -> tuple[RetrievalServer, runtime.Retriever]:
+    watcher = runtime.SnapshotWatcher(root, "cpu")
+    retriever = runtime.Retriever(watcher, beams=BEAMS, batch_sizes=(1, 4, 8), scorer=scorer)
+    return RetrievalServer(watcher, retriever, **{"max_batch": 8, "poll_seconds": 60.0} | kw), retriever
+
+
+def same_rows(got: list[dict], want: list[dict]) -> bool:
+    """The same rows; scores to float32 rounding (a request's logits may differ in their last bit
+    with the batch it shares a matrix product with)."""
+    key = ("request_id", "rank", "ad_id", "sid")
+    return [tuple(g[k] for k in key) for g in got] == [tuple(w[k] for k in key) for w in want] and \
+        np.allclose([g["score"] for g in got], [w["score"] for w in want], rtol=1e-5)
+
+
+def direct(index, rows: list[dict]) -> list[dict]:
+    return runtime.Retriever(index, beams=BEAMS, batch_sizes=(8,), warm=False).retrieve(rows).to_pylist()
+
+
+def test_json_and_arrow_answer_as_the_retriever_does(root, rows):
+    server, retriever = serving(root)
+    want = direct(retriever.index, rows[:5])
+    with TestClient(server.app) as client:
+        r = client.post("/retrieve", json={"requests": rows[:5]})
+        assert r.status_code == 200 and r.headers["X-Sidindex-Snapshot"] == retriever.index.id
+        body = r.json()
+        assert body["snapshot"] == retriever.index.id
+        got = body["rows"]
+        assert same_rows(got, want)
+        one = client.post("/retrieve", json={"requests": rows[0]})  # one request as an object
+        alone = [g for g in got if g["request_id"] == rows[0]["request_id"]]
+        assert one.status_code == 200 and same_rows(one.json()["rows"], alone)
+        sink = pa.BufferOutputStream()
+        table = pa.Table.from_pylist(rows[:5])
+        with pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+        r = client.post("/retrieve", content=sink.getvalue().to_pybytes(), headers={"content-type": ARROW_STREAM})
+        assert r.status_code == 200 and r.headers["content-type"] == ARROW_STREAM
+        result = pa.ipc.open_stream(r.content).read_all()
+        assert result.schema.metadata[b"snapshot"] == retriever.index.id.encode()
+        assert same_rows(result.to_pylist(), want)
+
+
+def test_concurrent_requests_are_batched_and_keep_their_own_rows(root, rows):
+    """Eight clients at once, each request_id 1: the batch renumbers them inside and each answer
+    holds only its own request's rows."""
+    server, retriever = serving(root, max_wait_us=300_000)
+    want = {i: direct(retriever.index, [rows[i]]) for i in range(8)}
+    got: dict[int, dict] = {}
+    with TestClient(server.app) as client:
+        def call(i: int) -> None:
+            got[i] = client.post("/retrieve", json={"requests": [rows[i] | {"request_id": 1}]}).json()
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        metrics = client.get("/metrics").text
+    for i in range(8):
+        assert same_rows(got[i]["rows"], [w | {"request_id": 1} for w in want[i]])
+    batches = float(next(line.split()[1] for line in metrics.splitlines()
+                         if line.startswith("sidindex_batch_requests_count")))
+    assert batches < 8  # some requests shared a batch
+
+
+def test_a_bad_request_gets_400_naming_the_field_and_serving_goes_on(root, rows):
+    server, _ = serving(root)
+    with TestClient(server.app) as client:
+        bad = [dict(r) for r in rows[:3]]
+        bad[2]["embedding"] = [float("nan")] + bad[2]["embedding"][1:]
+        r = client.post("/retrieve", content=json.dumps({"requests": bad}).replace("NaN", "1e19"),
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        assert r.json() == {"error": "request body: column 'embedding', row 2: element 0 is 1e+19, beyond the allowed "
+                                     "range [-1e+06, 1e+06] (MAX_ABS_EMBEDDING: larger values overflow float32 "
+                                     "distance arithmetic). Normalise or rescale the embeddings, or correct the row."}
+        for body, words in [(b"{", "not JSON"), (b'{"requests": []}', "at least one request"),
+                            (json.dumps({"requests": [{"embedding": rows[0]["embedding"]}]}).encode(),
+                             "missing column 'request_id'")]:
+            r = client.post("/retrieve", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and words in r.json()["error"], (body, r.text)
+        r = client.post("/retrieve", content=b"not arrow", headers={"content-type": ARROW_STREAM})
+        assert r.status_code == 400 and "not an Arrow IPC stream" in r.json()["error"]
+        assert client.post("/retrieve", json={"requests": rows[:3]}).status_code == 200
+        assert 'sidindex_requests_total{outcome="bad_request"} 5.0' in client.get("/metrics").text
+
+
+class Boom:
+    """A user's factory whose scorer fails for a batch holding a request with `boom` set."""
+
+    def __init__(self, level_sizes):
+        self.V = max(level_sizes)
+
+    def __call__(self, batch, device, level_sizes):
+        import torch
+
+        fail = "boom" in batch.column_names and any(batch.column("boom").to_pylist())
+
+        def scorer(step, tokens, parent):
+            if fail:
+                raise RuntimeError("out of cheese")
+            return torch.zeros(*tokens.shape[:2], self.V)
+
+        return scorer
+
+
+def test_a_failing_scorer_gets_500_and_the_server_keeps_serving(root, rows):
+    index = runtime.load(root, "cpu")
+    server, _ = serving(root, scorer=ScorerFactory(Boom(index.level_sizes), "tests:boom"))
+    with TestClient(server.app) as client:
+        r = client.post("/retrieve", json={"requests": [rows[0] | {"boom": True}]})
+        assert r.status_code == 500 and "out of cheese" in r.json()["error"] and "\n" not in r.json()["error"]
+        assert client.post("/retrieve", json={"requests": [rows[1] | {"boom": False}]}).status_code == 200
+
+
+class Slow:
+    """A factory whose scorer sleeps, so that requests queue behind a batch."""
+
+    def __init__(self, level_sizes, seconds):
+        self.V, self.seconds = max(level_sizes), seconds
+
+    def __call__(self, batch, device, level_sizes):
+        import torch
+
+        def scorer(step, tokens, parent):
+            if step == 0:
+                time.sleep(self.seconds)
+            return torch.zeros(*tokens.shape[:2], self.V)
+
+        return scorer
+
+
+def test_a_full_queue_answers_503_with_retry_after(root, rows):
+    index = runtime.load(root, "cpu")
+    server, _ = serving(root, scorer=ScorerFactory(Slow(index.level_sizes, 0.0), "tests:slow"), max_queue=1,
+                        max_batch=1)
+    server.retriever.factory.factory.seconds = 0.5  # after the warm-up
+    status: list[int] = []
+    with TestClient(server.app) as client:
+        def call(i: int) -> None:
+            status.append(client.post("/retrieve", json={"requests": [rows[i]]}).status_code)
+
+        threads = []
+        for i in range(4):
+            threads.append(threading.Thread(target=call, args=(i,)))
+            threads[-1].start()
+            time.sleep(0.1)  # the first runs, the second waits, the rest find the queue full
+        for t in threads:
+            t.join()
+        busy = client.post("/retrieve", json={"requests": [rows[0]]})  # served again once drained
+    assert status.count(503) >= 1 and status.count(200) >= 2 and busy.status_code == 200
+
+
+def test_swaps_follow_root_between_batches_and_a_corrupt_snapshot_is_refused(root, rows, tmp_path):
+    server, retriever = serving(root, poll_seconds=0.05)
+    with TestClient(server.app) as client:
+        first = client.post("/retrieve", json={"requests": rows[:4]}).json()
+        old = first["snapshot"]
+        paused = first["rows"][0]["ad_id"]
+        pq.write_table(pa.table({"ad_id": pa.array([paused], pa.int64()), "op": ["pause"]}), tmp_path / "c.parquet")
+        assert run_cli("update", root, "--changes", tmp_path / "c.parquet", timeout=600).returncode == 0
+        deadline = time.time() + 60
+        while client.get("/snapshot").json()["id"] == old and time.time() < deadline:
+            time.sleep(0.05)
+        snap = client.get("/snapshot").json()
+        assert snap["id"] != old and snap["last_error"] is None and snap["counters"]["warmed"] == 2
+        second = client.post("/retrieve", json={"requests": rows[:4]}).json()
+        assert second["snapshot"] == snap["id"] and paused not in [r["ad_id"] for r in second["rows"]]
+        metrics = client.get("/metrics").text
+        assert "sidindex_swaps_total 1.0" in metrics and f'sidindex_snapshot_info{{snapshot="{snap["id"]}"}} 1.0' in metrics
+
+        server.poll_seconds = 3600.0  # corrupt the next snapshot before anything polls it
+        time.sleep(0.2)
+        other = second["rows"][0]["ad_id"]
+        pq.write_table(pa.table({"ad_id": pa.array([other], pa.int64()), "op": ["pause"]}), tmp_path / "d.parquet")
+        assert run_cli("update", root, "--changes", tmp_path / "d.parquet", timeout=600).returncode == 0
+        newest = (root / "CURRENT").read_text().strip()
+        # a file of its own (the update hard-links the files it did not change to the served snapshot's)
+        victim = next(p for p in sorted((root / "snapshots" / newest).iterdir())
+                      if p.is_file() and p.stat().st_nlink == 1 and p.name != "manifest.json")
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        assert not server.watcher.poll()
+        snap = client.get("/snapshot").json()
+        assert snap["id"] == second["snapshot"] and newest in snap["last_error"]
+        third = client.post("/retrieve", json={"requests": rows[:4]})
+        assert third.status_code == 200 and third.json()["snapshot"] == second["snapshot"]
+        assert same_rows(third.json()["rows"], second["rows"])
+        assert "sidindex_snapshot_refused 1.0" in client.get("/metrics").text
+        assert client.get("/healthz").json()["snapshot"] == second["snapshot"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_console_script_serves_and_drains_on_sigterm(built, rows, tmp_path):
+    import httpx
+
+    port = _free_port()
+    sidindex = Path(sys.executable).parent / "sidindex"
+    p = subprocess.Popen([str(sidindex), "serve", str(built), "--port", str(port), "--beams", "1,8,16,16"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | {"COLUMNS": "200"})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/retrieve", json={"requests": rows[:2]}, timeout=60)
+        assert r.status_code == 200 and r.json()["rows"]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "Traceback" not in err and "stopped: every request in flight was answered" in err
+    bad = run_cli("serve", tmp_path / "nowhere", "--port", str(port), timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
