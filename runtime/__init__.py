@@ -22,6 +22,7 @@ Modules:
     post        SIDs -> ads, best score per ad, exact filter, ranking
     retrieve    a whole request table through a Retriever; the scorers of the studies
     simulate    pass rates and recall per mode (`sidindex simulate`)
+    server      `sidindex serve`: HTTP, dynamic batching, swaps, metrics (extra `sidindex[serve]`)
 
 Layering (DESIGN.md §2): `runtime` reads artifacts only through `sidindex`'s readers and never
 re-implements their formats; the `sidindex` library never imports `runtime` (only the CLI's

@@ -40,6 +40,7 @@ from runtime.loader import SnapshotWatcher
 from runtime.retriever import Retriever, requests_part, table_of
 from sidindex.errors import InputError, SidIndexError
 from sidindex.requests import Requests, requests_from
+from sidindex.targeting import TargetingSpec
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 RETRY_AFTER_S = 1
@@ -50,6 +51,7 @@ class _Pending:
     """One HTTP request's validated rows, waiting for its batch."""
 
     requests: Requests
+    spec: TargetingSpec  # validated against it
     future: asyncio.Future
     queued: float = field(default_factory=time.perf_counter)
 
@@ -123,8 +125,9 @@ class RetrievalServer:
 
         t0 = time.perf_counter()
         arrow = request.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM
+        spec = self.retriever.index.spec
         try:
-            reqs = self._parse(await request.body(), arrow)
+            reqs = self._parse(await request.body(), arrow, spec)
         except InputError as e:
             return self._error(400, "bad_request", str(e))
         if self._queue is None or self._queue.qsize() >= self.max_queue:
@@ -132,10 +135,12 @@ class RetrievalServer:
             return JSONResponse({"error": f"the queue holds {self.max_queue} requests; retry after "
                                           f"{RETRY_AFTER_S} s"}, status_code=503,
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
-        pending = _Pending(reqs, asyncio.get_running_loop().create_future())
+        pending = _Pending(reqs, spec, asyncio.get_running_loop().create_future())
         self._queue.put_nowait(pending)
         try:
             table, snapshot = await pending.future
+        except InputError as e:  # refused by a new snapshot's targeting spec, swapped in since it arrived
+            return self._error(400, "bad_request", str(e))
         except SidIndexError as e:  # a scorer that raised, a batch the index refused
             return self._error(500, "error", str(e))
         except Exception as e:  # a bug must not take the server down
@@ -157,7 +162,7 @@ class RetrievalServer:
         self.metrics.outcomes.labels(outcome).inc()
         return JSONResponse({"error": message.splitlines()[0] if message else "error"}, status_code=status)
 
-    def _parse(self, body: bytes, arrow: bool) -> Requests:
+    def _parse(self, body: bytes, arrow: bool, spec: TargetingSpec) -> Requests:
         """The body's requests, validated against the snapshot served now (InputError: 400)."""
         index = self.retriever.index
         if arrow:
@@ -175,8 +180,7 @@ class RetrievalServer:
             if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
                 raise InputError('request body: expected {"requests": [{"request_id": ..., ...}, ...]} with at least '
                                  "one request")
-        cb = index.codebook
-        return requests_from(data, index.spec, source="request body", dim=None if cb is None else cb.dim)
+        return requests_from(data, spec, source="request body", dim=_dim(index))
 
     async def healthz(self, request):
         from starlette.responses import JSONResponse
@@ -249,7 +253,7 @@ class RetrievalServer:
                 self.metrics.queue_wait.observe(start - p.queued)
             self.metrics.batch_size.observe(rows)
             try:
-                answers = await loop.run_in_executor(self._pool, self._run, [p.requests for p in batch])
+                answers = await loop.run_in_executor(self._pool, self._run, batch)
             except BaseException as e:  # every request of the batch gets the error; the server goes on
                 for p in batch:
                     if not p.future.done():
@@ -260,18 +264,37 @@ class RetrievalServer:
             self.metrics.batch.observe(time.perf_counter() - start)
             for p, answer in zip(batch, answers):
                 if not p.future.done():
-                    p.future.set_result(answer)
+                    (p.future.set_exception if isinstance(answer, Exception) else p.future.set_result)(answer)
 
-    def _run(self, parts: list[Requests]) -> list[tuple[pa.Table, str]]:
-        """The HTTP requests' rows as one batch on the snapshot served now; each one's table."""
+    def _run(self, batch: list[_Pending]) -> list[tuple[pa.Table, str] | InputError]:
+        """The HTTP requests' rows as one batch on the snapshot served now: each one's table and
+        that snapshot, or the InputError of one the snapshot's targeting spec refuses (a snapshot
+        with another spec was swapped in since it arrived)."""
         index = self.retriever.index
-        joined = _joined(parts)
-        if joined is None:  # columns of types that do not concatenate: one batch each
-            return [answer for p in parts for answer in self._run([p])]
-        found, _ = self.retriever.run(joined, index)
-        bounds = np.cumsum([0] + [len(p) for p in parts]).tolist()
-        return [(table_of(requests_part(found, lo, hi), p.request_id), index.id)
-                for p, lo, hi in zip(parts, bounds[:-1], bounds[1:])]
+        answers: list = [None] * len(batch)
+        parts: list[tuple[int, Requests]] = []
+        for i, p in enumerate(batch):
+            try:
+                reqs = p.requests if p.spec == index.spec else \
+                    requests_from(p.requests.table, index.spec, source="request body", dim=_dim(index))
+            except InputError as e:
+                answers[i] = e
+                continue
+            parts.append((i, reqs))
+        joined = _joined([r for _, r in parts]) if parts else None
+        if joined is None and len(parts) > 1:  # columns of types that do not concatenate: one batch each
+            for i, reqs in parts:
+                answers[i] = self._one(index, reqs)
+        elif parts:
+            found, _ = self.retriever.run(joined, index)
+            bounds = np.cumsum([0] + [len(r) for _, r in parts]).tolist()
+            for (i, reqs), lo, hi in zip(parts, bounds[:-1], bounds[1:]):
+                answers[i] = (table_of(requests_part(found, lo, hi), reqs.request_id), index.id)
+        return answers
+
+    def _one(self, index, reqs: Requests) -> tuple[pa.Table, str]:
+        found, _ = self.retriever.run(_joined([reqs]), index)
+        return table_of(found, reqs.request_id), index.id
 
     def _poll(self) -> None:
         while not self._stop.wait(self.poll_seconds):
@@ -282,6 +305,11 @@ class RetrievalServer:
                 self.metrics.snapshot.labels(self.served).set(0)
                 self.served, self.since = self.watcher.current.id, time.time()
                 self.metrics.snapshot.labels(self.served).set(1)
+
+
+def _dim(index) -> int | None:
+    cb = index.codebook
+    return None if cb is None else cb.dim
 
 
 def _joined(parts: list[Requests]) -> Requests | None:

@@ -187,7 +187,6 @@ def serve(
     mode: str = MODE_OPT,
     beams: str = BEAMS_OPT,
     scorer: Optional[str] = SCORER_OPT,
-    scorer_timeout: Optional[float] = SCORER_TIMEOUT_OPT,
     max_batch: int = typer.Option(16, "--max-batch", min=1, help="The most requests searched together."),
     max_wait_us: int = typer.Option(500, "--max-wait-us", min=0, help="How long a request waits for others to "
                                     "join its batch, in microseconds."),
@@ -221,7 +220,7 @@ def serve(
     import runtime
 
     chosen = parse_mode(mode)
-    factory = _factory(scorer, scorer_timeout)
+    factory = _factory(scorer, None)  # batches run off the main thread, where no alarm can stop a scorer
     watcher = runtime.SnapshotWatcher(root, device)
     sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch} | {max_batch}))
     err.print(f"warming snapshot {watcher.current.id} on {watcher.device} (batch sizes {', '.join(map(str, sizes))})",
