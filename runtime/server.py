@@ -233,8 +233,9 @@ class RetrievalServer:
     async def _batches(self) -> None:
         """Gather queued requests into batches of at most max_batch rows and run each."""
         loop = asyncio.get_running_loop()
+        carried: _Pending | None = None  # a request that did not fit the last batch starts the next
         while True:
-            first = await self._queue.get()
+            first, carried = carried or await self._queue.get(), None
             batch, rows = [first], len(first.requests)
             deadline = first.queued + self.max_wait
             while rows < self.max_batch:
@@ -243,8 +244,8 @@ class RetrievalServer:
                     nxt = self._queue.get_nowait() if left <= 0 else await asyncio.wait_for(self._queue.get(), left)
                 except (asyncio.QueueEmpty, asyncio.TimeoutError):
                     break
-                if rows + len(nxt.requests) > self.max_batch:  # it starts the next batch
-                    self._queue._queue.appendleft(nxt)  # noqa: SLF001 (asyncio.Queue has no push-front)
+                if rows + len(nxt.requests) > self.max_batch:
+                    carried = nxt
                     break
                 batch.append(nxt)
                 rows += len(nxt.requests)
