@@ -273,3 +273,25 @@ def test_the_console_script_serves_and_drains_on_sigterm(built, rows, tmp_path):
     assert "Traceback" not in err and "stopped: every request in flight was answered" in err
     bad = run_cli("serve", tmp_path / "nowhere", "--port", str(port), timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+def test_a_request_that_overflows_a_batch_starts_the_next(root, rows):
+    """Requests of 3 rows with batches of at most 4: each batch takes one, the next waits for the
+    following batch; every answer is its own."""
+    server, retriever = serving(root, max_batch=4, max_wait_us=200_000)
+    parts = [rows[i:i + 3] for i in range(0, 12, 3)]
+    want = [direct(retriever.index, p) for p in parts]
+    got: dict[int, list] = {}
+    with TestClient(server.app) as client:
+        def call(i: int) -> None:
+            got[i] = client.post("/retrieve", json={"requests": parts[i]}).json()["rows"]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        metrics = client.get("/metrics").text
+    assert all(same_rows(got[i], want[i]) for i in range(4))
+    assert 'sidindex_batch_requests_bucket{le="2.0"} 0.0' in metrics  # never a batch of fewer than 3 rows
+    assert "sidindex_batch_requests_count 4.0" in metrics
