@@ -322,16 +322,22 @@ PER_REQUEST = ("sids", "ads_generated", "ads_eligible", "ads_per_stage")  # `Ret
 
 def _first_requests(r: Retrieved, n: int) -> Retrieved:
     """The rows of requests 0..n-1 of a padded batch's result (ranked by request: a prefix)."""
-    rows = int(np.searchsorted(r.request, n))
+    return requests_part(r, 0, n)
+
+
+def requests_part(r: Retrieved, lo: int, hi: int) -> Retrieved:
+    """The rows of requests lo..hi-1 of a result (rows ranked by request), renumbered from 0."""
+    r0, r1 = np.searchsorted(r.request, [lo, hi])
 
     def cut(name: str, v):
         if v is None:
             return None
         if isinstance(v, dict):
             return {k: cut(name, x) for k, x in v.items()}
-        return v[:n] if name in PER_REQUEST else v[:rows]
+        return v[lo:hi] if name in PER_REQUEST else v[r0:r1]
 
-    return Retrieved(**{name: cut(name, v) for name, v in vars(r).items()})
+    out = {name: cut(name, v) for name, v in vars(r).items()}
+    return Retrieved(**out | {"request": out["request"] - lo})
 
 
 def concat(parts: list[tuple[int, Retrieved]]) -> Retrieved:
