@@ -1,0 +1,110 @@
+"""The load benchmark (bench/bench_load.py) on a tiny catalog on the CPU: a real `sidindex serve`
+under open-loop load through its three scenarios, every answer checked against a direct retrieve
+on the snapshot it names; and that check telling an answer labelled with the wrong snapshot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+
+import numpy as np  # noqa: E402
+
+import runtime  # noqa: E402
+from bench import bench_load as bl  # noqa: E402
+from bench import bench_stream as bs  # noqa: E402
+from sidindex.root import Root  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
+
+ADS, DIM, BEAMS = 3000, 16, "1,4,8,8"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, dict]:
+    """The benchmark's cache directory holding a tiny catalog and its published ROOT."""
+    cache = tmp_path_factory.mktemp("bench_load")
+    return cache, bs.catalog_root(ADS, DIM, cache)
+
+
+def test_every_answer_is_checked_through_updates_and_a_corrupt_snapshot(built, tmp_path, capsys):
+    cache, size = built
+    out = tmp_path / "load.json"
+    assert bl.main(["--ads", str(ADS), "--dim", str(DIM), "--beams", BEAMS, "--device", "cpu", "--rate", "40",
+                    "--clients", "4", "--procs", "2", "--seconds", "2.5", "--pool", "48", "--cache", str(cache),
+                    "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["catalog"]["cached"] and res["catalog"]["ads"] == ADS  # the fixture's ROOT, reused
+    assert res["server_exit"] == 0 and res["server_tracebacks"] == 0  # drained on SIGTERM
+    steady, publisher, corrupt = res["scenarios"]
+    assert [s["scenario"] for s in res["scenarios"]] == list(bl.SCENARIOS)
+    for s in res["scenarios"]:
+        assert s["scenario"] in printed
+        assert s["sent"] > 0 and s["ok"] == s["sent"] and s["failed"] == 0 and s["errors"] == {}
+        assert s["checked"] == s["ok"] and s["mismatches"] == 0, s["mismatch_samples"]
+        lat = s["latency"]
+        assert 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["p99.9_ms"] <= lat["max_ms"]
+        assert len(s["latencies_ms"]) == s["ok"] and s["throughput_rps"] > 0 and s["rows_per_answer"] > 0
+    assert "MISS" not in printed and printed.count("PASS") >= 10
+
+    assert steady["snapshots_seen"] == [res["served_first"]] and steady["swaps_seen"] == 0
+    assert steady["windows"] == [] and steady["p99_during_swaps_ms"] is None
+
+    updates = [e for e in publisher["events"] if e["kind"] == "update"]
+    assert updates and all("snapshot" in e and "error" not in e and len(e["paused"]) == 4 for e in updates)
+    assert publisher["swaps_seen"] >= 1 and publisher["server"]["swaps"] >= 1
+    assert set(publisher["snapshots_seen"]) <= {res["served_first"]} | {e["snapshot"] for e in updates}
+    assert any(w["outcome"] == "swapped" for w in publisher["windows"])
+
+    (bad,) = [e["snapshot"] for e in corrupt["events"] if e["kind"] == "corrupt"]
+    (good,) = [e["snapshot"] for e in corrupt["events"] if e["kind"] == "intact copy"]
+    assert bad not in corrupt["snapshots_seen"]  # never served
+    (refused,) = [w for w in corrupt["windows"] if w["snapshot"] == bad]
+    assert refused["outcome"] == "refused" and bad in refused["last_error"] and "checksum" in refused["last_error"]
+    assert corrupt["answered_while_refused"] > 0  # the old snapshot went on answering
+    assert corrupt["snapshots_seen"][-1] == good  # then the next intact one was swapped in
+    assert corrupt["snapshot_after"]["id"] == good and corrupt["snapshot_after"]["last_error"] is None
+
+    root = Root(size["root"])  # the cached ROOT is still the full build; the working copy is gone
+    assert root.history() == [root.current_id()]
+    assert not list(cache.glob("bench_load_work_*"))
+
+
+def test_the_check_tells_an_answer_labelled_with_another_snapshot(built, tmp_path):
+    """A right answer passes; the same rows under the id of an update that paused some of them,
+    a header that disagrees with the body, and rows of another request are mismatches."""
+    _, size = built
+    root = bl.working_root(Path(size["root"]), tmp_path)
+    bodies = bl.request_pool(runtime.load(root, "cpu"), Path(size["catalog"]), 4, seed=3)
+    request = json.loads(bodies[0])["requests"][0]
+    old = Root(root).current_id()
+    rows = runtime.Retriever(runtime.load(root, "cpu"), beams=BEAMS, batch_sizes=(1,), warm=False).retrieve([request])
+    assert rows.num_rows > 0
+    paused = rows.column("ad_id").to_pylist()[:2]
+    pq.write_table(pa.table({"ad_id": pa.array(paused, pa.int64()), "op": ["pause"] * 2}), tmp_path / "c.parquet")
+    assert run_cli("update", root, "--changes", tmp_path / "c.parquet", "--keep", "10").returncode == 0
+    new = Root(root).current_id()
+
+    def answer(snapshot: str, header: str, request_id: int = 0) -> tuple:
+        body = json.dumps({"snapshot": snapshot, "rows": [r | {"request_id": request_id} for r in rows.to_pylist()]})
+        return 0.0, 0.01, 200, header, body.encode()
+
+    raw = [answer(old, old), answer(new, new), answer(old, new), answer(old, old, request_id=1)]
+    sends = {"k": np.arange(4), "client": np.zeros(4, np.int64), "idx": np.zeros(4, np.int64), "t": np.zeros(4)}
+    answers = bl.parse_answers(sends, raw, 0.0)
+    args = argparse.Namespace(mode="cd+gtm", beams=BEAMS, top_k=None, check_device="cpu")
+    checker = bl.Checker(root, args, bodies)
+    checker.prepare([answers])
+    got = checker.check(answers)
+    assert got["checked"] == 4 and got["mismatches"] == 3
+    why = [m.split(": ", 1)[1] for m in got["mismatch_samples"]]
+    assert why[0].startswith("ads differ from the direct retrieve") and why[1:] == [
+        "its X-Sidindex-Snapshot header is not its body's snapshot", "holds rows of another request_id"]
