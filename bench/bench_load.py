@@ -588,19 +588,38 @@ def load_figures(a: dict[str, np.ndarray], windows: list[dict], args) -> dict:
             "during_swaps": int((during & ok).sum()),
             "p99_during_swaps_ms": percentiles(latency[ok & during])["p99_ms"],
             "p99_other_ms": percentiles(latency[ok & ~during])["p99_ms"],
+            "timeline": timeline(a, latency, lag),
             "latencies_ms": np.round(latency[ok], 3).tolist()}
+
+
+def timeline(a: dict[str, np.ndarray], latency: np.ndarray, lag: np.ndarray, step: float = 0.5) -> list[dict]:
+    """Per `step` seconds of scheduled send time: sends, failures, latency p50 and max of the
+    answered, the generator lag's max (where a stall came from: the server or the generator)."""
+    ok = a["status"] == 200
+    bucket = (a["t"] // step).astype(np.int64)
+    out = []
+    for b in np.unique(bucket).tolist():
+        m = bucket == b
+        lat = latency[m & ok]
+        out.append({"from_s": b * step, "sent": int(m.sum()), "failed": int((m & ~ok).sum()),
+                    "p50_ms": round(float(np.median(lat)), 2) if len(lat) else None,
+                    "max_ms": round(float(lat.max()), 2) if len(lat) else None,
+                    "lag_max_ms": round(float(lag[m].max()) * 1e3, 2)})
+    return out
 
 
 def generator_lag(a: dict[str, np.ndarray]) -> tuple[int, np.ndarray]:
     """Sends whose client was still waiting for its previous answer at the scheduled time (too
     few clients for the rate and latency), and per send the seconds from when its client was
-    free to send it (its time, or its previous answer's) to when it did: the generator's own
-    delay, which should stay well below the latencies measured."""
+    free to send it (its time, or its previous answer's) to when it did, in send order: the
+    generator's own delay, which should stay well below the latencies measured."""
     order = np.lexsort((a["k"], a["client"]))
     client, t, done, sent = a["client"][order], a["t"][order], a["done"][order], a["sent"][order]
     previous = np.concatenate([[-np.inf], done[:-1]])
     previous[np.concatenate([[True], client[1:] != client[:-1]])] = -np.inf
-    return int((previous > t).sum()), sent - np.maximum(t, previous)
+    lag = np.empty(len(order))
+    lag[order] = sent - np.maximum(t, previous)
+    return int((previous > t).sum()), lag
 
 
 class Checker:
@@ -646,11 +665,12 @@ class Checker:
                 refs[i] = (ad[lo:hi].astype(np.int64), rank[lo:hi].astype(np.int64), score[lo:hi].astype(np.float64))
 
     def check(self, a: dict[str, np.ndarray]) -> dict:
-        """Every 200 answer of a scenario against its reference: checked, mismatches, and the first
-        few mismatches described."""
+        """Every 200 answer of a scenario against its reference: checked, mismatches, the first few
+        described, and per pool request with a mismatch [its mismatches, its answers] (a request
+        that differs whatever batch it shared, or now and then)."""
         ok = np.flatnonzero(a["status"] == 200)
         starts = np.concatenate([[0], np.cumsum(a["rows"])])
-        bad, samples = 0, []
+        bad, samples, requests = 0, [], {}
         for j in ok.tolist():
             s, i = str(a["snapshot"][j]), int(a["idx"][j])
             lo, hi = starts[j], starts[j + 1]
@@ -664,16 +684,38 @@ class Checker:
             elif not a["own"][j]:
                 why = "holds rows of another request_id"
             else:
-                ad, rank, score = self.refs[s][i]
-                if not (np.array_equal(a["ad_id"][lo:hi], ad) and np.array_equal(a["rank"][lo:hi], rank)):
-                    why = f"ads differ from the direct retrieve ({hi - lo} rows against {len(ad)})"
-                elif not np.allclose(a["score"][lo:hi], score, rtol=SCORE_TOL, atol=SCORE_TOL):
-                    why = "scores differ from the direct retrieve by more than 1e-5"
+                why = difference(a["ad_id"][lo:hi], a["rank"][lo:hi], a["score"][lo:hi], *self.refs[s][i])
             if why:
                 bad += 1
+                requests[i] = requests.get(i, 0) + 1
                 if len(samples) < 5:
                     samples.append(f"send {int(a['k'][j])} (request {i}, snapshot {s}): {why}")
-        return {"checked": len(ok), "mismatches": bad, "mismatch_samples": samples}
+        answered = np.bincount(a["idx"][ok], minlength=len(self.requests))
+        return {"checked": len(ok), "mismatches": bad, "mismatch_samples": samples,
+                "mismatched_requests": {str(i): [n, int(answered[i])] for i, n in sorted(requests.items())}}
+
+
+def difference(ad: np.ndarray, rank: np.ndarray, score: np.ndarray, want_ad: np.ndarray, want_rank: np.ndarray,
+               want_score: np.ndarray) -> str | None:
+    """How an answer's rows differ from the direct retrieve's (None: they agree), in words: the
+    first rank where they part, both sides' ad and score there, and whether the ads are the same
+    set (an order that differs) or not."""
+    if np.array_equal(ad, want_ad) and np.array_equal(rank, want_rank):
+        if np.allclose(score, want_score, rtol=SCORE_TOL, atol=SCORE_TOL):
+            return None
+        j = int(np.argmax(~np.isclose(score, want_score, rtol=SCORE_TOL, atol=SCORE_TOL)))
+        return f"scores differ from the direct retrieve beyond 1e-5 (rank {rank[j]}: {score[j]:.9g} against " \
+               f"{want_score[j]:.9g})"
+    n = min(len(ad), len(want_ad))
+    j = int(np.argmax((ad[:n] != want_ad[:n]) | (rank[:n] != want_rank[:n]))) if n else 0
+    if n and ad[j] == want_ad[j] and rank[j] == want_rank[j]:
+        j = n  # one is a prefix of the other
+    here = f"ad {ad[j]} score {score[j]:.7g}" if j < len(ad) else "nothing"
+    there = f"ad {want_ad[j]} score {want_score[j]:.7g}" if j < len(want_ad) else "nothing"
+    same = "the same ads in another order" if sorted(ad.tolist()) == sorted(want_ad.tolist()) else \
+        f"{len(set(ad.tolist()) ^ set(want_ad.tolist()))} ads in one only"
+    return f"ads differ from the direct retrieve ({len(ad)} rows against {len(want_ad)}; from row {j}: {here} " \
+           f"against {there}; {same})"
 
 
 # --- the run, the report --------------------------------------------------------------------
@@ -805,6 +847,9 @@ def scenario_notes(s: dict) -> list[str]:
     if s["sends_behind_previous"] > 0.01 * s["sent"]:
         out.append(f"{s['sends_behind_previous']} sends waited for their client's previous answer (latency counts the "
                    "wait; more --clients would have sent them on time)")
+    if s["mismatched_requests"]:
+        out.append(f"mismatches came from {len(s['mismatched_requests'])} pool requests (mismatches/answers): "
+                   + ", ".join(f"{i}: {n}/{m}" for i, (n, m) in list(s["mismatched_requests"].items())[:12]))
     out += [f"mismatch: {m}" for m in s["mismatch_samples"]]
     return out
 
