@@ -108,3 +108,18 @@ def test_the_check_tells_an_answer_labelled_with_another_snapshot(built, tmp_pat
     why = [m.split(": ", 1)[1] for m in got["mismatch_samples"]]
     assert why[0].startswith("ads differ from the direct retrieve") and why[1:] == [
         "its X-Sidindex-Snapshot header is not its body's snapshot", "holds rows of another request_id"]
+
+
+def test_a_near_tie_is_told_from_a_wrong_answer():
+    ad, rank, score = np.array([7, 8, 9]), np.array([1, 2, 3]), np.array([-1.0, -2.0, -2.000004])
+    assert bl.difference(ad, rank, score, ad, rank, score) == (None, False)
+    why, tie = bl.difference(np.array([7, 9, 8]), rank, np.array([-1.0, -2.000001, -2.000003]), ad, rank, score)
+    assert tie and why.startswith("near tie: ") and "from row 1: ad 9" in why and "the same ads in another order" in why
+    why, tie = bl.difference(np.array([7, 8, 5]), rank, score, ad, rank, score)  # another ad at the cut, same score
+    assert tie and "2 ads in one only" in why
+    why, tie = bl.difference(np.array([7, 9, 8]), rank, np.array([-1.0, -2.0, -2.5]), ad, rank, score)
+    assert not tie and why.startswith("ads differ")  # ad 8's score is another
+    why, tie = bl.difference(ad[:2], rank[:2], score[:2], ad, rank, score)
+    assert not tie and "from row 2: nothing against ad 9" in why
+    why, tie = bl.difference(ad, rank, score + 1e-3, ad, rank, score)
+    assert not tie and why.startswith("scores differ")
