@@ -11,10 +11,10 @@ import torch
 
 from runtime.loader import ServedIndex
 from runtime.post import Retrieved
-from runtime.retriever import Retriever, table_of
+from runtime.retriever import Retriever, codebook_of, table_of
 from runtime.scorer import CodebookScorer, ScorerFactory, load_factory
 from runtime.search import DEFAULT_BEAMS, Scorer
-from sidindex.errors import ArtifactError, InputError
+from sidindex.errors import InputError
 from sidindex.modes import Mode
 from sidindex.requests import EncodedRequests, Requests
 
@@ -36,10 +36,7 @@ def codebook_scorer(index: ServedIndex, requests: EncodedRequests, temperature: 
     """rows -> the codebook scorer for requests[rows], from the codebook the index loaded with the
     snapshot (nothing is read from disk). requests: the encoding whose `embedding` to score, best
     on the index's device (`runtime.requests.to_device`)."""
-    cb = index.codebook
-    if cb is None:
-        raise ArtifactError(f"{index.snapshot.path}: carries no codebook; the codebook scorer needs one "
-                            "(serve a snapshot built with a codebook, or bring your own scorer)")
+    cb = codebook_of(index)
     if requests.embedding is None:
         raise InputError(f"{requests.source}: the codebook scorer needs an `embedding` column in the requests")
     if requests.embedding.shape[1] != cb.dim:

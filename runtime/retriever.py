@@ -218,10 +218,7 @@ class Retriever:
             return self.factory.for_batch(reqs.table, index.device, index.level_sizes)
         shared = self._codebooks.get(index.generation)
         if shared is None:
-            cb = index.codebook
-            if cb is None:
-                raise ArtifactError(f"snapshot {index.id} carries no codebook; the codebook scorer needs one (serve a "
-                                    "snapshot built with a codebook, or bring your own scorer)")
+            cb = codebook_of(index)
             shared = self._codebooks[index.generation] = CodebookScorer(
                 cb, torch.zeros(0, cb.dim, device=index.device))
         if dev.embedding is None:
@@ -294,6 +291,15 @@ class Retriever:
 
 
 WARM_BATCHES = 8  # batches of the largest size a warm-up searches to size the widths (module doc)
+
+
+def codebook_of(index: ServedIndex):
+    """The codebook the index loaded with its snapshot, which the codebook scorer reads; an
+    ArtifactError when the snapshot carries none."""
+    if index.codebook is None:
+        raise ArtifactError(f"snapshot {index.id} carries no codebook; the codebook scorer needs one (serve a "
+                            "snapshot built with a codebook, or bring your own scorer)")
+    return index.codebook
 
 
 def largest_requests(index: ServedIndex, n: int, seed: int = 0) -> pa.Table:

@@ -271,7 +271,7 @@ class EncodedRequests:
 
 
 class _Carver:
-    """Hands out consecutive, zeroed-or-filled views of one int64 arena (see `arena_words`)."""
+    """Hands out consecutive views of one int64 arena, 8-byte aligned (`encode_requests` fills them)."""
 
     def __init__(self, arena: np.ndarray) -> None:
         self.arena, self.at = arena, 0
