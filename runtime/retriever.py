@@ -19,7 +19,9 @@ A batch larger than the largest configured size is cut into batches of that size
 batch is padded to the nearest configured size with copies of its last request (whose rows are
 dropped), so every batch replays a graph captured at warm-up. Over a `SnapshotWatcher`, each
 batch runs on the snapshot current when it starts, and a new snapshot is warmed (its graphs
-captured, with the old one's widths) before the watcher swaps it in, on the poller's thread.
+captured, with the old one's widths) before the watcher swaps it in, on the poller's thread and
+a CUDA stream of its own, holding no lock that batches take: the old snapshot goes on serving
+while the new one's kernels compile.
 
 Warm start: at construction and for each new snapshot, every configured batch size is searched
 once with requests shaped like the largest a batch can be (every bloom attribute at its most
@@ -40,6 +42,7 @@ graphs, buffers and arena for little overlap.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -114,11 +117,10 @@ class Retriever:
         self.batch_sizes, self.value_weight, self.rank, self.top_k, self.impl = sizes, value_weight, rank, top_k, impl
         self.factory = load_factory(scorer) if isinstance(scorer, str) else scorer
         self.counters = Counters()
-        self._lock = threading.RLock()
-        self._searchers: dict[object, tuple[ServedIndex, Searcher]] = {}  # by generation: the served and the warmed
-        self._codebooks: dict[object, CodebookScorer] = {}
-        self._arena: torch.Tensor | None = None
-        self._served: object | None = None
+        self._lock = threading.RLock()  # serving: one batch at a time (module doc)
+        self._warmed: dict[int, _Warmed] = {}  # by id of the ServedIndex: the served one and one being warmed
+        self._arena = _Arena()
+        self._served: int | None = None
         self._warmup = None if warmup is None else self._validated(warmup, first, "warm-up requests")
         self.warm = warm
         if warm:
@@ -159,11 +161,12 @@ class Retriever:
         parts = []
         n, most = len(requests), self.batch_sizes[-1]
         with self._lock:
-            searcher = self._searcher(index)
+            warmed = self._serving(index)
+            searcher = warmed.searcher
             widened = searcher.widened
             for lo in range(0, n, most):
                 hi = min(n, lo + most)
-                parts.append((lo, self._batch(index, searcher, requests.rows(lo, hi), stages, seconds)))
+                parts.append((lo, self._batch(warmed, self._arena, requests.rows(lo, hi), stages, seconds)))
                 if progress:
                     progress("retrieve", hi, n)
             c = self.counters
@@ -173,18 +176,19 @@ class Retriever:
                 c.seconds[k] += v
         return concat(parts), seconds
 
-    def _batch(self, index: ServedIndex, searcher: Searcher, reqs: Requests, stages: bool,
+    def _batch(self, warmed: _Warmed, arena: _Arena, reqs: Requests, stages: bool,
                seconds: dict[str, float]) -> Retrieved:
-        """One batch of at most the largest batch size, padded on a GPU to a configured size."""
-        n = len(reqs)
+        """One batch of at most the largest batch size, padded on a GPU to a configured size,
+        encoded into `arena`, on `warmed`'s index and searcher."""
+        index, n = warmed.index, len(reqs)
         t = time.perf_counter()
         padded = self._padded(reqs, index)
-        host = encode_requests(padded, index.spec, lambda words: self._arena_of(words, index))
+        host = encode_requests(padded, index.spec, lambda words: arena.words(words, index.device))
         t1 = time.perf_counter()
         dev = to_device(host, index.device)
         t2 = time.perf_counter()
-        found = searcher.retrieve(index, dev, self._scorer(index, padded, dev), host=host, top_k=self.top_k,
-                                  rank=self.rank, stages=stages)
+        found = warmed.searcher.retrieve(index, dev, self._scorer(warmed, padded, dev), host=host, top_k=self.top_k,
+                                         rank=self.rank, stages=stages)
         t3 = time.perf_counter()
         seconds["encode"] += t1 - t
         seconds["copy"] += t2 - t1
@@ -205,79 +209,80 @@ class Retriever:
         return Requests(reqs.source, np.arange(size, dtype=np.int64), emb, reqs.columns.take(take),
                         reqs.table.take(take))
 
-    def _arena_of(self, need: int, index: ServedIndex) -> np.ndarray:
-        """The reused arena of at least `need` words, grown (to twice that) when a batch needs
-        more; pinned on a GPU. The last batch's copy from it finished: its result was read."""
-        if self._arena is None or len(self._arena) < need:
-            self._arena = torch.empty(2 * need, dtype=torch.int64, pin_memory=index.device.type == "cuda")
-        return self._arena.numpy()
-
-    def _scorer(self, index: ServedIndex, reqs: Requests, dev):
+    def _scorer(self, warmed: _Warmed, reqs: Requests, dev):
         """The batch's scorer: the user's factory's, or the codebook scorer of its embeddings."""
+        index = warmed.index
         if self.factory is not None:
             return self.factory.for_batch(reqs.table, index.device, index.level_sizes)
-        shared = self._codebooks.get(index.generation)
-        if shared is None:
+        if warmed.codebook is None:
             cb = codebook_of(index)
-            shared = self._codebooks[index.generation] = CodebookScorer(
-                cb, torch.zeros(0, cb.dim, device=index.device))
+            warmed.codebook = CodebookScorer(cb, torch.zeros(0, cb.dim, device=index.device))
         if dev.embedding is None:
             raise InputError(f"{reqs.source}: the codebook scorer needs an `embedding` column in the requests")
-        return shared.for_embedding(dev.embedding)
+        return warmed.codebook.for_embedding(dev.embedding)
 
     def _validated(self, data, index: ServedIndex, source: str) -> Requests:
         return data if isinstance(data, Requests) else requests_from(data, index, source=source)
 
     # -- warm start and swaps --------------------------------------------------------------
 
-    def _searcher(self, index: ServedIndex) -> Searcher:
-        """The searcher of `index`'s device arrays (made, and warmed, at its first batch if no
-        swap warmed it); searchers of indexes no longer served are dropped."""
-        key = index.generation
-        hit = self._searchers.get(key)
-        if hit is None:
-            self.prepare(index) if self.warm else self._new_searcher(index)
-            hit = self._searchers[key]
-        if self._served is not key:
+    def _serving(self, index: ServedIndex) -> _Warmed:
+        """`index`'s searcher, to serve a batch (under the lock): warmed by a swap's hook, or now at
+        its first batch; what was warmed for indexes no longer served is dropped."""
+        key = id(index)
+        if key not in self._warmed:
+            self.prepare(index) if self.warm else self._warmed.setdefault(key, self._new(index))
+        if self._served != key:
             if self._served is not None:
                 self.counters.swaps += 1
             self._served = key
-            keep = {key} | ({self.watcher.current.generation} if self.watcher else set())
-            self._searchers = {k: v for k, v in self._searchers.items() if k in keep}
-            self._codebooks = {k: v for k, v in self._codebooks.items() if k in keep}
-        return hit[1]
+            keep = {key} | ({id(self.watcher.current)} if self.watcher else set())
+            self._warmed = {k: v for k, v in self._warmed.items() if k in keep}
+        return self._warmed[key]
 
-    def _new_searcher(self, index: ServedIndex) -> Searcher:
+    def _new(self, index: ServedIndex) -> _Warmed:
+        """A searcher for `index`, starting from the widths the served snapshot's traffic needed."""
         searcher = Searcher(self.beams, self.mode, self.impl, self.value_weight)
-        served = self._searchers.get(self._served)
-        if served is not None:  # the widths the served snapshot's traffic needed
-            searcher.step_slack = dict(served[1].step_slack)
-        self._searchers[index.generation] = (index, searcher)
-        return searcher
+        served = self._warmed.get(self._served)
+        if served is not None:
+            searcher.step_slack = dict(served.searcher.step_slack)
+        return _Warmed(index, searcher)
 
     def prepare(self, index: ServedIndex) -> None:
         """Warm `index` (module doc): every batch size searched once with the largest requests,
         then WARM_BATCHES batches of the largest size (with a codebook) and the warm-up requests,
-        so that no batch it serves compiles, captures or (mostly) widens."""
+        so that no batch it serves compiles, captures or (mostly) widens.
+
+        A snapshot not yet served is warmed on a searcher, arena and CUDA stream of its own,
+        outside the serving lock: batches go on being served on the current snapshot meanwhile,
+        however long the kernels of the new one's shapes take to compile."""
         with self._lock:
-            searcher = self._searchers.get(index.generation, (None, None))[1] or self._new_searcher(index)
-            most = self.batch_sizes[-1]
-            seconds = dict.fromkeys(STAGES, 0.0)
-            synthetic = self.factory is None and index.codebook is not None  # a user's scorer reads its own columns
-            if synthetic:
-                batches = WARM_BATCHES * most
-                dummy = self._validated(largest_requests(index, batches), index, "warm-up requests")
-                for b in self.batch_sizes:
-                    self._batch(index, searcher, dummy.head(b), False, seconds)
-                for lo in range(0, batches, most):
-                    self._batch(index, searcher, dummy.rows(lo, lo + most), False, seconds)
-            if self._warmup is not None:
-                for b in self.batch_sizes if not synthetic else ():
-                    self._batch(index, searcher, self._warmup.head(min(b, len(self._warmup))), False, seconds)
-                for lo in range(0, len(self._warmup), most):
-                    self._batch(index, searcher, self._warmup.rows(lo, min(len(self._warmup), lo + most)), False,
-                                seconds)
+            warmed = self._warmed.get(id(index))
+            serving = warmed is not None and self._served == id(index)
+            if warmed is None:
+                warmed = self._new(index)
+        with self._lock if serving else contextlib.nullcontext(), _side_stream(index.device):
+            self._warm(warmed)
+        with self._lock:
+            self._warmed[id(index)] = warmed
             self.counters.warmed += 1
+
+    def _warm(self, warmed: _Warmed) -> None:
+        index, arena, most = warmed.index, _Arena(), self.batch_sizes[-1]
+        seconds = dict.fromkeys(STAGES, 0.0)
+        synthetic = self.factory is None and index.codebook is not None  # a user's scorer reads its own columns
+        if synthetic:
+            batches = WARM_BATCHES * most
+            dummy = self._validated(largest_requests(index, batches), index, "warm-up requests")
+            for b in self.batch_sizes:
+                self._batch(warmed, arena, dummy.head(b), False, seconds)
+            for lo in range(0, batches, most):
+                self._batch(warmed, arena, dummy.rows(lo, lo + most), False, seconds)
+        if self._warmup is not None:
+            for b in self.batch_sizes if not synthetic else ():
+                self._batch(warmed, arena, self._warmup.head(min(b, len(self._warmup))), False, seconds)
+            for lo in range(0, len(self._warmup), most):
+                self._batch(warmed, arena, self._warmup.rows(lo, min(len(self._warmup), lo + most)), False, seconds)
 
     def _before_swap(self, indexes: tuple[ServedIndex, ...]) -> None:
         """The watcher's hook: warm its new snapshot before it is swapped in."""
@@ -291,6 +296,46 @@ class Retriever:
 
 
 WARM_BATCHES = 8  # batches of the largest size a warm-up searches to size the widths (module doc)
+
+
+@dataclass
+class _Warmed:
+    """What serves one ServedIndex: its searcher (graphs, widths) and its codebook scorer."""
+
+    index: ServedIndex
+    searcher: Searcher
+    codebook: CodebookScorer | None = None
+
+
+class _Arena:
+    """A reused int64 arena for batches' encodings, pinned on a GPU, grown (to twice the need)
+    when a batch needs more. Reusing it is safe: a batch's copy from it has finished once its
+    result was read."""
+
+    def __init__(self) -> None:
+        self._t: torch.Tensor | None = None
+
+    def words(self, need: int, device: torch.device) -> np.ndarray:
+        if self._t is None or len(self._t) < need:
+            self._t = torch.empty(2 * need, dtype=torch.int64, pin_memory=device.type == "cuda")
+        return self._t.numpy()
+
+
+def _side_stream(device: torch.device):
+    """A CUDA stream of its own for a warm-up (synchronised at its end, before the graphs it
+    captured replay on the serving stream), so that serving batches do not queue behind it."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+
+    @contextlib.contextmanager
+    def on_it():
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
+
+    return on_it()
 
 
 def codebook_of(index: ServedIndex):

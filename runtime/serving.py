@@ -207,7 +207,9 @@ class Searcher:
             run()
         torch.cuda.current_stream(index.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: a snapshot warmed on the poller's thread captures while batches are served
+        # on another (`Retriever.prepare`); the global mode would fail the serving thread's calls
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out, buffer = run()
         graph.replay()
         return _Graph(graph, static, scorer, out, stage[0] if stage else None, buffer)

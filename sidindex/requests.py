@@ -125,8 +125,10 @@ def as_table(data: Any, source: str) -> pa.Table:
     if isinstance(data, pl.DataFrame):
         return data.to_arrow()
     if isinstance(data, list) and all(isinstance(r, dict) for r in data):
+        # every row's keys (from_pylist would keep only the first row's): a key a row leaves out is null there
+        names = dict.fromkeys(k for r in data for k in r)
         try:
-            return pa.Table.from_pylist(data)
+            return pa.Table.from_pydict({k: [r.get(k) for r in data] for k in names})
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:  # a column whose rows disagree on a type
             raise InputError(f"{source}: the requests' values do not form a table: {e}") from None
     raise InputError(f"{source}: expected requests as a pyarrow Table or RecordBatch, a polars DataFrame or a list "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -13,6 +14,7 @@ from sidindex.errors import ArtifactError, ConfigError
 from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex_cli.options import BEAMS_OPT, DEVICE_OPT, JSON_OPT, SNAPSHOT_ARG, output_file, progress_bar, write_table
 
+SWITCH_INTERVAL_S = 2e-4  # how long a thread waiting for the GIL waits at most while `serve` runs
 SCORER_OPT = typer.Option(
     None, "--scorer", metavar="MODULE:FACTORY",
     help="Your model as the scorer: FACTORY(batch: pyarrow.Table, device, level_sizes) -> scorer(step, tokens, "
@@ -233,8 +235,12 @@ def serve(
     # uvicorn drains on SIGTERM (no new connections, every request in flight answered), then raises
     # the signal again for the handler it found: a drained stop is this command's success
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    # the batch thread gives up the GIL in every Arrow, numba and CUDA call; while the event loop
+    # parses requests it would wait Python's default 5 ms to get it back, several times a batch
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
-        uvicorn.run(server.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+        uvicorn.run(server.app, host=host, port=port, log_level="warning", access_log=False,
+                    timeout_graceful_shutdown=30)
     finally:
         signal.signal(signal.SIGTERM, previous)
     err.print("stopped: every request in flight was answered", highlight=False)

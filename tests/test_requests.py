@@ -257,6 +257,21 @@ def test_refusals_of_what_is_not_a_batch(spec):
         requests_from([{"request_id": 1, "country": "US"}, {"request_id": 2, "country": 3}], spec, source="rq")
 
 
+def test_dicts_keep_every_rows_keys(spec):
+    """A key that only a later dict carries is a column (null where a row leaves it out), not
+    dropped: a request's locations are never lost because the first request had none."""
+    rows = sample_requests(6, spec, dim=8, seed=3).to_pylist()
+    sparse = [{k: v for k, v in r.items() if k not in ("locations", "country") or i % 2} for i, r in enumerate(rows)]
+    got = requests_from(sparse, spec, dim=8)
+    full = [r | {k: None for k in ("locations", "country") if k not in r} for r in sparse]
+    want = requests_from(pa.Table.from_pylist(full), spec, dim=8)
+    assert got.columns.select(want.columns.column_names).equals(want.columns)
+    assert got.columns.column("locations").to_pylist()[1::2] == [r["locations"] for r in rows[1::2]]
+    enc_got, enc_want = encode_requests(got, spec), encode_requests(want, spec)
+    for a, b in zip(enc_got.planes, enc_want.planes):
+        assert np.array_equal(a.rows, b.rows) and np.array_equal(a.ranges, b.ranges)
+
+
 def test_every_form_runs_one_compiled_kernel():
     """The encoder's kernels see one type whatever form a batch comes in, so a warm-up compiles
     every kernel a batch will run (a new form would otherwise compile for seconds mid-stream)."""

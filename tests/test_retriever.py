@@ -1,11 +1,12 @@
 """`runtime.Retriever`, the serving object: requests in memory in, the ranked eligible ads out as
 Arrow, equal to the reference path (beam search, then the post stage) batch by batch, in every
 mode; any form of the same requests gives the same table; a bad request is refused naming its row
-and the retriever keeps serving; a watcher's new snapshot is warmed before it is swapped in; and
-concurrent callers get what serial ones get."""
+and the retriever keeps serving; a watcher's new snapshot is warmed before it is swapped in, while
+the old one goes on serving; and concurrent callers get what serial ones get."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
 import threading
 from pathlib import Path
@@ -161,3 +162,37 @@ def test_a_watchers_new_snapshot_is_warmed_before_it_serves(root, requests_table
     assert retriever.retrieve(requests_table).equals(after)
     retriever.close()
     assert retriever._before_swap not in watcher.before_swap
+
+
+def test_batches_are_served_while_a_new_snapshot_warms(root, requests_table, tmp_path, monkeypatch):
+    """A new snapshot's warm-up (which on a GPU may compile kernels for seconds) holds no lock that
+    serving batches take: a batch on the current snapshot is answered while the warm-up waits for
+    it, and the new snapshot serves once warmed."""
+    work = Path(shutil.copytree(root, tmp_path / "root"))
+    watcher = runtime.SnapshotWatcher(work, "cpu")
+    retriever = runtime.Retriever(watcher, beams=BEAMS, batch_sizes=(8,))
+    before = retriever.retrieve(requests_table)
+    paused = int(before.column("ad_id")[0].as_py())
+    pq.write_table(pa.table({"ad_id": pa.array([paused], pa.int64()), "op": ["pause"]}), tmp_path / "changes.parquet")
+    r = run_cli("update", work, "--changes", tmp_path / "changes.parquet", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+
+    warming, served = threading.Event(), threading.Event()
+    warm = retriever._warm
+
+    def slow_warm(warmed):
+        warming.set()
+        assert served.wait(60), "the batch waited for the warm-up"
+        warm(warmed)
+
+    monkeypatch.setattr(retriever, "_warm", slow_warm)
+    poller = concurrent.futures.ThreadPoolExecutor(1).submit(watcher.poll)
+    assert warming.wait(60)
+    during = retriever.retrieve(requests_table)  # deadlocks if the warm-up held the serving lock
+    served.set()
+    assert poller.result(timeout=120) is True
+    assert during.equals(before)  # the old snapshot served it
+    after = retriever.retrieve(requests_table)
+    assert paused not in after.column("ad_id").to_pylist()
+    assert retriever.counters.warmed == 2 and retriever.counters.swaps == 1
+    assert after.equals(reference(watcher.current, requests_table, "cd+gtm", 8))
