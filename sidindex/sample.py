@@ -18,7 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sidindex.targeting import BITMASK, BLOOM, DEFAULT_BLOOM_BITS, DEFAULT_BLOOM_HASHES, Attribute, TargetingSpec
+from sidindex.matchers.attribute import Attribute
+from sidindex.matchers.bloom import DEFAULT_BLOOM_BITS, DEFAULT_BLOOM_HASHES
+from sidindex.targeting import BITMASK, BLOOM, TargetingSpec
 
 _COMMON_COUNTRIES = ["US", "GB", "CA", "DE", "FR", "IN", "BR", "JP", "MX", "ES", "IT", "AU", "KR", "ID", "NL"]
 _LANGUAGES = ["en", "es", "pt", "fr", "de", "it", "nl", "ru", "ja", "ko", "zh", "hi", "ar", "tr", "pl",

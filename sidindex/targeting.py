@@ -1,6 +1,9 @@
 """Targeting spec: the ordered attributes an ad may restrict (DESIGN.md §3).
 
 The spec is a TOML file with an array of ``[[attribute]]`` tables; see ``schemas/CONTRACTS.md``.
+What an attribute's kind means (its keys, a request's values, its matcher rows) is its
+`MatcherKind`'s (`sidindex.matchers.attribute`); this module orders the attributes and checks what
+every attribute shares.
 """
 
 from __future__ import annotations
@@ -10,39 +13,16 @@ import reprlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from schemas import TARGETING_ATTRIBUTE
 from sidindex.errors import InputError
+from sidindex.matchers import bitmask, bloom
+from sidindex.matchers.attribute import Attribute, MatcherKind
+from sidindex.matchers.kinds import KINDS
 from sidindex.tomlio import check_keys, read_toml
 
-if TYPE_CHECKING:
-    from sidindex.matchers.bitmask import BitmaskLayout
-    from sidindex.matchers.bloom import BloomLayout
-
-BITMASK = "bitmask"
-BLOOM = "bloom"
-DEFAULT_BLOOM_BITS = 256
-DEFAULT_BLOOM_HASHES = 2
-MAX_BLOOM_HASHES = 16
-# Per kind: a request brings one value (a string) for its attributes, or a list of values
-ONE_REQUEST_VALUE = {BITMASK: True, BLOOM: False}
-
-
-@dataclass(frozen=True)
-class Attribute:
-    """One targeting attribute. `values` is set for bitmask attributes, `bits`/`hashes` for bloom."""
-
-    name: str
-    kind: str
-    values: tuple[str, ...] = ()
-    bits: int = 0
-    hashes: int = 0
-
-    @property
-    def one_request_value(self) -> bool:
-        """A request brings one value for this attribute (else a list of values)."""
-        return ONE_REQUEST_VALUE[self.kind]
+# The kinds by name, for specs written in code: Attribute("country", BITMASK, values=("US", "GB"))
+BITMASK, BLOOM = bitmask.KIND, bloom.KIND
 
 
 @dataclass(frozen=True)
@@ -50,6 +30,11 @@ class TargetingSpec:
     attributes: tuple[Attribute, ...]
     version: int = TARGETING_ATTRIBUTE.version
     source: str = field(default="the targeting spec", compare=False)  # named in error messages
+
+    def __post_init__(self) -> None:
+        for a in self.attributes:
+            if a.kind not in KINDS:  # a kind with no plane in snapshots: nothing could store or serve it
+                raise ValueError(f"attribute {a.name!r}: kind {a.kind!r} is not one of {KINDS}")
 
     @property
     def bitmask(self) -> tuple[Attribute, ...]:
@@ -59,37 +44,30 @@ class TargetingSpec:
     def bloom(self) -> tuple[Attribute, ...]:
         return self.of_kind(BLOOM)
 
-    def of_kind(self, kind: str) -> tuple[Attribute, ...]:
+    def of_kind(self, kind: MatcherKind) -> tuple[Attribute, ...]:
         return tuple(a for a in self.attributes if a.kind == kind)
 
-    # The matcher layouts, derived once per spec. The matcher modules import this one, hence the
-    # import inside (cached_property writes the instance dict, which a frozen dataclass allows).
+    # cached_property writes the instance dict, which a frozen dataclass allows
     @cached_property
     def layouts(self) -> tuple:
         """Each matcher kind's layout, in plane order (`sidindex.matchers.kinds.KINDS`)."""
-        from sidindex.matchers.kinds import KINDS
+        return tuple(k.layout(self.of_kind(k)) for k in KINDS)
 
-        return tuple(k.layout(self) for k in KINDS)
-
-    @property
-    def bitmask_layout(self) -> BitmaskLayout:
-        return self.layouts[0]
+    def layout_of(self, kind: MatcherKind):
+        """The layout of `kind` (one of KINDS)."""
+        return self.layouts[KINDS.index(kind)]
 
     @property
-    def bloom_layout(self) -> BloomLayout:
-        return self.layouts[1]
+    def bitmask_layout(self) -> bitmask.BitmaskLayout:
+        return self.layout_of(BITMASK)
+
+    @property
+    def bloom_layout(self) -> bloom.BloomLayout:
+        return self.layout_of(BLOOM)
 
     def to_dict(self) -> dict:
         """The spec as plain TOML/JSON-serialisable data; `spec_from_dict` inverts it."""
-        out = []
-        for a in self.attributes:
-            d = {"name": a.name, "kind": a.kind}
-            if a.kind == BITMASK:
-                d["values"] = list(a.values)
-            else:
-                d["bits"], d["hashes"] = a.bits, a.hashes
-            out.append(d)
-        return {"version": self.version, "attribute": out}
+        return {"version": self.version, "attribute": [a.to_dict() for a in self.attributes]}
 
 
 def load_targeting(path: str | Path) -> TargetingSpec:
@@ -125,53 +103,18 @@ def spec_from_dict(doc: dict, where: str = "targeting spec") -> TargetingSpec:
             raise InputError(f"{at}: declared twice")
         if name in ("ad_id", "embedding", "value", "request_id"):
             raise InputError(f"{at}: the name is reserved for a catalog/request column; rename it")
-        kind = t.get("kind")
-        if kind == BITMASK:
-            attrs.append(_bitmask(t, at, name))
-        elif kind == BLOOM:
-            attrs.append(_bloom(t, at, name))
-        else:
-            raise InputError(f"{at}: kind must be 'bitmask' or 'bloom', got {reprlib.repr(kind)}")
+        kind = next((k for k in KINDS if k.name == t.get("kind")), None)
+        if kind is None:
+            raise InputError(f"{at}: kind must be {' or '.join(repr(k.name) for k in KINDS)}, got "
+                             f"{reprlib.repr(t.get('kind'))}")
+        attrs.append(kind.parse(t, at, name))
     return TargetingSpec(tuple(attrs), source=where)
-
-
-def _bitmask(t: dict, at: str, name: str) -> Attribute:
-    if "bits" in t or "hashes" in t:
-        raise InputError(f"{at}: 'bits' and 'hashes' apply to bloom attributes only")
-    values = t.get("values")
-    if not isinstance(values, list) or not values:
-        raise InputError(f"{at}: a bitmask attribute needs a non-empty 'values' list")
-    seen: set[str] = set()
-    for v in values:
-        if not isinstance(v, str) or not v:
-            raise InputError(f"{at}: every value must be a non-empty string, got {reprlib.repr(v)}")
-        if v in seen:
-            raise InputError(f"{at}: value {v!r} is declared twice")
-        seen.add(v)
-    return Attribute(name, BITMASK, values=tuple(values))
-
-
-def _bloom(t: dict, at: str, name: str) -> Attribute:
-    if "values" in t:
-        raise InputError(f"{at}: bloom attributes take free strings; 'values' applies to bitmask only")
-    bits = t.get("bits", DEFAULT_BLOOM_BITS)
-    hashes = t.get("hashes", DEFAULT_BLOOM_HASHES)
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits <= 0 or bits % 64:
-        raise InputError(f"{at}: 'bits' must be a positive multiple of 64, got {reprlib.repr(bits)}")
-    if isinstance(hashes, bool) or not isinstance(hashes, int) or not 1 <= hashes <= MAX_BLOOM_HASHES:
-        raise InputError(f"{at}: 'hashes' must be an integer in 1..{MAX_BLOOM_HASHES}, got {reprlib.repr(hashes)}")
-    return Attribute(name, BLOOM, bits=bits, hashes=hashes)
 
 
 def write_targeting(spec: TargetingSpec, path: str | Path) -> None:
     """Write `spec` as TOML (the format `load_targeting` reads)."""
     lines = [f"version = {spec.version}", ""]
     for a in spec.attributes:
-        lines += ["[[attribute]]", f"name = {json.dumps(a.name)}", f"kind = {json.dumps(a.kind)}"]
-        if a.kind == BITMASK:
-            # JSON string escapes are valid TOML basic-string escapes.
-            lines.append("values = [" + ", ".join(json.dumps(v) for v in a.values) + "]")
-        else:
-            lines += [f"bits = {a.bits}", f"hashes = {a.hashes}"]
-        lines.append("")
+        # JSON's strings, integers and lists of strings are valid TOML values (its escapes TOML's)
+        lines += ["[[attribute]]", *(f"{k} = {json.dumps(v)}" for k, v in a.to_dict().items()), ""]
     Path(path).write_text("\n".join(lines))

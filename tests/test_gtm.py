@@ -345,8 +345,8 @@ def test_single_level_sids_with_kway():
 
 
 def test_the_spec_carries_its_layouts_and_the_matcher_parses_its_mode():
-    assert SPEC.bitmask_layout is SPEC.bitmask_layout and SPEC.bitmask_layout == bitmask_layout(SPEC)
-    assert SPEC.bloom_layout is SPEC.bloom_layout and SPEC.bloom_layout == bloom_layout(SPEC)
+    assert SPEC.bitmask_layout is SPEC.bitmask_layout and SPEC.bitmask_layout == bitmask_layout(SPEC.bitmask)
+    assert SPEC.bloom_layout is SPEC.bloom_layout and SPEC.bloom_layout == bloom_layout(SPEC.bloom)
     index, *_, enc = build(scenario([{"country": ["CA"], "locations": ["loc1"]}], [(2, 1, 3)], [0]))
     with pytest.raises(ConfigError, match="mode must be one of"):
         passing_tokens(index, enc, 0, 0, "cd+bogus")

@@ -25,12 +25,12 @@ from sidindex.matchers.bloom import BLOOM_SEED
 from sidindex.matchers.exact import EXACT_SEED
 from sidindex.requests import encode_requests, read_requests, requests_from
 from sidindex.sample import sample_requests
-from sidindex.targeting import Attribute, TargetingSpec
+from sidindex.targeting import BITMASK, BLOOM, Attribute, TargetingSpec
 
-SPEC = TargetingSpec((Attribute("country", "bitmask", values=("US", "GB", "é中")),
-                      Attribute("age", "bitmask", values=tuple(f"a{i}" for i in range(70))),
-                      Attribute("locations", "bloom", bits=128, hashes=3),
-                      Attribute("apps", "bloom", bits=64, hashes=1)))
+SPEC = TargetingSpec((Attribute("country", BITMASK, values=("US", "GB", "é中")),
+                      Attribute("age", BITMASK, values=tuple(f"a{i}" for i in range(70))),
+                      Attribute("locations", BLOOM, bits=128, hashes=3),
+                      Attribute("apps", BLOOM, bits=64, hashes=1)))
 
 
 def reference(columns: list[dict], spec: TargetingSpec):

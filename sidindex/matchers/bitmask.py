@@ -10,12 +10,15 @@ requests is encoded by `sidindex.requests.encode_requests` (each value looked up
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 import polars as pl
 
+from sidindex.errors import InputError
+from sidindex.matchers.attribute import Attribute, MatcherKind
 from sidindex.matchers.bits import (
     ListCodes,
     empty_rows,
@@ -23,8 +26,7 @@ from sidindex.matchers.bits import (
     mask_row,
     or_value_bits,
 )
-from sidindex.matchers.plane import MatcherKind, PlaneQueries
-from sidindex.targeting import TargetingSpec
+from sidindex.matchers.plane import PlaneQueries
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,30 @@ class BitmaskLayout:
         return mask_row(self.words, self.offsets[a], self.offsets[a + 1])
 
 
-def bitmask_layout(spec: TargetingSpec) -> BitmaskLayout:
-    attrs = spec.bitmask
+def parse_attribute(t: dict, at: str, name: str) -> Attribute:
+    """The bitmask attribute `name` the spec's table `t` declares (`at` names it in errors)."""
+    if "bits" in t or "hashes" in t:
+        raise InputError(f"{at}: 'bits' and 'hashes' apply to bloom attributes only")
+    values = t.get("values")
+    if not isinstance(values, list) or not values:
+        raise InputError(f"{at}: a bitmask attribute needs a non-empty 'values' list")
+    seen: set[str] = set()
+    for v in values:
+        if not isinstance(v, str) or not v:
+            raise InputError(f"{at}: every value must be a non-empty string, got {reprlib.repr(v)}")
+        if v in seen:
+            raise InputError(f"{at}: value {v!r} is declared twice")
+        seen.add(v)
+    return Attribute(name, KIND, values=tuple(values))
+
+
+def settings(a: Attribute) -> dict:
+    """`parse_attribute`'s inverse: the keys of a bitmask attribute."""
+    return {"values": list(a.values)}
+
+
+def bitmask_layout(attrs: tuple[Attribute, ...]) -> BitmaskLayout:
+    """The layout of the spec's bitmask attributes `attrs`, in spec order."""
     offsets = np.concatenate([[0], np.cumsum([len(a.values) + 1 for a in attrs])]).astype(int)
     return BitmaskLayout(tuple(a.name for a in attrs), tuple(a.values for a in attrs), tuple(int(o) for o in offsets))
 
@@ -104,4 +128,6 @@ def attribute_passes(layout: BitmaskLayout, row: np.ndarray, queries: PlaneQueri
                      for a in range(len(layout.names))], dtype=bool)
 
 
-KIND = MatcherKind("bitmask", bitmask_layout, encode_ad_rows, attribute_passes)
+# a request's value is one of the declared values (or unknown): one value per attribute
+KIND = MatcherKind("bitmask", one_request_value=True, parse=parse_attribute, settings=settings, layout=bitmask_layout,
+                   encode_ads=encode_ad_rows, attribute_passes=attribute_passes)

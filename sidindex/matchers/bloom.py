@@ -11,17 +11,22 @@ encoded by `sidindex.requests.encode_requests`, in one numba pass over each colu
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 
 import mmh3
 import numpy as np
 import polars as pl
 
+from sidindex.errors import InputError
+from sidindex.matchers.attribute import Attribute, MatcherKind
 from sidindex.matchers.bits import ListCodes, empty_rows, list_codes, or_value_bits
-from sidindex.matchers.plane import MatcherKind, PlaneQueries, group_passes
-from sidindex.targeting import TargetingSpec
+from sidindex.matchers.plane import PlaneQueries, group_passes
 
 BLOOM_SEED = 0xB1005EED
+DEFAULT_BLOOM_BITS = 256
+DEFAULT_BLOOM_HASHES = 2
+MAX_BLOOM_HASHES = 16
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,26 @@ class BloomLayout:
         return sum(self.attribute_bits)
 
 
-def bloom_layout(spec: TargetingSpec) -> BloomLayout:
-    attrs = spec.bloom
+def parse_attribute(t: dict, at: str, name: str) -> Attribute:
+    """The bloom attribute `name` the spec's table `t` declares (`at` names it in errors)."""
+    if "values" in t:
+        raise InputError(f"{at}: bloom attributes take free strings; 'values' applies to bitmask only")
+    bits = t.get("bits", DEFAULT_BLOOM_BITS)
+    hashes = t.get("hashes", DEFAULT_BLOOM_HASHES)
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits <= 0 or bits % 64:
+        raise InputError(f"{at}: 'bits' must be a positive multiple of 64, got {reprlib.repr(bits)}")
+    if isinstance(hashes, bool) or not isinstance(hashes, int) or not 1 <= hashes <= MAX_BLOOM_HASHES:
+        raise InputError(f"{at}: 'hashes' must be an integer in 1..{MAX_BLOOM_HASHES}, got {reprlib.repr(hashes)}")
+    return Attribute(name, KIND, bits=bits, hashes=hashes)
+
+
+def settings(a: Attribute) -> dict:
+    """`parse_attribute`'s inverse: the keys of a bloom attribute."""
+    return {"bits": a.bits, "hashes": a.hashes}
+
+
+def bloom_layout(attrs: tuple[Attribute, ...]) -> BloomLayout:
+    """The layout of the spec's bloom attributes `attrs`, in spec order."""
     offs = np.concatenate([[0], np.cumsum([a.bits // 64 for a in attrs])]).astype(int)
     return BloomLayout(tuple(a.name for a in attrs), tuple(a.bits for a in attrs),
                        tuple(a.hashes for a in attrs), tuple(int(o) for o in offs))
@@ -79,4 +102,6 @@ def attribute_passes(layout: BloomLayout, row: np.ndarray, queries: PlaneQueries
     return group_passes(row, queries, request)
 
 
-KIND = MatcherKind("bloom", bloom_layout, encode_ad_rows, attribute_passes)
+# free strings: a request brings a list of values, any of which may match
+KIND = MatcherKind("bloom", one_request_value=False, parse=parse_attribute, settings=settings, layout=bloom_layout,
+                   encode_ads=encode_ad_rows, attribute_passes=attribute_passes)

@@ -1,14 +1,18 @@
-"""The matcher kinds, in plane order (`schemas.artifacts.MATCHER_PLANES`): the one list everything
-that builds, stores or tests matcher rows iterates over. A new kind: its attribute in
-`sidindex.targeting` (and its columns' contract in `schemas.contracts`), a module here exporting
-its `MatcherKind`, its plane and exact form in `schemas.artifacts`, an entry below, and its requests'
-encoding in `sidindex.requests.encode_requests` (which writes the planes it knows, and says so)."""
+"""The matcher kinds, in plane order. The one list of kinds is `schemas.artifacts.MATCHER_PLANES`
+(the snapshot contract names and orders the planes); `KINDS` holds each plane's implementation in
+that order, and everything that parses, builds, stores or tests matcher rows iterates over it. A new
+kind: a module here exporting its `MatcherKind` (`sidindex.matchers.attribute`), its plane and exact
+form in `schemas.artifacts` (and its columns' contract in `schemas.contracts`), its module's KIND
+below, and its requests' encoding in `sidindex.requests.encode_requests` (which writes the planes it
+knows, and says so)."""
 
 from __future__ import annotations
 
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.matchers import bitmask, bloom
-from sidindex.matchers.plane import MatcherKind
+from sidindex.matchers.attribute import MatcherKind
 
-KINDS: tuple[MatcherKind, ...] = (bitmask.KIND, bloom.KIND)
-assert tuple(k.name for k in KINDS) == MATCHER_PLANES, "matcher kinds and snapshot planes disagree"
+_IMPLEMENTED = {k.name: k for k in (bitmask.KIND, bloom.KIND)}
+if set(_IMPLEMENTED) != set(MATCHER_PLANES):  # a plane without its code, or code for no plane: fail at import
+    raise ImportError(f"matcher kinds {sorted(_IMPLEMENTED)} and snapshot planes {list(MATCHER_PLANES)} disagree")
+KINDS: tuple[MatcherKind, ...] = tuple(_IMPLEMENTED[p] for p in MATCHER_PLANES)

@@ -9,17 +9,15 @@ iff for EVERY group some query q has (row & q) == q on that group's words:
 
 The CPU matcher, the exact filter of a `rows` plane, explanations, the torch reference and the
 Triton kernel all run this one test, over the planes in `schemas.artifacts.MATCHER_PLANES` order
-(the trie build ORs rows of any plane alike); a new matcher kind supplies its rows and queries,
-never a new test.
+(the trie build ORs rows of any plane alike); a new matcher kind supplies its rows and queries
+(`sidindex.matchers.attribute.MatcherKind`), never a new test.
 
 Legend: B requests, G word groups, Q query rows, W words per row, n pairs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numba
 import numpy as np
@@ -58,23 +56,6 @@ class PlaneQueries:
     def slice(self, lo: int, hi: int) -> PlaneQueries:
         """Requests lo..hi-1 (the query rows stay shared)."""
         return replace(self, ranges=self.ranges[lo:hi])
-
-
-@dataclass(frozen=True)
-class MatcherKind:
-    """What a matcher kind supplies (`sidindex.matchers.kinds.KINDS` lists them in plane order).
-
-    name:             the attribute kind and the plane's name in snapshots
-    layout:           TargetingSpec -> the kind's layout (`names` of its attributes, `words` per
-                      row, meaningful `bits` per row), derived once per spec (`TargetingSpec.layouts`)
-    encode_ads:       (layout, catalog columns, flattened codes or None) -> (N, W) uint64 ad rows
-    attribute_passes: (layout, row (W,), PlaneQueries, request) -> (A,) bool per attribute (explanations)
-    """
-
-    name: str
-    layout: Callable[[Any], Any]
-    encode_ads: Callable[..., np.ndarray]
-    attribute_passes: Callable[..., np.ndarray]
 
 
 def group_passes(row: np.ndarray, queries: PlaneQueries, request: int) -> np.ndarray:
