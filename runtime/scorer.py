@@ -7,7 +7,9 @@ embedding's residual after the beam's prefix (r = x - sum_{p<l} C_p[t_p]): the s
 quantisation that assigned the catalog's SIDs, so the best-scoring SIDs are the request's nearest
 ones. The hash level carries no meaning: every token in range gets logit 0. Tokens beyond a
 level's size get -inf. Computed as 2 r.C - ||C||^2 (the ||r||^2 term is the same for every token
-and cancels in the softmax).
+and cancels in the softmax), in float64 and rounded once to float32: a float32 product's rounding
+depends on the blocking the matrix library picks for the batch's shape, so a request's scores, and
+the order of its near-tied ads, would change with the requests that share its batch.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class CodebookScorer:
         dev = embedding.device
         self.x = embedding.float().clone()  # its own: a captured search refreshes it in place
         self.centroids = [torch.from_numpy(c).to(dev) for c in codebook.centroids]
-        self.sq_norms = [(c * c).sum(dim=1) for c in self.centroids]
+        self.centroids64 = [c.double() for c in self.centroids]
+        self.sq_norms = [(c * c).sum(dim=1) for c in self.centroids64]
         self.sizes, self.V, self.temperature = codebook.level_sizes, codebook.vocab_size, temperature
         self.inputs = {"embedding": self.x}  # what a captured search copies each batch into (runtime.Searcher)
 
@@ -62,8 +65,8 @@ class CodebookScorer:
         r = self.x[:, None, :].expand(B, K, -1)
         for p in range(step):
             r = r - self.centroids[p][prefix[..., p]]
-        c = self.centroids[step]
-        out[..., :len(c)] = (2 * r @ c.T - self.sq_norms[step]) / self.temperature
+        c = self.centroids64[step]
+        out[..., :len(c)] = ((2 * r.double() @ c.T - self.sq_norms[step]) / self.temperature).float()
         return out
 
 

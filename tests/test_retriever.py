@@ -70,6 +70,21 @@ def test_the_retriever_equals_search_then_post(root, requests_table, mode, devic
     assert all(c.seconds[s] > 0 for s in ("validate", "encode", "search_post", "result"))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not GPU, reason="needs a CUDA device"))])
+def test_a_requests_rows_do_not_depend_on_its_batch(root, requests_table, device):
+    """Each request alone, and in batches of other sizes and company, gets the same rows bit for
+    bit (scores included): the codebook scorer's products are exact to float32 whatever blocking
+    the matrix library picks for a batch's shape."""
+    index = runtime.load(root, device)
+    retriever = runtime.Retriever(index, beams=BEAMS, batch_sizes=(1, 4, 8, 16))
+    alone = pa.concat_tables([retriever.retrieve(requests_table.slice(i, 1)) for i in range(len(requests_table))])
+    for n in (4, 7, 16):
+        together = pa.concat_tables([retriever.retrieve(requests_table.slice(lo, n))
+                                     for lo in range(0, len(requests_table), n)])
+        assert together.equals(alone), n
+
+
 def test_top_k_rank_and_value_weight_reach_the_search(root, requests_table):
     index = runtime.load(root, "cpu")
     if index.gtm.ad_value is None:
