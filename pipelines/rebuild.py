@@ -50,13 +50,13 @@ Two cases print one line on stderr (and never a traceback):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from sidindex.artifact import replace_file
 from sidindex.errors import ConfigError, SidIndexError
 from sidindex.interrupts import Interrupted, interrupts_raise
 from sidindex.job import run_build, run_update
@@ -157,14 +157,7 @@ def _write_report(directory: Path, report: dict) -> None:
     text = json.dumps(report, indent=1, default=str)  # default=str: a stray Path or numpy scalar is no crash
     stamp = report["started"].replace(":", "").replace("-", "")
     for name in (f"{stamp}-{time.time_ns() % 10**9:09d}.json", "latest.json"):
-        tmp = directory / f".{name}.tmp"
-        try:
-            tmp.write_text(text)
-            tmp.replace(directory / name)
-        except OSError:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            raise
+        replace_file(directory / name, lambda tmp: tmp.write_text(text))
 
 
 def main(argv: list[str] | None = None) -> int:

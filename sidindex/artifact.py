@@ -16,11 +16,13 @@ its size, sha256 and, for a snapshot, its fast digest (`schemas.artifacts.FAST_D
 chunks, so the chunks of one large file are hashed by many threads; about 5x sha256's speed per
 thread); `verify_files` refuses a file missing, changed, unlisted, or not a regular file, checking
 the fast digest where listed (what opening does) and sha256 where not or when asked (`strong`).
-`publish_dir` fsyncs a filled temporary directory and renames it into place.
+`publish_dir` fsyncs a filled temporary directory and renames it into place; `replace_file` does
+the same for one file (every file this project replaces in place goes through it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -28,9 +30,8 @@ import mmap
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from pathlib import Path
 
 import xxhash
@@ -263,7 +264,7 @@ def fast_digest(path: Path) -> str:
         return _fast_digests(pool, [path])[0]
 
 
-@contextmanager
+@contextlib.contextmanager
 def _pool() -> Iterator[ThreadPoolExecutor]:
     """A pool of THREADS hashing threads; leaving early cancels the hashing not yet started."""
     pool = ThreadPoolExecutor(THREADS)
@@ -361,6 +362,28 @@ def rename_synced(tmp: Path, final: Path) -> None:
     """Rename the synced `tmp` to `final` and fsync the parent (the rename itself)."""
     os.rename(tmp, final)
     fsync_path(final.parent)
+
+
+def temporary_file(path: Path) -> Path:
+    """Where `replace_file` writes the next content of `path` (what a crash may leave behind)."""
+    return path.with_name(path.name + ".tmp")
+
+
+def replace_file(path: Path, write: Callable[[Path], object]) -> None:
+    """Replace the file at `path` in one step that survives a crash: `write` fills the temporary
+    file beside it (`temporary_file`, the same file system, so the rename is atomic), which is
+    fsynced, renamed over `path`, and the directory fsynced (the rename itself). A reader sees the
+    old file or the new one, never part of one; a failure or an interrupt removes the temporary."""
+    tmp = temporary_file(path)
+    try:
+        write(tmp)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # the first error is the one to report
+            tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
 
 
 def regular_input(path: str | Path, what: str) -> Path:

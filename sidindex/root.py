@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from schemas.artifacts import MANIFEST_FILE
-from sidindex.artifact import fsync_path, fsync_tree, read_bounded, rename_synced
+from sidindex.artifact import fsync_tree, read_bounded, rename_synced, replace_file, temporary_file
 from sidindex.errors import ArtifactError
 from sidindex.interrupts import Interrupted, interrupts_deferred
 
@@ -175,8 +175,8 @@ class Root:
         and THROUGH belong to no snapshot)."""
         doomed = [p for d in (self.snapshots, self.codebooks, self.changes) if d.is_dir()
                   for p in d.glob(TMP_PREFIX + "*") if p != spare]
-        doomed += [p.with_name(p.name + ".tmp") for p in (self.current_file, self.history_file, self.through_file)
-                   if os.path.lexists(p.with_name(p.name + ".tmp"))]
+        doomed += [temporary_file(p) for p in (self.current_file, self.history_file, self.through_file)
+                   if os.path.lexists(temporary_file(p))]
         if self.changes.is_dir():
             try:
                 current = self.current_id()
@@ -310,13 +310,8 @@ class Root:
                 shutil.rmtree(gone, ignore_errors=True)
 
     def _replace(self, path: Path, text: str) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_path(path.parent)
+        """Replace one of ROOT's small files (CURRENT, HISTORY, THROUGH) with `text`."""
+        replace_file(path, lambda tmp: tmp.write_text(text))
 
     def prune(self, keep: int) -> list[str]:
         """Keep the `keep` most recently published snapshots (CURRENT always); delete every other

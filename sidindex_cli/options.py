@@ -10,6 +10,7 @@ from typing import Iterator
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from sidindex.artifact import replace_file
 from sidindex.errors import ConfigError
 from sidindex_cli.render import err
 
@@ -57,18 +58,15 @@ def output_file(path: Path | None) -> Path | None:
 
 def write_table(table, path: Path) -> None:
     """Write a pyarrow table to `path` (.parquet, else uncompressed Arrow IPC; its directory checked
-    by the option's `output_file`) under a temporary name, then rename it into place: a reader never
-    sees half a file."""
+    by the option's `output_file`) in one step (`sidindex.artifact.replace_file`): a reader never sees
+    half a file."""
     import pyarrow.parquet as pq
     from pyarrow import feather
 
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
+    def write(tmp: Path) -> None:
         if path.suffix == ".parquet":
             pq.write_table(table, tmp)
         else:
             feather.write_feather(table, str(tmp), compression="uncompressed")
-        tmp.replace(path)
-    except BaseException:  # an error, or an interrupt: no half-written file left beside the output
-        tmp.unlink(missing_ok=True)
-        raise
+
+    replace_file(path, write)
