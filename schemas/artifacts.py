@@ -106,15 +106,58 @@ class ArrayFile:
         return t if self.width is None else f"fixed_size_list<{t}>[{self.width}]"
 
 
+@dataclass(frozen=True)
+class PlaneArrays:
+    """The names of one matcher plane's arrays (`plane_arrays`): the one place they are spelt, for
+    everything that writes, reads, validates or stages them."""
+
+    plane: str
+
+    @property
+    def table(self) -> str:
+        return f"{self.plane}_table"
+
+    @property
+    def index(self) -> str:
+        return f"{self.plane}_index"
+
+    @property
+    def part_index(self) -> str:
+        return f"part_{self.plane}_index"
+
+    @property
+    def exact_rows(self) -> str:
+        """The plane's exact form when EXACT_FORM says EXACT_ROWS."""
+        return f"exact_{self.plane}_rows"
+
+    @property
+    def exact_hash_offsets(self) -> str:
+        """With `exact_hashes`, the plane's exact form when EXACT_FORM says EXACT_VALUES."""
+        return f"exact_{self.plane}_hash_offsets"
+
+    @property
+    def exact_hashes(self) -> str:
+        return f"exact_{self.plane}_hashes"
+
+
+def plane_arrays(plane: str) -> PlaneArrays:
+    """The array names of matcher plane `plane` (one of MATCHER_PLANES)."""
+    if plane not in MATCHER_PLANES:
+        raise ValueError(f"{plane!r} is not a matcher plane (planes: {', '.join(MATCHER_PLANES)})")
+    return PlaneArrays(plane)
+
+
 def _planes() -> tuple[ArrayFile, ...]:
     out = []
     for p in MATCHER_PLANES:
-        out += [ArrayFile(f"{p}_index", "<i4", "E", None, f"Row of `{p}_table` holding child entry e's subtree union."),
-                ArrayFile(f"{p}_table", "<u8", f"R_{p}", f"W_{p}",
+        a = plane_arrays(p)
+        out += [ArrayFile(a.index, "<i4", "E", None, f"Row of `{a.table}` holding child entry e's subtree union."),
+                ArrayFile(a.table, "<u8", f"R_{p}", f"W_{p}",
                           f"Deduplicated {p} matcher rows (DESIGN.md §4): every row distinct in a full build; "
                           "an update appends its rows, distinct among themselves.")]
     for p in MATCHER_PLANES:
-        out.append(ArrayFile(f"part_{p}_index", "<i4", "T", None, f"Row of `{p}_table` of each k-way partition.",
+        a = plane_arrays(p)
+        out.append(ArrayFile(a.part_index, "<i4", "T", None, f"Row of `{a.table}` of each k-way partition.",
                              group="kway"))
     return tuple(out)
 
@@ -122,13 +165,14 @@ def _planes() -> tuple[ArrayFile, ...]:
 def _exact() -> tuple[ArrayFile, ...]:
     out = []
     for p in MATCHER_PLANES:
+        a = plane_arrays(p)
         if EXACT_FORM[p] == EXACT_ROWS:
-            out.append(ArrayFile(f"exact_{p}_rows", "<u8", "N", f"W_{p}", f"Each ad's own {p} row (exact)."))
+            out.append(ArrayFile(a.exact_rows, "<u8", "N", f"W_{p}", f"Each ad's own {p} row (exact)."))
         else:
-            out += [ArrayFile(f"exact_{p}_hash_offsets", "<i8", f"A_{p} * (N + 1)", None,
-                              f"Attribute-major: the hashes of ad i for {p} attribute a are exact_{p}_hashes"
+            out += [ArrayFile(a.exact_hash_offsets, "<i8", f"A_{p} * (N + 1)", None,
+                              f"Attribute-major: the hashes of ad i for {p} attribute a are {a.exact_hashes}"
                               f"[o[a*(N+1)+i] : o[a*(N+1)+i+1]]; one run rising from 0 to H_{p}."),
-                    ArrayFile(f"exact_{p}_hashes", "<u8", f"H_{p}", None,
+                    ArrayFile(a.exact_hashes, "<u8", f"H_{p}", None,
                               "mmh3 x64_128 (seed 0x5EED0E1, first 64 bits) of an ad's values, ascending within "
                               "each ad.")]
     return tuple(out)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from schemas.artifacts import (AD_DELETED, ARRAYS_BY_NAME, EXACT_FORM, EXACT_ROWS, MANIFEST_FILE, MATCHER_PLANES,
-                              written_version)
+                              plane_arrays, written_version)
 from sidindex.artifact import link_file, list_files, same_file, verify_files
 from sidindex.errors import ArtifactError, SidIndexError
 from sidindex.matchers.exact import ExactIndex
@@ -261,14 +261,16 @@ def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
         ("leaf_ad_offsets", s["leaf_ad_offsets"] >= 2),
         ("leaf_ads", s["leaf_ads"] >= 1),
     ]
+    T = s.get(plane_arrays(MATCHER_PLANES[0]).part_index)  # k-way partitions, as the first plane counts them
     for p, layout in zip(MATCHER_PLANES, spec.layouts):
-        agree += [(f"{p}_index", s[f"{p}_index"] == E), (f"{p}_table", width[f"{p}_table"] == layout.words)]
+        a = plane_arrays(p)
+        agree += [(a.index, s[a.index] == E), (a.table, width[a.table] == layout.words)]
         if EXACT_FORM[p] == EXACT_ROWS:
-            agree.append((f"exact_{p}_rows", s[f"exact_{p}_rows"] == N and width[f"exact_{p}_rows"] == layout.words))
+            agree.append((a.exact_rows, s[a.exact_rows] == N and width[a.exact_rows] == layout.words))
         else:
-            agree.append((f"exact_{p}_hash_offsets", s[f"exact_{p}_hash_offsets"] == len(layout.names) * (N + 1)))
+            agree.append((a.exact_hash_offsets, s[a.exact_hash_offsets] == len(layout.names) * (N + 1)))
         if m.kway:
-            agree.append((f"part_{p}_index", s[f"part_{p}_index"] == s[f"part_{MATCHER_PLANES[0]}_index"]))
+            agree.append((a.part_index, s[a.part_index] == T))
     if m.kway:
         agree.append(("part_offsets", s["part_offsets"] == E + 1))
     if "ad_state" in s:
@@ -276,7 +278,7 @@ def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
     if "ad_value" in s:
         agree += [("ad_value", s["ad_value"] == N), ("entry_value", s["entry_value"] == E)]
         if m.kway:
-            agree.append(("part_value", s["part_value"] == s[f"part_{MATCHER_PLANES[0]}_index"]))
+            agree.append(("part_value", s["part_value"] == T))
     for name, ok in agree:
         if not ok:
             raise ArtifactError(f"{where}: the shape of {name} ({m.arrays[name].shape}) does not fit the rest of "

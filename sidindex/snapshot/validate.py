@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import polars as pl
 
-from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, ARRAYS_BY_NAME, MANIFEST_FILE, MAX_AD_VALUE
+from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, ARRAYS_BY_NAME, MANIFEST_FILE, MAX_AD_VALUE, plane_arrays
 from sidindex.errors import ArtifactError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.parallel import sized
@@ -209,7 +209,7 @@ def _trie(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> N
 def _planes(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """Every entry's matcher rows, per plane, inside their tables."""
     for p in gtm.planes:
-        need(_in_range(p.index, len(p.table)), f"{p.name}_index", f"a row index lies outside [0, {len(p.table)})")
+        need(_in_range(p.index, len(p.table)), plane_arrays(p.name).index, f"a row index lies outside [0, {len(p.table)})")
 
 
 def _leaves(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
@@ -230,7 +230,7 @@ def _partitions(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray
     need(_offsets(gtm.part_offsets, T, strict=True), "part_offsets",
          "each entry must have at least one partition, offsets rising to the partition count")
     for p in gtm.planes:
-        need(_in_range(p.part_index, len(p.table)), f"part_{p.name}_index",
+        need(_in_range(p.part_index, len(p.table)), plane_arrays(p.name).part_index,
              f"a row index lies outside [0, {len(p.table)})")
 
 
@@ -240,7 +240,8 @@ def _exact(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> 
     for p in exact.planes:
         if p.hash_offsets is None:
             continue
-        offsets, hashes = f"exact_{p.name}_hash_offsets", f"exact_{p.name}_hashes"
+        names = plane_arrays(p.name)
+        offsets, hashes = names.exact_hash_offsets, names.exact_hashes
         ho, h = p.hash_offsets.reshape(-1), p.hashes
         need(len(ho) == 0 and len(h) == 0 or _offsets(ho, len(h), strict=False), offsets,
              "hash offsets must rise through every attribute from 0 to the number of hashes")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from schemas.artifacts import MATCHER_PLANES, MAX_AD_VALUE
+from schemas.artifacts import MATCHER_PLANES, MAX_AD_VALUE, plane_arrays
 from sidindex.sid.assign import key_tokens, run_starts, sid_keys
 from sidindex.trie.dedup import RowTable, insert_row
 from sidindex.trie.kway import KWayConfig, partition
@@ -25,8 +25,8 @@ from sidindex.trie.kway import KWayConfig, partition
 
 @dataclass(frozen=True)
 class MatcherPlane:
-    """One matcher kind's rows in the index (`sidindex.matchers.plane`; stored as `<name>_table`,
-    `<name>_index`, `part_<name>_index`).
+    """One matcher kind's rows in the index (`sidindex.matchers.plane`; stored under the names of
+    `schemas.artifacts.plane_arrays`).
 
     table:      (R, W) uint64 deduplicated rows
     index:      (E,) int32 row of each child entry's subtree union
@@ -39,8 +39,9 @@ class MatcherPlane:
     part_index: np.ndarray | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
-        out = {f"{self.name}_index": self.index, f"{self.name}_table": self.table}
-        return out if self.part_index is None else out | {f"part_{self.name}_index": self.part_index}
+        names = plane_arrays(self.name)
+        out = {names.index: self.index, names.table: self.table}
+        return out if self.part_index is None else out | {names.part_index: self.part_index}
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,8 @@ class GTMIndex:
     @classmethod
     def from_arrays(cls, level_sizes: tuple[int, ...], arrays: dict, plane_names: tuple[str, ...]) -> GTMIndex:
         """The inverse of `arrays` (of numpy arrays or tensors alike)."""
-        planes = tuple(MatcherPlane(p, arrays[f"{p}_table"], arrays[f"{p}_index"], arrays.get(f"part_{p}_index"))
-                       for p in plane_names)
+        names = [plane_arrays(p) for p in plane_names]
+        planes = tuple(MatcherPlane(n.plane, arrays[n.table], arrays[n.index], arrays.get(n.part_index)) for n in names)
         return cls(level_sizes=tuple(level_sizes), planes=planes, **{n: arrays.get(n) for n in cls._TRIE})
 
     @property

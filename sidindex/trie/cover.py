@@ -20,6 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from schemas.artifacts import plane_arrays
 from sidindex.matchers.exact import ExactIndex
 from sidindex.parallel import sized
 from sidindex.trie.build import GTMIndex
@@ -95,13 +96,13 @@ def uncovered(gtm: GTMIndex, exact: ExactIndex) -> list[tuple[str, str]]:
     first, lo = int(do[L]) - 1, gtm.leaf_ad_offsets  # SID s is node do[L] + s, led to by entry do[L] - 1 + s
     out = []
     for p, e, layout in zip(gtm.planes, exact.planes, exact.spec.layouts):
-        table = p.table
+        table, name = p.table, plane_arrays(p.name).table
         if _children_outside(no, table, p.index, int(do[L])):
-            out.append((f"{p.name}_table", "a prefix's matcher row lacks a bit of one of its children's"))
+            out.append((name, "a prefix's matcher row lacks a bit of one of its children's"))
         elif e.rows is not None and _ads_outside(lo, gtm.leaf_ads, table, p.index, first, e.rows):
-            out.append((f"{p.name}_table", "a SID's matcher row lacks a bit of one of its ads' rows"))
+            out.append((name, "a SID's matcher row lacks a bit of one of its ads' rows"))
         elif e.rows is None and _groups_unset(lo, gtm.leaf_ads, table, p.index, first, e.hash_offsets,
                                               np.asarray(layout.word_offsets, dtype=np.int64)):
-            out.append((f"{p.name}_table", "a SID's matcher row has an attribute with no bit of one of its ads "
+            out.append((name, "a SID's matcher row has an attribute with no bit of one of its ads "
                                            "(all ones where the ad is unrestricted)"))
     return out
