@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 import torch
 
-import runtime.loader as loader
+import runtime.staging as staging
 from bench.bench_search import bench_requests, build_snapshot
 from bench.bench_snapshot import evict
 from runtime import Searcher, load_index, to_device
@@ -91,11 +91,11 @@ def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer,
     out |= {"manifest": o["manifest"] + o.get("files", 0.0), "structure": o["map"] + o["structure"]}
     if not reference:
         out["verify"] = o["checksums"]
-    loader.STAGE_THREADS = 1 if reference else THREADS
+    staging.STAGE_THREADS = 1 if reference else THREADS
     try:
         index = load_index(snap, device)
     finally:
-        loader.STAGE_THREADS = THREADS
+        staging.STAGE_THREADS = THREADS
     p = index.load_info["phases"]
     out |= {"stage": p.get("pin", 0.0) + p["stage"], "transfer": p["transfer"]}
     t = time.perf_counter()
@@ -111,12 +111,12 @@ def host_copy(path: Path, threads: int) -> float:
     """Seconds to copy every array of the snapshot into unpinned host memory on `threads` threads
     (the copy a GPU host's stage makes)."""
     snap = open_snapshot(path, verify=False)
-    loader.STAGE_THREADS = threads
+    staging.STAGE_THREADS = threads
     try:
         clock = StageClock()
-        loader.stage_arrays(snap.arrays(), clock, pinned=False)
+        staging.stage_arrays(snap.arrays(), clock, pinned=False)
     finally:
-        loader.STAGE_THREADS = THREADS
+        staging.STAGE_THREADS = THREADS
     return clock.seconds["stage"]
 
 

@@ -29,13 +29,15 @@ re-implements their formats; the `sidindex` library never imports `runtime` (onl
 serving commands do, when they run). Triton is imported only when a kernel first runs on CUDA.
 """
 
-from runtime.loader import ServedIndex, SnapshotWatcher, load, load_index
+from runtime.loader import load, load_index
 from runtime.requests import read_requests, requests_from, to_device
 from runtime.retrieve import RetrievalRun, codebook_scorer, factory_scorer, retrieve
 from runtime.retriever import Retriever
 from runtime.scorer import CodebookScorer
 from runtime.search import Beams, Scorer, beam_search, parse_beams
+from runtime.served import ServedIndex
 from runtime.serving import Searcher
+from runtime.watcher import SnapshotWatcher
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests, encode_requests
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask import gtm_candidates, gtm_mask, uses_triton
 from runtime.ops.gtm_mask.prepare import planned, prepared
 from runtime.ops.gtm_mask.slots import Slots, decode, slots_of
 from runtime.requests import to_device
+from runtime.served import ServedIndex
 from sidindex.modes import Mode
 from sidindex.requests import EncodedRequests
 

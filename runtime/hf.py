@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from runtime.loader import ServedIndex
 from runtime.constraint import Constraint
 from runtime.search import level_log_probs
+from runtime.served import ServedIndex
 from sidindex.errors import ConfigError
 from sidindex.requests import Requests
 from sidindex.modes import Mode, parse_mode

@@ -34,10 +34,10 @@ import numba
 import numpy as np
 import torch
 
-from runtime.loader import POST_ARRAYS, ServedIndex, post_bounds
 from runtime.ops.expand import RANKS, RRF_K, PostLayout, expand_beams
 from runtime.requests import to_device
 from runtime.search import Beams
+from runtime.served import POST_ARRAYS, ServedIndex, post_bounds
 from schemas.artifacts import AD_LIVE, MATCHER_PLANES
 from sidindex.errors import ConfigError
 from sidindex.requests import MAX_REQUEST_VALUES
@@ -345,7 +345,7 @@ class DevicePost:
     for a batch of `batch` requests x `beams` beams.
 
     Every shape is fixed here, from host-known bounds: C = the most (request, ad) pairs `beams`
-    distinct leaves hold (`loader.PostBounds`), T = min(top_k, C) result rows per request; the
+    distinct leaves hold (`runtime.served.PostBounds`), T = min(top_k, C) result rows per request; the
     torch reference also takes M = `max_values` request values per attribute (the bound
     `sidindex.requests.requests_from` enforces; the kernels loop to each request's own). `run` makes
     no host synchronisation, so it can be captured in a CUDA graph after the search; `result`

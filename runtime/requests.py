@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask.planes import most_queries, stack_queries, stacked_views
+from runtime.served import ServedIndex
 from sidindex.matchers.exact import ExactQueries
 from sidindex.requests import EncodedRequests, Requests
 from sidindex.requests import read_requests as read_request_file

@@ -9,11 +9,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from runtime.loader import ServedIndex
 from runtime.post import Retrieved
 from runtime.retriever import Retriever, codebook_of, table_of
 from runtime.scorer import CodebookScorer, ScorerFactory, load_factory
 from runtime.search import DEFAULT_BEAMS, Scorer
+from runtime.served import ServedIndex
 from sidindex.errors import InputError
 from sidindex.modes import Mode
 from sidindex.requests import EncodedRequests, Requests

@@ -52,12 +52,13 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from runtime.loader import ServedIndex, SnapshotWatcher
 from runtime.post import Retrieved, check_rank, check_top_k
 from runtime.requests import requests_from, to_device
 from runtime.scorer import CodebookScorer, ScorerFactory, load_factory
 from runtime.search import DEFAULT_BEAMS, check_value_weight, parse_beams
+from runtime.served import ServedIndex
 from runtime.serving import Searcher
+from runtime.watcher import SnapshotWatcher
 from sidindex.errors import ArtifactError, ConfigError, InputError
 from sidindex.ingest import MAX_ABS_EMBEDDING
 from sidindex.modes import Mode, parse_mode

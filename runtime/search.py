@@ -41,9 +41,9 @@ from typing import Protocol
 
 import torch
 
-from runtime.loader import ServedIndex
 from runtime.constraint import Constraint
 from runtime.ops.order import top_k
+from runtime.served import ServedIndex
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests

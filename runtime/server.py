@@ -35,8 +35,8 @@ import orjson
 import pyarrow as pa
 import torch
 
-from runtime.loader import SnapshotWatcher
 from runtime.retriever import Retriever, requests_part, table_of
+from runtime.watcher import SnapshotWatcher
 from sidindex.errors import InputError, SidIndexError
 from sidindex.requests import Requests, requests_from
 from sidindex.targeting import TargetingSpec

@@ -44,10 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.loader import ServedIndex
 from runtime.ops.gtm_mask.planes import stack_queries
 from runtime.post import DevicePost, Retrieved, check_rank, check_top_k, expand, on_device
 from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search, capped_widths, check_slack
+from runtime.served import ServedIndex
 from sidindex.matchers.exact import ExactQueries
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests

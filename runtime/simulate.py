@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.loader import ServedIndex
 from runtime.requests import to_device
 from runtime.retrieve import codebook_scorer, factory_scorer, retrieve
 from runtime.scorer import ScorerFactory
 from runtime.search import Scorer, check_value_weight, level_log_probs, logits_of, parse_beams
+from runtime.served import ServedIndex
 from sidindex.matchers.exact import eligible_mask
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import Requests, encode_requests

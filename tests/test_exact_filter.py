@@ -21,9 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.ops.exact_filter import exact_filter
-from runtime.loader import post_bounds
 from runtime.post import post_tensors
 from runtime.requests import to_device
+from runtime.served import post_bounds
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.matchers.exact import ExactQueries, stage_flags
 from sidindex.matchers.plane import PlaneQueries

@@ -16,7 +16,7 @@ import torch
 import xxhash
 
 import runtime
-import runtime.loader as loader
+import runtime.staging as staging
 import sidindex.artifact as artifact
 from schemas.artifacts import DIGEST_VERSION, FAST_DIGEST, FAST_DIGEST_CHUNK, SNAPSHOT_VERSION, snapshot_version
 from sidindex.artifact import fast_digest, same_file, seal
@@ -185,11 +185,11 @@ def test_an_older_version_with_fast_digests_and_a_newer_version_are_refused(snap
 
 def test_staging_copies_every_array_in_chunks(root, monkeypatch):
     """Chunks smaller than most arrays (and arrays of 0 or 1 element): the same bytes, uint64 as int64."""
-    monkeypatch.setattr(loader, "STAGE_CHUNK", 1000)
-    monkeypatch.setattr(loader, "STAGE_THREADS", 3)
+    monkeypatch.setattr(staging, "STAGE_CHUNK", 1000)
+    monkeypatch.setattr(staging, "STAGE_THREADS", 3)
     arrays = open_snapshot(root).arrays() | {"empty": np.zeros(0, np.int64), "one": np.ones(1, np.int16)}
     clock = StageClock()
-    staged = loader.stage_arrays(arrays, clock, pinned=False)
+    staged = staging.stage_arrays(arrays, clock, pinned=False)
     assert set(clock.seconds) == {"stage"}
     for name, a in arrays.items():
         want = a.view(np.int64) if a.dtype == np.uint64 else a

@@ -39,7 +39,7 @@ def expand_beams(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_order: 
       ad_value (N,) float64 when the layout has values, ad_state (N,) uint8 when updates wrote it,
       and the exact filter's (`runtime.ops.exact_filter`).
     ad_order: (N,) int64 each row's place in ascending ad_id order. steps: per values plane its
-    binary-search steps (`runtime.loader.PostBounds`). requests: the batch's device form
+    binary-search steps (`runtime.served.PostBounds`). requests: the batch's device form
     (`runtime.requests.to_device`). beams: tokens (B, K, L) int64, score (B, K) float32, leaf (B, K)
     int64. max_values: the reference's static query bound. impl: "triton", "torch" or "auto"
     (triton on CUDA tensors when C and K fit MAX_BLOCK, torch elsewhere).
