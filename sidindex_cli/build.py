@@ -92,7 +92,7 @@ def sid_assign(
 
     Each ad gets one SID per path (its m nearest first-level centroids, each quantised down on its
     own, sharing the hashed last token). The SID scheme comes from the codebook; of --config only
-    [quality] applies. Exits 3 without writing --out when a quality gate fails (e.g. a level
+    \\[quality] applies. Exits 3 without writing --out when a quality gate fails (e.g. a level
     collapsed to one code).
     """
     from sidindex.config import load_config
@@ -136,7 +136,7 @@ def build(
     keep: int = typer.Option(3, "--keep", min=1, help="Published snapshots to keep (older ones are deleted)."),
     engine: str = typer.Option("local", "--engine", help="Where the build runs: local (this process) or ray "
                                "(Ray tasks over the Parquet catalog's row groups; needs a frozen codebook and "
-                               "the ray extra: pip install 'sidindex[ray]'). Both publish the same arrays."),
+                               "the ray extra: pip install 'sidindex\\[ray]'). Both publish the same arrays."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster to run on (ADDR, or auto: "
                                               "the one this host belongs to). Default: start a local Ray for the build."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="local: threads building the trie as "

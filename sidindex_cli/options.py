@@ -18,7 +18,7 @@ CATALOG_OPT = typer.Option(..., "--catalog", help="Catalog file (Parquet or Arro
                            exists=False, dir_okay=False)
 TARGETING_OPT = typer.Option(None, "--targeting",
                              help="Targeting spec (TOML). When given, the whole catalog is validated against it.")
-CONFIG_OPT = typer.Option(None, "--config", help="Build config (TOML): [sid] scheme and [quality] gates. "
+CONFIG_OPT = typer.Option(None, "--config", help="Build config (TOML): \\[sid] scheme and \\[quality] gates. "
                                                  "Default: the built-in defaults (see sidindex.config).")
 JSON_OPT = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of tables.")
 BEAMS_OPT = typer.Option("1,512,1024,1024", "--beams", help="Beam size per SID position: beams[0] is the root "

@@ -39,7 +39,7 @@ def validate(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
 def inspect(
     snapshot: Path = SNAPSHOT_ARG,
     plot: Optional[Path] = typer.Option(None, "--plot", callback=output_file, help="Also draw fill rate and storage per position to this "
-                                        "PNG (needs matplotlib: pip install 'sidindex[plot]')."),
+                                        "PNG (needs matplotlib: pip install 'sidindex\\[plot]')."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Show a snapshot: trie shape, matcher storage, fill rates, SID statistics, staleness.
