@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from runtime.ops.gtm_mask import gtm_candidates, gtm_mask, uses_triton
+from runtime.ops.gtm_mask import gtm_candidates, gtm_mask, mask_impl
 from runtime.ops.gtm_mask.prepare import planned, prepared
 from runtime.ops.gtm_mask.slots import Slots, decode, slots_of
+from runtime.ops.impl import Impl
 from runtime.requests import to_device
 from runtime.served import ServedIndex
 from sidindex.modes import Mode
@@ -28,18 +29,19 @@ class Constraint:
     """What a batch may generate on an index under a mode.
 
     index: the served index; requests: the batch's encoding (its device form, or the host form,
-    moved once); mode: a parsed Mode the index can serve; impl: the mask implementation ("auto",
-    "triton", "numba", "torch"); compact: the searches lay candidates out compactly (`slots`),
-    which prepares the first step's launch (`prepare.planned`) rather than the whole batch's
-    tables up front (`prepare.prepared`).
+    moved once); mode: a parsed Mode the index can serve; impl: the mask implementation (an
+    `Impl`, resolved here once, `ops.gtm_mask.mask_impl`: an unknown one is refused before any
+    work); compact: the searches lay candidates out compactly (`slots`), which prepares the first
+    step's launch (`prepare.planned`) rather than the whole batch's tables up front
+    (`prepare.prepared`).
     """
 
-    def __init__(self, index: ServedIndex, requests: EncodedRequests, mode: Mode, impl: str = "auto",
+    def __init__(self, index: ServedIndex, requests: EncodedRequests, mode: Mode, impl: Impl | str = Impl.AUTO,
                  compact: bool = True) -> None:
+        self.index, self.mode, self.impl = index, mode, mask_impl(impl, index.device)
         if requests.stacked is None:  # the host encoding
             requests = to_device(requests, index.device)
-        self.index, self.mode, self.impl = index, mode, impl
-        self.kernels = uses_triton(impl, index.device)  # the compact layout's own kernels too
+        self.kernels = self.impl is Impl.TRITON  # the compact layout's own kernels too
         self.plan = None  # the query tables and shared rows' tests, made in the first step's mask launch
         if self.kernels and mode.gtm and compact:
             requests, self.plan = planned(requests, index)

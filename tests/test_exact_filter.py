@@ -25,6 +25,7 @@ from runtime.post import post_tensors
 from runtime.requests import to_device
 from runtime.served import post_bounds
 from schemas.artifacts import MATCHER_PLANES
+from sidindex.errors import ConfigError
 from sidindex.matchers.exact import ExactQueries, stage_flags
 from sidindex.matchers.plane import PlaneQueries
 from tests.test_post import cases
@@ -171,5 +172,5 @@ def test_kernel_and_reference_equal_a_brute_force_on_raw_arrays(drawn, data):
 
 
 def test_an_unknown_impl_is_refused():
-    with pytest.raises(ValueError, match="expected one of auto, triton, torch"):
+    with pytest.raises(ConfigError, match="expected one of auto, triton, torch"):
         exact_filter({}, None, torch.zeros((1, 1), dtype=torch.int64), {}, 1, impl="numba")

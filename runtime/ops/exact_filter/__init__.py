@@ -11,12 +11,11 @@ from __future__ import annotations
 import torch
 
 from runtime.ops.exact_filter.reference import exact_filter_reference, held_slots
-
-IMPLS = ("auto", "triton", "torch")
+from runtime.ops.impl import Impl, resolve_impl
 
 
 def exact_filter(arrays: dict[str, torch.Tensor], requests, ad: torch.Tensor, steps: dict[str, tuple[int, ...]],
-                 max_values: int, impl: str = "auto", live: torch.Tensor | None = None) -> list[torch.Tensor]:
+                 max_values: int, impl: Impl | str = Impl.AUTO, live: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Per matcher plane (`MATCHER_PLANES` order) (B, C) bool: ad `ad[b, c]` passes every attribute
     of the plane for request b. A `rows` plane: on every word group ANY of the request's queries q
     has (row & q) == q; a `values` plane: per attribute the ad has no values or ANY request value
@@ -32,15 +31,11 @@ def exact_filter(arrays: dict[str, torch.Tensor], requests, ad: torch.Tensor, st
     ad: (B, C) int64 catalog rows. steps: per values plane its binary-search steps per attribute
     (`runtime.loader.PostBounds.steps`). max_values: the most queries or values a request has for one
     group or attribute (the reference's static shape; the kernels loop to the actual counts).
-    impl: "triton", "torch" or "auto" (triton on CUDA tensors, torch elsewhere).
+    impl: an `Impl` other than numba ("auto": triton on CUDA tensors, torch elsewhere).
     live: None, or (B,) int64: only request b's first live[b] slots hold pairs; the others are
       False, and the kernels read nothing for them (the post kernels compact each request's pairs).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
-    if impl == "auto":
-        impl = "triton" if ad.is_cuda else "torch"
-    if impl == "triton":
+    if resolve_impl(impl, ad.device, op="the exact filter") is Impl.TRITON:
         from runtime.ops.exact_filter.kernel import exact_filter_triton  # triton only where it runs
 
         return exact_filter_triton(arrays, requests, ad, steps, live)

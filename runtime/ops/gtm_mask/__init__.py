@@ -15,17 +15,19 @@ import torch
 
 from runtime.ops.gtm_mask.reference import gtm_mask_reference, value_key
 from runtime.ops.gtm_mask.slots import Slots, compact
+from runtime.ops.impl import Impl, resolve_impl
 from sidindex.modes import Mode
 
 
-def uses_triton(impl: str, device: torch.device) -> bool:
-    """Whether mask implementation `impl` runs the Triton kernels on `device` ("auto": on CUDA)."""
-    return impl == "triton" or (impl == "auto" and device.type == "cuda")
+def mask_impl(impl: Impl | str, device: torch.device) -> Impl:
+    """The mask implementation `impl` names on `device` (`runtime.ops.impl`: "auto" is triton on
+    CUDA, numba elsewhere); the compact layout's bookkeeping runs its kernels with the mask's."""
+    return resolve_impl(impl, device, op="the CD+GTM mask", host=Impl.NUMBA)
 
 
 def gtm_mask(index, requests, depth: int, beam_request: torch.Tensor, beam_node: torch.Tensor,
-             beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, impl: str = "auto", with_bound: bool = False,
-             value_weight: float = 0.0):
+             beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, impl: Impl | str = Impl.AUTO,
+             with_bound: bool = False, value_weight: float = 0.0):
     """(M, V) float32 candidate scores of the M beams at `depth`. With `with_bound`, also (M, V)
     float32 each candidate's value bound (DESIGN.md §16: the largest value of an ad beneath it that
     can pass, from `entry_value`, or the passing partitions' `part_value` in k-way mode; 0 where
@@ -36,17 +38,16 @@ def gtm_mask(index, requests, depth: int, beam_request: torch.Tensor, beam_node:
     beam_request: (M,) int64 request of each beam; beam_node: (M,) int64 its trie node (of depth
     `depth`); beam_score: (M,) float32 (-inf: a dead beam); logp: (M, V) float32 log-probabilities.
     mode: a constrained Mode the index can serve (the caller parsed it, `sidindex.modes.parse_mode`).
-    impl: "triton", "numba" (CPU tensors), "torch" or "auto" (triton on CUDA, numba on the CPU)
+    impl: an `Impl` ("auto": triton on CUDA, numba on the CPU; `mask_impl`)
     """
-    if impl == "auto":
-        impl = "triton" if uses_triton(impl, logp.device) else "numba"
-    if impl == "triton":
+    impl = mask_impl(impl, logp.device)
+    if impl is Impl.TRITON:
         from runtime.ops.gtm_mask.kernel import gtm_mask_triton
 
         return gtm_mask_triton(index, requests, depth, beam_request, beam_node, beam_score, logp.contiguous(), mode,
                                with_bound, value_weight)
     args = (index, requests, depth, beam_request, beam_node, beam_score, logp, mode, with_bound or value_weight > 0)
-    if impl == "torch":
+    if impl is Impl.TORCH:
         got = gtm_mask_reference(*args)
     else:
         from runtime.ops.gtm_mask.cpu import gtm_mask_cpu
@@ -56,7 +57,8 @@ def gtm_mask(index, requests, depth: int, beam_request: torch.Tensor, beam_node:
 
 
 def gtm_candidates(index, requests, depth: int, slots: Slots, beam_node: torch.Tensor, beam_score: torch.Tensor,
-                   logp: torch.Tensor, mode: Mode, impl: str = "auto", value_weight: float = 0.0, prepare=None):
+                   logp: torch.Tensor, mode: Mode, impl: Impl | str = Impl.AUTO, value_weight: float = 0.0,
+                   prepare=None):
     """(B, W) float32 candidate scores of a step's B*K beams in the compact layout `slots`
     (`slots.compact` of `gtm_mask`'s): slot j of request b holds its child's beam_score + logp
     where the child passes `mode`, -inf elsewhere and in unused slots. With value_weight > 0, also
@@ -66,9 +68,8 @@ def gtm_candidates(index, requests, depth: int, slots: Slots, beam_node: torch.T
     Triton kernel writes the layout directly; the torch reference and the numba path lay out
     their dense masks. prepare: a `prepare.Plan` the Triton kernel makes in the same launch.
     """
-    if impl == "auto":
-        impl = "triton" if uses_triton(impl, logp.device) else "numba"
-    if impl == "triton":
+    impl = mask_impl(impl, logp.device)
+    if impl is Impl.TRITON:
         from runtime.ops.gtm_mask.kernel import gtm_mask_triton
 
         return gtm_mask_triton(index, requests, depth, beam_node, beam_node, beam_score, logp.contiguous(), mode,
