@@ -38,7 +38,9 @@ import torch
 from bench.bench_search import (bench_requests, build_snapshot, captured, cuda_ms, print_profile, profile_kernels,
                                  wall_ms)
 from runtime.loader import load_index
-from runtime.post import RRF_K, DevicePost, Retrieved, exact_pairs, expand
+from runtime.ops.expand import RRF_K
+from runtime.ops.expand.host import exact_pairs
+from runtime.post import DevicePost, Retrieved, expand
 from runtime.requests import to_device
 from runtime.search import Beams, beam_search
 from sidindex.modes import Mode

@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.loader import load_index
-from runtime.ops.expand import MAX_BLOCK, PostLayout, kernels_fit
-from runtime.post import RANKS, RRF_K, DevicePost, Retrieved, expand, post_tensors
+from runtime.ops.expand import MAX_BLOCK, RRF_K, PostLayout, kernels_fit
+from runtime.post import RANKS, DevicePost, Retrieved, expand, post_tensors
 from runtime.requests import to_device
 from runtime.search import Beams
 from schemas.artifacts import MATCHER_PLANES
@@ -350,10 +350,10 @@ def test_searcher_retrieve_is_search_then_post(sc, seed, top_k, rank):
 @given(st.lists(st.integers(0, 70), min_size=1, max_size=5), st.sampled_from(["random", "ranked", "reversed", "ties"]),
        st.integers(0, 2**32 - 1))
 def test_segment_order_ranks_each_segment_as_a_sort_does(sizes, shape, seed):
-    """The host ranking's sort (`runtime.post._segment_order`) against numpy's lexsort, per
+    """The host ranking's sort (`runtime.ops.expand.host._segment_order`) against numpy's lexsort, per
     segment: keys ranked already (as the beams mostly deliver them, where merges only copy),
     reversed, random, or a few values tied throughout (ad_id decides)."""
-    from runtime.post import _segment_order
+    from runtime.ops.expand.host import _segment_order
 
     gen = np.random.default_rng(seed)
     n = sum(sizes)

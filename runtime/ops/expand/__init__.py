@@ -1,25 +1,28 @@
-"""The device post stage's op (`runtime.post.DevicePost`, DESIGN.md §3, §8): a batch's beams ->
-its (request, ad) pairs, each ad's best score, the exact filter, and the ranked rows, packed into
-one int64 buffer (`PostLayout`), with no host synchronisation (a CUDA graph captures it).
+"""The post stage's op (`runtime.post`, DESIGN.md §3, §8): a batch's beams -> its (request, ad)
+pairs, each ad's best score, the exact filter, and the ranked rows.
 
-Two implementations of the one contract, and `expand_beams` picks:
+On the host (`expand_host`, `host`): numba passes over the snapshot's memory maps, to the fields of
+`runtime.post.Retrieved`. On the device (`runtime.post.DevicePost`, `expand_beams`): the rows
+packed into one int64 buffer (`PostLayout`), with no host synchronisation (a CUDA graph captures
+it); two implementations of that one contract, and `expand_beams` picks:
   triton  Triton kernels around the exact filter's (`kernel`): one program per request holds its C
           slots in one block and finds each ad's first slot by hashing, and the eligible ones are
           ranked by counting over many programs (C and K up to MAX_BLOCK)
   torch   the reference (`reference`): whole-tensor ops, sorts along C; on CPU tensors, and past
           MAX_BLOCK, where one program per request holds more lanes than it was measured with
-Both give every count and every row in use bit for bit (tests compare them, the kernels under
-TRITON_INTERPRET=1); rows past those in use are unspecified.
+Both give every count and every row in use bit for bit, as the host path gives them (tests compare
+all three, the kernels under TRITON_INTERPRET=1); rows past those in use are unspecified.
 """
 
 from __future__ import annotations
 
 import torch
 
+from runtime.ops.expand.host import expand_host
 from runtime.ops.expand.layout import MAX_BLOCK, RANKS, RRF_K, PostLayout
 from runtime.ops.expand.reference import expand_reference
 
-__all__ = ["MAX_BLOCK", "RANKS", "RRF_K", "PostLayout", "expand_beams", "kernels_fit"]
+__all__ = ["MAX_BLOCK", "RANKS", "RRF_K", "PostLayout", "expand_beams", "expand_host", "kernels_fit"]
 
 IMPLS = ("auto", "triton", "torch")
 
