@@ -11,7 +11,7 @@ import torch
 
 from runtime.post import Retrieved
 from runtime.retriever import Retriever, codebook_of, table_of
-from runtime.scorer import CodebookScorer, ScorerFactory, load_factory
+from runtime.scorer import CodebookScorer, ScorerFactory, as_factory
 from runtime.search import DEFAULT_BEAMS, Scorer
 from runtime.served import ServedIndex
 from sidindex.errors import InputError
@@ -55,7 +55,7 @@ def factory_scorer(factory: str | ScorerFactory, index: ServedIndex, requests: R
     """rows -> the scorer that the user's factory 'MODULE:FACTORY' (`runtime.scorer.load_factory`)
     makes for requests[rows], given those rows with every column of the request file as a
     pyarrow.Table, the index's device and level sizes. Errors name the factory (ScorerError)."""
-    named = load_factory(factory) if isinstance(factory, str) else factory
+    named = as_factory(factory)
     def for_rows(rows: slice) -> Scorer:
         batch = requests.table.slice(rows.start, rows.stop - rows.start)
         return named.for_batch(batch, index.device, index.level_sizes)
@@ -71,7 +71,8 @@ def retrieve(index: ServedIndex, requests: Requests, *, mode: Mode | str = Mode.
     a `runtime.Retriever` made for this table (not warmed: its first batch compiles and captures).
 
     requests: validated against the index's spec (`runtime.read_requests`, `runtime.requests_from`).
-    scorer: None (the codebook scorer), or a user's factory ('MODULE:FACTORY' or a `ScorerFactory`)
+    scorer: None (the codebook scorer), or a user's factory ('MODULE:FACTORY', a factory function or a
+            `ScorerFactory`)
     value_weight: λ of the value-guided search (`runtime.search`; 0: by log-probability alone)
     rank: how each request's ads are ranked (`runtime.post.RANKS`: score, value or fused)
     stages: with each request's ads passing each matcher plane (`Retrieved.ads_per_stage`)

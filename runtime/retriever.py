@@ -54,7 +54,7 @@ import torch
 
 from runtime.post import Retrieved, check_rank, check_top_k
 from runtime.requests import requests_from, to_device
-from runtime.scorer import CodebookScorer, ScorerFactory, load_factory
+from runtime.scorer import CodebookScorer, ScorerFactory, as_factory
 from runtime.search import DEFAULT_BEAMS, check_value_weight, parse_beams
 from runtime.served import ServedIndex
 from runtime.serving import Searcher
@@ -92,7 +92,8 @@ class Retriever:
     index:        a ServedIndex (`runtime.load`) or a SnapshotWatcher (whose swaps it follows)
     mode, beams:  the search (`runtime.parse_mode`, `runtime.parse_beams`)
     scorer:       None (the codebook scorer, from each request's embedding), a user's factory
-                  'MODULE:FACTORY' (`runtime.scorer.load_factory`), or a loaded `ScorerFactory`
+                  'MODULE:FACTORY' (`runtime.scorer.load_factory`), a factory function
+                  FACTORY(batch, device, level_sizes) -> Scorer, or a loaded `ScorerFactory`
     batch_sizes:  the batch sizes to serve (graphs captured at warm-up on a GPU)
     value_weight: λ of the value-guided search (0: by log-probability); rank: how each request's
                   ads are ranked (`runtime.post.RANKS`); top_k: the most ads per request (None: all)
@@ -116,7 +117,7 @@ class Retriever:
         if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
             raise ConfigError(f"batch sizes {batch_sizes!r}: give one or more positive numbers of requests")
         self.batch_sizes, self.value_weight, self.rank, self.top_k, self.impl = sizes, value_weight, rank, top_k, impl
-        self.factory = load_factory(scorer) if isinstance(scorer, str) else scorer
+        self.factory = as_factory(scorer)
         self.counters = Counters()
         self._lock = threading.RLock()  # serving: one batch at a time (module doc)
         self._warmed: dict[int, _Warmed] = {}  # by id of the ServedIndex: the served one and one being warmed

@@ -88,6 +88,20 @@ def load_factory(spec: str, timeout: float | None = None) -> ScorerFactory:
     return ScorerFactory(factory, spec, timeout)
 
 
+def as_factory(scorer) -> ScorerFactory | None:
+    """A scorer argument as a ScorerFactory: None (the codebook scorer) stays None, 'MODULE:FACTORY'
+    is loaded (`load_factory`), a ScorerFactory is itself, and a plain function
+    FACTORY(batch, device, level_sizes) -> Scorer is wrapped under its name."""
+    if scorer is None or isinstance(scorer, ScorerFactory):
+        return scorer
+    if isinstance(scorer, str):
+        return load_factory(scorer)
+    if callable(scorer):
+        return ScorerFactory(scorer, getattr(scorer, "__qualname__", type(scorer).__name__))
+    raise ScorerError(f"scorer: expected 'MODULE:FACTORY', a factory function or a ScorerFactory, got "
+                      f"{type(scorer).__name__}")
+
+
 class _TimedOut(BaseException):
     """A call into the user's code outlived its timeout (raised by the alarm)."""
 

@@ -152,3 +152,18 @@ def test_retrieve_cli_is_unchanged(work):
     assert want.num_rows
     for kind in KINDS:
         assert rows(kind).equals(want), kind
+
+
+def test_a_plain_factory_function_is_a_scorer(work, scorers):
+    """retrieve and the Retriever take a factory function as they take its ScorerFactory; what is
+    neither is refused with one line."""
+    index = runtime.load(work / "root", "cpu")
+    reqs = runtime.read_requests(work / "requests.parquet", index)
+    factory = runtime.scorer.ScorerFactory(scorers.plain, "plain")
+    want = runtime.retrieve(index, reqs, beams=BEAMS, batch_size=4, scorer=factory).result
+    got = runtime.retrieve(index, reqs, beams=BEAMS, batch_size=4, scorer=scorers.plain).result
+    for name in ("request", "ad_id", "sid", "score", "rank"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    with pytest.raises(runtime.scorer.ScorerError, match="scorer: expected 'MODULE:FACTORY', a factory function or "
+                                                         "a ScorerFactory, got int"):
+        runtime.Retriever(index, beams=BEAMS, scorer=3)
