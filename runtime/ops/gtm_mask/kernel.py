@@ -19,7 +19,7 @@ serves any set of planes. Where the depth's child entries index few distinct uni
 (`shared_rows`: near the root, where unions saturate), each of them was tested once per request
 by the search's first step (`prepare`), and the mask's lanes (SHARED) look their rows' results up
 instead. A compact first step makes those tables and tests itself, in programs past its mask's
-(PREP, `prepare.prepare_block`). With
+(PREP, `prepare_kernel.prepare_block`). With
 k-way partitions (KWAY), lanes that pass the union test try their partitions until one passes. A
 surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every other token stays
 -inf. With VALUE it also writes, in a second (M, V) output, its value bound (VALUE 1) or the
@@ -36,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.ops.gtm_mask.prepare import (Plan, idle_args, index_stack, launch, passed_for, prepare_block, query_tables,
-                                          shared_pass, untabled_layout)
+from runtime.ops.gtm_mask.planes import untabled_layout
+from runtime.ops.gtm_mask.prepare import Plan, index_stack, passed_for, query_tables, shared_pass
+from runtime.ops.gtm_mask.prepare_kernel import idle_args, launch, launch_args, prepare_block
 from runtime.ops.gtm_mask.reference import NEG_INF, VALUE_FLOOR
 from runtime.ops.gtm_mask.row_pass import ALL, TABLED, UNTABLED, layout_args, plane_kinds, rows_pass
 from runtime.ops.gtm_mask.shared_rows import FEW, MOST_ROWS, SharedRows, shared_rows
@@ -84,7 +85,7 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
                      LEAD_P: tl.constexpr, PREP: tl.constexpr, TG: tl.constexpr, TOFF: tl.constexpr,
                      PJ: tl.constexpr, PCH: tl.constexpr, TABLE_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr):
     prep = False
-    if PREP:  # programs past the mask's make what later steps' masks read (`prepare.prepare_block`)
+    if PREP:  # programs past the mask's make what later steps' masks read (`prepare_kernel.prepare_block`)
         prep = tl.program_id(1) >= prep_from
     if prep:
         prepare_block(tl.program_id(1) - prep_from, tl.program_id(0).to(tl.int64), tab_out, pass_out, q_words,
@@ -271,7 +272,7 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         extra = None if not value else torch.empty((B, width), dtype=torch.float32, device=logp.device)
         if B == 0 or width == 0:
             if prepare is not None:
-                launch(prepare, index_stack(index, requests.stacked))
+                launch(prepare.stacked, prepare.shared, index_stack(index, requests.stacked))
             return out if extra is None else (out, extra)
         start, total = slots.start, slots.total
     if prepare is not None:  # (its tables and shared rows are not made yet)
@@ -291,7 +292,7 @@ def gtm_mask_triton(index, requests, depth: int, beam_request: torch.Tensor, bea
         grid = (B, triton.cdiv(width, BLOCK))
     prep_from, prep = grid[1], idle_args(out)
     if prepare is not None:  # `prepare_block` on programs past the mask's
-        prep, blocks = prepare.launch_args(warps)
+        prep, blocks = launch_args(prepare.stacked, prepare.shared, warps)
         grid = (B, grid[1] + blocks)
     # with packing, each program's survivors: BLOCK entries, then BLOCK (beam << 32 | slot)
     scratch = torch.empty(grid[0] * grid[1] * 2 * BLOCK, dtype=torch.int64, device=logp.device) if packed else out

@@ -16,6 +16,7 @@ import torch
 # A group one of whose requests has this many queries or more is tested by table lookups
 # (`tables`): 16 lookups per word per 64 queries, against a test per query per word.
 TABLE_FROM = 16
+NIBBLES = 16  # a table's 4-bit chunks per 64-bit word (`tables`)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,12 @@ class GroupLayout:
     @property
     def table_chunks(self) -> int:
         """Chunks CH of every table: 16 per word of the widest tabled group (0 without one)."""
-        return 16 * max([self.group_words[g] for g in self.tabled], default=0)
+        return NIBBLES * max([self.group_words[g] for g in self.tabled], default=0)
+
+
+def untabled_layout(lay: GroupLayout) -> GroupLayout:
+    """`lay` with every group tested query by query (no tables)."""
+    return replace(lay, group_table=(-1,) * len(lay.group_plane), table_words=0)
 
 
 @dataclass(frozen=True)

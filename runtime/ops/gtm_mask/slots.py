@@ -44,7 +44,7 @@ def slots_of(index, node: torch.Tensor, score: torch.Tensor, width: int, kernel:
     if kernel:
         from runtime.ops.gtm_mask.slots_kernel import slots_triton
 
-        return slots_triton(index, node.contiguous(), score.contiguous(), width)
+        return Slots(*slots_triton(index, node.contiguous(), score.contiguous()), width)
     off, node = index.gtm.node_offsets, node.clamp(min=0)  # a dead beam's node is -1
     first = off[node]
     count = torch.where(score > NEG_INF, off[node + 1] - first, 0)
@@ -82,7 +82,7 @@ def decode(index, slots: Slots, flat: torch.Tensor, chosen: torch.Tensor, tokens
     if kernel:
         from runtime.ops.gtm_mask.slots_kernel import decode_triton
 
-        return decode_triton(index, slots, flat, chosen, tokens)
+        return decode_triton(index, slots.start, slots.count, slots.first, flat, chosen, tokens)
     alive = chosen > NEG_INF
     parent, e, _ = entries(slots, flat)
     tok = torch.where(alive, index.gtm.csr_tokens[e].long(), 0)

@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.ops.gtm_mask.slots import Slots
-
 CHUNK = 1024  # beams a layout program takes per round
 
 
@@ -74,29 +72,33 @@ def _decode_kernel(flat, chosen, start, count, first, csr_tokens, csr_child_node
     tl.store(tokens_out + row * (D + 1) + D, tok, mask=m)
 
 
-def slots_triton(index, node: torch.Tensor, score: torch.Tensor, width: int) -> Slots:
-    """`slots.slots_of` in one launch. node, score: (B, K) int64 / float32 contiguous."""
+def slots_triton(index, node: torch.Tensor,
+                 score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`slots.slots_of` in one launch: the layout's start, count, total and first (`slots.Slots`).
+    node, score: (B, K) int64 / float32 contiguous."""
     B, K = node.shape
     start, count, first = (torch.empty((B, K), dtype=torch.int64, device=node.device) for _ in range(3))
     total = torch.empty(B, dtype=torch.int64, device=node.device)
     if B:
         _layout_kernel[(B,)](node, score, index.gtm.node_offsets, start, count, first, total, K,
                              CHUNK=min(CHUNK, triton.next_power_of_2(K)), num_warps=4)
-    return Slots(start, count, total, first, width)
+    return start, count, total, first
 
 
-def decode_triton(index, slots: Slots, flat: torch.Tensor, chosen: torch.Tensor, tokens: torch.Tensor):
-    """`slots.decode` in one launch. flat: (B, N) int64 chosen slots; chosen: (B, N) float32 their
-    scores (-inf: dead); tokens: (B, K, D) int64 the beams' tokens so far."""
+def decode_triton(index, start: torch.Tensor, count: torch.Tensor, first: torch.Tensor, flat: torch.Tensor,
+                  chosen: torch.Tensor, tokens: torch.Tensor):
+    """`slots.decode` in one launch. start, count, first: (B, K) int64 the layout's (`slots.Slots`);
+    flat: (B, N) int64 chosen slots; chosen: (B, N) float32 their scores (-inf: dead); tokens:
+    (B, K, D) int64 the beams' tokens so far."""
     B, N = flat.shape
-    K, D = slots.start.shape[1], tokens.shape[2]
+    K, D = start.shape[1], tokens.shape[2]
     parent, tok, child = (torch.empty((B, N), dtype=torch.int64, device=flat.device) for _ in range(3))
     out = torch.empty((B, N, D + 1), dtype=torch.int64, device=flat.device)
     if B and N:
         BLOCK = 128
         g = index.gtm
         _decode_kernel[(B, triton.cdiv(N, BLOCK))](
-            flat.contiguous(), chosen.contiguous(), slots.start, slots.count, slots.first, g.csr_tokens,
+            flat.contiguous(), chosen.contiguous(), start, count, first, g.csr_tokens,
             g.csr_child_nodes, tokens.contiguous(), parent, tok, child, out, K, N, D=D,
             LOG_K=max(1, (K - 1).bit_length()), BLOCK=BLOCK, num_warps=4)
     return parent, tok, child, out

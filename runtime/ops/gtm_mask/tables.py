@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-NIBBLES = 16  # 4-bit chunks per 64-bit word
+from runtime.ops.gtm_mask.planes import NIBBLES
 
 
 @triton.jit
