@@ -6,15 +6,16 @@ them at the ad level, plane by plane, in one of two forms (`schemas.artifacts.EX
   values  per attribute, the sorted 64-bit hashes of each ad's values: mmh3 x64_128 (seed
           EXACT_SEED), first 64 bits, unsigned (exact up to 64-bit hash collisions); an ad passes an
           attribute when it has no values or ANY request value is among them (bloom)
-A request batch brings its plane queries and, for `values` planes, its `ExactQueries` in
-`sidindex.requests.EncodedRequests` (host arrays; tensors in its device form). Stage flags have
-one bit per plane, in plane order. Legend: N ads, B requests, A a plane's attributes, T hashes.
+A request batch brings its plane queries and, for `values` planes, its `ExactQueries`
+(`BatchQueries`, as `sidindex.requests.EncodedRequests` holds them: host arrays; tensors in its
+device form). Stage flags have one bit per plane, in plane order. Legend: N ads, B requests, A a
+plane's attributes, T hashes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import mmh3
 import numba
@@ -25,12 +26,9 @@ import pyarrow as pa
 from sidindex.matchers.bits import ListCodes, list_codes
 from schemas.artifacts import AD_LIVE, EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
 from sidindex.matchers.kinds import KINDS
-from sidindex.matchers.plane import PARALLEL_PAIRS, pairs_pass
+from sidindex.matchers.plane import PARALLEL_PAIRS, PlaneQueries, pairs_pass
 from sidindex.parallel import sized
 from sidindex.targeting import TargetingSpec
-
-if TYPE_CHECKING:
-    from sidindex.requests import EncodedRequests
 
 EXACT_SEED = 0x5EED0E1
 ALL_STAGES = (1 << len(MATCHER_PLANES)) - 1  # `stage_flags` of an eligible pair: bit p for plane p
@@ -84,6 +82,18 @@ class ExactQueries:
 
     def slice(self, lo: int, hi: int) -> ExactQueries:
         return ExactQueries(self.hash_offsets[:, lo:hi + 1], self.hashes)
+
+
+class BatchQueries(Protocol):
+    """What the filter reads of a request batch: per plane its queries, and per `values` plane its
+    `ExactQueries` (None for a `rows` plane). `sidindex.requests.EncodedRequests` is one; the
+    requests module encodes with the matchers, so they name only what they read of it."""
+
+    @property
+    def planes(self) -> tuple[PlaneQueries, ...]: ...
+
+    @property
+    def exact(self) -> tuple[ExactQueries | None, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -222,24 +232,24 @@ def exact_from_columns(spec: TargetingSpec, table: pa.Table) -> ExactIndex:
     return ExactIndex(spec, tuple(planes))
 
 
-def eligible_mask(index: ExactIndex, requests: EncodedRequests, request: int, ads: np.ndarray) -> np.ndarray:
+def eligible_mask(index: ExactIndex, requests: BatchQueries, request: int, ads: np.ndarray) -> np.ndarray:
     """(k,) bool: which of `ads` (k,) int64 are eligible for request `request` (DESIGN.md §3)."""
     ads = np.asarray(ads, dtype=np.int64)
     return eligible_pairs(index, requests, np.full(len(ads), request, dtype=np.int64), ads)
 
 
-def eligible_pairs(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
+def eligible_pairs(index: ExactIndex, requests: BatchQueries, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
     """(n,) bool: is ad `ads[i]` eligible for request `reqs[i]`; reqs, ads: (n,) int64."""
     return _flags(index, requests, reqs, ads, every_stage=False) == ALL_STAGES
 
 
-def stage_flags(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
+def stage_flags(index: ExactIndex, requests: BatchQueries, reqs: np.ndarray, ads: np.ndarray) -> np.ndarray:
     """(n,) uint8 per (request, ad) pair: bit p set when the ad passes every attribute of plane p
     (each plane tested on its own, for pass rates per stage); eligible iff all are (ALL_STAGES)."""
     return _flags(index, requests, reqs, ads, every_stage=True)
 
 
-def attribute_eligibility(index: ExactIndex, requests: EncodedRequests, request: int, ad: int) -> np.ndarray:
+def attribute_eligibility(index: ExactIndex, requests: BatchQueries, request: int, ad: int) -> np.ndarray:
     """(A_all,) bool: does catalog row `ad` pass each attribute (plane by plane, in each plane's
     layout order) for request `request`. Eligible iff all pass and the row is live; explanations
     need each one."""
@@ -255,7 +265,7 @@ def attribute_eligibility(index: ExactIndex, requests: EncodedRequests, request:
     return np.concatenate(out).astype(bool)
 
 
-def _flags(index: ExactIndex, requests: EncodedRequests, reqs: np.ndarray, ads: np.ndarray,
+def _flags(index: ExactIndex, requests: BatchQueries, reqs: np.ndarray, ads: np.ndarray,
            every_stage: bool) -> np.ndarray:
     """Stage bits per pair; without `every_stage`, a pair failing a plane skips the later ones. A
     row that is not live passes no stage."""
