@@ -199,7 +199,7 @@ class RetrievalServer:
 
         snap = self.watcher.current.snapshot
         m = snap.manifest
-        return JSONResponse({"id": snap.id, "format": m.version, "counts": dict(m.counts),
+        return JSONResponse({"id": snap.id, "format": m.version, "counts": m.counts.to_dict(),
                              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since)),
                              "age_seconds": round(time.time() - self.since, 3),
                              "last_error": self.watcher.last_error, "counters": self.retriever.counters.to_dict()})

@@ -20,6 +20,7 @@ import polars as pl
 from sidindex.matchers.bits import list_codes
 from sidindex.matchers.exact import ExactIndex, build_exact_index
 from sidindex.matchers.kinds import KINDS
+from sidindex.sid.quality import QualityReport
 from sidindex.targeting import TargetingSpec
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
@@ -30,10 +31,32 @@ from sidindex.trie.stats import GTMStats, gtm_stats
 
 @dataclass(frozen=True)
 class BuiltIndex:
+    """An index a build or an update made: what a snapshot is written from, and what its job
+    reports of it. `build_index`, the job's engines and `sidindex.update.apply_changes` each return
+    one; a field a step has nothing for stays None.
+
+    gtm, exact:    the GTM and exact indexes
+    seconds:       per stage
+    ad_id:         (N,) int64 each catalog row's ad id (None from `build_index`, which reads only the
+                   targeting columns: its caller holds the ids)
+    stats:         a full build's GTM statistics (an update's snapshot keeps its full build's)
+    quality:       a full build's SID quality report
+    shape:         the ray engine's fragments, parts and shuffle
+    new_sid_rows:  SID rows an update inserted
+    stale_entries, dead_sids: after an update, the entries whose matchers hold a row that is not
+                   live and the SIDs without a live row (`sidindex.trie.patch.liveness`)
+    """
+
     gtm: GTMIndex
     exact: ExactIndex
-    stats: GTMStats
-    seconds: dict[str, float]  # per stage
+    seconds: dict[str, float]
+    ad_id: np.ndarray | None = None
+    stats: GTMStats | None = None
+    quality: QualityReport | None = None
+    shape: dict | None = None
+    new_sid_rows: int = 0
+    stale_entries: int | None = None
+    dead_sids: int | None = None
 
 
 def encode_ads(spec: TargetingSpec, columns: pl.DataFrame, clock: StageClock | None = None
@@ -72,4 +95,4 @@ def build_index(spec: TargetingSpec, columns: pl.DataFrame, sids: np.ndarray, ad
     clock.lap("trie")
     stats = gtm_stats(gtm, bits)
     clock.lap("stats")
-    return BuiltIndex(gtm, exact, stats, clock.seconds)
+    return BuiltIndex(gtm, exact, clock.seconds, stats=stats)

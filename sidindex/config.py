@@ -142,9 +142,18 @@ class BuildConfig:
     kway: KWayConfig | None = None  # k-way partitions, built when the config has a [kway] table
 
     def to_dict(self) -> dict:
+        """The config as plain data (a snapshot's manifest keeps it as `build_config`)."""
         return {k: None if v is None else {f: list(x) if isinstance(x, tuple) else x
                                            for f, x in dataclasses.asdict(v).items()}
                 for k, v in (("sid", self.sid), ("quality", self.quality), ("kway", self.kway))}
+
+    @classmethod
+    def from_dict(cls, doc: dict, where: str) -> BuildConfig:
+        """`to_dict`'s inverse, checked as a config file is (a ConfigError naming `where` otherwise)."""
+        check_keys(doc, {"sid", "quality", "kway"}, where)
+        kway = doc.get("kway")
+        return cls(sid=_section(doc, "sid", SIDConfig, where), quality=_section(doc, "quality", QualityThresholds, where),
+                   kway=None if kway is None else _section(doc, "kway", KWayConfig, where))
 
 
 def load_config(path: str | Path | None) -> BuildConfig:

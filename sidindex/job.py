@@ -31,28 +31,26 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from schemas.artifacts import AD_LIVE, AD_PAUSED, SNAPSHOT_VERSION
+from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, SNAPSHOT_VERSION
 from schemas.contracts import CHANGES_THROUGH_KEY
 from sidindex.artifact import regular_input, sha256_file
-from sidindex.build import build_index
+from sidindex.build import BuiltIndex, build_index
 from sidindex.changes import Changes, read_changes
 from sidindex.config import BuildConfig, load_config
 from sidindex.errors import ArtifactError, ConfigError, InputError, QualityGateError
 from sidindex.ingest import Catalog, read_catalog, table_metadata
-from sidindex.matchers.exact import ExactIndex
 from sidindex.root import Root, new_snapshot_id
 from sidindex.sid import Codebook, assign_sids, hash_tokens, load_codebook, save_codebook, sid_quality, train_codebook
 from sidindex.sid.quality import QualityReport, quality_report
 from sidindex.snapshot import Manifest, open_snapshot, read_states, write_snapshot
+from sidindex.snapshot.manifest import Counts, Lineage
 from sidindex.targeting import TargetingSpec, load_targeting
 from sidindex.timing import StageClock
-from sidindex.trie.build import GTMIndex
-from sidindex.trie.stats import GTMStats, gtm_stats
+from sidindex.trie.stats import gtm_stats
 from sidindex.update import Indexed, ads_in_state, apply_changes
 
 Progress = Callable[[str, int, int], None]
@@ -129,27 +127,22 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
             built = _on_ray(catalog, spec, cfg, cb, ray_address, workers)
         else:
             built = _locally(cat, spec, cfg, cb, workers, progress)
-        if built.quality.failures:
-            raise QualityGateError("SID quality gate failed, nothing published: " + "; ".join(built.quality.failures))
         clock.seconds |= built.seconds
         clock.restart()
         built, carried, warnings = _carry_changes(layout, published, built, cb, changes_through)
         clock.lap("carry changes")
         snapshot_id = new_snapshot_id(fingerprint)
-        counts = {"ads": len(built.ad_id), "sid_rows": len(built.gtm.leaf_ads), "sids": built.stats.sids,
-                  "nodes": built.stats.num_nodes}
 
         def write(directory: Path) -> None:
             write_snapshot(directory, built.gtm, built.exact, built.ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
-                           input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()),
-                           build_config=cfg.to_dict(), counts=counts, stats=built.stats.to_dict(),
-                           quality=built.quality.to_dict())
+                           input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()), build_config=cfg,
+                           stats=built.stats, quality=built.quality.to_dict())
 
         path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep, expected=published,
                               through=changes_through)
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
-            "fingerprint": fingerprint, "codebook_id": cb.id, **counts,
+            "fingerprint": fingerprint, "codebook_id": cb.id, **Counts.of(built.gtm, built.ad_id).to_dict(),
             "matcher_bytes": built.stats.matcher_bytes, "carried": carried, "warnings": warnings,
             **({"ray": built.shape} if built.shape else {}), "seconds": _rounded(clock)}
 
@@ -157,36 +150,29 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
 ENGINES = ("local", "ray")
 
 
-@dataclass(frozen=True)
-class _Built:
-    """An engine's result: what the snapshot is written from."""
-
-    gtm: GTMIndex
-    exact: ExactIndex
-    ad_id: np.ndarray
-    stats: GTMStats
-    quality: QualityReport
-    seconds: dict[str, float]
-    shape: dict | None = None  # the ray engine's fragments, parts and shuffle
-
-
 def _locally(cat: Catalog, spec: TargetingSpec, cfg: BuildConfig, cb: Codebook, workers: int | None,
-             progress: Progress) -> _Built:
+             progress: Progress) -> BuiltIndex:
+    """The local engine's index, with the catalog's ad ids and the SID quality report."""
     clock = StageClock()
     tokens = hash_tokens(cat.columns, cb.hash_keys, cb.hash_size)
     assignment = assign_sids(cb, cat.embedding, tokens, progress)
-    quality = sid_quality(assignment, cb, cat.embedding, cfg.quality)
+    quality = _gated(sid_quality(assignment, cb, cat.embedding, cfg.quality))  # before the trie: fail fast
     clock.lap("assign SIDs")
-    if quality.failures:  # before the trie: fail fast
-        return _Built(None, None, cat.ad_id, None, quality, clock.seconds)
     built = build_index(spec, cat.columns, assignment.sids, assignment.ad_index, cb.level_sizes, kway=cfg.kway,
                         ad_value=cat.value, workers=workers)
-    return _Built(built.gtm, built.exact, cat.ad_id, built.stats, quality,
-                  clock.seconds | {f"build: {k}": v for k, v in built.seconds.items()})
+    return dataclasses.replace(built, ad_id=cat.ad_id, quality=quality,
+                               seconds=clock.seconds | {f"build: {k}": v for k, v in built.seconds.items()})
+
+
+def _gated(quality: QualityReport) -> QualityReport:
+    """`quality`, when it passes its gates (else nothing is built or published)."""
+    if quality.failures:
+        raise QualityGateError("SID quality gate failed, nothing published: " + "; ".join(quality.failures))
+    return quality
 
 
 def _on_ray(catalog: Path, spec: TargetingSpec, cfg: BuildConfig, cb: Codebook, address: str | None,
-            workers: int | None) -> _Built:
+            workers: int | None) -> BuiltIndex:
     from sidindex.ray_build import build_on_ray
 
     r = build_on_ray(Path(catalog), spec, cb, kway=cfg.kway, address=address, workers=workers)
@@ -197,12 +183,12 @@ def _on_ray(catalog: Path, spec: TargetingSpec, cfg: BuildConfig, cb: Codebook, 
                              cfg.quality)
     stats = gtm_stats(g, tuple(layout.bits for layout in spec.layouts))
     clock.lap("quality + stats")
-    return _Built(g, r.exact, r.ad_id, stats, quality, {f"ray: {k}": v for k, v in r.seconds.items()} | clock.seconds,
-                  r.shape)
+    return BuiltIndex(g, r.exact, {f"ray: {k}": v for k, v in r.seconds.items()} | clock.seconds, ad_id=r.ad_id,
+                      stats=stats, quality=_gated(quality), shape=r.shape)
 
 
-def _carry_changes(root: Root, published: str | None, built: _Built, cb: Codebook, through: str | None
-                   ) -> tuple[_Built, dict, list[str]]:
+def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Codebook, through: str | None
+                   ) -> tuple[BuiltIndex, dict, list[str]]:
     """`built` with the ads the published snapshot has paused paused, and the journal's change files
     named after `through` re-applied in the order they were published; what was carried, and
     the warnings for the report."""
@@ -276,7 +262,7 @@ def _unchanged(root: Root, fingerprint: str) -> dict | None:
     if manifest is None or manifest.input_fingerprint != fingerprint:
         return None
     return {"status": "unchanged", "snapshot_id": published, "fingerprint": fingerprint,
-            "ads": manifest.counts.get("ads")}
+            "ads": manifest.counts.ads}
 
 
 def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[], None] | None = None,
@@ -316,26 +302,26 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         clock.restart()
         fingerprint = hashlib.sha256((base.manifest.input_fingerprint + source).encode()).hexdigest()
         snapshot_id = new_snapshot_id(fingerprint)
-        g = updated.gtm
-        counts = {"ads": len(updated.ad_id), "sid_rows": len(g.leaf_ads), "sids": g.num_leaves, "nodes": g.num_nodes}
-        lineage = {"full_build": base.manifest.full_build, "base": base.id, "updates": base.manifest.updates + 1,
-                   "source": source, "changes": change.counts, **updated.counts}
         m = base.manifest
+        rows = np.bincount(updated.exact.ad_state, minlength=AD_DELETED + 1)
+        lineage = Lineage(full_build=m.full_build, base=base.id, updates=m.updates + 1, source=source,
+                          changes=change.counts, paused=int(rows[AD_PAUSED]), deleted=int(rows[AD_DELETED]),
+                          stale_entries=updated.stale_entries, dead_sids=updated.dead_sids)
 
         def write(directory: Path) -> None:
-            write_snapshot(directory, g, updated.exact, updated.ad_id, base.spec, snapshot_id=snapshot_id,
+            write_snapshot(directory, updated.gtm, updated.exact, updated.ad_id, base.spec, snapshot_id=snapshot_id,
                            codebook=cb, input_fingerprint=fingerprint, catalog=m.catalog,
-                           build_config=m.build_config, counts=counts, stats=m.stats, quality=m.quality, base=base,
-                           lineage=lineage)
+                           build_config=m.build_config, stats=m.stats, quality=m.quality, base=base, lineage=lineage)
 
         # files linked from the base were verified above, in this job; the new ones were digested as
         # read back from disk once written (hashing them again would compare them with themselves);
         # their structure is checked, and the cover of the new matcher rows new SIDs bring
-        check = lambda d: open_snapshot(d, verify=False, cover=updated.sid_rows > 0, base=base)  # noqa: E731
+        check = lambda d: open_snapshot(d, verify=False, cover=updated.new_sid_rows > 0, base=base)  # noqa: E731
         path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=(staged, source))
         clock.lap("write + validate + publish")
-    return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report, **counts,
-            "new_sid_rows": updated.sid_rows, "lineage": lineage, "seconds": _rounded(clock)}
+    return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
+            **Counts.of(updated.gtm, updated.ad_id).to_dict(), "new_sid_rows": updated.new_sid_rows,
+            "lineage": lineage.to_dict(), "seconds": _rounded(clock)}
 
 
 def _to_update(root: Root) -> str:

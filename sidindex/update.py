@@ -15,14 +15,13 @@ ad table and under its SIDs, never served, until the next full build drops it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import polars as pl
 
 from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED
-from sidindex.build import encode_ads
+from sidindex.build import BuiltIndex, encode_ads
 from sidindex.changes import Changes
 from sidindex.errors import InputError
 from sidindex.matchers.exact import ExactIndex, concat_exact
@@ -33,33 +32,11 @@ from sidindex.trie.patch import insert_sids, liveness
 
 
 class Indexed(Protocol):
-    """What changes apply to: `sidindex.snapshot.Snapshot`, a build's result, an `UpdatedIndex`."""
+    """What changes apply to: `sidindex.snapshot.Snapshot`, or a build's or an update's `BuiltIndex`."""
 
     gtm: GTMIndex
     exact: ExactIndex
     ad_id: np.ndarray
-
-
-@dataclass(frozen=True)
-class UpdatedIndex:
-    """A snapshot's arrays after an update: `gtm`, `exact` (its ad_state set), `ad_id` (N',)
-    int64; `sid_rows` new SID rows inserted; `stale` entries holding a row that is not live and
-    `dead_sids`, SIDs without a live row (`sidindex.trie.patch.liveness`)."""
-
-    gtm: GTMIndex
-    exact: ExactIndex
-    ad_id: np.ndarray
-    sid_rows: int
-    stale: int
-    dead_sids: int
-    seconds: dict[str, float]
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """What an update's lineage counts (`schemas.artifacts` manifest key `lineage`)."""
-        n = np.bincount(self.exact.ad_state, minlength=3)
-        return {"paused": int(n[AD_PAUSED]), "deleted": int(n[AD_DELETED]), "stale_entries": self.stale,
-                "dead_sids": self.dead_sids}
 
 
 def ads_in_state(index: Indexed, *states: int) -> np.ndarray:
@@ -67,9 +44,10 @@ def ads_in_state(index: Indexed, *states: int) -> np.ndarray:
     return np.asarray(index.ad_id)[np.isin(index.exact.states(len(index.ad_id)), states)]
 
 
-def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> UpdatedIndex:
+def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> BuiltIndex:
     """The index's arrays with `changes` applied (read by `sidindex.changes.read_changes` against
-    this index)."""
+    this index): `exact` with its ad_state set, `ad_id` (N',) int64, and what the update's lineage
+    counts of them."""
     clock = StageClock()
     state = snap.exact.states(len(snap.ad_id)).copy()
     served = state != AD_DELETED  # rows an id may name: its only one that is not deleted
@@ -103,4 +81,5 @@ def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> Update
         live = gtm.entry_live  # unchanged: the base's file and device tensor serve on
     gtm = dataclasses.replace(gtm, entry_live=live)
     clock.lap("stale entries")
-    return UpdatedIndex(gtm, exact, ad_id, sid_rows, stale, dead_sids, clock.seconds)
+    return BuiltIndex(gtm, exact, clock.seconds, ad_id=ad_id, new_sid_rows=sid_rows, stale_entries=stale,
+                      dead_sids=dead_sids)

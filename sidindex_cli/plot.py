@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import InputError
+
+if TYPE_CHECKING:  # the statistics' module loads numba: not at every command's start
+    from sidindex.trie.stats import PositionStats
 
 
 def _pyplot():
@@ -21,27 +25,27 @@ def _pyplot():
     return plt
 
 
-def plot_positions(positions: list[dict], kway: bool, path: Path, title: str) -> None:
+def plot_positions(positions: tuple[PositionStats, ...], kway: bool, path: Path, title: str) -> None:
     """Fill rate and matcher storage per transition position (GRACE Tables 1 and 2) to a PNG.
 
-    positions: `GTMStats.to_dict()["positions"]` (a snapshot manifest's stats)
+    positions: `GTMStats.positions` (a snapshot manifest's stats)
     """
     plt = _pyplot()
-    x = [p["position"] for p in positions]
+    x = [p.position for p in positions]
     fig, (fill, store) = plt.subplots(1, 2, figsize=(13, 4))
     for m, marker in zip(MATCHER_PLANES, "os^dv"):
-        fill.plot(x, [p[f"{m}_fill"] for p in positions], f"{marker}-", label=f"{m} (union)")
+        fill.plot(x, [p.planes[m].fill for p in positions], f"{marker}-", label=f"{m} (union)")
         if kway:
-            fill.plot(x, [p[f"part_{m}_fill"] for p in positions], f"{marker}--", label=f"{m} (k-way partitions)")
+            fill.plot(x, [p.planes[m].part_fill for p in positions], f"{marker}--", label=f"{m} (k-way partitions)")
     fill.set(xlabel="transition position", ylabel="mean fill rate (share of bits set)", ylim=(0, 1.02),
              title="matcher fill rate", xticks=x)
     fill.legend(fontsize=8)
-    bars = [(f"{m}_bytes_{when}", f"{m}, {label}") for m in MATCHER_PLANES
-            for when, label in (("before", "one row per entry"), ("after", "deduplicated"))]
+    bars = [(m, field, f"{m}, {label}") for m in MATCHER_PLANES
+            for field, label in (("bytes_before", "one row per entry"), ("bytes_after", "deduplicated"))]
     width = 0.8 / len(bars)
-    for i, (key, label) in enumerate(bars):
-        store.bar([p + (i - (len(bars) - 1) / 2) * width for p in x], [max(p[key], 1) / 1e6 for p in positions], width,
-                  label=label)
+    for i, (m, field, label) in enumerate(bars):
+        store.bar([p + (i - (len(bars) - 1) / 2) * width for p in x],
+                  [max(getattr(p.planes[m], field), 1) / 1e6 for p in positions], width, label=label)
     store.set(xlabel="transition position", ylabel="MB (log scale)", yscale="log", title="matcher storage", xticks=x)
     store.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.suptitle(title, fontsize=10)

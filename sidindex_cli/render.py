@@ -7,11 +7,15 @@ computes anything.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from schemas.artifacts import MATCHER_PLANES
+
+if TYPE_CHECKING:  # the statistics' module loads numba: not at every command's start
+    from sidindex.trie.stats import PositionStats
 
 out = Console()
 err = Console(stderr=True)
@@ -110,8 +114,8 @@ def print_explanation(r, max_ads: int) -> None:
               highlight=False)
 
 
-def print_positions(positions: list[dict], kway: bool) -> None:
-    """The per-position table of `inspect` (a snapshot's `stats["positions"]`)."""
+def print_positions(positions: tuple[PositionStats, ...], kway: bool) -> None:
+    """The per-position table of `inspect` (a snapshot's `stats.positions`)."""
     t = Table(title="per transition position", title_justify="left")
     cols = ["position", "parents", "entries", *(f"{p} KB" for p in MATCHER_PLANES),
             *(f"{p} fill" for p in MATCHER_PLANES)]
@@ -120,11 +124,12 @@ def print_positions(positions: list[dict], kway: bool) -> None:
     for c in cols:
         t.add_column(c, justify="right")
     for p in positions:
-        row = [str(p["position"]), f"{p['parents']:,}", f"{p['entries']:,}",
-               *(f"{p[f'{m}_bytes_before'] / 1e3:,.1f} -> {p[f'{m}_bytes_after'] / 1e3:,.1f}" for m in MATCHER_PLANES),
-               *(f"{p[f'{m}_fill']:.3f}" for m in MATCHER_PLANES)]
+        planes = [p.planes[m] for m in MATCHER_PLANES]
+        row = [str(p.position), f"{p.parents:,}", f"{p.entries:,}",
+               *(f"{s.bytes_before / 1e3:,.1f} -> {s.bytes_after / 1e3:,.1f}" for s in planes),
+               *(f"{s.fill:.3f}" for s in planes)]
         if kway:
-            row += [f"{p['partitions']:,}", *(f"{p[f'part_{m}_fill']:.3f}" for m in MATCHER_PLANES)]
+            row += [f"{p.partitions:,}", *(f"{s.part_fill:.3f}" for s in planes)]
         t.add_row(*row)
     out.print(t)
 

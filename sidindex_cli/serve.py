@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from sidindex.errors import ArtifactError, ConfigError
+from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex_cli.options import BEAMS_OPT, DEVICE_OPT, JSON_OPT, SNAPSHOT_ARG, output_file, progress_bar, write_table
 
@@ -164,12 +164,11 @@ def _weights(text: str | None) -> tuple[float, ...]:
 
 def _kway_label(snap) -> str | None:
     """How the snapshot's k-way partitions were built, from its build config, for the report."""
-    cfg = snap.manifest.build_config.get("kway")
-    try:
-        return None if not cfg else (f"static, k {cfg['k']}" if cfg.get("mode") == "static" else
-                                     f"dynamic, k_max {cfg.get('k_max')}, target fill {cfg.get('target_fill')}")
-    except (AttributeError, KeyError, TypeError) as e:
-        raise ArtifactError(f"{snap.path / 'manifest.json'}: its k-way build config is malformed ({e})") from None
+    config = snap.manifest.build_config
+    k = None if config is None else config.kway
+    if k is None:
+        return None
+    return f"static, k {list(k.k)}" if k.mode == "static" else f"dynamic, k_max {k.k_max}, target fill {k.target_fill}"
 
 
 def _factory(scorer: str | None, timeout: float | None):

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from schemas.artifacts import AD_DELETED, AD_PAUSED, MATCHER_PLANES
+from schemas.artifacts import AD_DELETED, AD_PAUSED
 from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, output_file
 from sidindex.errors import ArtifactError
 from sidindex_cli.render import emit, print_positions
@@ -55,29 +55,24 @@ def inspect(
     from sidindex.snapshot import open_snapshot
 
     snap = open_snapshot(snapshot, verify=False)
-    m = snap.manifest
-    try:
-        st = m.stats
-        positions = st["positions"]
-        summary = {"snapshot_id": m.id, "created": m.created, "path": str(snap.path), "codebook_id": m.codebook_id,
-                   "input_fingerprint": m.input_fingerprint[:16], "level_sizes": list(m.level_sizes), **m.counts,
-                   "kway": m.kway, "matcher_table_bytes": sum(st[f"{p}_table_bytes"] for p in MATCHER_PLANES),
-                   "ads_per_sid": f"p50 {st['ads_per_sid_p50']:g}  p99 {st['ads_per_sid_p99']:g}  "
-                                  f"max {st['ads_per_sid_max']}",
-                   "sids_per_ad": f"mean {st['sids_per_ad_mean']:.2f}  max {st['sids_per_ad_max']}",
-                   **_lineage(snap)}
-        if plot is not None:
-            from sidindex_cli.plot import plot_positions
+    m, st = snap.manifest, snap.manifest.stats
+    if st is None:
+        raise ArtifactError(f"{snap.path / 'manifest.json'}: holds no statistics (the snapshot was written without them)")
+    summary = {"snapshot_id": m.id, "created": m.created, "path": str(snap.path), "codebook_id": m.codebook_id,
+               "input_fingerprint": m.input_fingerprint[:16], "level_sizes": list(m.level_sizes),
+               **m.counts.to_dict(), "kway": m.kway, "matcher_table_bytes": st.matcher_bytes,
+               "ads_per_sid": f"p50 {st.ads_per_sid_p50:g}  p99 {st.ads_per_sid_p99:g}  max {st.ads_per_sid_max}",
+               "sids_per_ad": f"mean {st.sids_per_ad_mean:.2f}  max {st.sids_per_ad_max}", **_lineage(snap)}
+    if plot is not None:
+        from sidindex_cli.plot import plot_positions
 
-            plot_positions(positions, m.kway, plot, f"snapshot {m.id}: {m.counts['ads']:,} ads")
-            summary["plot"] = str(plot)
-        if as_json:
-            emit({**summary, "positions": positions}, True, "")
-            return
-        emit(summary, False, "snapshot")
-        print_positions(positions, m.kway)
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise ArtifactError(f"{snap.path / 'manifest.json'}: its statistics are malformed ({type(e).__name__}: {e})") from None
+        plot_positions(st.positions, m.kway, plot, f"snapshot {m.id}: {m.counts.ads:,} ads")
+        summary["plot"] = str(plot)
+    if as_json:
+        emit({**summary, "positions": [p.to_dict() for p in st.positions]}, True, "")
+        return
+    emit(summary, False, "snapshot")
+    print_positions(st.positions, m.kway)
 
 
 def _lineage(snap) -> dict:
@@ -90,7 +85,6 @@ def _lineage(snap) -> dict:
             "deleted_rows": int((snap.row_states == AD_DELETED).sum())}
         return {"full_build": m.id, "updates_since_full_build": 0, **states}
     lin = m.lineage
-    return {"full_build": lin["full_build"], "updates_since_full_build": lin["updates"], "update_base": lin["base"],
-            "paused_ads": lin["paused"], "deleted_rows": lin["deleted"], "stale_entries": lin["stale_entries"],
-            "dead_sids": lin["dead_sids"],
-            "statistics_of": f"full build {lin['full_build']}"}
+    return {"full_build": lin.full_build, "updates_since_full_build": lin.updates, "update_base": lin.base,
+            "paused_ads": lin.paused, "deleted_rows": lin.deleted, "stale_entries": lin.stale_entries,
+            "dead_sids": lin.dead_sids, "statistics_of": f"full build {lin.full_build}"}

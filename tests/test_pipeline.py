@@ -61,7 +61,7 @@ def test_update_runs_apply_pending_change_files_in_order_once(sample_dir, tmp_pa
     report = json.loads((root / "reports" / "latest.json").read_text())
     assert [a["file"] for a in report["applied"]] == ["0001.parquet", "0002.parquet"]
     snap = open_snapshot(root)
-    assert snap.id == report["snapshot_id"] and snap.manifest.updates == 2 and snap.manifest.lineage["paused"] == 0
+    assert snap.id == report["snapshot_id"] and snap.manifest.updates == 2 and snap.manifest.lineage.paused == 0
     assert sorted(p.name for p in (changes / "applied").iterdir()) == ["0001.parquet", "0002.parquet"]
     (changes / "0002.parquet").write_bytes((changes / "applied" / "0002.parquet").read_bytes())  # killed before
     r = subprocess.run([sys.executable, "-m", "pipelines.rebuild", str(job), "--update"], capture_output=True,

@@ -165,7 +165,7 @@ def test_a_snapshot_written_over_an_older_one_carries_fast_digests_for_the_files
     new_id = "20300101T000000000000Z-0000abcd"
     (tmp_path / "new" / new_id).mkdir(parents=True)
     m = write_snapshot(tmp_path / "new" / new_id, old.gtm, old.exact, old.ad_id, old.spec, snapshot_id=new_id,
-                       codebook=old.codebook, counts=old.manifest.counts, stats=old.manifest.stats, base=old)
+                       codebook=old.codebook, stats=old.manifest.stats, base=old)
     assert all(same_file(tmp_path / "new" / new_id / n, snap_dir / n) for n in m.files)  # every file linked
     assert m.version == DIGEST_VERSION and all(f.fast is not None for f in m.files.values())
     assert open_snapshot(tmp_path / "new" / new_id).manifest.files == m.files

@@ -241,7 +241,7 @@ class Updates(RuleBasedStateMachine):
         snap = open_snapshot(self.root, verify=True)
         if snap.manifest.lineage:
             lin, g, st = snap.manifest.lineage, snap.gtm, snap.exact.ad_state
-            assert lin["paused"] == len(self.paused)
+            assert lin.paused == len(self.paused)
             stale, dead = set(), 0  # brute force: walk up from every SID holding a row that is not live
             for s in range(g.num_leaves):
                 rows = st[g.leaf_ads[g.leaf_ad_offsets[s]:g.leaf_ad_offsets[s + 1]]]
@@ -250,7 +250,7 @@ class Updates(RuleBasedStateMachine):
                 while node > 0 and (rows != AD_LIVE).any():
                     stale.add(node - 1)
                     node = int(np.searchsorted(g.node_offsets, node - 1, side="right")) - 1
-            assert (lin["stale_entries"], lin["dead_sids"]) == (len(stale), dead)
+            assert (lin.stale_entries, lin.dead_sids) == (len(stale), dead)
 
 
 def test_random_updates_equal_fresh_builds(pool):

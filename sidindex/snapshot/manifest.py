@@ -8,8 +8,10 @@ symbolic link to one). Everything after it reads typed attributes, never keys.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+import numpy as np
 
 from schemas import CHANGE_OPS
 from schemas.artifacts import (
@@ -27,9 +29,11 @@ from schemas.artifacts import (
     snapshot_version,
 )
 from sidindex.artifact import read_sealed, seal
-from sidindex.config import MAX_TOKEN
-from sidindex.errors import ArtifactError
+from sidindex.config import MAX_TOKEN, BuildConfig
+from sidindex.errors import ArtifactError, ConfigError
 from sidindex.root import SNAPSHOT_ID, TMP_PREFIX, pruned
+from sidindex.trie.build import GTMIndex
+from sidindex.trie.stats import GTMStats
 
 MAX_ROWS = 1 << 40  # no snapshot array is longer; a larger count is a corrupt manifest
 MAX_LEVEL_SIZE = MAX_TOKEN + 1  # tokens are int16
@@ -63,25 +67,93 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class Counts:
+    """The manifest's `counts`: N catalog rows, P SID rows, S SIDs, the trie's nodes (root included)."""
+
+    ads: int
+    sid_rows: int
+    sids: int
+    nodes: int
+
+    @classmethod
+    def of(cls, gtm: GTMIndex, ad_id: np.ndarray) -> Counts:
+        """What an index's snapshot counts."""
+        return cls(ads=len(ad_id), sid_rows=len(gtm.leaf_ads), sids=gtm.num_leaves, nodes=gtm.num_nodes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> Counts:
+        """`to_dict`'s inverse (ValueError when `doc` is not one)."""
+        keys = [f.name for f in fields(cls)]
+        if set(doc) != set(keys) or not all(_is_int(doc[k]) and 0 <= doc[k] <= MAX_ROWS for k in keys):
+            raise ValueError(f"counts must hold exactly {', '.join(keys)}, each a count")
+        return cls(**doc)
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """The manifest's `lineage`, present exactly when an update wrote the snapshot (DESIGN.md §15;
+    each key's meaning in `schemas.artifacts.MANIFEST_KEYS`). changes: rows per op of
+    `schemas.CHANGE_OPS`."""
+
+    full_build: str
+    base: str
+    updates: int
+    source: str
+    changes: dict[str, int]
+    paused: int
+    deleted: int
+    stale_entries: int
+    dead_sids: int
+
+    _COUNTS = ("updates", "paused", "deleted", "stale_entries", "dead_sids")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> Lineage:
+        """`to_dict`'s inverse: ids of snapshots, counts that are non-negative ints, changes per op
+        (ValueError when `doc` is not one)."""
+        keys = {f.name for f in fields(cls)}
+        if set(doc) != keys:
+            raise ValueError(f"lineage must hold exactly {sorted(keys)}")
+        if not all(isinstance(doc[k], str) and SNAPSHOT_ID.match(doc[k]) for k in ("full_build", "base")):
+            raise ValueError("lineage: full_build and base must be snapshot ids")
+        if not (isinstance(doc["source"], str) and len(doc["source"]) == 64):
+            raise ValueError("lineage: source must be the change file's sha256")
+        if not all(_is_int(doc[k]) and 0 <= doc[k] <= MAX_ROWS for k in cls._COUNTS) or doc["updates"] < 1:
+            raise ValueError(f"lineage: {', '.join(cls._COUNTS)} must be counts (updates at least 1)")
+        ch = doc["changes"]
+        if not isinstance(ch, dict) or set(ch) != set(CHANGE_OPS) or not all(_is_int(v) and 0 <= v <= MAX_ROWS
+                                                                             for v in ch.values()):
+            raise ValueError(f"lineage: changes must map each op ({', '.join(CHANGE_OPS)}) to a count")
+        return cls(**{**doc, "changes": dict(ch)})
+
+
+@dataclass(frozen=True)
 class Manifest:
-    """A snapshot's manifest. `arrays` maps each array name (`schemas.artifacts.SNAPSHOTARRAYS_BY_NAME`)
-    present to its shape; `files` every file of the directory but manifest.json."""
+    """A snapshot's manifest. `arrays` maps each array name (`schemas.artifacts.ARRAYS_BY_NAME`)
+    present to its shape; `files` every file of the directory but manifest.json. `build_config` and
+    `stats` are None for a snapshot written without them (an empty object in the file)."""
 
     id: str
     created: str
     input_fingerprint: str
     catalog: str
     codebook_id: str | None
-    build_config: dict
+    build_config: BuildConfig | None
     targeting: dict
     level_sizes: tuple[int, ...]
     kway: bool
-    counts: dict
-    stats: dict
+    counts: Counts
+    stats: GTMStats | None
     quality: dict | None
     arrays: dict[str, ArrayShape]
     files: dict[str, FileEntry]
-    lineage: dict | None = None  # an update's (DESIGN.md §15); None for a full build
+    lineage: Lineage | None = None  # an update's (DESIGN.md §15); None for a full build
     format_version: int = SNAPSHOT_VERSION  # a manifest read keeps its own
 
     @property
@@ -91,12 +163,12 @@ class Manifest:
     @property
     def full_build(self) -> str:
         """The id of the full build this snapshot's updates started from (its own for a full build)."""
-        return self.lineage["full_build"] if self.lineage else self.id
+        return self.lineage.full_build if self.lineage else self.id
 
     @property
     def updates(self) -> int:
         """Updates applied since that full build."""
-        return self.lineage["updates"] if self.lineage else 0
+        return self.lineage.updates if self.lineage else 0
 
     @property
     def total_bytes(self) -> int:
@@ -104,10 +176,13 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """The sealed manifest.json text."""
-        doc = asdict(self)
-        del doc["format_version"]
-        doc["level_sizes"] = list(self.level_sizes)
-        doc["files"] = {n: f.listing() for n, f in self.files.items()}
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("format_version", "lineage")}
+        doc |= {"level_sizes": list(self.level_sizes), "counts": self.counts.to_dict(),
+                "build_config": {} if self.build_config is None else self.build_config.to_dict(),
+                "stats": {} if self.stats is None else self.stats.to_dict(),
+                "arrays": {n: asdict(a) for n, a in self.arrays.items()},
+                "files": {n: f.listing() for n, f in self.files.items()},
+                **({} if self.lineage is None else {"lineage": self.lineage.to_dict()})}
         if not _states_fit(self.version, self.lineage is not None, "ad_state" in self.arrays):
             raise ValueError("a lineage comes with the ad_state array (and before format version "
                              f"{STATES_VERSION}, ad_state with a lineage)")
@@ -115,8 +190,6 @@ class Manifest:
             raise ValueError(f"format version {self.version} does not hold these arrays")
         if any((f.fast is None) == (self.version >= DIGEST_VERSION) for f in self.files.values()):
             raise ValueError(f"files carry {FAST_DIGEST} exactly from format version {DIGEST_VERSION}")
-        if self.lineage is None:
-            del doc["lineage"]
         return seal({"format": SNAPSHOT_FORMAT, "format_version": self.version, **doc})
 
     @classmethod
@@ -158,12 +231,18 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
     sizes = doc["level_sizes"]
     if not sizes or not all(_is_int(s) and 1 <= s <= MAX_LEVEL_SIZE for s in sizes):
         raise bad(f"level_sizes {sizes[:8]!r} are not SID level sizes (each in 1..{MAX_LEVEL_SIZE})")
+    arrays, files = _arrays(bad, doc["arrays"], doc["kway"]), _files(bad, doc["files"], version >= DIGEST_VERSION)
+    try:  # the typed records: their own checks, with this manifest's path
+        counts, lineage = Counts.from_dict(doc["counts"]), Lineage.from_dict(doc["lineage"]) if "lineage" in doc else None
+        stats = GTMStats.from_dict(doc["stats"]) if doc["stats"] else None
+        config = BuildConfig.from_dict(doc["build_config"], "build_config") if doc["build_config"] else None
+    except (ValueError, ConfigError) as e:
+        raise bad(str(e)) from None
     return Manifest(
-        **{k: doc[k] for k in ("id", "created", "input_fingerprint", "catalog", "codebook_id", "build_config",
-                               "targeting", "kway", "counts", "stats", "quality")},
-        level_sizes=tuple(sizes), arrays=_arrays(bad, doc["arrays"], doc["kway"]),
-        files=_files(bad, doc["files"], version >= DIGEST_VERSION),
-        lineage=_lineage(bad, doc["lineage"]) if "lineage" in doc else None, format_version=version)
+        **{k: doc[k] for k in ("id", "created", "input_fingerprint", "catalog", "codebook_id", "targeting", "kway",
+                               "quality")},
+        build_config=config, level_sizes=tuple(sizes), counts=counts, stats=stats, arrays=arrays, files=files,
+        lineage=lineage, format_version=version)
 
 
 def _states_fit(version: int, lineage: bool, states: bool) -> bool:
@@ -212,24 +291,3 @@ def _files(bad, files: dict, fast: bool) -> dict[str, FileEntry]:
 
 def _is_hex(x: object, length: int) -> bool:
     return isinstance(x, str) and len(x) == length and all(c in "0123456789abcdef" for c in x)
-
-
-LINEAGE_COUNTS = ("updates", "paused", "deleted", "stale_entries", "dead_sids")
-
-
-def _lineage(bad, doc: dict) -> dict:
-    """An update's lineage: ids of snapshots, counts that are non-negative ints, changes per op."""
-    keys = {"full_build", "base", "source", "changes", *LINEAGE_COUNTS}
-    if set(doc) != keys:
-        raise bad(f"lineage must hold exactly {sorted(keys)}")
-    if not all(isinstance(doc[k], str) and SNAPSHOT_ID.match(doc[k]) for k in ("full_build", "base")):
-        raise bad("lineage: full_build and base must be snapshot ids")
-    if not (isinstance(doc["source"], str) and len(doc["source"]) == 64):
-        raise bad("lineage: source must be the change file's sha256")
-    if not all(_is_int(doc[k]) and 0 <= doc[k] <= MAX_ROWS for k in LINEAGE_COUNTS) or doc["updates"] < 1:
-        raise bad(f"lineage: {', '.join(LINEAGE_COUNTS)} must be counts (updates at least 1)")
-    ch = doc["changes"]
-    if not isinstance(ch, dict) or set(ch) != set(CHANGE_OPS) or not all(_is_int(v) and 0 <= v <= MAX_ROWS
-                                                                         for v in ch.values()):
-        raise bad(f"lineage: changes must map each op ({', '.join(CHANGE_OPS)}) to a count")
-    return doc

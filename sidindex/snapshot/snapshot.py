@@ -22,16 +22,18 @@ import numpy as np
 from schemas.artifacts import (AD_DELETED, ARRAYS_BY_NAME, EXACT_FORM, EXACT_ROWS, MANIFEST_FILE, MATCHER_PLANES,
                               plane_arrays, written_version)
 from sidindex.artifact import link_file, list_files, same_file, verify_files
+from sidindex.config import BuildConfig
 from sidindex.errors import ArtifactError, SidIndexError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.root import Root, pruned
 from sidindex.sid.codebook import Codebook, load_codebook, save_codebook
 from sidindex.snapshot.arrays import map_array, prefault_pages, same_memory, write_array
-from sidindex.snapshot.manifest import ArrayShape, FileEntry, Manifest
+from sidindex.snapshot.manifest import ArrayShape, Counts, FileEntry, Lineage, Manifest
 from sidindex.snapshot.validate import STATE_ARRAYS, check_cover, check_lineage, check_structure
 from sidindex.targeting import TargetingSpec, spec_from_dict
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
+from sidindex.trie.stats import GTMStats
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,9 @@ def _arrays(gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> dict[str, np
 
 def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, spec: TargetingSpec, *,
                    snapshot_id: str, codebook: Codebook | None = None, input_fingerprint: str = "",
-                   catalog: str = "", build_config: dict | None = None, counts: dict | None = None,
-                   stats: dict | None = None, quality: dict | None = None, base: Snapshot | None = None,
-                   lineage: dict | None = None) -> Manifest:
+                   catalog: str = "", build_config: BuildConfig | None = None, stats: GTMStats | None = None,
+                   quality: dict | None = None, base: Snapshot | None = None,
+                   lineage: Lineage | None = None) -> Manifest:
     """Write the files of a snapshot into the new, empty `directory` (named `snapshot_id`) and
     return its manifest (written last, as manifest.json).
 
@@ -96,14 +98,11 @@ def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.
                     kept[name] = entry
         else:
             save_codebook(codebook, directory)
-    S = gtm.num_leaves
     manifest = Manifest(
         id=snapshot_id, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         input_fingerprint=input_fingerprint, catalog=catalog, codebook_id=codebook.id if codebook else None,
-        build_config=build_config or {}, targeting=spec.to_dict(), level_sizes=tuple(gtm.level_sizes),
-        kway=gtm.part_offsets is not None,
-        counts=counts or {"ads": len(ad_id), "sid_rows": len(gtm.leaf_ads), "sids": S, "nodes": gtm.num_nodes},
-        stats=stats or {}, quality=quality,
+        build_config=build_config, targeting=spec.to_dict(), level_sizes=tuple(gtm.level_sizes),
+        kway=gtm.part_offsets is not None, counts=Counts.of(gtm, ad_id), stats=stats, quality=quality,
         arrays={n: ArrayShape(len(a), a.shape[1] if a.ndim == 2 else None) for n, a in arrays.items()},
         files={n: FileEntry.of(e) for n, e in list_files(directory, MANIFEST_FILE,
                                                           {n: f.listing() for n, f in kept.items()},

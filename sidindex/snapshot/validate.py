@@ -21,6 +21,7 @@ from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, ARRAYS_BY_NAME, MA
 from sidindex.errors import ArtifactError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.parallel import sized
+from sidindex.snapshot.manifest import Counts, Lineage
 from sidindex.trie.build import GTMIndex
 from sidindex.trie.cover import uncovered
 from sidindex.trie.patch import live_entries
@@ -157,7 +158,7 @@ class _Need:
 STATE_ARRAYS = frozenset({"ad_state", "entry_live"})
 
 
-def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: dict,
+def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: Counts,
                     changed: set[str] | None = None, base_state: np.ndarray | None = None) -> None:
     """Raise ArtifactError naming the first array that breaks a relation.
 
@@ -185,10 +186,11 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
     if full:
         _values(need, gtm)  # indexes with the offsets checked above
     _live(need, gtm, exact)  # likewise (unchanged offsets were checked with the base)
-    found = {"ads": len(ad_id), "sid_rows": len(gtm.leaf_ads), "sids": num_nodes - int(do[gtm.sid_length]),
-             "nodes": num_nodes}
+    found = Counts(ads=len(ad_id), sid_rows=len(gtm.leaf_ads), sids=num_nodes - int(do[gtm.sid_length]),
+                   nodes=num_nodes)
     if counts != found:
-        raise ArtifactError(f"{path / MANIFEST_FILE}: counts {counts} disagree with the arrays {found}")
+        raise ArtifactError(f"{path / MANIFEST_FILE}: counts {counts.to_dict()} disagree with the arrays "
+                            f"{found.to_dict()}")
 
 
 def _trie(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
@@ -298,11 +300,11 @@ def check_cover(path: Path, gtm: GTMIndex, exact: ExactIndex) -> None:
         need(False, name, f"{what} (its digests may have been written over the damage)")
 
 
-def check_lineage(path: Path, lineage: dict | None, ad_state: np.ndarray | None) -> None:
+def check_lineage(path: Path, lineage: Lineage | None, ad_state: np.ndarray | None) -> None:
     """An update's lineage counts the rows its ad states hold (what `inspect` reports)."""
     if lineage is None:
         return
     n = np.bincount(ad_state, minlength=AD_DELETED + 1)
-    if (lineage["paused"], lineage["deleted"]) != (int(n[AD_PAUSED]), int(n[AD_DELETED])):
-        raise ArtifactError(f"{path / MANIFEST_FILE}: lineage counts {lineage['paused']} paused and "
-                            f"{lineage['deleted']} deleted rows, ad_state holds {n[AD_PAUSED]} and {n[AD_DELETED]}")
+    if (lineage.paused, lineage.deleted) != (int(n[AD_PAUSED]), int(n[AD_DELETED])):
+        raise ArtifactError(f"{path / MANIFEST_FILE}: lineage counts {lineage.paused} paused and "
+                            f"{lineage.deleted} deleted rows, ad_state holds {n[AD_PAUSED]} and {n[AD_DELETED]}")

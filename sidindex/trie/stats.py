@@ -1,6 +1,7 @@
 """Build statistics of a GTM index (GRACE Tables 1 and 2): per transition position, entries, parent
 nodes, and per matcher plane its bytes before and after dedup and the mean fill rate of its rows;
-SID stats. `to_dict` names a plane's figures after it (`bitmask_fill`, `bloom_bytes_after`, ...)."""
+SID stats. `to_dict` names a plane's figures after it (`bitmask_fill`, `bloom_bytes_after`, ...):
+the `stats` of a snapshot's manifest, which `from_dict` reads back."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schemas.artifacts import MATCHER_PLANES
 from sidindex.matchers.bits import fill_rate
 from sidindex.trie.build import GTMIndex
 
@@ -22,6 +24,12 @@ class PlaneStats:
     part_fill: float = 0.0       # mean share of set bits over k-way partitions
 
 
+def _plane_keys(plane: str) -> dict[str, str]:
+    """PlaneStats' fields -> their keys in a position's dict, for `plane`."""
+    return {"bytes_before": f"{plane}_bytes_before", "bytes_after": f"{plane}_bytes_after", "fill": f"{plane}_fill",
+            "part_fill": f"part_{plane}_fill"}
+
+
 @dataclass(frozen=True)
 class PositionStats:
     position: int                # transition from depth `position` to `position + 1`
@@ -31,13 +39,19 @@ class PositionStats:
     partitions: int = 0          # k-way partitions of this position's entries (0: built without k-way)
     part_bytes: int = 0          # jagged layer: one row index per plane and partition
 
+    _FIGURES = ("position", "parents", "entries", "partitions", "part_bytes")
+
     def to_dict(self) -> dict:
-        out = {"position": self.position, "parents": self.parents, "entries": self.entries,
-               "partitions": self.partitions, "part_bytes": self.part_bytes}
+        out = {k: getattr(self, k) for k in self._FIGURES}
         for name, p in self.planes.items():
-            out |= {f"{name}_bytes_before": p.bytes_before, f"{name}_bytes_after": p.bytes_after,
-                    f"{name}_fill": p.fill, f"part_{name}_fill": p.part_fill}
+            out |= {key: getattr(p, f) for f, key in _plane_keys(name).items()}
         return out
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> PositionStats:
+        """`to_dict`'s inverse, for the planes of MATCHER_PLANES (ValueError when `doc` is not one)."""
+        planes = {p: PlaneStats(**{f: _figure(doc, key) for f, key in _plane_keys(p).items()}) for p in MATCHER_PLANES}
+        return cls(**{k: _figure(doc, k) for k in cls._FIGURES}, planes=planes)
 
 
 @dataclass(frozen=True)
@@ -52,16 +66,40 @@ class GTMStats:
     sids_per_ad_mean: float
     sids_per_ad_max: int
 
+    _FIGURES = ("num_nodes", "sids", "ads_per_sid_p50", "ads_per_sid_p99", "ads_per_sid_max", "sids_per_ad_mean",
+                "sids_per_ad_max")
+
     @property
     def matcher_bytes(self) -> int:
         return sum(self.table_bytes.values())
 
     def to_dict(self) -> dict:
-        return {"positions": [p.to_dict() for p in self.positions], "num_nodes": self.num_nodes, "sids": self.sids,
-                **{f"{n}_table_bytes": b for n, b in self.table_bytes.items()},
-                "ads_per_sid_p50": self.ads_per_sid_p50, "ads_per_sid_p99": self.ads_per_sid_p99,
-                "ads_per_sid_max": self.ads_per_sid_max, "sids_per_ad_mean": self.sids_per_ad_mean,
-                "sids_per_ad_max": self.sids_per_ad_max}
+        return {"positions": [p.to_dict() for p in self.positions], **{k: getattr(self, k) for k in self._FIGURES},
+                **{_table_bytes_key(n): b for n, b in self.table_bytes.items()}}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> GTMStats:
+        """`to_dict`'s inverse (ValueError when `doc` is not one). Keys it does not know are left
+        out: the figures of a newer sidindex are no reason to refuse its snapshot. Numbers are kept as
+        written, so `to_dict` gives back the same JSON."""
+        positions = doc.get("positions")
+        if not isinstance(positions, list) or not all(isinstance(p, dict) for p in positions):
+            raise ValueError("'positions' must be a list of objects")
+        return cls(positions=tuple(PositionStats.from_dict(p) for p in positions),
+                   table_bytes={p: _figure(doc, _table_bytes_key(p)) for p in MATCHER_PLANES},
+                   **{k: _figure(doc, k) for k in cls._FIGURES})
+
+
+def _table_bytes_key(plane: str) -> str:
+    return f"{plane}_table_bytes"
+
+
+def _figure(doc: dict, key: str) -> int | float:
+    """doc[key], a number (ValueError naming the key otherwise)."""
+    v = doc.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{key!r} must be a number, not {type(v).__name__}")
+    return v
 
 
 def gtm_stats(index: GTMIndex, plane_bits: tuple[int, ...]) -> GTMStats:
