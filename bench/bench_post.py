@@ -5,8 +5,8 @@ GPU the device path (`runtime.post.DevicePost`), eager and captured in a CUDA gr
     python bench/bench_post.py                  # 5M ads; on a CUDA host it also times the device path
     python bench/bench_post.py --ads 200000     # CPU-sized
 
-Index and requests: `bench_search`'s (the `bench_gtm` catalog, generated SIDs, 2 paths per ad,
-dynamic k-way; B=16 requests with 64 locations each). Beams: a cd+gtm search with beams
+Index and requests: `bench_search`'s (`common`: the `bench_gtm` catalog, generated SIDs, 2 paths
+per ad, dynamic k-way; B=16 requests with 64 locations each). Beams: a cd+gtm search with beams
 1,512,1024,1024 and random logits (fixed per step), so the beams are the ones a search returns:
 about 1,024 live SIDs per request. Per path the median over --reps runs of one batch:
   numpy         the former `runtime.post.expand` (lexsort passes), kept here as the reference
@@ -35,8 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import numpy as np
 import torch
 
-from bench.bench_search import (bench_requests, build_snapshot, captured, cuda_ms, print_profile, profile_kernels,
-                                 wall_ms)
+from bench.common import bench_requests, build_snapshot, captured, cuda_ms, print_profile, profile_kernels, wall_ms
 from runtime.loader import load_index
 from runtime.ops.expand import RRF_K
 from runtime.ops.expand.host import exact_pairs

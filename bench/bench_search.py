@@ -50,128 +50,40 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
-import polars as pl
 import torch
 
-import runtime.search as search_mod
-from bench.bench_gtm import bench_spec, generate
-from bench.bench_snapshot import write
+from bench.bench_post import time_post
+from bench.common import (bench_requests, build_snapshot, captured, cuda_ms, graph_ms, graph_search_ms, print_profile,
+                          profile_kernels, same_beams)
+from runtime import constraint
 from runtime.loader import load_index
+from runtime.ops.gtm_mask import gtm_candidates
 from runtime.ops.gtm_mask.slots import every_entry
 from runtime.post import expand
 from runtime.requests import to_device
 from runtime.search import beam_search
 from runtime.serving import Searcher
-from sidindex.config import KWayConfig
-from sidindex.requests import Requests, requests_from
 from sidindex.modes import Mode
 from sidindex.requests import encode_requests
-from sidindex.sample import location_vocabulary, sample_requests, zipf_weights
 from sidindex.snapshot import open_snapshot
 
-KWAY = KWayConfig(mode="dynamic", k_max=16, target_fill=0.5)
 CONSTRAINED = tuple(m for m in Mode if m.constrained)
-
-
-def build_snapshot(n: int, out: Path, codebook=None) -> dict:
-    """Generate, build and write a snapshot of n ads under out/snapshot (carrying `codebook` if
-    given); seconds per stage, its path."""
-    t = time.perf_counter()
-    generate(n, 2, out)
-    return {"generate": time.perf_counter() - t, **write(out, out / "snapshot", kway=KWAY, codebook=codebook)}
-
-
-def bench_requests(B: int, n_locations: int, seed: int = 3) -> Requests:
-    """B requests with `n_locations` distinct Zipf-drawn locations each."""
-    spec = bench_spec()
-    table = pl.from_arrow(sample_requests(B, spec, dim=1, seed=seed))
-    rng = np.random.default_rng(seed)
-    vocab = location_vocabulary()
-    p = zipf_weights(len(vocab), 1.0)
-    locs = [vocab[rng.choice(len(vocab), n_locations, replace=False, p=p)].tolist() for _ in range(B)]
-    table = table.drop("embedding").with_columns(pl.Series("locations", locs))
-    return requests_from(table, spec, source="bench")
-
-
-def wall_ms(fn, reps: int, warmup: int = 2) -> float:
-    """Median wall-clock milliseconds of fn() (host work)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
-def cuda_ms(fn, reps: int, warmup: int = 2) -> float:
-    """Median milliseconds of fn() on the current stream (the wall clock without a GPU: a smoke run)."""
-    if not torch.cuda.is_available():
-        return wall_ms(fn, reps, warmup)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def captured(fn):
-    """fn() captured as a CUDA graph (warmed up on a side stream first): (replay, fn's outputs).
-    Without a GPU (a smoke run), fn itself."""
-    if not torch.cuda.is_available():
-        return fn, fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compilation and the allocator's warm-up, outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph.replay, out
-
-
-def graph_ms(fn, reps: int) -> float:
-    """Median ms of replaying fn() captured as a CUDA graph: its GPU time without Python's launch
-    overhead (a kernel call of the search costs tens of microseconds to launch eagerly)."""
-    return cuda_ms(captured(fn)[0], reps)
 
 
 def same_rows(a, b) -> bool:
     """Two post-stage results (`runtime.post.Retrieved`) hold the same rows."""
     return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("request", "rank", "ad_id", "sid", "score",
                                                                          "sids", "ads_generated", "ads_eligible"))
-
-
-def same(a, b) -> bool:
-    return bool(torch.equal(a.tokens, b.tokens) and torch.equal(a.score, b.score) and torch.equal(a.leaf, b.leaf))
-
-
-def graph_search_ms(index, dreq, scorer, beams, mode: Mode, reps: int, value_weight: float = 0.0,
-                    layout: str = "compact", widths=None) -> tuple[float, bool]:
-    """Median ms of replaying the whole search (compact layout capped to `widths`) captured as a
-    CUDA graph, and whether the replay gives the eager uncapped search's beams."""
-    replay, static = captured(lambda: beam_search(index, dreq, scorer, beams, mode, "triton", value_weight, layout,
-                                                  widths))
-    ms = cuda_ms(replay, reps)
-    return ms, same(static, beam_search(index, dreq, scorer, beams, mode, "triton", value_weight, layout))
 
 
 def plain_search(logits: list[torch.Tensor], beams: tuple[int, ...]):
@@ -189,18 +101,15 @@ def plain_search(logits: list[torch.Tensor], beams: tuple[int, ...]):
 
 def recorded_masks(index, dreq, scorer, beams, mode, widths=None) -> list[tuple]:
     """The arguments of every candidate-mask call one search (capped to `widths`) makes (the
-    search, traced once)."""
-    calls, real = [], search_mod.gtm_candidates
+    search, traced once: the search takes no hook, so its constraint's call is wrapped while it runs)."""
+    calls = []
 
     def record(*args):
         calls.append(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
-        return real(*args)
+        return gtm_candidates(*args)
 
-    search_mod.gtm_candidates = record
-    try:
+    with mock.patch.object(constraint, "gtm_candidates", record):
         beam_search(index, dreq, scorer, beams, mode, "triton", widths=widths)
-    finally:
-        search_mod.gtm_candidates = real
     return calls
 
 
@@ -212,7 +121,7 @@ def mask_call(c, impl: str = "triton", **shape):
         from runtime.ops.gtm_mask.kernel import gtm_mask_triton
 
         return gtm_mask_triton(c[0], c[1], c[2], c[4], c[4], c[5], c[6], c[7], slots=c[3], **shape)
-    return search_mod.gtm_candidates(*c[:8], impl=impl, prepare=c[10] if len(c) > 10 else None)
+    return gtm_candidates(*c[:8], impl=impl, prepare=c[10] if len(c) > 10 else None)
 
 
 def copy_bandwidth(dev) -> float:
@@ -261,7 +170,7 @@ def floor_rows(index, calls_by_mode: dict, bandwidth: float, reps: int) -> list[
             if mode.gtm:
                 nbytes += trie_bytes(distinct, rows, 0)
             if mode.kway:  # an entry passing its union reads one partition at least
-                passing = search_mod.gtm_candidates(*c[:7], Mode.CD_GTM).isfinite()
+                passing = gtm_candidates(*c[:7], Mode.CD_GTM).isfinite()
                 nbytes += trie_bytes(*read_once(index, slots, passing), 16)
             ms = graph_ms(lambda c=c: mask_call(c), reps)
             # the reference: every group tested query by query (no query tables)
@@ -305,47 +214,12 @@ def sweep_shapes(calls: list[tuple], reps: int) -> dict:
     return out
 
 
-def profile_kernels(fn, runs: int = 5) -> list[dict]:
-    """GPU time per kernel over one call of fn (a search, a post stage; mean of `runs`, after a
-    warm-up call), every kernel, largest first: what bounds it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            fn()
-        torch.cuda.synchronize()
-
-    def us(e) -> float:
-        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-
-    rows = [{"kernel": e.key[:70], "us": us(e) / runs, "calls": e.count / runs}
-            for e in prof.key_averages() if us(e) > 0]
-    return sorted(rows, key=lambda r: -r["us"])
-
-
-def print_profile(profile: list[dict], what: str) -> None:
-    """A `profile_kernels` table (nothing without one)."""
-    if profile:
-        print(f"\nwhere {what} spends GPU time (profiler):\n| kernel | us | calls |\n|---|---|---|")
-        for p in profile[:12]:  # the largest
-            print(f"| {p['kernel']} | {p['us']:.1f} | {p['calls']:.0f} |")
-
-
 # the kernels of a search's masks: the mask, and the query tables and shared rows' tests made before it
 MASK_KERNELS = ("_gtm_mask_kernel", "_prepare_kernel")
 
 
 def mask_kernel_us(profile: list[dict]) -> float:
     return sum(p["us"] for p in profile if p["kernel"].startswith(MASK_KERNELS))
-
-
-def post_rows(index, host_req, dreq, found, reps: int) -> dict:
-    """The post stage of the cd+gtm beams, as `bench_post` measures it (GPU and CPU paths)."""
-    from bench.bench_post import time_post
-
-    return time_post(index, host_req, dreq, found, reps=reps)
 
 
 def one_size(n: int, args, beams: tuple[int, ...], dev) -> dict:
@@ -399,7 +273,7 @@ def one_size(n: int, args, beams: tuple[int, ...], dev) -> dict:
             r["eager_ms"] = cuda_ms(lambda: beam_search(index, dreq, scorer, beams, mode), args.reps)
             fast = beam_search(index, dreq, scorer, beams, mode, "triton")
             r["live_sids_per_request"] = float(fast.alive.sum(1).float().mean())
-            r["identical"] = same(got, fast) and searcher.eager_reason is None and r["graph_same"]
+            r["identical"] = same_beams(got, fast) and searcher.eager_reason is None and r["graph_same"]
             r["widened"] = searcher.widened  # searches the Searcher ran again wider, all at the first batch
             if mode.constrained:
                 r["worst_case_graph_ms"], worst_same = graph_search_ms(index, dreq, scorer, beams, mode, args.reps)
@@ -407,13 +281,13 @@ def one_size(n: int, args, beams: tuple[int, ...], dev) -> dict:
                                                                    layout="dense")
                 slow = beam_search(index, dreq, scorer, beams, mode, "torch")  # the plain-torch mask, once
                 dense = beam_search(index, dreq, scorer, beams, mode, "triton", layout="dense")
-                r["identical"] &= same(fast, slow) and same(fast, dense) and dense_same and worst_same
+                r["identical"] &= same_beams(fast, slow) and same_beams(fast, dense) and dense_same and worst_same
                 calls = calls_by_mode[mode] = recorded_masks(index, dreq, scorer, beams, mode, widths)
                 r["mask_per_step_ms"] = [graph_ms(lambda c=c: mask_call(c), args.reps) for c in calls]
                 r["mask_ms"] = sum(r["mask_per_step_ms"])
             if mode is Mode.CD_GTM:
                 try:  # a failing post stage is reported, and the search figures kept
-                    res["post"] = post_rows(index, host_req, dreq, fast, args.reps)
+                    res["post"] = time_post(index, host_req, dreq, fast, reps=args.reps)  # as bench_post
                     # search + post through the public API, captured together: ranked ads on the host
                     r["retrieve_ms"] = cuda_ms(lambda: searcher.retrieve(index, dreq, Fixed(), host=host_req),
                                                args.reps)

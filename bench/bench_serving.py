@@ -15,7 +15,7 @@ random embeddings, two batches; beams 1,512,1024,1024. Each figure is a median o
   codebook   `runtime.codebook_scorer`, the scorer `runtime.retrieve` uses, per mode (and the
              value-guided search in cd+gtm and cd+gtm+kway, target <= 1.1x the plain one: at
              λ = 1e-30, the bound carried through the same beams, and at λ = 1):
-             graph     the search captured by this benchmark (`bench_search.graph_search_ms`)
+             graph     the search captured by this benchmark (`common.graph_search_ms`)
              Searcher  `runtime.Searcher.search`, batches alternating (inputs refreshed, outputs copied)
              eager     `runtime.beam_search`
              target: cd+gtm Searcher <= 1.1x graph
@@ -47,8 +47,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from bench.bench_gtm import LEVELS
-from bench.bench_search import bench_requests, bench_spec, build_snapshot, cuda_ms, graph_search_ms, same, wall_ms
+from bench.bench_gtm import LEVELS, bench_spec
+from bench.common import bench_requests, build_snapshot, cuda_ms, graph_search_ms, same_beams, wall_ms
 from runtime import Searcher, beam_search, codebook_scorer, load_index, to_device
 from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from sidindex.config import SIDConfig
@@ -98,7 +98,7 @@ def served(index, batch, scorer, beams, mode: Mode, reps: int, value_weight: flo
     ms = timer(index.device)
     eager = [beam_search(index, batch[i], scorer(i), beams, mode, value_weight=value_weight) for i in (0, 1)]
     searcher, turn = Searcher(beams, mode, value_weight=value_weight), [0]
-    ok = all(same(searcher.search(index, batch[i], scorer(i)), eager[i]) for i in (0, 1, 0, 1))
+    ok = all(same_beams(searcher.search(index, batch[i], scorer(i)), eager[i]) for i in (0, 1, 0, 1))
 
     def serve():
         i = turn[0] = 1 - turn[0]

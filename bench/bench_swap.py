@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import torch
 
 import runtime.staging as staging
-from bench.bench_search import bench_requests, build_snapshot
+from bench.common import bench_requests, build_snapshot
 from bench.bench_snapshot import evict
 from runtime import Searcher, load_index, to_device
 from schemas.artifacts import MANIFEST_FILE
