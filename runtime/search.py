@@ -42,6 +42,7 @@ from typing import Protocol
 import torch
 
 from runtime.constraint import Constraint
+from runtime.ops.impl import Impl
 from runtime.ops.order import top_k
 from runtime.served import ServedIndex
 from sidindex.errors import ConfigError
@@ -186,13 +187,13 @@ LAYOUTS = ("compact", "dense")
 @torch.no_grad()  # a scorer module's logits carry no autograd graph through the search
 def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
                 beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
-                impl: str = "auto", value_weight: float = 0.0, layout: str = "compact",
+                impl: Impl | str = Impl.AUTO, value_weight: float = 0.0, layout: str = "compact",
                 widths: tuple[int | None, ...] | None = None) -> Beams:
     """Search SIDs for a batch of requests.
 
     requests: their encoding, best already on the index's device (`runtime.requests.to_device`; a
-    host encoding is moved first). impl: the mask implementation
-    ("auto", "triton", "numba", "torch"). value_weight: λ >= 0 of the value-guided search (module
+    host encoding is moved first). impl: the mask implementation, an `ops.impl.Impl` ("auto",
+    "triton", "numba", "torch"). value_weight: λ >= 0 of the value-guided search (module
     doc); 0, the default, searches by log-probability alone. layout: how a constrained step lays
     out its candidates for top-k: "compact" (`ops.gtm_mask.slots`: the beams' child entries only,
     the default) or "dense" (every beam x token, then a search for each chosen (node, token): the

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.ops.gtm_mask.planes import stack_queries
+from runtime.ops.impl import Impl
 from runtime.post import DevicePost, Retrieved, check_rank, check_top_k, expand, on_device
 from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search, capped_widths, check_slack
 from runtime.served import ServedIndex
@@ -80,7 +81,7 @@ class Searcher:
     """
 
     def __init__(self, beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
-                 impl: str = "auto", value_weight: float = 0.0, slack: float = SLACK) -> None:
+                 impl: Impl | str = Impl.AUTO, value_weight: float = 0.0, slack: float = SLACK) -> None:
         self.beams, self.mode, self.impl, self.value_weight = beams, parse_mode(mode), impl, value_weight
         check_slack((slack,), 1)
         self.slack, self.widened = slack, 0
