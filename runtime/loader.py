@@ -25,7 +25,7 @@ from runtime.ops.gtm_mask.planes import stack_tables
 from runtime.ops.gtm_mask.shared_rows import SharedRows, shared_rows
 from runtime.served import HOST_ARRAYS, POST_ARRAYS, ServedIndex, bound_names, post_bounds
 from runtime.staging import ARENA, mapped, stage_arrays
-from schemas.artifacts import MATCHER_PLANES
+from schemas.artifacts import MATCHER_PLANES, plane_arrays
 from sidindex.errors import ConfigError
 from sidindex.snapshot import Snapshot, open_snapshot
 from sidindex.snapshot.arrays import same_memory
@@ -93,7 +93,8 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
     host = {n: getattr(g, n) for n in HOST_ARRAYS}
     served = {n: a for n, a in g.arrays().items() if n not in HOST_ARRAYS}
     every = snap.arrays()  # by contract name: `served` and the post stage's
-    planes = {n for p in MATCHER_PLANES for n in (f"{p}_table", f"{p}_index", f"part_{p}_index")} & set(served)
+    named = [plane_arrays(p) for p in MATCHER_PLANES]
+    planes = {n for a in named for n in (a.table, a.index, a.part_index)} & set(served)
     kept, post_kept = [], []  # per device: the names whose device tensor is its base's
     for device, base in zip(devices, bases):
         k = _kept(served, g.level_sizes, base, device)  # names whose device tensor is the base's
@@ -127,15 +128,14 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
             tables = base.tables if planes <= k and base is not None else None
             if device.type == "cuda":  # the planes into one stack, the rest as they are
                 if tables is None:
-                    parts = [source[f"part_{p}_index"] for p in MATCHER_PLANES] if g.part_offsets is not None else None
-                    tables = stack_tables([source[f"{p}_table"] for p in MATCHER_PLANES],
-                                          [source[f"{p}_index"] for p in MATCHER_PLANES], parts, device,
-                                          by_first_use=True)
+                    parts = [source[a.part_index] for a in named] if g.part_offsets is not None else None
+                    tables = stack_tables([source[a.table] for a in named], [source[a.index] for a in named], parts,
+                                          device, by_first_use=True)
                 moved = {n: source[n].to(device, non_blocking=True) for n in served if n not in k | planes}
-                for i, p in enumerate(MATCHER_PLANES):
-                    moved |= {f"{p}_table": tables.tables[i], f"{p}_index": tables.index[i]}
+                for i, a in enumerate(named):
+                    moved |= {a.table: tables.tables[i], a.index: tables.index[i]}
                     if g.part_offsets is not None:
-                        moved[f"part_{p}_index"] = tables.part_index[i]
+                        moved[a.part_index] = tables.part_index[i]
             else:
                 moved = {n: source[n] for n in served if n not in k}
             moved = {n: base.gtm.arrays()[n] for n in k} | moved

@@ -14,6 +14,7 @@ import torch
 
 from runtime.ops.gtm_mask.planes import TableStack
 from runtime.ops.gtm_mask.shared_rows import SharedRows
+from schemas.artifacts import plane_arrays
 from sidindex.sid import Codebook
 from sidindex.snapshot import Snapshot
 from sidindex.targeting import TargetingSpec
@@ -59,7 +60,7 @@ def post_bounds(arrays: dict[str, torch.Tensor], snap: Snapshot) -> PostBounds:
     ads, steps = arrays["ads"], {}
     for p in snap.exact.planes:
         if p.rows is None:  # a values plane: hash offsets (A*(N+1),), per attribute the ads' runs
-            runs = arrays[f"exact_{p.name}_hash_offsets"].view(len(p.hash_offsets), len(ads) + 1).diff(dim=1)
+            runs = arrays[plane_arrays(p.name).exact_hash_offsets].view(len(p.hash_offsets), len(ads) + 1).diff(dim=1)
             most = runs.amax(dim=1).tolist() if runs.numel() else [0] * len(runs)
             steps[p.name] = tuple(int(m).bit_length() for m in most)
     order = torch.empty_like(ads)
@@ -69,7 +70,7 @@ def post_bounds(arrays: dict[str, torch.Tensor], snap: Snapshot) -> PostBounds:
 
 def bound_names(snap: Snapshot) -> set[str]:
     """The post arrays of `snap` its `PostBounds` is made from, by contract name."""
-    return set(_BOUND_ARRAYS) | {f"exact_{p.name}_hash_offsets" for p in snap.exact.planes if p.rows is None}
+    return set(_BOUND_ARRAYS) | {plane_arrays(p.name).exact_hash_offsets for p in snap.exact.planes if p.rows is None}
 
 
 @dataclass(frozen=True)
