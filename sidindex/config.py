@@ -152,7 +152,8 @@ class BuildConfig:
         """`to_dict`'s inverse, checked as a config file is (a ConfigError naming `where` otherwise)."""
         check_keys(doc, {"sid", "quality", "kway"}, where)
         kway = doc.get("kway")
-        return cls(sid=_section(doc, "sid", SIDConfig, where), quality=_section(doc, "quality", QualityThresholds, where),
+        return cls(sid=_section(doc, "sid", SIDConfig, where),
+                   quality=_section(doc, "quality", QualityThresholds, where),
                    kway=None if kway is None else _section(doc, "kway", KWayConfig, where))
 
 

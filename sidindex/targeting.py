@@ -18,6 +18,8 @@ from schemas import TARGETING_ATTRIBUTE
 from sidindex.errors import InputError
 from sidindex.matchers import bitmask, bloom
 from sidindex.matchers.attribute import Attribute, MatcherKind
+from sidindex.matchers.bitmask import BitmaskLayout
+from sidindex.matchers.bloom import BloomLayout
 from sidindex.matchers.kinds import KINDS
 from sidindex.tomlio import check_keys, read_toml
 
@@ -58,11 +60,11 @@ class TargetingSpec:
         return self.layouts[KINDS.index(kind)]
 
     @property
-    def bitmask_layout(self) -> bitmask.BitmaskLayout:
+    def bitmask_layout(self) -> BitmaskLayout:
         return self.layout_of(BITMASK)
 
     @property
-    def bloom_layout(self) -> bloom.BloomLayout:
+    def bloom_layout(self) -> BloomLayout:
         return self.layout_of(BLOOM)
 
     def to_dict(self) -> dict:

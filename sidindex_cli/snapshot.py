@@ -57,7 +57,8 @@ def inspect(
     snap = open_snapshot(snapshot, verify=False)
     m, st = snap.manifest, snap.manifest.stats
     if st is None:
-        raise ArtifactError(f"{snap.path / 'manifest.json'}: holds no statistics (the snapshot was written without them)")
+        raise ArtifactError(f"{snap.path / 'manifest.json'}: holds no statistics (the snapshot was written "
+                            "without them)")
     summary = {"snapshot_id": m.id, "created": m.created, "path": str(snap.path), "codebook_id": m.codebook_id,
                "input_fingerprint": m.input_fingerprint[:16], "level_sizes": list(m.level_sizes),
                **m.counts.to_dict(), "kway": m.kway, "matcher_table_bytes": st.matcher_bytes,

@@ -233,7 +233,8 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
         raise bad(f"level_sizes {sizes[:8]!r} are not SID level sizes (each in 1..{MAX_LEVEL_SIZE})")
     arrays, files = _arrays(bad, doc["arrays"], doc["kway"]), _files(bad, doc["files"], version >= DIGEST_VERSION)
     try:  # the typed records: their own checks, with this manifest's path
-        counts, lineage = Counts.from_dict(doc["counts"]), Lineage.from_dict(doc["lineage"]) if "lineage" in doc else None
+        counts = Counts.from_dict(doc["counts"])
+        lineage = Lineage.from_dict(doc["lineage"]) if "lineage" in doc else None
         stats = GTMStats.from_dict(doc["stats"]) if doc["stats"] else None
         config = BuildConfig.from_dict(doc["build_config"], "build_config") if doc["build_config"] else None
     except (ValueError, ConfigError) as e:

@@ -211,7 +211,8 @@ def _trie(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> N
 def _planes(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """Every entry's matcher rows, per plane, inside their tables."""
     for p in gtm.planes:
-        need(_in_range(p.index, len(p.table)), plane_arrays(p.name).index, f"a row index lies outside [0, {len(p.table)})")
+        need(_in_range(p.index, len(p.table)), plane_arrays(p.name).index,
+             f"a row index lies outside [0, {len(p.table)})")
 
 
 def _leaves(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:

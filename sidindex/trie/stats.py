@@ -39,10 +39,9 @@ class PositionStats:
     partitions: int = 0          # k-way partitions of this position's entries (0: built without k-way)
     part_bytes: int = 0          # jagged layer: one row index per plane and partition
 
-    _FIGURES = ("position", "parents", "entries", "partitions", "part_bytes")
-
     def to_dict(self) -> dict:
-        out = {k: getattr(self, k) for k in self._FIGURES}
+        out = {"position": self.position, "parents": self.parents, "entries": self.entries,
+               "partitions": self.partitions, "part_bytes": self.part_bytes}
         for name, p in self.planes.items():
             out |= {key: getattr(p, f) for f, key in _plane_keys(name).items()}
         return out
@@ -50,8 +49,14 @@ class PositionStats:
     @classmethod
     def from_dict(cls, doc: dict) -> PositionStats:
         """`to_dict`'s inverse, for the planes of MATCHER_PLANES (ValueError when `doc` is not one)."""
-        planes = {p: PlaneStats(**{f: _figure(doc, key) for f, key in _plane_keys(p).items()}) for p in MATCHER_PLANES}
-        return cls(**{k: _figure(doc, k) for k in cls._FIGURES}, planes=planes)
+        planes = {}
+        for p in MATCHER_PLANES:
+            key = _plane_keys(p)
+            planes[p] = PlaneStats(bytes_before=_count(doc, key["bytes_before"]),
+                                   bytes_after=_count(doc, key["bytes_after"]), fill=_share(doc, key["fill"]),
+                                   part_fill=_share(doc, key["part_fill"]))
+        return cls(position=_count(doc, "position"), parents=_count(doc, "parents"), entries=_count(doc, "entries"),
+                   planes=planes, partitions=_count(doc, "partitions"), part_bytes=_count(doc, "part_bytes"))
 
 
 @dataclass(frozen=True)
@@ -66,16 +71,16 @@ class GTMStats:
     sids_per_ad_mean: float
     sids_per_ad_max: int
 
-    _FIGURES = ("num_nodes", "sids", "ads_per_sid_p50", "ads_per_sid_p99", "ads_per_sid_max", "sids_per_ad_mean",
-                "sids_per_ad_max")
-
     @property
     def matcher_bytes(self) -> int:
         return sum(self.table_bytes.values())
 
     def to_dict(self) -> dict:
-        return {"positions": [p.to_dict() for p in self.positions], **{k: getattr(self, k) for k in self._FIGURES},
-                **{_table_bytes_key(n): b for n, b in self.table_bytes.items()}}
+        return {"positions": [p.to_dict() for p in self.positions], "num_nodes": self.num_nodes, "sids": self.sids,
+                **{_table_bytes_key(n): b for n, b in self.table_bytes.items()},
+                "ads_per_sid_p50": self.ads_per_sid_p50, "ads_per_sid_p99": self.ads_per_sid_p99,
+                "ads_per_sid_max": self.ads_per_sid_max, "sids_per_ad_mean": self.sids_per_ad_mean,
+                "sids_per_ad_max": self.sids_per_ad_max}
 
     @classmethod
     def from_dict(cls, doc: dict) -> GTMStats:
@@ -84,21 +89,31 @@ class GTMStats:
         written, so `to_dict` gives back the same JSON."""
         positions = doc.get("positions")
         if not isinstance(positions, list) or not all(isinstance(p, dict) for p in positions):
-            raise ValueError("'positions' must be a list of objects")
-        return cls(positions=tuple(PositionStats.from_dict(p) for p in positions),
-                   table_bytes={p: _figure(doc, _table_bytes_key(p)) for p in MATCHER_PLANES},
-                   **{k: _figure(doc, k) for k in cls._FIGURES})
+            raise ValueError("stats: 'positions' must be a list of objects")
+        return cls(positions=tuple(PositionStats.from_dict(p) for p in positions), num_nodes=_count(doc, "num_nodes"),
+                   sids=_count(doc, "sids"), table_bytes={p: _count(doc, _table_bytes_key(p)) for p in MATCHER_PLANES},
+                   ads_per_sid_p50=_share(doc, "ads_per_sid_p50"), ads_per_sid_p99=_share(doc, "ads_per_sid_p99"),
+                   ads_per_sid_max=_count(doc, "ads_per_sid_max"), sids_per_ad_mean=_share(doc, "sids_per_ad_mean"),
+                   sids_per_ad_max=_count(doc, "sids_per_ad_max"))
 
 
 def _table_bytes_key(plane: str) -> str:
     return f"{plane}_table_bytes"
 
 
-def _figure(doc: dict, key: str) -> int | float:
-    """doc[key], a number (ValueError naming the key otherwise)."""
+def _count(doc: dict, key: str) -> int:
+    """doc[key], an integer (ValueError naming the key otherwise)."""
+    v = doc.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"stats: {key!r} must be an integer, not {type(v).__name__}")
+    return v
+
+
+def _share(doc: dict, key: str) -> float:
+    """doc[key], a number, kept as written (ValueError naming the key otherwise)."""
     v = doc.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{key!r} must be a number, not {type(v).__name__}")
+        raise ValueError(f"stats: {key!r} must be a number, not {type(v).__name__}")
     return v
 
 
