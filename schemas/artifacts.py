@@ -54,13 +54,14 @@ MANIFEST_FILE = "manifest.json"
 # Matcher kinds. Each plane has a deduplicated row table, a row index per child entry and, with
 # k-way partitions, a row index per partition; a candidate passes when every plane passes. The
 # exact ad-level filter keeps, per plane, either the ads' own rows (EXACT_ROWS: the plane's test
-# is exact) or the sorted hashes of each ad's values per attribute (EXACT_VALUES).
-MATCHER_PLANES = ("bitmask", "bloom")
+# is exact) or the sorted hashes of each ad's values per attribute (EXACT_VALUES). EXACT_FORM is
+# the one list of the kinds, in plane order (`sidindex.matchers.kinds.KINDS` implements them).
+EXACT_ROWS, EXACT_VALUES = "rows", "values"
+EXACT_FORM = {"bitmask": EXACT_ROWS, "bloom": EXACT_VALUES}
+MATCHER_PLANES = tuple(EXACT_FORM)
 # An ad's value (the catalog's `value`, expected eCPM) lies in [0, MAX_AD_VALUE]: the index keeps
 # its bounds as float32 (max 3.4e38), and an eCPM this large is a unit or export bug.
 MAX_AD_VALUE = 1e30
-EXACT_ROWS, EXACT_VALUES = "rows", "values"
-EXACT_FORM = {"bitmask": EXACT_ROWS, "bloom": EXACT_VALUES}
 # An ad row's state (`ad_state`, written by updates). A paused row is ineligible until resumed; a
 # deleted row (an ad deleted, or the old data of an upserted one) is never served again and leaves
 # at the next full build. The trie keeps both under their SIDs (a conservative superset).

@@ -1,10 +1,10 @@
-"""The matcher kinds, in plane order. The one list of kinds is `schemas.artifacts.MATCHER_PLANES`
-(the snapshot contract names and orders the planes); `KINDS` holds each plane's implementation in
-that order, and everything that parses, builds, stores or tests matcher rows iterates over it. A new
-kind: a module here exporting its `MatcherKind` (`sidindex.matchers.attribute`), its plane and exact
-form in `schemas.artifacts` (and its columns' contract in `schemas.contracts`), its module's KIND
-below, and its requests' encoding in `sidindex.requests.encode_requests` (which writes the planes it
-knows, and says so)."""
+"""The matcher kinds, in plane order. The one list of kinds is the snapshot contract's
+(`schemas.artifacts.EXACT_FORM`, whose keys are MATCHER_PLANES: each plane's name, order and exact
+form); `KINDS` holds each plane's implementation in that order, and everything that parses, builds,
+stores or tests matcher rows iterates over it. A new kind: a module here exporting its `MatcherKind`
+(`sidindex.matchers.attribute`), its entry in `schemas.artifacts.EXACT_FORM` (and its columns'
+contract in `schemas.contracts`), its module's KIND below, and its requests' encoding in
+`sidindex.requests.encode_requests` (which writes the planes it knows, and says so)."""
 
 from __future__ import annotations
 
