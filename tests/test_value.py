@@ -35,6 +35,7 @@ from sidindex.errors import ArtifactError, ConfigError, InputError
 from sidindex.explain import Explainer
 from sidindex.ingest import read_catalog
 from sidindex.modes import Mode
+from sidindex.snapshot.manifest import Counts
 from sidindex.snapshot.validate import check_structure
 from sidindex.trie.build import round_up_f32
 from sidindex.trie.match import entries_pass
@@ -257,10 +258,10 @@ def test_validation_refuses_bounds_that_do_not_bound(sc, seed):
     """Each relation of the value arrays, broken once: a value out of range, a SID's bound below one
     of its ads, a prefix's below a child's, partitions not starting from the entry's bound."""
     g, _, _, exact, _ = build(sc)
-    counts = {"ads": len(sc.ads), "sid_rows": len(g.leaf_ads), "sids": g.num_leaves, "nodes": g.num_nodes}
+    ad_id = np.arange(len(sc.ads))
 
     def check(**arrays):
-        check_structure(Path("."), dataclasses.replace(g, **arrays), exact, np.arange(len(sc.ads)), counts)
+        check_structure(Path("."), dataclasses.replace(g, **arrays), exact, ad_id, Counts.of(g, ad_id))
 
     check()  # as built: accepted
     rng = np.random.default_rng(seed)
