@@ -1,4 +1,4 @@
-"""Serving with a model in the loop (DESIGN.md §12-13): the public searcher against the benchmark's
+"""Serving with a model in the loop (docs/design.md §12-13): the public searcher against the benchmark's
 own captured search, a real decoder's end-to-end time per mode, and Hugging Face `generate` with
 and without the processor, all in one run and one table.
 

@@ -1,5 +1,5 @@
 """The scheduled rebuild: config file -> build -> publish -> retention -> run report; and, between
-full builds, updates from change files (DESIGN.md §15).
+full builds, updates from change files (docs/design.md §15).
 
     python -m pipelines.rebuild JOB.toml              # a full build
     python -m pipelines.rebuild JOB.toml --update     # apply pending change files

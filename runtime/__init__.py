@@ -1,5 +1,5 @@
 """The serving runtime (torch, triton): load snapshots onto a device, constrained beam search,
-SID -> ad expansion (DESIGN.md §8, §12).
+SID -> ad expansion (docs/design.md §8, §12).
 
 A serving host needs only this namespace:
 
@@ -24,7 +24,7 @@ Modules:
     simulate    pass rates and recall per mode (`sidindex simulate`)
     server      `sidindex serve`: HTTP, dynamic batching, swaps, metrics (extra `sidindex[serve]`)
 
-Layering (DESIGN.md §2): `runtime` reads artifacts only through `sidindex`'s readers and never
+Layering (docs/design.md §2): `runtime` reads artifacts only through `sidindex`'s readers and never
 re-implements their formats; the `sidindex` library never imports `runtime` (only the CLI's
 serving commands do, when they run). Triton is imported only when a kernel first runs on CUDA.
 """

@@ -1,5 +1,5 @@
 """The constraint of one batch on one index: which SIDs its requests may generate, step by step
-(DESIGN.md §8, §13).
+(docs/design.md §8, §13).
 
 `beam_search` (and through it `runtime.Searcher` and `runtime.Retriever`) and the Hugging Face
 processor (`runtime.hf`) ask one `Constraint` the same two things at each step: where a beam is

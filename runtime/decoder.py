@@ -1,5 +1,5 @@
 """A reference generative retriever: a small causal transformer over a request's context tokens
-followed by SID tokens, with a KV cache reordered by the search's `parent` (DESIGN.md §12).
+followed by SID tokens, with a KV cache reordered by the search's `parent` (docs/design.md §12).
 
 It is the worked example of plugging a model into the search (`runtime.search.Scorer`): a serving
 team's decoder has the same shape. The sequence of a request is its C context tokens (e.g. the

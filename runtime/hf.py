@@ -1,4 +1,4 @@
-"""Constrained SID generation with Hugging Face `generate` (DESIGN.md §13).
+"""Constrained SID generation with Hugging Face `generate` (docs/design.md §13).
 
     from transformers import LogitsProcessorList
     from runtime.hf import SidLogitsProcessor

@@ -1,4 +1,4 @@
-"""Snapshots onto a device, or onto several from one staged copy (DESIGN.md §8).
+"""Snapshots onto a device, or onto several from one staged copy (docs/design.md §8).
 
 `load_index` moves the arrays the search reads (the GTM trie and matcher tables) and, on a GPU,
 those the post stage reads (SID -> ads, exact filter) from the snapshot's memory maps through pinned

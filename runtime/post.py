@@ -1,4 +1,4 @@
-"""Post stage: SIDs -> ads -> exact filter -> ranked ads per request (DESIGN.md §3, §8).
+"""Post stage: SIDs -> ads -> exact filter -> ranked ads per request (docs/design.md §3, §8).
 
 The SID -> ad CSR expands every live beam into its ads (dropping rows an update paused or
 deleted), an ad reached through several SIDs keeps its best score and that SID (on equal scores

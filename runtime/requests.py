@@ -1,6 +1,6 @@
 """Requests for serving: validate a batch against an index (in memory or from a file), and move a
 batch's encoding (`sidindex.requests.EncodedRequests`) to the device the kernels run on in one
-copy (DESIGN.md §8)."""
+copy (docs/design.md §8)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The serving object: requests in memory in, ranked eligible ads out, warm from the first request
-(DESIGN.md §12).
+(docs/design.md §12).
 
     retriever = runtime.Retriever(runtime.SnapshotWatcher(ROOT, "cuda"), mode="cd+gtm",
                                   beams=(1, 512, 1024, 1024), batch_sizes=(1, 4, 16))

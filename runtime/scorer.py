@@ -1,4 +1,4 @@
-"""Scorers: the built-in codebook scorer, and users' scorers named MODULE:FACTORY (DESIGN.md §8, §12).
+"""Scorers: the built-in codebook scorer, and users' scorers named MODULE:FACTORY (docs/design.md §8, §12).
 
 The codebook scorer gives logits without a trained model.
 

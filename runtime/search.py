@@ -1,4 +1,4 @@
-"""Constrained beam search over SIDs (DESIGN.md §8).
+"""Constrained beam search over SIDs (docs/design.md §8).
 
 Step d (0..L-1) starts from the beams of the previous step (one root beam per request at step 0):
 the scorer gives logits for every beam, a log-softmax over the level's tokens turns them into
@@ -24,7 +24,7 @@ still pick its -inf slots when too few candidates survive, but they are marked d
 extended, so a request whose beams all die returns fewer (or zero) SIDs. There is no fallback to
 unconstrained decoding. Scores are accumulated log-probabilities.
 
-Value-guided search (DESIGN.md §16, `value_weight` λ > 0, a snapshot with ad values): the mask
+Value-guided search (docs/design.md §16, `value_weight` λ > 0, a snapshot with ad values): the mask
 weighs each candidate by its value bound v (the largest value of an ad beneath it that can pass),
 and the beams kept are the top candidates by score + λ log(max(v, 1e-6)), the key the mask
 computes (`ops.gtm_mask.reference.value_key`): λ = 1 ranks prefixes by probability x value, λ = 0
@@ -61,7 +61,7 @@ MAX_VALUE_WEIGHT = 1e6  # far past any useful weight; a larger one overflows the
 
 
 class Scorer(Protocol):
-    """The decoder seam (DESIGN.md §12): logits for every beam of one step.
+    """The decoder seam (docs/design.md §12): logits for every beam of one step.
 
     step: 0..L-1; tokens: (B, K, step) int64 the tokens of each request's K beams so far (K = 1 at
     step 0); parent: (B, K) int64, the beam of the previous call (an index into request b's

@@ -1,5 +1,5 @@
 """A snapshot as served on one device (`ServedIndex`), and the bounds its post stage needs
-(`PostBounds`), DESIGN.md §8. `runtime.loader` makes them; the search, the post stage and the
+(`PostBounds`), docs/design.md §8. `runtime.loader` makes them; the search, the post stage and the
 serving objects read them.
 
 Legend: N catalog rows, S SIDs, E trie entries (child edges), V vocabulary.

@@ -1,4 +1,4 @@
-"""A serving searcher: beam search replayed from CUDA graphs (DESIGN.md §12).
+"""A serving searcher: beam search replayed from CUDA graphs (docs/design.md §12).
 
 A host keeps one `Searcher` per (beams, mode) and calls `search(index, requests, scorer)` per
 batch, or `retrieve(...)` for the ranked eligible ads (search and post stage, `runtime.post`). On a GPU the first batch of each size is searched once to warm up, then the whole search

@@ -11,7 +11,7 @@ catalog under the same scorer, found exhaustively: every SID's log-probability i
 node down the trie (the scorer asked for every node of a depth at once), an ad scores its best SID,
 and the exact filter runs over every ad.
 
-With ad values (DESIGN.md §16), value@K compares the summed values of the K most valuable returned
+With ad values (docs/design.md §16), value@K compares the summed values of the K most valuable returned
 eligible ads with those of the K most valuable eligible ads of the whole catalog that the scorer
 can reach (the mean over requests with any), first for the plain search (ranked by log-probability), then for
 the value-guided search at each weight λ given (with its recall@K).

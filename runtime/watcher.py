@@ -1,5 +1,5 @@
 """`SnapshotWatcher`: serves the snapshot a ROOT publishes, swapping to a newer one when it appears
-(DESIGN.md §8). Each snapshot is loaded through `runtime.loader.load`, so a swap accepts exactly what
+(docs/design.md §8). Each snapshot is loaded through `runtime.loader.load`, so a swap accepts exactly what
 a load of the ROOT accepts.
 """
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 SNAPSHOT_FORMAT = "sidindex.snapshot"
 # Versions 3 to 5 are named by the arrays they hold: 3 without ad values, 4 with them, 5 written by an
-# update between rebuilds (DESIGN.md §15: the ad states and the lineage). Version 6 adds a fast digest
+# update between rebuilds (docs/design.md §15: the ad states and the lineage). Version 6 adds a fast digest
 # of every file (FAST_DIGEST, what a serving host checks when it opens a snapshot) and holds any of
 # those groups of arrays (the array list says which). Version 7 lets a full build hold the ad states
-# without a lineage (the paused ads it carried forward from the snapshot it replaces, DESIGN.md §15);
+# without a lineage (the paused ads it carried forward from the snapshot it replaces, docs/design.md §15);
 # this code writes the oldest of 6 and 7 that holds a snapshot (`written_version`), and reads all five.
 VALUE_FREE_VERSION = 3
 VALUE_VERSION = 4
@@ -73,10 +73,10 @@ ARROW_TYPES = {"|u1": "uint8", "<i2": "int16", "<i4": "int32", "<i8": "int64", "
 # When each group of arrays is present: (with partitions, with values, updated) -> bool, and the words for it
 GROUPS = {"index": (lambda kway, value, updated: True, "always"),
           "kway": (lambda kway, value, updated: kway, "with k-way partitions"),
-          "value": (lambda kway, value, updated: value, "with ad values (DESIGN.md §16)"),
+          "value": (lambda kway, value, updated: value, "with ad values (docs/design.md §16)"),
           "kway+value": (lambda kway, value, updated: kway and value, "with k-way partitions and ad values"),
           "updated": (lambda kway, value, updated: updated, "with ad states: written by an update, or by a full "
-                      "build that carried paused ads forward (DESIGN.md §15)")}
+                      "build that carried paused ads forward (docs/design.md §15)")}
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def _planes() -> tuple[ArrayFile, ...]:
         a = plane_arrays(p)
         out += [ArrayFile(a.index, "<i4", "E", None, f"Row of `{a.table}` holding child entry e's subtree union."),
                 ArrayFile(a.table, "<u8", f"R_{p}", f"W_{p}",
-                          f"Deduplicated {p} matcher rows (DESIGN.md §4): every row distinct in a full build; "
+                          f"Deduplicated {p} matcher rows (docs/design.md §4): every row distinct in a full build; "
                           "an update appends its rows, distinct among themselves.")]
     for p in MATCHER_PLANES:
         a = plane_arrays(p)

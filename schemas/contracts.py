@@ -45,7 +45,7 @@ class Contract:
 
 
 # Schema metadata key of a catalog export: the newest change file (its file name) whose changes
-# the export holds, which a full build re-applies the journal after (DESIGN.md §15)
+# the export holds, which a full build re-applies the journal after (docs/design.md §15)
 CHANGES_THROUGH_KEY = "sidindex.changes_applied_through"
 
 CATALOG = Contract(
@@ -69,7 +69,7 @@ CATALOG = Contract(
               "Free strings the ad targets (e.g. locations); null or empty = unrestricted."),
         Field("value", "float64", False, False,
               "Expected eCPM of the ad: in [0, 1e30] (0 for unknown). With it the index keeps value bounds per "
-              "prefix for value-aware search and ranking (DESIGN.md §16)."),
+              "prefix for value-aware search and ranking (docs/design.md §16)."),
     ),
 )
 
@@ -124,7 +124,7 @@ CHANGE_OPS = ("upsert", "delete", "pause", "resume")
 CHANGES = Contract(
     name="changes",
     version=1,
-    doc="Changes between full builds, for `sidindex update` (DESIGN.md §15); Parquet or Arrow IPC. Rows apply in "
+    doc="Changes between full builds, for `sidindex update` (docs/design.md §15); Parquet or Arrow IPC. Rows apply in "
         "file order; an ad's last `upsert` or `delete` decides its data, and `pause`/`resume` after it its state.",
     fields=(
         Field("ad_id", "int64", True, False, "The ad changed."),

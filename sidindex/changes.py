@@ -1,4 +1,4 @@
-"""Change files for updates between full builds (DESIGN.md §15, contract `schemas.CHANGES`).
+"""Change files for updates between full builds (docs/design.md §15, contract `schemas.CHANGES`).
 
 `read_changes` validates a whole file before anything is applied, then folds its rows, in file
 order, into their net effect on the snapshot they apply to:

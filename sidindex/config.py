@@ -39,7 +39,7 @@ from pathlib import Path
 from sidindex.errors import ConfigError
 from sidindex.tomlio import check_keys, read_toml
 
-MAX_TOKEN = 32767  # tokens are stored as int16 (DESIGN.md §5)
+MAX_TOKEN = 32767  # tokens are stored as int16 (docs/design.md §5)
 
 
 @dataclass(frozen=True)

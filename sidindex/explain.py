@@ -34,10 +34,10 @@ class Step:
     failed_union: attributes the subtree-union matchers reject (None when the prefix is not in the catalog)
     failed_partitions: per k-way partition, the attributes it rejects (None without k-way; empty when
                        the prefix is not in the catalog)
-    bound: with ad values (DESIGN.md §16), the largest value of an ad beneath: the union's bound
+    bound: with ad values (docs/design.md §16), the largest value of an ad beneath: the union's bound
     kway_bound: with values and k-way, the largest value of the partitions that pass (None when none does)
     live: a live ad lies beneath (False only after updates paused or deleted every ad under the
-          prefix: no constrained mode takes it, DESIGN.md §15)
+          prefix: no constrained mode takes it, docs/design.md §15)
     """
 
     position: int

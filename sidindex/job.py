@@ -1,4 +1,4 @@
-"""The jobs behind `sidindex build` / `update` and the scheduled rebuild (DESIGN.md §1, §7, §15).
+"""The jobs behind `sidindex build` / `update` and the scheduled rebuild (docs/design.md §1, §7, §15).
 
 build:  ingest + validate -> codebook (reuse the frozen one, or train) -> SIDs + quality gates ->
         GTM + exact index -> carry the published snapshot's paused ads forward and re-apply the

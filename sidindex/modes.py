@@ -1,4 +1,4 @@
-"""Search modes: which tests a beam's next token must pass (DESIGN.md §8, GRACE 3.5).
+"""Search modes: which tests a beam's next token must pass (docs/design.md §8, GRACE 3.5).
 
     none          any token of the level's vocabulary (unconstrained decoding, for comparison)
     cd            the prefix + token is a catalog prefix (a child entry of the beam's trie node)

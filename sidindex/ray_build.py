@@ -1,4 +1,4 @@
-"""The build on Ray (`sidindex build --engine ray`, DESIGN.md §14): `sidindex.stages` as Ray tasks.
+"""The build on Ray (`sidindex build --engine ray`, docs/design.md §14): `sidindex.stages` as Ray tasks.
 
   fragments  the catalog's Parquet row groups; each task reads its own (and knows their file rows,
              which error messages name; Ray Data's reader does not give them)

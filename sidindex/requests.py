@@ -1,5 +1,5 @@
 """Requests: a batch validated against a targeting spec (`Requests`), and its encoding, made once
-for everything that tests it (DESIGN.md §4): the trie matchers (CPU matcher, mask kernels) and
+for everything that tests it (docs/design.md §4): the trie matchers (CPU matcher, mask kernels) and
 the exact ad-level filter (`EncodedRequests`).
 
 Requests arrive in memory (an RPC's Arrow record batch, a polars frame, dicts) or in a file;
@@ -98,7 +98,7 @@ def requests_from(data: Any, spec: TargetingSpec, *, source: str = "requests", m
     source: names the batch in messages ("{source}: column 'country', row 3: ...")
     max_values: the most values a request may bring for one bloom attribute
     dim: the embedding length expected (a codebook's); default the length of row 0
-    Bitmask values outside the declared set are legal: they mean "unknown" (DESIGN.md §3).
+    Bitmask values outside the declared set are legal: they mean "unknown" (docs/design.md §3).
     An InputError names the column, the row and the value, as for a file.
     """
     table = as_table(data, source)

@@ -1,4 +1,4 @@
-"""A ROOT: where builds publish snapshots and keep codebooks (DESIGN.md §7). Every reader and
+"""A ROOT: where builds publish snapshots and keep codebooks (docs/design.md §7). Every reader and
 writer of a ROOT goes through `Root`; no other module spells these names.
 
     ROOT/.lock                 flock: one build or update publishes at a time (a second waits)

@@ -1,4 +1,4 @@
-"""The build as stages over a catalog's fragments, on Arrow tables (DESIGN.md §14).
+"""The build as stages over a catalog's fragments, on Arrow tables (docs/design.md §14).
 
 `sidindex build --engine ray` runs them as Ray tasks (`sidindex.ray_build`); any engine that can
 map a function over Arrow batches and group rows by a key can run them the same way:

@@ -1,4 +1,4 @@
-"""Targeting spec: the ordered attributes an ad may restrict (DESIGN.md §3).
+"""Targeting spec: the ordered attributes an ad may restrict (docs/design.md §3).
 
 The spec is a TOML file with an array of ``[[attribute]]`` tables; see ``schemas/CONTRACTS.md``.
 What an attribute's kind means (its keys, a request's values, its matcher rows) is its

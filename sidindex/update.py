@@ -1,5 +1,5 @@
 """Apply a change file's net effect to an index: an opened snapshot, a full build's result, or an
-earlier update's (DESIGN.md §15).
+earlier update's (docs/design.md §15).
 
     pause / resume / delete   the rows' `ad_state` only; the trie and matchers stay as they are
     upsert                    the ad's old row (if any) is deleted; its new data becomes a new row

@@ -79,7 +79,7 @@ def print_explanation(r, max_ads: int) -> None:
     t = Table(title=f"SID {','.join(map(str, r.sid))}", title_justify="left")
     for c in ["position", "token", "prefix in catalog", "union matchers"] + (["k-way partitions"] if kway else []):
         t.add_column(c)
-    def bound(value: float | None) -> str:  # the value bound the search weighs a step by (DESIGN.md §16)
+    def bound(value: float | None) -> str:  # the value bound the search weighs a step by (docs/design.md §16)
         return "" if value is None else f"\nvalue bound {value:.6g}"
 
     for s in r.steps:

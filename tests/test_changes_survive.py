@@ -1,4 +1,4 @@
-"""Nothing laundered, nothing reverted (DESIGN.md §7, §15):
+"""Nothing laundered, nothing reverted (docs/design.md §7, §15):
 
 - An update trusts nothing it reads: over a base whose matcher rows were zeroed or flipped (digests
   resealed over the damage) or whose bytes were flipped (digests left), it publishes nothing.

@@ -1,4 +1,4 @@
-"""The decoder seam (DESIGN.md §12) and the reference decoder.
+"""The decoder seam (docs/design.md §12) and the reference decoder.
 
 - The search hands every scorer the right `parent`: each beam's tokens are its parent's plus one.
 - With its KV cache reordered by `parent`, the reference decoder's accumulated search scores equal

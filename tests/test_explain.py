@@ -25,7 +25,7 @@ from tests.conftest import run_cli
 
 
 def failing_attributes(spec, ad: dict, req: dict) -> tuple[str, ...]:
-    """The definition (DESIGN.md §3), one attribute at a time, bitmask attributes first."""
+    """The definition (docs/design.md §3), one attribute at a time, bitmask attributes first."""
     order = [a for a in spec.attributes if a.kind == BITMASK] + [a for a in spec.attributes if a.kind != BITMASK]
     one = {a.name: None for a in spec.attributes}
     return tuple(a.name for a in order if not eligible(spec, {**one, a.name: ad[a.name]}, req))

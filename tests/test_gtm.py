@@ -1,4 +1,4 @@
-"""GTM index build and CPU matcher against an independent brute-force reference (DESIGN.md §3, §4, §6).
+"""GTM index build and CPU matcher against an independent brute-force reference (docs/design.md §3, §4, §6).
 
 Random small specs, catalogs, SIDs (tiny level sizes, so middle tokens are shared) and requests;
 the reference below re-derives eligibility from the definition and matcher bits from mmh3 directly.
@@ -43,7 +43,7 @@ class Scenario:
     level_sizes: tuple[int, ...]
     requests: list[dict]       # attribute name -> str | None (bitmask) or list[str] (bloom)
     kway: KWayConfig = KWayConfig(k=(2, 2, 1))
-    values: list[float] | None = None  # each ad's value (DESIGN.md §16), or none
+    values: list[float] | None = None  # each ad's value (docs/design.md §16), or none
 
 
 # --- independent reference ---------------------------------------------------------------------

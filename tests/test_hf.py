@@ -1,4 +1,4 @@
-"""`runtime.hf.SidLogitsProcessor` with Hugging Face `generate` (DESIGN.md §13), on a small randomly
+"""`runtime.hf.SidLogitsProcessor` with Hugging Face `generate` (docs/design.md §13), on a small randomly
 initialised GPT-2 built from a config (nothing is downloaded).
 
 - Beam search with the processor returns the SIDs of sidindex's own beam search at the same width,

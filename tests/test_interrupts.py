@@ -1,4 +1,4 @@
-"""Exit codes mean what happened (DESIGN.md §9).
+"""Exit codes mean what happened (docs/design.md §9).
 
 - SIGINT and SIGTERM stop `build`, `update` and `retrieve` with exit 130 and 143 and one line on
   stderr, publishing (or writing) nothing: CURRENT and HISTORY stay as they were, no snapshot

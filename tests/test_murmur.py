@@ -31,7 +31,7 @@ def ref64(values, seed):
 
 
 def ref_bloom_positions(values, bits, hashes):
-    """(V, hashes) Bloom bit positions as DESIGN.md §4 defines them, one mmh3 call per value and hash."""
+    """(V, hashes) Bloom bit positions as docs/design.md §4 defines them, one mmh3 call per value and hash."""
     return np.array([[mmh3.hash(v, BLOOM_SEED + i, signed=False) % bits for i in range(hashes)] for v in values],
                     dtype=np.int64).reshape(len(values), hashes)
 

@@ -1,4 +1,4 @@
-"""One order (DESIGN.md §8): candidates of equal score keep the same beams in the same order on
+"""One order (docs/design.md §8): candidates of equal score keep the same beams in the same order on
 every path, on random small catalogs and scorers whose logits tie (all equal, equal within the
 hash level as the codebook scorer's, or drawn from three values).
 

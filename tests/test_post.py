@@ -1,4 +1,4 @@
-"""The post stage against an independent brute force (DESIGN.md §3, §8, §16): the host numba path
+"""The post stage against an independent brute force (docs/design.md §3, §8, §16): the host numba path
 and the device path (`runtime.post.DevicePost`, here on CPU tensors: its Triton kernels under
 TRITON_INTERPRET=1 and its torch reference) return exactly the result derived from the raw ad and
 request lists.

@@ -1,4 +1,4 @@
-"""Readers of a ROOT (DESIGN.md §7, §8).
+"""Readers of a ROOT (docs/design.md §7, §8).
 
 - One validator: over crafted snapshots published as an update of the served one (sharing its
   files by hard link), a watcher polling over the served snapshot swaps exactly when

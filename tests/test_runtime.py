@@ -1,4 +1,4 @@
-"""The runtime against independent references (DESIGN.md §3, §8).
+"""The runtime against independent references (docs/design.md §3, §8).
 
 - The CD+GTM mask: the Triton kernel (under TRITON_INTERPRET=1 without a GPU), the torch
   reference and the numba CPU path equal each other and the CPU matcher's verdicts, on random

@@ -1,4 +1,4 @@
-"""The scale-out build (DESIGN.md §14): the partitioned trie build and the Ray engine publish the
+"""The scale-out build (docs/design.md §14): the partitioned trie build and the Ray engine publish the
 local engine's snapshot, array for array; a bad row fails a Ray build with the local engine's
 message, and a killed worker fails it; neither publishes anything."""
 

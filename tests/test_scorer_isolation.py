@@ -1,4 +1,4 @@
-"""The search owns its tensors (DESIGN.md §12): a scorer that writes into its `tokens` or `parent`
+"""The search owns its tensors (docs/design.md §12): a scorer that writes into its `tokens` or `parent`
 arguments (after reading them) gets exactly the results of the same scorer that does not, through
 `runtime.beam_search`, a `runtime.Searcher` (captured in a CUDA graph on a GPU), `runtime.retrieve`,
 the exhaustive scan of `sidindex simulate`, and `sidindex retrieve --scorer`."""

@@ -1,4 +1,4 @@
-"""A serving process that no snapshot and no option can kill (DESIGN.md §8, §9, §11).
+"""A serving process that no snapshot and no option can kill (docs/design.md §8, §9, §11).
 
 - Once loaded, an index needs nothing from its snapshot directory: deleting it does not break retrieval.
 - `SnapshotWatcher.poll` never raises and never waits, whatever CURRENT and the new snapshot hold,

@@ -1,4 +1,4 @@
-"""Updates between full builds (DESIGN.md §15): `sidindex update` and a watching serving host.
+"""Updates between full builds (docs/design.md §15): `sidindex update` and a watching serving host.
 
 - Inserting SIDs into a built trie gives the trie a full build of all the SIDs gives (structure,
   SID -> ad, union rows, value bounds); k-way partitions keep covering every ad (hypothesis).

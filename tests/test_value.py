@@ -1,4 +1,4 @@
-"""Value bounds and value-guided retrieval (DESIGN.md §16) against brute force, on random catalogs.
+"""Value bounds and value-guided retrieval (docs/design.md §16) against brute force, on random catalogs.
 
 - Every mask implementation (Triton under the interpreter, the torch reference, numba) reports the
   same bound for each candidate (and the same value-guided key, the kernel computing it fused); it is >= the value of every eligible ad beneath the candidate,

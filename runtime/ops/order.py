@@ -1,4 +1,4 @@
-"""One order for scores (DESIGN.md §8): floats as integer keys that sort like them, and the search
+"""One order for scores (docs/design.md §8): floats as integer keys that sort like them, and the search
 step's top-k, whose ties fall to a fixed key rather than to the order a device's top-k leaves.
 
 Hash-level tokens get equal logits, so a step's candidates often tie at the cut, and a float

@@ -1,1 +1,1 @@
-"""Targeting matchers: bitmask rows, Bloom rows, and the exact per-ad index (DESIGN.md §4)."""
+"""Targeting matchers: bitmask rows, Bloom rows, and the exact per-ad index (docs/design.md §4)."""

@@ -1,4 +1,4 @@
-"""A targeting attribute and what its matcher kind supplies (DESIGN.md §3, §4).
+"""A targeting attribute and what its matcher kind supplies (docs/design.md §3, §4).
 
 Everything that differs between kinds is a field of the kind's `MatcherKind`: how the spec declares
 an attribute of it, how a request names its values, the layout of its rows, how ads are encoded and

@@ -1,4 +1,4 @@
-"""Bitmask rows for low-cardinality attributes (DESIGN.md §4, GRACE eq. 5).
+"""Bitmask rows for low-cardinality attributes (docs/design.md §4, GRACE eq. 5).
 
 Per bitmask attribute, in spec order, a segment of (declared values + 1 "unknown") bits; segments
 are concatenated and packed into W uint64 words. An ad sets the bits of its values, or the whole

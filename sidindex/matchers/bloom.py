@@ -1,4 +1,4 @@
-"""Bloom rows for high-cardinality attributes (DESIGN.md §4).
+"""Bloom rows for high-cardinality attributes (docs/design.md §4).
 
 A value sets `hashes` bit positions: mmh3_x86_32(UTF-8 value, seed=BLOOM_SEED + i, unsigned) % bits
 for i in 0..hashes-1. An ad row is the OR of its values' rows, all ones when unrestricted. Every

@@ -1,4 +1,4 @@
-"""The exact per-ad targeting index and the ad-level filter (DESIGN.md §3, §4).
+"""The exact per-ad targeting index and the ad-level filter (docs/design.md §3, §4).
 
 Matcher rows may pass an ad that does not match (Bloom false positives); the exact filter stops
 them at the ad level, plane by plane, in one of two forms (`schemas.artifacts.EXACT_FORM`):
@@ -233,7 +233,7 @@ def exact_from_columns(spec: TargetingSpec, table: pa.Table) -> ExactIndex:
 
 
 def eligible_mask(index: ExactIndex, requests: BatchQueries, request: int, ads: np.ndarray) -> np.ndarray:
-    """(k,) bool: which of `ads` (k,) int64 are eligible for request `request` (DESIGN.md §3)."""
+    """(k,) bool: which of `ads` (k,) int64 are eligible for request `request` (docs/design.md §3)."""
     ads = np.asarray(ads, dtype=np.int64)
     return eligible_pairs(index, requests, np.full(len(ads), request, dtype=np.int64), ads)
 

@@ -1,4 +1,4 @@
-"""Matcher planes: the one test every matcher kind reduces to (DESIGN.md §4).
+"""Matcher planes: the one test every matcher kind reduces to (docs/design.md §4).
 
 A plane is a matcher kind's rows: (n, W) uint64 per ad, per subtree union, per k-way partition. A
 request brings, for each of the plane's word groups, a set of query rows; a row passes the request

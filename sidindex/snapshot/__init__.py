@@ -1,4 +1,4 @@
-"""Versioned snapshots of a built index: write, validate, memory-map (DESIGN.md §7); publishing
+"""Versioned snapshots of a built index: write, validate, memory-map (docs/design.md §7); publishing
 and retention are `sidindex.root.Root`'s."""
 
 from sidindex.snapshot.manifest import Manifest

@@ -94,7 +94,7 @@ class Counts:
 
 @dataclass(frozen=True)
 class Lineage:
-    """The manifest's `lineage`, present exactly when an update wrote the snapshot (DESIGN.md §15;
+    """The manifest's `lineage`, present exactly when an update wrote the snapshot (docs/design.md §15;
     each key's meaning in `schemas.artifacts.MANIFEST_KEYS`). changes: rows per op of
     `schemas.CHANGE_OPS`."""
 
@@ -153,7 +153,7 @@ class Manifest:
     quality: dict | None
     arrays: dict[str, ArrayShape]
     files: dict[str, FileEntry]
-    lineage: Lineage | None = None  # an update's (DESIGN.md §15); None for a full build
+    lineage: Lineage | None = None  # an update's (docs/design.md §15); None for a full build
     format_version: int = SNAPSHOT_VERSION  # a manifest read keeps its own
 
     @property

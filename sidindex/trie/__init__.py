@@ -1,4 +1,4 @@
-"""The GTM index: CSR trie over SIDs with subtree-union matchers (DESIGN.md §6, GRACE Appendix A)."""
+"""The GTM index: CSR trie over SIDs with subtree-union matchers (docs/design.md §6, GRACE Appendix A)."""
 
 from sidindex.trie.build import GTMIndex, build_gtm
 

@@ -1,6 +1,6 @@
 """Build the GTM index: a CSR trie over SIDs with per-entry subtree-union matchers.
 
-Layout (DESIGN.md §6, names from GRACE Appendix A). Node 0 is the root; nodes are numbered depth by
+Layout (docs/design.md §6, names from GRACE Appendix A). Node 0 is the root; nodes are numbered depth by
 depth and children of a node are contiguous and sorted by token, so each depth is a contiguous id
 range and the child entries of all nodes, in entry order, are exactly the nodes 1..num_nodes-1.
 Leaves (depth L) are SIDs; leaf_ad_offsets / leaf_ads map each leaf to its ads.
@@ -56,10 +56,10 @@ class GTMIndex:
     leaf_ad_offsets: (S+1,) int64; leaf s (node depth_offsets[L] + s) holds ads
     leaf_ads:        (P,) int64 catalog rows, ascending within each leaf
     part_offsets:    (E+1,) int64 or None; entry e's k-way partitions are [part_offsets[e], part_offsets[e+1])
-    ad_value:        (N,) float64 or None; each catalog row's value (DESIGN.md §16), when the catalog has them
+    ad_value:        (N,) float64 or None; each catalog row's value (docs/design.md §16), when the catalog has them
     entry_value:     (E,) float32 or None; the largest ad_value under entry e, rounded up
     part_value:      (T,) float32 or None; the largest ad value in each partition, falling within an entry
-    entry_live:      (E,) uint8 or None; 1 when a live row lies beneath entry e (an update's, DESIGN.md §15;
+    entry_live:      (E,) uint8 or None; 1 when a live row lies beneath entry e (an update's, docs/design.md §15;
                      None: every row is live)
     """
 

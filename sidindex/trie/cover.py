@@ -1,4 +1,4 @@
-"""Matcher cover: every child entry's matcher rows hold what lies beneath it (DESIGN.md §3, §4).
+"""Matcher cover: every child entry's matcher rows hold what lies beneath it (docs/design.md §3, §4).
 
 A node's matcher is the OR over its subtree's ads (updates only grow it), so for no false
 negative each entry's row must hold every bit of its children's rows, and a SID's row every bit

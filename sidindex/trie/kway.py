@@ -1,4 +1,4 @@
-"""k-way partitioned matchers: a jagged layer over the union entries (DESIGN.md §6).
+"""k-way partitioned matchers: a jagged layer over the union entries (docs/design.md §6).
 
 A subtree union saturates when the subtree holds many ads with different targeting; splitting the
 subtree's members into k groups and keeping one union per group lets a request reject the entry

@@ -39,7 +39,7 @@ def entries_pass(index: GTMIndex, queries: tuple[PlaneQueries, ...], entries: np
                  kway: bool, with_bound: bool = False):
     """(n,) bool: child entry entries[i] passes request reqs[i] (entries, reqs: (n,) int64) on its
     subtree-union rows of every plane and, with `kway`, on ANY of its partitions as well. With
-    `with_bound`, also (n,) float32 the value bound of each passing entry (DESIGN.md §16): its
+    `with_bound`, also (n,) float32 the value bound of each passing entry (docs/design.md §16): its
     entry_value, or with `kway` the largest part_value of its passing partitions."""
     ok = np.ones(len(entries), dtype=np.bool_)
     for plane, q in zip(index.planes, queries):

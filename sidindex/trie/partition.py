@@ -1,4 +1,4 @@
-"""Partitioned GTM build (DESIGN.md §14): the subtries under disjoint ranges of first-level tokens
+"""Partitioned GTM build (docs/design.md §14): the subtries under disjoint ranges of first-level tokens
 share nothing, so they are built apart (threads here, workers of a cluster) and combined into the
 one layout `build_gtm` gives for the whole catalog, array for array.
 

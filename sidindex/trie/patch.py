@@ -1,4 +1,4 @@
-"""Insert new SID rows into a built GTM index without rebuilding it (DESIGN.md §15).
+"""Insert new SID rows into a built GTM index without rebuilding it (docs/design.md §15).
 
 The index stays in the layout `build_gtm` writes (nodes depth by depth, a node's children sorted
 by token, entry e leading to node e + 1), so every reader and kernel serves it unchanged. Matchers

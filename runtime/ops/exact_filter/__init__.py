@@ -1,4 +1,4 @@
-"""The exact ad-level filter of the device post stage (`runtime.post.DevicePost`, DESIGN.md §3):
+"""The exact ad-level filter of the device post stage (`runtime.post.DevicePost`, docs/design.md §3):
 per matcher plane, does each (request, slot) pair's ad pass the plane's attributes for its request
 exactly (`sidindex.matchers.exact`, the same tests as its numba passes; Bloom false positives stop
 here). `exact_filter` runs the Triton kernels on CUDA tensors (one launch per plane) and the plain

@@ -1,4 +1,4 @@
-"""The post stage's op (`runtime.post`, DESIGN.md §3, §8): a batch's beams -> its (request, ad)
+"""The post stage's op (`runtime.post`, docs/design.md §3, §8): a batch's beams -> its (request, ad)
 pairs, each ad's best score, the exact filter, and the ranked rows.
 
 On the host (`expand_host`, `host`): numba passes over the snapshot's memory maps, to the fields of

@@ -29,7 +29,7 @@ def gtm_mask(index, requests, depth: int, beam_request: torch.Tensor, beam_node:
              beam_score: torch.Tensor, logp: torch.Tensor, mode: Mode, impl: Impl | str = Impl.AUTO,
              with_bound: bool = False, value_weight: float = 0.0):
     """(M, V) float32 candidate scores of the M beams at `depth`. With `with_bound`, also (M, V)
-    float32 each candidate's value bound (DESIGN.md §16: the largest value of an ad beneath it that
+    float32 each candidate's value bound (docs/design.md §16: the largest value of an ad beneath it that
     can pass, from `entry_value`, or the passing partitions' `part_value` in k-way mode; 0 where
     no candidate is); with value_weight > 0 instead, (M, V) float32 the value-guided key
     (`reference.value_key`; -inf where no candidate is). The index must carry values then.

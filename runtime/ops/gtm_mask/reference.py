@@ -14,7 +14,7 @@ VALUE_FLOOR = 1e-6  # bounds below it count as it: a prefix whose ads are worth 
 
 
 def value_key(score: torch.Tensor, bound: torch.Tensor, weight: float) -> torch.Tensor:
-    """The value-guided search's ranking key score + weight * log(max(bound, VALUE_FLOOR)) (DESIGN.md
+    """The value-guided search's ranking key score + weight * log(max(bound, VALUE_FLOOR)) (docs/design.md
     §16); score -inf stays -inf. score, bound: (M, V) float32."""
     return score + weight * bound.clamp(min=VALUE_FLOOR).log()
 

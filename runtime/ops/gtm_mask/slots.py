@@ -1,4 +1,4 @@
-"""The compact candidate layout of a search step (DESIGN.md §8).
+"""The compact candidate layout of a search step (docs/design.md §8).
 
 Only a beam's child entries can be candidates, so a step lays out, per request, its beams' child
 entries one beam after another: slot `start[b, k] + c` of request b is child c of beam k (children
