@@ -65,7 +65,7 @@ def write(inputs: Path, out: Path, kway=None, codebook=None) -> dict:
     t = time.perf_counter()
     if "snapshot_id" in inspect.signature(write_snapshot).parameters:
         write_snapshot(directory, built.gtm, built.exact, ad_id, spec, snapshot_id=SNAPSHOT_ID,
-                       stats=built.stats.to_dict(),
+                       stats=built.stats,
                        **({} if codebook is None else {"codebook": codebook}))
     else:  # the raw-array format (before Arrow IPC): an info dict
         write_snapshot(directory, built.gtm, built.exact, ad_id, spec,

@@ -1,4 +1,4 @@
-"""The serving runtime (torch, triton): load snapshots onto a device, constrained beam search,
+"""The serving runtime (torch; Triton on CUDA): load snapshots onto a device, constrained beam search,
 SID -> ad expansion (docs/design.md §8, §12).
 
 A serving host needs only this namespace:
@@ -9,10 +9,14 @@ A serving host needs only this namespace:
     table = retriever.retrieve(arrow_batch)      # or a polars frame, or a list of dicts
 
 Modules:
-    loader      snapshot -> ServedIndex on a device; SnapshotWatcher swaps to newly published snapshots
+    served      ServedIndex: a snapshot's arrays on one device, and the post stage's bounds
+    staging     pinned host staging of a snapshot's arrays on their way to a device
+    loader      snapshot -> ServedIndex on a device, built complete in one go
+    watcher     SnapshotWatcher: swaps to newly published snapshots, warmed first
     requests    requests in memory or from a file, validated; a batch's encoding onto the device in one copy
     retriever   Retriever: the serving object (validate, encode, search and post in one graph, Arrow out)
-    ops/        the fused CD+GTM mask: Triton kernel, torch reference, numba CPU path
+    ops/        the kernels beside their references: the fused CD+GTM mask, the exact filter, the post
+                stage (expand); impl, the one choice of implementation
     constraint  Constraint: one batch's trie walk and mask per step, for the search and the HF processor
     search      beam search in every Mode (`sidindex.modes`); the Scorer protocol
     serving     Searcher: the search captured as CUDA graphs per batch size, replayed

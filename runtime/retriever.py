@@ -63,7 +63,6 @@ from sidindex.errors import ArtifactError, ConfigError, InputError
 from sidindex.ingest import MAX_ABS_EMBEDDING
 from sidindex.modes import Mode, parse_mode
 from sidindex.requests import MAX_REQUEST_VALUES, Requests, encode_requests
-from sidindex.targeting import BITMASK
 
 STAGES = ("validate", "encode", "copy", "search_post", "result")
 
@@ -356,7 +355,7 @@ def largest_requests(index: ServedIndex, n: int, seed: int = 0) -> pa.Table:
     are, as real requests' do."""
     cols: dict[str, pa.Array] = {"request_id": pa.array(np.arange(n, dtype=np.int64))}
     for a in index.spec.attributes:
-        if a.kind == BITMASK:
+        if a.one_request_value:  # one value, unknown here
             cols[a.name] = pa.nulls(n, pa.string())
         else:
             cols[a.name] = pa.array([[f"\0warm-up {i}" for i in range(MAX_REQUEST_VALUES)]] * n,

@@ -58,3 +58,14 @@ def test_the_search_refuses_an_unknown_impl_before_it_runs(sc):
         with pytest.raises(ConfigError, match="impl 'trition' for the CD[+]GTM mask: expected one of auto, triton, "
                                               "numba, torch"):
             beam_search(case.index, case.dreq, scorer, beams, mode, impl="trition")
+
+
+def test_the_post_stage_refuses_an_unknown_impl_before_it_runs():
+    from types import SimpleNamespace
+
+    from runtime.ops.expand import expand_beams
+
+    layout = SimpleNamespace(batch=1, pairs=1, block=1, beam_block=1)  # read by kernels_fit only
+    with pytest.raises(ConfigError, match=r"impl 'trition' for the post stage: expected one of auto, triton, torch "
+                                          r"\(auto: triton on a CUDA device, torch elsewhere\)"):
+        expand_beams(layout, {}, None, {}, None, SimpleNamespace(score=torch.zeros(1, 1)), 0, impl="trition")

@@ -24,7 +24,7 @@ import polars as pl
 import pyarrow as pa
 
 from sidindex.matchers.bits import ListCodes, list_codes
-from schemas.artifacts import AD_LIVE, EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
+from schemas.artifacts import AD_LIVE, EXACT_FORM, EXACT_ROWS, MATCHER_PLANES, plane_arrays
 from sidindex.matchers.kinds import KINDS
 from sidindex.matchers.plane import PARALLEL_PAIRS, PlaneQueries, pairs_pass
 from sidindex.parallel import sized
@@ -109,9 +109,10 @@ class ExactPlane:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The plane's arrays by their snapshot names (`schemas.artifacts`)."""
+        names = plane_arrays(self.name)
         if self.rows is not None:
-            return {f"exact_{self.name}_rows": self.rows}
-        return {f"exact_{self.name}_hash_offsets": self.hash_offsets.reshape(-1), f"exact_{self.name}_hashes": self.hashes}
+            return {names.exact_rows: self.rows}
+        return {names.exact_hash_offsets: self.hash_offsets.reshape(-1), names.exact_hashes: self.hashes}
 
 
 @dataclass(frozen=True)
@@ -146,12 +147,12 @@ class ExactIndex:
         """The inverse of `arrays` (shapes already checked against the spec)."""
         planes = []
         for p, layout in zip(MATCHER_PLANES, spec.layouts):
+            names = plane_arrays(p)
             if EXACT_FORM[p] == EXACT_ROWS:
-                planes.append(ExactPlane(p, rows=arrays[f"exact_{p}_rows"]))
+                planes.append(ExactPlane(p, rows=arrays[names.exact_rows]))
             else:
-                planes.append(ExactPlane(p, hash_offsets=arrays[f"exact_{p}_hash_offsets"].reshape(len(layout.names),
-                                                                                               n_ads + 1),
-                                         hashes=arrays[f"exact_{p}_hashes"]))
+                offsets = arrays[names.exact_hash_offsets].reshape(len(layout.names), n_ads + 1)
+                planes.append(ExactPlane(p, hash_offsets=offsets, hashes=arrays[names.exact_hashes]))
         return cls(spec, tuple(planes), arrays.get("ad_state"))
 
 

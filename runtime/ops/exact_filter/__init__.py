@@ -29,7 +29,7 @@ def exact_filter(arrays: dict[str, torch.Tensor], requests, ad: torch.Tensor, st
       `PlaneQueries`, rows (Q, W) int64, ranges (B, G, 2) int64, word_offsets on the host) and
       `exact` (per values plane `ExactQueries`, hash_offsets (A, B+1) int64, hashes (R,) int64).
     ad: (B, C) int64 catalog rows. steps: per values plane its binary-search steps per attribute
-    (`runtime.loader.PostBounds.steps`). max_values: the most queries or values a request has for one
+    (`runtime.served.PostBounds.steps`). max_values: the most queries or values a request has for one
     group or attribute (the reference's static shape; the kernels loop to the actual counts).
     impl: an `Impl` other than numba ("auto": triton on CUDA tensors, torch elsewhere).
     live: None, or (B,) int64: only request b's first live[b] slots hold pairs; the others are

@@ -8,7 +8,7 @@ catalog (a slot that is not valid reads a real row; the caller masks it).
           registers while the request's queries stream past, until every live lane has a hit
   values  attribute by attribute, the request's values stream past (a scalar loop to the request's
           own count); each lane binary-searches the value in its ad's sorted hashes in the
-          attribute's fixed number of steps (`loader.PostBounds.steps`), compared as uint64, until every
+          attribute's fixed number of steps (`runtime.served.PostBounds.steps`), compared as uint64, until every
           live lane found one; an ad with no values passes, a lane that failed an attribute loads
           nothing more
 With `live` counts (HAS_LIVE), a request's slots past its count are False and load nothing: a block
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from runtime.ops.exact_filter.reference import held_slots
 from runtime.ops.gtm_mask.row_pass import group_pass
-from schemas.artifacts import EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
+from schemas.artifacts import EXACT_FORM, EXACT_ROWS, MATCHER_PLANES, plane_arrays
 
 BLOCK, WARPS = 128, 4  # slots per program: a request's C slots are many (C >= 1,024 at 1,024 beams)
 QSTEP = 4  # queries per round of a rows group (independent loads in flight)
@@ -124,7 +124,7 @@ def exact_filter_triton(arrays: dict[str, torch.Tensor], requests, ad: torch.Ten
                 out.append(held_slots(live, B, C, ad.device))  # every slot holding a pair, no launch
                 continue
             passed = torch.empty((B, C), dtype=torch.bool, device=ad.device)  # the kernel writes every slot
-            rows, q_rows = arrays[f"exact_{p}_rows"].contiguous(), q.rows.contiguous()
+            rows, q_rows = arrays[plane_arrays(p).exact_rows].contiguous(), q.rows.contiguous()
             ranges = q.ranges if q.ranges.stride(2) == 1 else q.ranges.contiguous()
             _rows_kernel[grid](
                 passed, ad, held, rows, q_rows, ranges, C, len(rows), ad.stride(0), ranges.stride(0), ranges.stride(1),
@@ -133,7 +133,7 @@ def exact_filter_triton(arrays: dict[str, torch.Tensor], requests, ad: torch.Ten
                 GA=tuple(triton.next_power_of_2(max(hi - lo, 1)) for lo, hi in zip(woff[:-1], woff[1:])),
                 HAS_LIVE=has_live, BLOCK=BLOCK, QSTEP=QSTEP, num_warps=WARPS)
         else:
-            hashes, ad_off = arrays[f"exact_{p}_hashes"], arrays[f"exact_{p}_hash_offsets"]
+            hashes, ad_off = arrays[plane_arrays(p).exact_hashes], arrays[plane_arrays(p).exact_hash_offsets]
             if not (B and C and len(hashes)):  # no hashes: no ad restricted on any attribute (static)
                 out.append(held_slots(live, B, C, ad.device))  # every slot holding a pair, no launch
                 continue

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from runtime.ops.gtm_mask.reference import plane_pass
-from schemas.artifacts import EXACT_FORM, EXACT_ROWS, MATCHER_PLANES
+from schemas.artifacts import EXACT_FORM, EXACT_ROWS, MATCHER_PLANES, plane_arrays
 
 _SIGN = torch.iinfo(torch.int64).min  # x ^ _SIGN orders uint64 bits (viewed as int64) as signed int64 compares
 
@@ -33,9 +33,9 @@ def exact_filter_reference(arrays: dict[str, torch.Tensor], requests, ad: torch.
     out = []
     for p, q, ex in zip(MATCHER_PLANES, requests.planes, requests.exact):
         if EXACT_FORM[p] == EXACT_ROWS:
-            out.append(rows_pass(arrays[f"exact_{p}_rows"][ad], q, max_values))
+            out.append(rows_pass(arrays[plane_arrays(p).exact_rows][ad], q, max_values))
         else:
-            out.append(values_pass(arrays[f"exact_{p}_hash_offsets"], arrays[f"exact_{p}_hashes"], ad, ex, steps[p],
+            out.append(values_pass(arrays[plane_arrays(p).exact_hash_offsets], arrays[plane_arrays(p).exact_hashes], ad, ex, steps[p],
                                    max_values))
     return out
 
@@ -51,7 +51,7 @@ def values_pass(hash_offsets: torch.Tensor, hashes: torch.Tensor, ad: torch.Tens
                 max_values: int) -> torch.Tensor:
     """(B, C) bool: for every attribute of a `values` plane, ad `ad` (B, C) int64 is unrestricted
     or ANY request value is among its sorted hashes (a binary search of `steps[a]` steps for
-    attribute a, `runtime.loader.PostBounds.steps`). hash_offsets: (A*(N+1),) int64; hashes: (H,) int64,
+    attribute a, `runtime.served.PostBounds.steps`). hash_offsets: (A*(N+1),) int64; hashes: (H,) int64,
     uint64 bits sorted as unsigned within each ad; ex: the batch's `ExactQueries` on the device."""
     ok = torch.ones(ad.shape, dtype=torch.bool, device=ad.device)
     if len(hashes) == 0:  # no ad restricted on any attribute (a static shape, not data)

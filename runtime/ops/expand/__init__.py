@@ -21,11 +21,9 @@ import torch
 from runtime.ops.expand.host import expand_host
 from runtime.ops.expand.layout import MAX_BLOCK, RANKS, RRF_K, PostLayout
 from runtime.ops.expand.reference import expand_reference
+from runtime.ops.impl import Impl, resolve_impl
 
 __all__ = ["MAX_BLOCK", "RANKS", "RRF_K", "PostLayout", "expand_beams", "expand_host", "kernels_fit"]
-
-IMPLS = ("auto", "triton", "torch")
-
 
 def kernels_fit(layout: PostLayout) -> bool:
     """The Triton kernels take this stage: some pairs, and slots and beams within MAX_BLOCK."""
@@ -34,7 +32,7 @@ def kernels_fit(layout: PostLayout) -> bool:
 
 def expand_beams(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_order: torch.Tensor,
                  steps: dict[str, tuple[int, ...]], requests, beams, max_values: int,
-                 impl: str = "auto") -> torch.Tensor:
+                 impl: Impl | str = Impl.AUTO) -> torch.Tensor:
     """The post stage of one batch: (layout.size,) int64, the buffer `PostLayout` describes.
 
     arrays: the post arrays by contract name (`ServedIndex.post` or `runtime.post.post_tensors`):
@@ -47,11 +45,8 @@ def expand_beams(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_order: 
     int64. max_values: the reference's static query bound. impl: "triton", "torch" or "auto"
     (triton on CUDA tensors when C and K fit MAX_BLOCK, torch elsewhere).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl {impl!r}: expected one of {', '.join(IMPLS)}")
-    if impl == "auto":
-        impl = "triton" if beams.score.is_cuda and kernels_fit(layout) else "torch"
-    if impl == "triton":
+    chosen = resolve_impl(impl, beams.score.device, op="the post stage", kernels_fit=kernels_fit(layout))
+    if chosen is Impl.TRITON:
         from runtime.ops.expand.kernel import expand_triton  # triton only where it runs
 
         return expand_triton(layout, arrays, ad_order, steps, requests, beams, max_values)
