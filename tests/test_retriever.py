@@ -148,7 +148,9 @@ def test_concurrent_callers_get_what_serial_callers_get(root, requests_table):
     assert all(all(g.equals(w) for g, w in zip(got[i], want)) for i in range(3))
 
 
-def test_a_watchers_new_snapshot_is_warmed_before_it_serves(root, requests_table, tmp_path):
+def paused_update(root: Path, requests_table: pa.Table, tmp_path: Path):
+    """A copy of `root` followed by a warm Retriever, and an update published to it that pauses
+    the first ad the requests get: (work root, watcher, retriever, the rows before, the paused ad)."""
     work = Path(shutil.copytree(root, tmp_path / "root"))
     watcher = runtime.SnapshotWatcher(work, "cpu")
     retriever = runtime.Retriever(watcher, beams=BEAMS, batch_sizes=(8,))
@@ -157,6 +159,11 @@ def test_a_watchers_new_snapshot_is_warmed_before_it_serves(root, requests_table
     pq.write_table(pa.table({"ad_id": pa.array([paused], pa.int64()), "op": ["pause"]}), tmp_path / "changes.parquet")
     r = run_cli("update", work, "--changes", tmp_path / "changes.parquet", "--json", timeout=600)
     assert r.returncode == 0, r.stderr
+    return work, watcher, retriever, before, paused
+
+
+def test_a_watchers_new_snapshot_is_warmed_before_it_serves(root, requests_table, tmp_path):
+    work, watcher, retriever, before, paused = paused_update(root, requests_table, tmp_path)
     assert watcher.poll()
     assert retriever.counters.warmed == 2  # warmed by the hook, before the swap
     after = retriever.retrieve(requests_table)
@@ -183,14 +190,7 @@ def test_batches_are_served_while_a_new_snapshot_warms(root, requests_table, tmp
     """A new snapshot's warm-up (which on a GPU may compile kernels for seconds) holds no lock that
     serving batches take: a batch on the current snapshot is answered while the warm-up waits for
     it, and the new snapshot serves once warmed."""
-    work = Path(shutil.copytree(root, tmp_path / "root"))
-    watcher = runtime.SnapshotWatcher(work, "cpu")
-    retriever = runtime.Retriever(watcher, beams=BEAMS, batch_sizes=(8,))
-    before = retriever.retrieve(requests_table)
-    paused = int(before.column("ad_id")[0].as_py())
-    pq.write_table(pa.table({"ad_id": pa.array([paused], pa.int64()), "op": ["pause"]}), tmp_path / "changes.parquet")
-    r = run_cli("update", work, "--changes", tmp_path / "changes.parquet", "--json", timeout=600)
-    assert r.returncode == 0, r.stderr
+    work, watcher, retriever, before, paused = paused_update(root, requests_table, tmp_path)
 
     warming, served = threading.Event(), threading.Event()
     warm = retriever._warm
