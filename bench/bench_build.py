@@ -142,8 +142,9 @@ def main() -> int:
         if r["ray"]:
             shape = r["ray"]
             rows_, secs = np.array(shape["part_sid_rows"]), np.array(shape["part_seconds"])
-            print(f"  {shape['fragments']} fragments, {shape['parts']} parts; shuffle {shape['shuffle_bytes'] / 1e9:.2f} GB "
-                  f"({shape['shuffle_bytes'] / r['sid_rows']:.0f} B per SID row); per part: {rows_.mean():,.0f} SID rows "
+            print(f"  {shape['fragments']} fragments, {shape['parts']} parts; "
+                  f"shuffle {shape['shuffle_bytes'] / 1e9:.2f} GB ({shape['shuffle_bytes'] / r['sid_rows']:.0f} B per "
+                  f"SID row); per part: {rows_.mean():,.0f} SID rows "
                   f"(max {rows_.max():,}), {secs.mean():.2f} s (max {secs.max():.2f}), "
                   f"{secs.sum() / rows_.sum() * 1e6:.2f} us per SID row")
     if args.json:

@@ -183,12 +183,14 @@ def main() -> int:
     print("|" + "---|" * (len(stages) + 8))
     for r in results:
         same = {None: "-", True: "yes", False: "NO"}[r["same_as_whole"]]
-        print(f"| {r['ads']:,} | {r['sid_rows']:,} | {r['run']} | " + " | ".join(f"{r['seconds'][s]:.2f}" for s in stages)
-              + f" | {r['total_s']:.1f} | {r['floor_s']:.2f} | {r['core_vs_floor']:.2f}x | {r['peak_rss_gb']:.2f} | {same} |")
+        print(f"| {r['ads']:,} | {r['sid_rows']:,} | {r['run']} | "
+              + " | ".join(f"{r['seconds'][s]:.2f}" for s in stages)
+              + f" | {r['total_s']:.1f} | {r['floor_s']:.2f} | {r['core_vs_floor']:.2f}x | {r['peak_rss_gb']:.2f} "
+              f"| {same} |")
     for r in (r for r in results if r["run"] == "whole trie"):
         words = " + ".join(f"{r[f'{p}_words']} {p}" for p in MATCHER_PLANES)
-        print(f"\n{r['ads']:,} ads: {r['num_nodes']:,} nodes, {r['sids']:,} SIDs, matcher tables {r['table_bytes'] / 1e6:.0f} MB "
-              f"({words} words per row)")
+        print(f"\n{r['ads']:,} ads: {r['num_nodes']:,} nodes, {r['sids']:,} SIDs, "
+              f"matcher tables {r['table_bytes'] / 1e6:.0f} MB ({words} words per row)")
         print("| position | parents | entries | " + " | ".join(f"{p} MB before -> after dedup" for p in MATCHER_PLANES)
               + " | " + " | ".join(f"{p} fill" for p in MATCHER_PLANES) + " |")
         print("|---|---|---|" + "---|" * (2 * len(MATCHER_PLANES)))
@@ -203,7 +205,8 @@ def main() -> int:
             r = default[n]
             print(f"\n{'PASS' if r['total_s'] <= limit_s else 'MISS'}  {n:,} ads end to end <= {limit_s} s: "
                   f"{r['total_s']:.1f} s")
-            print(f"{'PASS' if r['peak_rss_gb'] <= limit_gb else 'MISS'}  peak RSS <= {limit_gb} GB: {r['peak_rss_gb']:.2f} GB")
+            print(f"{'PASS' if r['peak_rss_gb'] <= limit_gb else 'MISS'}  peak RSS <= {limit_gb} GB: "
+                  f"{r['peak_rss_gb']:.2f} GB")
     if 10_000_000 in default:
         print(f"{'PASS' if default[10_000_000]['core_vs_floor'] <= 4 else 'MISS'}  core <= 4x CD-only floor: "
               f"{default[10_000_000]['core_vs_floor']:.2f}x")

@@ -843,8 +843,8 @@ def scenario_notes(s: dict) -> list[str]:
         out.append(f"{w['snapshot']}: published at {w['from_s']:.2f} s, {w['outcome']} at {w['until_s']:.2f} s")
     srv = s["server"]
     if srv["swaps"]:
-        out.append(f"server: {srv['swaps']:.0f} swaps, {srv['swap_seconds'] / srv['swaps']:.2f} s each to load and warm "
-                   "(sidindex_swap_seconds)")
+        out.append(f"server: {srv['swaps']:.0f} swaps, {srv['swap_seconds'] / srv['swaps']:.2f} s each to load and "
+                   "warm (sidindex_swap_seconds)")
     if s["last_errors_seen"]:
         out.append(f"/snapshot last_error: {s['last_errors_seen'][0]}")
     for k, v in s["errors"].items():

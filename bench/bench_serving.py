@@ -52,9 +52,8 @@ from bench.common import bench_requests, build_snapshot, cuda_ms, graph_search_m
 from runtime import Searcher, beam_search, codebook_scorer, load_index, to_device
 from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from sidindex.config import SIDConfig
-from sidindex.requests import Requests, requests_from
 from sidindex.modes import Mode
-from sidindex.requests import encode_requests
+from sidindex.requests import Requests, encode_requests, requests_from
 from sidindex.sid import Codebook
 from sidindex.snapshot import open_snapshot
 
@@ -255,8 +254,9 @@ def main() -> int:
             rel = r.get(path, r["eager"]) / base.get(path, base["eager"])
             q = r["Searcher"] / r["graph"] if "graph" in r else None
             ok = r.get("same", r.get("valid"))
-            print(f"| {size['sids']:,} | {r['scorer']} | {r['mode']} | {fmt(r.get('graph'))} | {fmt(r.get('Searcher'))} "
-                  f"| {fmt(q, '.2f')} | {fmt(r['eager'])} | {rel:.3f}x {'' if path == 'eager' else '(Searcher)'} "
+            print(f"| {size['sids']:,} | {r['scorer']} | {r['mode']} | {fmt(r.get('graph'))} "
+                  f"| {fmt(r.get('Searcher'))} | {fmt(q, '.2f')} | {fmt(r['eager'])} "
+                  f"| {rel:.3f}x {'' if path == 'eager' else '(Searcher)'} "
                   f"| {'-' if ok is None else ok} | {fmt(r.get('live'), '.0f')} |")
             if " value " in r["mode"] and "graph" in r:  # the cost of carrying the bound
                 plain = next(x for x in rows if x["scorer"] == r["scorer"] and x["mode"] == r["mode"].split()[0])

@@ -4,11 +4,12 @@
     python bench/bench_sid.py --ads 200000 --json result.json
 
 Both methods train on the same seeded sample and encode every ad. Our m=1 / m=2 timings are on the
-plain (unbalanced) codebook; the balanced row shows what the default `balanced = true` changes. Reported per method: train and
-encode seconds, encode throughput as a ratio to faiss RQ (beam 5, faiss's default), reconstruction
-MSE as a ratio to faiss RQ, collision rate of the semantic tokens, and per-level utilisation. faiss
-packs 9-bit codes into bytes: they are unpacked (`unpack_rq_codes`) before any comparison. The
-floor row assigns with our plain codebook by greedy residual search, one faiss IndexFlatL2 per level.
+plain (unbalanced) codebook; the balanced row shows what the default `balanced = true` changes.
+Reported per method: train and encode seconds, encode throughput as a ratio to faiss RQ (beam 5,
+faiss's default), reconstruction MSE as a ratio to faiss RQ, collision rate of the semantic tokens,
+and per-level utilisation. faiss packs 9-bit codes into bytes: they are unpacked (`unpack_rq_codes`)
+before any comparison. The floor row assigns with our plain codebook by greedy residual search, one
+faiss IndexFlatL2 per level.
 Targets: single-path assign throughput >= 1.0x faiss RQ encode; single-path assign <= 1.1x the
 per-level IndexFlatL2 floor; m=2 assign <= 1.3x our single-path time; MSE within 5% of faiss RQ.
 """
@@ -31,7 +32,6 @@ from sidindex.config import SIDConfig
 from sidindex.sample import sample_embeddings
 from sidindex.sid import assign_sids, hash_tokens, train_codebook
 from sidindex.sid.assign import key_counts, sid_keys
-
 
 ENCODE_BLOCK = 65536
 

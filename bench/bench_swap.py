@@ -43,8 +43,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import torch
 
 import runtime.staging as staging
-from bench.common import bench_requests, build_snapshot
 from bench.bench_snapshot import evict
+from bench.common import bench_requests, build_snapshot
 from runtime import Searcher, load_index, to_device
 from schemas.artifacts import MANIFEST_FILE
 from sidindex.artifact import THREADS, verify_files

@@ -35,9 +35,8 @@ from runtime.constraint import Constraint
 from runtime.search import level_log_probs
 from runtime.served import ServedIndex
 from sidindex.errors import ConfigError
-from sidindex.requests import Requests
 from sidindex.modes import Mode, parse_mode
-from sidindex.requests import EncodedRequests, encode_requests
+from sidindex.requests import EncodedRequests, Requests, encode_requests
 
 NEG_INF = float("-inf")
 DEAD = -1e30  # a row with no allowed token: any SID token, at a score no live beam reaches

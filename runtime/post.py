@@ -41,7 +41,8 @@ from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import ConfigError
 from sidindex.requests import MAX_REQUEST_VALUES, EncodedRequests
 
-DEVICE_ROWS = 1 << 31  # the device path packs a catalog row into 31 bits of its sort keys: larger catalogs run on the host
+# the device path packs a catalog row into 31 bits of its sort keys: larger catalogs run on the host
+DEVICE_ROWS = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,9 @@ class DevicePost:
             raise ConfigError(f"snapshot {index.id} is served on {index.device}, whose post stage runs on the host; "
                               "the device post stage needs an index loaded onto a GPU (or pass its arrays)")
         if len(self.arrays["ads"]) >= DEVICE_ROWS:
-            raise ConfigError(f"snapshot {index.id} has {len(self.arrays['ads']):,} catalog rows; the device post stage "
-                              f"serves fewer than {DEVICE_ROWS:,}: run the post stage on the host (`expand` does)")
+            raise ConfigError(f"snapshot {index.id} has {len(self.arrays['ads']):,} catalog rows; the device post "
+                              f"stage serves fewer than {DEVICE_ROWS:,}: run the post stage on the host "
+                              "(`expand` does)")
         check_top_k(top_k)
         if rank != "score" and "ad_value" not in self.arrays:
             raise ConfigError(f"rank {rank!r}: the post arrays given for snapshot {index.id} carry no ad values")

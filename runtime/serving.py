@@ -1,10 +1,11 @@
 """A serving searcher: beam search replayed from CUDA graphs (docs/design.md §12).
 
-A host keeps one `Searcher` per (beams, mode) and calls `search(index, requests, scorer)` per
-batch, or `retrieve(...)` for the ranked eligible ads (search and post stage, `runtime.post`). On a GPU the first batch of each size is searched once to warm up, then the whole search
-(every step's scorer call, mask, top-k and child lookup) is captured as a CUDA graph; later
-batches of that size copy their inputs into the graph's buffers and replay it, paying neither
-Python nor launch overhead. The graph's inputs are
+A host keeps one `Searcher` per (beams, mode) and calls `search(index, requests, scorer)` per batch,
+or `retrieve(...)` for the ranked eligible ads (search and post stage, `runtime.post`). On a GPU the
+first batch of each size is searched once to warm up, then the whole search (every step's scorer
+call, mask, top-k and child lookup) is captured as a CUDA graph; later batches of that size copy
+their inputs into the graph's buffers and replay it, paying neither Python nor launch overhead. The
+graph's inputs are
   - the requests' queries: each plane's rows into a buffer with room for the largest batch seen
     (a batch that needs more re-captures), the ranges into a (B, G, 2) buffer; the graph folds
     them into query tables (`ops.gtm_mask.tables`) with room for as many queries per request as
@@ -59,7 +60,8 @@ class _Graph:
     """One captured search: the graph, its input buffers and its outputs."""
 
     graph: torch.cuda.CUDAGraph
-    requests: EncodedRequests  # static: the stacked form, the planes' rows (each plane's capacity) and ranges views of it
+    # static: the stacked form, the planes' rows (each plane's capacity) and ranges views of it
+    requests: EncodedRequests
     scorer: Scorer  # the captured scorer; its `inputs` are the graph's
     out: Beams
     post: DevicePost | None = None  # with `retrieve`: the captured post stage, and its output buffer

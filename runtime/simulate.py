@@ -97,7 +97,8 @@ def exhaustive_top_k(index: ServedIndex, requests: Requests, k: int, scorer: Sco
     (None without ad values). scorer: a user's factory (default: the codebook scorer)."""
     snap, g = index.snapshot, index.gtm
     host = encode_requests(requests, index.spec)
-    scorer_for = factory_scorer(scorer, index, requests) if scorer else codebook_scorer(index, to_device(host, index.device))
+    scorer_for = (factory_scorer(scorer, index, requests) if scorer
+                  else codebook_scorer(index, to_device(host, index.device)))
     n_ads = len(snap.ad_id)
     leaf_ads = torch.from_numpy(np.asarray(g.leaf_ads)).to(index.device)
     per_leaf = torch.from_numpy(np.diff(g.leaf_ad_offsets)).to(index.device)
@@ -149,8 +150,8 @@ def _request_rows(r, n: int) -> np.ndarray:
 
 
 def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ...], beams: tuple[int, ...] | str,
-             k: int, batch_size: int = 16, scorer: ScorerFactory | None = None, progress=None, value_weights: tuple[float, ...] = ()
-             ) -> dict:
+             k: int, batch_size: int = 16, scorer: ScorerFactory | None = None, progress=None,
+             value_weights: tuple[float, ...] = ()) -> dict:
     """The study's report (plain data, see the module docstring). value_weights: the λ > 0 of the
     value-guided searches to compare (a snapshot with ad values)."""
     modes = tuple(parse_mode(m, kway_available=index.kway) for m in modes)

@@ -48,7 +48,8 @@ def snapshot_version(arrays) -> int:
         return UPDATED_VERSION
     return VALUE_VERSION if "ad_value" in arrays else VALUE_FREE_VERSION
 GONE_VERSIONS = {1: "raw .bin arrays, no longer read: rebuild the snapshot from its catalog",
-                 2: "exact arrays not yet named by matcher plane, no longer read: rebuild the snapshot from its catalog"}
+                 2: "exact arrays not yet named by matcher plane, no longer read: "
+                    "rebuild the snapshot from its catalog"}
 MANIFEST_FILE = "manifest.json"
 
 # Matcher kinds. Each plane has a deduplicated row table, a row index per child entry and, with
@@ -309,9 +310,9 @@ MANIFEST_DOC = (
     "canonical, has unknown, missing or duplicate keys, an id other than its directory's name, or lists "
     "other files than the directory holds. "
     f"`{FAST_DIGEST}` of a file is the XXH3-128 (seed 0, hex) of the concatenated 16-byte canonical (big-endian) "
-    f"XXH3-128 digests of its consecutive chunks of {FAST_DIGEST_CHUNK} bytes ({FAST_DIGEST_CHUNK >> 20} MiB) (the last one shorter; an empty file has "
-    "none): chunks are verified in parallel. Opening a snapshot checks it (and `sha256` for a file without it); "
-    "`sidindex validate` checks both."
+    f"XXH3-128 digests of its consecutive chunks of {FAST_DIGEST_CHUNK} bytes ({FAST_DIGEST_CHUNK >> 20} MiB) "
+    "(the last one shorter; an empty file has none): chunks are verified in parallel. Opening a snapshot "
+    "checks it (and `sha256` for a file without it); `sidindex validate` checks both."
 )
 
 

@@ -86,7 +86,8 @@ def sample_embeddings(n: int, dim: int, rng: np.random.Generator, n_clusters: in
     n_clusters = n_clusters or max(4, min(4096, n // 400))
     n_topics = max(2, int(np.sqrt(n_clusters)))
     topics = rng.standard_normal((n_topics, dim)).astype(np.float32)
-    centres = topics[rng.integers(0, n_topics, n_clusters)] + 0.5 * rng.standard_normal((n_clusters, dim)).astype(np.float32)
+    centres = (topics[rng.integers(0, n_topics, n_clusters)]
+               + 0.5 * rng.standard_normal((n_clusters, dim)).astype(np.float32))
     cluster = rng.choice(n_clusters, size=n, p=zipf_weights(n_clusters, 0.8))
     order = np.argsort(cluster, kind="stable")
     bounds = np.searchsorted(cluster[order], np.arange(n_clusters + 1))

@@ -10,7 +10,15 @@ from typing import Optional
 import typer
 
 from sidindex.errors import QualityGateError
-from sidindex_cli.options import CATALOG_OPT, CONFIG_OPT, JSON_OPT, TARGETING_OPT, output_file, progress_bar, write_table
+from sidindex_cli.options import (
+    CATALOG_OPT,
+    CONFIG_OPT,
+    JSON_OPT,
+    TARGETING_OPT,
+    output_file,
+    progress_bar,
+    write_table,
+)
 from sidindex_cli.render import emit, err, print_quality, print_seconds
 
 app = typer.Typer()
@@ -20,7 +28,8 @@ app.add_typer(sid_app, name="sid")
 
 @app.command()
 def sample(
-    out_dir: Path = typer.Option(..., "--out", help="Directory to write catalog.parquet, requests.parquet, targeting.toml."),
+    out_dir: Path = typer.Option(..., "--out", help="Directory to write catalog.parquet, requests.parquet, "
+                                 "targeting.toml."),
     ads: int = typer.Option(5000, "--ads", min=1, help="Number of ads."),
     requests: int = typer.Option(1000, "--requests", min=1, help="Number of requests."),
     dim: int = typer.Option(64, "--dim", min=1, help="Embedding dimension."),
@@ -127,8 +136,10 @@ def sid_assign(
 @app.command()
 def build(
     catalog: Path = CATALOG_OPT,
-    targeting: Path = typer.Option(..., "--targeting", help="Targeting spec (TOML); every attribute column is validated."),
-    root: Path = typer.Option(..., "--out", help="ROOT: snapshots go to ROOT/snapshots/<id>/, ROOT/CURRENT names the published one."),
+    targeting: Path = typer.Option(..., "--targeting", help="Targeting spec (TOML); every attribute column is "
+                                   "validated."),
+    root: Path = typer.Option(..., "--out", help="ROOT: snapshots go to ROOT/snapshots/<id>/, ROOT/CURRENT names the "
+                              "published one."),
     config: Optional[Path] = CONFIG_OPT,
     codebook: Optional[Path] = typer.Option(None, "--codebook", help="Frozen codebook to use (directory, or a ROOT "
                                             "holding one). Default: the one in ROOT/codebooks, trained there if none."),
@@ -138,7 +149,8 @@ def build(
                                "(Ray tasks over the Parquet catalog's row groups; needs a frozen codebook and "
                                "the ray extra: pip install 'sidindex\\[ray]'). Both publish the same arrays."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster to run on (ADDR, or auto: "
-                                              "the one this host belongs to). Default: start a local Ray for the build."),
+                                              "the one this host belongs to). Default: start a local Ray for the "
+                                              "build."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="local: threads building the trie as "
                                           "subtries by first token (default 1: the whole trie at once, the fastest "
                                           "on a few cores). ray: CPUs of the local Ray (default: every core)."),
@@ -202,8 +214,9 @@ def update(
     Validates the whole file first (ops, ad ids that exist, every upsert row as the catalog's);
     any error publishes nothing (exit 2). Rows apply in file order. pause/resume/delete change ad
     states only (and which prefixes still have a live ad: the search skips the others); upsert
-    assigns SIDs with the frozen codebook and adds what they need to the trie. Files the update leaves alone are hard-linked from the base snapshot, and a watching
-    serving host applies an update of ad states without reloading the index.
+    assigns SIDs with the frozen codebook and adds what they need to the trie. Files the update
+    leaves alone are hard-linked from the base snapshot, and a watching serving host applies an
+    update of ad states without reloading the index.
 
     Matchers only grow between full builds: a paused, deleted or narrowed ad's targeting stays in
     its prefixes' matchers (never served; `inspect` counts these stale entries) until the next

@@ -17,7 +17,8 @@ app = typer.Typer()
 @app.command()
 def explain(
     snapshot: Path = SNAPSHOT_ARG,
-    request: Path = typer.Option(..., "--request", help="Request table (Parquet or Arrow IPC), see schemas/CONTRACTS.md."),
+    request: Path = typer.Option(..., "--request", help="Request table (Parquet or Arrow IPC), see "
+                                 "schemas/CONTRACTS.md."),
     request_id: Optional[int] = typer.Option(None, "--request-id", help="Which request of the table (default: "
                                              "the only one)."),
     sid: Optional[str] = typer.Option(None, "--sid", help="A SID, tokens separated by commas: 12,40,7,300."),
@@ -50,7 +51,8 @@ def explain(
                "explanations": [r.to_dict() for r in results]}, True, "")
         return
     out.print(f"request {int(reqs.request_id[row])}: " + "  ".join(
-        f"{k}={v}" if not isinstance(v, list) else f"{k}=[{len(v)} values]" for k, v in values.items()), highlight=False)
+        f"{k}={v}" if not isinstance(v, list) else f"{k}=[{len(v)} values]" for k, v in values.items()),
+        highlight=False)
     for r in results:
         print_explanation(r, max_ads)
 

@@ -3,9 +3,9 @@ an output table."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -24,7 +24,8 @@ JSON_OPT = typer.Option(False, "--json", help="Print a JSON summary on stdout in
 BEAMS_OPT = typer.Option("1,512,1024,1024", "--beams", help="Beam size per SID position: beams[0] is the root "
                          "(1), beams\\[d] are kept after step d-1, beams[-1] after the last step.")
 DEVICE_OPT = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N. On cuda the mask is the Triton kernel.")
-SNAPSHOT_ARG = typer.Argument(..., help="A ROOT (its published snapshot, named by ROOT/CURRENT) or a snapshot directory.")
+SNAPSHOT_ARG = typer.Argument(..., help="A ROOT (its published snapshot, named by ROOT/CURRENT) or a snapshot "
+                              "directory.")
 
 
 @contextmanager

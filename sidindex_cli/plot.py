@@ -67,8 +67,9 @@ def plot_study(report: dict, path: Path) -> None:
     for i, (key, label) in enumerate(bars):
         rates.bar([j + (i - (len(bars) - 1) / 2) * width for j in range(len(modes))], [m[key] or 0 for m in modes],
                   width, label=label)
-    rates.set(xticks=range(len(modes)), xticklabels=[m["mode"] for m in modes], ylim=(0, 1.2), yticks=np.arange(0, 1.01, 0.2),
-              ylabel="share of generated ads", title="pass rate of the ads the search generated")
+    rates.set(xticks=range(len(modes)), xticklabels=[m["mode"] for m in modes], ylim=(0, 1.2),
+              yticks=np.arange(0, 1.01, 0.2), ylabel="share of generated ads",
+              title="pass rate of the ads the search generated")
     rates.legend(fontsize=8, loc="upper center", ncol=len(bars))  # above the bars: the y axis stops at 1
     recall.bar(range(len(modes)), [m[f"recall_at_{k}"] or 0 for m in modes], 0.5)
     recall.set(xticks=range(len(modes)), xticklabels=[m["mode"] for m in modes], ylim=(0, 1.02),

@@ -145,7 +145,8 @@ def print_study(report: dict, top_k: int) -> None:
     for m in report["modes"]:
         t.add_row(m["mode"], f"{m['ads_generated']:,}", *(pct(m[f"{p}_rate"]) for p in MATCHER_PLANES),
                   pct(m["final_rate"]), f"{m['eligible_per_request_mean']:.1f}", f"{m['eligible_per_request_p10']:.0f}",
-                  str(m["requests_short_of_k"]), "-" if m[f"recall_at_{top_k}"] is None else f"{m[f'recall_at_{top_k}']:.3f}",
+                  str(m["requests_short_of_k"]),
+                  "-" if m[f"recall_at_{top_k}"] is None else f"{m[f'recall_at_{top_k}']:.3f}",
                   f"{m['encode_ms_per_request']:.2f}", f"{m['search_ms_per_request']:.1f}")
     out.print(t)
     if any(f"value_at_{top_k}" in m for m in report["modes"]):
@@ -157,7 +158,8 @@ def print_study(report: dict, top_k: int) -> None:
             rows = [{"weight": 0.0, f"value_at_{top_k}": m[f"value_at_{top_k}"],
                      f"recall_at_{top_k}": m[f"recall_at_{top_k}"]}] + m["value_by_weight"]
             for r in rows:
-                v.add_row(m["mode"], f"{r['weight']:g}", _ratio(r[f"value_at_{top_k}"]), _ratio(r[f"recall_at_{top_k}"]))
+                v.add_row(m["mode"], f"{r['weight']:g}", _ratio(r[f"value_at_{top_k}"]),
+                          _ratio(r[f"recall_at_{top_k}"]))
         out.print(v)
     b = Table(title="final rate by ads generated per request", title_justify="left")
     for c in ("mode", "ads generated", "requests", *(f"{p} rate" for p in MATCHER_PLANES), "final rate"):

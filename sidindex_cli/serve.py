@@ -13,6 +13,7 @@ import typer
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex_cli.options import BEAMS_OPT, DEVICE_OPT, JSON_OPT, SNAPSHOT_ARG, output_file, progress_bar, write_table
+from sidindex_cli.render import emit, err, print_study
 
 SWITCH_INTERVAL_S = 2e-4  # how long a thread waiting for the GIL waits at most while `serve` runs
 SCORER_OPT = typer.Option(
@@ -35,8 +36,6 @@ TOP_K_OPT = typer.Option(None, "--top-k", min=1, help="Keep at most K ads per re
                          "the search reached).")
 RANK_OPT = typer.Option("score", "--rank", help="Rank each request's ads by score (best log-probability), value (the "
                         "ad's `value`) or fused (reciprocal-rank fusion of both).")
-from sidindex_cli.render import emit, err, print_study
-
 app = typer.Typer()
 
 

@@ -9,8 +9,8 @@ from typing import Optional
 import typer
 
 from schemas.artifacts import AD_DELETED, AD_PAUSED
-from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, output_file
 from sidindex.errors import ArtifactError
+from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, output_file
 from sidindex_cli.render import emit, print_positions
 
 app = typer.Typer()
@@ -38,8 +38,9 @@ def validate(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
 @app.command()
 def inspect(
     snapshot: Path = SNAPSHOT_ARG,
-    plot: Optional[Path] = typer.Option(None, "--plot", callback=output_file, help="Also draw fill rate and storage per position to this "
-                                        "PNG (needs matplotlib: pip install 'sidindex\\[plot]')."),
+    plot: Optional[Path] = typer.Option(None, "--plot", callback=output_file, help="Also draw fill rate and storage "
+                                        "per position to this PNG (needs matplotlib: pip install "
+                                        "'sidindex\\[plot]')."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Show a snapshot: trie shape, matcher storage, fill rates, SID statistics, staleness.

@@ -17,8 +17,8 @@ import polars as pl
 import pytest
 
 from sidindex.config import SIDConfig
-from sidindex.sid import Codebook
 from sidindex.sample import sample_catalog, sample_spec, write_sample
+from sidindex.sid import Codebook
 from sidindex.targeting import write_targeting
 
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -261,7 +262,7 @@ def test_no_interleaving_of_changes_and_builds_serves_a_paused_ad(built, pool, t
             check()
         k = max(0, len(catalog) - 1 - lag)
         export = _export(pool, tmp, catalog[k], f"export{len(names)}.parquet")
-        build = lambda: run_build(export, pool["targeting"], root, config=pool["dir"] / "build.toml",  # noqa: E731
+        build = functools.partial(run_build, export, pool["targeting"], root, config=pool["dir"] / "build.toml",
                                   codebook=root, force=True, changes_through=names[k])
         if k < through:
             before = _published(root)
@@ -317,7 +318,8 @@ def test_a_build_that_waited_while_another_writer_published_refuses(built, pool,
     assert update.wait(timeout=120) == 0, update.stderr.read()
     published = Root(root).current_id()
     _, err = build.communicate(timeout=300)
-    assert build.returncode == 2 and f"an update was published while this build waited for the ROOT (CURRENT is now {published})" in err, err
+    assert build.returncode == 2, err
+    assert f"an update was published while this build waited for the ROOT (CURRENT is now {published})" in err, err
     assert Root(root).current_id() == published  # the update stands
 
 
@@ -348,7 +350,8 @@ def test_the_pipeline_archives_a_change_file_a_build_already_holds(built, pool, 
         _changes(pool, changes / later, [{"ad_id": ids[n + 1], "op": "pause"}])
         r = pipeline("--update")
         assert r.returncode == 0, r.stderr
-        applied = {a["file"]: a["status"] for a in json.loads((root / "reports" / "latest.json").read_text())["applied"]}
+        report = json.loads((root / "reports" / "latest.json").read_text())
+        applied = {a["file"]: a["status"] for a in report["applied"]}
         assert applied == {"0001.parquet": "already applied", later: "published"}
         assert sorted(p.name for p in changes.iterdir()) == ["applied"] and ids[n + 1] not in _live(root)
         (changes / "applied" / "0001.parquet").replace(changes / "0001.parquet")  # pending again

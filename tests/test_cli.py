@@ -69,7 +69,8 @@ def _corrupt(df: pl.DataFrame, case: str) -> pl.DataFrame:
         emb[9] = emb[9][:-1] if case == "short embedding" else [float("nan")] * len(emb[9])
         return df.with_columns(pl.Series("embedding", emb, dtype=pl.List(pl.Float32)))
     if case == "undeclared value":
-        return df.with_columns(pl.Series("platform", [["wap"] if i == 9 else v for i, v in zip(rows, df["platform"].to_list())]))
+        platform = [["wap"] if i == 9 else v for i, v in zip(rows, df["platform"].to_list())]
+        return df.with_columns(pl.Series("platform", platform))
     if case == "empty catalog":
         return df.head(0)
     raise AssertionError(case)
@@ -114,7 +115,8 @@ def test_bad_config_and_missing_codebook(trained, tmp_path):
     (tmp_path / "c.toml").write_text("[sid]\npaths = 0\n")
     r = run("sid", "train", "--catalog", base / "data" / "catalog.parquet", "--config", tmp_path / "c.toml",
             "--out", tmp_path / "root")
-    assert r.returncode == 2 and r.stderr.strip() == f"error: {tmp_path / 'c.toml'}: [sid] paths: expected an integer in 1..8, got 0"
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: {tmp_path / 'c.toml'}: [sid] paths: expected an integer in 1..8, got 0"
     assert not (tmp_path / "root").exists()
     r = run("sid", "assign", "--catalog", base / "data" / "catalog.parquet", "--codebook", tmp_path,
             "--out", tmp_path / "o.parquet")

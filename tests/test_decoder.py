@@ -37,7 +37,8 @@ class Recording:
         else:
             assert parent.shape == (B, K) and parent.dtype == torch.int64
             assert int(parent.min()) >= 0 and int(parent.max()) < self.previous.shape[1]
-            torch.testing.assert_close(tokens[:, :, :-1], self.previous.gather(1, parent[..., None].expand(-1, -1, step - 1)))
+            torch.testing.assert_close(tokens[:, :, :-1],
+                                       self.previous.gather(1, parent[..., None].expand(-1, -1, step - 1)))
         self.previous, self.calls = tokens, self.calls + 1
         gen = torch.Generator().manual_seed(step)
         return torch.randn(B, K, self.V, generator=gen).to(tokens.device)

@@ -40,7 +40,8 @@ def test_rows_differing_in_one_bit_stay_apart():
 
 
 @settings(max_examples=30, deadline=None)
-@given(batches=st.lists(st.integers(0, 40), min_size=1, max_size=6), distinct=st.integers(1, 30), seed=st.integers(0, 10_000))
+@given(batches=st.lists(st.integers(0, 40), min_size=1, max_size=6), distinct=st.integers(1, 30),
+       seed=st.integers(0, 10_000))
 def test_row_table_grows_without_renumbering(batches, distinct, seed):
     """Rows added in batches to a table that starts too small keep the numbers they were given."""
     rng = np.random.default_rng(seed)

@@ -8,20 +8,20 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import polars as pl
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 
-from sidindex.explain import Explainer, request_row
-from sidindex_cli.explain import parse_sid
 from sidindex.errors import InputError
-from sidindex.requests import Requests
+from sidindex.explain import Explainer, request_row
 from sidindex.matchers.exact import eligible_mask
+from sidindex.requests import Requests
 from sidindex.snapshot.snapshot import Snapshot
 from sidindex.trie.match import passing_tokens
-from tests.test_gtm import BITMASK, MANIFEST, Scenario, build, eligible, requests_of, scenarios
+from sidindex_cli.explain import parse_sid
 from tests.conftest import run_cli
+from tests.test_gtm import BITMASK, MANIFEST, Scenario, build, eligible, requests_of, scenarios
 
 
 def failing_attributes(spec, ad: dict, req: dict) -> tuple[str, ...]:

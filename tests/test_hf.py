@@ -21,9 +21,9 @@ transformers = pytest.importorskip("transformers")
 from runtime.hf import SidLogitsProcessor  # noqa: E402
 from runtime.search import beam_search  # noqa: E402
 from runtime.simulate import node_scores, trie_levels  # noqa: E402
+from sidindex.config import KWayConfig  # noqa: E402
 from sidindex.errors import ConfigError  # noqa: E402
 from sidindex.modes import Mode  # noqa: E402
-from sidindex.config import KWayConfig  # noqa: E402
 from sidindex.targeting import BITMASK, Attribute, TargetingSpec  # noqa: E402
 from tests.test_gtm import Scenario, scenario, scenarios  # noqa: E402
 from tests.test_runtime import DEVICE, Case, searched  # noqa: E402

@@ -83,7 +83,8 @@ def test_non_finite_embedding(write_catalog, spec, catalog_df, bad):
     emb[13][3] = bad
     df = catalog_df.with_columns(pl.Series("embedding", emb, dtype=pl.List(pl.Float64)))
     ad = catalog_df["ad_id"][13]
-    with pytest.raises(InputError, match=rf"column 'embedding', row 13 \(ad_id {ad}\): element 3 is .* embeddings must be finite"):
+    with pytest.raises(InputError,
+                       match=rf"column 'embedding', row 13 \(ad_id {ad}\): element 3 is .* embeddings must be finite"):
         read(write_catalog, spec, df)
 
 
@@ -140,7 +141,8 @@ def test_wrong_length_embedding(write_catalog, spec, catalog_df):
     emb = np.stack(catalog_df["embedding"].to_numpy()).tolist()
     emb[22] = emb[22][:5]
     df = catalog_df.with_columns(pl.Series("embedding", emb, dtype=pl.List(pl.Float32)))
-    with pytest.raises(InputError, match=r"column 'embedding', row 22 .*has 5 values, expected 8 \(the length of row 0\)"):
+    with pytest.raises(InputError,
+                       match=r"column 'embedding', row 22 .*has 5 values, expected 8 \(the length of row 0\)"):
         read(write_catalog, spec, df)
 
 

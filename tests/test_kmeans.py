@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import pytest
 
 from sidindex.sample import zipf_weights
 from sidindex.sid import train_codebook

@@ -41,7 +41,8 @@ def test_counts_match_a_hand_computation():
     assert (lv2.kind, lv2.used, lv2.dead) == ("hash", 2, 3)
     assert lv2.gini == pytest.approx(2 / 3)  # sorted [0,0,0,2,4]: sum((2i-6) x_i) / (5 * 6) = 20/30
     assert r.near_second_share == 0.5
-    # path-0 reconstruction with centroids eye(k, 2): ad0 (0,0) -> [1,0]+[1,0]; ad1 -> same; ad2 -> same; ad3 (3,1) -> [0,0]+[0,1]
+    # path-0 reconstruction with centroids eye(k, 2): ad0 (0,0) -> [1,0]+[1,0]; ad1 -> same; ad2 -> same;
+    # ad3 (3,1) -> [0,0]+[0,1]
     rec = np.array([[2, 0], [2, 0], [2, 0], [0, 1]], dtype=np.float64)
     lvl1 = np.array([[1, 0], [1, 0], [1, 0], [0, 0]], dtype=np.float64)
     assert r.mse[0] == pytest.approx(((x - lvl1) ** 2).sum(1).mean())

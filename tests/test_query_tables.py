@@ -26,11 +26,11 @@ from hypothesis import strategies as st
 from runtime.ops.gtm_mask import gtm_mask
 from runtime.ops.gtm_mask.kernel import gtm_mask_triton, packs
 from runtime.ops.gtm_mask.planes import TABLE_FROM, stack_queries
-from runtime.ops.gtm_mask.slots import compact, slots_of
 from runtime.ops.gtm_mask.prepare import prepared, query_tables
+from runtime.ops.gtm_mask.slots import compact, slots_of
 from runtime.ops.gtm_mask.tables import query_tables_reference
-from runtime.search import beam_search
 from runtime.requests import to_device
+from runtime.search import beam_search
 from runtime.serving import Searcher
 from sidindex.config import KWayConfig
 from sidindex.matchers.plane import PlaneQueries

@@ -189,7 +189,8 @@ BAD = [
     ("null id", lambda t: t.set_column(0, "request_id", pa.array([None] + list(range(1, 30)), pa.int64())),
      "column 'request_id', row 0: is null"),
     ("uint64 beyond int64", lambda t: t.set_column(0, "request_id", pa.array(
-        list(range(2**63 - 29, 2**63)) + [2**63], pa.uint64())), "row 29: value 9223372036854775808 does not fit int64"),
+        list(range(2**63 - 29, 2**63)) + [2**63], pa.uint64())),
+     "row 29: value 9223372036854775808 does not fit int64"),
     ("int64 extremes repeated", lambda t: t.set_column(0, "request_id", pa.array(
         [-2**63, 2**63 - 1] * 15, pa.int64())), "row 2: value -9223372036854775808 also appears in row 0"),
     ("duplicate id", lambda t: t.set_column(0, "request_id", pa.array([5] * 30, pa.int64())),

@@ -18,8 +18,8 @@ import torch
 from runtime import SnapshotWatcher, beam_search, codebook_scorer, encode_requests, load, read_requests, to_device
 from sidindex.root import Root
 from sidindex.targeting import load_targeting
-from tests.test_gtm import eligible
 from tests.conftest import run_cli
+from tests.test_gtm import eligible
 
 CONFIG = ('[sid]\nlevels = [16, 8, 8]\nhash_size = 128\npaths = 2\nmin_points_per_centroid = 10\n'
           '[kway]\nmode = "dynamic"\nk_max = 4\n')
@@ -89,7 +89,8 @@ def test_watcher_swaps_to_a_new_snapshot_and_refuses_a_corrupt_one(root, sample_
 def test_retrieve_cli_returns_only_eligible_ads(root, sample_dir, tmp_path):
     spec = load_targeting(sample_dir / "targeting.toml")
     catalog = pl.read_parquet(sample_dir / "catalog.parquet")
-    ads = {row["ad_id"]: row for row in catalog.select(["ad_id", "value"] + [a.name for a in spec.attributes]).to_dicts()}
+    columns = ["ad_id", "value"] + [a.name for a in spec.attributes]
+    ads = {row["ad_id"]: row for row in catalog.select(columns).to_dicts()}
     requests = {row["request_id"]: row for row in pl.read_parquet(sample_dir / "requests.parquet").to_dicts()}
     runs = [(mode, ()) for mode in ("cd", "cd+gtm", "cd+gtm+kway")] + [("cd+gtm+kway", ("--value-weight", 1, "--rank",
                                                                                        "value"))]
@@ -100,7 +101,8 @@ def test_retrieve_cli_returns_only_eligible_ads(root, sample_dir, tmp_path):
         assert r.returncode == 0, r.stderr
         summary = json.loads(r.stdout)
         got = pl.read_parquet(out)
-        assert got.columns == ["request_id", "rank", "ad_id", "sid", "score", "value"] and got.height == summary["rows"] > 0
+        assert got.columns == ["request_id", "rank", "ad_id", "sid", "score", "value"]
+        assert got.height == summary["rows"] > 0
         for row in got.iter_rows(named=True):  # invariant 2, from the raw lists
             assert eligible(spec, ads[row["ad_id"]], requests[row["request_id"]]), (mode, row)
             assert row["value"] == ads[row["ad_id"]]["value"]

@@ -211,7 +211,8 @@ def brute_force_search(case: Case, r: int, scorer: TableScorer, beams: tuple[int
 
 def searched(case: Case, found, r: int) -> dict:
     alive = found.alive[r].cpu()
-    return {tuple(found.tokens[r, k].tolist()): float(found.score[r, k]) for k in torch.nonzero(alive).flatten().tolist()}
+    return {tuple(found.tokens[r, k].tolist()): float(found.score[r, k])
+            for k in torch.nonzero(alive).flatten().tolist()}
 
 
 @settings(max_examples=25, deadline=None)
@@ -248,10 +249,11 @@ def test_capped_widths_overflow_exactly_when_a_step_needs_more(sc, seed, offsets
     scorer = TableScorer(case.gtm.vocab_size, seed)
     for impl in ("torch", "triton"):
         seen = {}
-        exact = _laid_out(seen, "exact", lambda: beam_search(case.index, case.dreq, scorer, beams, Mode.CD_GTM, impl))
+        exact = _laid_out(seen, "exact",
+                          lambda impl=impl: beam_search(case.index, case.dreq, scorer, beams, Mode.CD_GTM, impl))
         widths = tuple(None if o is None else max(1, int(e.total.max()) + o) for o, e in zip(offsets, seen["exact"]))
-        capped = _laid_out(seen, "capped", lambda: beam_search(case.index, case.dreq, scorer, beams, Mode.CD_GTM, impl,
-                                                               widths=widths))
+        capped = _laid_out(seen, "capped", lambda impl=impl, widths=widths: beam_search(
+            case.index, case.dreq, scorer, beams, Mode.CD_GTM, impl, widths=widths))
         needs = [int(e.total.max()) > c.width for e, c in zip(seen["exact"], seen["capped"])]
         shrunk = any(c.width < e.width for e, c in zip(seen["exact"], seen["capped"]))
         assert (capped.overflow is not None) == shrunk, impl

@@ -27,9 +27,8 @@ from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import InputError
 from sidindex.job import run_build
 from sidindex.sample import sample_catalog
-from sidindex.sid import save_codebook
+from sidindex.sid import assign_sids, save_codebook
 from sidindex.sid.quality import quality_sums, sid_quality
-from sidindex.sid import assign_sids
 from sidindex.snapshot import open_snapshot
 from sidindex.trie.build import build_gtm
 from sidindex.trie.kway import KWayConfig
@@ -250,7 +249,8 @@ BAD = {  # fragments of 20 rows: each case puts errors in different fragments
     "an earlier check of one column in a later fragment": lambda t: _bad(t, [(5, "country", ["XX"]),
                                                                              (64, "country", ["US", None])]),
     "the lowest row of one check": lambda t: _bad(t, [(99, "value", -1.0), (41, "value", float("inf"))]),
-    "an id repeated after another column's error": lambda t: _bad(t, [(3, "age", ["9-10"]), (30, "ad_id", t["ad_id"][90].as_py())]),
+    "an id repeated after another column's error": lambda t: _bad(t, [(3, "age", ["9-10"]),
+                                                                      (30, "ad_id", t["ad_id"][90].as_py())]),
     "a null id": lambda t: _bad(t, [(50, "ad_id", None), (2, "age", ["9-10"])]),
     "a missing column": lambda t: t.drop_columns(["platform"]),
     "a wrong embedding length in a later fragment": lambda t: _bad(t, [(7, "value", -2.0),

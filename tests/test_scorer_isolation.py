@@ -6,7 +6,6 @@ the exhaustive scan of `sidindex simulate`, and `sidindex retrieve --scorer`."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np

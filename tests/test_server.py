@@ -219,7 +219,8 @@ def test_swaps_follow_root_between_batches_and_a_corrupt_snapshot_is_refused(roo
         second = client.post("/retrieve", json={"requests": rows[:4]}).json()
         assert second["snapshot"] == snap["id"] and paused not in [r["ad_id"] for r in second["rows"]]
         metrics = client.get("/metrics").text
-        assert "sidindex_swaps_total 1.0" in metrics and f'sidindex_snapshot_info{{snapshot="{snap["id"]}"}} 1.0' in metrics
+        assert "sidindex_swaps_total 1.0" in metrics
+        assert f'sidindex_snapshot_info{{snapshot="{snap["id"]}"}} 1.0' in metrics
 
         server.poll_seconds = 3600.0  # corrupt the next snapshot before anything polls it
         time.sleep(0.2)

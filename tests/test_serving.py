@@ -63,7 +63,8 @@ def test_a_swapped_index_is_captured_anew_and_the_old_results_stand():
     searcher, kept = Searcher((1, 3, 4), Mode.CD_GTM), []
     for i, case in enumerate([old, old, new, new, old]):
         dreq = batches(case, "cuda")[0]
-        ctx = context_tokens([[i, r] for r in range(dreq.batch)], SMALL["context_length"], SMALL["context_vocab"], "cuda")
+        ctx = context_tokens([[i, r] for r in range(dreq.batch)], SMALL["context_length"], SMALL["context_vocab"],
+                             "cuda")
         got = searcher.search(case.index, dreq, DecoderScorer(model, ctx))
         want = beam_search(case.index, dreq, DecoderScorer(model, ctx), (1, 3, 4), Mode.CD_GTM)
         assert same(got, want), i

@@ -30,9 +30,9 @@ from runtime.ops.gtm_mask import gtm_candidates
 from runtime.ops.gtm_mask.kernel import _shared, gtm_mask_triton
 from runtime.ops.gtm_mask.prepare import passed_for, planned, prepared, shared_pass
 from runtime.ops.gtm_mask.reference import shared_pass_reference
-from runtime.ops.gtm_mask.tables import query_tables_reference
 from runtime.ops.gtm_mask.shared_rows import FEW, MOST_ROWS, shared_rows
 from runtime.ops.gtm_mask.slots import slots_of
+from runtime.ops.gtm_mask.tables import query_tables_reference
 from runtime.search import beam_search
 from runtime.serving import Searcher
 from sidindex.config import KWayConfig

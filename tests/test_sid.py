@@ -13,11 +13,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidindex.config import SIDConfig
 from sidindex.artifact import seal
+from sidindex.config import SIDConfig
 from sidindex.errors import ArtifactError
-from sidindex.sid import (HASH_SEED, Codebook, assign_sids, hash_tokens, load_codebook, resolve_codebook,
-                          save_codebook, sid_table, train_codebook)
+from sidindex.sid import (
+    HASH_SEED,
+    Codebook,
+    assign_sids,
+    hash_tokens,
+    load_codebook,
+    resolve_codebook,
+    save_codebook,
+    sid_table,
+    train_codebook,
+)
 from tests.conftest import clustered, small_config
 
 

@@ -18,8 +18,8 @@ from runtime.simulate import exhaustive_top_k, simulate
 from sidindex.ingest import read_catalog
 from sidindex.sid import assign_sids, hash_tokens, load_codebook
 from sidindex.targeting import BITMASK
-from tests.test_gtm import eligible
 from tests.conftest import run_cli
+from tests.test_gtm import eligible
 
 CONFIG = ('[sid]\nlevels = [16, 8, 8]\nhash_size = 64\npaths = 2\nmin_points_per_centroid = 10\n'
           '[kway]\nmode = "static"\nk = [4, 4, 2, 2]\n')
@@ -104,7 +104,8 @@ def test_exhaustive_top_k_equals_scoring_every_sid_alone(study):
         scorer = codebook_scorer(index, dreq)(slice(q, q + 1))
         best = {}
         for sid, ads in ads_of.items():
-            s = sum(float(torch.log_softmax(scorer(d, torch.tensor([[list(sid[:d])]], dtype=torch.int64))[0, 0], -1)[sid[d]])
+            s = sum(float(torch.log_softmax(scorer(d, torch.tensor([[list(sid[:d])]], dtype=torch.int64))[0, 0],
+                                            -1)[sid[d]])
                     for d in range(len(sid)))
             for a in ads:
                 best[a] = max(best.get(a, -math.inf), s)

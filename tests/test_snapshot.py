@@ -313,7 +313,8 @@ def test_fuzzed_reader_without_checksums_never_crashes_or_lets_bad_offsets_throu
             return
         g = snap.gtm  # it opened: every index a kernel follows must be in range
         E = len(g.csr_tokens)
-        assert g.node_offsets.min() >= 0 and g.node_offsets.max() <= E and np.all(g.node_offsets[1:] >= g.node_offsets[:-1])
+        assert g.node_offsets.min() >= 0 and g.node_offsets.max() <= E
+        assert np.all(g.node_offsets[1:] >= g.node_offsets[:-1])
         for p in g.planes:
             assert p.index.max() < len(p.table) and p.index.min() >= 0
             assert p.part_index.max() < len(p.table) and p.part_index.min() >= 0
@@ -333,7 +334,8 @@ def _published_is_valid(root: Path) -> str:
 def test_sigkill_during_build_leaves_a_valid_published_snapshot(built, sample_dir, tmp_path):
     base, report = built
     root = Path(shutil.copytree(base / "root", tmp_path / "root"))
-    args = [shutil.which("sidindex"), *map(str, build_args(sample_dir, root, base / "build.toml", "--force", "--keep", "2"))]
+    args = [shutil.which("sidindex"),
+            *map(str, build_args(sample_dir, root, base / "build.toml", "--force", "--keep", "2"))]
     t0 = time.perf_counter()
     subprocess.run(args, capture_output=True, check=True, timeout=300)
     full = time.perf_counter() - t0
@@ -353,7 +355,8 @@ def test_sigkill_during_build_leaves_a_valid_published_snapshot(built, sample_di
 def test_concurrent_builds_serialise(built, sample_dir, tmp_path):
     base, _ = built
     root = Path(shutil.copytree(base / "root", tmp_path / "root"))
-    args = [shutil.which("sidindex"), *map(str, build_args(sample_dir, root, base / "build.toml", "--force", "--keep", "5"))]
+    args = [shutil.which("sidindex"),
+            *map(str, build_args(sample_dir, root, base / "build.toml", "--force", "--keep", "5"))]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
@@ -374,7 +377,10 @@ def test_bad_catalog_through_cli_leaves_published_snapshot_untouched(built, samp
     root = Path(shutil.copytree(base / "root", tmp_path / "root"))
     before = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != ".lock"}
     df = pl.read_parquet(sample_dir / "catalog.parquet")
-    df = df.with_columns(pl.Series("ad_id", np.r_[df["ad_id"][1], df["ad_id"][1:].to_numpy()])) if message == "ad_id" else corrupt(df)
+    if message == "ad_id":
+        df = df.with_columns(pl.Series("ad_id", np.r_[df["ad_id"][1], df["ad_id"][1:].to_numpy()]))
+    else:
+        df = corrupt(df)
     df.write_parquet(tmp_path / "bad.parquet")
     r = cli("build", "--catalog", tmp_path / "bad.parquet", "--targeting", sample_dir / "targeting.toml",
             "--out", root, "--config", base / "build.toml", "--force")

@@ -174,7 +174,7 @@ def _grow(a: np.ndarray) -> np.ndarray:
 def test_value_fuzzer_every_array_and_relation(fuzz_root):
     outcomes = {"refused": 0, "served": 0}
     by_array: dict[str, set[str]] = {}
-    for name, label, mutate in _cases(fuzz_root):
+    for name, _label, mutate in _cases(fuzz_root):
         verdict = judge(fuzz_root, name, mutate)
         outcomes[verdict] += 1
         by_array.setdefault(name, set()).add(verdict)

@@ -24,18 +24,18 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 import runtime
-import torch
 from runtime.post import expand
 from schemas.artifacts import AD_DELETED, AD_LIVE, MATCHER_PLANES
-from sidindex.errors import InputError
 from sidindex.artifact import same_file
-from sidindex.sid import save_codebook
+from sidindex.errors import InputError
 from sidindex.job import run_build, run_update
+from sidindex.sid import save_codebook
 from sidindex.snapshot import open_snapshot
 from sidindex.trie.build import build_gtm
 from sidindex.trie.kway import KWayConfig
@@ -360,7 +360,6 @@ def test_update_links_what_it_does_not_change_and_inspect_shows_staleness(built,
     r = run_cli("validate", root)
     assert r.returncode == 0, r.stderr
     import duckdb  # the state file is plain Arrow, like every other
-
     import pyarrow as pa
 
     states = pa.ipc.open_file(pa.memory_map(str(new.path / "ad_state.arrow"))).read_all()  # noqa: F841 (by name)

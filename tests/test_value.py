@@ -1,9 +1,9 @@
 """Value bounds and value-guided retrieval (docs/design.md §16) against brute force, on random catalogs.
 
 - Every mask implementation (Triton under the interpreter, the torch reference, numba) reports the
-  same bound for each candidate (and the same value-guided key, the kernel computing it fused); it is >= the value of every eligible ad beneath the candidate,
-  the subtree's largest value (rounded up to float32) without partitions, and that too with
-  partitions when nothing is restricted.
+  same bound for each candidate (and the same value-guided key, the kernel computing it fused); it
+  is >= the value of every eligible ad beneath the candidate, the subtree's largest value (rounded
+  up to float32) without partitions, and that too with partitions when nothing is restricted.
 - Value-guided search equals a brute-force search by the same key; with beams wider than the
   catalog it returns exactly the eligible ads; a weight of 0, or one too small to move a float32
   key, gives the plain search's beams exactly.

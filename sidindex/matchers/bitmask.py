@@ -64,7 +64,8 @@ class BitmaskLayout:
             order = np.argsort(hashes, kind="stable")
             raw = [raw[i] for i in order]
             sorted_offsets = np.concatenate([[0], np.cumsum([len(r) for r in raw])]).astype(np.int64)
-            table = (hashes[order], order.astype(np.int64), sorted_offsets, np.frombuffer(b"".join(raw), dtype=np.uint8))
+            table = (hashes[order], order.astype(np.int64), sorted_offsets,
+                     np.frombuffer(b"".join(raw), dtype=np.uint8))
             for a in table:  # read-only, as every array the lookup's kernel reads (one compiled type)
                 a.flags.writeable = False
             out.append(table)
@@ -102,7 +103,8 @@ def bitmask_layout(attrs: tuple[Attribute, ...]) -> BitmaskLayout:
     return BitmaskLayout(tuple(a.name for a in attrs), tuple(a.values for a in attrs), tuple(int(o) for o in offsets))
 
 
-def encode_ad_rows(layout: BitmaskLayout, columns: pl.DataFrame, codes: dict[str, ListCodes] | None = None) -> np.ndarray:
+def encode_ad_rows(layout: BitmaskLayout, columns: pl.DataFrame,
+                   codes: dict[str, ListCodes] | None = None) -> np.ndarray:
     """(N, W) uint64 ad rows from validated list<string> columns (one per bitmask attribute).
 
     codes: the columns already flattened against their declared values (`list_codes`)

@@ -92,7 +92,8 @@ def encode_ad_rows(layout: BloomLayout, columns: pl.DataFrame, codes: dict[str, 
         lo, hi = layout.word_offsets[a], layout.word_offsets[a + 1]
         lc = codes[name] if codes else list_codes(columns.get_column(name))
         out[lc.lengths == 0, lo:hi] = np.uint64(0xFFFFFFFFFFFFFFFF)
-        or_value_bits(out, lc.lengths, lc.codes, value_positions(lc.distinct, layout.attribute_bits[a], layout.hashes[a]), lo)
+        positions = value_positions(lc.distinct, layout.attribute_bits[a], layout.hashes[a])
+        or_value_bits(out, lc.lengths, lc.codes, positions, lo)
     return out
 
 

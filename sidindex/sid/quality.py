@@ -103,7 +103,8 @@ def sid_quality(assignment: SIDAssignment, codebook: Codebook, embedding: np.nda
     embedding: (N, D) float32, the embeddings the assignment was made from
     """
     uniq, counts = key_counts(sid_keys(assignment.sids, assignment.level_sizes))
-    return quality_report(key_tokens(uniq, assignment.level_sizes), counts, np.bincount(assignment.ad_index, minlength=assignment.n_ads),
+    return quality_report(key_tokens(uniq, assignment.level_sizes), counts,
+                          np.bincount(assignment.ad_index, minlength=assignment.n_ads),
                           quality_sums(assignment, codebook, embedding), codebook, thresholds)
 
 

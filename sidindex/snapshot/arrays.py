@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import mmap
 import os
-
 from pathlib import Path
 
 import numpy as np

@@ -216,7 +216,8 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
     states = isinstance(doc.get("arrays"), dict) and "ad_state" in doc["arrays"]
     if not _states_fit(version, "lineage" in doc, states):
         raise bad("an update's lineage comes with the ad_state array" + (
-            f", and before format version {STATES_VERSION} ad_state with a lineage" if version < STATES_VERSION else ""))
+            f", and before format version {STATES_VERSION} ad_state with a lineage"
+            if version < STATES_VERSION else ""))
     contract = manifest_keys(version, "lineage" in doc)
     keys = {k.key for k in contract}
     if set(doc) != keys:
