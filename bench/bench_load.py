@@ -71,7 +71,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import functools
 import json
 import os
 import shutil
@@ -89,16 +88,17 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import httpx
 import numpy as np
 
+from bench.load_check import Checker
+from bench.load_clients import JSON_HEADERS, child_clients, merged, schedule
+from bench.load_report import load_figures, report
+
 # torch, runtime and the catalog helpers are imported where they are used: a client process
 # imports only numpy and httpx
 
 SCENARIOS = ("steady", "publisher", "corrupt")
 CPU_BEAMS, CUDA_BEAMS = "1,16,32,32", "1,512,1024,1024"
-SNAPSHOT_HEADER = "x-sidindex-snapshot"
-JSON_HEADERS = {"content-type": "application/json"}
 PROC_RATE = 1000  # requests/s a client process is given by default
 KEEP = 1_000_000  # retention of the working ROOT: every snapshot an answer may name stays
-SCORE_TOL = 1e-5
 MONITOR_S = 0.05  # how often CURRENT and /snapshot are read during a scenario
 LEAD_S = 0.5  # from the clients' READY to the first scheduled send
 FIRST_UPDATE_S, LAST_UPDATE_S = 0.25, 0.5  # the publisher's updates start from, and until before the end
@@ -220,147 +220,6 @@ def server_counts(m: dict[str, float]) -> dict:
         if k.startswith("sidindex_requests_total{"):
             out["outcome " + k.split('"')[1]] = v
     return out
-
-
-# --- the load -------------------------------------------------------------------------------
-
-def schedule(rate: float, seconds: float, clients: int, pool: int, arrivals: str, seed: int) -> dict[str, np.ndarray]:
-    """The scenario's sends, drawn in advance: t (seconds from the start, ascending), client
-    (round robin) and idx (the pool's request), as arrays."""
-    rng = np.random.default_rng(seed)
-    expected = rate * seconds
-    if arrivals == "poisson":
-        t = np.cumsum(rng.exponential(1 / rate, int(expected + 6 * np.sqrt(expected) + 16)))
-        t = t[t < seconds] - t[0]
-    else:
-        t = np.arange(max(1, round(expected))) / rate
-    n = len(t)
-    return {"k": np.arange(n), "t": t, "client": np.arange(n) % clients, "idx": rng.integers(0, pool, n)}
-
-
-class Clients:
-    """The clients of one client process: `open` (a connection each), then `run` the sends dealt
-    to them from a monotonic start time; `raw` then holds (sent, done, status, header, body) per
-    send (status 0: a transport error, its message as the body)."""
-
-    def __init__(self, url: str, bodies: list[bytes], sends: dict[str, np.ndarray], timeout: float) -> None:
-        self.url, self.bodies, self.sends, self.timeout = url, bodies, sends, timeout
-        self.http: dict[int, httpx.AsyncClient] = {}
-        self.raw: list = [None] * len(sends["k"])
-
-    async def open(self) -> None:
-        for c in np.unique(self.sends["client"]).tolist():
-            self.http[c] = httpx.AsyncClient(base_url=self.url, timeout=self.timeout,
-                                             limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
-        await asyncio.gather(*(h.get("/healthz") for h in self.http.values()))
-
-    async def run(self, start: float) -> None:
-        client = self.sends["client"]
-        await asyncio.gather(*(self._client(self.http[c], start, np.flatnonzero(client == c).tolist())
-                               for c in self.http))
-
-    async def _client(self, http: httpx.AsyncClient, start: float, mine: list[int]) -> None:
-        t, idx = self.sends["t"], self.sends["idx"]
-        for j in mine:
-            wait = start + t[j] - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            sent = time.monotonic()
-            try:
-                r = await http.post("/retrieve", content=self.bodies[idx[j]], headers=JSON_HEADERS)
-                self.raw[j] = (sent, time.monotonic(), r.status_code, r.headers.get(SNAPSHOT_HEADER), r.content)
-            except httpx.HTTPError as e:
-                self.raw[j] = (sent, time.monotonic(), 0, None, f"{type(e).__name__}: {e}".encode())
-
-    async def close(self) -> None:
-        await asyncio.gather(*(h.aclose() for h in self.http.values()))
-
-
-def parse_answers(sends: dict[str, np.ndarray], raw: list, start: float) -> dict[str, np.ndarray]:
-    """The sends' answers as arrays: per send k, client, idx, t (scheduled), sent and done
-    (seconds from the start), status, snapshot (the body's; '' unless 200), header_ok, own (every
-    row is the request's), rows (row count), error (a failure's message, or what is wrong with a
-    200 body that is not the contract's; '' otherwise); per row ad_id, rank, score (-inf for null)."""
-    n = len(raw)
-    sent, done = np.empty(n), np.empty(n)
-    status = np.zeros(n, np.int32)
-    snapshot, error = [""] * n, [""] * n
-    header_ok, own = np.zeros(n, bool), np.zeros(n, bool)
-    counts = np.zeros(n, np.int64)
-    ad_id, rank, score = [], [], []
-    for j, (s, d, code, header, body) in enumerate(raw):
-        sent[j], done[j], status[j] = s - start, d - start, code
-        try:
-            doc = json.loads(body)
-            if code != 200:
-                error[j] = str(doc["error"])
-                continue
-            rows = doc["rows"]
-            got = ([r["ad_id"] for r in rows], [r["rank"] for r in rows],
-                   [-np.inf if r["score"] is None else r["score"] for r in rows])
-            own[j] = all(r["request_id"] == int(sends["idx"][j]) for r in rows)
-            snapshot[j] = str(doc["snapshot"])
-        except (ValueError, KeyError, TypeError) as e:
-            why = f"{type(e).__name__}: {e}" if code == 200 else body[:200].decode(errors="replace")
-            error[j] = ("a 200 body not as the contract says: " if code == 200 else "") + why
-            continue
-        header_ok[j] = header == snapshot[j]
-        counts[j] = len(rows)
-        ad_id += got[0]
-        rank += got[1]
-        score += got[2]
-    return {"k": sends["k"], "client": sends["client"], "idx": sends["idx"], "t": sends["t"], "sent": sent,
-            "done": done, "status": status, "snapshot": np.array(snapshot, dtype=str), "header_ok": header_ok,
-            "own": own, "rows": counts, "error": np.array(error, dtype=str), "ad_id": np.array(ad_id, np.int64),
-            "rank": np.array(rank, np.int64), "score": np.array(score, np.float64)}
-
-
-def merged(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Several processes' `parse_answers`, as one, in send order."""
-    if len(parts) == 1:
-        return parts[0]
-    per_send = [k for k in parts[0] if k not in ("ad_id", "rank", "score")]
-    whole = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    order = np.argsort(whole["k"], kind="stable")
-    starts = np.concatenate([[0], np.cumsum(whole["rows"])[:-1]])
-    rows = np.concatenate([np.arange(s, s + c) for s, c in zip(starts[order], whole["rows"][order])] or [[]])
-    rows = rows.astype(np.int64)
-    return {k: whole[k][order] for k in per_send} | {k: whole[k][rows] for k in ("ad_id", "rank", "score")}
-
-
-async def child_clients(url: str, bodies_path: Path, sends: dict[str, np.ndarray], timeout: float, work: Path,
-                        name: str) -> tuple:
-    """A client process (this script, --load-child) driving `sends`: started, awaited until it
-    is READY (its connections open); returns (process, output path)."""
-    plan, out = work / f"{name}.npz", work / f"{name}.out.npz"
-    np.savez(plan, **sends)
-    spec = json.dumps({"url": url, "bodies": str(bodies_path), "plan": str(plan), "out": str(out), "timeout": timeout})
-    proc = await asyncio.create_subprocess_exec(sys.executable, str(Path(__file__).resolve()), "--load-child", spec,
-                                                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-    line = await proc.stdout.readline()
-    if line.strip() != b"READY":
-        raise RuntimeError(f"a client process failed before the start ({await proc.wait()})")
-    return proc, out
-
-
-def load_child(spec: str) -> int:
-    """A client process: its plan's clients opened, READY, a start time on stdin, the sends, the
-    parsed answers into its output file."""
-    p = json.loads(spec)
-    bodies = Path(p["bodies"]).read_bytes().splitlines()
-    sends = dict(np.load(p["plan"]))
-
-    async def main() -> dict:
-        clients = Clients(p["url"], bodies, sends, p["timeout"])
-        await clients.open()
-        print("READY", flush=True)
-        start = float(await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline))
-        await clients.run(start)
-        await clients.close()
-        return parse_answers(clients.sends, clients.raw, start)
-
-    np.savez(p["out"], **asyncio.run(main()))
-    return 0
 
 
 # --- what happens to the ROOT during a scenario -----------------------------------------------
@@ -549,177 +408,6 @@ def answered_while_refused(a: dict[str, np.ndarray], windows: list[dict], end: f
     return int(((a["status"] == 200) & (a["done"] >= refused["until_s"]) & (a["done"] < until)).sum())
 
 
-# --- figures and checks ---------------------------------------------------------------------
-
-def percentiles(ms: np.ndarray) -> dict:
-    if not len(ms):
-        return {"p50_ms": None, "p99_ms": None, "p99.9_ms": None, "max_ms": None}
-    p50, p99, p999 = np.percentile(ms, [50, 99, 99.9])
-    return {"p50_ms": float(p50), "p99_ms": float(p99), "p99.9_ms": float(p999), "max_ms": float(ms.max())}
-
-
-def load_figures(a: dict[str, np.ndarray], windows: list[dict], args) -> dict:
-    """Throughput, latency (from the scheduled send), failures by status, send lag, snapshots
-    seen and the latency of requests in flight during a swap window against the others."""
-    ok = a["status"] == 200
-    latency = (a["done"] - a["t"]) * 1e3
-    behind, lag = generator_lag(a)
-    during = np.zeros(len(ok), bool)
-    for w in windows:
-        during |= (a["t"] <= w["until_s"]) & (a["done"] >= w["from_s"])
-    failed = {}
-    for code, err in zip(a["status"][~ok].tolist(), a["error"][~ok].tolist()):
-        key = "transport" if code == 0 else str(code)
-        failed.setdefault(key, {"count": 0, "first": err})["count"] += 1
-    seen = list(dict.fromkeys(a["snapshot"][ok][np.argsort(a["done"][ok], kind="stable")].tolist()))
-    span = float(a["done"][ok].max()) if ok.any() else float("nan")
-    return {"sent": int(len(ok)), "ok": int(ok.sum()), "failed": int((~ok).sum()), "errors": failed,
-            "offered_rps": len(ok) / args.seconds, "throughput_rps": float(ok.sum()) / span if ok.any() else 0.0,
-            "latency": percentiles(latency[ok]), "sends_behind_previous": behind,
-            "generator_lag_p99_ms": float(np.percentile(lag, 99) * 1e3) if len(lag) else None,
-            "rows_per_answer": float(a["rows"][ok].mean()) if ok.any() else 0.0,
-            "snapshots_seen": seen, "swaps_seen": max(0, len(seen) - 1),
-            "during_swaps": int((during & ok).sum()),
-            "p99_during_swaps_ms": percentiles(latency[ok & during])["p99_ms"],
-            "p99_other_ms": percentiles(latency[ok & ~during])["p99_ms"],
-            "timeline": timeline(a, latency, lag),
-            "latencies_ms": np.round(latency[ok], 3).tolist()}
-
-
-def timeline(a: dict[str, np.ndarray], latency: np.ndarray, lag: np.ndarray, step: float = 0.5) -> list[dict]:
-    """Per `step` seconds of scheduled send time: sends, failures, latency p50 and max of the
-    answered, the generator lag's max (where a stall came from: the server or the generator)."""
-    ok = a["status"] == 200
-    bucket = (a["t"] // step).astype(np.int64)
-    out = []
-    for b in np.unique(bucket).tolist():
-        m = bucket == b
-        lat = latency[m & ok]
-        out.append({"from_s": b * step, "sent": int(m.sum()), "failed": int((m & ~ok).sum()),
-                    "p50_ms": round(float(np.median(lat)), 2) if len(lat) else None,
-                    "max_ms": round(float(lat.max()), 2) if len(lat) else None,
-                    "lag_max_ms": round(float(lag[m].max()) * 1e3, 2)})
-    return out
-
-
-def generator_lag(a: dict[str, np.ndarray]) -> tuple[int, np.ndarray]:
-    """Sends whose client was still waiting for its previous answer at the scheduled time (too
-    few clients for the rate and latency), and per send the seconds from when its client was
-    free to send it (its time, or its previous answer's) to when it did, in send order: the
-    generator's own delay, which should stay well below the latencies measured."""
-    order = np.lexsort((a["k"], a["client"]))
-    client, t, done, sent = a["client"][order], a["t"][order], a["done"][order], a["sent"][order]
-    previous = np.concatenate([[-np.inf], done[:-1]])
-    previous[np.concatenate([[True], client[1:] != client[:-1]])] = -np.inf
-    lag = np.empty(len(order))
-    lag[order] = sent - np.maximum(t, previous)
-    return int((previous > t).sum()), lag
-
-
-class Checker:
-    """Direct retrieves on the snapshots answers name (module doc), one per (snapshot, request)."""
-
-    def __init__(self, root: Path, args, bodies: list[bytes]) -> None:
-        self.root, self.args = root, args
-        self.requests = [json.loads(b)["requests"][0] for b in bodies]
-        self.refs: dict[str, dict[int, tuple]] = {}
-        self.missing: dict[str, str] = {}
-        self._base = None
-
-    def prepare(self, answers: list[dict[str, np.ndarray]]) -> None:
-        """Retrieve every (snapshot, request) pair an answer needs, snapshot by snapshot."""
-        import runtime
-
-        need: dict[str, set[int]] = {}
-        for a in answers:
-            ok = a["status"] == 200
-            for s, i in zip(a["snapshot"][ok].tolist(), a["idx"][ok].tolist()):
-                if i not in self.refs.get(s, {}):
-                    need.setdefault(s, set()).add(i)
-        for s, idx in need.items():
-            path = self.root / "snapshots" / s
-            try:
-                index = runtime.load(path, self.args.check_device, base=self._base)
-            except Exception as e:  # an answer naming a snapshot that cannot be loaded: every one a mismatch
-                self.missing[s] = f"{type(e).__name__}: {e}".splitlines()[0]
-                continue
-            self._base = index
-            idx = sorted(idx)
-            log(f"  checking: {len(idx)} requests on snapshot {s}")
-            retriever = runtime.Retriever(index, mode=self.args.mode, beams=self.args.beams, top_k=self.args.top_k,
-                                          batch_sizes=(1,), warm=False)
-            table = retriever.retrieve([self.requests[i] for i in idx], source="pool requests")
-            rid = table.column("request_id").to_numpy()
-            ad, rank = table.column("ad_id").to_numpy(), table.column("rank").to_numpy()
-            score = table.column("score").to_numpy(zero_copy_only=False)
-            bounds = np.searchsorted(rid, np.concatenate([idx, [np.iinfo(np.int64).max]]))  # rows by request, sorted
-            refs = self.refs.setdefault(s, {})
-            for j, i in enumerate(idx):
-                lo, hi = bounds[j], bounds[j + 1]
-                refs[i] = (ad[lo:hi].astype(np.int64), rank[lo:hi].astype(np.int64), score[lo:hi].astype(np.float64))
-
-    def check(self, a: dict[str, np.ndarray]) -> dict:
-        """Every 200 answer of a scenario against its reference: checked, mismatches, those of
-        them that are near ties (`difference`), the first few described, and per pool request with
-        a mismatch [its mismatches, its answers] (one that differs whatever batch it shared, or now
-        and then)."""
-        ok = np.flatnonzero(a["status"] == 200)
-        starts = np.concatenate([[0], np.cumsum(a["rows"])])
-        bad, ties, samples, requests = 0, 0, [], {}
-        for j in ok.tolist():
-            s, i = str(a["snapshot"][j]), int(a["idx"][j])
-            lo, hi = starts[j], starts[j + 1]
-            why, tie = None, False
-            if a["error"][j]:
-                why = str(a["error"][j])
-            elif s in self.missing:
-                why = f"names snapshot {s}, which does not load: {self.missing[s]}"
-            elif not a["header_ok"][j]:
-                why = "its X-Sidindex-Snapshot header is not its body's snapshot"
-            elif not a["own"][j]:
-                why = "holds rows of another request_id"
-            else:
-                why, tie = difference(a["ad_id"][lo:hi], a["rank"][lo:hi], a["score"][lo:hi], *self.refs[s][i])
-            if why:
-                bad, ties = bad + 1, ties + tie
-                requests[i] = requests.get(i, 0) + 1
-                if len(samples) < 5:
-                    samples.append(f"send {int(a['k'][j])} (request {i}, snapshot {s}): {why}")
-        answered = np.bincount(a["idx"][ok], minlength=len(self.requests))
-        return {"checked": len(ok), "mismatches": bad, "near_ties": ties, "mismatch_samples": samples,
-                "mismatched_requests": {str(i): [n, int(answered[i])] for i, n in sorted(requests.items())}}
-
-
-def difference(ad: np.ndarray, rank: np.ndarray, score: np.ndarray, want_ad: np.ndarray, want_rank: np.ndarray,
-               want_score: np.ndarray) -> tuple[str | None, bool]:
-    """How an answer's rows differ from the direct retrieve's, in words (None: they agree): the
-    first row where they part, both sides' ad and score there, and whether the ads are the same
-    set; and whether the difference is a near tie: rank by rank the scores agree within 1e-5, and
-    so do those of every ad both hold (ads of near-equal scores in another order, or another of
-    them at the top-k cut: what float sums that depend on the batch give)."""
-    close = functools.partial(np.isclose, rtol=SCORE_TOL, atol=SCORE_TOL)
-    if np.array_equal(ad, want_ad) and np.array_equal(rank, want_rank):
-        if close(score, want_score).all():
-            return None, False
-        j = int(np.argmax(~close(score, want_score)))
-        return (f"scores differ from the direct retrieve beyond 1e-5 (rank {rank[j]}: {score[j]:.9g} against "
-                f"{want_score[j]:.9g})"), False
-    n = min(len(ad), len(want_ad))
-    j = int(np.argmax((ad[:n] != want_ad[:n]) | (rank[:n] != want_rank[:n]))) if n else 0
-    if n and ad[j] == want_ad[j] and rank[j] == want_rank[j]:
-        j = n  # one is a prefix of the other
-    here = f"ad {ad[j]} score {score[j]:.7g}" if j < len(ad) else "nothing"
-    there = f"ad {want_ad[j]} score {want_score[j]:.7g}" if j < len(want_ad) else "nothing"
-    theirs = dict(zip(want_ad.tolist(), want_score.tolist()))
-    common = [(x, theirs[a]) for a, x in zip(ad.tolist(), score.tolist()) if a in theirs]
-    tie = len(ad) == len(want_ad) and bool(close(score, want_score).all()) and \
-        all(close(x, y) for x, y in common) and np.array_equal(rank, want_rank)
-    same = "the same ads in another order" if sorted(ad.tolist()) == sorted(want_ad.tolist()) else \
-        f"{len(set(ad.tolist()) ^ set(want_ad.tolist()))} ads in one only"
-    return (f"{'near tie: ' if tie else ''}ads differ from the direct retrieve ({len(ad)} rows against "
-            f"{len(want_ad)}; from row {j}: {here} against {there}; {same})"), tie
-
-
 # --- the run, the report --------------------------------------------------------------------
 
 async def run_scenarios(server: Server, root: Path, args, bodies: list[bytes], bodies_path: Path,
@@ -744,8 +432,7 @@ def run(args) -> dict:
         args.threads = 1
     args.check_device = args.check_device or args.device
     cache = args.cache or Path(tempfile.mkdtemp(prefix="bench_load_"))
-    res = {"device": "cpu", "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                                       if k != "load_child"}}
+    res = {"device": "cpu", "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     work = None
     try:
         log(f"{args.ads:,} ads: catalog and ROOT ...")
@@ -773,7 +460,7 @@ def run(args) -> dict:
         if device.type == "cuda":  # CUDA is first initialised here, after the load: the checks run there
             res["device"] = torch.cuda.get_device_name(device)
         log("checking every answer against a direct retrieve ...")
-        checker = Checker(root, args, bodies)
+        checker = Checker(root, args, bodies, log)
         t = time.perf_counter()
         checker.prepare([a for _, a in results])
         res["scenarios"] = []
@@ -789,101 +476,6 @@ def run(args) -> dict:
         elif work is not None:
             shutil.rmtree(work, ignore_errors=True)
     return res
-
-
-def ms(v) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
-def report(res: dict, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console(width=None if sys.stdout.isatty() else 220)
-    c, cat = res["config"], res["catalog"]
-    for s in res["scenarios"]:
-        t = Table(title=f"{s['scenario']}: {cat['ads']:,} ads ({res['device']}), {c['mode']}, beams {c['beams']}, "
-                        f"{c['rate']:g} req/s offered ({c['arrivals']}) from {c['clients']} clients for "
-                        f"{c['seconds']:g} s, max batch {c['max_batch']}; ms from the scheduled send",
-                  title_justify="left")
-        for col in ("sent", "ok", "req/s", "p50", "p99", "p99.9", "max", "failed", "checked", "mismatches",
-                    "swaps seen", "p99 in swaps", "p99 other", "in swaps", "rows/answer", "rows/batch",
-                    "gen lag p99"):
-            t.add_column(col, justify="right")
-        lat, srv = s["latency"], s["server"]
-        failed = ", ".join(f"{k}: {v['count']}" for k, v in s["errors"].items()) or "0"
-        per_batch = f"{srv['batch_rows'] / srv['batches']:.1f}" if srv.get("batches") else "-"
-        t.add_row(str(s["sent"]), str(s["ok"]), f"{s['throughput_rps']:,.0f}", ms(lat["p50_ms"]), ms(lat["p99_ms"]),
-                  ms(lat["p99.9_ms"]), ms(lat["max_ms"]), failed, str(s["checked"]),
-                  f"{s['mismatches']} ({s['near_ties']} ties)" if s["near_ties"] else str(s["mismatches"]),
-                  str(s["swaps_seen"]), ms(s["p99_during_swaps_ms"]), ms(s["p99_other_ms"]), str(s["during_swaps"]),
-                  f"{s['rows_per_answer']:.1f}", per_batch, ms(s["generator_lag_p99_ms"]))
-        console.print(t)
-        for line in scenario_notes(s):
-            console.print("  " + line, highlight=False)
-    console.print(f"server: ready {res['server_ready_s']:.1f} s after start; exit code {res['server_exit']} on "
-                  f"SIGTERM; {res['server_tracebacks']} tracebacks in its log; checks {res['check_s']:.1f} s",
-                  highlight=False)
-    for s in res["scenarios"]:
-        for ok, line in verdicts(s):
-            console.print(f"{'PASS' if ok else 'MISS'}  {s['scenario']}: {line}", highlight=False)
-
-
-def scenario_notes(s: dict) -> list[str]:
-    out = []
-    updates = [e for e in s["events"] if e["kind"] == "update"]
-    if updates:
-        took = np.mean([e["finished_s"] - e["started_s"] for e in updates])
-        failed = [e for e in updates if "error" in e]
-        out.append(f"publisher: {len(updates) - len(failed)} updates published ({took:.2f} s each), "
-                   f"{sum(len(e['paused']) for e in updates)} ads paused, "
-                   f"{sum(e['paused_returned'] for e in updates)} of them just returned by a probe"
-                   + (f"; {len(failed)} failed: {failed[0]['error'].splitlines()[-1]}" if failed else ""))
-    for w in s["windows"]:
-        out.append(f"{w['snapshot']}: published at {w['from_s']:.2f} s, {w['outcome']} at {w['until_s']:.2f} s")
-    srv = s["server"]
-    if srv["swaps"]:
-        out.append(f"server: {srv['swaps']:.0f} swaps, {srv['swap_seconds'] / srv['swaps']:.2f} s each to load and "
-                   "warm (sidindex_swap_seconds)")
-    if s["last_errors_seen"]:
-        out.append(f"/snapshot last_error: {s['last_errors_seen'][0]}")
-    for k, v in s["errors"].items():
-        out.append(f"failed ({k}): {v['count']}, the first: {v['first']}")
-    if s["sends_behind_previous"] > 0.01 * s["sent"]:
-        out.append(f"{s['sends_behind_previous']} sends waited for their client's previous answer (latency counts the "
-                   "wait; more --clients would have sent them on time)")
-    if s["mismatched_requests"]:
-        out.append(f"mismatches came from {len(s['mismatched_requests'])} pool requests (mismatches/answers): "
-                   + ", ".join(f"{i}: {n}/{m}" for i, (n, m) in list(s["mismatched_requests"].items())[:12]))
-    out += [f"mismatch: {m}" for m in s["mismatch_samples"]]
-    return out
-
-
-def verdicts(s: dict) -> list[tuple[bool, str]]:
-    """What a user relies on, per scenario."""
-    ties = f" ({s['near_ties']} of them near ties: the same scores within 1e-5 rank by rank, ads of near-equal " \
-        "scores in another order)" if s["near_ties"] else ""
-    out = [(s["checked"] == s["ok"] > 0 and s["mismatches"] == 0,
-            f"{s['checked']} answers checked, {s['mismatches']} differ from a direct retrieve on the snapshot they "
-            f"name{ties}"),
-           (s["failed"] == 0, f"{s['failed']} of {s['sent']} requests failed")]
-    if s["scenario"] == "publisher":
-        out.append((s["swaps_seen"] >= 1, f"{s['swaps_seen']} swaps seen in the answers"))
-    if s["scenario"] == "corrupt":
-        corrupt = {e["snapshot"] for e in s["events"] if e["kind"] == "corrupt"}
-        refused = [w for w in s["windows"] if w["snapshot"] in corrupt and w["outcome"] == "refused"]
-        served = corrupt & set(s["snapshots_seen"])
-        why = refused[0]["last_error"].rpartition(": ")[2] if refused else None
-        out.append((len(refused) == len(corrupt) > 0 and not served,
-                    f"the corrupt snapshot was {'served' if served else 'refused' if refused else 'not refused'}"
-                    + (f", /snapshot's last_error set ('... {why}')" if why else "")))
-        out.append((bool(s.get("answered_while_refused")),
-                    f"{s.get('answered_while_refused')} answers from the old snapshot after the refusal"))
-        intact = {e["snapshot"] for e in s["events"] if e["kind"] == "intact copy"}
-        recovered = intact & set(s["snapshots_seen"]) and s["snapshot_after"]["last_error"] is None
-        out.append((bool(recovered), "an intact snapshot published next was served, last_error cleared" if recovered
-                    else "an intact snapshot published next was not served"))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -917,10 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--cache", type=Path, help="keep the catalog and its ROOT here, and reuse them")
     ap.add_argument("--json", type=Path, help="write every figure as JSON here")
-    ap.add_argument("--load-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.load_child:
-        return load_child(args.load_child)
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
     if unknown or not args.scenarios:
         ap.error(f"--scenarios {','.join(args.scenarios)}: choose from {', '.join(SCENARIOS)}")

@@ -21,6 +21,8 @@ import numpy as np  # noqa: E402
 import runtime  # noqa: E402
 from bench import bench_load as bl  # noqa: E402
 from bench import bench_stream as bs  # noqa: E402
+from bench.load_check import Checker, difference  # noqa: E402
+from bench.load_clients import parse_answers  # noqa: E402
 from sidindex.root import Root  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 
@@ -99,9 +101,9 @@ def test_the_check_tells_an_answer_labelled_with_another_snapshot(built, tmp_pat
 
     raw = [answer(old, old), answer(new, new), answer(old, new), answer(old, old, request_id=1)]
     sends = {"k": np.arange(4), "client": np.zeros(4, np.int64), "idx": np.zeros(4, np.int64), "t": np.zeros(4)}
-    answers = bl.parse_answers(sends, raw, 0.0)
+    answers = parse_answers(sends, raw, 0.0)
     args = argparse.Namespace(mode="cd+gtm", beams=BEAMS, top_k=None, check_device="cpu")
-    checker = bl.Checker(root, args, bodies)
+    checker = Checker(root, args, bodies)
     checker.prepare([answers])
     got = checker.check(answers)
     assert got["checked"] == 4 and got["mismatches"] == 3
@@ -112,14 +114,14 @@ def test_the_check_tells_an_answer_labelled_with_another_snapshot(built, tmp_pat
 
 def test_a_near_tie_is_told_from_a_wrong_answer():
     ad, rank, score = np.array([7, 8, 9]), np.array([1, 2, 3]), np.array([-1.0, -2.0, -2.000004])
-    assert bl.difference(ad, rank, score, ad, rank, score) == (None, False)
-    why, tie = bl.difference(np.array([7, 9, 8]), rank, np.array([-1.0, -2.000001, -2.000003]), ad, rank, score)
+    assert difference(ad, rank, score, ad, rank, score) == (None, False)
+    why, tie = difference(np.array([7, 9, 8]), rank, np.array([-1.0, -2.000001, -2.000003]), ad, rank, score)
     assert tie and why.startswith("near tie: ") and "from row 1: ad 9" in why and "the same ads in another order" in why
-    why, tie = bl.difference(np.array([7, 8, 5]), rank, score, ad, rank, score)  # another ad at the cut, same score
+    why, tie = difference(np.array([7, 8, 5]), rank, score, ad, rank, score)  # another ad at the cut, same score
     assert tie and "2 ads in one only" in why
-    why, tie = bl.difference(np.array([7, 9, 8]), rank, np.array([-1.0, -2.0, -2.5]), ad, rank, score)
+    why, tie = difference(np.array([7, 9, 8]), rank, np.array([-1.0, -2.0, -2.5]), ad, rank, score)
     assert not tie and why.startswith("ads differ")  # ad 8's score is another
-    why, tie = bl.difference(ad[:2], rank[:2], score[:2], ad, rank, score)
+    why, tie = difference(ad[:2], rank[:2], score[:2], ad, rank, score)
     assert not tie and "from row 2: nothing against ad 9" in why
-    why, tie = bl.difference(ad, rank, score + 1e-3, ad, rank, score)
+    why, tie = difference(ad, rank, score + 1e-3, ad, rank, score)
     assert not tie and why.startswith("scores differ")
