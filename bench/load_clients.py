@@ -157,4 +157,6 @@ def load_child(spec: str) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("load_clients.py PLAN_JSON: a client process, started by bench/bench_load.py")
     sys.exit(load_child(sys.argv[1]))
