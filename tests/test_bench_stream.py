@@ -14,6 +14,7 @@ import torch
 
 import runtime
 from bench import bench_stream as bs
+from bench.qwen3_scorer import CONTEXT, Qwen3Decoder, Qwen3Scorer
 from sidindex.modes import Mode
 
 ADS, DIM, BEAMS = 3000, 16, (1, 4, 8, 8)
@@ -86,7 +87,7 @@ def test_qwen3_scorer_gives_the_models_logits():
     `parent`) against the Hugging Face model run on each whole sequence."""
     pytest.importorskip("transformers")
     levels = (5, 5, 3)
-    dec = bs.Qwen3Decoder(tiny_qwen3(40), levels, torch.device("cpu"), dtype=torch.float32)
+    dec = Qwen3Decoder(tiny_qwen3(40), levels, torch.device("cpu"), dtype=torch.float32)
     model, L, V = dec.model, len(levels), max(levels)
     gen = torch.Generator().manual_seed(0)
     B, C = 3, 7
@@ -100,7 +101,7 @@ def test_qwen3_scorer_gives_the_models_logits():
             logits = model(input_ids=seq).logits[:, -1]
         return logits[:, dec.head_ids[d]].view(B, K, V)
 
-    scorer = bs.Qwen3Scorer(model, dec.head, dec.head_ids, context)
+    scorer = Qwen3Scorer(model, dec.head, dec.head_ids, context)
     tokens = torch.zeros(B, 1, 0, dtype=torch.int64)
     torch.testing.assert_close(scorer(0, tokens, None), whole(tokens), rtol=1e-4, atol=1e-5)
     for step, K in ((1, 4), (2, 6)):  # beams gathered from the previous step's, then extended
@@ -108,7 +109,7 @@ def test_qwen3_scorer_gives_the_models_logits():
         new = torch.randint(0, levels[step - 1], (B, K, 1), generator=gen)
         tokens = torch.cat([tokens.gather(1, parent[..., None].expand(-1, -1, step - 1)), new], dim=2)
         torch.testing.assert_close(scorer(step, tokens, parent), whole(tokens), rtol=1e-4, atol=1e-5)
-    fresh = bs.Qwen3Scorer(model, dec.head, dec.head_ids, context)  # a scan of prefixes: no parent
+    fresh = Qwen3Scorer(model, dec.head, dec.head_ids, context)  # a scan of prefixes: no parent
     torch.testing.assert_close(fresh(2, tokens, None), whole(tokens), rtol=1e-4, atol=1e-5)
     assert dec.head_ids.min() >= dec.history_vocab and dec.head_ids.max() == 40 - 1 and dec.head_ids.shape == (L, V)
 
@@ -120,8 +121,8 @@ def test_decoder_row_runs_the_constraint_through_the_retriever(built):
     _, size = built
     index = runtime.load(size["root"], "cpu")
     L, V = index.sid_length, index.vocab_size
-    dec = bs.Qwen3Decoder(tiny_qwen3(L * V + 50), index.level_sizes, index.device, dtype=torch.float32)
-    batches = bs.request_batches(index, 2, bs.catalog_embeddings(size["catalog"]), seed=13, history=bs.CONTEXT,
+    dec = Qwen3Decoder(tiny_qwen3(L * V + 50), index.level_sizes, index.device, dtype=torch.float32)
+    batches = bs.request_batches(index, 2, bs.catalog_embeddings(size["catalog"]), seed=13, history=CONTEXT,
                                  history_vocab=dec.history_vocab)
     got = bs.decoder_rows(index, dec, BEAMS, batches)
     assert set(got["modes"]) == {"none", "cd+gtm"} and got["batches"] == 2
