@@ -103,10 +103,10 @@ def run(job_path: Path, update: bool = False) -> tuple[int, dict]:
         if update:
             report |= apply_pending(job, job_path)
         else:
-            opt = {k: Path(job[k]) for k in ("config", "codebook") if k in job}
+            config, codebook = (Path(job[k]) if k in job else None for k in ("config", "codebook"))
             report |= run_build(Path(job["catalog"]), Path(job["targeting"]), Path(job["root"]),
                                 keep=job.get("keep", 3), force=job.get("force", False), waiting=_waiting,
-                                changes_through=job.get("changes_applied_through"), **opt)
+                                changes_through=job.get("changes_applied_through"), config=config, codebook=codebook)
         code = 0 if report["status"] == "published" else UNCHANGED
     except SidIndexError as e:
         report |= {"status": "failed", "error": str(e), "error_type": type(e).__name__}

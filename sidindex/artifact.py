@@ -124,8 +124,10 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"key {dup!r} appears twice")
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"key {k!r} appears twice")
+            seen.add(k)
     return out
 
 
@@ -145,9 +147,10 @@ def read_json(path: Path, what: str) -> tuple[dict, bytes]:
 
 def read_sealed(path: Path, fmt: str, version: int | tuple[int, ...], what: str, *,
                 gone: dict[int, str] | None = None, unsealed: int | None = None) -> dict:
-    """The manifest at `path`, of format `fmt` at `version` (one, or the tuple of those read): `read_json`, then byte-for-byte
-    canonical with the right checksum. A manifest without a checksum is refused saying which format
-    version it is, unless it is of version `unsealed` (an older format still read as it is)."""
+    """The manifest at `path`, of format `fmt` at `version` (one, or the tuple of those read):
+    `read_json`, then byte-for-byte canonical with the right checksum. A manifest without a checksum
+    is refused saying which format version it is, unless it is of version `unsealed` (an older
+    format still read as it is)."""
     doc, raw = read_json(path, what)
     if CHECKSUM_KEY not in doc:
         check_format(path, doc, fmt, unsealed if unsealed is not None else version, what, gone)
@@ -175,13 +178,13 @@ def check_format(path: Path, doc: dict, fmt: str, version: int | tuple[int, ...]
     if found in versions and not isinstance(found, bool):
         return
     *head, last = map(str, versions)
-    version = f"{', '.join(head)} or {last}" if head else last
-    found_int = isinstance(found, int) and not isinstance(found, bool)
-    if found_int and found > max(versions):
-        raise ArtifactError(f"{path}: {what} format version {found}; this sidindex reads version {version} "
+    read = f"{', '.join(head)} or {last}" if head else last
+    found_int = found if isinstance(found, int) and not isinstance(found, bool) else None
+    if found_int is not None and found_int > max(versions):
+        raise ArtifactError(f"{path}: {what} format version {found}; this sidindex reads version {read} "
                             "(written by a newer sidindex: upgrade sidindex)")
-    hint = (gone or {}).get(found) if found_int else None
-    raise ArtifactError(f"{path}: {what} format version {str(found)[:40]!r}; this sidindex reads version {version}"
+    hint = (gone or {}).get(found_int) if found_int is not None else None
+    raise ArtifactError(f"{path}: {what} format version {str(found)[:40]!r}; this sidindex reads version {read}"
                         + (f" ({hint})" if hint else ""))
 
 

@@ -106,8 +106,8 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
         rows = rows.filter(~needs_ad)
     orphan = rows.filter(needs_ad)
     if orphan.height:
-        row = orphan.row(0, named=True)
-        raise InputError(f"{path}: column 'ad_id', row {row['pos']}: {row['op']} names ad {row['ad_id']}, which "
+        first = orphan.row(0, named=True)
+        raise InputError(f"{path}: column 'ad_id', row {first['pos']}: {first['op']} names ad {first['ad_id']}, which "
                          "is not in the snapshot (or was deleted earlier in the file)")
 
     # 2. per ad: its last upsert/delete, and its last pause/resume after its last delete

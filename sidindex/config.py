@@ -35,6 +35,7 @@ import math
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeGuard
 
 from sidindex.errors import ConfigError
 from sidindex.tomlio import check_keys, read_toml
@@ -181,7 +182,7 @@ def _section(doc: dict, name: str, cls: type, path: str | Path):
         raise ConfigError(f"{path}: {e}") from None
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

@@ -13,6 +13,10 @@ class SidIndexError(Exception):
 class InputError(SidIndexError):
     """A catalog, request table or targeting spec violates its contract."""
 
+    # set by `sidindex.ingest.Validator`: (column, check, row), which of two errors a whole-file
+    # validation reports first
+    rank: tuple[int, int, int]
+
 
 class ConfigError(SidIndexError):
     """A configuration file or option has a bad value."""

@@ -23,7 +23,6 @@ from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex.requests import Requests, encode_requests
 from sidindex.snapshot import Snapshot
 
-
 STATE_NAMES = {AD_LIVE: "live", AD_PAUSED: "paused", AD_DELETED: "deleted"}
 
 
@@ -55,7 +54,7 @@ class Step:
         when the snapshot has them)."""
         mode = parse_mode(mode, kway_available=self.failed_partitions is not None)
         return ((self.in_catalog and self.live or not mode.constrained) and not (mode.gtm and self.failed_union)
-                and not (mode.kway and all(self.failed_partitions)))
+                and not (mode.kway and self.failed_partitions is not None and all(self.failed_partitions)))
 
     @property
     def passes(self) -> dict[str, bool]:
@@ -130,11 +129,14 @@ class Explainer:
                 return SidExplanation(tuple(sid), tuple(steps), ())
             parts = bound = kway_bound = None
             if g.part_offsets is not None:
-                parts = tuple(self._failed([pl.part_index[p] for pl in g.planes])
+                part_index = [pl.part_index for pl in g.planes]
+                assert all(r is not None for r in part_index)  # a k-way index partitions every plane
+                parts = tuple(self._failed([r[p] for r in part_index if r is not None])
                               for p in range(g.part_offsets[e], g.part_offsets[e + 1]))
             if g.entry_value is not None:  # the value bounds the search weighs this step by
                 bound = float(g.entry_value[e])
                 if parts is not None:
+                    assert g.part_value is not None and g.part_offsets is not None  # values come with their bounds
                     kway_bound = max((float(g.part_value[g.part_offsets[e] + i]) for i, f in enumerate(parts) if not f),
                                      default=None)
             steps.append(Step(d, tuple(sid[:d]), token, True, self._failed([pl.index[e] for pl in g.planes]), parts,

@@ -1,8 +1,9 @@
 """Catalog ingestion: read with polars, validate against `schemas`, normalise.
 
-One validator (`Validator`) converts, checks and returns arrays the rest of the pipeline can rely
-on (`Catalog`; requests' batches too, through `sidindex.requests`). Every failure is an `InputError` naming the file, the column, a row
-(0-based, as in a data frame) and the offending value. Legend: N ads, B requests, D embedding dims.
+One validator (`Validator`) converts, checks and returns arrays the rest of the pipeline can rely on
+(`Catalog`; requests' batches too, through `sidindex.requests`). Every failure is an `InputError`
+naming the file, the column, a row (0-based, as in a data frame) and the offending value.
+Legend: N ads, B requests, D embedding dims.
 
 Bounds checked here so that later stages cannot fail obscurely: ids must fit int64 (a uint64 id above
 2**63 - 1 is refused, not wrapped), and every embedding element (catalog and requests) must be finite
@@ -210,9 +211,10 @@ class Validator:
         self.no_nulls(s)
         # Compare only on the side that can overflow: a negative literal does not fit a uint64 column.
         outside = []
-        if s.max() > INT64_MAX:
+        hi, lo = s.max(), s.min()  # ints, None for an empty column (nothing outside)
+        if isinstance(hi, int) and hi > INT64_MAX:
             outside.append(int((s > INT64_MAX).arg_true()[0]))
-        if s.min() < INT64_MIN:
+        if isinstance(lo, int) and lo < INT64_MIN:
             outside.append(int((s < INT64_MIN).arg_true()[0]))
         if outside:
             row = min(outside)
@@ -277,7 +279,7 @@ class Validator:
         inner_null = flat.filter(pl.col(name).is_null()).join(
             pl.DataFrame({"row": (s.list.len() > 0).fill_null(False).arg_true().cast(pl.Int64)}), on="row")
         if inner_null.height:
-            raise self.fail(name, int(inner_null["row"].min()), "holds a null value inside its list; "
+            raise self.fail(name, int(inner_null["row"].to_numpy().min()), "holds a null value inside its list; "
                                                                 "use an empty list or null for unrestricted", step=3)
         if declared is not None:
             bad = flat.filter(pl.col(name).is_not_null() & ~pl.col(name).is_in(list(declared)))

@@ -99,7 +99,7 @@ def interrupts_deferred() -> Iterator[list[int]]:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if held:
-        handler = previous[held[0]]
+        handler = previous[signal.Signals(held[0])]
         if callable(handler):
             handler(held[0], None)
         elif handler == signal.SIG_DFL:

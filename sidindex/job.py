@@ -132,18 +132,20 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
         built, carried, warnings = _carry_changes(layout, published, built, cb, changes_through)
         clock.lap("carry changes")
         snapshot_id = new_snapshot_id(fingerprint)
+        ad_id, stats, quality = built.ad_id, built.stats, built.quality
+        assert ad_id is not None and stats is not None and quality is not None  # an engine's index has them all
 
         def write(directory: Path) -> None:
-            write_snapshot(directory, built.gtm, built.exact, built.ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
+            write_snapshot(directory, built.gtm, built.exact, ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
                            input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()), build_config=cfg,
-                           stats=built.stats, quality=built.quality.to_dict())
+                           stats=stats, quality=quality.to_dict())
 
         path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep, expected=published,
                               through=changes_through)
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
-            "fingerprint": fingerprint, "codebook_id": cb.id, **Counts.of(built.gtm, built.ad_id).to_dict(),
-            "matcher_bytes": built.stats.matcher_bytes, "carried": carried, "warnings": warnings,
+            "fingerprint": fingerprint, "codebook_id": cb.id, **Counts.of(built.gtm, ad_id).to_dict(),
+            "matcher_bytes": stats.matcher_bytes, "carried": carried, "warnings": warnings,
             **({"ray": built.shape} if built.shape else {}), "seconds": _rounded(clock)}
 
 
@@ -206,11 +208,12 @@ def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Cod
                         f"{journal[-1].name}, published by updates since the last build told its export's newest "
                         "change file) were not re-applied: the build was not told which of them its catalog export "
                         "holds, so the deletes and upserts of any it lacks are reverted (paused ads stay paused)")
+    assert built.ad_id is not None  # an engine's index carries the catalog's ad ids
     index: Indexed = built
     paused = _paused(root, published)
     if len(paused):  # an ad the export no longer holds is gone, pause and all
         paused = paused[np.isin(paused, built.ad_id)]
-    if len(paused):
+    if published is not None and len(paused):  # (none paused when nothing is published)
         index = apply_changes(index, Changes.pausing(paused, f"{root.snapshot_dir(published)} (paused ads)"), cb)
     for f in replay:
         change = read_changes(str(f), built.exact.spec, hash_keys=cb.hash_keys, dim=cb.dim,
@@ -298,18 +301,21 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         if change.empty:
             return {"status": "unchanged", "snapshot_id": base.id, **report, "seconds": _rounded(clock)}
         updated = apply_changes(base, change, cb)
+        ad_id, ad_state = updated.ad_id, updated.exact.ad_state
+        assert (ad_id is not None and ad_state is not None and updated.stale_entries is not None
+                and updated.dead_sids is not None)  # an update's index carries them all
         clock.seconds |= {f"apply: {k}": v for k, v in updated.seconds.items()}
         clock.restart()
         fingerprint = hashlib.sha256((base.manifest.input_fingerprint + source).encode()).hexdigest()
         snapshot_id = new_snapshot_id(fingerprint)
         m = base.manifest
-        rows = np.bincount(updated.exact.ad_state, minlength=AD_DELETED + 1)
+        rows = np.bincount(ad_state, minlength=AD_DELETED + 1)
         lineage = Lineage(full_build=m.full_build, base=base.id, updates=m.updates + 1, source=source,
                           changes=change.counts, paused=int(rows[AD_PAUSED]), deleted=int(rows[AD_DELETED]),
                           stale_entries=updated.stale_entries, dead_sids=updated.dead_sids)
 
         def write(directory: Path) -> None:
-            write_snapshot(directory, updated.gtm, updated.exact, updated.ad_id, base.spec, snapshot_id=snapshot_id,
+            write_snapshot(directory, updated.gtm, updated.exact, ad_id, base.spec, snapshot_id=snapshot_id,
                            codebook=cb, input_fingerprint=fingerprint, catalog=m.catalog,
                            build_config=m.build_config, stats=m.stats, quality=m.quality, base=base, lineage=lineage)
 
@@ -320,7 +326,7 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=(staged, source))
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
-            **Counts.of(updated.gtm, updated.ad_id).to_dict(), "new_sid_rows": updated.new_sid_rows,
+            **Counts.of(updated.gtm, ad_id).to_dict(), "new_sid_rows": updated.new_sid_rows,
             "lineage": lineage.to_dict(), "seconds": _rounded(clock)}
 
 

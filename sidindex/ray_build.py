@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +42,7 @@ from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
 from sidindex.trie.kway import KWayConfig
 from sidindex.trie.partition import combine, default_workers, token_ranges
+
 
 @dataclass(frozen=True)
 class Fragment:
@@ -207,7 +209,7 @@ class _Failed:
 
     message: str
     rank: tuple[int, int, int]
-    ad_id: object
+    ad_id: Any  # pyarrow.ChunkedArray, or None
 
 
 def _raise_first_error(ads: list, path: Path) -> None:

@@ -34,8 +34,9 @@ import pyarrow.compute as pc
 
 from schemas import REQUESTS
 from schemas.artifacts import EXACT_FORM, EXACT_ROWS
+from sidindex.arraytypes import HostOrDevice
 from sidindex.errors import InputError
-from sidindex.ingest import MAX_ABS_EMBEDDING, INT64_MAX, Validator, open_table
+from sidindex.ingest import INT64_MAX, MAX_ABS_EMBEDDING, Validator, open_table
 from sidindex.matchers.bloom import BLOOM_SEED
 from sidindex.matchers.exact import EXACT_SEED, ExactQueries
 from sidindex.matchers.kinds import KINDS
@@ -225,6 +226,7 @@ def _refuse(table: pa.Table, spec: TargetingSpec, source: str, max_values: int, 
         df = pl.from_arrow(table)
     except Exception as e:  # an Arrow type polars cannot hold (e.g. a union): name it
         raise InputError(f"{source}: the requests cannot be read as a table: {e}") from None
+    assert isinstance(df, pl.DataFrame)  # from a table
     v = Validator(source, df)
     v.unique(REQUESTS.field("request_id").name, v.int64(REQUESTS.field("request_id").name))
     if "embedding" in df.columns:
@@ -257,7 +259,7 @@ class EncodedRequests:
     source: str
     planes: tuple[PlaneQueries, ...]
     exact: tuple[ExactQueries | None, ...]
-    embedding: np.ndarray | None
+    embedding: HostOrDevice | None
     stacked: Any = None
     arena: np.ndarray | None = None
 
@@ -267,7 +269,8 @@ class EncodedRequests:
 
     def slice(self, lo: int, hi: int) -> EncodedRequests:
         """Requests lo..hi-1 (query rows and hashes stay shared; ranges and offsets index them)."""
-        return replace(self, planes=tuple(p.slice(lo, hi) for p in self.planes), exact=tuple(e and e.slice(lo, hi) for e in self.exact),
+        return replace(self, planes=tuple(p.slice(lo, hi) for p in self.planes),
+                       exact=tuple(e and e.slice(lo, hi) for e in self.exact),
                        stacked=None if self.stacked is None else self.stacked.slice(lo, hi),
                        embedding=None if self.embedding is None else self.embedding[lo:hi])
 
@@ -312,7 +315,7 @@ def _validity(arr: pa.Array) -> tuple[np.ndarray, int]:
     return _fixed(np.frombuffer(buf, dtype=np.uint8), np.uint8), arr.offset
 
 
-def _strings(col: pa.ChunkedArray, n: int):
+def _strings(col: pa.ChunkedArray, n: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
     """(validity, bit offset, offsets (n+1,), data (bytes,) uint8) of a validated string column;
     a column of nulls only is n null slots."""
     if _null_like(col.type):

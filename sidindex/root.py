@@ -46,7 +46,8 @@ from sidindex.errors import ArtifactError
 from sidindex.interrupts import Interrupted, interrupts_deferred
 
 SNAPSHOT_ID = re.compile(r"^[0-9]{8}T[0-9]{12}Z-[0-9a-f]{8}$")
-JOURNAL_ENTRY = re.compile(SNAPSHOT_ID.pattern.removesuffix("$") + r"\.[0-9a-f]{64}$")  # <update id>.<sha256 of its file>
+# <update id>.<sha256 of its file>
+JOURNAL_ENTRY = re.compile(SNAPSHOT_ID.pattern.removesuffix("$") + r"\.[0-9a-f]{64}$")
 TMP_PREFIX = ".tmp-"
 _POINTER_BYTES = 256  # CURRENT holds one id
 _HISTORY_BYTES = 1 << 20
@@ -194,7 +195,7 @@ class Root:
                 p.unlink(missing_ok=True)
         return doomed
 
-    def publish(self, snapshot_id: str, write: Callable[[Path], None], check: Callable[[Path], None],
+    def publish(self, snapshot_id: str, write: Callable[[Path], None], check: Callable[[Path], object],
                 keep: int, *, expected: str | None, journal: tuple[Path, str] | None = None,
                 through: str | None = None) -> Path:
         """Write, check and publish a snapshot, then apply retention; returns its directory.

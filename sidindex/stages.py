@@ -47,6 +47,7 @@ def prepare_fragment(table: pa.Table, first_row: int, path: str, spec: Targeting
                      ) -> tuple[pa.Table, pa.Table]:
     """Stage 1 (module docstring): (ads, sid_rows) of a fragment's catalog rows."""
     df = pl.from_arrow(table)
+    assert isinstance(df, pl.DataFrame)  # from a table
     cat = catalog_rows(df, path, spec=spec, hash_keys=codebook.hash_keys, dim=codebook.dim,
                        rows=np.arange(first_row, first_row + df.height), unique=False)
     a = assign_sids(codebook, cat.embedding, hash_tokens(cat.columns, codebook.hash_keys, codebook.hash_size))
@@ -87,7 +88,8 @@ def build_part(tables: list[pa.Table], level_sizes: tuple[int, ...], planes: tup
                          matcher_bits=matcher_bits, ad_value=value)
 
 
-def finish_ads(ads: list[pa.Table], spec: TargetingSpec) -> tuple[np.ndarray, np.ndarray | None, ExactIndex, QualitySums]:
+def finish_ads(ads: list[pa.Table],
+               spec: TargetingSpec) -> tuple[np.ndarray, np.ndarray | None, ExactIndex, QualitySums]:
     """Stage 5's ad side: (ad_id (N,) int64, value (N,) float64 or None, exact index, quality sums)
     of the fragments' ads tables, in fragment order."""
     t = pa.concat_tables(ads)

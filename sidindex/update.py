@@ -32,16 +32,30 @@ from sidindex.trie.patch import insert_sids, liveness
 
 
 class Indexed(Protocol):
-    """What changes apply to: `sidindex.snapshot.Snapshot`, or a build's or an update's `BuiltIndex`."""
+    """What changes apply to: `sidindex.snapshot.Snapshot`, or a build's or an update's `BuiltIndex`
+    (read-only, as both are frozen), with its ad ids (`build_index`'s own result has none)."""
 
-    gtm: GTMIndex
-    exact: ExactIndex
-    ad_id: np.ndarray
+    @property
+    def gtm(self) -> GTMIndex: ...
+
+    @property
+    def exact(self) -> ExactIndex: ...
+
+    @property
+    def ad_id(self) -> np.ndarray | None: ...
+
+
+def _ad_ids(index: Indexed) -> np.ndarray:
+    """The index's (N,) int64 ad ids."""
+    if index.ad_id is None:
+        raise ValueError("changes apply to an index with its ad ids; build_index's result needs the catalog's")
+    return index.ad_id
 
 
 def ads_in_state(index: Indexed, *states: int) -> np.ndarray:
     """(n,) int64 the ids of the index's rows in one of `states`."""
-    return np.asarray(index.ad_id)[np.isin(index.exact.states(len(index.ad_id)), states)]
+    ad_id = _ad_ids(index)
+    return np.asarray(ad_id)[np.isin(index.exact.states(len(ad_id)), states)]
 
 
 def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> BuiltIndex:
@@ -49,14 +63,15 @@ def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> BuiltI
     this index): `exact` with its ad_state set, `ad_id` (N',) int64, and what the update's lineage
     counts of them."""
     clock = StageClock()
-    state = snap.exact.states(len(snap.ad_id)).copy()
+    ad_id = _ad_ids(snap)
+    state = snap.exact.states(len(ad_id)).copy()
     served = state != AD_DELETED  # rows an id may name: its only one that is not deleted
-    ids = pl.Series(snap.ad_id)
+    ids = pl.Series(ad_id)
     for wanted, new_state in ((changes.removed, AD_DELETED), (changes.paused, AD_PAUSED), (changes.resumed, AD_LIVE)):
         if len(wanted):
             state[ids.is_in(pl.Series(wanted).implode()).to_numpy() & served] = new_state
     clock.lap("ad states")
-    gtm, exact, ad_id, sid_rows = snap.gtm, snap.exact, snap.ad_id, 0
+    gtm, exact, sid_rows = snap.gtm, snap.exact, 0
     added = changes.added
     if added is not None:
         if (added.value is None) != (gtm.ad_value is None):

@@ -23,8 +23,9 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from sidindex.matchers.bits import ListCodes, list_codes
 from schemas.artifacts import AD_LIVE, EXACT_FORM, EXACT_ROWS, MATCHER_PLANES, plane_arrays
+from sidindex.arraytypes import HostOrDevice
+from sidindex.matchers.bits import ListCodes, list_codes
 from sidindex.matchers.kinds import KINDS
 from sidindex.matchers.plane import PARALLEL_PAIRS, PlaneQueries, pairs_pass
 from sidindex.parallel import sized
@@ -77,8 +78,8 @@ class ExactQueries:
     (T,) uint64, each request's value hashes per attribute, sorted (on a device, by
     `runtime.requests.to_device`: int64 tensors holding the same bits; `slice` serves both)."""
 
-    hash_offsets: np.ndarray
-    hashes: np.ndarray
+    hash_offsets: HostOrDevice
+    hashes: HostOrDevice
 
     def slice(self, lo: int, hi: int) -> ExactQueries:
         return ExactQueries(self.hash_offsets[:, lo:hi + 1], self.hashes)
@@ -112,6 +113,7 @@ class ExactPlane:
         names = plane_arrays(self.name)
         if self.rows is not None:
             return {names.exact_rows: self.rows}
+        assert self.hash_offsets is not None and self.hashes is not None  # a values plane
         return {names.exact_hash_offsets: self.hash_offsets.reshape(-1), names.exact_hashes: self.hashes}
 
 
@@ -203,6 +205,7 @@ def exact_columns(index: ExactIndex) -> dict[str, pa.Array]:
             out[f"exact_plane_{plane.name}"] = pa.FixedSizeListArray.from_arrays(pa.array(plane.rows.reshape(-1)),
                                                                            plane.rows.shape[1])
             continue
+        assert plane.hash_offsets is not None and plane.hashes is not None  # a values plane
         for name, off in zip(layout.names, plane.hash_offsets):
             out[f"exact_attr_{name}"] = pa.LargeListArray.from_arrays(pa.array(off - off[0], pa.int64()),
                                                                  pa.array(plane.hashes[off[0]:off[-1]]))
@@ -254,11 +257,12 @@ def attribute_eligibility(index: ExactIndex, requests: BatchQueries, request: in
     """(A_all,) bool: does catalog row `ad` pass each attribute (plane by plane, in each plane's
     layout order) for request `request`. Eligible iff all pass and the row is live; explanations
     need each one."""
-    out = []
+    out: list[np.ndarray | list[bool]] = []
     for kind, layout, plane, q, ex in zip(KINDS, index.spec.layouts, index.planes, requests.planes, requests.exact):
         if plane.rows is not None:
             out.append(kind.attribute_passes(layout, plane.rows[ad], q, request))
             continue
+        assert plane.hash_offsets is not None and plane.hashes is not None and ex is not None  # a values plane
         for a in range(len(layout.names)):
             own = plane.hashes[plane.hash_offsets[a, ad]:plane.hash_offsets[a, ad + 1]]
             asked = ex.hashes[ex.hash_offsets[a, request]:ex.hash_offsets[a, request + 1]]
@@ -279,6 +283,7 @@ def _flags(index: ExactIndex, requests: BatchQueries, reqs: np.ndarray, ads: np.
         if plane.rows is not None:
             pairs_pass(plane.rows, ads, reqs, q, ok)
         else:
+            assert ex is not None  # a values plane's queries
             _values_pass(plane.hash_offsets, plane.hashes, ads, ex.hash_offsets, ex.hashes, reqs, ok)
         flags |= ok.astype(np.uint8) << p
         alive &= ok

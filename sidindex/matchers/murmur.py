@@ -282,6 +282,7 @@ def string_buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         target = pa.large_string() if pa.types.is_string_view(t) else pa.large_binary()
         arr = pc.cast(arr, target)
         t = arr.type
+    off_dtype: np.dtype
     if pa.types.is_string(t) or pa.types.is_binary(t):
         off_dtype = np.dtype(np.int32)
     elif pa.types.is_large_string(t) or pa.types.is_large_binary(t):

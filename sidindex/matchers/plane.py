@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import numba
 import numpy as np
 
+from sidindex.arraytypes import HostOrDevice
 from sidindex.parallel import sized
 
 
@@ -38,9 +39,9 @@ class PlaneQueries:
                   table, so a bound for any slice of it), or None: computed from the ranges
     """
 
-    rows: np.ndarray
-    ranges: np.ndarray
-    word_offsets: np.ndarray
+    rows: HostOrDevice
+    ranges: HostOrDevice
+    word_offsets: HostOrDevice
     single: bool = False
     most: int | None = None
 

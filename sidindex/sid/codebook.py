@@ -18,9 +18,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import numpy as np
 
@@ -210,7 +211,8 @@ def load_codebook(path: str | Path, *, verify: bool = True) -> Codebook:
             raise ArtifactError(f"{mpath}: hash seed or key format differs from this sidindex's")
         listed = {n: {"bytes": e["bytes"], "sha256": e["sha256"]} for n, e in m["files"].items()}
         verify_files(path, listed, MANIFEST, checksums=verify)
-        config = SIDConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in m["config"].items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in m["config"].items()}
+        config = SIDConfig(**fields)
         centroids = []
         for level, k in enumerate(sizes[:-1]):
             c = _read_centroids(path / f"level_{level}.npy", k, dim)

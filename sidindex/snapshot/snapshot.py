@@ -19,8 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas.artifacts import (AD_DELETED, ARRAYS_BY_NAME, EXACT_FORM, EXACT_ROWS, MANIFEST_FILE, MATCHER_PLANES,
-                              plane_arrays, written_version)
+from schemas.artifacts import (
+    AD_DELETED,
+    ARRAYS_BY_NAME,
+    EXACT_FORM,
+    EXACT_ROWS,
+    MANIFEST_FILE,
+    MATCHER_PLANES,
+    plane_arrays,
+    written_version,
+)
 from sidindex.artifact import link_file, list_files, same_file, verify_files
 from sidindex.config import BuildConfig
 from sidindex.errors import ArtifactError, SidIndexError
@@ -85,7 +93,7 @@ def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.
     shared = base.arrays() if base is not None else {}
     for name, a in arrays.items():
         spec_ = ARRAYS_BY_NAME[name]
-        if name in shared and same_memory(shared[name], a):
+        if base is not None and name in shared and same_memory(shared[name], a):
             link_file(base.path / spec_.file, directory / spec_.file)
             kept[spec_.file] = base.manifest.files[spec_.file]
         else:
@@ -193,7 +201,8 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     verify_files(directory, {n: f.listing() for n, f in m.files.items()}, MANIFEST_FILE, checksums=verify,
                  strong=strong, trusted=shared)
     clock.lap("checksums" if verify else "files")
-    reused = {n: a for n, a in base.arrays().items() if ARRAYS_BY_NAME[n].file in shared} if shared else {}
+    reused = ({n: a for n, a in base.arrays().items() if ARRAYS_BY_NAME[n].file in shared}
+              if base is not None and shared else {})
     arrays = {n: reused[n] if n in reused else map_array(directory, ARRAYS_BY_NAME[n], s.shape)
               for n, s in m.arrays.items()}
     ad_id = arrays["ads"]
@@ -205,7 +214,7 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     check_lineage(directory, m.lineage, exact.ad_state)
     if cover:
         check_cover(directory, gtm, exact)
-    codebook = base.codebook if shared and m.codebook_id == base.manifest.codebook_id and all(
+    codebook = base.codebook if base is not None and shared and m.codebook_id == base.manifest.codebook_id and all(
         n in shared for n in m.files if n.startswith("codebooks/")) else _codebook(directory, m)
     clock.lap("structure")
     if prefault:

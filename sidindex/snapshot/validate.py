@@ -11,6 +11,7 @@ whole-array expressions took about 0.15 s per million SIDs on one core, allocati
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numba
@@ -25,7 +26,6 @@ from sidindex.snapshot.manifest import Counts, Lineage
 from sidindex.trie.build import GTMIndex
 from sidindex.trie.cover import uncovered
 from sidindex.trie.patch import live_entries
-
 
 PARALLEL_ITEMS = 1 << 22  # a structure check shorter than this runs on one thread (`sidindex.parallel`)
 _sized = sized(PARALLEL_ITEMS)
@@ -174,6 +174,7 @@ def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndar
     need(int(do[0]) == 0 and int(do[1]) == 1 and int(do[-1]) == num_nodes and _rising(do, strict=True),
          "depth_offsets", "depth ranges must start at the root, hold at least one node each and end at the node count")
     full = changed is None or not changed <= STATE_ARRAYS
+    groups: tuple[Callable[[_Need, GTMIndex, ExactIndex, np.ndarray], None], ...]
     if full:
         groups = (_trie, _planes, _leaves, _partitions, _exact, _state, _ads)
     else:
@@ -229,10 +230,13 @@ def _partitions(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray
     """k-way partitions: at least one per entry, rows inside their tables."""
     if gtm.part_offsets is None:
         return
-    T = len(gtm.planes[0].part_index)
+    first = gtm.planes[0].part_index
+    assert first is not None  # read with part_offsets (the kway group), as every plane's
+    T = len(first)
     need(_offsets(gtm.part_offsets, T, strict=True), "part_offsets",
          "each entry must have at least one partition, offsets rising to the partition count")
     for p in gtm.planes:
+        assert p.part_index is not None
         need(_in_range(p.part_index, len(p.table)), plane_arrays(p.name).part_index,
              f"a row index lies outside [0, {len(p.table)})")
 
@@ -246,6 +250,7 @@ def _exact(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> 
         names = plane_arrays(p.name)
         offsets, hashes = names.exact_hash_offsets, names.exact_hashes
         ho, h = p.hash_offsets.reshape(-1), p.hashes
+        assert h is not None  # hashes come with their offsets
         need(len(ho) == 0 and len(h) == 0 or _offsets(ho, len(h), strict=False), offsets,
              "hash offsets must rise through every attribute from 0 to the number of hashes")
         need(len(p.hash_offsets) < 2 or bool(np.all(p.hash_offsets[1:, 0] == p.hash_offsets[:-1, -1])), offsets,
@@ -263,6 +268,7 @@ def _state(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> 
 def _live(need: _Need, gtm: GTMIndex, exact: ExactIndex) -> None:
     """The entries with a live row beneath: exactly those the ad states say (the search skips the others)."""
     if gtm.entry_live is not None:
+        assert exact.ad_state is not None  # both an update's (the updated group)
         need(bool(np.array_equal(gtm.entry_live, live_entries(gtm, exact.ad_state))), "entry_live",
              "must mark exactly the entries with a live row beneath them")
 
@@ -305,6 +311,7 @@ def check_lineage(path: Path, lineage: Lineage | None, ad_state: np.ndarray | No
     """An update's lineage counts the rows its ad states hold (what `inspect` reports)."""
     if lineage is None:
         return
+    assert ad_state is not None  # the manifest's reader refuses a lineage without ad_state
     n = np.bincount(ad_state, minlength=AD_DELETED + 1)
     if (lineage.paused, lineage.deleted) != (int(n[AD_PAUSED]), int(n[AD_DELETED])):
         raise ArtifactError(f"{path / MANIFEST_FILE}: lineage counts {lineage.paused} paused and "

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numba
 import numpy as np
 
 from schemas.artifacts import MATCHER_PLANES, MAX_AD_VALUE, plane_arrays
+from sidindex.arraytypes import HostOrDevice
 from sidindex.sid.assign import key_tokens, run_starts, sid_keys
 from sidindex.trie.dedup import RowTable, insert_row
 from sidindex.trie.kway import KWayConfig, partition
@@ -34,11 +36,11 @@ class MatcherPlane:
     """
 
     name: str
-    table: np.ndarray
-    index: np.ndarray
-    part_index: np.ndarray | None = None
+    table: HostOrDevice
+    index: HostOrDevice
+    part_index: HostOrDevice | None = None
 
-    def arrays(self) -> dict[str, np.ndarray]:
+    def arrays(self) -> dict[str, HostOrDevice]:
         names = plane_arrays(self.name)
         out = {names.index: self.index, names.table: self.table}
         return out if self.part_index is None else out | {names.part_index: self.part_index}
@@ -64,23 +66,23 @@ class GTMIndex:
     """
 
     level_sizes: tuple[int, ...]
-    node_offsets: np.ndarray
-    csr_child_nodes: np.ndarray
-    csr_tokens: np.ndarray
+    node_offsets: HostOrDevice
+    csr_child_nodes: HostOrDevice
+    csr_tokens: HostOrDevice
     planes: tuple[MatcherPlane, ...]
-    depth_offsets: np.ndarray
-    leaf_ad_offsets: np.ndarray
-    leaf_ads: np.ndarray
-    part_offsets: np.ndarray | None = None
-    ad_value: np.ndarray | None = None
-    entry_value: np.ndarray | None = None
-    part_value: np.ndarray | None = None
-    entry_live: np.ndarray | None = None
+    depth_offsets: HostOrDevice
+    leaf_ad_offsets: HostOrDevice
+    leaf_ads: HostOrDevice
+    part_offsets: HostOrDevice | None = None
+    ad_value: HostOrDevice | None = None
+    entry_value: HostOrDevice | None = None
+    part_value: HostOrDevice | None = None
+    entry_live: HostOrDevice | None = None
 
     _TRIE = ("node_offsets", "csr_child_nodes", "csr_tokens", "depth_offsets", "leaf_ad_offsets", "leaf_ads",
              "part_offsets", "ad_value", "entry_value", "part_value", "entry_live")
 
-    def arrays(self) -> dict[str, np.ndarray]:
+    def arrays(self) -> dict[str, HostOrDevice]:
         """Every array by its snapshot name (`schemas.artifacts`)."""
         out = {n: getattr(self, n) for n in self._TRIE if getattr(self, n) is not None}
         for p in self.planes:
@@ -88,11 +90,13 @@ class GTMIndex:
         return out
 
     @classmethod
-    def from_arrays(cls, level_sizes: tuple[int, ...], arrays: dict, plane_names: tuple[str, ...]) -> GTMIndex:
+    def from_arrays(cls, level_sizes: tuple[int, ...], arrays: dict[str, Any], plane_names: tuple[str, ...]
+                    ) -> GTMIndex:
         """The inverse of `arrays` (of numpy arrays or tensors alike)."""
         names = [plane_arrays(p) for p in plane_names]
         planes = tuple(MatcherPlane(n.plane, arrays[n.table], arrays[n.index], arrays.get(n.part_index)) for n in names)
-        return cls(level_sizes=tuple(level_sizes), planes=planes, **{n: arrays.get(n) for n in cls._TRIE})
+        trie: dict[str, Any] = {n: arrays.get(n) for n in cls._TRIE}  # the optional arrays None when absent
+        return cls(level_sizes=tuple(level_sizes), planes=planes, **trie)
 
     @property
     def sid_length(self) -> int:
@@ -199,7 +203,8 @@ def build_gtm(
     # (a contiguous leaf range), members of a leaf entry are its ads; a member's row is every
     # plane's words side by side, and partition rows join each plane's table. With values, each
     # partition keeps its best member's, and an entry's partitions run from the best down
-    part_offsets, part_index, part_value = None, [None] * len(tables), None
+    part_offsets, part_value = None, None
+    part_index: list[np.ndarray | None] = [None] * len(tables)
     if kway is not None:
         widths = [rows.shape[1] for rows in ad_rows.values()]
         bits = matcher_bits or 64 * sum(widths)
@@ -260,7 +265,8 @@ def check_arguments(sids: np.ndarray, ad_index: np.ndarray, level_sizes: tuple[i
     for d, size in enumerate(level_sizes):
         if sids[:, d].min() < 0 or sids[:, d].max() >= size:
             raise ValueError(f"level {d} tokens must lie in [0, {size})")
-    if ad_value is not None and (ad_value.shape != (n_ads,) or not np.all((ad_value >= 0) & (ad_value <= MAX_AD_VALUE))):
+    if ad_value is not None and (ad_value.shape != (n_ads,)
+                                 or not np.all((ad_value >= 0) & (ad_value <= MAX_AD_VALUE))):
         raise ValueError(f"ad_value must hold one value in [0, {MAX_AD_VALUE:g}] per ad ({n_ads})")
 
 
@@ -354,8 +360,8 @@ def _union_plan(ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, n_ads)
     return own, capacity
 
 
-def _union_index(table: RowTable, rows: np.ndarray, own: np.ndarray, ads_sorted: np.ndarray, leaf_ad_offsets: np.ndarray,
-                 node_offsets: np.ndarray, depth_offsets: np.ndarray) -> np.ndarray:
+def _union_index(table: RowTable, rows: np.ndarray, own: np.ndarray, ads_sorted: np.ndarray,
+                 leaf_ad_offsets: np.ndarray, node_offsets: np.ndarray, depth_offsets: np.ndarray) -> np.ndarray:
     """Insert the subtree unions of ad rows (N, W) into `table` (sized by `_union_plan`);
     returns (E,) int32 the table row of each entry's union (entry e = node e + 1)."""
     index, table.count = _fill_union_index(rows, own, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets,

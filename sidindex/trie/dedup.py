@@ -23,6 +23,10 @@ class RowTable:
     """
 
     def __init__(self, width: int, capacity: int) -> None:
+        self._allocate(width, capacity)
+
+    def _allocate(self, width: int, capacity: int) -> None:
+        """Empty storage for `capacity` rows of `width` words."""
         capacity = max(int(capacity), 1)
         self.rows = np.empty((capacity, width), dtype=np.uint64)
         self.slots = np.full(1 << (2 * capacity).bit_length(), -1, dtype=np.int32)
@@ -33,7 +37,7 @@ class RowTable:
         if self.count + extra <= len(self.rows):
             return
         kept = self.rows[: self.count]
-        self.__init__(self.rows.shape[1], self.count + extra)
+        self._allocate(self.rows.shape[1], self.count + extra)
         self.add(kept)  # distinct rows, re-inserted in order: each keeps its number
 
     def add(self, rows: np.ndarray) -> np.ndarray:

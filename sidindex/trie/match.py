@@ -44,8 +44,12 @@ def entries_pass(index: GTMIndex, queries: tuple[PlaneQueries, ...], entries: np
     ok = np.ones(len(entries), dtype=np.bool_)
     for plane, q in zip(index.planes, queries):
         pairs_pass(plane.table, plane.index[entries], reqs, q, ok)
-    bound = index.entry_value[entries] if with_bound else None
+    bound = None
+    if with_bound:
+        assert index.entry_value is not None  # a bound is asked of an index with values
+        bound = index.entry_value[entries]
     if kway:
+        assert index.part_offsets is not None  # `kway`: a mode that tests partitions, on an index with them
         # every partition of every surviving entry, grouped by entry (each entry has at least one)
         live = np.flatnonzero(ok)
         first = index.part_offsets[entries[live]]
@@ -53,10 +57,12 @@ def entries_pass(index: GTMIndex, queries: tuple[PlaneQueries, ...], entries: np
         parts = expand_runs(first, count)
         part_ok = np.ones(len(parts), dtype=np.bool_)
         for plane, q in zip(index.planes, queries):
+            assert plane.part_index is not None
             pairs_pass(plane.table, plane.part_index[parts], np.repeat(reqs[live], count), q, part_ok)
         starts = np.cumsum(count) - count
         if len(live):
             ok[live] = np.logical_or.reduceat(part_ok, starts)
-            if with_bound:
+            if bound is not None:
+                assert index.part_value is not None
                 bound[live] = np.maximum.reduceat(np.where(part_ok, index.part_value[parts], 0), starts)
     return (ok, bound) if with_bound else ok

@@ -161,11 +161,12 @@ def combine(subtries: Iterable[Subtrie], level_sizes: tuple[int, ...], ad_value:
     # them, in the whole trie's order, from the parts' partitions stacked part after part
     part_offsets = part_take = None
     if g[0].part_offsets is not None:
-        stacked = np.cumsum([0] + [int(t.part_offsets[-1]) for t in g])
-        part_counts = entries(lambda q, t: np.diff(t.part_offsets))
+        offsets = [_kway(t.part_offsets) for t in g]
+        stacked = np.cumsum([0] + [int(o[-1]) for o in offsets])
+        part_counts = entries(lambda q, t: np.diff(offsets[q]))
         part_offsets = np.zeros(num_nodes, dtype=np.int64)
         np.cumsum(part_counts, out=part_offsets[1:])
-        part_take = expand_runs(entries(lambda q, t: t.part_offsets[:-1] + stacked[q]), part_counts)
+        part_take = expand_runs(entries(lambda q, t: offsets[q][:-1] + stacked[q]), part_counts)
 
     # --- 5. MATCHER TABLES --- every part's distinct rows, re-inserted by their first insertion's key
     part_position = None  # per part, (T_q,) the whole trie's position of each of its partitions
@@ -187,7 +188,8 @@ def combine(subtries: Iterable[Subtrie], level_sizes: tuple[int, ...], ad_value:
         index = entries(lambda q, t: global_row[row_base[q] + t.planes[p].index])
         part_index = None
         if part_take is not None:
-            part_index = np.concatenate([global_row[b + t.planes[p].part_index] for b, t in zip(row_base, g)])[part_take]
+            part_index = np.concatenate([global_row[b + _kway(t.planes[p].part_index)]
+                                         for b, t in zip(row_base, g)])[part_take]
         return MatcherPlane(g[0].planes[p].name, table.table(), index, part_index)
 
     with ThreadPoolExecutor(len(g[0].planes)) as pool:  # one thread per plane, as `build_gtm`
@@ -196,15 +198,22 @@ def combine(subtries: Iterable[Subtrie], level_sizes: tuple[int, ...], ad_value:
     # --- 6. VALUE BOUNDS ---
     entry_value = part_value = None
     if g[0].entry_value is not None:
-        entry_value = entries(lambda q, t: t.entry_value)
+        entry_value = entries(lambda q, t: _kway(t.entry_value))
         if part_take is not None:
-            part_value = np.concatenate([t.part_value for t in g])[part_take]
+            part_value = np.concatenate([_kway(t.part_value) for t in g])[part_take]
     return GTMIndex(
         level_sizes=tuple(int(s) for s in level_sizes), node_offsets=node_offsets,
         csr_child_nodes=np.arange(1, num_nodes, dtype=np.int32), csr_tokens=tokens, planes=tuple(planes),
         depth_offsets=depth_offsets, leaf_ad_offsets=leaf_ad_offsets, leaf_ads=leaf_ads, part_offsets=part_offsets,
         ad_value=None if ad_value is None else np.asarray(ad_value, dtype=np.float64), entry_value=entry_value,
         part_value=part_value)
+
+
+def _kway(a: np.ndarray | None) -> np.ndarray:
+    """An optional array of a part that has it: the parts of one build are all k-way or none is,
+    and all have values or none has."""
+    assert a is not None
+    return a
 
 
 def _insertion_keys(subs: list[Subtrie], depth_offsets: np.ndarray, counts: np.ndarray,
@@ -250,7 +259,7 @@ def _insertion_keys(subs: list[Subtrie], depth_offsets: np.ndarray, counts: np.n
             first = np.flatnonzero(np.diff(top, prepend=-1) > 0)
             k[rows[first]] = key[first]
             if part_key is not None:
-                np.minimum.at(k, plane.part_index, part_key)
+                np.minimum.at(k, _kway(plane.part_index), part_key)
             keys.append(k)
         out.append(keys)
     return out

@@ -92,7 +92,8 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
     is_new_entry[new_id - 1] = True
     old_touched = ~is_new_entry[touched]
     kway = g.part_offsets is not None
-    if kway:  # a new entry has one partition; partitions of old ones keep their order
+    part_offsets: np.ndarray | None = None
+    if g.part_offsets is not None:  # a new entry has one partition; partitions of old ones keep their order
         part_counts = np.insert(np.diff(g.part_offsets), e_ins, 1)
         part_offsets = np.zeros(len(part_counts) + 1, dtype=np.int64)
         np.cumsum(part_counts, out=part_offsets[1:])
@@ -112,6 +113,7 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
         index[touched] = len(plane.table) + new_rows.add(union)
         part_index = None
         if kway:
+            assert plane.part_index is not None  # a k-way index partitions every plane
             part_index = np.insert(plane.part_index, p_ins, 0)
             part = grown
             part[old_touched] |= plane.table[part_index[first_part[old_touched]]]
@@ -121,11 +123,15 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
     # --- 7. VALUES --- a touched entry's bound rises to its best new ad's
     ad_values = entry_value = part_value = None
     if g.ad_value is not None:
+        assert g.entry_value is not None  # values come with their bounds
+        if ad_value is None:
+            raise ValueError("the index has ad values: insert_sids needs the new ads' ad_value")
         ad_values = np.concatenate([g.ad_value, ad_value])
         entry_value = np.insert(g.entry_value, e_ins, 0)
         best = round_up_f32(np.maximum.reduceat(ad_value[ent_ad[1]], at))
         entry_value[touched] = np.maximum(entry_value[touched], best)
         if kway:
+            assert g.part_value is not None
             part_value = np.insert(g.part_value, p_ins, 0)
             part_value[first_part] = entry_value[touched]  # the first was the entry's best before
     if M == 0:  # the shape of the trie is the base's: keep its arrays (a writer links, a loader keeps them)

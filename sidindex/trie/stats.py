@@ -130,7 +130,10 @@ def gtm_stats(index: GTMIndex, plane_bits: tuple[int, ...]) -> GTMStats:
         for p, fill in zip(index.planes, fills):
             row = p.table.shape[1] * 8
             idx = p.index[lo:hi]
-            part_fill = float(fill[p.part_index[plo:phi]].mean()) if kway else 0.0
+            part_fill = 0.0
+            if kway:
+                assert p.part_index is not None  # a k-way index partitions every plane
+                part_fill = float(fill[p.part_index[plo:phi]].mean())
             planes[p.name] = PlaneStats(int(hi - lo) * row, _distinct(idx, len(fill)) * row, float(fill[idx].mean()),
                                         part_fill)
         positions.append(PositionStats(position=d, parents=int(index.depth_offsets[d + 1] - index.depth_offsets[d]),
