@@ -95,7 +95,8 @@ def query(snap, sids: np.ndarray) -> int:
     if hasattr(g, "planes"):
         planes, exact_rows = [(p.table, p.index) for p in g.planes], snap.exact.planes[0].rows
     else:  # a baseline tree's index, from before matcher planes
-        planes, exact_rows = [(g.bitmask_table, g.bitmask_index), (g.bloom_table, g.bloom_index)], snap.exact.bitmask_rows
+        planes = [(g.bitmask_table, g.bitmask_index), (g.bloom_table, g.bloom_index)]
+        exact_rows = snap.exact.bitmask_rows
     for sid in sids:
         node = 0
         for token in sid:

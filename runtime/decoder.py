@@ -56,6 +56,8 @@ class ReferenceDecoder(nn.Module):
     """The model. level_sizes: the index's (L values); context_vocab: ids of context tokens;
     context_length: the most context tokens a request brings."""
 
+    beyond: torch.Tensor  # (L, V) a buffer: -inf beyond each level's size
+
     def __init__(self, level_sizes: tuple[int, ...], context_vocab: int = 1024, context_length: int = 64,
                  d_model: int = 256, layers: int = 4, heads: int = 4, seed: int = 0) -> None:
         super().__init__()

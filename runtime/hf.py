@@ -65,7 +65,7 @@ class SidLogitsProcessor:
         if (token_offset is None) == (token_ids is None):
             raise ConfigError("give exactly one of token_offset (SID token t of level d is token_offset + d * V + t) "
                               "or token_ids (an (L, V) table of model ids)")
-        if token_ids is None:
+        if token_offset is not None:  # (then token_ids is None)
             token_ids = token_offset + torch.arange(L)[:, None] * V + torch.arange(V)
         token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()
         if token_ids.shape != (L, V):
@@ -95,7 +95,7 @@ class SidLogitsProcessor:
         levels = torch.arange(generated.shape[1], device=input_ids.device)
         return self.constraint.walk(inv[levels, generated])  # SID tokens, -1 for any other id
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
         index, (N, vocab) = self.index, scores.shape
         d = input_ids.shape[1] - self.P
         B = self.constraint.batch

@@ -17,6 +17,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -121,11 +122,13 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
             bounds = base.post_bounds if post is not None and base is not None and bound_names(snap) <= pk.keys() \
                 else None
             if shares:
+                assert base is not None  # sharing every tensor: with a base
                 gtm = GTMIndex.from_arrays(g.level_sizes, base.gtm.arrays() | host, MATCHER_PLANES)
                 fields.append({"gtm": gtm, "post": post, "post_bounds": bounds,
                                "load_info": {"bytes": moved_bytes, "shared_with": base.id}})
                 continue
             tables = base.tables if planes <= k and base is not None else None
+            moved: dict[str, Any]  # by contract name: tensors on the device, or on the CPU the memory maps
             if device.type == "cuda":  # the planes into one stack, the rest as they are
                 if tables is None:
                     parts = [source[a.part_index] for a in named] if g.part_offsets is not None else None
@@ -135,18 +138,20 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
                 for i, a in enumerate(named):
                     moved |= {a.table: tables.tables[i], a.index: tables.index[i]}
                     if g.part_offsets is not None:
+                        assert tables.part_index is not None  # stacked with the partitions
                         moved[a.part_index] = tables.part_index[i]
             else:
                 moved = {n: source[n] for n in served if n not in k}
-            moved = {n: base.gtm.arrays()[n] for n in k} | moved
+            if base is not None:  # (k is empty without one)
+                moved = {n: base.gtm.arrays()[n] for n in k} | moved
             if base is not None and {"node_offsets", "csr_tokens"} <= k:
                 entry_keys = base.entry_keys
             else:  # entry e's parent is the node whose child range holds it; entries are sorted by (parent, token)
                 parent = torch.repeat_interleave(torch.arange(g.num_nodes, device=device), moved["node_offsets"].diff())
                 entry_keys = parent * g.vocab_size + moved["csr_tokens"].long()
                 del parent
-            info = {"bytes": sum(int(a.nbytes) for n, a in served.items() if n not in k) + moved_bytes}
-            if k:
+            info: dict[str, Any] = {"bytes": sum(int(a.nbytes) for n, a in served.items() if n not in k) + moved_bytes}
+            if k and base is not None:  # (k is empty without one)
                 info["shared_with"] = base.id
             fields.append({"device": device, "gtm": GTMIndex.from_arrays(g.level_sizes, moved | host, MATCHER_PLANES),
                            "entry_keys": entry_keys, "leaf_start": int(g.depth_offsets[g.sid_length]),
@@ -154,8 +159,8 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
         for f, base, k, shares in zip(fields, bases, kept, whole):  # every device's copies issued
             if not shares:
                 # the shared rows hold while the planes and offsets are the base's (an update of ad states)
-                same_rows = base is not None and planes | {"node_offsets"} <= k
-                f |= _shapes(f["gtm"], base.shared_rows if same_rows else None)
+                same_rows = base.shared_rows if base is not None and planes | {"node_offsets"} <= k else None
+                f |= _shapes(f["gtm"], same_rows)
             if f["post"] is not None and f["post_bounds"] is None:
                 f["post_bounds"] = post_bounds(f["post"], snap)
         for i in gpu:
@@ -170,7 +175,11 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
     for f, base, shares in zip(fields, bases, whole):
         f["load_info"] |= timing
         # an index sharing every device tensor with its base keeps the base's shapes and `generation`
-        out.append(dataclasses.replace(base, snapshot=snap, **f) if shares else ServedIndex(snap, **f))
+        if shares:
+            assert base is not None
+            out.append(dataclasses.replace(base, snapshot=snap, **f))
+        else:
+            out.append(ServedIndex(snap, **f))
     return out
 
 

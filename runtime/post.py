@@ -154,10 +154,11 @@ class DevicePost:
                  stages: bool = False, max_values: int = MAX_REQUEST_VALUES,
                  arrays: dict[str, torch.Tensor] | None = None, pinned: bool = False, impl: str = "auto") -> None:
         check_rank(index, rank)
-        self.arrays = index.post if arrays is None else arrays
-        if self.arrays is None:
+        post = index.post if arrays is None else arrays
+        if post is None:
             raise ConfigError(f"snapshot {index.id} is served on {index.device}, whose post stage runs on the host; "
                               "the device post stage needs an index loaded onto a GPU (or pass its arrays)")
+        self.arrays = post
         if len(self.arrays["ads"]) >= DEVICE_ROWS:
             raise ConfigError(f"snapshot {index.id} has {len(self.arrays['ads']):,} catalog rows; the device post "
                               f"stage serves fewer than {DEVICE_ROWS:,}: run the post stage on the host "
@@ -166,7 +167,9 @@ class DevicePost:
         if rank != "score" and "ad_value" not in self.arrays:
             raise ConfigError(f"rank {rank!r}: the post arrays given for snapshot {index.id} carry no ad values")
         self.index, self.rank, self.max_values, self.impl = index, rank, max_values, impl
-        self.bounds = index.post_bounds if arrays is None else post_bounds(arrays, index.snapshot)
+        bounds = index.post_bounds if arrays is None else post_bounds(arrays, index.snapshot)
+        assert bounds is not None  # the loader makes them with the index's post arrays
+        self.bounds = bounds
         pairs = self.bounds.most_pairs(beams)  # C
         self.layout = PostLayout(batch, beams, pairs, pairs if top_k is None else min(top_k, pairs),
                                  index.sid_length, rank, stages, "ad_value" in self.arrays)

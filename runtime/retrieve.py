@@ -56,6 +56,8 @@ def factory_scorer(factory: str | ScorerFactory, index: ServedIndex, requests: R
     makes for requests[rows], given those rows with every column of the request file as a
     pyarrow.Table, the index's device and level sizes. Errors name the factory (ScorerError)."""
     named = as_factory(factory)
+    assert named is not None  # a factory given (None is the codebook scorer's)
+
     def for_rows(rows: slice) -> Scorer:
         batch = requests.table.slice(rows.start, rows.stop - rows.start)
         return named.for_batch(batch, index.device, index.level_sizes)

@@ -29,9 +29,9 @@ values), which compiles the kernels and captures the graphs with room for any ba
 embeddings are rebuilt from random paths of the codebook, so their beams go where the catalog's
 ads are and a few more such batches widen each step's compact width as real traffic would; with
 `warmup` requests (real ones: a few hundred from traffic; what a user's scorer needs, whose
-factory reads its own columns) the widths fit those too, so serving rarely widens. Triton keeps compiled kernels in its cache
-directory (TRITON_CACHE_DIR, default ~/.triton/cache): point it at a persistent volume for a
-restarted host to find them.
+factory reads its own columns) the widths fit those too, so serving rarely widens. Triton keeps
+compiled kernels in its cache directory (TRITON_CACHE_DIR, default ~/.triton/cache): point it at a
+persistent volume for a restarted host to find them.
 
 Thread safety: `retrieve` may be called from several threads; batches run one at a time (a
 searcher's graphs share their input buffers, and the arena is reused), so concurrent callers
@@ -47,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -105,7 +106,7 @@ class Retriever:
                  batch_sizes: tuple[int, ...] = (16,), value_weight: float = 0.0, rank: str = "score",
                  top_k: int | None = None, impl: str = "auto", warmup=None, warm: bool = True) -> None:
         self.watcher = index if isinstance(index, SnapshotWatcher) else None
-        self._index = None if self.watcher else index
+        self._index = None if isinstance(index, SnapshotWatcher) else index
         first = self.index
         self.mode = parse_mode(mode, kway_available=first.kway)
         self.beams = parse_beams(beams, first.sid_length)
@@ -151,7 +152,10 @@ class Retriever:
     @property
     def index(self) -> ServedIndex:
         """The index the next batch runs on: the watcher's current one, or the one given."""
-        return self.watcher.current if self.watcher else self._index
+        if self.watcher is not None:
+            return self.watcher.current
+        assert self._index is not None  # given, without a watcher
+        return self._index
 
     def run(self, requests: Requests, index: ServedIndex | None = None, *, stages: bool = False,
             progress: Callable | None = None) -> tuple[Retrieved, dict[str, float]]:
@@ -244,7 +248,7 @@ class Retriever:
     def _new(self, index: ServedIndex) -> _Warmed:
         """A searcher for `index`, starting from the widths the served snapshot's traffic needed."""
         searcher = Searcher(self.beams, self.mode, self.impl, self.value_weight)
-        served = self._warmed.get(self._served)
+        served = None if self._served is None else self._warmed.get(self._served)
         if served is not None:
             searcher.step_slack = dict(served.searcher.step_slack)
         return _Warmed(index, searcher)
@@ -363,7 +367,7 @@ def largest_requests(index: ServedIndex, n: int, seed: int = 0) -> pa.Table:
     cb = index.codebook
     if cb is not None:
         rng = np.random.default_rng(seed)
-        emb = sum(c[rng.integers(0, len(c), n)] for c in cb.centroids).astype(np.float32)
+        emb = np.asarray(sum(c[rng.integers(0, len(c), n)] for c in cb.centroids)).astype(np.float32)
         emb = np.clip(emb, -MAX_ABS_EMBEDDING, MAX_ABS_EMBEDDING)
         cols["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), cb.dim)
     return pa.table(cols)
@@ -394,7 +398,7 @@ def requests_part(r: Retrieved, lo: int, hi: int) -> Retrieved:
 
 def concat(parts: list[tuple[int, Retrieved]]) -> Retrieved:
     """Batches -> one result; request rows shifted to the whole table's."""
-    out = {}
+    out: dict[str, Any] = {}
     for name in vars(parts[0][1]):
         vals = [getattr(p, name) for _, p in parts]
         if name == "request":

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,7 +84,7 @@ class Scorer(Protocol):
             return torch.zeros(*tokens.shape[:2], index.vocab_size, device=tokens.device)
     """
 
-    def __call__(self, step: int, tokens: torch.Tensor, parent: torch.Tensor | None) -> torch.Tensor: ...
+    def __call__(self, step: int, tokens: torch.Tensor, parent: torch.Tensor | None, /) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -231,8 +232,8 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         key = None
         if compact:  # slots of the beams' child entries; padded so top-k always has k_next of them
             most = max(index.most_children(d, K), k_next)
-            slots = constraint.slots(node, score, most if widths is None or widths[d] is None else
-                                     max(min(widths[d], most), k_next))
+            width = None if widths is None else widths[d]
+            slots = constraint.slots(node, score, most if width is None else max(min(width, most), k_next))
             if slots.width < most:  # top-k selects among fewer slots; a request with more child entries overflows
                 if overflow is None:
                     overflow = torch.zeros(L, dtype=torch.bool, device=dev)
@@ -291,7 +292,7 @@ def capped_widths(index: ServedIndex, beams: tuple[int, ...] | str,
     worst case (its widest nodes together) can be twelve times the typical one. A slack of 0:
     None. A slack that is not a finite number >= 0 is a ConfigError."""
     L = index.sid_length
-    slack = (slack,) * L if isinstance(slack, numbers.Real) else tuple(slack)
+    slack = tuple(slack) if isinstance(slack, Iterable) else (slack,) * L
     check_slack(slack, L)
     out = []
     for d, K in enumerate(step_beams(parse_beams(beams, L), index.vocab_size)):

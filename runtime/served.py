@@ -60,6 +60,7 @@ def post_bounds(arrays: dict[str, torch.Tensor], snap: Snapshot) -> PostBounds:
     ads, steps = arrays["ads"], {}
     for p in snap.exact.planes:
         if p.rows is None:  # a values plane: hash offsets (A*(N+1),), per attribute the ads' runs
+            assert p.hash_offsets is not None
             runs = arrays[plane_arrays(p.name).exact_hash_offsets].view(len(p.hash_offsets), len(ads) + 1).diff(dim=1)
             most = runs.amax(dim=1).tolist() if runs.numel() else [0] * len(runs)
             steps[p.name] = tuple(int(m).bit_length() for m in most)

@@ -234,15 +234,17 @@ class RetrievalServer:
     async def _batches(self) -> None:
         """Gather queued requests into batches of at most max_batch rows and run each."""
         loop = asyncio.get_running_loop()
+        queue = self._queue
+        assert queue is not None  # made by the lifespan that runs this task
         carried: _Pending | None = None  # a request that did not fit the last batch starts the next
         while True:
-            first, carried = carried or await self._queue.get(), None
+            first, carried = carried or await queue.get(), None
             batch, rows = [first], len(first.requests)
             deadline = first.queued + self.max_wait
             while rows < self.max_batch:
                 left = deadline - time.perf_counter()
                 try:
-                    nxt = self._queue.get_nowait() if left <= 0 else await asyncio.wait_for(self._queue.get(), left)
+                    nxt = queue.get_nowait() if left <= 0 else await asyncio.wait_for(queue.get(), left)
                 except (asyncio.QueueEmpty, asyncio.TimeoutError):
                     break
                 if rows + len(nxt.requests) > self.max_batch:
@@ -265,8 +267,12 @@ class RetrievalServer:
                 continue
             self.metrics.batch.observe(time.perf_counter() - start)
             for p, answer in zip(batch, answers):
-                if not p.future.done():
-                    (p.future.set_exception if isinstance(answer, Exception) else p.future.set_result)(answer)
+                if p.future.done():
+                    continue
+                if isinstance(answer, Exception):
+                    p.future.set_exception(answer)
+                else:
+                    p.future.set_result(answer)
 
     def _run(self, batch: list[_Pending]) -> list[tuple[pa.Table, str] | InputError]:
         """The HTTP requests' rows as one batch on the snapshot served now: each one's table and
@@ -288,6 +294,7 @@ class RetrievalServer:
             for i, reqs in parts:
                 answers[i] = self._one(index, reqs)
         elif parts:
+            assert joined is not None  # one part always joins
             found, _ = self.retriever.run(joined, index)
             bounds = np.cumsum([0] + [len(r) for _, r in parts]).tolist()
             for (i, reqs), lo, hi in zip(parts, bounds[:-1], bounds[1:]):
@@ -295,7 +302,7 @@ class RetrievalServer:
         return answers
 
     def _one(self, index, reqs: Requests) -> tuple[pa.Table, str]:
-        found, _ = self.retriever.run(_joined([reqs]), index)
+        found, _ = self.retriever.run(_renumbered(reqs), index)
         return table_of(found, reqs.request_id), index.id
 
     def _poll(self) -> None:
@@ -314,12 +321,16 @@ def _dim(index) -> int | None:
     return None if cb is None else cb.dim
 
 
+def _renumbered(p: Requests) -> Requests:
+    """One part's rows as a batch, request ids renumbered 0..n-1 (as `_joined`'s)."""
+    return Requests(p.source, np.arange(len(p), dtype=np.int64), p.embedding, p.columns, p.table)
+
+
 def _joined(parts: list[Requests]) -> Requests | None:
     """The parts' rows as one validated batch, request ids renumbered (two clients may send the
     same id); None when their columns' types do not concatenate."""
     if len(parts) == 1:
-        p = parts[0]
-        return Requests(p.source, np.arange(len(p), dtype=np.int64), p.embedding, p.columns, p.table)
+        return _renumbered(parts[0])
     try:
         columns = pa.concat_tables([p.columns for p in parts], promote_options="permissive")
         table = pa.concat_tables([p.table for p in parts], promote_options="permissive")

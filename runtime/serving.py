@@ -42,6 +42,7 @@ import dataclasses
 import threading
 import warnings
 from dataclasses import dataclass
+from typing import Protocol, TypeGuard
 
 import torch
 
@@ -55,6 +56,16 @@ from sidindex.modes import Mode, parse_mode
 from sidindex.requests import EncodedRequests
 
 
+class _Capturable(Scorer, Protocol):
+    """A scorer a graph can capture: `inputs`, the tensors it reads, refreshed in place per batch."""
+
+    inputs: dict[str, torch.Tensor]
+
+
+def _capturable(scorer: Scorer) -> TypeGuard[_Capturable]:
+    return isinstance(getattr(scorer, "inputs", None), dict)
+
+
 @dataclass
 class _Graph:
     """One captured search: the graph, its input buffers and its outputs."""
@@ -62,7 +73,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     # static: the stacked form, the planes' rows (each plane's capacity) and ranges views of it
     requests: EncodedRequests
-    scorer: Scorer  # the captured scorer; its `inputs` are the graph's
+    scorer: _Capturable  # the captured scorer; its `inputs` are the graph's
     out: Beams
     post: DevicePost | None = None  # with `retrieve`: the captured post stage, and its output buffer
     buffer: torch.Tensor | None = None
@@ -90,7 +101,7 @@ class Searcher:
         self.step_slack: dict[int, float] = {}  # steps widened past `slack`
         self.eager_reason: str | None = None
         self._index: ServedIndex | None = None  # the graphs' index, held: they replay its tensors
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[tuple[int, tuple | None], _Graph] = {}  # by (batch size, post stage)
         self._lock = threading.RLock()  # held from a replay until its outputs are read
 
     def _search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
@@ -129,7 +140,7 @@ class Searcher:
 
     def _why_eager(self, index: ServedIndex, scorer: Scorer) -> str | None:
         why = ("the index is on the CPU" if index.device.type != "cuda" else
-               None if isinstance(getattr(scorer, "inputs", None), dict) else
+               None if _capturable(scorer) else
                f"the scorer ({type(scorer).__name__}) has no `inputs` to refresh in a captured graph")
         if why is not None and self.eager_reason != why:
             self.eager_reason = why
@@ -142,6 +153,7 @@ class Searcher:
         requests: on the index's device (`runtime.to_device`)."""
         if self._why_eager(index, scorer) is not None:
             return self._eager(index, requests, scorer)
+        assert _capturable(scorer)  # as _why_eager found
         with self._lock:  # the next replay overwrites the outputs
             while True:
                 g = self._replay(index, requests, scorer, None)
@@ -162,14 +174,17 @@ class Searcher:
         if self._why_eager(index, scorer) is not None or not on_device(index):
             beams = self._eager(index, requests, scorer)
             return expand(index, requests if host is None else host, beams, top_k, stages, rank)
+        assert _capturable(scorer)  # as _why_eager found
         with self._lock:
             while True:
                 g = self._replay(index, requests, scorer, (top_k, rank, stages))
+                assert g.post is not None and g.buffer is not None  # captured with the post stage
                 found = g.post.result(g.buffer)  # synchronised: the overflow flag is ready too
                 if not self._widen(g.out):
                     return found
 
-    def _replay(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, post: tuple | None) -> _Graph:
+    def _replay(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple | None
+                ) -> _Graph:
         """The graph of this batch size (and post stage), captured if it is not yet, replayed with
         the batch's inputs."""
         with self._lock:
@@ -189,7 +204,8 @@ class Searcher:
                 g.graph.replay()
             return g
 
-    def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, post: tuple | None) -> _Graph:
+    def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple | None
+                 ) -> _Graph:
         static = _static_requests(requests, with_exact=post is not None)
         stage: list[DevicePost] = []  # made once the first search shows the beams' shape
 
@@ -243,7 +259,7 @@ def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor] | None)
     return b is not None and a.keys() == b.keys() and all(a[n] is b[n] for n in a)
 
 
-def _fits(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> bool:
+def _fits(g: _Graph, requests: EncodedRequests, scorer: _Capturable) -> bool:
     """The batch's queries fit the buffers and the scorer is of the captured one's type with inputs
     of the same shapes (a graph replays the scorer it captured, with the batch's inputs)."""
     if type(scorer) is not type(g.scorer):
@@ -254,7 +270,7 @@ def _fits(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> bool:
     # anew for a batch that would have them (a batch that would not replays one that has them)
     if requests.stacked.layout.table_words > g.requests.stacked.layout.table_words:
         return False
-    if g.post is not None and any(e is not None and (len(e.hashes) > len(mine.hashes)
+    if g.post is not None and any(e is not None and mine is not None and (len(e.hashes) > len(mine.hashes)
                                                      or e.hash_offsets.shape != mine.hash_offsets.shape)
                                   for e, mine in zip(requests.exact, g.requests.exact)):
         return False
@@ -263,16 +279,16 @@ def _fits(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> bool:
         mine[k].shape == theirs[k].shape and mine[k].dtype == theirs[k].dtype for k in mine)
 
 
-def _load(g: _Graph, requests: EncodedRequests, scorer: Scorer) -> None:
+def _load(g: _Graph, requests: EncodedRequests, scorer: _Capturable) -> None:
     """Copy a batch's queries and scorer inputs into the graph's buffers."""
     for mine, theirs in zip(g.requests.planes, requests.planes):
         mine.rows[:len(theirs.rows)].copy_(theirs.rows)
     g.requests.stacked.ranges.copy_(requests.stacked.ranges)  # the planes' ranges are views of it
     if g.post is not None:
-        for mine, theirs in zip(g.requests.exact, requests.exact):
-            if mine is not None:
-                mine.hash_offsets.copy_(theirs.hash_offsets)
-                mine.hashes[:len(theirs.hashes)].copy_(theirs.hashes)
+        for buffer, given in zip(g.requests.exact, requests.exact):
+            if buffer is not None and given is not None:  # (None for the same planes)
+                buffer.hash_offsets.copy_(given.hash_offsets)
+                buffer.hashes[:len(given.hashes)].copy_(given.hashes)
     if scorer is not g.scorer:
         for k, t in scorer.inputs.items():
             g.scorer.inputs[k].copy_(t)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,9 +108,9 @@ def exhaustive_top_k(index: ServedIndex, requests: Requests, k: int, scorer: Sco
     out, value = [], None if snap.gtm.ad_value is None else np.zeros(len(requests))
     for r in range(len(requests)):
         score = node_scores(index, scorer_for(slice(r, r + 1)), levels)[index.leaf_start:]
-        best = torch.full((n_ads,), float("-inf"), device=index.device)
-        best.scatter_reduce_(0, leaf_ads, torch.repeat_interleave(score, per_leaf), "amax")
-        best = best.cpu().numpy()
+        on_device = torch.full((n_ads,), float("-inf"), device=index.device)
+        on_device.scatter_reduce_(0, leaf_ads, torch.repeat_interleave(score, per_leaf), "amax")
+        best = on_device.cpu().numpy()
         eligible = eligible_mask(snap.exact, host, r, every_ad)
         if value is not None:
             value[r] = top_k_sum(np.asarray(snap.gtm.ad_value)[eligible & (best > -np.inf)], k)
@@ -154,9 +155,9 @@ def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ..
              value_weights: tuple[float, ...] = ()) -> dict:
     """The study's report (plain data, see the module docstring). value_weights: the λ > 0 of the
     value-guided searches to compare (a snapshot with ad values)."""
-    modes = tuple(parse_mode(m, kway_available=index.kway) for m in modes)
+    parsed = tuple(parse_mode(m, kway_available=index.kway) for m in modes)
     beams = parse_beams(beams, index.sid_length)
-    for mode in modes:
+    for mode in parsed:
         for w in value_weights if mode.constrained else ():  # mode none has no bounds: plain value@K only
             check_value_weight(index, mode, w)
     progress = progress or (lambda *_: None)
@@ -165,13 +166,14 @@ def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ..
     exhaustive_s = time.perf_counter() - t
     progress("exhaustive", 1, 1)
     n = len(requests)
-    report = {"snapshot_id": index.id, "requests": n, "beams": list(beams), "top_k": k,
+    report: dict[str, Any] = {"snapshot_id": index.id, "requests": n, "beams": list(beams), "top_k": k,
               "exhaustive_ms_per_request": 1e3 * exhaustive_s / n, "modes": []}
-    for mode in modes:
+    for mode in parsed:
         run = retrieve(index, requests, mode=mode, beams=beams, batch_size=batch_size, stages=True,
                        scorer=scorer)
         r = run.result
-        valued = {}
+        assert r.ads_per_stage is not None  # retrieved with stages
+        valued: dict[str, Any] = {}
         if best_value is not None:
             valued = {f"value_at_{k}": value_at_k(r, best_value, k), "value_by_weight": []}
             for w in value_weights if mode.constrained else ():
@@ -190,7 +192,7 @@ def simulate(index: ServedIndex, requests: Requests, modes: tuple[Mode | str, ..
             "encode_ms_per_request": 1e3 * (run.seconds["encode"] + run.seconds["copy"]) / n,
             "search_ms_per_request": 1e3 * run.seconds["search_post"] / n,
             "buckets": _buckets(r.ads_generated, r.ads_per_stage, r.ads_eligible)})
-        progress("modes", len(report["modes"]), len(modes))
+        progress("modes", len(report["modes"]), len(parsed))
     return report
 
 

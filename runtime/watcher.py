@@ -38,7 +38,9 @@ class SnapshotWatcher:
         _, devices, _ = loader.load_targets(device, None)
         self.root, self.devices, self.verify = Root(root), tuple(devices), verify
         self.device = devices[0]
-        self.indexes: tuple[ServedIndex, ...] = tuple(loader.load(self.root.path, devices, verify=verify))
+        indexes = loader.load(self.root.path, devices, verify=verify)
+        assert isinstance(indexes, list)  # one per device of the list
+        self.indexes: tuple[ServedIndex, ...] = tuple(indexes)
         self.last_error: str | None = None
         # called with a newly loaded snapshot's indexes before it is swapped in (a `runtime.Retriever`
         # warms it there); one that raises keeps the old snapshot serving, as a failed load does
@@ -65,7 +67,9 @@ class SnapshotWatcher:
             # the ROOT, opened as `load` and `sidindex validate` open it (CURRENT read again, once
             # more if retention prunes it meanwhile); an update of the served snapshot shares its
             # checked files and device arrays
-            new = tuple(loader.load(self.root.path, list(self.devices), verify=self.verify, base=list(self.indexes)))
+            loaded = loader.load(self.root.path, list(self.devices), verify=self.verify, base=list(self.indexes))
+            assert isinstance(loaded, list)  # one per device of the list
+            new = tuple(loaded)
             for hook in self.before_swap:
                 hook(new)
         except Exception as e:  # a serving process must outlive any snapshot (a bad file, a bug in a reader)

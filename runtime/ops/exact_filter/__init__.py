@@ -42,5 +42,6 @@ def exact_filter(arrays: dict[str, torch.Tensor], requests, ad: torch.Tensor, st
     out = exact_filter_reference(arrays, requests, ad, steps, max_values)
     if live is None:
         return out
-    held = held_slots(live, *ad.shape, ad.device)
+    B, C = ad.shape
+    held = held_slots(live, B, C, ad.device)
     return [p & held for p in out]

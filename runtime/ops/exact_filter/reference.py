@@ -35,7 +35,8 @@ def exact_filter_reference(arrays: dict[str, torch.Tensor], requests, ad: torch.
         if EXACT_FORM[p] == EXACT_ROWS:
             out.append(rows_pass(arrays[plane_arrays(p).exact_rows][ad], q, max_values))
         else:
-            out.append(values_pass(arrays[plane_arrays(p).exact_hash_offsets], arrays[plane_arrays(p).exact_hashes], ad, ex, steps[p],
+            names = plane_arrays(p)
+            out.append(values_pass(arrays[names.exact_hash_offsets], arrays[names.exact_hashes], ad, ex, steps[p],
                                    max_values))
     return out
 

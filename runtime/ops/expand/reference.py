@@ -58,6 +58,7 @@ def expand_reference(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_ord
     if layout.rank == "score":
         top = _sorted(_score_order(score, order, ok))
     else:
+        assert value is not None  # a layout ranks by value only with the catalog's values
         by_value = _lex_order(_eligible_first([_score_order(score, order), descending(value)], ok))
         top = by_value
         if layout.rank == "fused":  # ranks among the request's eligible ads, which sort first
@@ -69,12 +70,12 @@ def expand_reference(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_ord
     counts = [alive.sum(1), first.sum(1), ok.sum(1)] + ([p.sum(1) for p in passed] if layout.stages else [])
     rows = [ad[..., None], a["ads"][ad][..., None], beams.tokens.gather(1, beam[..., None].expand(B, T, L)),
             score.gather(1, top).view(torch.int32).long()[..., None]]
-    rows += [value.gather(1, top).view(torch.int64)[..., None]] if layout.has_value else []
+    rows += [value.gather(1, top).view(torch.int64)[..., None]] if value is not None else []  # has_value
     # 6. the rows in use first, in (request, rank) order: the host copies one prefix
     used = (torch.arange(T, device=dev) < counts[2][:, None]).reshape(-1)                    # (B*T,)
     dest = torch.where(used, used.cumsum(0) - 1, used.sum() + (~used).cumsum(0) - 1)
-    rows = torch.cat(rows, dim=2).reshape(B * T, -1)
-    packed = torch.empty_like(rows).index_copy_(0, dest, rows)                               # (B*T, F)
+    table = torch.cat(rows, dim=2).reshape(B * T, -1)
+    packed = torch.empty_like(table).index_copy_(0, dest, table)                             # (B*T, F)
     return torch.cat([torch.stack(counts).reshape(-1), packed.reshape(-1)])
 
 
@@ -105,6 +106,7 @@ def _lex_order(keys: list[torch.Tensor]) -> torch.Tensor:
         k = key if perm is None else key.gather(1, perm)
         idx = torch.sort(k, dim=1, stable=True).indices
         perm = idx if perm is None else perm.gather(1, idx)
+    assert perm is not None  # keys is never empty
     return perm
 
 

@@ -53,7 +53,10 @@ def gtm_mask(index, requests, depth: int, beam_request: torch.Tensor, beam_node:
         from runtime.ops.gtm_mask.cpu import gtm_mask_cpu
 
         got = gtm_mask_cpu(*args)
-    return (got[0], value_key(*got, value_weight)) if value_weight > 0 else got
+    if value_weight > 0:
+        score, bound = got
+        return score, value_key(score, bound, value_weight)
+    return got
 
 
 def gtm_candidates(index, requests, depth: int, slots: Slots, beam_node: torch.Tensor, beam_score: torch.Tensor,

@@ -92,7 +92,9 @@ def shared_pass(index, requests, shared: SharedRows, stack=None) -> torch.Tensor
     its plane, else 0. requests: EncodedRequests on the index's device; stack: `index_stack`'s,
     where the caller has it (on the CPU it is stacked per call)."""
     stack = stack if stack is not None else index_stack(index, requests.stacked)
-    return prepare(requests.stacked, False, shared, stack).passed
+    passed = prepare(requests.stacked, False, shared, stack).passed
+    assert passed is not None  # made with the shared rows
+    return passed
 
 
 def planned(requests, index) -> tuple:

@@ -70,13 +70,13 @@ def gtm_mask_reference(index, requests, depth: int, beam_request: torch.Tensor, 
             p_lo = g.part_offsets[e]
             n_p = g.part_offsets[e + 1] - p_lo
             any_part = torch.zeros_like(ok)
-            best = torch.zeros_like(best) if with_bound else None
+            best = None if best is None else torch.zeros_like(best)
             for k in range(index.max_parts):
                 has = ok & (k < n_p)
                 p = torch.where(has, p_lo + k, 0)
                 hit = has & _passes(index, requests, [pl.part_index[p].long() for pl in g.planes], req)
                 any_part |= hit
-                if with_bound:
+                if best is not None:
                     best = torch.where(hit, torch.maximum(best, g.part_value[p]), best)
             ok = any_part
         tok = g.csr_tokens[e].long()
@@ -84,9 +84,9 @@ def gtm_mask_reference(index, requests, depth: int, beam_request: torch.Tensor, 
         val = torch.where(ok & ~torch.isnan(val), val, NEG_INF)
         col = torch.where(ok, tok, V)
         out[s:s + chunk].scatter_(1, col, val)
-        if with_bound:
+        if bound is not None and best is not None:  # both with_bound's
             bound[s:s + chunk].scatter_(1, col, torch.where(ok, best, 0.0))
-    return (out[:, :V], bound[:, :V]) if with_bound else out[:, :V]
+    return (out[:, :V], bound[:, :V]) if bound is not None else out[:, :V]
 
 
 def shared_pass_reference(index, requests, shared) -> torch.Tensor:

@@ -81,6 +81,7 @@ def shared_rows(gtm, few: int = FEW, most: int = MOST_ROWS, only: int | None = N
             start += n
     if not found:
         return (None,) * gtm.sid_length
-    rows, plane = torch.cat(rows), torch.cat(plane)
-    return tuple(SharedRows(found[d][0], local[d], rows, plane, start, sum(found[d][3])) if d in found else None
+    all_rows, all_planes = torch.cat(rows), torch.cat(plane)
+    return tuple(SharedRows(found[d][0], local[d], all_rows, all_planes, start, sum(found[d][3]))
+                 if d in found else None
                  for d in range(gtm.sid_length))
