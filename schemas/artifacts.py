@@ -11,6 +11,7 @@ attributes of plane p, H_p exact hashes of plane p.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 SNAPSHOT_FORMAT = "sidindex.snapshot"
@@ -35,14 +36,14 @@ FAST_DIGEST = "xxh3_128"
 FAST_DIGEST_CHUNK = 1 << 24
 
 
-def written_version(arrays, lineage: bool) -> int:
+def written_version(arrays: Container[str], lineage: bool) -> int:
     """The format version a new snapshot holding the arrays named in `arrays` is written at: the
     oldest that can hold it, so that a reader not yet upgraded reads every snapshot it can (only a
     full build that carried ad states forward, `ad_state` without a lineage, needs STATES_VERSION)."""
     return STATES_VERSION if "ad_state" in arrays and not lineage else DIGEST_VERSION
 
 
-def snapshot_version(arrays) -> int:
+def snapshot_version(arrays: Container[str]) -> int:
     """The format version a snapshot before DIGEST_VERSION holding the arrays named in `arrays` has."""
     if "ad_state" in arrays:
         return UPDATED_VERSION
@@ -72,7 +73,8 @@ ARROW_TYPES = {"|u1": "uint8", "<i2": "int16", "<i4": "int32", "<i8": "int64", "
                "<f8": "double"}
 
 # When each group of arrays is present: (with partitions, with values, updated) -> bool, and the words for it
-GROUPS = {"index": (lambda kway, value, updated: True, "always"),
+GROUPS: dict[str, tuple[Callable[[bool, bool, bool], bool], str]] = {
+          "index": (lambda kway, value, updated: True, "always"),
           "kway": (lambda kway, value, updated: kway, "with k-way partitions"),
           "value": (lambda kway, value, updated: value, "with ad values (docs/design.md §16)"),
           "kway+value": (lambda kway, value, updated: kway and value, "with k-way partitions and ad values"),

@@ -134,7 +134,10 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
         at = np.searchsorted(upserts, up.get_column("upsert_pos").to_numpy())
         added = Catalog(added.path, added.ad_id[at], added.embedding[at], added.columns[at],
                         None if added.value is None else added.value[at])
-    as_ids = lambda frame: frame.get_column("ad_id").to_numpy().astype(np.int64)  # noqa: E731
+
+    def as_ids(frame: pl.DataFrame) -> np.ndarray:
+        return frame.get_column("ad_id").to_numpy().astype(np.int64)
+
     return Changes(
         path=path, counts=counts,
         removed=as_ids(per_ad.filter(pl.col("data").is_not_null() & pl.col("in_base"))),

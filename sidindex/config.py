@@ -33,12 +33,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import reprlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 from sidindex.errors import ConfigError
 from sidindex.tomlio import check_keys, read_toml
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_T = TypeVar("_T", bound="DataclassInstance")  # a config section's dataclass
 
 MAX_TOKEN = 32767  # tokens are stored as int16 (docs/design.md §5)
 
@@ -170,7 +176,7 @@ def load_config(path: str | Path | None) -> BuildConfig:
     return BuildConfig(sid=sid, quality=quality, kway=kway)
 
 
-def _section(doc: dict, name: str, cls: type, path: str | Path):
+def _section(doc: dict, name: str, cls: type[_T], path: str | Path) -> _T:
     table = doc.get(name, {})
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [{name}] must be a table")
@@ -194,7 +200,7 @@ def _is_num(v: object) -> bool:
         return False
 
 
-def _is_list(v: object, each) -> bool:
+def _is_list(v: object, each: Callable[[Any], bool]) -> bool:
     """Whether `v` is a non-empty list (a tuple, as `_section` passes it) whose every item passes `each`."""
     return isinstance(v, (tuple, list)) and len(v) > 0 and all(each(x) for x in v)
 

@@ -14,6 +14,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -50,7 +51,7 @@ def from_signal(e: BaseException) -> bool:
                                           and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 
 
-def _raise(signum: int, _frame) -> None:
+def _raise(signum: int, _frame: FrameType | None) -> None:
     raise Interrupted(signum)
 
 

@@ -342,7 +342,7 @@ def _rounded(clock: StageClock) -> dict[str, float]:
     return {k: round(v, 3) for k, v in clock.seconds.items()}
 
 
-def _codebook(root: Root, given: Path | None):
+def _codebook(root: Root, given: Path | None) -> tuple[Codebook | None, str]:
     """(codebook, "given" | "reused") or (None, "") when ROOT has none and training is needed."""
     if given is not None:
         return load_codebook(given), "given"

@@ -5,26 +5,32 @@ one thread), so a kernel runs on all threads only when its input is long enough 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import numba
 import numpy as np
 
+P = ParamSpec("P")
+R = TypeVar("R")
 
-def sized(min_items: int, arg: int = 0) -> Callable:
+
+def sized(min_items: int, arg: int = 0) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorator for a numba `parallel=True` kernel (called from Python): all of numba's threads
     when its argument number `arg` holds `min_items` items or more (`np.size`), else one thread
     (`numba.set_num_threads` is per calling thread, so concurrent callers do not interfere)."""
-    def wrap(kernel):
-        def run(*args):
-            if np.size(args[arg]) >= min_items:
-                return kernel(*args)
+    def wrap(kernel: Callable[P, R]) -> Callable[P, R]:
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            if np.asarray(args[arg]).size >= min_items:  # as np.size
+                return kernel(*args, **kwargs)
             threads = numba.get_num_threads()
             numba.set_num_threads(1)
             try:
-                return kernel(*args)
+                return kernel(*args, **kwargs)
             finally:
                 numba.set_num_threads(threads)
-        run.__doc__, run.__name__, run.py_func = kernel.__doc__, kernel.__name__, kernel.py_func
+        # the kernel's name and docstring, and its Python function (`py_func`), as numba's dispatcher has it
+        functools.update_wrapper(run, kernel, assigned=("__doc__", "__name__", "py_func"), updated=())
         return run
     return wrap

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ from sidindex.targeting import TargetingSpec
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
 from sidindex.trie.kway import KWayConfig
-from sidindex.trie.partition import combine, default_workers, token_ranges
+from sidindex.trie.partition import Subtrie, combine, default_workers, token_ranges
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,8 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
             os.environ.pop(k, None)
 
 
-def _run(ray, path: Path, spec: TargetingSpec, codebook: Codebook, kway: KWayConfig | None, frags: list[Fragment],
-         retries: int, clock: StageClock) -> RayBuilt:
+def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, kway: KWayConfig | None,
+         frags: list[Fragment], retries: int, clock: StageClock) -> RayBuilt:
     from sidindex import stages
 
     level_sizes = codebook.level_sizes
@@ -147,7 +148,7 @@ def _run(ray, path: Path, spec: TargetingSpec, codebook: Codebook, kway: KWayCon
     source = path.resolve()  # what every task reads, wherever it runs; messages name `path`
 
     @ray.remote(num_returns=3, max_retries=retries)
-    def prepare(f: Fragment, spec, codebook):
+    def prepare(f: Fragment, spec: TargetingSpec, codebook: Codebook) -> tuple[Any, Any, tuple[np.ndarray, int] | None]:
         import pyarrow.parquet as pq
 
         try:
@@ -167,12 +168,12 @@ def _run(ray, path: Path, spec: TargetingSpec, codebook: Codebook, kway: KWayCon
         return ads, sid_rows, (stages.first_tokens(sid_rows, level_sizes[0]), sid_rows.nbytes)
 
     @ray.remote(max_retries=retries)
-    def split(sid_rows, bounds):
+    def split(sid_rows: Any, bounds: np.ndarray) -> Any:  # pyarrow tables
         parts = stages.split_sid_rows(sid_rows, bounds)
         return parts if len(parts) > 1 else parts[0]  # one return value is not unpacked
 
     @ray.remote(max_retries=retries)
-    def build(*tables):
+    def build(*tables: Any) -> tuple[Subtrie, tuple[int, float]]:
         t = time.perf_counter()
         sub = stages.build_part(list(tables), level_sizes, planes, kway=kway, matcher_bits=bits)
         return sub, (sum(x.num_rows for x in tables), time.perf_counter() - t)

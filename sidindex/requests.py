@@ -24,13 +24,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numba
 import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
+from numpy.typing import DTypeLike
 
 from schemas import REQUESTS
 from schemas.artifacts import EXACT_FORM, EXACT_ROWS
@@ -152,7 +153,8 @@ def _list_like(t: pa.DataType) -> bool:
         pa.types.is_list_view(t) or pa.types.is_large_list_view(t)
 
 
-def _fast_checks(table: pa.Table, spec: TargetingSpec, max_values: int, dim: int | None):
+def _fast_checks(table: pa.Table, spec: TargetingSpec, max_values: int, dim: int | None
+                 ) -> tuple[np.ndarray, np.ndarray | None] | None:
     """(request_id (B,) int64, embedding (B, D) float32 or None) when every check of
     `ingest.Validator` would pass, else None. Vectorised: a few Arrow and numpy calls per column."""
     names = set(table.column_names)
@@ -220,7 +222,7 @@ def _embedding(col: pa.ChunkedArray, dim: int | None) -> np.ndarray | None:
     return x
 
 
-def _refuse(table: pa.Table, spec: TargetingSpec, source: str, max_values: int, dim: int | None) -> None:
+def _refuse(table: pa.Table, spec: TargetingSpec, source: str, max_values: int, dim: int | None) -> NoReturn:
     """Raise the InputError the column validator gives the batch that failed a fast check."""
     try:
         df = pl.from_arrow(table)
@@ -281,7 +283,7 @@ class _Carver:
     def __init__(self, arena: np.ndarray) -> None:
         self.arena, self.at = arena, 0
 
-    def take(self, shape: tuple[int, ...], dtype=np.int64) -> np.ndarray:
+    def take(self, shape: tuple[int, ...], dtype: DTypeLike = np.int64) -> np.ndarray:
         n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         words = -(-n // 8)
         view = self.arena[self.at:self.at + words].view(np.uint8)[:n].view(dtype).reshape(shape)
@@ -293,7 +295,7 @@ def _single(col: pa.ChunkedArray) -> pa.Array:
     return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
 
 
-def _fixed(a: np.ndarray, dtype) -> np.ndarray:
+def _fixed(a: np.ndarray, dtype: DTypeLike) -> np.ndarray:
     """a as a read-only array of `dtype`: the numba kernels then see one type whatever the
     column's form (32- or 64-bit offsets, Arrow's read-only buffers or a new array), and compile
     once, at warm-up, rather than at the first batch of another form."""
@@ -329,7 +331,7 @@ def _strings(col: pa.ChunkedArray, n: int) -> tuple[np.ndarray, int, np.ndarray,
     return valid, bit, _fixed(offsets, np.int64), _fixed(data, np.uint8)
 
 
-def _lists(col: pa.ChunkedArray, n: int):
+def _lists(col: pa.ChunkedArray, n: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
     """(validity, bit offset, list offsets (n+1,), the values' string offsets and data) of a
     validated list<string> column (null values inside a list were refused); a column of nulls
     only, or of lists of nulls only, is n lists without values."""
@@ -350,12 +352,12 @@ def _lists(col: pa.ChunkedArray, n: int):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _is_valid(valid, bit, i):
+def _is_valid(valid: np.ndarray, bit: int, i: int) -> bool:
     return len(valid) == 0 or (valid[(bit + i) >> 3] >> ((bit + i) & 7)) & 1
 
 
 @numba.njit(cache=True, nogil=True)
-def _list_values(valid, bit, list_offsets):
+def _list_values(valid: np.ndarray, bit: int, list_offsets: np.ndarray) -> np.ndarray:
     """(B,) int64 the values of each list (0 for a null one)."""
     n = len(list_offsets) - 1
     out = np.zeros(n, dtype=np.int64)
@@ -366,7 +368,9 @@ def _list_values(valid, bit, list_offsets):
 
 
 @numba.njit(cache=True, nogil=True)
-def _bitmask_attribute(out, bit0, unknown, valid, bit, offsets, data, t_hashes, t_codes, t_offsets, t_data):
+def _bitmask_attribute(out: np.ndarray, bit0: int, unknown: int, valid: np.ndarray, bit: int, offsets: np.ndarray,
+                       data: np.ndarray, t_hashes: np.ndarray, t_codes: np.ndarray, t_offsets: np.ndarray,
+                       t_data: np.ndarray) -> None:
     """Set, in each request's row of out (B, W) int64, the bit bit0 + the index of its value among
     the attribute's declared values (table `BitmaskLayout.lookup`), or bit0 + unknown for a null
     or undeclared value."""
@@ -387,8 +391,9 @@ def _bitmask_attribute(out, bit0, unknown, valid, bit, offsets, data, t_hashes, 
 
 
 @numba.njit(cache=True, nogil=True)
-def _bloom_attribute(valid, bit, list_offsets, str_offsets, data, rows, row0, lo, hi, bits, hashes,
-                     ranges, group, exact, exact0):
+def _bloom_attribute(valid: np.ndarray, bit: int, list_offsets: np.ndarray, str_offsets: np.ndarray, data: np.ndarray,
+                     rows: np.ndarray, row0: int, lo: int, hi: int, bits: int, hashes: int, ranges: np.ndarray,
+                     group: int, exact: np.ndarray, exact0: int) -> tuple[int, int]:
     """One bloom attribute's query rows and exact hashes, for every request.
 
     Request b's values (list b: values list_offsets[b]..list_offsets[b+1] of the strings at

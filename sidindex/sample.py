@@ -137,7 +137,8 @@ def _distinct_draws(lengths: np.ndarray, vocab_size: int, p: np.ndarray,
 
 
 @numba.njit(cache=True)
-def _first_distinct(draws, draw_offsets, lengths, vocab_size, values, offsets):
+def _first_distinct(draws: np.ndarray, draw_offsets: np.ndarray, lengths: np.ndarray, vocab_size: int,
+                    values: np.ndarray, offsets: np.ndarray) -> int:
     seen = np.full(vocab_size, -1, dtype=np.int64)  # row that last took each value
     k = 0
     for r in range(len(lengths)):

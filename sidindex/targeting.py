@@ -13,6 +13,7 @@ import reprlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from schemas import TARGETING_ATTRIBUTE
 from sidindex.errors import InputError
@@ -55,8 +56,8 @@ class TargetingSpec:
         """Each matcher kind's layout, in plane order (`sidindex.matchers.kinds.KINDS`)."""
         return tuple(k.layout(self.of_kind(k)) for k in KINDS)
 
-    def layout_of(self, kind: MatcherKind):
-        """The layout of `kind` (one of KINDS)."""
+    def layout_of(self, kind: MatcherKind) -> Any:
+        """The layout of `kind` (one of KINDS): what its `MatcherKind.layout` makes."""
         return self.layouts[KINDS.index(kind)]
 
     @property

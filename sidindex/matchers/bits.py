@@ -4,6 +4,7 @@ row lives in word b // 64 at position b % 64."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numba
 import numpy as np
@@ -23,7 +24,8 @@ def mask_row(words: int, lo: int, hi: int) -> np.ndarray:
 
 
 @numba.njit(cache=True)
-def or_value_bits(out, lengths, codes, value_bits, word_offset):
+def or_value_bits(out: np.ndarray, lengths: np.ndarray, codes: np.ndarray, value_bits: np.ndarray,
+                  word_offset: int) -> None:
     """Row r ORs in the bits of its values: out[r] |= value_bits[codes[k]] for its run of codes.
 
     out: (n, W) uint64; lengths: (n,) int64 values per row; codes: (T,) integer, in row order;
@@ -58,7 +60,7 @@ class ListCodes:
     codes: np.ndarray
 
 
-def list_codes(s, categories: tuple[str, ...] | None = None) -> ListCodes:
+def list_codes(s: pl.Series, categories: tuple[str, ...] | None = None) -> ListCodes:
     """Flatten a list<string> polars Series (see `ListCodes`) with Arrow compute kernels.
 
     categories: the values the column may hold (a bitmask attribute's declared values, already
@@ -82,7 +84,7 @@ def list_codes(s, categories: tuple[str, ...] | None = None) -> ListCodes:
     return ListCodes(lengths, list(categories), codes)
 
 
-def _encode(arr):
+def _encode(arr: Any) -> tuple[np.ndarray, Any]:
     """(lengths (n,) int64, dictionary-encoded flat values) of a list<string> Arrow array."""
     import pyarrow as pa
     import pyarrow.compute as pc

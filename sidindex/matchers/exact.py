@@ -52,7 +52,7 @@ def _hash_lists(lc: ListCodes) -> tuple[np.ndarray, np.ndarray]:
 
 
 @numba.njit(cache=True)
-def _sort_segments(values, offsets):
+def _sort_segments(values: np.ndarray, offsets: np.ndarray) -> None:
     """Sort values[offsets[i]:offsets[i+1]] in place for every i (each ad's list is short)."""
     for i in range(len(offsets) - 1):
         values[offsets[i]:offsets[i + 1]] = np.sort(values[offsets[i]:offsets[i + 1]])
@@ -283,7 +283,7 @@ def _flags(index: ExactIndex, requests: BatchQueries, reqs: np.ndarray, ads: np.
         if plane.rows is not None:
             pairs_pass(plane.rows, ads, reqs, q, ok)
         else:
-            assert ex is not None  # a values plane's queries
+            assert ex is not None and plane.hash_offsets is not None and plane.hashes is not None  # a values plane
             _values_pass(plane.hash_offsets, plane.hashes, ads, ex.hash_offsets, ex.hashes, reqs, ok)
         flags |= ok.astype(np.uint8) << p
         alive &= ok
@@ -292,7 +292,8 @@ def _flags(index: ExactIndex, requests: BatchQueries, reqs: np.ndarray, ads: np.
 
 @sized(PARALLEL_PAIRS, arg=2)
 @numba.njit(parallel=True, cache=True)
-def _values_pass(ad_off, ad_hashes, ads, req_off, req_hashes, reqs, ok):
+def _values_pass(ad_off: np.ndarray, ad_hashes: np.ndarray, ads: np.ndarray, req_off: np.ndarray,
+                 req_hashes: np.ndarray, reqs: np.ndarray, ok: np.ndarray) -> None:
     """ok[i] &= for every attribute, ad ads[i] is unrestricted or ANY value of request reqs[i] is
     among its hashes; pairs already not ok are skipped. Each request's values of an attribute go
     into a small hash set on first use (open addressing on the low bits: the values are uniform

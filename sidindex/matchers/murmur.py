@@ -63,20 +63,20 @@ _SEED_MAX = 0xFFFFFFFF
 # --- x86_32 -----------------------------------------------------------------------------------
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _rotl32(x, r):
+def _rotl32(x: np.uint64, r: np.uint64) -> np.uint64:
     """x < 2**32 as uint64, r uint64 in 1..31: the 32-bit rotation, still < 2**32."""
     return ((x << r) | (x >> (_U32 - r))) & _M32
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _mix_k32(k):
+def _mix_k32(k: np.uint64) -> np.uint64:
     k = (k * _C1_32) & _M32
     k = _rotl32(k, _U15)
     return (k * _C2_32) & _M32
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _murmur3_32(data, start, end, seed):
+def _murmur3_32(data: np.ndarray, start: int, end: int, seed: int | np.integer) -> np.uint32:
     """The unchecked kernel of murmur3_32; seed already in 0..2**32-1."""
     length = end - start
     nblocks = length // 4
@@ -107,7 +107,7 @@ def _murmur3_32(data, start, end, seed):
 
 
 @numba.njit(cache=True, nogil=True)
-def murmur3_32(data, start, end, seed):
+def murmur3_32(data: np.ndarray, start: int, end: int, seed: int | np.integer) -> np.uint32:
     """MurmurHash3 x86_32 of data[start:end] -> uint32, equal to mmh3.hash(bytes, seed, signed=False).
 
     data: (bytes,) uint8; start, end: int, 0 <= start <= end <= len(data); seed: 0 <= seed < 2**32
@@ -121,13 +121,13 @@ def murmur3_32(data, start, end, seed):
 # --- x64_128, first 64 bits ------------------------------------------------------------------
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _rotl64(x, r):
+def _rotl64(x: np.uint64, r: np.uint64) -> np.uint64:
     """x uint64, r uint64 in 1..63."""
     return (x << r) | (x >> (_U64 - r))
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _fmix64(k):
+def _fmix64(k: np.uint64) -> np.uint64:
     k ^= k >> _U33
     k *= _F1_64
     k ^= k >> _U33
@@ -137,7 +137,7 @@ def _fmix64(k):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _load64(data, p):
+def _load64(data: np.ndarray, p: int) -> np.uint64:
     """The 8 bytes data[p:p+8] as a little-endian uint64 (no alignment needed)."""
     k = _U0
     for j in range(8):
@@ -146,7 +146,7 @@ def _load64(data, p):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _murmur3_x64_64(data, start, end, seed):
+def _murmur3_x64_64(data: np.ndarray, start: int, end: int, seed: int | np.integer) -> np.uint64:
     """The unchecked kernel of murmur3_x64_64; seed already in 0..2**32-1."""
     length = end - start
     nblocks = length // 16
@@ -201,7 +201,7 @@ def _murmur3_x64_64(data, start, end, seed):
 
 
 @numba.njit(cache=True, nogil=True)
-def murmur3_x64_64(data, start, end, seed):
+def murmur3_x64_64(data: np.ndarray, start: int, end: int, seed: int | np.integer) -> np.uint64:
     """The first 64 bits of MurmurHash3 x64_128 of data[start:end] -> uint64, equal to
     mmh3.hash64(bytes, seed, signed=False)[0].
 
@@ -216,7 +216,7 @@ def murmur3_x64_64(data, start, end, seed):
 # --- every value of a layout -----------------------------------------------------------------
 
 @numba.njit(cache=True, nogil=True)
-def hash32_all(data, offsets, seed):
+def hash32_all(data: np.ndarray, offsets: np.ndarray, seed: int | np.integer) -> np.ndarray:
     """(n,) uint32: murmur3_32 of each value of an Arrow string layout.
 
     data: (bytes,) uint8; offsets: (n+1,) int32 or int64, non-decreasing, within data;
@@ -233,7 +233,7 @@ def hash32_all(data, offsets, seed):
 
 
 @numba.njit(cache=True, nogil=True)
-def hash64_all(data, offsets, seed):
+def hash64_all(data: np.ndarray, offsets: np.ndarray, seed: int | np.integer) -> np.ndarray:
     """(n,) uint64: murmur3_x64_64 of each value of an Arrow string layout.
 
     data: (bytes,) uint8; offsets: (n+1,) int32 or int64, non-decreasing, within data;

@@ -69,7 +69,7 @@ def group_passes(row: np.ndarray, queries: PlaneQueries, request: int) -> np.nda
 
 
 @numba.njit(cache=True, nogil=True)
-def row_passes(table, r, q_rows, ranges, woff):
+def row_passes(table: np.ndarray, r: int, q_rows: np.ndarray, ranges: np.ndarray, woff: np.ndarray) -> bool:
     """table[r] passes one request: for every group g ANY query q in [ranges[g, 0], ranges[g, 1])
     has (row & q) == q on words woff[g]:woff[g+1]; a failing word stops that query.
     table: (R, W) uint64; q_rows: (Q, W) uint64; ranges: (G, 2) int64; woff: (G+1,) int64."""
@@ -94,7 +94,8 @@ PARALLEL_PAIRS = 1 << 13  # pairs from which the exact and matcher passes use ev
 
 @sized(PARALLEL_PAIRS, arg=1)
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _pairs_pass(table, rows, reqs, q_rows, ranges, woff, ok):
+def _pairs_pass(table: np.ndarray, rows: np.ndarray, reqs: np.ndarray, q_rows: np.ndarray, ranges: np.ndarray,
+                woff: np.ndarray, ok: np.ndarray) -> None:
     for i in numba.prange(len(rows)):  # pairs in parallel
         if ok[i]:
             ok[i] = row_passes(table, rows[i], q_rows, ranges[reqs[i]], woff)

@@ -92,7 +92,7 @@ def assign_sids(codebook: Codebook, embedding: np.ndarray, hash_token: np.ndarra
 
 
 @numba.njit(parallel=True, cache=True)
-def _products(x, w, bias, out, sq):
+def _products(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray, sq: np.ndarray) -> None:
     """out[i] = bias + x[i] . w and sq[i] = ||x[i]||^2, for x (n, D), w (D, K), bias (K,) float32.
 
     A GEMM whose every element is summed in one fixed order, whatever the rows around it or the
@@ -114,7 +114,8 @@ def _products(x, w, bias, out, sq):
 
 
 @numba.njit(parallel=True, cache=True)
-def _chains(base, xnorm, cross2, offs, m, ratio, tokens, kept, first_ratio):
+def _chains(base: np.ndarray, xnorm: np.ndarray, cross2: np.ndarray, offs: np.ndarray, m: int, ratio: float,
+            tokens: np.ndarray, kept: np.ndarray, first_ratio: np.ndarray) -> None:
     """Per ad: top-m first-level centroids, then a nearest-centroid chain below each.
 
     base: (b, sum K) float32 ||c||^2 - 2 x.c; xnorm: (b,) ||x||^2; cross2: (sum K, sum K) 2 c.c'

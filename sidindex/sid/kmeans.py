@@ -95,7 +95,8 @@ def balanced_assign(x: np.ndarray, centroids: np.ndarray, capacity: float) -> np
 
 
 @numba.njit(cache=True)
-def _greedy_capacity(order, cand, x, centroids, cap):
+def _greedy_capacity(order: np.ndarray, cand: np.ndarray, x: np.ndarray, centroids: np.ndarray, cap: int
+                     ) -> np.ndarray:
     n, r = cand.shape
     k, d = centroids.shape
     assign = np.full(n, -1, dtype=np.int64)
@@ -127,7 +128,7 @@ def _greedy_capacity(order, cand, x, centroids, cap):
 
 
 @numba.njit(cache=True)
-def _cluster_sums(x, assign, k):
+def _cluster_sums(x: np.ndarray, assign: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     n, d = x.shape
     sums = np.zeros((k, d), dtype=np.float64)
     counts = np.zeros(k, dtype=np.int64)

@@ -8,6 +8,7 @@ symbolic link to one). Everything after it reads typed attributes, never keys.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -257,7 +258,7 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _arrays(bad, arrays: dict, kway: bool) -> dict[str, ArrayShape]:
+def _arrays(bad: Callable[[str], Exception], arrays: dict, kway: bool) -> dict[str, ArrayShape]:
     value = "ad_value" in arrays  # a catalog with values: every value array
     updated = "ad_state" in arrays  # written by an update
     expected = {n for n, a in ARRAYS_BY_NAME.items() if present(a.group, kway, value, updated)}
@@ -276,7 +277,7 @@ def _arrays(bad, arrays: dict, kway: bool) -> dict[str, ArrayShape]:
     return out
 
 
-def _files(bad, files: dict, fast: bool) -> dict[str, FileEntry]:
+def _files(bad: Callable[[str], Exception], files: dict, fast: bool) -> dict[str, FileEntry]:
     """The file list; with `fast` (DIGEST_VERSION on) every entry carries FAST_DIGEST too."""
     keys = {"bytes", "sha256"} | ({FAST_DIGEST} if fast else set())
     out = {}

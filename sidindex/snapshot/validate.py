@@ -290,11 +290,13 @@ def _values(need: _Need, gtm: GTMIndex) -> None:
         need(v is None or _out_of_bounds(v, float(np.float32(MAX_AD_VALUE))) == 0, name,
              f"values must lie in [0, {MAX_AD_VALUE:g}]")
     ev, do, no, L = gtm.entry_value, gtm.depth_offsets, gtm.node_offsets, gtm.sid_length
+    assert ev is not None  # read with ad_value (the value group)
     need(_leaf_bounds_below(ev, int(do[L]) - 1, gtm.ad_value, gtm.leaf_ads, gtm.leaf_ad_offsets) == 0, "entry_value",
          "a SID's bound is below the value of one of its ads")
     need(_child_bounds_above(ev, no, int(do[L])) == 0, "entry_value",  # nodes 1 .. do[L]-1 have children
          "a prefix's bound is below one of its children's")
     if gtm.part_value is not None:
+        assert gtm.part_offsets is not None  # (the kway+value group)
         need(_bad_partitions(gtm.part_value, gtm.part_offsets, ev) == 0, "part_value",
              "an entry's partitions must fall in value from the entry's own bound")
 

@@ -300,7 +300,7 @@ def _stable_sort(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @numba.njit(cache=True)
-def _trie_layout(sids, with_first_row):
+def _trie_layout(sids: np.ndarray, with_first_row: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """CSR arrays from sorted distinct SIDs (S, L) int16.
 
     Returns depth_offsets (L+2,) int64, node_offsets (num_nodes+1,) int64, tokens (E,) int16 and
@@ -342,7 +342,8 @@ def _trie_layout(sids, with_first_row):
 
 
 @numba.njit(cache=True)
-def _union_plan(ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, n_ads):
+def _union_plan(ads_sorted: np.ndarray, leaf_ad_offsets: np.ndarray, node_offsets: np.ndarray,
+                depth_offsets: np.ndarray, n_ads: int) -> tuple[np.ndarray, int]:
     """What the union pass will insert: own (N,) bool, the ads that are a leaf's only ad (their rows
     go in as they are, in catalog order), and the most distinct rows it can produce: those ads,
     plus one per leaf with several ads and per inner node with several children."""
@@ -370,7 +371,9 @@ def _union_index(table: RowTable, rows: np.ndarray, own: np.ndarray, ads_sorted:
 
 
 @numba.njit(cache=True, nogil=True)
-def _fill_union_index(ad_rows, own, ads_sorted, leaf_ad_offsets, node_offsets, depth_offsets, rows, slots, count):
+def _fill_union_index(ad_rows: np.ndarray, own: np.ndarray, ads_sorted: np.ndarray, leaf_ad_offsets: np.ndarray,
+                      node_offsets: np.ndarray, depth_offsets: np.ndarray, rows: np.ndarray, slots: np.ndarray,
+                      count: int) -> tuple[np.ndarray, int]:
     L = len(depth_offsets) - 2
     index = np.empty(depth_offsets[L + 1] - 1, dtype=np.int32)
     ad_row = np.empty(len(ad_rows), dtype=np.int32)  # table row of each owned ad's row

@@ -101,8 +101,9 @@ def uncovered(gtm: GTMIndex, exact: ExactIndex) -> list[tuple[str, str]]:
             out.append((name, "a prefix's matcher row lacks a bit of one of its children's"))
         elif e.rows is not None and _ads_outside(lo, gtm.leaf_ads, table, p.index, first, e.rows):
             out.append((name, "a SID's matcher row lacks a bit of one of its ads' rows"))
-        elif e.rows is None and _groups_unset(lo, gtm.leaf_ads, table, p.index, first, e.hash_offsets,
-                                              np.asarray(layout.word_offsets, dtype=np.int64)):
+        elif e.rows is None and e.hash_offsets is not None and _groups_unset(
+                lo, gtm.leaf_ads, table, p.index, first, e.hash_offsets,
+                np.asarray(layout.word_offsets, dtype=np.int64)):
             out.append((name, "a SID's matcher row has an attribute with no bit of one of its ads "
                                            "(all ones where the ad is unrestricted)"))
     return out

@@ -52,7 +52,7 @@ class RowTable:
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def insert_row(src, i, rows, slots, count):
+def insert_row(src: np.ndarray, i: int, rows: np.ndarray, slots: np.ndarray, count: int) -> tuple[int, int]:
     """Row number of src[i] (src: (n, W) uint64) in the table (rows, slots, count), inserting it if new.
 
     Returns (row number, new count). The caller guarantees room for one more row.
@@ -84,7 +84,7 @@ def insert_row(src, i, rows, slots, count):
 
 
 @numba.njit(cache=True, nogil=True)
-def _add_rows(new, rows, slots, count):
+def _add_rows(new: np.ndarray, rows: np.ndarray, slots: np.ndarray, count: int) -> tuple[np.ndarray, int]:
     index = np.empty(len(new), dtype=np.int32)
     for e in range(len(new)):
         index[e], count = insert_row(new, e, rows, slots, count)

@@ -58,7 +58,7 @@ def partition(items: np.ndarray, lo: np.ndarray, hi: np.ndarray, k: np.ndarray, 
 
 
 @numba.njit(inline="always")
-def _popcount(x):
+def _popcount(x: np.uint64) -> np.uint64:
     x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
     x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
     x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
@@ -66,7 +66,8 @@ def _popcount(x):
 
 
 @numba.njit(parallel=True, cache=True)
-def _greedy(items, lo, hi, cap, start, dynamic, target_fill, bits, parts, item_value, value):
+def _greedy(items: np.ndarray, lo: np.ndarray, hi: np.ndarray, cap: np.ndarray, start: np.ndarray, dynamic: bool,
+            target_fill: float, bits: int, parts: np.ndarray, item_value: np.ndarray, value: np.ndarray) -> np.ndarray:
     """Fills parts (and, when value is not empty, each partition's largest item_value); returns the
     partitions each entry used."""
     counts = np.zeros(len(lo), dtype=np.int64)
@@ -83,6 +84,7 @@ def _greedy(items, lo, hi, cap, start, dynamic, target_fill, bits, parts, item_v
                     g += _popcount(items[i, w] & ~parts[base + p, w])
                 if g < best_growth:
                     best, best_growth = p, g
+            open_new: bool | np.bool_
             if best < 0:
                 open_new = True
             elif dynamic:

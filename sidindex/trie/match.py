@@ -36,7 +36,7 @@ def passing_tokens(index: GTMIndex, requests: EncodedRequests, request: int, nod
 
 
 def entries_pass(index: GTMIndex, queries: tuple[PlaneQueries, ...], entries: np.ndarray, reqs: np.ndarray,
-                 kway: bool, with_bound: bool = False):
+                 kway: bool, with_bound: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """(n,) bool: child entry entries[i] passes request reqs[i] (entries, reqs: (n,) int64) on its
     subtree-union rows of every plane and, with `kway`, on ANY of its partitions as well. With
     `with_bound`, also (n,) float32 the value bound of each passing entry (docs/design.md §16): its
@@ -65,4 +65,4 @@ def entries_pass(index: GTMIndex, queries: tuple[PlaneQueries, ...], entries: np
             if bound is not None:
                 assert index.part_value is not None
                 bound[live] = np.maximum.reduceat(np.where(part_ok, index.part_value[parts], 0), starts)
-    return (ok, bound) if with_bound else ok
+    return (ok, bound) if bound is not None else ok  # (bound: with_bound's)

@@ -50,7 +50,9 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
     new_ins, new_depth, _ = uniq  # (M,) each, sorted by (ins, depth, prefix)
     M = len(new_ins)
     new_id = new_ins + np.arange(M)
-    old_to_new = lambda n: n + np.searchsorted(new_ins, n, side="right")  # noqa: E731  old node id -> new
+
+    def old_to_new(n: np.ndarray) -> np.ndarray:  # old node id -> new
+        return n + np.searchsorted(new_ins, n, side="right")
 
     # every SID row's path in the new numbering, and each new node's parent and token
     path = np.where(exist >= 0, old_to_new(np.maximum(exist, 0)), 0)
@@ -176,7 +178,7 @@ def _beneath(g: GTMIndex, leaf_flag: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True)
-def _walk(node_offsets, tokens, sids):
+def _walk(node_offsets: np.ndarray, tokens: np.ndarray, sids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Walk SID rows (Q, L) int16 down the trie. Returns exist (Q, L) int64, the node each reaches
     at depth d + 1 or -1 where it is missing, and ins (Q, L) int64, for a missing node, the old
     node it is inserted before (its new id is ins plus the new nodes ordered before it)."""
