@@ -43,7 +43,7 @@ from runtime.post import DevicePost, Retrieved, expand
 from runtime.requests import to_device
 from runtime.search import Beams, beam_search
 from sidindex.modes import Mode
-from sidindex.requests import encode_requests
+from sidindex.request_encoding import encode_requests
 from sidindex.snapshot import open_snapshot
 from sidindex.trie.build import expand_runs
 

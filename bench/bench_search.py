@@ -83,7 +83,7 @@ from runtime.requests import to_device
 from runtime.search import beam_search
 from runtime.serving import Searcher
 from sidindex.modes import Mode
-from sidindex.requests import encode_requests
+from sidindex.request_encoding import encode_requests
 from sidindex.snapshot import open_snapshot
 
 CONSTRAINED = tuple(m for m in Mode if m.constrained)

@@ -53,7 +53,8 @@ from runtime import Searcher, beam_search, codebook_scorer, load_index, to_devic
 from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from sidindex.config import SIDConfig
 from sidindex.modes import Mode
-from sidindex.requests import Requests, encode_requests, requests_from
+from sidindex.request_encoding import encode_requests
+from sidindex.requests import Requests, requests_from
 from sidindex.sid import Codebook
 from sidindex.snapshot import open_snapshot
 

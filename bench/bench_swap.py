@@ -48,7 +48,7 @@ from bench.common import bench_requests, build_snapshot
 from runtime import Searcher, load_index, to_device
 from schemas.artifacts import MANIFEST_FILE
 from sidindex.artifact import THREADS, verify_files
-from sidindex.requests import encode_requests
+from sidindex.request_encoding import encode_requests
 from sidindex.snapshot import open_snapshot
 from sidindex.timing import StageClock
 

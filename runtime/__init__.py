@@ -43,7 +43,7 @@ from runtime.served import ServedIndex
 from runtime.serving import Searcher
 from runtime.watcher import SnapshotWatcher
 from sidindex.modes import Mode, parse_mode
-from sidindex.requests import EncodedRequests, encode_requests
+from sidindex.request_encoding import EncodedRequests, encode_requests
 
 __all__ = [
     "Beams",

@@ -22,7 +22,7 @@ from runtime.ops.impl import Impl
 from runtime.requests import to_device
 from runtime.served import ServedIndex
 from sidindex.modes import Mode
-from sidindex.requests import EncodedRequests
+from sidindex.request_encoding import EncodedRequests
 
 
 class Constraint:

@@ -36,7 +36,8 @@ from runtime.search import level_log_probs
 from runtime.served import ServedIndex
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
-from sidindex.requests import EncodedRequests, Requests, encode_requests
+from sidindex.request_encoding import EncodedRequests, encode_requests
+from sidindex.requests import Requests
 
 NEG_INF = float("-inf")
 DEAD = -1e30  # a row with no allowed token: any SID token, at a score no live beam reaches

@@ -39,7 +39,8 @@ from runtime.search import Beams
 from runtime.served import POST_ARRAYS, ServedIndex, post_bounds
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import ConfigError
-from sidindex.requests import MAX_REQUEST_VALUES, EncodedRequests
+from sidindex.request_encoding import EncodedRequests
+from sidindex.requests import MAX_REQUEST_VALUES
 
 # the device path packs a catalog row into 31 bits of its sort keys: larger catalogs run on the host
 DEVICE_ROWS = 1 << 31

@@ -1,5 +1,5 @@
 """Requests for serving: validate a batch against an index (in memory or from a file), and move a
-batch's encoding (`sidindex.requests.EncodedRequests`) to the device the kernels run on in one
+batch's encoding (`sidindex.request_encoding.EncodedRequests`) to the device the kernels run on in one
 copy (docs/design.md §8)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 from runtime.ops.gtm_mask.planes import most_queries, stack_queries, stacked_views
 from runtime.served import ServedIndex
 from sidindex.matchers.exact import ExactQueries
-from sidindex.requests import EncodedRequests, Requests
+from sidindex.request_encoding import EncodedRequests
+from sidindex.requests import Requests
 from sidindex.requests import read_requests as read_request_file
 from sidindex.requests import requests_from as validated
 
@@ -40,7 +41,7 @@ def to_device(requests: EncodedRequests, device: str | torch.device) -> EncodedR
     """The same requests with the planes' query rows and ranges, the exact filter's queries
     (`ExactQueries` of a `values` plane: hash offsets and hashes) and the embedding as tensors on
     `device` (uint64 bits as int64), the planes stacked for the Triton kernel (the planes' tensors
-    view the stack). An encoding in one arena (`sidindex.requests.encode_requests`) moves in one
+    view the stack). An encoding in one arena (`sidindex.request_encoding.encode_requests`) moves in one
     copy, asynchronous from pinned memory, and every tensor is a view of that copy; on the CPU the
     tensors view the arena itself. The host encoding is left as it was (the host post stage reads
     it)."""

@@ -16,7 +16,8 @@ from runtime.search import DEFAULT_BEAMS, Scorer
 from runtime.served import ServedIndex
 from sidindex.errors import InputError
 from sidindex.modes import Mode
-from sidindex.requests import EncodedRequests, Requests
+from sidindex.request_encoding import EncodedRequests
+from sidindex.requests import Requests
 
 
 @dataclass

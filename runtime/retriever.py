@@ -8,7 +8,7 @@
 A batch goes through these stages, each once:
   1. validate: `sidindex.requests.requests_from` (a few vectorised checks; a bad batch is refused
      naming its column, row and value);
-  2. encode: `sidindex.requests.encode_requests` into the retriever's arena, pinned on a GPU and
+  2. encode: `sidindex.request_encoding.encode_requests` into the retriever's arena, pinned on a GPU and
      reused by every batch;
   3. copy: the arena to the device in one copy (`runtime.requests.to_device`);
   4. search and post stage: `runtime.Searcher.retrieve`, one CUDA graph per batch size replayed
@@ -63,7 +63,8 @@ from runtime.watcher import SnapshotWatcher
 from sidindex.errors import ArtifactError, ConfigError, InputError
 from sidindex.ingest import MAX_ABS_EMBEDDING
 from sidindex.modes import Mode, parse_mode
-from sidindex.requests import MAX_REQUEST_VALUES, Requests, encode_requests
+from sidindex.request_encoding import encode_requests
+from sidindex.requests import MAX_REQUEST_VALUES, Requests
 
 STAGES = ("validate", "encode", "copy", "search_post", "result")
 

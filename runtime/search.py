@@ -48,7 +48,7 @@ from runtime.ops.order import top_k
 from runtime.served import ServedIndex
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
-from sidindex.requests import EncodedRequests
+from sidindex.request_encoding import EncodedRequests
 
 DEFAULT_BEAMS = (1, 512, 1024, 1024)
 NEG_INF = float("-inf")

@@ -53,7 +53,7 @@ from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search, capped_wid
 from runtime.served import ServedIndex
 from sidindex.matchers.exact import ExactQueries
 from sidindex.modes import Mode, parse_mode
-from sidindex.requests import EncodedRequests
+from sidindex.request_encoding import EncodedRequests
 
 
 class _Capturable(Scorer, Protocol):

@@ -33,7 +33,8 @@ from runtime.search import Scorer, check_value_weight, level_log_probs, logits_o
 from runtime.served import ServedIndex
 from sidindex.matchers.exact import eligible_mask
 from sidindex.modes import Mode, parse_mode
-from sidindex.requests import Requests, encode_requests
+from sidindex.request_encoding import encode_requests
+from sidindex.requests import Requests
 
 BUCKETS = (0, 1, 100, 1_000, 10_000, 100_000)  # generated ads per request: [0, 1), [1, 100), ...
 

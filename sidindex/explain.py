@@ -20,7 +20,8 @@ from sidindex.errors import InputError
 from sidindex.matchers.exact import attribute_eligibility
 from sidindex.matchers.kinds import KINDS
 from sidindex.modes import Mode, parse_mode, served_modes
-from sidindex.requests import Requests, encode_requests
+from sidindex.request_encoding import encode_requests
+from sidindex.requests import Requests
 from sidindex.snapshot import Snapshot
 
 STATE_NAMES = {AD_LIVE: "live", AD_PAUSED: "paused", AD_DELETED: "deleted"}

@@ -25,7 +25,8 @@ from sidindex.matchers.bloom import BLOOM_SEED, bloom_layout
 from sidindex.matchers.bloom import encode_ad_rows as bloom_rows
 from sidindex.matchers.exact import build_exact_index, eligible_mask
 from sidindex.matchers.kinds import KINDS
-from sidindex.requests import Requests, encode_requests, requests_from
+from sidindex.request_encoding import encode_requests
+from sidindex.requests import Requests, requests_from
 from sidindex.targeting import BITMASK, BLOOM, Attribute, TargetingSpec
 from sidindex.trie import build_gtm
 from sidindex.trie.kway import KWayConfig

@@ -35,7 +35,7 @@ from runtime.serving import Searcher
 from sidindex.config import KWayConfig
 from sidindex.matchers.plane import PlaneQueries
 from sidindex.modes import Mode
-from sidindex.requests import encode_requests
+from sidindex.request_encoding import encode_requests
 from sidindex.targeting import BITMASK, BLOOM, Attribute, TargetingSpec
 from tests.test_gtm import Scenario, draw_catalog, requests_of
 from tests.test_runtime import DEVICE, GPU, MODES, Case, TableScorer

@@ -23,7 +23,8 @@ import runtime
 from sidindex.errors import InputError
 from sidindex.matchers.bloom import BLOOM_SEED
 from sidindex.matchers.exact import EXACT_SEED
-from sidindex.requests import encode_requests, read_requests, requests_from
+from sidindex.request_encoding import encode_requests
+from sidindex.requests import read_requests, requests_from
 from sidindex.sample import sample_requests
 from sidindex.targeting import BITMASK, BLOOM, Attribute, TargetingSpec
 
@@ -276,7 +277,7 @@ def test_dicts_keep_every_rows_keys(spec):
 def test_every_form_runs_one_compiled_kernel():
     """The encoder's kernels see one type whatever form a batch comes in, so a warm-up compiles
     every kernel a batch will run (a new form would otherwise compile for seconds mid-stream)."""
-    from sidindex.requests import _bitmask_attribute, _bloom_attribute, _list_values
+    from sidindex.request_encoding import _bitmask_attribute, _bloom_attribute, _list_values
 
     rows = [{"country": "US", "age": None, "locations": ["a", "b"], "apps": None},
             {"country": None, "age": "a1", "locations": None, "apps": ["x"]}]

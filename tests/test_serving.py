@@ -16,7 +16,7 @@ from runtime.search import beam_search
 from runtime.serving import Searcher
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode
-from sidindex.requests import encode_requests
+from sidindex.request_encoding import encode_requests
 from tests.test_gtm import requests_of, scenario
 from tests.test_post import same as same_retrieved
 from tests.test_runtime import DEVICE, GPU, Case

@@ -28,7 +28,7 @@ from schemas.artifacts import AD_DELETED, ARRAYS_BY_NAME
 from sidindex.errors import SidIndexError
 from sidindex.explain import Explainer
 from sidindex.matchers.exact import eligible_pairs
-from sidindex.requests import encode_requests
+from sidindex.request_encoding import encode_requests
 from sidindex.snapshot import open_snapshot
 from tests.conftest import run_cli
 from tests.test_snapshot import reseal, rewrite_array

@@ -5,7 +5,7 @@ are concatenated and packed into W uint64 words. An ad sets the bits of its valu
 segment when unrestricted; a request sets exactly one bit per segment (its value, or "unknown"
 for a null or undeclared value). An ad passes iff (ad_row & user_row) == user_row: as a matcher
 plane (`sidindex.matchers.plane`), one word group whose only query is the user row. A batch of
-requests is encoded by `sidindex.requests.encode_requests` (each value looked up in `lookup`).
+requests is encoded by `sidindex.request_encoding.encode_requests` (each value looked up in `lookup`).
 """
 
 from __future__ import annotations

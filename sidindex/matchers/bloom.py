@@ -6,7 +6,7 @@ bloom attribute gets bits/64 words; the attributes' words are concatenated in sp
 row of W_bl words. A request has one query row per value (an all-ones row when it has none); an
 ad passes an attribute iff ANY query q of it has (row & q) == q on that attribute's words: as a
 matcher plane (`sidindex.matchers.plane`), one word group per attribute. A batch of requests is
-encoded by `sidindex.requests.encode_requests`, in one numba pass over each column's bytes.
+encoded by `sidindex.request_encoding.encode_requests`, in one numba pass over each column's bytes.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ them at the ad level, plane by plane, in one of two forms (`schemas.artifacts.EX
           EXACT_SEED), first 64 bits, unsigned (exact up to 64-bit hash collisions); an ad passes an
           attribute when it has no values or ANY request value is among them (bloom)
 A request batch brings its plane queries and, for `values` planes, its `ExactQueries`
-(`BatchQueries`, as `sidindex.requests.EncodedRequests` holds them: host arrays; tensors in its
+(`BatchQueries`, as `sidindex.request_encoding.EncodedRequests` holds them: host arrays; tensors in its
 device form). Stage flags have one bit per plane, in plane order. Legend: N ads, B requests, A a
 plane's attributes, T hashes.
 """
@@ -87,7 +87,7 @@ class ExactQueries:
 
 class BatchQueries(Protocol):
     """What the filter reads of a request batch: per plane its queries, and per `values` plane its
-    `ExactQueries` (None for a `rows` plane). `sidindex.requests.EncodedRequests` is one; the
+    `ExactQueries` (None for a `rows` plane). `sidindex.request_encoding.EncodedRequests` is one; the
     requests module encodes with the matchers, so they name only what they read of it."""
 
     @property

@@ -4,7 +4,7 @@ form); `KINDS` holds each plane's implementation in that order, and everything t
 stores or tests matcher rows iterates over it. A new kind: a module here exporting its `MatcherKind`
 (`sidindex.matchers.attribute`), its entry in `schemas.artifacts.EXACT_FORM` (and its columns'
 contract in `schemas.contracts`), its module's KIND below, and its requests' encoding in
-`sidindex.requests.encode_requests` (which writes the planes it knows, and says so)."""
+`sidindex.request_encoding.encode_requests` (which writes the planes it knows, and says so)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import numpy as np
 from sidindex.errors import ConfigError
 from sidindex.matchers.plane import PlaneQueries, pairs_pass
 from sidindex.modes import Mode, parse_mode
-from sidindex.requests import EncodedRequests
+from sidindex.request_encoding import EncodedRequests
 from sidindex.trie.build import GTMIndex, expand_runs
 
 

@@ -18,7 +18,7 @@ from schemas.artifacts import AD_LIVE, MATCHER_PLANES
 from sidindex.matchers.exact import ALL_STAGES, eligible_pairs, stage_flags
 from sidindex.matchers.plane import PARALLEL_PAIRS
 from sidindex.parallel import sized
-from sidindex.requests import EncodedRequests
+from sidindex.request_encoding import EncodedRequests
 from sidindex.snapshot import Snapshot
 
 
