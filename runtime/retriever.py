@@ -199,7 +199,7 @@ class Retriever:
         seconds["encode"] += t1 - t
         seconds["copy"] += t2 - t1
         seconds["search_post"] += t3 - t2
-        return found if len(padded) == n else _first_requests(found, n)
+        return found if len(padded) == n else requests_part(found, 0, n)  # the padding's rows dropped
 
     def _padded(self, reqs: Requests, index: ServedIndex) -> Requests:
         """reqs, on a GPU grown to the smallest configured batch size holding them by repeating
@@ -375,11 +375,6 @@ def largest_requests(index: ServedIndex, n: int, seed: int = 0) -> pa.Table:
 
 
 PER_REQUEST = ("sids", "ads_generated", "ads_eligible", "ads_per_stage")  # `Retrieved`'s (B,) fields
-
-
-def _first_requests(r: Retrieved, n: int) -> Retrieved:
-    """The rows of requests 0..n-1 of a padded batch's result (ranked by request: a prefix)."""
-    return requests_part(r, 0, n)
 
 
 def requests_part(r: Retrieved, lo: int, hi: int) -> Retrieved:

@@ -35,10 +35,12 @@ import orjson
 import pyarrow as pa
 import torch
 
+from runtime.requests import requests_from
 from runtime.retriever import Retriever, requests_part, table_of
+from runtime.served import ServedIndex
 from runtime.watcher import SnapshotWatcher
 from sidindex.errors import InputError, SidIndexError
-from sidindex.requests import Requests, requests_from
+from sidindex.requests import Requests
 from sidindex.targeting import TargetingSpec
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
@@ -124,9 +126,9 @@ class RetrievalServer:
 
         t0 = time.perf_counter()
         arrow = request.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM
-        spec = self.retriever.index.spec
+        index = self.retriever.index  # once: the spec and the embedding length validated against
         try:
-            reqs = self._parse(await request.body(), arrow, spec)
+            reqs = self._parse(await request.body(), arrow, index)
         except InputError as e:
             return self._error(400, "bad_request", str(e))
         if self._queue is None or self._queue.qsize() >= self.max_queue:
@@ -134,7 +136,7 @@ class RetrievalServer:
             return JSONResponse({"error": f"the queue holds {self.max_queue} requests; retry after "
                                           f"{RETRY_AFTER_S} s"}, status_code=503,
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
-        pending = _Pending(reqs, spec, asyncio.get_running_loop().create_future())
+        pending = _Pending(reqs, index.spec, asyncio.get_running_loop().create_future())
         self._queue.put_nowait(pending)
         try:
             table, snapshot = await pending.future
@@ -163,9 +165,8 @@ class RetrievalServer:
         self.metrics.outcomes.labels(outcome).inc()
         return JSONResponse({"error": message.splitlines()[0] if message else "error"}, status_code=status)
 
-    def _parse(self, body: bytes, arrow: bool, spec: TargetingSpec) -> Requests:
+    def _parse(self, body: bytes, arrow: bool, index: ServedIndex) -> Requests:
         """The body's requests, validated against the snapshot served now (InputError: 400)."""
-        index = self.retriever.index
         if arrow:
             try:
                 data = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
@@ -181,7 +182,7 @@ class RetrievalServer:
             if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
                 raise InputError('request body: expected {"requests": [{"request_id": ..., ...}, ...]} with at least '
                                  "one request")
-        return requests_from(data, spec, source="request body", dim=_dim(index))
+        return requests_from(data, index, source="request body")
 
     async def healthz(self, request):
         from starlette.responses import JSONResponse
@@ -284,7 +285,7 @@ class RetrievalServer:
         for i, p in enumerate(batch):
             try:
                 reqs = p.requests if p.spec == index.spec else \
-                    requests_from(p.requests.table, index.spec, source="request body", dim=_dim(index))
+                    requests_from(p.requests.table, index, source="request body")
             except InputError as e:
                 answers[i] = e
                 continue
@@ -314,11 +315,6 @@ class RetrievalServer:
                 self.metrics.snapshot.labels(self.served).set(0)
                 self.served, self.since = self.watcher.current.id, time.time()
                 self.metrics.snapshot.labels(self.served).set(1)
-
-
-def _dim(index) -> int | None:
-    cb = index.codebook
-    return None if cb is None else cb.dim
 
 
 def _renumbered(p: Requests) -> Requests:

@@ -18,7 +18,7 @@ import pytest
 
 import runtime
 from runtime.post import expand
-from runtime.retriever import _first_requests, table_of
+from runtime.retriever import requests_part, table_of
 from sidindex.errors import InputError
 from tests.conftest import run_cli
 from tests.test_post import same as same_retrieved
@@ -128,7 +128,7 @@ def test_a_padded_batch_keeps_its_own_requests_rows(root, requests_table):
         beams = runtime.beam_search(index, dev, runtime.codebook_scorer(index, dev)(slice(0, n)), BEAMS, "cd+gtm")
         return expand(index, host, beams, stages=True)
 
-    same_retrieved(_first_requests(post(11), 5), post(5))
+    same_retrieved(requests_part(post(11), 0, 5), post(5))
 
 
 def test_concurrent_callers_get_what_serial_callers_get(root, requests_table):
