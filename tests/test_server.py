@@ -68,6 +68,17 @@ def direct(index, rows: list[dict]) -> list[dict]:
     return runtime.Retriever(index, beams=BEAMS, batch_sizes=(8,), warm=False).retrieve(rows).to_pylist()
 
 
+def in_threads(call, n: int, stagger: float = 0.0) -> None:
+    """call(0) .. call(n-1), each on a thread of its own, started `stagger` seconds apart; returns
+    when every one has."""
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+        time.sleep(stagger)
+    for t in threads:
+        t.join()
+
+
 def test_json_and_arrow_answer_as_the_retriever_does(root, rows):
     server, retriever = serving(root)
     want = direct(retriever.index, rows[:5])
@@ -102,11 +113,7 @@ def test_concurrent_requests_are_batched_and_keep_their_own_rows(root, rows):
         def call(i: int) -> None:
             got[i] = client.post("/retrieve", json={"requests": [rows[i] | {"request_id": 1}]}).json()
 
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_threads(call, 8)
         metrics = client.get("/metrics").text
     for i in range(8):
         assert same_rows(got[i]["rows"], [w | {"request_id": 1} for w in want[i]])
@@ -192,13 +199,7 @@ def test_a_full_queue_answers_503_with_retry_after(root, rows):
         def call(i: int) -> None:
             status.append(client.post("/retrieve", json={"requests": [rows[i]]}).status_code)
 
-        threads = []
-        for i in range(4):
-            threads.append(threading.Thread(target=call, args=(i,)))
-            threads[-1].start()
-            time.sleep(0.1)  # the first runs, the second waits, the rest find the queue full
-        for t in threads:
-            t.join()
+        in_threads(call, 4, stagger=0.1)  # the first runs, the second waits, the rest find the queue full
         busy = client.post("/retrieve", json={"requests": [rows[0]]})  # served again once drained
     assert status.count(503) >= 1 and status.count(200) >= 2 and busy.status_code == 200
 
@@ -287,11 +288,7 @@ def test_a_request_that_overflows_a_batch_starts_the_next(root, rows):
         def call(i: int) -> None:
             got[i] = client.post("/retrieve", json={"requests": parts[i]}).json()["rows"]
 
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_threads(call, 4)
         metrics = client.get("/metrics").text
     assert all(same_rows(got[i], want[i]) for i in range(4))
     assert 'sidindex_batch_requests_bucket{le="2.0"} 0.0' in metrics  # never a batch of fewer than 3 rows
