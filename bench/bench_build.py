@@ -141,10 +141,10 @@ def main() -> int:
         print(f"{r['ads']:,} {r['engine']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["stages"].items()))
         if r["ray"]:
             shape = r["ray"]
-            rows_, secs = np.array(shape["part_sid_rows"]), np.array(shape["part_seconds"])
-            print(f"  {shape['fragments']} fragments, {shape['parts']} parts; "
+            rows_, secs = np.array(shape["shard_sid_rows"]), np.array(shape["shard_seconds"])
+            print(f"  {shape['fragments']} fragments, {shape['shards']} shards; "
                   f"shuffle {shape['shuffle_bytes'] / 1e9:.2f} GB ({shape['shuffle_bytes'] / r['sid_rows']:.0f} B per "
-                  f"SID row); per part: {rows_.mean():,.0f} SID rows "
+                  f"SID row); per shard: {rows_.mean():,.0f} SID rows "
                   f"(max {rows_.max():,}), {secs.mean():.2f} s (max {secs.max():.2f}), "
                   f"{secs.sum() / rows_.sum() * 1e6:.2f} us per SID row")
     if args.json:

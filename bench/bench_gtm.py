@@ -1,5 +1,5 @@
 """GTM build benchmark: per-stage build time, peak RSS and matcher storage at 1M, 10M and 30M ads,
-and the partitioned trie build (subtries by first token) on one core and on every core.
+and the trie built in shards (by first token) on one core and on every core.
 
     python bench/bench_gtm.py                       # 1M, 10M and 30M ads (about 15 minutes on 2 cores)
     python bench/bench_gtm.py --ads 1000000         # one size
@@ -12,9 +12,10 @@ catalog's strings. In the same process it times a plain numpy CD-only CSR build 
 core (trie stage: SIDs and encoded rows to the finished index, k-way off) as a ratio to it.
 Each size is generated in one process and written to files (an Arrow IPC catalog, the SIDs);
 a second process reads them ("load") and builds, so peak RSS is the build's alone.
-Each size is built as the local engine builds by default (the whole trie at once, every core for
-the other stages); at the sizes given to --cores, the trie is also built as subtries (`--workers`)
-on 1 core (the process pinned to it) and on N cores, and its arrays compared with the whole build's.
+Each size is built as one shard (the whole trie at once, every core for the other stages); at the
+sizes given to --cores, the trie is also built in 4 shards per core (`--shards`, `--workers`) on 1
+core (the process pinned to it) and on N cores, and its join compared with the whole build's (every
+array but the matcher tables, and every entry's and partition's matcher rows).
 Targets (2 cores): 10M ads <= 60 s end to end, peak RSS <= 8 GB; core <= 4x the CD-only floor;
 30M ads <= 3 min, peak RSS <= 20 GB.
 """
@@ -98,7 +99,21 @@ def generate(n: int, paths: int, out: Path) -> None:
     np.save(out / "ad_index.npy", ad_index)
 
 
-def run_one(inputs: Path, workers: int | None, parts: int | None, compare: Path | None) -> dict:
+def retrieved_arrays(g) -> dict[str, np.ndarray]:
+    """What retrieval reads of an index, whatever its tables' row order and sharing: every array
+    but the matcher tables and row indexes, and per plane a fingerprint of each entry's and each
+    partition's row (a sharded index repeats rows across shards)."""
+    out = {n: np.asarray(a) for n, a in g.arrays().items() if "table" not in n and "index" not in n}
+    for p in g.planes:
+        table = np.asarray(p.table)
+        mix = (table * np.uint64(0x9E3779B97F4A7C15)).sum(axis=1, dtype=np.uint64) ^ table[:, 0]
+        out[f"{p.name}_rows"] = mix[p.index]
+        if p.part_index is not None:
+            out[f"part_{p.name}_rows"] = mix[p.part_index]
+    return out
+
+
+def run_one(inputs: Path, workers: int | None, shards: int | None, compare: Path | None) -> dict:
     """Build from the files `generate` wrote, in a process that holds nothing else; `compare`: a
     whole build's arrays (`np.savez`) to check this one's against, or where to save them (None: neither)."""
     spec = bench_spec()
@@ -107,15 +122,15 @@ def run_one(inputs: Path, workers: int | None, parts: int | None, compare: Path 
     sids, ad_index = np.load(inputs / "sids.npy"), np.load(inputs / "ad_index.npy")
     load_s = time.perf_counter() - t
     floor_s = cd_only_floor(sids)  # first: its arrays are gone before the build's peak
-    built = build_index(spec, columns, sids, ad_index, LEVELS, workers=workers, parts=parts)
+    built = build_index(spec, columns, sids, ad_index, LEVELS, workers=workers, shards=shards or 1)
     same = None
     if compare is not None:
+        ours = retrieved_arrays(built.gtm)
         if compare.exists():
             with np.load(compare) as whole:
-                ours = built.gtm.arrays()
                 same = whole.files == sorted(ours) and all(np.array_equal(whole[k], ours[k]) for k in whole.files)
         else:
-            np.savez(compare, **dict(sorted(built.gtm.arrays().items())))
+            np.savez(compare, **dict(sorted(ours.items())))
     st = built.stats
     seconds = {"load": load_s, **built.seconds}
     return {
@@ -151,7 +166,7 @@ def main() -> int:
     ap.add_argument("--generate", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--single", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--parts", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--shards", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--compare", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write the results as JSON here")
     args = ap.parse_args()
@@ -159,7 +174,7 @@ def main() -> int:
         generate(args.ads[0], args.paths, args.generate)
         return 0
     if args.single:
-        print(json.dumps(run_one(args.single, args.workers, args.parts, args.compare)))
+        print(json.dumps(run_one(args.single, args.workers, args.shards, args.compare)))
         return 0
     results = []
     cores = len(os.sched_getaffinity(0))
@@ -170,9 +185,10 @@ def main() -> int:
             runs = [("whole trie", False, [])]
             if n in args.cores:
                 whole = ["--compare", str(Path(tmp) / "whole.npz")]
+                shards = ["--shards", str(4 * cores)]
                 runs = [("whole trie, 1 core", True, whole), ("whole trie", False, []),
-                        ("subtries, 1 core", True, [*whole, "--workers", "1", "--parts", str(4 * cores)]),
-                        (f"subtries, {cores} cores", False, [*whole, "--workers", str(cores)])]
+                        (f"{4 * cores} shards, 1 core", True, [*whole, *shards, "--workers", "1"]),
+                        (f"{4 * cores} shards, {cores} cores", False, [*whole, *shards, "--workers", str(cores)])]
             for label, pin, extra in runs:
                 print(f"building {n:,} ads, {label} ...", file=sys.stderr, flush=True)
                 r = json.loads(run_child(__file__, "--single", tmp, *extra, pin=pin).strip().splitlines()[-1])

@@ -63,8 +63,9 @@ def write(inputs: Path, out: Path, kway=None, codebook=None) -> dict:
     directory.mkdir(parents=True)
     ad_id = np.arange(columns.height, dtype=np.int64)
     t = time.perf_counter()
-    if "snapshot_id" in inspect.signature(write_snapshot).parameters:
-        write_snapshot(directory, built.gtm, built.exact, ad_id, spec, snapshot_id=SNAPSHOT_ID,
+    if "snapshot_id" in inspect.signature(write_snapshot).parameters:  # the trie: in shards, or whole before them
+        trie = built.shards if "shards" in inspect.signature(write_snapshot).parameters else built.gtm
+        write_snapshot(directory, trie, built.exact, ad_id, spec, snapshot_id=SNAPSHOT_ID,
                        stats=built.stats,
                        **({} if codebook is None else {"codebook": codebook}))
     else:  # the raw-array format (before Arrow IPC): an info dict

@@ -44,6 +44,7 @@ from sidindex.root import Root
 from sidindex.sample import write_sample
 from sidindex.sid import load_codebook, save_codebook, train_codebook
 from sidindex.snapshot import open_snapshot
+from sidindex.trie.dedup import RowTable
 
 MIX = (("pause", 0.30), ("resume", 0.10), ("delete", 0.20), ("upsert", 0.25), ("new", 0.15))
 
@@ -126,6 +127,7 @@ def main() -> int:
     ap.add_argument("--codebook", type=Path, help="a frozen codebook to use (default: train one on 500k ads)")
     ap.add_argument("--dir", type=Path, help="work directory (default: a temporary one, removed)")
     ap.add_argument("--json", type=Path, help="write the results as JSON here")
+    ap.add_argument("--shards", type=int, help="the snapshot's shards (default: the build's, from the catalog's size)")
     args = ap.parse_args()
     work = args.dir or Path(tempfile.mkdtemp(prefix="bench_update_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -150,9 +152,10 @@ def run(args, work: Path) -> dict:
     save_codebook(load_codebook(args.codebook) if args.codebook else train_codebook(emb, cfg.sid), root)
     del emb
     t = time.perf_counter()
-    full = run_build(paths["catalog"], paths["targeting"], root)
+    full = run_build(paths["catalog"], paths["targeting"], root, shards=args.shards)
     full_s = time.perf_counter() - t
-    print(f"full build {full_s:.1f} s", flush=True)
+    print(f"full build {full_s:.1f} s, {full['shards']} shards", flush=True)
+    disk = storage(root)
     rows = [("full build", args.ads, full_s, 1.0, full["seconds"])]
     rng = np.random.default_rng(7)
     ids = cat["ad_id"].to_numpy()
@@ -189,10 +192,27 @@ def run(args, work: Path) -> dict:
           f"digests + structure + cover {trust['full']:.2f} s (+{trust['full'] - trust['structure']:.2f} s per update, "
           f"{(trust['full'] - trust['structure']) / full_s:.2%} of the full build)")
     print(f"bytes moved to the device by the watcher's swap: {serve['moved_bytes']}")
+    print(f"storage ({full['shards']} shards): {disk['bytes'] / 1e9:.3f} GB; matcher rows repeated across shards "
+          f"{disk['repeated_bytes'] / 1e6:.1f} MB, {disk['overhead']:.2%} over one table per plane (target <= 5%)")
     for name, _, _, _, phases in rows:
         print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     return {"rows": [dict(zip(("step", "rows", "seconds", "ratio", "phases"), r)) for r in rows],
-            "base_verification": trust, "serving": serve}
+            "base_verification": trust, "serving": serve, "shards": full["shards"], "storage": disk}
+
+
+def storage(root: Path) -> dict:
+    """The full build's bytes on disk, and what its shards' own matcher tables cost over one table
+    per plane deduplicated across the catalog (the unsharded format's): the rows that several
+    shards each hold."""
+    snap = open_snapshot(root, verify=False)
+    repeated = 0
+    for p in range(len(snap.shards[0].gtm.planes)):
+        tables = np.concatenate([np.asarray(s.gtm.planes[p].table) for s in snap.shards])
+        distinct = RowTable(tables.shape[1], len(tables))
+        distinct.add(tables)
+        repeated += tables.nbytes - distinct.table().nbytes
+    total = snap.manifest.total_bytes
+    return {"bytes": total, "repeated_bytes": repeated, "overhead": repeated / (total - repeated)}
 
 
 def base_verification(root: Path) -> dict:

@@ -6,7 +6,8 @@ complete enough for a reader in another language.
 Shapes use these letters: L SID length, num_nodes trie nodes (root included), E = num_nodes - 1
 child entries, S SIDs (leaves), P SID rows (ad, path), N ads, T k-way partitions, R rows of a
 deduplicated matcher table, W_p words of a row of matcher plane p (W_bitmask, W_bloom), A_p
-attributes of plane p, H_p exact hashes of plane p.
+attributes of plane p, H_p exact hashes of plane p. In a shard's files num_nodes, E, S, P, T and R count
+that shard's trie.
 """
 
 from __future__ import annotations
@@ -20,27 +21,30 @@ SNAPSHOT_FORMAT = "sidindex.snapshot"
 # of every file (FAST_DIGEST, what a serving host checks when it opens a snapshot) and holds any of
 # those groups of arrays (the array list says which). Version 7 lets a full build hold the ad states
 # without a lineage (the paused ads it carried forward from the snapshot it replaces, docs/design.md §15);
-# this code writes the oldest of 6 and 7 that holds a snapshot (`written_version`), and reads all five.
+# Version 8 splits the trie into shards by first-token range (docs/design.md §18): each shard's
+# arrays in a directory of their own (`shard_dir`), the ad table and the exact index global. This code
+# writes version 8 and reads all six (a snapshot before it is one shard whose files lie at the top).
 VALUE_FREE_VERSION = 3
 VALUE_VERSION = 4
 UPDATED_VERSION = 5
 DIGEST_VERSION = 6
 STATES_VERSION = 7
-SNAPSHOT_VERSION = STATES_VERSION  # the newest this code writes
-READ_VERSIONS = (VALUE_FREE_VERSION, VALUE_VERSION, UPDATED_VERSION, DIGEST_VERSION, STATES_VERSION)
+SHARDED_VERSION = 8
+SNAPSHOT_VERSION = SHARDED_VERSION  # the one this code writes
+READ_VERSIONS = (VALUE_FREE_VERSION, VALUE_VERSION, UPDATED_VERSION, DIGEST_VERSION, STATES_VERSION, SHARDED_VERSION)
+SHARDS_DIR = "shards"
+MAX_SHARDS = 32768  # one first-level token each at most (tokens are int16)
+
+
+def shard_dir(k: int) -> str:
+    """The directory, relative to the snapshot's, of shard k's files (version 8)."""
+    return f"{SHARDS_DIR}/{k:05d}"
 
 # The fast digest: XXH3-128 (seed 0) of the concatenated 16-byte canonical (big-endian) XXH3-128
 # digests of the file's consecutive FAST_DIGEST_CHUNK-byte chunks (the last one shorter; an empty
 # file has none), so one large file is verified by many threads at once.
 FAST_DIGEST = "xxh3_128"
 FAST_DIGEST_CHUNK = 1 << 24
-
-
-def written_version(arrays: Container[str], lineage: bool) -> int:
-    """The format version a new snapshot holding the arrays named in `arrays` is written at: the
-    oldest that can hold it, so that a reader not yet upgraded reads every snapshot it can (only a
-    full build that carried ad states forward, `ad_state` without a lineage, needs STATES_VERSION)."""
-    return STATES_VERSION if "ad_state" in arrays and not lineage else DIGEST_VERSION
 
 
 def snapshot_version(arrays: Container[str]) -> int:
@@ -84,7 +88,8 @@ GROUPS: dict[str, tuple[Callable[[bool, bool, bool], bool], str]] = {
 
 @dataclass(frozen=True)
 class ArrayFile:
-    """One array, stored as `<name>.arrow`: an uncompressed Arrow IPC file holding one record
+    """One array, stored as `<name>.arrow` (in each shard's directory for scope "shard", at the top
+    for "global"): an uncompressed Arrow IPC file holding one record
     batch with one non-null column `column`. 1-D arrays are a primitive column of `rows` values; a
     2-D array (rows, width) is a `fixed_size_list<dtype>[width]` column of `rows` rows."""
 
@@ -95,6 +100,7 @@ class ArrayFile:
     doc: str
     group: str = "index"  # GROUPS: when the array is present
     column: str = ""
+    scope: str = "shard"  # "shard": one per shard, in its directory (version 8); "global": one per snapshot
 
     @property
     def file(self) -> str:
@@ -171,14 +177,16 @@ def _exact() -> tuple[ArrayFile, ...]:
     for p in MATCHER_PLANES:
         a = plane_arrays(p)
         if EXACT_FORM[p] == EXACT_ROWS:
-            out.append(ArrayFile(a.exact_rows, "<u8", "N", f"W_{p}", f"Each ad's own {p} row (exact)."))
+            out.append(ArrayFile(a.exact_rows, "<u8", "N", f"W_{p}", f"Each ad's own {p} row (exact).",
+                                 scope="global"))
         else:
             out += [ArrayFile(a.exact_hash_offsets, "<i8", f"A_{p} * (N + 1)", None,
                               f"Attribute-major: the hashes of ad i for {p} attribute a are {a.exact_hashes}"
-                              f"[o[a*(N+1)+i] : o[a*(N+1)+i+1]]; one run rising from 0 to H_{p}."),
+                              f"[o[a*(N+1)+i] : o[a*(N+1)+i+1]]; one run rising from 0 to H_{p}.",
+                              scope="global"),
                     ArrayFile(a.exact_hashes, "<u8", f"H_{p}", None,
                               "mmh3 x64_128 (seed 0x5EED0E1, first 64 bits) of an ad's values, ascending within "
-                              "each ad.")]
+                              "each ad.", scope="global")]
     return tuple(out)
 
 
@@ -196,15 +204,17 @@ SNAPSHOT_ARRAYS = (
     ArrayFile("part_offsets", "<i8", "E + 1", None,
               "Partitions of entry e are [part_offsets[e], part_offsets[e+1]).", group="kway"),
     *_exact(),
-    ArrayFile("ads", "<i8", "N", None, "ad_id of each catalog row; unique among rows not deleted.", column="ad_id"),
+    ArrayFile("ads", "<i8", "N", None, "ad_id of each catalog row; unique among rows not deleted.", column="ad_id",
+              scope="global"),
     ArrayFile("ad_state", "|u1", "N", None,
               f"State of each catalog row: {AD_LIVE} live, {AD_PAUSED} paused (ineligible until resumed), "
               f"{AD_DELETED} deleted (never served; its SIDs and matcher bits stay until the next full build).",
-              group="updated"),
+              group="updated", scope="global"),
     ArrayFile("entry_live", "|u1", "E", None,
               "1 when a live row (`ad_state`) lies beneath child entry e, else 0: the search takes no entry without "
               "one, so it never generates a SID whose ads are all paused or deleted.", group="updated"),
-    ArrayFile("ad_value", "<f8", "N", None, "The catalog's `value` of each ad: finite, >= 0.", group="value"),
+    ArrayFile("ad_value", "<f8", "N", None, "The catalog's `value` of each ad: finite, >= 0.", group="value",
+              scope="global"),
     ArrayFile("entry_value", "<f4", "E", None,
               "The largest `ad_value` of the ads under entry e, rounded up to float32: a bound of every ad beneath.",
               group="value"),
@@ -244,7 +254,14 @@ SNAPSHOT_RELATIONS = (
     "of a leaf entry >= ad_value of each of its ads; entry_value of an inner entry >= that of each child entry; "
     "part_value falling (not rising) within each entry's partitions, the first equal to the entry's entry_value.",
     "level_sizes (manifest): L values in [1, 32768], equal to the carried codebook's.",
-    "manifest counts: ads = N, sid_rows = P, sids = S, nodes = num_nodes.",
+    "manifest counts: ads = N, sid_rows = P, sids = S, nodes = num_nodes (of the whole trie: below).",
+    "shards (version 8): token ranges [lo, hi) rising from 0 to level_sizes[0], each beginning where the previous "
+    "ends. Each shard's arrays hold the trie of the SIDs whose first token lies in its range and satisfy every "
+    "relation above on their own (its node 0 a root whose child tokens lie in [lo, hi); leaf_ads catalog rows; "
+    "entry_live and the value bounds against the global ad_state and ad_value). The whole trie is the shards' "
+    "joined: the root's entries are every shard's root entries, shard after shard, and depth d > 0 is every "
+    "shard's depth d, shard after shard; per-entry arrays follow that order, and a row index of shard k's "
+    "tables counts the rows of the shards before it. Tables are deduplicated within a shard only.",
     "Matcher cover (no false negative): per plane, the row of an inner entry holds every bit of each child "
     "entry's row; the bitmask row of a SID's entry holds every bit of each of its ads' exact_bitmask_rows; the "
     "bloom row of a SID's entry has, per attribute, all ones where one of its ads has no values there and some "
@@ -268,15 +285,16 @@ def manifest_keys(version: int, updated: bool) -> tuple[ManifestKey, ...]:
 
 MANIFEST_KEYS = (
     ManifestKey("format", "string", f"`{SNAPSHOT_FORMAT}`."),
-    ManifestKey("format_version", "int", f"{DIGEST_VERSION}: every file carries `{FAST_DIGEST}`, and `arrays` says "
-                                         "which groups are present; `ad_state` comes with `lineage`. "
-                                         f"{STATES_VERSION}: the same, but a full build holds `ad_state` without "
-                                         "`lineage` (the paused ads it carried forward); written only then. Written "
-                                         f"by earlier sidindex versions, still read: {UPDATED_VERSION} when an "
-                                         "update wrote the snapshot (`ad_state` and `lineage` present), else "
-                                         f"{VALUE_VERSION} when it carries the `value` arrays, else "
-                                         f"{VALUE_FREE_VERSION}; files with `sha256` only. A reader refuses other "
-                                         "versions (a newer one saying to upgrade)."),
+    ManifestKey("format_version", "int", f"{SHARDED_VERSION} (written now): the trie in shards (`shards`), `arrays` "
+                                         f"the global arrays, every file with `{FAST_DIGEST}`, `ad_state` with or "
+                                         "without `lineage`. Written by earlier sidindex versions and still read, "
+                                         f"every array at the top as one shard: {STATES_VERSION} (a full build "
+                                         "holding `ad_state` without `lineage`, the paused ads it carried forward), "
+                                         f"{DIGEST_VERSION} (every file with `{FAST_DIGEST}`; `ad_state` comes with "
+                                         f"`lineage`), {UPDATED_VERSION} when an update wrote the snapshot (`ad_state` "
+                                         f"and `lineage` present), else {VALUE_VERSION} when it carries the `value` "
+                                         f"arrays, else {VALUE_FREE_VERSION}; these three with `sha256` only. A reader "
+                                         "refuses other versions (a newer one saying to upgrade)."),
     ManifestKey("id", "string", "Snapshot id, equal to the directory name: `YYYYMMDDTHHMMSSffffffZ-<8 hex>`."),
     ManifestKey("created", "string", "UTC time of the build, ISO 8601."),
     ManifestKey("input_fingerprint", "string", "sha256 over the catalog bytes, spec, config, codebook id, format."),
@@ -289,7 +307,12 @@ MANIFEST_KEYS = (
     ManifestKey("counts", "object", "ads, sid_rows, sids, nodes."),
     ManifestKey("stats", "object", "Build statistics (GRACE Tables 1 and 2)."),
     ManifestKey("quality", "object | null", "The SID quality report of the build."),
-    ManifestKey("arrays", "object", "Per array name: `rows` and `width` (null for 1-D)."),
+    ManifestKey("arrays", "object", "Per array name: `rows` and `width` (null for 1-D); from version "
+                                    f"{SHARDED_VERSION} the global arrays only, a shard's are in `shards`."),
+    ManifestKey("shards", "list<object>", "Per shard, in token order: `tokens` ([lo, hi), the first-level "
+                                          "tokens whose SIDs it holds) and `arrays` (its arrays, as `arrays`); "
+                                          "its files lie in `shards/<k>/` (k the position, five digits).",
+                since=SHARDED_VERSION),
     ManifestKey("lineage", "object", "Present exactly when an update wrote the snapshot (which then holds `ad_state`): "
                                      "`full_build` (the id of the full build "
                                      "the updates started from), `base` (the snapshot this update was applied to), "
@@ -320,17 +343,20 @@ MANIFEST_DOC = (
 
 def render_artifacts() -> list[str]:
     """The snapshot contract as Markdown lines."""
-    out = [f"## snapshot directory (format `{SNAPSHOT_FORMAT}`, version {DIGEST_VERSION}; versions "
-           f"{VALUE_FREE_VERSION} to {UPDATED_VERSION} are still read)", "",
-           "A snapshot is a directory `ROOT/snapshots/<id>/` holding `manifest.json`, one Arrow IPC file per "
-           "array below, and the frozen codebook in `codebooks/<codebook_id>/` (`codebook.json` and "
-           "`level_<l>.npy`). Every `.arrow` file opens with `pyarrow.ipc.open_file(pyarrow.memory_map(path))`, "
+    out = [f"## snapshot directory (format `{SNAPSHOT_FORMAT}`, version {SHARDED_VERSION}; versions "
+           f"{VALUE_FREE_VERSION} to {STATES_VERSION} are still read)", "",
+           "A snapshot is a directory `ROOT/snapshots/<id>/` holding `manifest.json`, the global arrays below "
+           f"(one Arrow IPC file each), a directory `{SHARDS_DIR}/<k>/` per shard (k = 00000, 00001, ...) holding "
+           "the shard's arrays, and the frozen codebook in `codebooks/<codebook_id>/` (`codebook.json` and "
+           "`level_<l>.npy`). A snapshot before version 8 holds every array at the top, as one shard. Every "
+           "`.arrow` file opens with `pyarrow.ipc.open_file(pyarrow.memory_map(path))`, "
            "`polars.read_ipc` and, through Arrow, duckdb.", "",
            __doc__.split("\n\n")[1].replace("\n", " "), "",
            "| file | column | Arrow type | rows | present | meaning |", "| --- | --- | --- | --- | --- | --- |"]
     for a in SNAPSHOT_ARRAYS:
         present = GROUPS[a.group][1]
-        out.append(f"| `{a.file}` | `{a.column_name}` | `{a.arrow_type}` | {a.rows} | {present} | {a.doc} |")
+        where = a.file if a.scope == "global" else f"{SHARDS_DIR}/<k>/{a.file}"
+        out.append(f"| `{where}` | `{a.column_name}` | `{a.arrow_type}` | {a.rows} | {present} | {a.doc} |")
     out += ["", "Relations a reader may rely on (`sidindex validate` checks every one before any index is used):", ""]
     out += [f"- {r}" for r in SNAPSHOT_RELATIONS]
     out += ["", "### manifest.json", "", MANIFEST_DOC, "", "| key | type | meaning |", "| --- | --- | --- |"]

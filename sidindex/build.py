@@ -11,6 +11,7 @@ Stages (timed, so a build can report where its time goes):
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from sidindex.targeting import TargetingSpec
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
 from sidindex.trie.kway import KWayConfig
-from sidindex.trie.partition import build_gtm_partitioned
+from sidindex.trie.shard import Shard, build_shards, join_shards
 from sidindex.trie.stats import GTMStats, gtm_stats
 
 
@@ -35,7 +36,7 @@ class BuiltIndex:
     reports of it. `build_index`, the job's engines and `sidindex.update.apply_changes` each return
     one; a field a step has nothing for stays None.
 
-    gtm, exact:    the GTM and exact indexes
+    shards, exact: the GTM index's shards (in token order) and the exact index; `gtm` is their join
     seconds:       per stage
     ad_id:         (N,) int64 each catalog row's ad id (None from `build_index`, which reads only the
                    targeting columns: its caller holds the ids)
@@ -47,7 +48,7 @@ class BuiltIndex:
                    live and the SIDs without a live row (`sidindex.trie.patch.liveness`)
     """
 
-    gtm: GTMIndex
+    shards: tuple[Shard, ...]
     exact: ExactIndex
     seconds: dict[str, float]
     ad_id: np.ndarray | None = None
@@ -57,6 +58,14 @@ class BuiltIndex:
     new_sid_rows: int = 0
     stale_entries: int | None = None
     dead_sids: int | None = None
+
+    @functools.cached_property
+    def gtm(self) -> GTMIndex:
+        """The whole trie: the shards joined (`sidindex.trie.shard.join_shards`)."""
+        return join_shards(self.shards)
+
+    def shard_list(self) -> tuple[Shard, ...]:
+        return self.shards
 
 
 def encode_ads(spec: TargetingSpec, columns: pl.DataFrame, clock: StageClock | None = None
@@ -78,21 +87,21 @@ def encode_ads(spec: TargetingSpec, columns: pl.DataFrame, clock: StageClock | N
 
 def build_index(spec: TargetingSpec, columns: pl.DataFrame, sids: np.ndarray, ad_index: np.ndarray,
                 level_sizes: tuple[int, ...], *, kway: KWayConfig | None = None,
-                ad_value: np.ndarray | None = None, workers: int | None = None, parts: int | None = None
+                ad_value: np.ndarray | None = None, workers: int | None = None, shards: int | None = None
                 ) -> BuiltIndex:
     """columns: the catalog's targeting columns (validated, `Catalog.columns`), one row per ad
     sids: (P, L) int16 SID rows; ad_index: (P,) int64 row of each SID row's ad in `columns`
     ad_value: (N,) float64 the ads' values (`Catalog.value`), or None: no value bounds
-    workers: threads building the trie as subtries (default 1: the whole trie at once, fastest on
-             a few cores); parts: how many subtries (default: 4 per worker); the index depends on neither
+    workers: threads building the trie's shards (default 1); shards: how many (default from the
+             catalog's size, `sidindex.trie.shard.default_shards`); the shards do not depend on workers
     """
     clock = StageClock()
     ad_rows, exact = encode_ads(spec, columns, clock)
     clock.lap("exact index")
     bits = tuple(layout.bits for layout in spec.layouts)
-    gtm = build_gtm_partitioned(sids, ad_index, level_sizes, ad_rows, kway=kway, matcher_bits=sum(bits),
-                                ad_value=ad_value, workers=workers or 1, parts=parts)
+    parts = build_shards(sids, ad_index, level_sizes, ad_rows, shards=shards, kway=kway, matcher_bits=sum(bits),
+                         ad_value=ad_value, workers=workers)
     clock.lap("trie")
-    stats = gtm_stats(gtm, bits)
+    stats = gtm_stats([s.gtm for s in parts], bits)
     clock.lap("stats")
-    return BuiltIndex(gtm, exact, clock.seconds, stats=stats)
+    return BuiltIndex(parts, exact, clock.seconds, stats=stats)

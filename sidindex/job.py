@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, SNAPSHOT_VERSION
+from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, MAX_SHARDS, SNAPSHOT_VERSION
 from schemas.contracts import CHANGES_THROUGH_KEY
 from sidindex.artifact import regular_input, sha256_file
 from sidindex.build import BuiltIndex, build_index
@@ -59,7 +59,7 @@ Progress = Callable[[str, int, int], None]
 def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None = None, codebook: Path | None = None,
               force: bool = False, keep: int = 3, progress: Progress | None = None,
               waiting: Callable[[], None] | None = None, engine: str = "local", ray_address: str | None = None,
-              workers: int | None = None, changes_through: str | None = None) -> dict:
+              workers: int | None = None, changes_through: str | None = None, shards: int | None = None) -> dict:
     """Run the job; returns its report (status "published" or "unchanged", ids, counts, what was
     carried forward, warnings, seconds).
 
@@ -68,7 +68,11 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
     needs a frozen codebook). Both publish the same arrays.
     changes_through: the name of the newest change file the catalog export holds (see the module
     docstring); None: unknown.
+    shards: the snapshot's shard count (docs/design.md §18; default from the catalog's size, at most one
+    per first-level token): the shards' arrays depend on it and the catalog alone, not on the engine.
     """
+    if shards is not None and not 1 <= shards <= MAX_SHARDS:
+        raise ConfigError(f"a snapshot holds 1 to {MAX_SHARDS} shards, not {shards}")
     if engine not in ENGINES:
         raise ConfigError(f"unknown build engine {engine!r}; expected one of {', '.join(ENGINES)}")
     if ray_address is not None and engine != "ray":
@@ -120,13 +124,13 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
                 save_codebook(cb, layout.path)
                 report["codebook"] = "trained"
                 clock.lap("train codebook")
-        fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id, changes_through)
+        fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id, changes_through, shards)
         if not force and (unchanged := _unchanged(layout, fingerprint)):
             return {**unchanged, **report, "codebook_id": cb.id, "seconds": _rounded(clock)}
         if engine == "ray":  # after the check: unchanged inputs cost no cluster time
-            built = _on_ray(catalog, spec, cfg, cb, ray_address, workers)
+            built = _on_ray(catalog, spec, cfg, cb, ray_address, workers, shards)
         else:
-            built = _locally(cat, spec, cfg, cb, workers, progress)
+            built = _locally(cat, spec, cfg, cb, workers, shards, progress)
         clock.seconds |= built.seconds
         clock.restart()
         built, carried, warnings = _carry_changes(layout, published, built, cb, changes_through)
@@ -136,7 +140,7 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
         assert ad_id is not None and stats is not None and quality is not None  # an engine's index has them all
 
         def write(directory: Path) -> None:
-            write_snapshot(directory, built.gtm, built.exact, ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
+            write_snapshot(directory, built.shards, built.exact, ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
                            input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()), build_config=cfg,
                            stats=stats, quality=quality.to_dict())
 
@@ -144,7 +148,8 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
                               through=changes_through)
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
-            "fingerprint": fingerprint, "codebook_id": cb.id, **Counts.of(built.gtm, ad_id).to_dict(),
+            "fingerprint": fingerprint, "codebook_id": cb.id, "shards": len(built.shards),
+            **Counts.of([s.gtm for s in built.shards], ad_id).to_dict(),
             "matcher_bytes": stats.matcher_bytes, "carried": carried, "warnings": warnings,
             **({"ray": built.shape} if built.shape else {}), "seconds": _rounded(clock)}
 
@@ -153,7 +158,7 @@ ENGINES = ("local", "ray")
 
 
 def _locally(cat: Catalog, spec: TargetingSpec, cfg: BuildConfig, cb: Codebook, workers: int | None,
-             progress: Progress) -> BuiltIndex:
+             shards: int | None, progress: Progress) -> BuiltIndex:
     """The local engine's index, with the catalog's ad ids and the SID quality report."""
     clock = StageClock()
     tokens = hash_tokens(cat.columns, cb.hash_keys, cb.hash_size)
@@ -161,7 +166,7 @@ def _locally(cat: Catalog, spec: TargetingSpec, cfg: BuildConfig, cb: Codebook, 
     quality = _gated(sid_quality(assignment, cb, cat.embedding, cfg.quality))  # before the trie: fail fast
     clock.lap("assign SIDs")
     built = build_index(spec, cat.columns, assignment.sids, assignment.ad_index, cb.level_sizes, kway=cfg.kway,
-                        ad_value=cat.value, workers=workers)
+                        ad_value=cat.value, workers=workers, shards=shards)
     return dataclasses.replace(built, ad_id=cat.ad_id, quality=quality,
                                seconds=clock.seconds | {f"build: {k}": v for k, v in built.seconds.items()})
 
@@ -174,19 +179,21 @@ def _gated(quality: QualityReport) -> QualityReport:
 
 
 def _on_ray(catalog: Path, spec: TargetingSpec, cfg: BuildConfig, cb: Codebook, address: str | None,
-            workers: int | None) -> BuiltIndex:
+            workers: int | None, shards: int | None) -> BuiltIndex:
     from sidindex.ray_build import build_on_ray
 
-    r = build_on_ray(Path(catalog), spec, cb, kway=cfg.kway, address=address, workers=workers)
+    r = build_on_ray(Path(catalog), spec, cb, kway=cfg.kway, address=address, workers=workers, shards=shards)
     clock = StageClock()
-    g = r.gtm
-    counts = np.diff(g.leaf_ad_offsets)
-    quality = quality_report(g.leaf_sids(), counts, np.bincount(g.leaf_ads, minlength=len(r.ad_id)), r.sums, cb,
-                             cfg.quality)
+    g = [s.gtm for s in r.shards]  # leaves in the whole trie's order: shard after shard
+    per_ad = np.zeros(len(r.ad_id), dtype=np.int64)
+    for t in g:
+        per_ad += np.bincount(t.leaf_ads, minlength=len(r.ad_id))
+    quality = quality_report(np.concatenate([t.leaf_sids() for t in g]),
+                             np.concatenate([np.diff(t.leaf_ad_offsets) for t in g]), per_ad, r.sums, cb, cfg.quality)
     stats = gtm_stats(g, tuple(layout.bits for layout in spec.layouts))
     clock.lap("quality + stats")
-    return BuiltIndex(g, r.exact, {f"ray: {k}": v for k, v in r.seconds.items()} | clock.seconds, ad_id=r.ad_id,
-                      stats=stats, quality=_gated(quality), shape=r.shape)
+    return BuiltIndex(r.shards, r.exact, {f"ray: {k}": v for k, v in r.seconds.items()} | clock.seconds,
+                      ad_id=r.ad_id, stats=stats, quality=_gated(quality), shape=r.shape)
 
 
 def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Codebook, through: str | None
@@ -223,9 +230,10 @@ def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Cod
     carried = {"paused": len(paused), "replayed": [f.name for f in replay]}
     if index is built:
         return built, carried, warnings
-    stats = gtm_stats(index.gtm, tuple(layout.bits for layout in built.exact.spec.layouts)) if replay else built.stats
-    return dataclasses.replace(built, gtm=index.gtm, exact=index.exact, ad_id=index.ad_id, stats=stats), carried, \
-        warnings
+    stats = gtm_stats([s.gtm for s in index.shard_list()], tuple(layout.bits for layout in built.exact.spec.layouts)
+                      ) if replay else built.stats
+    return dataclasses.replace(built, shards=index.shard_list(), exact=index.exact, ad_id=index.ad_id, stats=stats), \
+        carried, warnings
 
 
 def _published(root: Root) -> str | None:
@@ -315,7 +323,7 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
                           stale_entries=updated.stale_entries, dead_sids=updated.dead_sids)
 
         def write(directory: Path) -> None:
-            write_snapshot(directory, updated.gtm, updated.exact, ad_id, base.spec, snapshot_id=snapshot_id,
+            write_snapshot(directory, updated.shards, updated.exact, ad_id, base.spec, snapshot_id=snapshot_id,
                            codebook=cb, input_fingerprint=fingerprint, catalog=m.catalog,
                            build_config=m.build_config, stats=m.stats, quality=m.quality, base=base, lineage=lineage)
 
@@ -326,7 +334,7 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=(staged, source))
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
-            **Counts.of(updated.gtm, ad_id).to_dict(), "new_sid_rows": updated.new_sid_rows,
+            **Counts.of([s.gtm for s in updated.shards], ad_id).to_dict(), "new_sid_rows": updated.new_sid_rows,
             "lineage": lineage.to_dict(), "seconds": _rounded(clock)}
 
 
@@ -351,10 +359,12 @@ def _codebook(root: Root, given: Path | None) -> tuple[Codebook | None, str]:
     return load_codebook(root.path), "reused"
 
 
-def _fingerprint(catalog: Path, spec: dict, config: dict, codebook_id: str, changes_through: str | None) -> str:
+def _fingerprint(catalog: Path, spec: dict, config: dict, codebook_id: str, changes_through: str | None,
+                 shards: int | None) -> str:
     h = hashlib.sha256(sha256_file(Path(catalog), follow_links=True).encode())  # a link to the latest export
     h.update(json.dumps({"targeting": spec, "config": config, "codebook": codebook_id,
                          "snapshot_format": SNAPSHOT_VERSION,  # the export's watermark decides what is re-applied
-                         **({"changes_through": changes_through} if changes_through else {})},
+                         **({"changes_through": changes_through} if changes_through else {}),
+                         **({"shards": shards} if shards else {})},
                         sort_keys=True).encode())
     return h.hexdigest()

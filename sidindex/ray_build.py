@@ -4,11 +4,11 @@
              which error messages name; Ray Data's reader does not give them)
   prepare    one task per fragment: validate, SIDs (the frozen codebook is put in the object store
              once), matcher rows, exact index; returns its ads table and its SID rows
-  shuffle    the driver sums the fragments' first-token counts into part bounds; one task per
-             fragment splits its SID rows into a table per part (num_returns = parts)
-  build      one task per part builds its subtrie from every fragment's table for it
-  combine    the driver combines the subtries and the ads tables (`trie.partition.combine`,
-             `stages.finish_ads`); the job writes and publishes the snapshot as for the local engine
+  shuffle    the driver sums the fragments' first-token counts into shard bounds; one task per
+             fragment splits its SID rows into a table per shard (num_returns = shards)
+  build      one task per shard builds its trie from every fragment's table for it
+  finish     the driver joins the ads tables (`stages.finish_ads`); the job writes and publishes
+             the shards and the ads as for the local engine
 
 Errors: a fragment's bad row fails the build with the local engine's message (the first error a
 whole-file validation meets, ranked by `InputError.rank`; ad ids are checked for repeats across
@@ -21,6 +21,7 @@ Ray is an optional extra.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -40,9 +41,9 @@ from sidindex.sid import Codebook
 from sidindex.sid.quality import QualitySums
 from sidindex.targeting import TargetingSpec
 from sidindex.timing import StageClock
-from sidindex.trie.build import GTMIndex
 from sidindex.trie.kway import KWayConfig
-from sidindex.trie.partition import Subtrie, combine, default_workers, token_ranges
+from sidindex.trie.partition import default_workers
+from sidindex.trie.shard import Shard, default_shards, shard_bounds, shard_of
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,11 @@ class Fragment:
 class RayBuilt:
     """What the Ray engine hands the job: the local engine's arrays and the SID report's inputs.
 
-    ad_id: (N,) int64; sums: the embeddings' quality sums; shape: fragments, parts, shuffle bytes,
-    and each part's SID rows and build seconds
+    ad_id: (N,) int64; sums: the embeddings' quality sums; shape: fragments, shards, shuffle bytes,
+    and each shard's SID rows and build seconds
     """
 
-    gtm: GTMIndex
+    shards: tuple[Shard, ...]
     exact: ExactIndex
     ad_id: np.ndarray
     sums: QualitySums
@@ -86,11 +87,12 @@ def fragments(path: Path) -> list[Fragment]:
 
 
 def build_on_ray(path: Path, spec: TargetingSpec, codebook: Codebook, *, kway: KWayConfig | None,
-                 address: str | None = None, workers: int | None = None, retries: int = 0) -> RayBuilt:
+                 address: str | None = None, workers: int | None = None, retries: int = 0,
+                 shards: int | None = None) -> RayBuilt:
     """Build the catalog at `path` on Ray: a local Ray on `workers` CPUs (default: every core)
     started for this build, or the cluster at `address` ("auto": the one this host belongs to).
     When this process already runs Ray, the build uses it (and neither argument). A task is
-    retried `retries` times when its worker dies."""
+    retried `retries` times when its worker dies. shards: as `sidindex.trie.shard.build_shards`."""
     try:
         import ray
     except ImportError:
@@ -116,7 +118,7 @@ def build_on_ray(path: Path, spec: TargetingSpec, codebook: Codebook, *, kway: K
             raise EngineError(f"cannot start or reach Ray{f' at {address}' if address else ''}: {e}") from None
     try:
         clock.lap("start ray")
-        return _run(ray, path, spec, codebook, kway, frags, retries, clock)
+        return _run(ray, path, spec, codebook, kway, frags, retries, shards, clock)
     except ray.exceptions.RayError as e:
         raise EngineError(f"the ray build failed, nothing published: {_cause(e)}") from None
     finally:
@@ -138,7 +140,7 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 
 def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, kway: KWayConfig | None,
-         frags: list[Fragment], retries: int, clock: StageClock) -> RayBuilt:
+         frags: list[Fragment], retries: int, shards: int | None, clock: StageClock) -> RayBuilt:
     from sidindex import stages
 
     level_sizes = codebook.level_sizes
@@ -173,10 +175,10 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
         return parts if len(parts) > 1 else parts[0]  # one return value is not unpacked
 
     @ray.remote(max_retries=retries)
-    def build(*tables: Any) -> tuple[Subtrie, tuple[int, float]]:
+    def build(lo: int, hi: int, *tables: Any) -> tuple[Shard, tuple[int, float]]:
         t = time.perf_counter()
         sub = stages.build_part(list(tables), level_sizes, planes, kway=kway, matcher_bits=bits)
-        return sub, (sum(x.num_rows for x in tables), time.perf_counter() - t)
+        return shard_of(sub, lo, hi, None), (sum(x.num_rows for x in tables), time.perf_counter() - t)
 
     spec_ref, cb_ref = ray.put(spec), ray.put(codebook)
     prepared = [prepare.remote(f, spec_ref, cb_ref) for f in frags]
@@ -185,23 +187,22 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
     clock.lap("prepare fragments")
     counted = ray.get([p[2] for p in prepared])
     held = np.sum([c for c, _ in counted], axis=0)
-    bounds = token_ranges(held, 4 * int(ray.cluster_resources().get("CPU", 1)))
+    bounds = shard_bounds(held, shards or default_shards(int(held.sum()), level_sizes[0]))
     q = len(bounds) - 1
     splits = [split.options(num_returns=q).remote(p[1], bounds) for p in prepared]
     splits = [s if q > 1 else [s] for s in splits]
     del prepared
-    parts = [build.remote(*[s[i] for s in splits]) for i in range(q)]
+    parts = [build.remote(int(bounds[i]), int(bounds[i + 1]), *[s[i] for s in splits]) for i in range(q)]
     built = ray.get(parts)
-    subtries = [b[0] for b in built]
-    shape = {"fragments": len(frags), "parts": q, "shuffle_bytes": int(sum(b for _, b in counted)),
-             "part_sid_rows": [b[1][0] for b in built], "part_seconds": [round(b[1][1], 3) for b in built]}
-    del splits, parts, built
-    clock.lap("shuffle + subtries")
+    shape = {"fragments": len(frags), "shards": q, "shuffle_bytes": int(sum(b for _, b in counted)),
+             "shard_sid_rows": [b[1][0] for b in built], "shard_seconds": [round(b[1][1], 3) for b in built]}
+    clock.lap("shuffle + shards")
     ad_id, value, exact, sums = stages.finish_ads(ads, spec)
     del ads
-    gtm = combine(subtries, level_sizes, value)
-    clock.lap("combine")
-    return RayBuilt(gtm, exact, ad_id, sums, clock.seconds, shape)
+    out = tuple(dataclasses.replace(b[0], gtm=dataclasses.replace(b[0].gtm, ad_value=value)) for b in built)
+    del splits, parts, built
+    clock.lap("finish")
+    return RayBuilt(out, exact, ad_id, sums, clock.seconds, shape)
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,12 @@ earlier update's (docs/design.md §15).
     pause / resume / delete   the rows' `ad_state` only; the trie and matchers stay as they are
     upsert                    the ad's old row (if any) is deleted; its new data becomes a new row
                               at the end of the ad table, its SIDs assigned with the frozen
-                              codebook and inserted into the trie (`sidindex.trie.patch`), its rows
-                              appended to the exact index
+                              codebook and inserted into the shards their first tokens fall in
+                              (`sidindex.trie.patch`), its rows appended to the exact index
 
 Rows are never renumbered, so every array an update leaves alone is the base snapshot's own (the
-same object), and the writer links its file instead of writing it again. A deleted row stays in the
+same object; a shard no new SID falls in keeps its trie), and the writer links its file instead of
+writing it again. A deleted row stays in the
 ad table and under its SIDs, never served, until the next full build drops it.
 """
 
@@ -29,6 +30,7 @@ from sidindex.sid import Codebook, assign_sids, hash_tokens
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
 from sidindex.trie.patch import insert_sids, liveness
+from sidindex.trie.shard import Shard
 
 
 class Indexed(Protocol):
@@ -43,6 +45,8 @@ class Indexed(Protocol):
 
     @property
     def ad_id(self) -> np.ndarray | None: ...
+
+    def shard_list(self) -> tuple[Shard, ...]: ...
 
 
 def _ad_ids(index: Indexed) -> np.ndarray:
@@ -71,10 +75,11 @@ def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> BuiltI
         if len(wanted):
             state[ids.is_in(pl.Series(wanted).implode()).to_numpy() & served] = new_state
     clock.lap("ad states")
-    gtm, exact, sid_rows = snap.gtm, snap.exact, 0
+    shards, exact, sid_rows = snap.shard_list(), snap.exact, 0
+    values = shards[0].gtm.ad_value
     added = changes.added
     if added is not None:
-        if (added.value is None) != (gtm.ad_value is None):
+        if (added.value is None) != (values is None):
             raise InputError(f"{changes.path}: upserts {'lack' if added.value is None else 'carry'} ad values and "
                              f"the snapshot {'does' if added.value is None else 'does not'}")
         tokens = hash_tokens(added.columns, codebook.hash_keys, codebook.hash_size)
@@ -83,7 +88,7 @@ def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> BuiltI
         ad_rows, new_exact = encode_ads(snap.exact.spec, added.columns)
         clock.lap("encode")
         n = len(ad_id)
-        gtm = insert_sids(gtm, sids.sids, sids.ad_index + n, ad_rows, added.value)
+        shards = _insert(shards, sids.sids, sids.ad_index + n, ad_rows, added.value)
         clock.lap("insert SIDs")
         exact = concat_exact([exact, new_exact])
         ad_id = np.concatenate([ad_id, added.ad_id])
@@ -91,10 +96,37 @@ def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> BuiltI
         sid_rows = len(sids.sids)
         clock.lap("exact index")
     exact = ExactIndex(exact.spec, exact.planes, state)
-    live, stale, dead_sids = liveness(gtm, state)
-    if gtm.entry_live is not None and np.array_equal(live, gtm.entry_live):
-        live = gtm.entry_live  # unchanged: the base's file and device tensor serve on
-    gtm = dataclasses.replace(gtm, entry_live=live)
+    out, stale, dead_sids = [], 0, 0
+    for shard in shards:
+        g = shard.gtm
+        live, s, d = liveness(g, state)
+        if g.entry_live is not None and np.array_equal(live, g.entry_live):
+            live = g.entry_live  # unchanged: the base's file and device tensor serve on
+        out.append(dataclasses.replace(shard, gtm=dataclasses.replace(g, entry_live=live)))
+        stale, dead_sids = stale + s, dead_sids + d
     clock.lap("stale entries")
-    return BuiltIndex(gtm, exact, clock.seconds, ad_id=ad_id, new_sid_rows=sid_rows, stale_entries=stale,
+    return BuiltIndex(tuple(out), exact, clock.seconds, ad_id=ad_id, new_sid_rows=sid_rows, stale_entries=stale,
                       dead_sids=dead_sids)
+
+
+def _insert(shards: tuple[Shard, ...], sids: np.ndarray, ad_index: np.ndarray, ad_rows: dict[str, np.ndarray],
+            ad_value: np.ndarray | None) -> tuple[Shard, ...]:
+    """The shards with SID rows sids (Q, L) int16 of ads ad_index (Q,) int64 inserted, each row into
+    the shard its first token falls in; a shard none falls in keeps its own arrays (the same
+    objects). ad_rows, ad_value: the new ads' (`insert_sids`)."""
+    lo = np.array([s.lo for s in shards])
+    which = np.searchsorted(lo, sids[:, 0], side="right") - 1
+    values = None if ad_value is None else np.concatenate([shards[0].gtm.ad_value, ad_value])
+    out = []
+    for k, shard in enumerate(shards):
+        rows = np.flatnonzero(which == k)
+        if len(rows) == 0:  # its own arrays stay the base's; the catalog's values grew
+            out.append(dataclasses.replace(shard, gtm=dataclasses.replace(shard.gtm, ad_value=values)))
+            continue
+        first = int(ad_index[rows].min())  # insert_sids numbers the new ads from its first row's
+        first_new = int(ad_index.min())
+        rows_k = {p: r[first - first_new:] for p, r in ad_rows.items()}
+        value_k = None if ad_value is None else ad_value[first - first_new:]
+        g = insert_sids(shard.gtm, sids[rows], ad_index[rows], rows_k, value_k)
+        out.append(dataclasses.replace(shard, gtm=dataclasses.replace(g, ad_value=values)))
+    return tuple(out)

@@ -151,9 +151,12 @@ def build(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster to run on (ADDR, or auto: "
                                               "the one this host belongs to). Default: start a local Ray for the "
                                               "build."),
-    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="local: threads building the trie as "
-                                          "subtries by first token (default 1: the whole trie at once, the fastest "
-                                          "on a few cores). ray: CPUs of the local Ray (default: every core)."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="local: threads building the trie's "
+                                          "shards (default 1). ray: CPUs of the local Ray (default: every core)."),
+    shards: Optional[int] = typer.Option(None, "--shards", min=1, max=32768, help="Split the trie into this many "
+                                         "shards by first-level token, each about as many SID rows (default: one "
+                                         "per 2M SID rows). Updates rewrite only the shards they touch, and a "
+                                         "serving host re-checks only those; results do not depend on it."),
     changes_through: Optional[str] = typer.Option(
         None, "--changes-applied-through", metavar="NAME",
         help="The newest change file (its file name) whose changes the catalog export already holds. Change files "
@@ -166,8 +169,8 @@ def build(
     """Build and publish a snapshot: the main job, end to end.
 
     Validates the catalog, reuses the frozen codebook (or trains one on the first build), assigns
-    SIDs (quality gates: exit 3), builds the GTM trie and exact index, writes the snapshot, opens and
-    validates it, then publishes it atomically. An unchanged catalog with the same spec, config and
+    SIDs (quality gates: exit 3), builds the GTM trie in shards and the exact index, writes the
+    snapshot, opens and validates it, then publishes it atomically. An unchanged catalog with the same spec, config and
     codebook publishes nothing (status "unchanged") unless --force. On any failure the published
     snapshot stays as it was.
 
@@ -182,7 +185,8 @@ def build(
     with progress_bar(not as_json and err.is_terminal) as progress:
         report = run_build(catalog, targeting, root, config=config, codebook=codebook, force=force, keep=keep,
                            progress=progress, waiting=lambda: err.print("waiting for another build on this ROOT ..."),
-                           engine=engine, ray_address=ray_address, workers=workers, changes_through=changes_through)
+                           engine=engine, ray_address=ray_address, workers=workers, changes_through=changes_through,
+                           shards=shards)
     for warning in report.get("warnings", ()):
         err.print(f"warning: {warning}", highlight=False, soft_wrap=True)
     if as_json:
@@ -194,7 +198,7 @@ def build(
                   "changes_applied_again": ", ".join(report["carried"]["replayed"]) or "none"}
     if "ray" in report:
         shape = report["ray"]
-        shown |= {"fragments": shape["fragments"], "parts": shape["parts"],
+        shown |= {"fragments": shape["fragments"],
                   "shuffle_mb": round(shape["shuffle_bytes"] / 1e6, 1)}
     emit(shown, False, f"snapshot {report['status']}")
     print_seconds(report["seconds"])

@@ -134,6 +134,18 @@ def print_positions(positions: tuple[PositionStats, ...], kway: bool) -> None:
     out.print(t)
 
 
+def print_shards(shards: list[dict]) -> None:
+    """The per-shard table of `inspect`: token range, SID rows, SIDs, nodes, bytes."""
+    t = Table(title="per shard", title_justify="left")
+    for c in ("shard", "tokens", "SID rows", "SIDs", "nodes", "MB"):
+        t.add_column(c, justify="right")
+    for k, s in enumerate(shards):
+        lo, hi = s["tokens"]
+        t.add_row(str(k), f"{lo}..{hi - 1}", f"{s['sid_rows']:,}", f"{s['sids']:,}", f"{s['nodes']:,}",
+                  f"{s['bytes'] / 1e6:,.2f}")
+    out.print(t)
+
+
 def print_study(report: dict, top_k: int) -> None:
     """The per-mode and per-bucket tables of `simulate` (`runtime.simulate.simulate`'s report)."""
     t = Table(title=f"per mode ({report['requests']} requests): ads generated and their pass rates per stage, "

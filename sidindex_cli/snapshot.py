@@ -11,7 +11,7 @@ import typer
 from schemas.artifacts import AD_DELETED, AD_PAUSED
 from sidindex.errors import ArtifactError
 from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, output_file
-from sidindex_cli.render import emit, print_positions
+from sidindex_cli.render import emit, print_positions, print_shards
 
 app = typer.Typer()
 
@@ -47,7 +47,8 @@ def inspect(
 
     Build inputs (codebook, fingerprint), then per transition position: parents, entries, matcher
     storage (KB with one row per entry -> KB after dedup), fill rates (union, and k-way partitions
-    when built). A snapshot written by `sidindex update` also shows its full build, the updates
+    when built); then per shard: its first-level token range, SID rows, SIDs and bytes on disk.
+    A snapshot written by `sidindex update` also shows its full build, the updates
     since, its paused and deleted rows, and the entries whose matchers still hold a paused or
     deleted row (stale supersets: they cost selectivity, never correctness, until the next full
     build); its statistics are its full build's. Structure is validated as always; checksums are
@@ -70,11 +71,15 @@ def inspect(
 
         plot_positions(st.positions, m.kway, plot, f"snapshot {m.id}: {m.counts.ads:,} ads")
         summary["plot"] = str(plot)
+    shards = [{"tokens": [e.lo, e.hi], "sid_rows": s.sid_rows, "sids": s.gtm.num_leaves, "nodes": s.gtm.num_nodes,
+               "bytes": m.shard_bytes(e)} for e, s in zip(m.shard_list(), snap.shard_list())]
+    summary["shards"] = len(shards)
     if as_json:
-        emit({**summary, "positions": [p.to_dict() for p in st.positions]}, True, "")
+        emit({**summary, "positions": [p.to_dict() for p in st.positions], "shards": shards}, True, "")
         return
     emit(summary, False, "snapshot")
     print_positions(st.positions, m.kway)
+    print_shards(shards)
 
 
 def _lineage(snap) -> dict:

@@ -27,14 +27,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.artifacts import AD_LIVE, AD_PAUSED
+from schemas.artifacts import AD_LIVE, AD_PAUSED, SNAPSHOT_VERSION
 from schemas.contracts import CHANGES_THROUGH_KEY
 from sidindex.errors import InputError
 from sidindex.job import run_build, run_update
 from sidindex.root import Root
 from sidindex.snapshot import open_snapshot
 from tests.conftest import run_cli
-from tests.test_snapshot import reseal
+from tests.test_snapshot import array_file, reseal
 from tests.test_update import N_BASE, _changes, _upsert, built, pool  # noqa: F401 (fixtures)
 
 
@@ -67,7 +67,7 @@ def _edit_table(d: Path, plane: str, edit, seal: bool = True) -> None:
     """Edit plane's table in place (its file's bytes), resealing the manifest's digests unless not `seal`."""
     snap = open_snapshot(d)
     table = next(p for p in snap.gtm.planes if p.name == plane).table
-    path = d / f"{plane}_table.arrow"
+    path = array_file(d, f"{plane}_table")
     raw = bytearray(path.read_bytes())
     start = raw.find(table.tobytes())  # the column's buffer inside the Arrow file
     assert start >= 0
@@ -160,7 +160,7 @@ def test_a_paused_ad_stays_paused_through_a_full_build(built, pool, tmp_path):
     assert report["carried"] == {"paused": 3, "replayed": []}
     assert "were not re-applied" in report["stderr"]  # no watermark: said on stderr
     snap = open_snapshot(root, verify=True)
-    assert snap.manifest.lineage is None and snap.manifest.version == 7
+    assert snap.manifest.lineage is None and snap.manifest.version == SNAPSHOT_VERSION
     assert set(snap.ad_id[snap.row_states == AD_PAUSED].tolist()) == set(paused)
     assert _live(root) == set(ads["ad_id"].to_list()) - set(paused)
     assert run_cli("validate", root).returncode == 0

@@ -300,7 +300,7 @@ def test_stats_count_entries_and_dedup():
     ads = [{"country": None, "locations": None}, {"country": ["US"], "locations": ["loc1"]}]
     sc = scenario(ads, [(0, 0, 0), (0, 0, 1), (1, 1, 1)], [0, 1, 1])
     index = build(sc)[0]
-    st_ = gtm_stats(index, (4, 256))
+    st_ = gtm_stats([index], (4, 256))
     assert [p.entries for p in st_.positions] == [2, 2, 3]
     assert [p.parents for p in st_.positions] == [1, 2, 2]
     # position 0: child 0 holds both ads (all-ones union), child 1 only ad 1 -> 2 distinct rows

@@ -26,7 +26,7 @@ import pytest
 
 import runtime
 import sidindex.snapshot.snapshot as snapshot_module
-from schemas.artifacts import AD_DELETED, AD_LIVE, FAST_DIGEST
+from schemas.artifacts import AD_DELETED, AD_LIVE, FAST_DIGEST, shard_dir
 from sidindex.artifact import seal
 from sidindex.errors import ArtifactError
 from sidindex.job import run_build, run_update
@@ -35,7 +35,7 @@ from sidindex.sid import save_codebook
 from sidindex.snapshot import open_snapshot
 from sidindex_cli.app import main as cli_main
 from tests.conftest import sampled_codebook
-from tests.test_snapshot import reseal, rewrite_array
+from tests.test_snapshot import array_file, listed_arrays, reseal, rewrite_array
 
 CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_centroid = 4\n'
           '[kway]\nmode = "dynamic"\nk_max = 3\n')
@@ -87,12 +87,15 @@ def _copy(built: dict, to: Path, current: str) -> Root:
     return root
 
 
+LEAF_ADS = f"{shard_dir(0)}/leaf_ads.arrow"  # a catalog this small is one shard
+
+
 # --- one validator ------------------------------------------------------------------------------
 
 def _shape(name: str, key: str, delta: int):
     """The rows or the width the manifest declares for array `name`, off by `delta`."""
     def mutate(root: Root, u: Path, b: Path) -> None:
-        reseal(u, lambda m: m["arrays"][name].__setitem__(key, m["arrays"][name][key] + delta))
+        reseal(u, lambda m: listed_arrays(m, name)[name].__setitem__(key, listed_arrays(m, name)[name][key] + delta))
     return mutate
 
 
@@ -117,8 +120,8 @@ def _moved_behind_link(where: str):
 
 
 def _file_linked_to_base(root: Root, u: Path, b: Path) -> None:
-    (u / "leaf_ads.arrow").unlink()
-    (u / "leaf_ads.arrow").symlink_to(b / "leaf_ads.arrow")
+    array_file(u, "leaf_ads").unlink()
+    array_file(u, "leaf_ads").symlink_to(array_file(b, "leaf_ads"))
 
 
 def _revived(root: Root, u: Path, b: Path) -> None:
@@ -145,9 +148,9 @@ CASES = {
     "a linked file's rows misstated (one fewer)": (_shape("leaf_ad_offsets", "rows", -1), False),
     "a linked table's rows misstated": (_shape("bitmask_table", "rows", -1), False),
     "a linked file's width misstated": (_shape("bloom_table", "width", 1), False),
-    "a linked file's fast digest misstated": (_entry("leaf_ads.arrow", FAST_DIGEST, "0" * 32), False),
-    "a linked file's size misstated": (_entry("leaf_ads.arrow", "bytes", 8), False),
-    "a linked file missing": (lambda root, u, b: (u / "leaf_ads.arrow").unlink(), False),
+    "a linked file's fast digest misstated": (_entry(LEAF_ADS, FAST_DIGEST, "0" * 32), False),
+    "a linked file's size misstated": (_entry(LEAF_ADS, "bytes", 8), False),
+    "a linked file missing": (lambda root, u, b: array_file(u, "leaf_ads").unlink(), False),
     "a file not listed": (lambda root, u, b: (u / "extra.arrow").write_bytes(b"x"), False),
     "level sizes out of the tokens' range": (
         lambda root, u, b: reseal(u, lambda m: m.__setitem__("level_sizes", [2, 2, 2, 2])), False),
@@ -209,7 +212,7 @@ def _prune_while_opening(monkeypatch, root: Root, newer: list[str], *, whole: bo
             root.current_file.write_text(todo.pop(0) + "\n")
             if whole:
                 shutil.rmtree(directory)
-            for f in directory.glob("*.arrow"):
+            for f in directory.rglob("*.arrow"):
                 f.unlink()
         return check(directory, *args, **kwargs)
 

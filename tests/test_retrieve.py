@@ -20,6 +20,7 @@ from sidindex.root import Root
 from sidindex.targeting import load_targeting
 from tests.conftest import run_cli
 from tests.test_gtm import eligible
+from tests.test_snapshot import array_file
 
 CONFIG = ('[sid]\nlevels = [16, 8, 8]\nhash_size = 128\npaths = 2\nmin_points_per_centroid = 10\n'
           '[kway]\nmode = "dynamic"\nk_max = 4\n')
@@ -75,7 +76,7 @@ def test_watcher_swaps_to_a_new_snapshot_and_refuses_a_corrupt_one(root, sample_
     assert found.alive.any()
     # a corrupt snapshot published (here: the first one, a file of it spoiled) is not swapped in
     good = watcher.current
-    table = Root(work).snapshot_dir(old.id) / "bloom_table.arrow"
+    table = array_file(Root(work).snapshot_dir(old.id), "bloom_table")
     data = bytearray(table.read_bytes())
     data[-1] ^= 0xFF
     spoiled = table.with_name("spoiled")

@@ -184,6 +184,8 @@ def _build(job: dict, root: Path, engine: str, **kw) -> dict:
 
 def _same_snapshot(a: Path, b: Path) -> None:
     sa, sb = open_snapshot(a), open_snapshot(b)
+    assert sa.manifest.files == sb.manifest.files  # every shard's files and the global ones, byte for byte
+    assert sa.manifest.shards == sb.manifest.shards
     x, y = sa.arrays(), sb.arrays()
     assert x.keys() == y.keys()
     for name in x:
@@ -201,21 +203,22 @@ def _same_snapshot(a: Path, b: Path) -> None:
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(n=st.integers(30, 400), seed=st.integers(0, 2**16), kway=st.booleans(), value=st.booleans(),
-       row_group=st.integers(7, 150))
-@example(n=393, seed=35, kway=False, value=False, row_group=7)  # a sampled codebook with a level on one code
+       row_group=st.integers(7, 150), shards=st.sampled_from([None, 1, 3, 8]))
+@example(n=393, seed=35, kway=False, value=False, row_group=7, shards=None)  # a level on one code
 def test_ray_engine_publishes_the_local_engines_snapshot(ray_session, spec, write_catalog, tmp_path_factory, n,
-                                                         seed, kway, value, row_group):
+                                                         seed, kway, value, row_group, shards):
     _, spec_path = write_catalog(pl.DataFrame({"x": [0]}))
     table = sample_catalog(n, spec, dim=16, seed=seed)
     if not value:
         table = table.drop_columns(["value"])
     tmp = tmp_path_factory.mktemp("engines")
     job = _job(tmp, table, spec_path, kway, row_group)
-    assert _build(job, tmp / "local", "local")["status"] == "published"
-    report = _build(job, tmp / "ray", "ray")
+    assert _build(job, tmp / "local", "local", shards=shards, workers=2)["status"] == "published"
+    report = _build(job, tmp / "ray", "ray", shards=shards)
     assert report["status"] == "published" and report["engine"] == "ray"
+    assert report["shards"] == report["ray"]["shards"] <= (shards or 1)
     _same_snapshot(tmp / "local", tmp / "ray")
-    assert _build(job, tmp / "ray", "ray")["status"] == "unchanged"  # same inputs: nothing new
+    assert _build(job, tmp / "ray", "ray", shards=shards)["status"] == "unchanged"  # same inputs: nothing new
 
 
 def test_ray_engine_retrieves_what_the_local_engine_does(ray_session, sample_dir, tmp_path):

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.artifacts import ARRAYS_BY_NAME, DIGEST_VERSION, READ_VERSIONS, SNAPSHOT_ARRAYS
+from schemas.artifacts import ARRAYS_BY_NAME, READ_VERSIONS, SNAPSHOT_ARRAYS, SNAPSHOT_VERSION, shard_dir
 from sidindex.artifact import list_files, seal
 from sidindex.build import build_index
 from sidindex.errors import ArtifactError
@@ -141,12 +141,24 @@ def reseal(snap_dir: Path, edit=None) -> None:
     (snap_dir / "manifest.json").write_bytes(seal(m))
 
 
-def rewrite_array(snap_dir: Path, name: str, array: np.ndarray, rows: int | None = None) -> None:
-    """Replace an array's file with `array` (the manifest's rows follow unless `rows` is given) and reseal."""
+def array_file(snap_dir: Path, name: str, shard: int = 0) -> Path:
+    """The file of array `name` (of shard `shard` for a shard's array)."""
     spec = ARRAYS_BY_NAME[name]
-    (snap_dir / spec.file).unlink()
-    write_array(snap_dir, spec, array)
-    reseal(snap_dir, lambda m: m["arrays"][name].__setitem__("rows", len(array) if rows is None else rows))
+    return snap_dir / spec.file if spec.scope == "global" else snap_dir / shard_dir(shard) / spec.file
+
+
+def listed_arrays(m: dict, name: str, shard: int = 0) -> dict:
+    """The manifest's array list (a dict of the manifest JSON `m`) that holds array `name`."""
+    return m["arrays"] if ARRAYS_BY_NAME[name].scope == "global" else m["shards"][shard]["arrays"]
+
+
+def rewrite_array(snap_dir: Path, name: str, array: np.ndarray, rows: int | None = None, shard: int = 0) -> None:
+    """Replace an array's file with `array` (the manifest's rows follow unless `rows` is given) and reseal."""
+    path = array_file(snap_dir, name, shard)
+    path.unlink()
+    write_array(path.parent, ARRAYS_BY_NAME[name], array)
+    reseal(snap_dir, lambda m: listed_arrays(m, name, shard)[name].__setitem__("rows", len(array) if rows is None
+                                                                                 else rows))
 
 
 def test_rewriting_helpers_reach_the_structure_checks(snap_dir):
@@ -156,7 +168,7 @@ def test_rewriting_helpers_reach_the_structure_checks(snap_dir):
 
 def _dup_key(snap_dir: Path) -> None:
     raw = (snap_dir / "manifest.json").read_text()
-    key = f' "format_version": {DIGEST_VERSION},\n'
+    key = f' "format_version": {SNAPSHOT_VERSION},\n'
     (snap_dir / "manifest.json").write_text(raw.replace(key, key + key))
 
 
@@ -177,10 +189,13 @@ def _nested(snap_dir: Path) -> None:
     (lambda d: reseal(d, lambda m: m.__setitem__("format_version", True)),
      f"version 'True'; this sidindex reads version {', '.join(map(str, READ_VERSIONS[:-1]))} or {READ_VERSIONS[-1]}$"),
     (lambda d: reseal(d, lambda m: m.__setitem__("format", "something")), "not a sidindex snapshot"),
-    (lambda d: reseal(d, lambda m: m["arrays"]["leaf_ads"].__setitem__("rows", 10**15)), "expected rows"),
-    (lambda d: reseal(d, lambda m: m["arrays"]["csr_tokens"].__setitem__("rows", 7)), "does not fit"),
+    (lambda d: reseal(d, lambda m: m["shards"][0]["arrays"]["leaf_ads"].__setitem__("rows", 10**15)), "expected rows"),
+    (lambda d: reseal(d, lambda m: m["shards"][0]["arrays"]["csr_tokens"].__setitem__("rows", 7)), "does not fit"),
+    (lambda d: reseal(d, lambda m: m["arrays"]["ads"].__setitem__("rows", 7)), "does not fit"),
+    (lambda d: reseal(d, lambda m: m.__setitem__("level_sizes", m["level_sizes"][:1] + [m["level_sizes"][1] + 1]
+                                                 + m["level_sizes"][2:])), "disagree with the carried codebook"),
     (lambda d: reseal(d, lambda m: m.__setitem__("level_sizes", [m["level_sizes"][0] + 1] + m["level_sizes"][1:])),
-     "disagree with the carried codebook"),
+     "shards cover the first-level tokens up to"),
     (lambda d: reseal(d, lambda m: m["counts"].__setitem__("ads", 5)), "counts"),
     (lambda d: reseal(d, lambda m: m.__setitem__("kway", 1)), "'kway' must be bool"),
     (lambda d: reseal(d, lambda m: m.__setitem__("codebook_id", 7)), "'codebook_id' must be string | null"),
@@ -212,9 +227,11 @@ def _link(path: Path, target: Path) -> None:
 
 @pytest.mark.parametrize("corrupt, message", [
     (lambda d, out: _fifo(d / "manifest.json"), "FIFO"),
-    (lambda d, out: _fifo(d / "leaf_ads.arrow"), "leaf_ads.arrow"),
+    (lambda d, out: _fifo(d / shard_dir(0) / "leaf_ads.arrow"), "leaf_ads.arrow"),
+    (lambda d, out: _fifo(d / "ads.arrow"), "ads.arrow"),
     (lambda d, out: _link(d / "manifest.json", Path("/dev/zero")), "symbolic link"),
-    (lambda d, out: (shutil.copy(d / "leaf_ads.arrow", out), _link(d / "leaf_ads.arrow", out)), "symbolic link"),
+    (lambda d, out: (shutil.copy(d / shard_dir(0) / "leaf_ads.arrow", out), _link(d / shard_dir(0) / "leaf_ads.arrow",
+                                                                                  out)), "symbolic link"),
     (lambda d, out: _fifo(d.parents[1] / "CURRENT"), "FIFO"),
     (lambda d, out: _link(d.parents[1] / "CURRENT", Path("/dev/zero")), "symbolic link"),
     (lambda d, out: (d.parents[1] / "CURRENT").write_bytes(b"\xff\xfe\n"), "does not name a snapshot"),
@@ -284,11 +301,11 @@ def test_arrow_files_are_read_by_pyarrow_polars_and_duckdb(snap_dir):
         if spec.group == "updated":  # an update's (`test_update` reads them)
             continue
         want = arrays[spec.name]
-        arrow_table = pa.ipc.open_file(pa.memory_map(str(snap_dir / spec.file))).read_all()
+        arrow_table = pa.ipc.open_file(pa.memory_map(str(array_file(snap_dir, spec.name)))).read_all()
         col = arrow_table.column(spec.column_name)
         got = np.asarray(col.to_pylist(), dtype=spec.dtype)
         np.testing.assert_array_equal(got, want, err_msg=spec.file)
-        frame = pl.read_ipc(snap_dir / spec.file)
+        frame = pl.read_ipc(array_file(snap_dir, spec.name))
         assert frame.columns == [spec.column_name] and frame.height == len(want)
         np.testing.assert_array_equal(np.asarray(frame[spec.column_name].to_list(), dtype=spec.dtype), want)
         (count,), = duckdb.sql(f'select count("{spec.column_name}") from arrow_table').fetchall()
@@ -397,10 +414,14 @@ def test_validate_and_inspect_cli(built, snap_dir, tmp_path):
     info = json.loads(r.stdout)
     assert r.returncode == 0 and info["kway"] and len(info["positions"]) == 4
     assert sum(p["entries"] for p in info["positions"]) == info["nodes"] - 1
+    (shard,) = info["shards"]  # a small catalog is one shard of every first-level token
+    assert shard["tokens"] == [0, 16] and shard["sid_rows"] == info["sid_rows"] and shard["nodes"] == info["nodes"]
+    assert shard["bytes"] == sum(f.stat().st_size for f in (Path(report["path"]) / shard_dir(0)).iterdir())
     r = cli("inspect", base / "root", "--plot", tmp_path / "fill.png")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "fill.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    (snap_dir / "leaf_ads.arrow").write_bytes((snap_dir / "leaf_ads.arrow").read_bytes()[:-3])
+    leaf_ads = array_file(snap_dir, "leaf_ads")
+    leaf_ads.write_bytes(leaf_ads.read_bytes()[:-3])
     r = cli("validate", snap_dir)
     assert r.returncode == 2 and "leaf_ads.arrow" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert os.path.exists(snap_dir / "manifest.json")
@@ -422,14 +443,14 @@ def resident_kb(path: Path) -> int:
 def test_prefault_maps_every_page_and_reports_phases(built):
     base, report = built
     path = Path(report["path"])
-    table = (path / "bloom_table.arrow").resolve()
+    table = array_file(path, "bloom_table").resolve()
     lazy = open_snapshot(path, verify=False)
-    assert set(lazy.open_seconds) == {"manifest", "files", "map", "structure"}
+    assert set(lazy.open_seconds) == {"manifest", "files", "map", "structure", "join"}
     # validation reads the index arrays, never the tables: of a table only the Arrow schema and footer
     # (the first and last page, with the kernel's fault-around of up to 16 pages each) are mapped
     assert resident_kb(table) <= 2 * 64
     eager = open_snapshot(path, verify=True, prefault=True)
-    assert set(eager.open_seconds) == {"manifest", "checksums", "map", "structure", "prefault"}
+    assert set(eager.open_seconds) == {"manifest", "checksums", "map", "structure", "join", "prefault"}
     assert resident_kb(table) * 1024 >= table.stat().st_size - 4096
     np.testing.assert_array_equal(eager.gtm.planes[1].table, lazy.gtm.planes[1].table)
 

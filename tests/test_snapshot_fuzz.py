@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import runtime
-from schemas.artifacts import AD_DELETED, ARRAYS_BY_NAME
+from schemas.artifacts import AD_DELETED, ARRAYS_BY_NAME, shard_dir
 from sidindex.errors import SidIndexError
 from sidindex.explain import Explainer
 from sidindex.matchers.exact import eligible_pairs
@@ -32,6 +32,8 @@ from sidindex.request_encoding import encode_requests
 from sidindex.snapshot import open_snapshot
 from tests.conftest import run_cli
 from tests.test_snapshot import reseal, rewrite_array
+
+SHARDS = 2  # every file of every shard is fuzzed
 
 CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_centroid = 4\n'
           '[kway]\nmode = "dynamic"\nk_max = 4\n')
@@ -54,9 +56,9 @@ WRAP_PAIRS = {"<i8": ((2**63 - 1, -2), (-2, 2**63 - 1), (2**62, -(2**62))), "<i4
 
 @pytest.fixture(scope="module")
 def fuzz_root(tmp_path_factory, sample_dir):
-    """A small published snapshot (k-way on) with an update applied (so every array of the format is
-    there: ad states, deleted rows, inserted SIDs), its requests, and the results every mutation is
-    held to."""
+    """A small published snapshot (k-way on, SHARDS shards) with an update applied (so every array of
+    the format is there: ad states, deleted rows, inserted SIDs), its requests, and the results every
+    mutation is held to."""
     import polars as pl
 
     base = tmp_path_factory.mktemp("fuzz")
@@ -65,7 +67,7 @@ def fuzz_root(tmp_path_factory, sample_dir):
     pl.read_parquet(sample_dir / "requests.parquet").head(6).write_parquet(base / "requests.parquet")
     (base / "build.toml").write_text(CONFIG)
     r = run_cli("build", "--catalog", base / "catalog.parquet", "--targeting", sample_dir / "targeting.toml",
-                "--out", base / "root", "--config", base / "build.toml", "--json")
+                "--out", base / "root", "--config", base / "build.toml", "--shards", str(SHARDS), "--json")
     assert r.returncode == 0, r.stderr
     ids = cat["ad_id"].to_list()
     upserts = pl.concat([cat.slice(160, 3).with_columns(pl.Series("ad_id", ids[6:9])), cat.slice(163, 3)])
@@ -105,15 +107,17 @@ def _rows(keys: np.ndarray, ids: np.ndarray, among: np.ndarray | None = None) ->
     return order[np.searchsorted(keys[order], ids)]
 
 
-_ORIGINAL: dict[tuple[Path, str], np.ndarray] = {}
+_ORIGINAL: dict[tuple[Path, str, int], np.ndarray] = {}
 
 
-def current(snap_dir: Path, name: str) -> np.ndarray:
-    """A writable copy of array `name` of the untouched snapshot (each case starts from it)."""
-    if (snap_dir, name) not in _ORIGINAL:
+def current(snap_dir: Path, name: str, shard: int = 0) -> np.ndarray:
+    """A writable copy of array `name` (of shard `shard`, for a shard's) of the untouched snapshot
+    (each case starts from it)."""
+    if (snap_dir, name, shard) not in _ORIGINAL:
         snap = open_snapshot(snap_dir, verify=False)
-        _ORIGINAL[snap_dir, name] = np.array(snap.arrays()[name])
-    return _ORIGINAL[snap_dir, name].copy()
+        arrays = snap.arrays() if ARRAYS[name].scope == "global" else snap.shards[shard].gtm.arrays()
+        _ORIGINAL[snap_dir, name, shard] = np.array(arrays[name])
+    return _ORIGINAL[snap_dir, name, shard].copy()
 
 
 def judge(fuzz_root, name: str, mutate) -> str:
@@ -137,13 +141,13 @@ def judge(fuzz_root, name: str, mutate) -> str:
             p.write_bytes(b)
 
 
-def _set(name: str, at: tuple[int, ...], values: tuple):
+def _set(name: str, shard: int, at: tuple[int, ...], values: tuple):
     def mutate(snap_dir: Path) -> None:
-        a = current(snap_dir, name)
+        a = current(snap_dir, name, shard)
         flat = a.reshape(-1)
         for i, v in zip(at, values):
             flat[i] = np.array(v).astype(a.dtype)
-        rewrite_array(snap_dir, name, a)
+        rewrite_array(snap_dir, name, a, shard=shard)
     return mutate
 
 
@@ -151,20 +155,31 @@ def _positions(n: int) -> list[int]:
     return sorted({p % n for p in (0, 1, 2, n // 4, n // 3, n // 2, 3 * n // 4, n - 2, n - 1)}) if n else []
 
 
+def _files():
+    """(array name, shard) of every array file of the fuzzed snapshot: a shard's array in each shard."""
+    for name, spec in ARRAYS.items():
+        for k in range(SHARDS if spec.scope == "shard" else 1):
+            yield name, k
+
+
 def _cases(fuzz_root):
     snap_dir = fuzz_root[0]
-    for name, spec in ARRAYS.items():
-        n = current(snap_dir, name).size
+    for name, k in _files():
+        spec = ARRAYS[name]
+        n = current(snap_dir, name, k).size
         for pos, v in itertools.product(_positions(n), EXTREMES[spec.dtype]):
-            yield name, f"{name}[{pos}] = {v}", _set(name, (pos,), (v,))
+            yield name, f"{name}@{k}[{pos}] = {v}", _set(name, k, (pos,), (v,))
         for pos, pair in itertools.product(_positions(n - 1), WRAP_PAIRS.get(spec.dtype, ())):
-            yield name, f"{name}[{pos}:{pos + 2}] = {pair}", _set(name, (pos, pos + 1), pair)
-        yield name, f"{name}: one row more", lambda d, name=name: rewrite_array(d, name, _grow(current(d, name)))
-        yield name, f"{name}: one row less", lambda d, name=name: rewrite_array(d, name, current(d, name)[:-1])
-        yield name, f"{name}: empty", lambda d, name=name: rewrite_array(d, name, current(d, name)[:0])
+            yield name, f"{name}@{k}[{pos}:{pos + 2}] = {pair}", _set(name, k, (pos, pos + 1), pair)
+        yield name, f"{name}@{k}: one row more", \
+            lambda d, name=name, k=k: rewrite_array(d, name, _grow(current(d, name, k)), shard=k)
+        yield name, f"{name}@{k}: one row less", \
+            lambda d, name=name, k=k: rewrite_array(d, name, current(d, name, k)[:-1], shard=k)
+        yield name, f"{name}@{k}: empty", lambda d, name=name, k=k: rewrite_array(d, name, current(d, name, k)[:0],
+                                                                                  shard=k)
         for rows in (2**31, 2**40, 2**40 + 1):
-            yield name, f"{name}: the manifest says {rows} rows", \
-                lambda d, name=name, rows=rows: rewrite_array(d, name, current(d, name), rows=rows)
+            yield name, f"{name}@{k}: the manifest says {rows} rows", \
+                lambda d, name=name, k=k, rows=rows: rewrite_array(d, name, current(d, name, k), rows=rows, shard=k)
 
 
 def _grow(a: np.ndarray) -> np.ndarray:
@@ -173,14 +188,14 @@ def _grow(a: np.ndarray) -> np.ndarray:
 
 def test_value_fuzzer_every_array_and_relation(fuzz_root):
     outcomes = {"refused": 0, "served": 0}
-    by_array: dict[str, set[str]] = {}
-    for name, _label, mutate in _cases(fuzz_root):
+    by_file: dict[str, set[str]] = {}
+    for name, label, mutate in _cases(fuzz_root):
         verdict = judge(fuzz_root, name, mutate)
         outcomes[verdict] += 1
-        by_array.setdefault(name, set()).add(verdict)
-    assert sum(outcomes.values()) > 1000, outcomes
-    for name in ARRAYS:  # a structure array whose every extreme value is served would check nothing
-        assert "refused" in by_array[name], name
+        by_file.setdefault(label.split("[")[0].split(":")[0], set()).add(verdict)
+    assert sum(outcomes.values()) > 2000, outcomes
+    for name, k in _files():  # a structure array whose every extreme value is served would check nothing
+        assert "refused" in by_file[f"{name}@{k}"], (name, k)
 
 
 def _codebook_level(snap_dir: Path) -> Path:
@@ -213,6 +228,30 @@ def _poison_centroid(value: float):
     lambda d: reseal(d, lambda m: m.__setitem__("kway", False)),
     lambda d: reseal(d, lambda m: m["targeting"]["attribute"].pop()),
     lambda d: shutil.rmtree(next(d.glob("codebooks/*"))),
+    # the shard list: a shard listed twice, one left out, ranges that overlap, leave a gap, run past the
+    # vocabulary or backwards, two shards' entries swapped, a shard's array list emptied
+    lambda d: reseal(d, lambda m: m.__setitem__("shards", m["shards"] + m["shards"][-1:])),
+    lambda d: reseal(d, lambda m: m.__setitem__("shards", m["shards"][:-1])),
+    lambda d: reseal(d, lambda m: m.__setitem__("shards", m["shards"][1:])),
+    lambda d: reseal(d, lambda m: m["shards"][1]["tokens"].__setitem__(0, m["shards"][1]["tokens"][0] - 1)),
+    lambda d: reseal(d, lambda m: m["shards"][1]["tokens"].__setitem__(0, m["shards"][1]["tokens"][0] + 1)),
+    lambda d: reseal(d, lambda m: m["shards"][-1]["tokens"].__setitem__(1, m["shards"][-1]["tokens"][1] + 1)),
+    lambda d: reseal(d, lambda m: m["shards"][0]["tokens"].reverse()),
+    lambda d: reseal(d, lambda m: m["shards"][0]["tokens"].__setitem__(1, 2**70)),
+    lambda d: reseal(d, lambda m: m["shards"][0]["tokens"].__setitem__(1, "1")),
+    lambda d: reseal(d, lambda m: m.__setitem__("shards", m["shards"][::-1])),
+    lambda d: reseal(d, lambda m: m.__setitem__("shards", [])),
+    lambda d: reseal(d, lambda m: m.__setitem__("shards", {})),
+    lambda d: reseal(d, lambda m: m["shards"][0].__setitem__("arrays", {})),
+    lambda d: reseal(d, lambda m: m["shards"][0].__setitem__("extra", 1)),
+    lambda d: reseal(d, lambda m: m["shards"][0]["arrays"].__setitem__("ads", m["arrays"]["ads"])),
+    lambda d: reseal(d, lambda m: m["arrays"].__setitem__("leaf_ads", m["shards"][0]["arrays"]["leaf_ads"])),
+    # the shards' files swapped (each shard's arrays are another's, sealed as they are)
+    lambda d: (d.joinpath(shard_dir(0)).rename(d / "swap"), d.joinpath(shard_dir(1)).rename(d / shard_dir(0)),
+               (d / "swap").rename(d / shard_dir(1)), reseal(d, lambda m: m.__setitem__("shards", [
+                   {**m["shards"][0], "arrays": m["shards"][1]["arrays"]},
+                   {**m["shards"][1], "arrays": m["shards"][0]["arrays"]}]))),
+    lambda d: shutil.rmtree(d / shard_dir(1)),
 ])
 def test_manifest_and_codebook_values_are_refused(fuzz_root, mutate):
     assert judge(fuzz_root, "manifest", mutate) == "refused"
@@ -224,14 +263,15 @@ def test_manifest_and_codebook_values_are_refused(fuzz_root, mutate):
 def test_random_extreme_values_in_random_places(fuzz_root, data):
     """Several arrays mutated at once at random positions with values drawn from the extremes."""
     snap_dir = fuzz_root[0]
-    names = data.draw(st.lists(st.sampled_from(sorted(ARRAYS)), min_size=1, max_size=3, unique=True))
+    files = data.draw(st.lists(st.sampled_from(sorted(_files())), min_size=1, max_size=3, unique=True))
+    names = [name for name, _ in files]
     steps = []
-    for name in names:
-        n = current(snap_dir, name).size
+    for name, k in files:
+        n = current(snap_dir, name, k).size
         if n == 0:
             continue
         pos = data.draw(st.integers(0, n - 1))
         value = data.draw(st.sampled_from(EXTREMES[ARRAYS[name].dtype]))
-        steps.append(_set(name, (pos,), (value,)))
+        steps.append(_set(name, k, (pos,), (value,)))
     label = "+".join(names) if not set(names) & DATA else next(iter(DATA & set(names)))
     judge(fuzz_root, label, lambda d: [s(d) for s in steps])

@@ -18,7 +18,14 @@ import xxhash
 import runtime
 import runtime.staging as staging
 import sidindex.artifact as artifact
-from schemas.artifacts import DIGEST_VERSION, FAST_DIGEST, FAST_DIGEST_CHUNK, SNAPSHOT_VERSION, snapshot_version
+from schemas.artifacts import (
+    DIGEST_VERSION,
+    FAST_DIGEST,
+    FAST_DIGEST_CHUNK,
+    SNAPSHOT_VERSION,
+    shard_dir,
+    snapshot_version,
+)
 from sidindex.artifact import fast_digest, same_file, seal
 from sidindex.errors import ArtifactError, ConfigError
 from sidindex.root import Root
@@ -68,7 +75,7 @@ def test_fast_digest_is_the_documented_chunked_xxh3(tmp_path, size):
 
 def test_a_new_snapshot_lists_every_file_with_its_fast_digest(snap_dir):
     m = _manifest(snap_dir)
-    assert m["format_version"] == DIGEST_VERSION == open_snapshot(snap_dir).manifest.version  # 7 only with states
+    assert m["format_version"] == SNAPSHOT_VERSION == open_snapshot(snap_dir).manifest.version
     for name, entry in m["files"].items():
         assert set(entry) == {"bytes", "sha256", FAST_DIGEST}
         assert entry[FAST_DIGEST] == _reference_digest((snap_dir / name).read_bytes(), FAST_DIGEST_CHUNK), name
@@ -94,13 +101,13 @@ def test_a_tampered_fast_digest_is_refused(snap_dir):
     """The manifest is sealed: a fast digest edited in place breaks the seal; one resealed (a buggy
     writer) no longer matches its file."""
     raw = (snap_dir / "manifest.json").read_text()
-    digest = _manifest(snap_dir)["files"]["leaf_ads.arrow"][FAST_DIGEST]
+    digest = _manifest(snap_dir)["files"][shard_dir(0) + "/leaf_ads.arrow"][FAST_DIGEST]
     (snap_dir / "manifest.json").write_text(raw.replace(digest, "0" * 32))
     with pytest.raises(ArtifactError, match="manifest is corrupt"):
         open_snapshot(snap_dir, verify=False)
     (snap_dir / "manifest.json").write_text(raw)
     m = _manifest(snap_dir)
-    m["files"]["leaf_ads.arrow"][FAST_DIGEST] = "0" * 32
+    m["files"][shard_dir(0) + "/leaf_ads.arrow"][FAST_DIGEST] = "0" * 32
     (snap_dir / "manifest.json").write_bytes(seal(m))
     with pytest.raises(ArtifactError, match=rf"leaf_ads.arrow: checksum mismatch \({FAST_DIGEST}\)"):
         open_snapshot(snap_dir)
@@ -113,7 +120,7 @@ def test_a_tampered_fast_digest_is_refused(snap_dir):
 ])
 def test_a_malformed_file_entry_is_refused(snap_dir, entry, message):
     m = _manifest(snap_dir)
-    m["files"]["leaf_ads.arrow"] = entry
+    m["files"][shard_dir(0) + "/leaf_ads.arrow"] = entry
     (snap_dir / "manifest.json").write_bytes(seal(m))
     with pytest.raises(ArtifactError, match=re.escape(message)):
         open_snapshot(snap_dir, verify=False)
@@ -123,7 +130,7 @@ def test_sha256_is_checked_by_validate_off_the_serving_path(snap_dir):
     """A wrong sha256 beside a right fast digest: opening (the serving path) does not read it,
     `sidindex validate` refuses it in one line naming the file."""
     m = _manifest(snap_dir)
-    m["files"]["leaf_ads.arrow"]["sha256"] = "0" * 64
+    m["files"][shard_dir(0) + "/leaf_ads.arrow"]["sha256"] = "0" * 64
     (snap_dir / "manifest.json").write_bytes(seal(m))
     open_snapshot(snap_dir)
     with pytest.raises(ArtifactError, match=r"leaf_ads.arrow: checksum mismatch \(sha256\)"):
@@ -133,9 +140,25 @@ def test_sha256_is_checked_by_validate_off_the_serving_path(snap_dir):
     assert len(r.stderr.strip().splitlines()) == 1 and "leaf_ads.arrow" in r.stderr, r.stderr
 
 
-def _as_older_format(d: Path) -> int:
-    """Rewrite the snapshot's manifest as a sidindex before fast digests wrote it; its version."""
+def as_unsharded(d: Path, version: int = DIGEST_VERSION) -> dict:
+    """Rewrite the one-shard snapshot `d` as a sidindex before shards wrote it (`version`, 6 or 7):
+    the shard's files at the top, one array list; its manifest JSON, sealed."""
     m = _manifest(d)
+    (shard,) = m.pop("shards")
+    for f in (d / shard_dir(0)).iterdir():
+        f.rename(d / f.name)
+    (d / shard_dir(0)).rmdir()
+    (d / shard_dir(0)).parent.rmdir()
+    m["arrays"] |= shard["arrays"]
+    m["files"] = {n.removeprefix(shard_dir(0) + "/"): e for n, e in m["files"].items()}
+    m["format_version"] = version
+    (d / "manifest.json").write_bytes(seal(m))
+    return m
+
+
+def _as_older_format(d: Path) -> int:
+    """Rewrite the snapshot as a sidindex before fast digests wrote it; its version."""
+    m = as_unsharded(d)
     m["format_version"] = snapshot_version(m["arrays"])
     for entry in m["files"].values():
         del entry[FAST_DIGEST]
@@ -157,6 +180,19 @@ def test_a_snapshot_written_before_fast_digests_opens_and_verifies_on_sha256(sna
         open_snapshot(snap_dir)
 
 
+def test_a_snapshot_written_before_shards_opens_as_one_shard(snap_dir):
+    """Version 6 (and 7) held every array at the top: read as one shard of every first-level token,
+    the same index as the sharded layout of the same arrays."""
+    sharded = open_snapshot(snap_dir)
+    want = {n: np.array(a) for n, a in sharded.arrays().items()}
+    del sharded
+    as_unsharded(snap_dir)
+    snap = open_snapshot(snap_dir, verify=True, cover=True)
+    assert snap.manifest.version == DIGEST_VERSION and len(snap.shards) == 1
+    assert (snap.shards[0].lo, snap.shards[0].hi) == (0, snap.manifest.level_sizes[0])
+    assert all(np.array_equal(a, want[n]) for n, a in snap.arrays().items())
+
+
 def test_a_snapshot_written_over_an_older_one_carries_fast_digests_for_the_files_it_links(snap_dir, tmp_path):
     """An update of a snapshot of the previous format links its unchanged files: their entries there
     have no fast digest, so the new manifest gets them hashed."""
@@ -164,15 +200,17 @@ def test_a_snapshot_written_over_an_older_one_carries_fast_digests_for_the_files
     old = open_snapshot(snap_dir)
     new_id = "20300101T000000000000Z-0000abcd"
     (tmp_path / "new" / new_id).mkdir(parents=True)
-    m = write_snapshot(tmp_path / "new" / new_id, old.gtm, old.exact, old.ad_id, old.spec, snapshot_id=new_id,
+    m = write_snapshot(tmp_path / "new" / new_id, old.shards, old.exact, old.ad_id, old.spec, snapshot_id=new_id,
                        codebook=old.codebook, stats=old.manifest.stats, base=old)
-    assert all(same_file(tmp_path / "new" / new_id / n, snap_dir / n) for n in m.files)  # every file linked
-    assert m.version == DIGEST_VERSION and all(f.fast is not None for f in m.files.values())
+    # every file linked, the shard's from the top of the old layout
+    assert all(same_file(tmp_path / "new" / new_id / n, snap_dir / n.removeprefix(shard_dir(0) + "/"))
+               for n in m.files)
+    assert m.version == SNAPSHOT_VERSION and all(f.fast is not None for f in m.files.values())
     assert open_snapshot(tmp_path / "new" / new_id).manifest.files == m.files
 
 
 def test_an_older_version_with_fast_digests_and_a_newer_version_are_refused(snap_dir):
-    m = _manifest(snap_dir)
+    m = as_unsharded(snap_dir)
     m["format_version"] = snapshot_version(m["arrays"])  # the old version, but this format's file entries
     (snap_dir / "manifest.json").write_bytes(seal(m))
     with pytest.raises(ArtifactError, match="must be {bytes, sha256}"):
@@ -267,7 +305,7 @@ def test_a_watcher_over_several_devices_swaps_them_together(root, sample_dir, tm
     # a corrupt snapshot published next: every device keeps serving the last good one
     r = cli("build", "--catalog", sample_dir / "catalog.parquet", "--targeting", sample_dir / "targeting.toml",
             "--out", work, "--config", root.parent / "build.toml", "--force", "--keep", "5", "--json")
-    bad = Root(work).snapshot_dir(json.loads(r.stdout)["snapshot_id"]) / "leaf_ads.arrow"
+    bad = Root(work).snapshot_dir(json.loads(r.stdout)["snapshot_id"]) / shard_dir(0) / "leaf_ads.arrow"
     data = bad.read_bytes()
     bad.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     assert not watcher.poll() and [i.id for i in watcher.indexes] == [new_id, new_id]

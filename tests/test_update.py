@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 import runtime
 from runtime.post import expand
-from schemas.artifacts import AD_DELETED, AD_LIVE, MATCHER_PLANES
+from schemas.artifacts import AD_DELETED, AD_LIVE, MATCHER_PLANES, shard_dir
 from sidindex.artifact import same_file
 from sidindex.errors import InputError
 from sidindex.job import run_build, run_update
@@ -48,6 +48,7 @@ CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_
 MODES = ("cd", "cd+gtm", "cd+gtm+kway")
 BEAMS = (1, 8, 64, 1024)  # wider than every depth of these catalogs: every eligible ad of every mode
 N_BASE = 150  # ads in the first build; the rest of the sample is the pool new ads come from
+SHARDS = 3  # the updated snapshots' (each compared with a fresh build of one shard)
 
 
 # --- the trie patch against a full build -----------------------------------------------------------
@@ -163,17 +164,17 @@ class Updates(RuleBasedStateMachine):
         self.paused: set[int] = set()
         self.root = self.dir / "root"
         self.n, self.since_build = 0, 0
-        self._build(self.root, codebook=None)
+        self._build(self.root, codebook=None, shards=SHARDS)
 
     def _served(self) -> pl.DataFrame:
         return self.ads.filter(~pl.col("ad_id").is_in(pl.Series(sorted(self.paused), dtype=pl.Int64).implode()))
 
-    def _build(self, root: Path, codebook: Path | None):
+    def _build(self, root: Path, codebook: Path | None, shards: int):
         path = self.dir / f"catalog{self.n}.parquet"
         self._served().write_parquet(path)
         self.n += 1
         return run_build(path, self.pool["targeting"], root, config=self.pool["dir"] / "build.toml", codebook=codebook,
-                         force=True)
+                         force=True, shards=shards)
 
     @rule(data=st.data())
     def update(self, data):
@@ -220,7 +221,7 @@ class Updates(RuleBasedStateMachine):
     @rule()
     def full_build(self):
         """A scheduled full build compacts: no paused or deleted rows, nothing stale."""
-        report = self._build(self.root, codebook=self.root)
+        report = self._build(self.root, codebook=self.root, shards=SHARDS)
         snap = open_snapshot(self.root)
         assert snap.manifest.lineage is None and snap.exact.ad_state is None and report["status"] == "published"
         self.ads = self._served()  # the catalog a full build reads holds the ads to serve
@@ -228,7 +229,7 @@ class Updates(RuleBasedStateMachine):
 
     def retrieval_equals_a_fresh_build(self):
         fresh = self.dir / f"fresh{self.n}"
-        self._build(fresh, codebook=self.root)
+        self._build(fresh, codebook=self.root, shards=1)  # the updated shards serve what one trie does
         requests = self.pool["dir"] / "requests.parquet"
         served = set(self.ads["ad_id"].to_list()) - self.paused
         for mode in MODES:
@@ -352,7 +353,8 @@ def test_update_links_what_it_does_not_change_and_inspect_shows_staleness(built,
     assert r.returncode == 0, r.stderr
     new = open_snapshot(root, verify=True)
     changed = {n for n in new.manifest.files if not same_file(new.path / n, base.path / n)}
-    assert changed == {"ad_state.arrow", "entry_live.arrow"}  # everything else is the base's file
+    # everything else is the base's file; a catalog this small is one shard
+    assert changed == {"ad_state.arrow", f"{shard_dir(0)}/entry_live.arrow"}
     r = run_cli("inspect", root, "--json")
     shown = json.loads(r.stdout)
     assert shown["updates_since_full_build"] == 1 and shown["paused_ads"] == 1 and shown["deleted_rows"] == 1
@@ -418,7 +420,8 @@ def test_watcher_applies_a_pause_without_moving_the_index(built, pool, tmp_path)
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda m: m.__setitem__("level_sizes", [2, 2, 2, 2]), "outside its level's vocabulary"),  # checked in full
+    (lambda m: m.__setitem__("level_sizes", m["level_sizes"][:1] + [2, 2, 2]),  # checked in full
+     "outside its level's vocabulary"),
     (lambda m: m["lineage"].__setitem__("paused", 0), "lineage counts 0 paused"),
     (lambda m: m["lineage"]["changes"].pop("resume"), "lineage: changes must map each op"),
 ])

@@ -39,6 +39,7 @@ from sidindex.snapshot.manifest import Counts
 from sidindex.snapshot.validate import check_structure
 from sidindex.trie.build import round_up_f32
 from sidindex.trie.match import entries_pass
+from sidindex.trie.shard import Shard
 from tests.conftest import run_cli
 from tests.test_gtm import build, eligible, requests_of, scenario, scenarios
 from tests.test_runtime import DEVICE, GPU, MODES, Case, TableScorer, searched
@@ -261,7 +262,8 @@ def test_validation_refuses_bounds_that_do_not_bound(sc, seed):
     ad_id = np.arange(len(sc.ads))
 
     def check(**arrays):
-        check_structure(Path("."), dataclasses.replace(g, **arrays), exact, ad_id, Counts.of(g, ad_id))
+        shard = Shard(0, g.level_sizes[0], dataclasses.replace(g, **arrays))
+        check_structure(Path("."), [(Path("."), shard)], exact, ad_id, Counts.of([g], ad_id))
 
     check()  # as built: accepted
     rng = np.random.default_rng(seed)

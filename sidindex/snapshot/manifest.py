@@ -8,7 +8,7 @@ symbolic link to one). Everything after it reads typed attributes, never keys.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -21,12 +21,15 @@ from schemas.artifacts import (
     FAST_DIGEST,
     GONE_VERSIONS,
     MANIFEST_FILE,
+    MAX_SHARDS,
     READ_VERSIONS,
+    SHARDED_VERSION,
     SNAPSHOT_FORMAT,
     SNAPSHOT_VERSION,
     STATES_VERSION,
     manifest_keys,
     present,
+    shard_dir,
     snapshot_version,
 )
 from sidindex.artifact import read_sealed, seal
@@ -38,7 +41,8 @@ from sidindex.trie.stats import GTMStats
 
 MAX_ROWS = 1 << 40  # no snapshot array is longer; a larger count is a corrupt manifest
 MAX_LEVEL_SIZE = MAX_TOKEN + 1  # tokens are int16
-_JSON_TYPES = {"string": str, "int": int, "bool": bool, "object": dict, "list<int>": list, "null": type(None)}
+_JSON_TYPES = {"string": str, "int": int, "bool": bool, "object": dict, "list<int>": list, "list<object>": list,
+               "null": type(None)}
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,26 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class ShardEntry:
+    """One shard as the manifest lists it (version 8): its first-level tokens [lo, hi) and its
+    arrays' shapes; its files lie in `directory` (relative to the snapshot's; "" for the one shard
+    of a snapshot written before shards, whose files lie at the top)."""
+
+    lo: int
+    hi: int
+    arrays: dict[str, ArrayShape]
+    directory: str
+
+    def file(self, name: str) -> str:
+        """The snapshot-relative path of this shard's array `name`."""
+        f = ARRAYS_BY_NAME[name].file
+        return f"{self.directory}/{f}" if self.directory else f
+
+    def to_dict(self) -> dict:
+        return {"tokens": [self.lo, self.hi], "arrays": {n: asdict(a) for n, a in self.arrays.items()}}
+
+
+@dataclass(frozen=True)
 class Counts:
     """The manifest's `counts`: N catalog rows, P SID rows, S SIDs, the trie's nodes (root included)."""
 
@@ -77,9 +101,11 @@ class Counts:
     nodes: int
 
     @classmethod
-    def of(cls, gtm: GTMIndex, ad_id: np.ndarray) -> Counts:
-        """What an index's snapshot counts."""
-        return cls(ads=len(ad_id), sid_rows=len(gtm.leaf_ads), sids=gtm.num_leaves, nodes=gtm.num_nodes)
+    def of(cls, shards: Sequence[GTMIndex], ad_id: np.ndarray) -> Counts:
+        """What the snapshot of an index whose shards' tries are `shards` counts (the nodes of their
+        join: one root)."""
+        return cls(ads=len(ad_id), sid_rows=sum(len(g.leaf_ads) for g in shards),
+                   sids=sum(g.num_leaves for g in shards), nodes=1 + sum(g.num_nodes - 1 for g in shards))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,6 +180,7 @@ class Manifest:
     quality: dict | None
     arrays: dict[str, ArrayShape]
     files: dict[str, FileEntry]
+    shards: tuple[ShardEntry, ...] = ()  # version 8; `shard_list` reads any version's
     lineage: Lineage | None = None  # an update's (docs/design.md §15); None for a full build
     format_version: int = SNAPSHOT_VERSION  # a manifest read keeps its own
 
@@ -175,15 +202,36 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files.values())
 
+    @property
+    def global_arrays(self) -> dict[str, ArrayShape]:
+        """The arrays one per snapshot (ads, states, values, exact index), by name."""
+        return {n: a for n, a in self.arrays.items() if ARRAYS_BY_NAME[n].scope == "global"}
+
+    def shard_list(self) -> tuple[ShardEntry, ...]:
+        """The shards, in token order: a snapshot before version 8 is one shard of every token,
+        its trie's files at the top."""
+        if self.version >= SHARDED_VERSION:
+            return self.shards
+        trie = {n: a for n, a in self.arrays.items() if ARRAYS_BY_NAME[n].scope == "shard"}
+        return (ShardEntry(0, self.level_sizes[0], trie, ""),)
+
+    def shard_bytes(self, shard: ShardEntry) -> int:
+        """The bytes of a shard's files."""
+        return sum(self.files[shard.file(n)].bytes for n in shard.arrays)
+
     def to_bytes(self) -> bytes:
         """The sealed manifest.json text."""
-        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("format_version", "lineage")}
+        doc = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("format_version", "lineage", "shards")}
         doc |= {"level_sizes": list(self.level_sizes), "counts": self.counts.to_dict(),
                 "build_config": {} if self.build_config is None else self.build_config.to_dict(),
                 "stats": {} if self.stats is None else self.stats.to_dict(),
                 "arrays": {n: asdict(a) for n, a in self.arrays.items()},
                 "files": {n: f.listing() for n, f in self.files.items()},
-                **({} if self.lineage is None else {"lineage": self.lineage.to_dict()})}
+                **({} if self.lineage is None else {"lineage": self.lineage.to_dict()}),
+                **({"shards": [e.to_dict() for e in self.shards]} if self.version >= SHARDED_VERSION else {})}
+        if (self.version >= SHARDED_VERSION) != bool(self.shards):
+            raise ValueError(f"a manifest lists its shards exactly from format version {SHARDED_VERSION}")
         if not _states_fit(self.version, self.lineage is not None, "ad_state" in self.arrays):
             raise ValueError("a lineage comes with the ad_state array (and before format version "
                              f"{STATES_VERSION}, ad_state with a lineage)")
@@ -233,7 +281,12 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
     sizes = doc["level_sizes"]
     if not sizes or not all(_is_int(s) and 1 <= s <= MAX_LEVEL_SIZE for s in sizes):
         raise bad(f"level_sizes {sizes[:8]!r} are not SID level sizes (each in 1..{MAX_LEVEL_SIZE})")
-    arrays, files = _arrays(bad, doc["arrays"], doc["kway"]), _files(bad, doc["files"], version >= DIGEST_VERSION)
+    sharded = version >= SHARDED_VERSION
+    value = "ad_value" in doc["arrays"]  # a catalog with values: every value array
+    updated = "ad_state" in doc["arrays"]  # ad states (an update's, or carried forward)
+    arrays = _arrays(bad, doc["arrays"], doc["kway"], value, updated, ("global",) if sharded else ("global", "shard"))
+    files = _files(bad, doc["files"], version >= DIGEST_VERSION)
+    shards = _shards(bad, doc["shards"], sizes[0], doc["kway"], value, updated) if sharded else ()
     try:  # the typed records: their own checks, with this manifest's path
         counts = Counts.from_dict(doc["counts"])
         lineage = Lineage.from_dict(doc["lineage"]) if "lineage" in doc else None
@@ -245,7 +298,7 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
         **{k: doc[k] for k in ("id", "created", "input_fingerprint", "catalog", "codebook_id", "targeting", "kway",
                                "quality")},
         build_config=config, level_sizes=tuple(sizes), counts=counts, stats=stats, arrays=arrays, files=files,
-        lineage=lineage, format_version=version)
+        shards=shards, lineage=lineage, format_version=version)
 
 
 def _states_fit(version: int, lineage: bool, states: bool) -> bool:
@@ -258,23 +311,49 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _arrays(bad: Callable[[str], Exception], arrays: dict, kway: bool) -> dict[str, ArrayShape]:
-    value = "ad_value" in arrays  # a catalog with values: every value array
-    updated = "ad_state" in arrays  # written by an update
-    expected = {n for n, a in ARRAYS_BY_NAME.items() if present(a.group, kway, value, updated)}
-    if set(arrays) != expected:
-        missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
-        raise bad(f"array list does not match the format (missing {missing}, unexpected {extra})")
+def _arrays(bad: Callable[[str], Exception], arrays: object, kway: bool, value: bool, updated: bool,
+            scopes: tuple[str, ...], where: str = "") -> dict[str, ArrayShape]:
+    """An array list holding exactly the arrays of `scopes` that a snapshot with (kway) partitions,
+    (value) values and (updated) ad states has; where: the shard it belongs to, for messages."""
+    expected = {n for n, a in ARRAYS_BY_NAME.items() if a.scope in scopes and present(a.group, kway, value, updated)}
+    if not isinstance(arrays, dict) or set(arrays) != expected:
+        found = set(arrays) if isinstance(arrays, dict) else set()
+        missing, extra = sorted(expected - found), sorted(found - expected)
+        raise bad(f"{where}array list does not match the format (missing {missing}, unexpected {extra})")
     out = {}
     for name, e in arrays.items():
         two_d = ARRAYS_BY_NAME[name].width is not None
         if (not isinstance(e, dict) or set(e) != {"rows", "width"} or not _is_int(e["rows"])
                 or not 0 <= e["rows"] <= MAX_ROWS
                 or not (_is_int(e["width"]) and 1 <= e["width"] <= 4096 if two_d else e["width"] is None)):
-            raise bad(f"array {name!r}: expected rows in 0..{MAX_ROWS}" + (" and a width in 1..4096" if two_d else
-                                                                           " and width null"))
+            raise bad(f"{where}array {name!r}: expected rows in 0..{MAX_ROWS}" + (
+                " and a width in 1..4096" if two_d else " and width null"))
         out[name] = ArrayShape(e["rows"], e["width"])
     return out
+
+
+def _shards(bad: Callable[[str], Exception], shards: list, vocab: int, kway: bool, value: bool, updated: bool
+            ) -> tuple[ShardEntry, ...]:
+    """The shard list: 1..MAX_SHARDS shards whose token ranges run, each from where the one before
+    ends, from 0 to `vocab`, each with its arrays."""
+    if not 1 <= len(shards) <= MAX_SHARDS:
+        raise bad(f"shards: expected 1 to {MAX_SHARDS} shards, found {len(shards)}")
+    out, at = [], 0
+    for k, e in enumerate(shards):
+        where = f"shard {k}: "
+        if not isinstance(e, dict) or set(e) != {"tokens", "arrays"}:
+            raise bad(f"{where}expected exactly the keys arrays and tokens")
+        t = e["tokens"]
+        if not (isinstance(t, list) and len(t) == 2 and all(_is_int(x) for x in t) and t[0] == at and t[0] < t[1]
+                <= vocab):
+            raise bad(f"{where}tokens {str(t)[:80]} must be [lo, hi) with lo = {at} (where the shard before ends) "
+                      f"and lo < hi <= {vocab}: shards cover the first-level tokens once, in order")
+        at = t[1]
+        out.append(ShardEntry(t[0], t[1], _arrays(bad, e["arrays"], kway, value, updated, ("shard",), where),
+                              shard_dir(k)))
+    if at != vocab:
+        raise bad(f"shards cover the first-level tokens up to {at}, not all {vocab}")
+    return tuple(out)
 
 
 def _files(bad: Callable[[str], Exception], files: dict, fast: bool) -> dict[str, FileEntry]:

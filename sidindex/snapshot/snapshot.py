@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from schemas.artifacts import (
     MANIFEST_FILE,
     MATCHER_PLANES,
     plane_arrays,
-    written_version,
+    shard_dir,
 )
 from sidindex.artifact import link_file, list_files, same_file, verify_files
 from sidindex.config import BuildConfig
@@ -36,17 +37,19 @@ from sidindex.matchers.exact import ExactIndex
 from sidindex.root import Root, pruned
 from sidindex.sid.codebook import Codebook, load_codebook, save_codebook
 from sidindex.snapshot.arrays import map_array, prefault_pages, same_memory, write_array
-from sidindex.snapshot.manifest import ArrayShape, Counts, FileEntry, Lineage, Manifest
-from sidindex.snapshot.validate import STATE_ARRAYS, check_cover, check_lineage, check_structure
+from sidindex.snapshot.manifest import ArrayShape, Counts, FileEntry, Lineage, Manifest, ShardEntry
+from sidindex.snapshot.validate import Changed, check_cover, check_lineage, check_structure
 from sidindex.targeting import TargetingSpec, spec_from_dict
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
+from sidindex.trie.shard import Shard, join_shards
 from sidindex.trie.stats import GTMStats
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """An opened snapshot. Arrays are read-only memory maps of its files."""
+    """An opened snapshot. Arrays are read-only memory maps of its files; `gtm` is its shards'
+    join (`sidindex.trie.shard.join_shards`: one shard's own arrays, several shards' copied once)."""
 
     path: Path
     manifest: Manifest
@@ -56,14 +59,19 @@ class Snapshot:
     ad_id: np.ndarray  # (N,) int64
     codebook: Codebook | None
     open_seconds: dict[str, float] = field(default_factory=dict)  # manifest, files, map, structure, prefault
+    shards: tuple[Shard, ...] = ()  # in token order; () for an index made in memory (then `gtm` is one shard)
 
     @property
     def id(self) -> str:
         return self.manifest.id
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """Every array by its contract name (`schemas.artifacts`)."""
-        return _arrays(self.gtm, self.exact, self.ad_id)
+        """Every array of the joined index by its contract name (`schemas.artifacts`)."""
+        return self.gtm.arrays() | self.exact.arrays() | {"ads": np.asarray(self.ad_id)}
+
+    def shard_list(self) -> tuple[Shard, ...]:
+        """The shards (one for an index made in memory)."""
+        return self.shards or (Shard(0, self.gtm.level_sizes[0], self.gtm),)
 
     @property
     def row_states(self) -> np.ndarray:
@@ -71,33 +79,63 @@ class Snapshot:
         return self.exact.states(len(self.ad_id))
 
 
-def _arrays(gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> dict[str, np.ndarray]:
-    """Every array of a snapshot by its contract name."""
-    return gtm.arrays() | exact.arrays() | {"ads": np.asarray(ad_id)}
+def _global_arrays(shards: Sequence[Shard], exact: ExactIndex, ad_id: np.ndarray) -> dict[str, np.ndarray]:
+    """The arrays a snapshot holds once (the ad table, states, values, exact index), by name."""
+    value = shards[0].gtm.ad_value
+    return exact.arrays() | {"ads": np.asarray(ad_id)} | ({} if value is None else {"ad_value": value})
 
 
-def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, spec: TargetingSpec, *,
-                   snapshot_id: str, codebook: Codebook | None = None, input_fingerprint: str = "",
-                   catalog: str = "", build_config: BuildConfig | None = None, stats: GTMStats | None = None,
-                   quality: dict | None = None, base: Snapshot | None = None,
+def _shard_arrays(shard: Shard) -> dict[str, np.ndarray]:
+    """A shard's own arrays, by name."""
+    return {n: a for n, a in shard.gtm.arrays().items() if ARRAYS_BY_NAME[n].scope == "shard"}
+
+
+def write_snapshot(directory: Path, shards: Sequence[Shard], exact: ExactIndex, ad_id: np.ndarray,
+                   spec: TargetingSpec, *, snapshot_id: str, codebook: Codebook | None = None,
+                   input_fingerprint: str = "", catalog: str = "", build_config: BuildConfig | None = None,
+                   stats: GTMStats | None = None, quality: dict | None = None, base: Snapshot | None = None,
                    lineage: Lineage | None = None) -> Manifest:
-    """Write the files of a snapshot into the new, empty `directory` (named `snapshot_id`) and
-    return its manifest (written last, as manifest.json).
+    """Write the files of a snapshot of `shards` (in token order, covering the first-level tokens)
+    into the new, empty `directory` (named `snapshot_id`) and return its manifest (written last,
+    as manifest.json).
 
-    base: the snapshot an update started from. An array that is still the base's (the same memory)
-    and the base's codebook are hard-linked from it with their manifest entries, not written and
-    hashed again, so an update's cost follows what it changed. lineage: the update's.
+    base: the snapshot an update started from. An array that is still the base's (the same memory,
+    in a shard of the same token range) and the base's codebook are hard-linked from it with their
+    manifest entries, not written and hashed again, so an update's cost follows what it changed
+    (a shard it did not touch is all links). lineage: the update's.
     """
-    arrays = _arrays(gtm, exact, ad_id)
     kept = {}  # files linked from the base, with the base's manifest entries
-    shared = base.arrays() if base is not None else {}
-    for name, a in arrays.items():
-        spec_ = ARRAYS_BY_NAME[name]
-        if base is not None and name in shared and same_memory(shared[name], a):
-            link_file(base.path / spec_.file, directory / spec_.file)
-            kept[spec_.file] = base.manifest.files[spec_.file]
+    theirs: dict[str, tuple[np.ndarray, str]] = {}  # the base's arrays by our file name: (array, its file)
+    if base is not None:
+        entries = {(e.lo, e.hi): e for e in base.manifest.shard_list()}
+        ours = {(s.lo, s.hi): shard_dir(k) for k, s in enumerate(shards)}
+        for s in base.shard_list():
+            if (s.lo, s.hi) in ours and (s.lo, s.hi) in entries:
+                e = entries[(s.lo, s.hi)]
+                theirs |= {f"{ours[(s.lo, s.hi)]}/{ARRAYS_BY_NAME[n].file}": (a, e.file(n))
+                           for n, a in _shard_arrays(s).items()}
+        theirs |= {ARRAYS_BY_NAME[n].file: (a, ARRAYS_BY_NAME[n].file)
+                   for n, a in _global_arrays(base.shard_list(), base.exact, base.ad_id).items()}
+
+    def put(name: str, a: np.ndarray, where: str) -> None:
+        f = f"{where}/{ARRAYS_BY_NAME[name].file}" if where else ARRAYS_BY_NAME[name].file
+        if f in theirs and same_memory(theirs[f][0], a):
+            assert base is not None  # (theirs is empty without one)
+            link_file(base.path / theirs[f][1], directory / f)
+            kept[f] = base.manifest.files[theirs[f][1]]
         else:
-            write_array(directory, spec_, a)
+            write_array(directory / where, ARRAYS_BY_NAME[name], a)
+
+    entries_out = []
+    for k, shard in enumerate(shards):
+        (directory / shard_dir(k)).mkdir(parents=True)
+        arrays = _shard_arrays(shard)
+        for name, a in arrays.items():
+            put(name, a, shard_dir(k))
+        entries_out.append(ShardEntry(shard.lo, shard.hi, {n: _shape(a) for n, a in arrays.items()}, shard_dir(k)))
+    global_arrays = _global_arrays(shards, exact, ad_id)
+    for name, a in global_arrays.items():
+        put(name, a, "")
     if codebook is not None:
         if base is not None and base.manifest.codebook_id == codebook.id:
             for name, entry in base.manifest.files.items():
@@ -106,18 +144,24 @@ def write_snapshot(directory: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.
                     kept[name] = entry
         else:
             save_codebook(codebook, directory)
+    g = [s.gtm for s in shards]
     manifest = Manifest(
         id=snapshot_id, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         input_fingerprint=input_fingerprint, catalog=catalog, codebook_id=codebook.id if codebook else None,
-        build_config=build_config, targeting=spec.to_dict(), level_sizes=tuple(gtm.level_sizes),
-        kway=gtm.part_offsets is not None, counts=Counts.of(gtm, ad_id), stats=stats, quality=quality,
-        arrays={n: ArrayShape(len(a), a.shape[1] if a.ndim == 2 else None) for n, a in arrays.items()},
+        build_config=build_config, targeting=spec.to_dict(), level_sizes=tuple(g[0].level_sizes),
+        kway=g[0].part_offsets is not None,
+        counts=Counts.of(g, ad_id),
+        stats=stats, quality=quality, arrays={n: _shape(a) for n, a in global_arrays.items()},
         files={n: FileEntry.of(e) for n, e in list_files(directory, MANIFEST_FILE,
                                                           {n: f.listing() for n, f in kept.items()},
                                                           fast=True).items()},
-        lineage=lineage, format_version=written_version(arrays, lineage is not None))
+        shards=tuple(entries_out), lineage=lineage)
     (directory / MANIFEST_FILE).write_bytes(manifest.to_bytes())
     return manifest
+
+
+def _shape(a: np.ndarray) -> ArrayShape:
+    return ArrayShape(len(a), a.shape[1] if a.ndim == 2 else None)
 
 
 def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False, cover: bool = False,
@@ -197,46 +241,80 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
         raise ArtifactError(str(e)) from None
     _check_shapes(where, m, spec)
     clock.lap("manifest")
-    shared = _shared_files(directory, m, spec, base) if base is not None else frozenset()
+    entries = m.shard_list()
+    theirs = _base_files(base) if base is not None and _comparable(m, spec, base) else {}
+    held = _held(m)
+    shared = frozenset(f for f, (shape, _) in theirs.items() if held.get(f) == shape and base is not None
+                       and base.manifest.files.get(f) == m.files.get(f) and same_file(directory / f, base.path / f))
     verify_files(directory, {n: f.listing() for n, f in m.files.items()}, MANIFEST_FILE, checksums=verify,
                  strong=strong, trusted=shared)
     clock.lap("checksums" if verify else "files")
-    reused = ({n: a for n, a in base.arrays().items() if ARRAYS_BY_NAME[n].file in shared}
-              if base is not None and shared else {})
-    arrays = {n: reused[n] if n in reused else map_array(directory, ARRAYS_BY_NAME[n], s.shape)
-              for n, s in m.arrays.items()}
-    ad_id = arrays["ads"]
-    exact = ExactIndex.from_arrays(spec, arrays, len(ad_id))
-    gtm = GTMIndex.from_arrays(m.level_sizes, arrays, MATCHER_PLANES)
+
+    def array(name: str, file: str, shape: tuple[int, ...]) -> np.ndarray:
+        if file in shared:
+            return theirs[file][1]
+        return map_array(directory / Path(file).parent, ARRAYS_BY_NAME[name], shape)
+
+    glob = {n: array(n, ARRAYS_BY_NAME[n].file, s.shape) for n, s in m.global_arrays.items()}
+    ad_id = glob["ads"]
+    exact = ExactIndex.from_arrays(spec, glob, len(ad_id))
+    shards = tuple(Shard(entry.lo, entry.hi, GTMIndex.from_arrays(
+        m.level_sizes, {n: array(n, entry.file(n), s.shape) for n, s in entry.arrays.items()} | _value(glob),
+        MATCHER_PLANES)) for entry in entries)
     clock.lap("map")
-    check_structure(directory, gtm, exact, ad_id, m.counts, changed=set(arrays) - set(reused) if reused else None,
+    changed = None
+    if shared and base is not None and len(ad_id) >= len(base.ad_id):  # rows never leave an update's base
+        changed = Changed(frozenset(n for n in glob if ARRAYS_BY_NAME[n].file not in shared),
+                          tuple(frozenset(n for n in entry.arrays if entry.file(n) not in shared) for entry in entries))
+    placed = [(directory / entry.directory, shard) for entry, shard in zip(entries, shards)]
+    check_structure(directory, placed, exact, ad_id, m.counts, changed=changed,
                     base_state=None if base is None else base.row_states)
     check_lineage(directory, m.lineage, exact.ad_state)
     if cover:
-        check_cover(directory, gtm, exact)
+        for where_, shard in placed:
+            check_cover(where_, shard.gtm, exact)
     codebook = base.codebook if base is not None and shared and m.codebook_id == base.manifest.codebook_id and all(
         n in shared for n in m.files if n.startswith("codebooks/")) else _codebook(directory, m)
     clock.lap("structure")
+    gtm = join_shards(shards, None if base is None else (base.shard_list(), base.gtm))
+    clock.lap("join")
     if prefault:
-        for a in arrays.values():
-            prefault_pages(a)
+        for x in [*gtm.arrays().values(), *exact.arrays().values()]:
+            prefault_pages(x)
         clock.lap("prefault")
-    return Snapshot(directory, m, spec, gtm, exact, ad_id, codebook, clock.seconds)
+    return Snapshot(directory, m, spec, gtm, exact, ad_id, codebook, clock.seconds, shards)
 
 
-def _shared_files(directory: Path, m: Manifest, spec: TargetingSpec, base: Snapshot) -> frozenset[str]:
-    """The files of `directory` that are the base's own: one inode, and everything the manifests
-    say of it the same (its entry, the shape of the array it holds). None when the manifests
-    disagree on what the arrays mean (level sizes, spec, partitions, codebook, the arrays present
-    but an update's), since the base's checks held for the base's manifest."""
+def _value(glob: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The catalog's values, which every shard's index reads (an empty dict without them)."""
+    return {"ad_value": glob["ad_value"]} if "ad_value" in glob else {}
+
+
+def _held(m: Manifest) -> dict[str, ArrayShape]:
+    """The shape of the array each of the manifest's array files holds, by file."""
+    out = {ARRAYS_BY_NAME[n].file: a for n, a in m.global_arrays.items()}
+    for e in m.shard_list():
+        out |= {e.file(n): a for n, a in e.arrays.items()}
+    return out
+
+
+def _base_files(base: Snapshot) -> dict[str, tuple[ArrayShape, np.ndarray]]:
+    """The base's array files: each one's shape and checked array, by file."""
+    m = base.manifest
+    glob = _global_arrays(base.shard_list(), base.exact, base.ad_id)
+    out = {ARRAYS_BY_NAME[n].file: (m.arrays[n], a) for n, a in glob.items()}
+    for e, s in zip(m.shard_list(), base.shard_list()):
+        out |= {e.file(n): (e.arrays[n], a) for n, a in _shard_arrays(s).items()}
+    return out
+
+
+def _comparable(m: Manifest, spec: TargetingSpec, base: Snapshot) -> bool:
+    """Whether the manifests agree on what the arrays mean (level sizes, spec, partitions, codebook,
+    the arrays present but an update's), so that a base's checks hold for a file both share."""
     b = base.manifest
-    if (m.level_sizes != b.level_sizes or spec != base.spec or m.kway != b.kway or m.codebook_id != b.codebook_id
-            or set(m.arrays) - STATE_ARRAYS != set(b.arrays) - STATE_ARRAYS):
-        return frozenset()
-    held = {ARRAYS_BY_NAME[n].file: n for n in m.arrays}  # one array per file
-    return frozenset(n for n, f in m.files.items()
-                     if b.files.get(n) == f and (n not in held or m.arrays[held[n]] == b.arrays.get(held[n]))
-                     and same_file(directory / n, base.path / n))
+    return (m.level_sizes == b.level_sizes and spec == base.spec and m.kway == b.kway
+            and m.codebook_id == b.codebook_id
+            and set(m.global_arrays) - {"ad_state"} == set(b.global_arrays) - {"ad_state"})
 
 
 def _codebook(directory: Path, m: Manifest) -> Codebook | None:
@@ -256,9 +334,37 @@ def _codebook(directory: Path, m: Manifest) -> Codebook | None:
 def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
     """The shapes the manifest declares agree with each other, the spec and the counts (before
     anything is mapped: a structure check may then rely on them)."""
-    s = {n: a.rows for n, a in m.arrays.items()}
-    width = {n: a.width for n, a in m.arrays.items()}
+    s = {n: a.rows for n, a in m.global_arrays.items()}
+    width = {n: a.width for n, a in m.global_arrays.items()}
     L, N = len(m.level_sizes), s["ads"]
+    agree = []
+    for p, layout in zip(MATCHER_PLANES, spec.layouts):
+        a = plane_arrays(p)
+        if EXACT_FORM[p] == EXACT_ROWS:
+            agree.append((a.exact_rows, s[a.exact_rows] == N and width[a.exact_rows] == layout.words))
+        else:
+            agree.append((a.exact_hash_offsets, s[a.exact_hash_offsets] == len(layout.names) * (N + 1)))
+    if "ad_state" in s:
+        agree.append(("ad_state", s["ad_state"] == N))
+    if "ad_value" in s:
+        agree.append(("ad_value", s["ad_value"] == N))
+    for name, ok in agree:
+        if not ok:
+            raise ArtifactError(f"{where}: the shape of {name} ({m.arrays[name].shape}) does not fit the rest of "
+                                "the snapshot")
+    for k, e in enumerate(m.shard_list()):
+        _check_shard_shapes(where, f"shard {k}: " if e.directory else "", e.arrays, L, spec, m.kway)
+    listed = [ARRAYS_BY_NAME[n].file for n in m.global_arrays] + [e.file(n) for e in m.shard_list() for n in e.arrays]
+    missing = sorted(f for f in listed if f not in m.files)
+    if missing:
+        raise ArtifactError(f"{where}: the file list lacks {missing[:8]}")
+
+
+def _check_shard_shapes(where: Path, shard: str, arrays: dict[str, ArrayShape], L: int, spec: TargetingSpec,
+                        kway: bool) -> None:
+    """A shard's shapes agree with each other and the spec (shard: its name in messages)."""
+    s = {n: a.rows for n, a in arrays.items()}
+    width = {n: a.width for n, a in arrays.items()}
     num_nodes = s["node_offsets"] - 1
     E = num_nodes - 1
     agree = [
@@ -273,24 +379,17 @@ def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
     for p, layout in zip(MATCHER_PLANES, spec.layouts):
         a = plane_arrays(p)
         agree += [(a.index, s[a.index] == E), (a.table, width[a.table] == layout.words)]
-        if EXACT_FORM[p] == EXACT_ROWS:
-            agree.append((a.exact_rows, s[a.exact_rows] == N and width[a.exact_rows] == layout.words))
-        else:
-            agree.append((a.exact_hash_offsets, s[a.exact_hash_offsets] == len(layout.names) * (N + 1)))
-        if m.kway:
+        if kway:
             agree.append((a.part_index, s[a.part_index] == T))
-    if m.kway:
+    if kway:
         agree.append(("part_offsets", s["part_offsets"] == E + 1))
-    if "ad_state" in s:
-        agree += [("ad_state", s["ad_state"] == N), ("entry_live", s["entry_live"] == E)]
-    if "ad_value" in s:
-        agree += [("ad_value", s["ad_value"] == N), ("entry_value", s["entry_value"] == E)]
-        if m.kway:
+    if "entry_live" in s:
+        agree.append(("entry_live", s["entry_live"] == E))
+    if "entry_value" in s:
+        agree.append(("entry_value", s["entry_value"] == E))
+        if kway:
             agree.append(("part_value", s["part_value"] == T))
     for name, ok in agree:
         if not ok:
-            raise ArtifactError(f"{where}: the shape of {name} ({m.arrays[name].shape}) does not fit the rest of "
+            raise ArtifactError(f"{where}: {shard}the shape of {name} ({arrays[name].shape}) does not fit the rest of "
                                 "the snapshot")
-    missing = sorted(ARRAYS_BY_NAME[n].file for n in m.arrays if ARRAYS_BY_NAME[n].file not in m.files)
-    if missing:
-        raise ArtifactError(f"{where}: the file list lacks {missing}")

@@ -11,7 +11,8 @@ whole-array expressions took about 0.15 s per million SIDs on one core, allocati
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numba
@@ -26,6 +27,7 @@ from sidindex.snapshot.manifest import Counts, Lineage
 from sidindex.trie.build import GTMIndex
 from sidindex.trie.cover import uncovered
 from sidindex.trie.patch import live_entries
+from sidindex.trie.shard import Shard
 
 PARALLEL_ITEMS = 1 << 22  # a structure check shorter than this runs on one thread (`sidindex.parallel`)
 _sized = sized(PARALLEL_ITEMS)
@@ -153,48 +155,71 @@ class _Need:
             raise ArtifactError(f"{self.path / ARRAYS_BY_NAME[name].file}: {what}; the snapshot is corrupt")
 
 
-# The arrays an update of ad states alone (pause, resume, delete) writes: a snapshot that changes
-# nothing else beside a checked base is validated by their checks alone
-STATE_ARRAYS = frozenset({"ad_state", "entry_live"})
+@dataclass(frozen=True)
+class Changed:
+    """What a snapshot opened beside a checked base (an update of it) holds anew: the global arrays
+    and, per shard, the arrays that are not the base's own (checked as they are)."""
+
+    globals: frozenset[str]
+    shards: tuple[frozenset[str], ...]
 
 
-def check_structure(path: Path, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray, counts: Counts,
-                    changed: set[str] | None = None, base_state: np.ndarray | None = None) -> None:
-    """Raise ArtifactError naming the first array that breaks a relation.
-
-    Depth ranges first (every other check indexes with them); then groups of checks in the order
-    below, each pass parallel inside (a cold snapshot's pages fault in side by side), the first
-    failing one reported. `changed`: the arrays not already
-    validated as they are (None: all); when they are only STATE_ARRAYS, only their checks run, and
-    ad ids are checked again only if a row left the deleted state of `base_state` (N,) uint8, the
-    checked snapshot's (None: all live): otherwise the rows not deleted are a subset of checked ones.
+def check_structure(directory: Path, shards: Sequence[tuple[Path, Shard]], exact: ExactIndex, ad_id: np.ndarray,
+                    counts: Counts, changed: Changed | None = None, base_state: np.ndarray | None = None) -> None:
+    """Raise ArtifactError naming the first array that breaks a relation: the global arrays, then
+    each shard's trie (`check_shard`; shards: each with the directory of its files), then the
+    manifest's counts. `changed`: what is new beside a checked base (None: all); an array that is
+    the base's is not checked again, but every relation that reads a new one is. base_state: (N,)
+    uint8 the base's row states (None: all live): ad ids are checked again when a row leaves the
+    deleted state, else the rows not deleted are a subset of checked ones.
     """
-    need = _Need(path)
-    do, num_nodes = gtm.depth_offsets, len(gtm.node_offsets) - 1
-    need(int(do[0]) == 0 and int(do[1]) == 1 and int(do[-1]) == num_nodes and _rising(do, strict=True),
-         "depth_offsets", "depth ranges must start at the root, hold at least one node each and end at the node count")
-    full = changed is None or not changed <= STATE_ARRAYS
-    groups: tuple[Callable[[_Need, GTMIndex, ExactIndex, np.ndarray], None], ...]
-    if full:
-        groups = (_trie, _planes, _leaves, _partitions, _exact, _state, _ads)
-    else:
+    need = _Need(directory)
+    if changed is None or changed.globals - {"ad_state"}:
+        groups: tuple[Callable[[_Need, ExactIndex, np.ndarray], None], ...] = (_exact, _state, _ads)
+    elif "ad_state" in changed.globals:
         revived = base_state is None or exact.ad_state is None or bool(
             np.any((base_state == AD_DELETED) & (exact.ad_state != AD_DELETED)))
         groups = (_state, _ads) if revived else (_state,)
-
+    else:
+        groups = ()
     for group in groups:
-        group(need, gtm, exact, ad_id)
-    if full:
-        _values(need, gtm)  # indexes with the offsets checked above
-    _live(need, gtm, exact)  # likewise (unchanged offsets were checked with the base)
-    found = Counts(ads=len(ad_id), sid_rows=len(gtm.leaf_ads), sids=num_nodes - int(do[gtm.sid_length]),
-                   nodes=num_nodes)
+        group(need, exact, ad_id)
+    value_changed = changed is None or "ad_value" in changed.globals
+    for k, (where, shard) in enumerate(shards):
+        new = None if changed is None else changed.shards[k] | ({"ad_value"} if value_changed else set())
+        check_shard(where, shard, exact, len(ad_id), new)
+    found = Counts.of([s.gtm for _, s in shards], ad_id)
     if counts != found:
-        raise ArtifactError(f"{path / MANIFEST_FILE}: counts {counts.to_dict()} disagree with the arrays "
+        raise ArtifactError(f"{directory / MANIFEST_FILE}: counts {counts.to_dict()} disagree with the arrays "
                             f"{found.to_dict()}")
 
 
-def _trie(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+def check_shard(path: Path, shard: Shard, exact: ExactIndex, n_ads: int,
+                changed: set[str] | frozenset[str] | None = None) -> None:
+    """Raise ArtifactError naming the first of the shard's arrays (files in `path`) that breaks a
+    relation of its trie over a catalog of n_ads rows: depth ranges first (every other check
+    indexes with them), then groups of checks, each pass parallel inside (a cold snapshot's pages
+    fault in side by side). `changed`:
+    its arrays not already validated as they are, "ad_value" among them when the catalog's values
+    are new (None: all); ad_state is always read (`_live`)."""
+    need, gtm = _Need(path), shard.gtm
+    if changed is None or changed - {"entry_live", "ad_value"}:
+        do, num_nodes = gtm.depth_offsets, len(gtm.node_offsets) - 1
+        need(int(do[0]) == 0 and int(do[1]) == 1 and int(do[-1]) == num_nodes and _rising(do, strict=True),
+             "depth_offsets", "depth ranges must start at the root, hold at least one node each and end at the node "
+             "count")
+        for group in (_trie, _planes, _leaves, _partitions):
+            group(need, gtm, n_ads)
+        root = gtm.csr_tokens[:int(gtm.node_offsets[1])]  # rising: checked by _trie
+        need(int(root[0]) >= shard.lo and int(root[-1]) < shard.hi, "csr_tokens",
+             f"the shard's first-level tokens must lie in its range [{shard.lo}, {shard.hi})")
+        _values(need, gtm)  # indexes with the offsets checked above
+    elif "ad_value" in changed:
+        _values(need, gtm)
+    _live(need, gtm, exact)  # likewise (unchanged offsets were checked with the base)
+
+
+def _trie(need: _Need, gtm: GTMIndex, n_ads: int) -> None:
     """Node offsets, child ids and tokens. After the offsets every one lies in [0, E], so the token
     checks may index with them."""
     L, do, no = gtm.sid_length, gtm.depth_offsets, gtm.node_offsets
@@ -209,16 +234,16 @@ def _trie(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> N
     need(_run_falls(tok, no, True) == 0, "csr_tokens", "children of a node must be sorted and distinct")
 
 
-def _planes(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+def _planes(need: _Need, gtm: GTMIndex, n_ads: int) -> None:
     """Every entry's matcher rows, per plane, inside their tables."""
     for p in gtm.planes:
         need(_in_range(p.index, len(p.table)), plane_arrays(p.name).index,
              f"a row index lies outside [0, {len(p.table)})")
 
 
-def _leaves(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+def _leaves(need: _Need, gtm: GTMIndex, n_ads: int) -> None:
     """SIDs -> ads: every SID owns ads, rows inside the ad table, ascending and distinct per SID."""
-    N, lo = len(ad_id), gtm.leaf_ad_offsets
+    N, lo = n_ads, gtm.leaf_ad_offsets
     S = len(gtm.node_offsets) - 1 - int(gtm.depth_offsets[gtm.sid_length])
     need(len(lo) == S + 1 and _offsets(lo, len(gtm.leaf_ads), strict=True), "leaf_ad_offsets",
          "each SID must own at least one ad, offsets rising to the number of SID rows")
@@ -226,7 +251,7 @@ def _leaves(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) ->
     need(_run_falls(gtm.leaf_ads, lo, True) == 0, "leaf_ads", "ads must be ascending and distinct within a SID")
 
 
-def _partitions(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+def _partitions(need: _Need, gtm: GTMIndex, n_ads: int) -> None:
     """k-way partitions: at least one per entry, rows inside their tables."""
     if gtm.part_offsets is None:
         return
@@ -241,7 +266,7 @@ def _partitions(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray
              f"a row index lies outside [0, {len(p.table)})")
 
 
-def _exact(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+def _exact(need: _Need, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """The exact index, per `values` plane: one rising run of hash offsets through every attribute,
     hashes sorted within each (attribute, ad) run (the exact filter binary-searches them)."""
     for p in exact.planes:
@@ -258,7 +283,7 @@ def _exact(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> 
         need(_run_falls(h, ho, False) == 0, hashes, "an ad's hashes must be sorted within each attribute")
 
 
-def _state(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+def _state(need: _Need, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """Row states, when an update wrote them: one known state per row."""
     if exact.ad_state is not None:
         need(bool(np.all(exact.ad_state <= AD_DELETED)), "ad_state",
@@ -273,7 +298,7 @@ def _live(need: _Need, gtm: GTMIndex, exact: ExactIndex) -> None:
              "must mark exactly the entries with a live row beneath them")
 
 
-def _ads(need: _Need, gtm: GTMIndex, exact: ExactIndex, ad_id: np.ndarray) -> None:
+def _ads(need: _Need, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """Unique ad ids among rows not deleted: every output row names its ad by id."""
     ids = ad_id if exact.ad_state is None else ad_id[exact.ad_state != AD_DELETED]
     need(pl.Series(ids).n_unique() == len(ids), "ads", "ad_id values must be unique (among rows not deleted)")

@@ -5,6 +5,7 @@ the `stats` of a snapshot's manifest, which `from_dict` reads back."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,33 +118,45 @@ def _share(doc: dict, key: str) -> float:
     return v
 
 
-def gtm_stats(index: GTMIndex, plane_bits: tuple[int, ...]) -> GTMStats:
-    """plane_bits: meaningful bits per row of each plane (fill rates ignore word padding)."""
-    fills = [fill_rate(p.table, max(bits, 1)) for p, bits in zip(index.planes, plane_bits)]
-    positions = []
-    for d in range(index.sid_length):
-        lo, hi = index.depth_offsets[d + 1] - 1, index.depth_offsets[d + 2] - 1  # entries of depth d+1 nodes
-        planes, kway = {}, {}
-        if index.part_offsets is not None:
-            plo, phi = index.part_offsets[lo], index.part_offsets[hi]
-            kway = dict(partitions=int(phi - plo), part_bytes=int(phi - plo) * 4 * len(index.planes))
-        for p, fill in zip(index.planes, fills):
-            row = p.table.shape[1] * 8
-            idx = p.index[lo:hi]
-            part_fill = 0.0
-            if kway:
-                assert p.part_index is not None  # a k-way index partitions every plane
-                part_fill = float(fill[p.part_index[plo:phi]].mean())
-            planes[p.name] = PlaneStats(int(hi - lo) * row, _distinct(idx, len(fill)) * row, float(fill[idx].mean()),
-                                        part_fill)
-        positions.append(PositionStats(position=d, parents=int(index.depth_offsets[d + 1] - index.depth_offsets[d]),
-                                       entries=int(hi - lo), planes=planes, **kway))
-    per_sid = np.diff(index.leaf_ad_offsets)
-    per_ad = np.bincount(index.leaf_ads)
+def gtm_stats(shards: Sequence[GTMIndex], plane_bits: tuple[int, ...]) -> GTMStats:
+    """The statistics of the index whose shards' tries are `shards` (one: a whole trie), summed
+    shard by shard (a shard's table rows are its own: bytes after dedup are the bytes stored).
+    plane_bits: meaningful bits per row of each plane (fill rates ignore word padding)."""
+    L = shards[0].sid_length
+    sums = np.zeros((L, 4), dtype=np.int64)  # per position: parents, entries, partitions, part bytes
+    plane_sums = {p.name: np.zeros((L, 4)) for p in shards[0].planes}  # before, after, sum of fills, of part fills
+    for index in shards:
+        fills = [fill_rate(p.table, max(bits, 1)) for p, bits in zip(index.planes, plane_bits)]
+        for d in range(L):
+            lo, hi = index.depth_offsets[d + 1] - 1, index.depth_offsets[d + 2] - 1  # entries of depth d+1 nodes
+            plo = phi = 0
+            if index.part_offsets is not None:
+                plo, phi = index.part_offsets[lo], index.part_offsets[hi]
+            sums[d] += (index.depth_offsets[d + 1] - index.depth_offsets[d] if d else 0, hi - lo, phi - plo,
+                        (phi - plo) * 4 * len(index.planes))
+            for p, fill in zip(index.planes, fills):
+                row = p.table.shape[1] * 8
+                idx = p.index[lo:hi]
+                part = float(fill[p.part_index[plo:phi]].sum()) if p.part_index is not None else 0.0
+                plane_sums[p.name][d] += ((hi - lo) * row, _distinct(idx, len(fill)) * row, float(fill[idx].sum()),
+                                          part)
+    sums[0, 0] = 1  # the root, whichever shards share it
+    kway = shards[0].part_offsets is not None
+    positions = tuple(PositionStats(
+        position=d, parents=int(sums[d, 0]), entries=int(sums[d, 1]),
+        planes={n: PlaneStats(int(x[d, 0]), int(x[d, 1]), float(x[d, 2] / max(sums[d, 1], 1)),
+                              float(x[d, 3] / max(sums[d, 2], 1)) if kway else 0.0) for n, x in plane_sums.items()},
+        **(dict(partitions=int(sums[d, 2]), part_bytes=int(sums[d, 3])) if kway else {})) for d in range(L))
+    per_sid = np.concatenate([np.diff(index.leaf_ad_offsets) for index in shards])
+    rows = max(int(np.max(index.leaf_ads)) for index in shards) + 1
+    per_ad = np.zeros(rows, dtype=np.int64)
+    for index in shards:
+        per_ad += np.bincount(index.leaf_ads, minlength=rows)
     per_ad = per_ad[per_ad > 0]
     return GTMStats(
-        positions=tuple(positions), num_nodes=index.num_nodes, sids=index.num_leaves,
-        table_bytes={p.name: int(p.table.nbytes) for p in index.planes},
+        positions=positions, num_nodes=1 + sum(index.num_nodes - 1 for index in shards), sids=len(per_sid),
+        table_bytes={p.name: sum(int(index.planes[i].table.nbytes) for index in shards)
+                     for i, p in enumerate(shards[0].planes)},
         ads_per_sid_p50=float(np.percentile(per_sid, 50)), ads_per_sid_p99=float(np.percentile(per_sid, 99)),
         ads_per_sid_max=int(per_sid.max()), sids_per_ad_mean=float(per_ad.mean()), sids_per_ad_max=int(per_ad.max()))
 

@@ -1,0 +1,208 @@
+"""Shards of a GTM index (docs/design.md §18): the tries of the SIDs under disjoint, contiguous ranges
+of first-level tokens, each a `GTMIndex` of its own over catalog rows. A snapshot stores, verifies,
+updates and loads them one by one; the runtime searches their join, the one trie of the catalog.
+
+Why joining is a concatenation: nodes are numbered depth by depth and, within a depth, by SID
+prefix, so the whole trie's depth d is every shard's depth d, shard after shard (shards hold rising
+first tokens); per-entry arrays follow in that (depth, shard) order, and a shard's matcher rows
+follow the rows of the shards before it. Tables are deduplicated within a shard only, so the join's
+tables may repeat a row another shard holds; every entry's row is the same, so retrieval is the
+same as from the one trie `build_gtm` makes of the whole catalog (`sidindex.trie.partition.combine`
+is that trie, array for array).
+
+Legend: K shards, L SID length, E child entries, T k-way partitions, V first-level vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas.artifacts import MAX_SHARDS
+from sidindex.trie.build import GTMIndex, MatcherPlane, check_arguments, expand_runs
+from sidindex.trie.kway import KWayConfig
+from sidindex.trie.partition import Subtrie, build_gtm_partitioned, part_rows, token_ranges
+
+SID_ROWS_PER_SHARD = 1 << 21  # the default shard size: updates and loads work shard by shard
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The trie of the SIDs whose first token lies in [lo, hi).
+
+    gtm: its `GTMIndex` (node 0 its own root); leaf_ads are catalog rows and ad_value (when the index
+         has values) the whole catalog's, one array every shard shares
+    """
+
+    lo: int
+    hi: int
+    gtm: GTMIndex
+
+    @property
+    def sid_rows(self) -> int:
+        return len(self.gtm.leaf_ads)
+
+
+def default_shards(sid_rows: int, vocab: int) -> int:
+    """The shard count of a build of `sid_rows` SID rows: one per SID_ROWS_PER_SHARD, at most one
+    per first-level token."""
+    return int(min(max(1, -(-sid_rows // SID_ROWS_PER_SHARD)), vocab, MAX_SHARDS))
+
+
+def shard_bounds(held: np.ndarray, shards: int) -> np.ndarray:
+    """(K+1,) int64 bounds of K <= shards ranges [b[k], b[k+1]) of first-level tokens that cover
+    [0, V) and hold about equal numbers of SID rows, each some; held: (V,) int64 SID rows per token."""
+    bounds = token_ranges(held, shards)
+    bounds[0] = 0  # tokens below the first that holds rows belong to the first shard
+    return bounds
+
+
+def shard_of(sub: Subtrie, lo: int, hi: int, ad_value: np.ndarray | None) -> Shard:
+    """A part's subtrie (over its own ads) as the shard [lo, hi) over catalog rows; ad_value: (N,)
+    float64 the catalog's values, or None."""
+    gtm = dataclasses.replace(sub.gtm, leaf_ads=np.asarray(sub.ads)[sub.gtm.leaf_ads], ad_value=ad_value)
+    return Shard(lo, hi, gtm)
+
+
+# What each array of the join is made of, per shard: the join reuses an earlier join's array when
+# every shard's inputs to it are the earlier shards' own (an update that changed other arrays)
+def _inputs(name: str, g: GTMIndex) -> tuple[object, ...]:
+    for p in g.planes:
+        if name == f"{p.name}_table":
+            return (p.table,)
+        if name == f"{p.name}_index":
+            return (p.index, p.table, g.depth_offsets)
+        if name == f"part_{p.name}_index":
+            return (p.part_index, p.table, g.part_offsets, g.depth_offsets)
+    if name in ("node_offsets", "csr_child_nodes", "depth_offsets"):
+        return (g.node_offsets, g.depth_offsets)
+    if name in ("part_offsets", "part_value"):
+        return (getattr(g, name), g.part_offsets, g.depth_offsets)
+    return (getattr(g, name), g.depth_offsets)
+
+
+def join_shards(shards: Sequence[Shard], earlier: tuple[Sequence[Shard], GTMIndex] | None = None) -> GTMIndex:
+    """The whole trie of `shards` (in token order, the ranges covering [0, V)): one shard's is its
+    own index; several are joined (module docstring). earlier: shards joined before, and their
+    join: an array whose every input is the same object as there is taken from that join, so an
+    update that changed a few arrays costs only those (and a loader keeps the rest's device copies)."""
+    g = [s.gtm for s in shards]
+    if len(g) == 1:
+        return g[0]
+    first = g[0]
+    L = first.sid_length
+    reuse: Callable[[str], object | None] = lambda name: None  # noqa: E731
+    if earlier is not None and len(earlier[0]) == len(shards):
+        theirs = [s.gtm for s in earlier[0]]
+        joined = earlier[1].arrays()
+
+        def reuse(name: str) -> object | None:
+            same = all(a is b or a is None and b is None for x, y in zip(g, theirs)
+                       for a, b in zip(_inputs(name, x), _inputs(name, y)))
+            return joined.get(name) if same else None
+
+    counts = np.array([np.diff(t.depth_offsets)[1:] for t in g], dtype=np.int64)  # (K, L) nodes per depth
+    depth_offsets = np.zeros(L + 2, dtype=np.int64)
+    depth_offsets[1] = 1
+    depth_offsets[2:] = 1 + np.cumsum(counts.sum(axis=0))
+    num_nodes = int(depth_offsets[-1])
+
+    def entries(arrays: list[np.ndarray]) -> np.ndarray:
+        """A per-entry array of the whole trie from each shard's (entry e = node e + 1)."""
+        return np.concatenate([np.asarray(a)[t.depth_offsets[d] - 1:t.depth_offsets[d + 1] - 1]
+                               for d in range(1, L + 1) for a, t in zip(arrays, g)])
+
+    def made(name: str, make: Callable[[], np.ndarray]) -> np.ndarray:
+        kept = reuse(name)
+        return make() if kept is None else kept  # type: ignore[return-value]
+
+    def node_offsets() -> np.ndarray:
+        out = np.zeros(num_nodes + 1, dtype=np.int64)
+        out[1] = sum(int(t.node_offsets[1]) for t in g)
+        out[2:] = out[1] + np.cumsum(entries([np.diff(t.node_offsets)[1:] for t in g]))
+        return out
+
+    part_offsets = None
+    if first.part_offsets is not None:
+        offsets = [np.asarray(t.part_offsets) for t in g]
+        part_counts = entries([np.diff(o) for o in offsets])
+
+        def joined_part_offsets() -> np.ndarray:
+            out = np.zeros(num_nodes, dtype=np.int64)
+            np.cumsum(part_counts, out=out[1:])
+            return out
+
+        part_offsets = made("part_offsets", joined_part_offsets)
+
+    @functools.cache
+    def part_take() -> np.ndarray:
+        """(T,) int64 the shards' partitions, stacked shard after shard, in the join's order."""
+        stacked = np.cumsum([0] + [int(o[-1]) for o in offsets])
+        return expand_runs(entries([o[:-1] + b for o, b in zip(offsets, stacked)]), part_counts)
+
+    def plane(p: int) -> MatcherPlane:
+        tables = [t.planes[p].table for t in g]
+        base = np.cumsum([0] + [len(x) for x in tables])[:-1]
+        name = g[0].planes[p].name
+        table = made(f"{name}_table", lambda: np.concatenate(tables))
+        index = made(f"{name}_index", lambda: entries([np.asarray(t.planes[p].index) + np.int32(b)
+                                                       for t, b in zip(g, base)]).astype(np.int32))
+        part_index = None
+        if part_offsets is not None:
+            part_index = made(f"part_{name}_index", lambda: np.concatenate(
+                [np.asarray(t.planes[p].part_index) + np.int32(b) for t, b in zip(g, base)])[part_take()]
+                              .astype(np.int32))
+        return MatcherPlane(name, table, index, part_index)
+
+    def per_entry(name: str) -> np.ndarray | None:
+        if getattr(first, name) is None:
+            return None
+        return made(name, lambda: entries([getattr(t, name) for t in g]))
+
+    part_value = None
+    if first.part_value is not None:
+        part_value = made("part_value", lambda: np.concatenate([np.asarray(t.part_value) for t in g])[part_take()])
+    leaf_counts = [np.diff(t.leaf_ad_offsets) for t in g]
+    return GTMIndex(
+        level_sizes=first.level_sizes, node_offsets=made("node_offsets", node_offsets),
+        csr_child_nodes=made("csr_child_nodes", lambda: np.arange(1, num_nodes, dtype=np.int32)),
+        csr_tokens=made("csr_tokens", lambda: entries([t.csr_tokens for t in g])),
+        planes=tuple(plane(p) for p in range(len(first.planes))),
+        depth_offsets=made("depth_offsets", lambda: depth_offsets),
+        leaf_ad_offsets=made("leaf_ad_offsets", lambda: np.concatenate([[0], np.cumsum(np.concatenate(leaf_counts))])
+                             .astype(np.int64)),
+        leaf_ads=made("leaf_ads", lambda: np.concatenate([t.leaf_ads for t in g])),
+        part_offsets=part_offsets, ad_value=first.ad_value, entry_value=per_entry("entry_value"),
+        part_value=part_value, entry_live=per_entry("entry_live"))
+
+
+def build_shards(sids: np.ndarray, ad_index: np.ndarray, level_sizes: tuple[int, ...], ad_rows: dict[str, np.ndarray],
+                 *, shards: int | None = None, kway: KWayConfig | None = None, matcher_bits: int | None = None,
+                 ad_value: np.ndarray | None = None, workers: int | None = None) -> tuple[Shard, ...]:
+    """The shards of `build_gtm`'s index (same arguments): `shards` of them (default
+    `default_shards`) by first-token ranges of about equal SID rows, built by `workers` threads
+    (default 1), a shard at a time or, with more threads than shards, each as parts combined.
+    A shard's arrays depend on the catalog and the shard count alone (`build_gtm` of its rows)."""
+    check_arguments(sids, ad_index, level_sizes, ad_rows, ad_value)
+    workers = workers or 1
+    held = np.bincount(sids[:, 0], minlength=level_sizes[0])
+    bounds = shard_bounds(held, shards or default_shards(len(sids), level_sizes[0]))
+    order, cuts = part_rows(sids[:, 0], bounds)
+    K = len(bounds) - 1
+    inner = max(1, workers // K)  # threads per shard
+
+    def one(k: int) -> Shard:
+        rows = order[cuts[k]:cuts[k + 1]]
+        gtm = build_gtm_partitioned(sids[rows], ad_index[rows], level_sizes, ad_rows, kway=kway,
+                                    matcher_bits=matcher_bits, ad_value=ad_value, workers=inner)
+        return Shard(int(bounds[k]), int(bounds[k + 1]), gtm)
+
+    if workers == 1 or K == 1:
+        return tuple(one(k) for k in range(K))
+    with ThreadPoolExecutor(min(workers, K)) as pool:  # the build's numba passes and sorts release the GIL
+        return tuple(pool.map(one, range(K)))
