@@ -20,6 +20,7 @@ Modules:
     constraint  Constraint: one batch's trie walk and mask per step, for the search and the HF processor
     search      beam search in every Mode (`sidindex.modes`); the Scorer protocol
     serving     Searcher: the search captured as CUDA graphs per batch size, replayed
+    sharded     one catalog over several devices: shards in groups, the search merged per step
     scorer      the built-in codebook scorer; users' scorers named MODULE:FACTORY
     decoder     a reference transformer decoder with a KV cache: the worked example of a model
     hf          SidLogitsProcessor: the same mask inside Hugging Face `generate` (extra `sidindex[hf]`)
@@ -41,6 +42,7 @@ from runtime.scorer import CodebookScorer
 from runtime.search import Beams, Scorer, beam_search, parse_beams
 from runtime.served import ServedIndex
 from runtime.serving import Searcher
+from runtime.sharded import ShardedBeams, load_sharded, sharded_beam_search
 from runtime.watcher import SnapshotWatcher
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import EncodedRequests, encode_requests
@@ -55,6 +57,7 @@ __all__ = [
     "Scorer",
     "Searcher",
     "ServedIndex",
+    "ShardedBeams",
     "SnapshotWatcher",
     "beam_search",
     "codebook_scorer",
@@ -62,10 +65,12 @@ __all__ = [
     "encode_requests",
     "load",
     "load_index",
+    "load_sharded",
     "parse_beams",
     "parse_mode",
     "read_requests",
     "requests_from",
     "retrieve",
+    "sharded_beam_search",
     "to_device",
 ]

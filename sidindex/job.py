@@ -224,8 +224,9 @@ def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Cod
         index = apply_changes(index, Changes.pausing(paused, f"{root.snapshot_dir(published)} (paused ads)"), cb)
     for f in replay:
         change = read_changes(str(f), built.exact.spec, hash_keys=cb.hash_keys, dim=cb.dim,
-                              values=built.gtm.ad_value is not None, known=ads_in_state(index, AD_LIVE, AD_PAUSED),
-                              paused=ads_in_state(index, AD_PAUSED), replay=True)
+                              values=built.shards[0].gtm.ad_value is not None,
+                              known=ads_in_state(index, AD_LIVE, AD_PAUSED), paused=ads_in_state(index, AD_PAUSED),
+                              replay=True)
         index = apply_changes(index, change, cb)
     carried = {"paused": len(paused), "replayed": [f.name for f in replay]}
     if index is built:
@@ -302,7 +303,7 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
             raise ArtifactError(f"{base.path}: carries no codebook, so new ads cannot get SIDs; rebuild it")
         clock.lap("verify base")
         change = read_changes(str(staged), base.spec, hash_keys=cb.hash_keys, dim=cb.dim,
-                              values=base.gtm.ad_value is not None,
+                              values=base.shards[0].gtm.ad_value is not None,
                               known=ads_in_state(base, AD_LIVE, AD_PAUSED), paused=ads_in_state(base, AD_PAUSED))
         clock.lap("read changes")
         report = {"root": str(root), "base": base.id, "changes": change.counts}

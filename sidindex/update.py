@@ -88,7 +88,7 @@ def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> BuiltI
         ad_rows, new_exact = encode_ads(snap.exact.spec, added.columns)
         clock.lap("encode")
         n = len(ad_id)
-        shards = _insert(shards, sids.sids, sids.ad_index + n, ad_rows, added.value)
+        shards = _insert(shards, sids.sids, sids.ad_index + n, n, ad_rows, added.value)
         clock.lap("insert SIDs")
         exact = concat_exact([exact, new_exact])
         ad_id = np.concatenate([ad_id, added.ad_id])
@@ -109,11 +109,12 @@ def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> BuiltI
                       dead_sids=dead_sids)
 
 
-def _insert(shards: tuple[Shard, ...], sids: np.ndarray, ad_index: np.ndarray, ad_rows: dict[str, np.ndarray],
-            ad_value: np.ndarray | None) -> tuple[Shard, ...]:
+def _insert(shards: tuple[Shard, ...], sids: np.ndarray, ad_index: np.ndarray, first_new: int,
+            ad_rows: dict[str, np.ndarray], ad_value: np.ndarray | None) -> tuple[Shard, ...]:
     """The shards with SID rows sids (Q, L) int16 of ads ad_index (Q,) int64 inserted, each row into
     the shard its first token falls in; a shard none falls in keeps its own arrays (the same
-    objects). ad_rows, ad_value: the new ads' (`insert_sids`)."""
+    objects). ad_rows, ad_value: the new ads' (`insert_sids`), new ad u being catalog row
+    first_new + u."""
     lo = np.array([s.lo for s in shards])
     which = np.searchsorted(lo, sids[:, 0], side="right") - 1
     values = None if ad_value is None else np.concatenate([shards[0].gtm.ad_value, ad_value])
@@ -124,7 +125,6 @@ def _insert(shards: tuple[Shard, ...], sids: np.ndarray, ad_index: np.ndarray, a
             out.append(dataclasses.replace(shard, gtm=dataclasses.replace(shard.gtm, ad_value=values)))
             continue
         first = int(ad_index[rows].min())  # insert_sids numbers the new ads from its first row's
-        first_new = int(ad_index.min())
         rows_k = {p: r[first - first_new:] for p, r in ad_rows.items()}
         value_k = None if ad_value is None else ad_value[first - first_new:]
         g = insert_sids(shard.gtm, sids[rows], ad_index[rows], rows_k, value_k)

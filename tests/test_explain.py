@@ -19,6 +19,7 @@ from sidindex.matchers.exact import eligible_mask
 from sidindex.requests import Requests
 from sidindex.snapshot.snapshot import Snapshot
 from sidindex.trie.match import passing_tokens
+from sidindex.trie.shard import Shard
 from sidindex_cli.explain import parse_sid
 from tests.conftest import run_cli
 from tests.test_gtm import BITMASK, MANIFEST, Scenario, build, eligible, requests_of, scenarios
@@ -33,8 +34,8 @@ def failing_attributes(spec, ad: dict, req: dict) -> tuple[str, ...]:
 
 def explainer(sc: Scenario, r: int) -> tuple[Explainer, object]:
     index, bm, bl, exact, enc = build(sc)
-    snap = Snapshot(Path("."), MANIFEST, sc.spec, index, exact, np.arange(len(sc.ads), dtype=np.int64) + 100,
-                    codebook=None)
+    snap = Snapshot(Path("."), MANIFEST, sc.spec, (Shard(0, index.level_sizes[0], index),), exact,
+                    np.arange(len(sc.ads), dtype=np.int64) + 100, codebook=None)
     return Explainer(snap, requests_of(sc), r), (index, exact, enc)
 
 

@@ -40,6 +40,7 @@ from tests.test_snapshot import array_file, listed_arrays, reseal, rewrite_array
 CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_centroid = 4\n'
           '[kway]\nmode = "dynamic"\nk_max = 3\n')
 N_ADS = 150
+SHARDS = 3
 PRUNED = "pruned by retention"
 
 
@@ -54,7 +55,8 @@ def built(sample_dir, tmp_path_factory) -> dict:
     (base / "build.toml").write_text(CONFIG)
     root = base / "root"
     save_codebook(sampled_codebook(cat.head(N_ADS)), root)
-    full = run_build(base / "catalog.parquet", sample_dir / "targeting.toml", root, config=base / "build.toml")
+    full = run_build(base / "catalog.parquet", sample_dir / "targeting.toml", root, config=base / "build.toml",
+                     shards=SHARDS)
     ids = cat["ad_id"].head(N_ADS).to_list()
     schema = {**cat.schema, "embedding": pl.List(pl.Float32), "op": pl.String}
 
@@ -87,7 +89,7 @@ def _copy(built: dict, to: Path, current: str) -> Root:
     return root
 
 
-LEAF_ADS = f"{shard_dir(0)}/leaf_ads.arrow"  # a catalog this small is one shard
+LEAF_ADS = f"{shard_dir(0)}/leaf_ads.arrow"
 
 
 # --- one validator ------------------------------------------------------------------------------
@@ -137,6 +139,31 @@ def _entry_live_flipped(root: Root, u: Path, b: Path) -> None:
     rewrite_array(u, "entry_live", live)
 
 
+def _states_dropped(root: Root, u: Path, b: Path) -> None:
+    """The update's ad states and liveness flags left out (a snapshot without them has every row
+    live: the deleted row of the upserted ad too, a second live row of its id), all else linked."""
+    def drop(m: dict) -> None:
+        del m["arrays"]["ad_state"], m["lineage"]
+        for shard in m["shards"]:
+            del shard["arrays"]["entry_live"]
+    (u / "ad_state.arrow").unlink()
+    for f in u.glob("shards/*/entry_live.arrow"):
+        f.unlink()
+    reseal(u, drop)
+
+
+def _range_moved(root: Root, u: Path, b: Path) -> None:
+    """The boundary after the first shard holding two first-level tokens moved onto its last one
+    (which it then holds outside its range), every file linked."""
+    shards = open_snapshot(u, verify=False).shards
+    k, last = next((k, int(s.gtm.csr_tokens[int(s.gtm.node_offsets[1]) - 1])) for k, s in enumerate(shards[:-1])
+                   if int(s.gtm.node_offsets[1]) >= 2)
+
+    def move(m: dict) -> None:
+        m["shards"][k]["tokens"][1] = m["shards"][k + 1]["tokens"][0] = last
+    reseal(u, move)
+
+
 # name: (mutate(root, the update's directory, the served snapshot's directory), whether it is a sound snapshot)
 CASES = {
     "the update as written": (lambda root, u, b: None, True),
@@ -165,6 +192,8 @@ CASES = {
         lambda root, u, b: reseal(u, lambda m: m["targeting"]["attribute"].pop()), False),
     "a deleted row live again": (_revived, False),
     "an entry's liveness flipped": (_entry_live_flipped, False),
+    "the ad states dropped": (_states_dropped, False),
+    "a shard's range moved": (_range_moved, False),
 }
 
 

@@ -36,6 +36,7 @@ from sidindex.modes import Mode
 from sidindex.snapshot.snapshot import Snapshot
 from sidindex.trie.match import passing_tokens
 from sidindex.trie.patch import live_entries
+from sidindex.trie.shard import Shard
 from tests.test_gtm import MANIFEST, Scenario, build, eligible, scenarios
 
 GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -52,8 +53,8 @@ class Case:
         if ad_state is not None:  # as an update leaves it: some rows paused or deleted
             self.gtm = dataclasses.replace(self.gtm, entry_live=live_entries(self.gtm, ad_state))
             self.exact = dataclasses.replace(self.exact, ad_state=ad_state)
-        self.snap = Snapshot(Path("."), MANIFEST, sc.spec, self.gtm, self.exact, np.arange(len(sc.ads), dtype=np.int64),
-                             codebook=None)
+        self.snap = Snapshot(Path("."), MANIFEST, sc.spec, (Shard(0, self.gtm.level_sizes[0], self.gtm),), self.exact,
+                             np.arange(len(sc.ads), dtype=np.int64), codebook=None)
         self.index = load_index(self.snap, device)
         self.dreq = to_device(self.req, device)
 

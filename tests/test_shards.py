@@ -13,18 +13,21 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import runtime
 from schemas.artifacts import SHARDS_DIR, shard_dir
 from sidindex.artifact import same_file
+from sidindex.errors import ArtifactError, ConfigError
 from sidindex.job import run_update
 from sidindex.snapshot import open_snapshot
 from sidindex.trie.build import build_gtm
 from sidindex.trie.shard import SID_ROWS_PER_SHARD, build_shards, default_shards, join_shards, shard_bounds
 from tests.conftest import run_cli
 from tests.test_scaleout import trie_inputs
+from tests.test_snapshot import reseal
 
 CONFIG = ('[sid]\nlevels = [16, 4, 4]\nhash_size = 32\npaths = 2\nmin_points_per_centroid = 4\n'
           '[kway]\nmode = "dynamic"\nk_max = 3\n')
@@ -168,6 +171,7 @@ def test_an_update_rewrites_only_the_shards_it_touches(roots, sample_dir, tmp_pa
     pl.DataFrame([{"ad_id": ad, "op": "pause"}, {"ad_id": 10**12, "op": "pause"}],  # both: their SIDs go dead
                  schema=schema).write_parquet(tmp_path / "pause.parquet")
     before = open_snapshot(root)
+    assert before.joined() is None and before.gtm is before.joined()  # joined when first read, as a server does
     run_update(root, tmp_path / "pause.parquet")
     after = open_snapshot(root, base=before)
     changed = {n for n in after.manifest.files if not same_file(after.path / n, before.path / n)}
@@ -180,3 +184,69 @@ def test_an_update_rewrites_only_the_shards_it_touches(roots, sample_dir, tmp_pa
     index = runtime.load(root, "cpu")
     got = runtime.retrieve(index, reqs, mode="cd+gtm", beams=BEAMS).result
     assert not np.isin([ad, 10**12], got.ad_id).any()
+
+
+# --- one catalog over several devices, CPU devices standing in ------------------------------------
+
+@pytest.mark.parametrize("devices", [2, 3, 5])
+@pytest.mark.parametrize("mode, value_weight", [("cd", 0.0), ("cd+gtm", 0.0), ("cd+gtm+kway", 0.0), ("cd+gtm", 0.7)])
+def test_a_search_over_several_devices_is_the_search_on_one(roots, sample_dir, devices, mode, value_weight):
+    """Shards in groups on several (CPU) devices, each with its own scorer, merged per step: the
+    same beams, scores and order as one device holding every shard, and the same ads under them."""
+    _, out = roots
+    snap = open_snapshot(out[5])
+    whole = runtime.load_index(snap, "cpu")
+    parts = runtime.load_sharded(snap, ["cpu"] * devices)
+    assert len(parts) == devices and sum(p.gtm.num_leaves for p in parts) == whole.gtm.num_leaves
+    reqs = runtime.read_requests(sample_dir / "requests.parquet", whole).head(24)
+    host = runtime.encode_requests(reqs, whole.spec)
+    beams = (1, 8, 32, 48)  # narrow: beams are cut where scores tie (the hash level's are equal)
+    dev = [runtime.to_device(host, p.device) for p in parts]
+    one = runtime.to_device(host, whole.device)
+    want = runtime.beam_search(whole, one, runtime.codebook_scorer(whole, one)(slice(0, len(reqs))), beams, mode,
+                               value_weight=value_weight)
+    got = runtime.sharded_beam_search(parts, dev, [runtime.codebook_scorer(p, d)(slice(0, len(reqs)))
+                                                   for p, d in zip(parts, dev)], beams, mode, value_weight=value_weight)
+    tokens, score, device, leaf = got.ranked()
+    alive = want.score > float("-inf")
+    assert torch.equal(score > float("-inf"), alive) and len(set(device[alive].tolist())) > 1  # several served
+    assert torch.equal(score[alive], want.score[alive]) and torch.equal(tokens[alive], want.tokens[alive])
+    assert torch.equal(leaf >= 0, want.leaf >= 0)
+    for r, c in zip(*torch.nonzero(want.leaf >= 0, as_tuple=True)):  # a SID's ads: its device's leaf, catalog rows
+        g, ours, theirs = int(device[r, c]), int(leaf[r, c]), int(want.leaf[r, c])
+        p = parts[g].gtm
+        a = p.leaf_ads[p.leaf_ad_offsets[ours]:p.leaf_ad_offsets[ours + 1]]
+        w = whole.gtm.leaf_ads[whole.gtm.leaf_ad_offsets[theirs]:whole.gtm.leaf_ad_offsets[theirs + 1]]
+        assert np.array_equal(np.asarray(a), np.asarray(w))
+
+
+def test_a_search_over_several_devices_refuses_what_it_cannot_merge(roots, sample_dir):
+    _, out = roots
+    snap = open_snapshot(out[5])
+    parts = runtime.load_sharded(snap, ["cpu", "cpu"])
+    reqs = runtime.read_requests(sample_dir / "requests.parquet", parts[0]).head(2)
+    dev = [runtime.to_device(runtime.encode_requests(reqs, p.spec), p.device) for p in parts]
+    scorers = [runtime.codebook_scorer(p, d)(slice(0, 2)) for p, d in zip(parts, dev)]
+    with pytest.raises(ConfigError, match="masks each device's own shards"):
+        runtime.sharded_beam_search(parts, dev, scorers, (1, 4, 4, 4), "none")
+    with pytest.raises(ConfigError, match="one scorer per device"):
+        runtime.sharded_beam_search(parts, dev, scorers[:1], (1, 4, 4, 4))
+    with pytest.raises(ConfigError, match="one snapshot"):
+        other = runtime.load_sharded(open_snapshot(out[1]), ["cpu"])
+        runtime.sharded_beam_search([parts[0], other[0]], dev, scorers, (1, 4, 4, 4))
+
+
+def test_shards_whose_join_int32_cannot_number_are_refused(roots, tmp_path):
+    """Each shard's table may fit int32 while their join's would not: refused before anything is
+    read, as the join would wrap its row indexes (its node count is bounded alike)."""
+    _, out = roots
+    published = open_snapshot(out[5]).path
+    snap_dir = Path(shutil.copytree(published, tmp_path / published.name))
+
+    def grow(m: dict) -> None:
+        for shard in m["shards"][:2]:
+            shard["arrays"]["bitmask_table"]["rows"] = 2**30 + 1
+
+    reseal(snap_dir, grow)
+    with pytest.raises(ArtifactError, match="bitmask table rows together, more than the 2,147,483,647 one index"):
+        open_snapshot(snap_dir, verify=False)

@@ -12,6 +12,7 @@ Nothing is unpickled.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -48,18 +49,31 @@ from sidindex.trie.stats import GTMStats
 
 @dataclass(frozen=True)
 class Snapshot:
-    """An opened snapshot. Arrays are read-only memory maps of its files; `gtm` is its shards'
-    join (`sidindex.trie.shard.join_shards`: one shard's own arrays, several shards' copied once)."""
+    """An opened snapshot. Arrays are read-only memory maps of its files."""
 
     path: Path
     manifest: Manifest
     spec: TargetingSpec
-    gtm: GTMIndex
+    shards: tuple[Shard, ...]  # in token order
     exact: ExactIndex
     ad_id: np.ndarray  # (N,) int64
     codebook: Codebook | None
     open_seconds: dict[str, float] = field(default_factory=dict)  # manifest, files, map, structure, prefault
-    shards: tuple[Shard, ...] = ()  # in token order; () for an index made in memory (then `gtm` is one shard)
+    # an opened base's shards and join, which the join may take arrays from (dropped once joined)
+    beside: tuple[tuple[Shard, ...], GTMIndex] | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def gtm(self) -> GTMIndex:
+        """The whole trie, the shards' join (`sidindex.trie.shard.join_shards`: one shard's own
+        arrays, several shards' copied once), made when first read: validating, inspecting or
+        updating a snapshot never needs it; beside a base, it reuses the base's join's arrays."""
+        g = join_shards(self.shards, self.beside)
+        object.__setattr__(self, "beside", None)  # the base's join is no longer held
+        return g
+
+    def joined(self) -> GTMIndex | None:
+        """`gtm` if it was made, else None."""
+        return self.__dict__.get("gtm")
 
     @property
     def id(self) -> str:
@@ -70,8 +84,7 @@ class Snapshot:
         return self.gtm.arrays() | self.exact.arrays() | {"ads": np.asarray(self.ad_id)}
 
     def shard_list(self) -> tuple[Shard, ...]:
-        """The shards (one for an index made in memory)."""
-        return self.shards or (Shard(0, self.gtm.level_sizes[0], self.gtm),)
+        return self.shards
 
     @property
     def row_states(self) -> np.ndarray:
@@ -158,6 +171,9 @@ def write_snapshot(directory: Path, shards: Sequence[Shard], exact: ExactIndex, 
         shards=tuple(entries_out), lineage=lineage)
     (directory / MANIFEST_FILE).write_bytes(manifest.to_bytes())
     return manifest
+
+
+MAX_JOINED = 2**31 - 1  # nodes and table rows of the shards' join: int32 child ids and row indexes
 
 
 def _shape(a: np.ndarray) -> ArrayShape:
@@ -276,13 +292,14 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     codebook = base.codebook if base is not None and shared and m.codebook_id == base.manifest.codebook_id and all(
         n in shared for n in m.files if n.startswith("codebooks/")) else _codebook(directory, m)
     clock.lap("structure")
-    gtm = join_shards(shards, None if base is None else (base.shard_list(), base.gtm))
-    clock.lap("join")
     if prefault:
-        for x in [*gtm.arrays().values(), *exact.arrays().values()]:
+        for x in [*exact.arrays().values(), *(a for s in shards for a in _shard_arrays(s).values())]:
             prefault_pages(x)
         clock.lap("prefault")
-    return Snapshot(directory, m, spec, gtm, exact, ad_id, codebook, clock.seconds, shards)
+    beside = None
+    if base is not None and (joined := base.joined()) is not None:
+        beside = (base.shards, joined)
+    return Snapshot(directory, m, spec, shards, exact, ad_id, codebook, clock.seconds, beside)
 
 
 def _value(glob: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -354,6 +371,14 @@ def _check_shapes(where: Path, m: Manifest, spec: TargetingSpec) -> None:
                                 "the snapshot")
     for k, e in enumerate(m.shard_list()):
         _check_shard_shapes(where, f"shard {k}: " if e.directory else "", e.arrays, L, spec, m.kway)
+    # the join numbers nodes and each plane's table rows across shards in int32
+    joined = {"nodes": 1 + sum(e.arrays["node_offsets"].rows - 2 for e in m.shard_list())}
+    joined |= {f"{p} table rows": sum(e.arrays[plane_arrays(p).table].rows for e in m.shard_list())
+               for p in MATCHER_PLANES}
+    for what, n in joined.items():
+        if n > MAX_JOINED:
+            raise ArtifactError(f"{where}: the shards hold {n:,} {what} together, more than the {MAX_JOINED:,} one "
+                                "index numbers")
     listed = [ARRAYS_BY_NAME[n].file for n in m.global_arrays] + [e.file(n) for e in m.shard_list() for n in e.arrays]
     missing = sorted(f for f in listed if f not in m.files)
     if missing:

@@ -176,12 +176,10 @@ def check_structure(directory: Path, shards: Sequence[tuple[Path, Shard]], exact
     need = _Need(directory)
     if changed is None or changed.globals - {"ad_state"}:
         groups: tuple[Callable[[_Need, ExactIndex, np.ndarray], None], ...] = (_exact, _state, _ads)
-    elif "ad_state" in changed.globals:
-        revived = base_state is None or exact.ad_state is None or bool(
-            np.any((base_state == AD_DELETED) & (exact.ad_state != AD_DELETED)))
+    else:  # the states alone may be new, or gone (a snapshot without them has every row live)
+        revived = base_state is None or bool(np.any((base_state == AD_DELETED)
+                                                    & (exact.states(len(ad_id)) != AD_DELETED)))
         groups = (_state, _ads) if revived else (_state,)
-    else:
-        groups = ()
     for group in groups:
         group(need, exact, ad_id)
     value_changed = changed is None or "ad_value" in changed.globals
@@ -210,12 +208,13 @@ def check_shard(path: Path, shard: Shard, exact: ExactIndex, n_ads: int,
              "count")
         for group in (_trie, _planes, _leaves, _partitions):
             group(need, gtm, n_ads)
-        root = gtm.csr_tokens[:int(gtm.node_offsets[1])]  # rising: checked by _trie
-        need(int(root[0]) >= shard.lo and int(root[-1]) < shard.hi, "csr_tokens",
-             f"the shard's first-level tokens must lie in its range [{shard.lo}, {shard.hi})")
         _values(need, gtm)  # indexes with the offsets checked above
     elif "ad_value" in changed:
         _values(need, gtm)
+    # its range, which a manifest may give a checked shard anew (the root's tokens rise: checked by _trie)
+    root = gtm.csr_tokens[:int(gtm.node_offsets[1])]
+    need(int(root[0]) >= shard.lo and int(root[-1]) < shard.hi, "csr_tokens",
+         f"the shard's first-level tokens must lie in its range [{shard.lo}, {shard.hi})")
     _live(need, gtm, exact)  # likewise (unchanged offsets were checked with the base)
 
 
