@@ -12,7 +12,8 @@ every swap), median of --repeats, with the old index serving throughout:
   manifest      read the sealed manifest, check the shapes it declares
   verify        every file's fast digest (xxh3_128 by 16 MiB chunks, all files' chunks on one pool)
                 reference: every file's sha256, one thread per file (the largest file bounds it)
-  structure     map every Arrow file and validate the structure (`check_structure`)
+  structure     map every Arrow file and validate the structure (`check_structure`), shard by shard
+  join          the shards' one trie (`Snapshot.gtm`): one shard's own arrays, several copied into one
   stage         pinned allocation (once: the arena is kept), copy of the maps (STAGE_THREADS threads)
                 reference: the copy on one thread
   transfer      host to device, then the entry keys, launch shapes and post bounds made there
@@ -53,7 +54,7 @@ from sidindex.snapshot import open_snapshot
 from sidindex.timing import StageClock
 
 BEAMS = (1, 512, 1024, 1024)
-PHASES = ("manifest", "verify", "structure", "stage", "transfer", "first search", "total")
+PHASES = ("manifest", "verify", "structure", "join", "stage", "transfer", "first search", "total")
 
 
 class RandomLogits:
@@ -91,6 +92,9 @@ def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer,
     out |= {"manifest": o["manifest"] + o.get("files", 0.0), "structure": o["map"] + o["structure"]}
     if not reference:
         out["verify"] = o["checksums"]
+    t = time.perf_counter()
+    snap.gtm  # noqa: B018 (joined here, timed apart from the load that reads it)
+    out["join"] = time.perf_counter() - t
     staging.STAGE_THREADS = 1 if reference else THREADS
     try:
         index = load_index(snap, device)
