@@ -154,7 +154,7 @@ def run(args, work: Path) -> dict:
     t = time.perf_counter()
     full = run_build(paths["catalog"], paths["targeting"], root, shards=args.shards)
     full_s = time.perf_counter() - t
-    print(f"full build {full_s:.1f} s, {full['shards']} shards", flush=True)
+    print(f"full build {full_s:.1f} s, {full['shards']} shard(s)", flush=True)
     disk = storage(root)
     rows = [("full build", args.ads, full_s, 1.0, full["seconds"])]
     rng = np.random.default_rng(7)
@@ -192,7 +192,7 @@ def run(args, work: Path) -> dict:
           f"digests + structure + cover {trust['full']:.2f} s (+{trust['full'] - trust['structure']:.2f} s per update, "
           f"{(trust['full'] - trust['structure']) / full_s:.2%} of the full build)")
     print(f"bytes moved to the device by the watcher's swap: {serve['moved_bytes']}")
-    print(f"storage ({full['shards']} shards): {disk['bytes'] / 1e9:.3f} GB; matcher rows repeated across shards "
+    print(f"storage ({full['shards']} shard(s)): {disk['bytes'] / 1e9:.3f} GB; matcher rows repeated across shards "
           f"{disk['repeated_bytes'] / 1e6:.1f} MB, {disk['overhead']:.2%} over one table per plane (target <= 5%)")
     for name, _, _, _, phases in rows:
         print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))

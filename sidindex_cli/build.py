@@ -155,8 +155,10 @@ def build(
                                           "shards (default 1). ray: CPUs of the local Ray (default: every core)."),
     shards: Optional[int] = typer.Option(None, "--shards", min=1, max=32768, help="Split the trie into this many "
                                          "shards by first-level token, each about as many SID rows (default: one "
-                                         "per 2M SID rows). Updates rewrite only the shards they touch, and a "
-                                         "serving host re-checks only those; results do not depend on it."),
+                                         "per 32M SID rows). An update rewrites only the shards it touches and a "
+                                         "serving host re-checks only those; several shards are copied into one "
+                                         "trie when loaded and repeat the matcher rows they share. Results do not "
+                                         "depend on it."),
     changes_through: Optional[str] = typer.Option(
         None, "--changes-applied-through", metavar="NAME",
         help="The newest change file (its file name) whose changes the catalog export already holds. Change files "

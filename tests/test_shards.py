@@ -46,7 +46,7 @@ def _rows(g, planes=True) -> dict:
     return out
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trie_inputs(), st.integers(1, 9), st.integers(1, 3))
 def test_joined_shards_are_the_whole_trie(inputs, shards, workers):
     sids, ad_index, sizes, rows, value, kway = inputs
