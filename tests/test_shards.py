@@ -21,6 +21,7 @@ import runtime
 from schemas.artifacts import SHARDS_DIR, shard_dir
 from sidindex.artifact import same_file
 from sidindex.errors import ArtifactError, ConfigError
+from sidindex.explain import Explainer
 from sidindex.job import run_update
 from sidindex.snapshot import open_snapshot
 from sidindex.trie.build import build_gtm
@@ -123,6 +124,21 @@ def test_a_sharded_snapshot_retrieves_what_one_shard_does(roots, sample_dir, tmp
     assert [s["tokens"] for s in info["shards"]] == [[s.lo, s.hi] for s in five.shards]
     assert sum(s["sid_rows"] for s in info["shards"]) == info["sid_rows"]
     assert sum(s["nodes"] - 1 for s in info["shards"]) == info["nodes"] - 1
+
+
+def test_explanations_do_not_depend_on_the_shards(roots, sample_dir):
+    """`sidindex explain`'s answers, per SID and per ad, are the one trie's."""
+    _, out = roots
+    one, five = open_snapshot(out[1]), open_snapshot(out[5])
+    reqs = runtime.read_requests(sample_dir / "requests.parquet", runtime.load_index(one, "cpu")).head(3)
+    sids = one.gtm.leaf_sids(np.arange(0, one.gtm.num_leaves, max(1, one.gtm.num_leaves // 40)))
+    for r in range(len(reqs)):
+        a, b = Explainer(one, reqs, r), Explainer(five, reqs, r)
+        for sid in sids:
+            key = tuple(int(t) for t in sid)
+            assert a.sid(key).to_dict() == b.sid(key).to_dict(), key
+        for ad in one.ad_id[:20]:
+            assert [e.to_dict() for e in a.ad(int(ad))] == [e.to_dict() for e in b.ad(int(ad))]
 
 
 def _like(pool: pl.DataFrame, row: int, ad_id: int) -> dict:
