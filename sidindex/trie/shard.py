@@ -17,22 +17,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from schemas.artifacts import MAX_SHARDS
-from sidindex.trie.build import GTMIndex, MatcherPlane, check_arguments, expand_runs
+from schemas.artifacts import MAX_SHARDS, plane_arrays
+from sidindex.trie.build import GTMIndex, check_arguments, expand_runs
 from sidindex.trie.kway import KWayConfig
-from sidindex.trie.partition import Subtrie, build_gtm_partitioned, part_rows, token_ranges
+from sidindex.trie.partition import Subtrie, build_gtm_partitioned, default_workers, part_rows, token_ranges
 
 # The default shard size. A serving host searches the shards' join, which costs a copy of the trie
 # when there are several (about 1 s per 4M SIDs on 2 cores, page faults included), and each shard
 # repeats the rows its ads share with other shards; a random update touches every shard anyway.
 # So a catalog one GPU serves is one shard by default, and shards are for what outgrows it.
 SID_ROWS_PER_SHARD = 1 << 25
+JOIN_THREADS = min(8, default_workers())  # the join's arrays are made side by side
 
 
 @dataclass(frozen=True)
@@ -121,68 +124,79 @@ def join_shards(shards: Sequence[Shard], earlier: tuple[Sequence[Shard], GTMInde
         return np.concatenate([np.asarray(a)[t.depth_offsets[d] - 1:t.depth_offsets[d + 1] - 1]
                                for d in range(1, L + 1) for a, t in zip(arrays, g)])
 
-    def made(name: str, make: Callable[[], np.ndarray]) -> np.ndarray:
-        kept = reuse(name)
-        return make() if kept is None else kept  # type: ignore[return-value]
-
     def node_offsets() -> np.ndarray:
         out = np.zeros(num_nodes + 1, dtype=np.int64)
         out[1] = sum(int(t.node_offsets[1]) for t in g)
         out[2:] = out[1] + np.cumsum(entries([np.diff(t.node_offsets)[1:] for t in g]))
         return out
 
-    part_offsets = None
-    if first.part_offsets is not None:
-        offsets = [np.asarray(t.part_offsets) for t in g]
-        part_counts = entries([np.diff(o) for o in offsets])
+    kway = first.part_offsets is not None
+    offsets = [np.asarray(t.part_offsets) for t in g] if kway else []
+    lock = threading.Lock()
 
-        def joined_part_offsets() -> np.ndarray:
-            out = np.zeros(num_nodes, dtype=np.int64)
-            np.cumsum(part_counts, out=out[1:])
-            return out
-
-        part_offsets = made("part_offsets", joined_part_offsets)
+    @functools.cache
+    def part_counts() -> np.ndarray:
+        return entries([np.diff(o) for o in offsets])
 
     @functools.cache
     def part_take() -> np.ndarray:
         """(T,) int64 the shards' partitions, stacked shard after shard, in the join's order."""
         stacked = np.cumsum([0] + [int(o[-1]) for o in offsets])
-        return expand_runs(entries([o[:-1] + b for o, b in zip(offsets, stacked)]), part_counts)
+        return expand_runs(entries([o[:-1] + b for o, b in zip(offsets, stacked)]), part_counts())
 
-    def plane(p: int) -> MatcherPlane:
-        tables = [t.planes[p].table for t in g]
-        base = np.cumsum([0] + [len(x) for x in tables])[:-1]
-        name = g[0].planes[p].name
-        table = made(f"{name}_table", lambda: np.concatenate(tables))
-        index = made(f"{name}_index", lambda: entries([np.asarray(t.planes[p].index) + np.int32(b)
-                                                       for t, b in zip(g, base)]).astype(np.int32))
-        part_index = None
-        if part_offsets is not None:
-            part_index = made(f"part_{name}_index", lambda: np.concatenate(
+    def partitions(make: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
+        """`make`, with the partitions' order made once by whichever thread needs it first."""
+        def run() -> np.ndarray:
+            with lock:
+                part_take()
+            return make()
+        return run
+
+    def joined_part_offsets() -> np.ndarray:
+        out = np.zeros(num_nodes, dtype=np.int64)
+        np.cumsum(part_counts(), out=out[1:])
+        return out
+
+    # each array the join makes, by name (the arrays are independent: made by a pool of threads,
+    # whose copies and first touches of new memory run side by side)
+    make: dict[str, Callable[[], np.ndarray]] = {
+        "node_offsets": node_offsets, "csr_child_nodes": lambda: np.arange(1, num_nodes, dtype=np.int32),
+        "csr_tokens": lambda: entries([t.csr_tokens for t in g]), "depth_offsets": lambda: depth_offsets,
+        "leaf_ad_offsets": lambda: np.concatenate([[0], np.cumsum(np.concatenate(
+            [np.diff(t.leaf_ad_offsets) for t in g]))]).astype(np.int64),
+        "leaf_ads": lambda: np.concatenate([t.leaf_ads for t in g])}
+    for name in ("entry_value", "entry_live"):
+        if getattr(first, name) is not None:
+            make[name] = functools.partial(lambda name: entries([getattr(t, name) for t in g]), name)
+    if kway:
+        make["part_offsets"] = partitions(joined_part_offsets)
+        if first.part_value is not None:
+            make["part_value"] = partitions(lambda: np.concatenate([np.asarray(t.part_value) for t in g])[part_take()])
+    for p, plane in enumerate(first.planes):
+        names = plane_arrays(plane.name)
+        base = np.cumsum([0] + [len(t.planes[p].table) for t in g])[:-1]
+        make[names.table] = functools.partial(lambda p: np.concatenate([t.planes[p].table for t in g]), p)
+        make[names.index] = functools.partial(lambda p, base: entries(
+            [np.asarray(t.planes[p].index) + np.int32(b) for t, b in zip(g, base)]).astype(np.int32), p, base)
+        if kway:
+            make[names.part_index] = partitions(functools.partial(lambda p, base: np.concatenate(
                 [np.asarray(t.planes[p].part_index) + np.int32(b) for t, b in zip(g, base)])[part_take()]
-                              .astype(np.int32))
-        return MatcherPlane(name, table, index, part_index)
+                .astype(np.int32), p, base))
+    out: dict[str, Any] = {}
+    todo = {}
+    for name, f in make.items():
+        kept = reuse(name)
+        if kept is None:
+            todo[name] = f
+        else:
+            out[name] = kept
+    with ThreadPoolExecutor(max(1, min(JOIN_THREADS, len(todo)))) as pool:
+        out |= dict(zip(todo, pool.map(lambda f: f(), todo.values())))
+    return GTMIndex.from_arrays(first.level_sizes, out | _value(first), tuple(p.name for p in first.planes))
 
-    def per_entry(name: str) -> np.ndarray | None:
-        if getattr(first, name) is None:
-            return None
-        return made(name, lambda: entries([getattr(t, name) for t in g]))
 
-    part_value = None
-    if first.part_value is not None:
-        part_value = made("part_value", lambda: np.concatenate([np.asarray(t.part_value) for t in g])[part_take()])
-    leaf_counts = [np.diff(t.leaf_ad_offsets) for t in g]
-    return GTMIndex(
-        level_sizes=first.level_sizes, node_offsets=made("node_offsets", node_offsets),
-        csr_child_nodes=made("csr_child_nodes", lambda: np.arange(1, num_nodes, dtype=np.int32)),
-        csr_tokens=made("csr_tokens", lambda: entries([t.csr_tokens for t in g])),
-        planes=tuple(plane(p) for p in range(len(first.planes))),
-        depth_offsets=made("depth_offsets", lambda: depth_offsets),
-        leaf_ad_offsets=made("leaf_ad_offsets", lambda: np.concatenate([[0], np.cumsum(np.concatenate(leaf_counts))])
-                             .astype(np.int64)),
-        leaf_ads=made("leaf_ads", lambda: np.concatenate([t.leaf_ads for t in g])),
-        part_offsets=part_offsets, ad_value=first.ad_value, entry_value=per_entry("entry_value"),
-        part_value=part_value, entry_live=per_entry("entry_live"))
+def _value(g: GTMIndex) -> dict[str, np.ndarray]:
+    return {} if g.ad_value is None else {"ad_value": g.ad_value}
 
 
 def build_shards(sids: np.ndarray, ad_index: np.ndarray, level_sizes: tuple[int, ...], ad_rows: dict[str, np.ndarray],
