@@ -10,7 +10,7 @@ codebook (given, or trained on 500k of its ads; training is not a build's). An e
 `local` (whole trie), `local:N` (subtries on N threads) or `ray:N` (a local Ray of N CPUs). Each
 build runs in its own process; memory is the machine's peak in use during the build above what was
 in use before it (MemTotal - MemAvailable, sampled every 50 ms), so it counts Ray's workers and
-object store too. Every engine's snapshot is compared array by array with the first's.
+object store too, and beside it the build process's own peak RSS (the Ray engine's driver). Every engine's snapshot is compared array by array with the first's.
 Target (2 cores): the Ray engine at 10M ads within 1.3x of the local engine.
 """
 
@@ -58,8 +58,10 @@ def single(data: Path, root: Path, codebook: Path, engine: str) -> dict:
     t = time.perf_counter()
     report = run_build(data / "catalog.parquet", data / "targeting.toml", root, codebook=codebook, engine=name,
                        workers=int(n) if n else None, force=True)
+    import resource
+
     return {"seconds": time.perf_counter() - t, "stages": report["seconds"], "sid_rows": report["sid_rows"],
-            "ray": report.get("ray")}
+            "ray": report.get("ray"), "process_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}
 
 
 def child(*args: str) -> tuple[dict, float]:
@@ -130,21 +132,23 @@ def main() -> int:
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    print("| ads | SID rows | engine | seconds | / first engine | peak memory GB | same arrays |")
-    print("|---|---|---|---|---|---|---|")
+    print("| ads | SID rows | engine | seconds | / first engine | peak memory GB | its process's peak RSS GB "
+          "| same arrays |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ref = next(x for x in rows if x["ads"] == r["ads"])
         print(f"| {r['ads']:,} | {r['sid_rows']:,} | {r['engine']} | {r['seconds']:.1f} | "
-              f"{r['seconds'] / ref['seconds']:.2f}x | {r['peak_gb']:.2f} | {'yes' if r['same'] else 'NO'} |")
+              f"{r['seconds'] / ref['seconds']:.2f}x | {r['peak_gb']:.2f} | {r['process_gb']:.2f} | "
+              f"{'yes' if r['same'] else 'NO'} |")
     print()
     for r in rows:
         print(f"{r['ads']:,} {r['engine']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["stages"].items()))
         if r["ray"]:
             shape = r["ray"]
-            rows_, secs = np.array(shape["shard_sid_rows"]), np.array(shape["shard_seconds"])
-            print(f"  {shape['fragments']} fragments, {shape['shards']} shards; "
+            rows_, secs = np.array(shape["part_sid_rows"]), np.array(shape["part_seconds"])
+            print(f"  {shape['fragments']} fragments, {shape['shards']} shards in {shape['parts']} parts; "
                   f"shuffle {shape['shuffle_bytes'] / 1e9:.2f} GB ({shape['shuffle_bytes'] / r['sid_rows']:.0f} B per "
-                  f"SID row); per shard: {rows_.mean():,.0f} SID rows "
+                  f"SID row); per part: {rows_.mean():,.0f} SID rows "
                   f"(max {rows_.max():,}), {secs.mean():.2f} s (max {secs.max():.2f}), "
                   f"{secs.sum() / rows_.sum() * 1e6:.2f} us per SID row")
     if args.json:

@@ -4,9 +4,12 @@
              which error messages name; Ray Data's reader does not give them)
   prepare    one task per fragment: validate, SIDs (the frozen codebook is put in the object store
              once), matcher rows, exact index; returns its ads table and its SID rows
-  shuffle    the driver sums the fragments' first-token counts into shard bounds; one task per
-             fragment splits its SID rows into a table per shard (num_returns = shards)
-  build      one task per shard builds its trie from every fragment's table for it
+  shuffle    the driver sums the fragments' first-token counts into shard bounds, and those into
+             parts (about 4 per CPU, none across a shard's bound); one task per fragment splits
+             its SID rows into a table per part (num_returns = parts)
+  build      one task per part builds its subtrie from every fragment's table for it; one task per
+             shard of several parts combines them into the shard (`trie.partition.combine`: the
+             arrays one part would give)
   finish     the driver joins the ads tables (`stages.finish_ads`); the job writes and publishes
              the shards and the ads as for the local engine
 
@@ -42,8 +45,8 @@ from sidindex.sid.quality import QualitySums
 from sidindex.targeting import TargetingSpec
 from sidindex.timing import StageClock
 from sidindex.trie.kway import KWayConfig
-from sidindex.trie.partition import default_workers
-from sidindex.trie.shard import Shard, default_shards, shard_bounds, shard_of
+from sidindex.trie.partition import Subtrie, combine, default_workers
+from sidindex.trie.shard import Shard, default_shards, part_bounds, shard_bounds, shard_of
 
 
 @dataclass(frozen=True)
@@ -174,11 +177,16 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
         parts = stages.split_sid_rows(sid_rows, bounds)
         return parts if len(parts) > 1 else parts[0]  # one return value is not unpacked
 
-    @ray.remote(max_retries=retries)
-    def build(lo: int, hi: int, *tables: Any) -> tuple[Shard, tuple[int, float]]:
+    @ray.remote(num_returns=2, max_retries=retries)
+    def build(*tables: Any) -> tuple[Subtrie, tuple[int, float]]:
         t = time.perf_counter()
         sub = stages.build_part(list(tables), level_sizes, planes, kway=kway, matcher_bits=bits)
-        return shard_of(sub, lo, hi, None), (sum(x.num_rows for x in tables), time.perf_counter() - t)
+        return sub, (sum(x.num_rows for x in tables), time.perf_counter() - t)
+
+    @ray.remote(max_retries=retries)
+    def join(lo: int, hi: int, *subs: Subtrie) -> Shard:
+        """The shard [lo, hi) of its parts' subtries, in token order (over catalog rows; values set by the driver)."""
+        return shard_of(subs[0], lo, hi, None) if len(subs) == 1 else Shard(lo, hi, combine(subs, level_sizes))
 
     spec_ref, cb_ref = ray.put(spec), ray.put(codebook)
     prepared = [prepare.remote(f, spec_ref, cb_ref) for f in frags]
@@ -188,19 +196,23 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
     counted = ray.get([p[2] for p in prepared])
     held = np.sum([c for c, _ in counted], axis=0)
     bounds = shard_bounds(held, shards or default_shards(int(held.sum()), level_sizes[0]))
-    q = len(bounds) - 1
-    splits = [split.options(num_returns=q).remote(p[1], bounds) for p in prepared]
+    cuts, first = part_bounds(held, bounds, 4 * int(ray.cluster_resources().get("CPU", 1)))
+    q = len(cuts) - 1
+    splits = [split.options(num_returns=q).remote(p[1], cuts) for p in prepared]
     splits = [s if q > 1 else [s] for s in splits]
     del prepared
-    parts = [build.remote(int(bounds[i]), int(bounds[i + 1]), *[s[i] for s in splits]) for i in range(q)]
-    built = ray.get(parts)
-    shape = {"fragments": len(frags), "shards": q, "shuffle_bytes": int(sum(b for _, b in counted)),
-             "shard_sid_rows": [b[1][0] for b in built], "shard_seconds": [round(b[1][1], 3) for b in built]}
+    parts = [build.remote(*[s[i] for s in splits]) for i in range(q)]
+    joined = [join.remote(int(lo), int(hi), *[parts[i][0] for i in range(a, b)])
+              for lo, hi, a, b in zip(bounds[:-1], bounds[1:], first[:-1], first[1:])]
+    built, timed = ray.get(joined), ray.get([p[1] for p in parts])
+    shape = {"fragments": len(frags), "shards": len(built), "parts": q,
+             "shuffle_bytes": int(sum(b for _, b in counted)), "part_sid_rows": [t[0] for t in timed],
+             "part_seconds": [round(t[1], 3) for t in timed]}
     clock.lap("shuffle + shards")
     ad_id, value, exact, sums = stages.finish_ads(ads, spec)
     del ads
-    out = tuple(dataclasses.replace(b[0], gtm=dataclasses.replace(b[0].gtm, ad_value=value)) for b in built)
-    del splits, parts, built
+    out = tuple(dataclasses.replace(b, gtm=dataclasses.replace(b.gtm, ad_value=value)) for b in built)
+    del splits, parts, joined, built
     clock.lap("finish")
     return RayBuilt(out, exact, ad_id, sums, clock.seconds, shape)
 

@@ -200,7 +200,7 @@ def build(
                   "changes_applied_again": ", ".join(report["carried"]["replayed"]) or "none"}
     if "ray" in report:
         shape = report["ray"]
-        shown |= {"fragments": shape["fragments"],
+        shown |= {"fragments": shape["fragments"], "parts": shape["parts"],
                   "shuffle_mb": round(shape["shuffle_bytes"] / 1e6, 1)}
     emit(shown, False, f"snapshot {report['status']}")
     print_seconds(report["seconds"])

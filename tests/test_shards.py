@@ -25,7 +25,14 @@ from sidindex.explain import Explainer
 from sidindex.job import run_update
 from sidindex.snapshot import open_snapshot
 from sidindex.trie.build import build_gtm
-from sidindex.trie.shard import SID_ROWS_PER_SHARD, build_shards, default_shards, join_shards, shard_bounds
+from sidindex.trie.shard import (
+    SID_ROWS_PER_SHARD,
+    build_shards,
+    default_shards,
+    join_shards,
+    part_bounds,
+    shard_bounds,
+)
 from tests.conftest import run_cli
 from tests.test_scaleout import trie_inputs
 from tests.test_snapshot import reseal
@@ -78,6 +85,12 @@ def test_shard_bounds_cover_every_token_and_the_default_count_follows_the_catalo
         assert b[0] == 0 and b[-1] == len(held) and np.all(np.diff(b) > 0) and len(b) - 1 <= k
         assert all(held[lo:hi].sum() > 0 for lo, hi in zip(b[:-1], b[1:]))  # every shard holds SID rows
     assert default_shards(10, 256) == 1 and default_shards(SID_ROWS_PER_SHARD + 1, 256) == 2
+    for k in range(1, 6):  # the Ray engine's parts: inside the shards, about as many as asked
+        b = shard_bounds(held, k)
+        for parts in range(1, 12):
+            cuts, first = part_bounds(held, b, parts)
+            assert np.array_equal(cuts[first], b) and np.all(np.diff(cuts) > 0)
+            assert all(held[lo:hi].sum() > 0 for lo, hi in zip(cuts[:-1], cuts[1:]))
     assert default_shards(10**12, 256) == 256  # one first-level token each at most
 
 

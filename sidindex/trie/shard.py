@@ -69,6 +69,22 @@ def shard_bounds(held: np.ndarray, shards: int) -> np.ndarray:
     return bounds
 
 
+def part_bounds(held: np.ndarray, bounds: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cuts (Q+1,) int64, first (K+1,) int64): about `parts` ranges of first-level tokens
+    [cuts[q], cuts[q+1]) of about equal SID rows, none across a shard's bound, shard k's being
+    ranges first[k]..first[k+1]-1; held: (V,) int64 SID rows per token, bounds: (K+1,) the shards'
+    (`shard_bounds`). A shard built as several parts is their `combine`, the arrays one part gives."""
+    total = int(held.sum())
+    cuts, first = [], [0]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        mine = held[lo:hi]
+        n = max(1, round(parts * int(mine.sum()) / total))
+        b = token_ranges(mine, n) + lo
+        cuts += [int(lo), *b[1:-1].tolist()]  # the shard's own lower bound first: its ranges cover it
+        first.append(len(cuts))
+    return np.array([*cuts, int(bounds[-1])], dtype=np.int64), np.array(first, dtype=np.int64)
+
+
 def shard_of(sub: Subtrie, lo: int, hi: int, ad_value: np.ndarray | None) -> Shard:
     """A part's subtrie (over its own ads) as the shard [lo, hi) over catalog rows; ad_value: (N,)
     float64 the catalog's values, or None."""
