@@ -10,7 +10,8 @@ codebook (given, or trained on 500k of its ads; training is not a build's). An e
 `local` (whole trie), `local:N` (subtries on N threads) or `ray:N` (a local Ray of N CPUs). Each
 build runs in its own process; memory is the machine's peak in use during the build above what was
 in use before it (MemTotal - MemAvailable, sampled every 50 ms), so it counts Ray's workers and
-object store too, and beside it the build process's own peak RSS (the Ray engine's driver). Every engine's snapshot is compared array by array with the first's.
+object store too, and beside it the build process's own peak RSS (the Ray engine's driver).
+Every engine's snapshot is compared array by array with the first's.
 Target (2 cores): the Ray engine at 10M ads within 1.3x of the local engine.
 """
 
