@@ -11,16 +11,16 @@ map a function over Arrow batches and group rows by a key can run them the same 
        sid_rows: one row per SID row, in (ad, path) order: sid (fixed_size_list<int16>[L]), ad
                  (the catalog row), each plane's words (fixed_size_list<uint64>[W]), value
   2. first_tokens(sid_rows) -> (K_0,) counts; the driver's `sidindex.trie.shard.shard_bounds` turns
-     their sum into shard bounds (docs/design.md §18)
-  3. split_sid_rows(sid_rows, bounds) -> one table per shard (the shuffle's map side)
-  4. build_part(tables, ...) -> Subtrie: one shard's tables from every fragment, in fragment order
-     (`sidindex.trie.shard.shard_of` makes it the shard, over catalog rows)
+     their sum into shard bounds (docs/design.md §18), `part_bounds` those into parts
+  3. split_sid_rows(sid_rows, cuts) -> one table per part (the shuffle's map side)
+  4. build_part(tables, ...) -> Subtrie: one part's tables from every fragment, in fragment order;
+     a shard's parts `combine`d (or its one part, `sidindex.trie.shard.shard_of`) are the shard
   5. the driver: concatenate the ads tables (in fragment order) and `finish` them; with the shards
      (in token order) they are what the local engine builds
 
 With Spark: stage 1 in `mapInArrow` over fragments numbered with their first file row
-(`zipWithIndex`), stage 3's shard id as a column, `groupBy(shard).applyInArrow` for stage 4 with the
-rows sorted by catalog row; with Dask: `map_partitions`, `shuffle` on the shard id. A stage raises
+(`zipWithIndex`), stage 3's part id as a column, `groupBy(part).applyInArrow` for stage 4 with the
+rows sorted by catalog row; with Dask: `map_partitions`, `shuffle` on the part id. A stage raises
 `InputError` naming the file row, as the local engine does; `InputError.rank` orders two errors as
 a validation of the whole file would meet them.
 """
