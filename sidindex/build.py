@@ -64,9 +64,6 @@ class BuiltIndex:
         """The whole trie: the shards joined (`sidindex.trie.shard.join_shards`)."""
         return join_shards(self.shards)
 
-    def shard_list(self) -> tuple[Shard, ...]:
-        return self.shards
-
 
 def encode_ads(spec: TargetingSpec, columns: pl.DataFrame, clock: StageClock | None = None
                ) -> tuple[dict[str, np.ndarray], ExactIndex]:

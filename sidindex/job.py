@@ -231,9 +231,9 @@ def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Cod
     carried = {"paused": len(paused), "replayed": [f.name for f in replay]}
     if index is built:
         return built, carried, warnings
-    stats = gtm_stats([s.gtm for s in index.shard_list()], tuple(layout.bits for layout in built.exact.spec.layouts)
+    stats = gtm_stats([s.gtm for s in index.shards], tuple(layout.bits for layout in built.exact.spec.layouts)
                       ) if replay else built.stats
-    return dataclasses.replace(built, shards=index.shard_list(), exact=index.exact, ad_id=index.ad_id, stats=stats), \
+    return dataclasses.replace(built, shards=index.shards, exact=index.exact, ad_id=index.ad_id, stats=stats), \
         carried, warnings
 
 

@@ -28,7 +28,6 @@ from sidindex.errors import InputError
 from sidindex.matchers.exact import ExactIndex, concat_exact
 from sidindex.sid import Codebook, assign_sids, hash_tokens
 from sidindex.timing import StageClock
-from sidindex.trie.build import GTMIndex
 from sidindex.trie.patch import insert_sids, liveness
 from sidindex.trie.shard import Shard
 
@@ -38,15 +37,13 @@ class Indexed(Protocol):
     (read-only, as both are frozen), with its ad ids (`build_index`'s own result has none)."""
 
     @property
-    def gtm(self) -> GTMIndex: ...
-
-    @property
     def exact(self) -> ExactIndex: ...
 
     @property
     def ad_id(self) -> np.ndarray | None: ...
 
-    def shard_list(self) -> tuple[Shard, ...]: ...
+    @property
+    def shards(self) -> tuple[Shard, ...]: ...
 
 
 def _ad_ids(index: Indexed) -> np.ndarray:
@@ -75,7 +72,7 @@ def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> BuiltI
         if len(wanted):
             state[ids.is_in(pl.Series(wanted).implode()).to_numpy() & served] = new_state
     clock.lap("ad states")
-    shards, exact, sid_rows = snap.shard_list(), snap.exact, 0
+    shards, exact, sid_rows = snap.shards, snap.exact, 0
     values = shards[0].gtm.ad_value
     added = changes.added
     if added is not None:

@@ -72,7 +72,7 @@ def inspect(
         plot_positions(st.positions, m.kway, plot, f"snapshot {m.id}: {m.counts.ads:,} ads")
         summary["plot"] = str(plot)
     shards = [{"tokens": [e.lo, e.hi], "sid_rows": s.sid_rows, "sids": s.gtm.num_leaves, "nodes": s.gtm.num_nodes,
-               "bytes": m.shard_bytes(e)} for e, s in zip(m.shard_list(), snap.shard_list())]
+               "bytes": m.shard_bytes(e)} for e, s in zip(m.shard_list(), snap.shards)]
     summary["shards"] = len(shards)
     if as_json:
         emit({**summary, "positions": [p.to_dict() for p in st.positions], "shards": shards}, True, "")

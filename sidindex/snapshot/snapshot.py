@@ -83,9 +83,6 @@ class Snapshot:
         """Every array of the joined index by its contract name (`schemas.artifacts`)."""
         return self.gtm.arrays() | self.exact.arrays() | {"ads": np.asarray(self.ad_id)}
 
-    def shard_list(self) -> tuple[Shard, ...]:
-        return self.shards
-
     @property
     def row_states(self) -> np.ndarray:
         """(N,) uint8 each catalog row's state (`schemas.artifacts.AD_LIVE`, ...; all live for a full build)."""
@@ -118,43 +115,36 @@ def write_snapshot(directory: Path, shards: Sequence[Shard], exact: ExactIndex, 
     (a shard it did not touch is all links). lineage: the update's.
     """
     kept = {}  # files linked from the base, with the base's manifest entries
-    theirs: dict[str, tuple[np.ndarray, str]] = {}  # the base's arrays by our file name: (array, its file)
-    if base is not None:
-        entries = {(e.lo, e.hi): e for e in base.manifest.shard_list()}
-        ours = {(s.lo, s.hi): shard_dir(k) for k, s in enumerate(shards)}
-        for s in base.shard_list():
-            if (s.lo, s.hi) in ours and (s.lo, s.hi) in entries:
-                e = entries[(s.lo, s.hi)]
-                theirs |= {f"{ours[(s.lo, s.hi)]}/{ARRAYS_BY_NAME[n].file}": (a, e.file(n))
-                           for n, a in _shard_arrays(s).items()}
-        theirs |= {ARRAYS_BY_NAME[n].file: (a, ARRAYS_BY_NAME[n].file)
-                   for n, a in _global_arrays(base.shard_list(), base.exact, base.ad_id).items()}
+    theirs = _base_files(base) if base is not None else {}  # the base's checked arrays, by its file
+    by_range = {} if base is None else {(e.lo, e.hi): e for e in base.manifest.shard_list()}
 
-    def put(name: str, a: np.ndarray, where: str) -> None:
-        f = f"{where}/{ARRAYS_BY_NAME[name].file}" if where else ARRAYS_BY_NAME[name].file
-        if f in theirs and same_memory(theirs[f][0], a):
+    def put(name: str, a: np.ndarray, file: str, source: str | None) -> None:
+        """Array `name` as `file`, linked from the base's `source` when that holds this very array."""
+        if source in theirs and same_memory(theirs[source][1], a):
             assert base is not None  # (theirs is empty without one)
-            link_file(base.path / theirs[f][1], directory / f)
-            kept[f] = base.manifest.files[theirs[f][1]]
+            link_file(base.path / source, directory / file)
+            kept[file] = base.manifest.files[source]
         else:
-            write_array(directory / where, ARRAYS_BY_NAME[name], a)
+            write_array((directory / file).parent, ARRAYS_BY_NAME[name], a)
 
     entries_out = []
     for k, shard in enumerate(shards):
         (directory / shard_dir(k)).mkdir(parents=True)
         arrays = _shard_arrays(shard)
+        entry = ShardEntry(shard.lo, shard.hi, {n: _shape(a) for n, a in arrays.items()}, shard_dir(k))
+        same = by_range.get((shard.lo, shard.hi))  # the base's shard of this token range
         for name, a in arrays.items():
-            put(name, a, shard_dir(k))
-        entries_out.append(ShardEntry(shard.lo, shard.hi, {n: _shape(a) for n, a in arrays.items()}, shard_dir(k)))
+            put(name, a, entry.file(name), None if same is None else same.file(name))
+        entries_out.append(entry)
     global_arrays = _global_arrays(shards, exact, ad_id)
     for name, a in global_arrays.items():
-        put(name, a, "")
+        put(name, a, ARRAYS_BY_NAME[name].file, ARRAYS_BY_NAME[name].file)
     if codebook is not None:
         if base is not None and base.manifest.codebook_id == codebook.id:
-            for name, entry in base.manifest.files.items():
+            for name, listed in base.manifest.files.items():
                 if name.startswith(f"codebooks/{codebook.id}/"):
                     link_file(base.path / name, directory / name)
-                    kept[name] = entry
+                    kept[name] = listed
         else:
             save_codebook(codebook, directory)
     g = [s.gtm for s in shards]
@@ -318,9 +308,9 @@ def _held(m: Manifest) -> dict[str, ArrayShape]:
 def _base_files(base: Snapshot) -> dict[str, tuple[ArrayShape, np.ndarray]]:
     """The base's array files: each one's shape and checked array, by file."""
     m = base.manifest
-    glob = _global_arrays(base.shard_list(), base.exact, base.ad_id)
+    glob = _global_arrays(base.shards, base.exact, base.ad_id)
     out = {ARRAYS_BY_NAME[n].file: (m.arrays[n], a) for n, a in glob.items()}
-    for e, s in zip(m.shard_list(), base.shard_list()):
+    for e, s in zip(m.shard_list(), base.shards):
         out |= {e.file(n): (e.arrays[n], a) for n, a in _shard_arrays(s).items()}
     return out
 
