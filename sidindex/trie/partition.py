@@ -18,7 +18,7 @@ Legend: Q parts, P SID rows, L SID length, E child entries, R table rows, T k-wa
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -134,22 +134,14 @@ def combine(subtries: Iterable[Subtrie], level_sizes: tuple[int, ...], ad_value:
     g = [s.gtm for s in subs]
 
     # --- 1. NODE NUMBERS --- part q's depth-d nodes follow the parts before it at that depth
-    counts = np.array([np.diff(t.depth_offsets)[1:] for t in g], dtype=np.int64)  # (Q, L) nodes per depth
-    depth_offsets = np.zeros(L + 2, dtype=np.int64)
-    depth_offsets[1] = 1
-    depth_offsets[2:] = 1 + np.cumsum(counts.sum(axis=0))
+    counts, depth_offsets = joined_depths(g)
     num_nodes = int(depth_offsets[-1])
 
     def entries(get: Callable[[int, GTMIndex], np.ndarray]) -> np.ndarray:
-        """A per-entry array of the whole trie from each part's (entry e = node e + 1)."""
-        arrays = [get(q, t) for q, t in enumerate(g)]
-        return np.concatenate([a[t.depth_offsets[d] - 1:t.depth_offsets[d + 1] - 1]
-                               for d in range(1, L + 1) for a, t in zip(arrays, g)])
+        return in_entry_order(g, [get(q, t) for q, t in enumerate(g)])
 
     # --- 2. CSR --- child counts per node in the same order, the root's the sum of the parts' roots'
-    node_offsets = np.zeros(num_nodes + 1, dtype=np.int64)
-    node_offsets[1] = sum(int(t.node_offsets[1]) for t in g)
-    node_offsets[2:] = node_offsets[1] + np.cumsum(entries(lambda q, t: np.diff(t.node_offsets)[1:]))
+    node_offsets = joined_node_offsets(g, num_nodes)
     tokens = entries(lambda q, t: t.csr_tokens)
 
     # --- 3. SID -> AD --- leaves are the last depth: part after part
@@ -157,23 +149,17 @@ def combine(subtries: Iterable[Subtrie], level_sizes: tuple[int, ...], ad_value:
     np.cumsum(np.concatenate([np.diff(t.leaf_ad_offsets) for t in g]), out=leaf_ad_offsets[1:])
     leaf_ads = np.concatenate([s.ads[s.gtm.leaf_ads] for s in subs])
 
-    # --- 4. K-WAY PARTITIONS --- each entry's run of partitions moves with it; part_take picks
-    # them, in the whole trie's order, from the parts' partitions stacked part after part
-    part_offsets = part_take = None
+    # --- 4. K-WAY PARTITIONS --- each entry's run of partitions moves with it; part_position:
+    # per part, (T_q,) the whole trie's position of each of its partitions
+    part_offsets = part_take = part_position = None
     if g[0].part_offsets is not None:
-        offsets = [_kway(t.part_offsets) for t in g]
-        stacked = np.cumsum([0] + [int(o[-1]) for o in offsets])
-        part_counts = entries(lambda q, t: np.diff(offsets[q]))
-        part_offsets = np.zeros(num_nodes, dtype=np.int64)
-        np.cumsum(part_counts, out=part_offsets[1:])
-        part_take = expand_runs(entries(lambda q, t: offsets[q][:-1] + stacked[q]), part_counts)
-
-    # --- 5. MATCHER TABLES --- every part's distinct rows, re-inserted by their first insertion's key
-    part_position = None  # per part, (T_q,) the whole trie's position of each of its partitions
-    if part_take is not None:
+        part_offsets, part_take = joined_partitions(g, num_nodes)
         position = np.empty(len(part_take), dtype=np.int64)
         position[part_take] = np.arange(len(part_take))
+        stacked = np.cumsum([0] + [int(_kway(t.part_offsets)[-1]) for t in g])  # partitions per part
         part_position = [position[a:b] for a, b in zip(stacked[:-1], stacked[1:])]
+
+    # --- 5. MATCHER TABLES --- every part's distinct rows, re-inserted by their first insertion's key
     keys = _insertion_keys(subs, depth_offsets, counts, part_position)
 
     def plane(p: int) -> MatcherPlane:
@@ -207,6 +193,46 @@ def combine(subtries: Iterable[Subtrie], level_sizes: tuple[int, ...], ad_value:
         depth_offsets=depth_offsets, leaf_ad_offsets=leaf_ad_offsets, leaf_ads=leaf_ads, part_offsets=part_offsets,
         ad_value=None if ad_value is None else np.asarray(ad_value, dtype=np.float64), entry_value=entry_value,
         part_value=part_value)
+
+
+# The layout of several tries joined into one (`combine`, and `sidindex.trie.shard.join_shards`):
+# tries of increasing, disjoint ranges of first-level tokens; the join's depth d is every trie's
+# depth d, trie after trie.
+
+def joined_depths(tries: Sequence[GTMIndex]) -> tuple[np.ndarray, np.ndarray]:
+    """(counts (Q, L) int64 nodes per depth of each trie, depth_offsets (L+2,) int64 of the join)."""
+    counts = np.array([np.diff(t.depth_offsets)[1:] for t in tries], dtype=np.int64)
+    depth_offsets = np.zeros(counts.shape[1] + 2, dtype=np.int64)
+    depth_offsets[1] = 1
+    depth_offsets[2:] = 1 + np.cumsum(counts.sum(axis=0))
+    return counts, depth_offsets
+
+
+def in_entry_order(tries: Sequence[GTMIndex], arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """A per-entry array of the join from each trie's arrays[q] (entry e = node e + 1)."""
+    L = tries[0].sid_length
+    return np.concatenate([np.asarray(a)[t.depth_offsets[d] - 1:t.depth_offsets[d + 1] - 1]
+                           for d in range(1, L + 1) for a, t in zip(arrays, tries)])
+
+
+def joined_node_offsets(tries: Sequence[GTMIndex], num_nodes: int) -> np.ndarray:
+    """(num_nodes+1,) int64 the join's child offsets: the root's children are every trie's."""
+    out = np.zeros(num_nodes + 1, dtype=np.int64)
+    out[1] = sum(int(t.node_offsets[1]) for t in tries)
+    out[2:] = out[1] + np.cumsum(in_entry_order(tries, [np.diff(t.node_offsets)[1:] for t in tries]))
+    return out
+
+
+def joined_partitions(tries: Sequence[GTMIndex], num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(part_offsets (num_nodes,) int64 of the join, take (T,) int64): each entry's run of k-way
+    partitions moves with it, and take picks them, in the join's order, from the tries'
+    partitions stacked trie after trie."""
+    offsets = [_kway(t.part_offsets) for t in tries]
+    stacked = np.cumsum([0] + [int(o[-1]) for o in offsets])
+    counts = in_entry_order(tries, [np.diff(o) for o in offsets])
+    part_offsets = np.zeros(num_nodes, dtype=np.int64)
+    np.cumsum(counts, out=part_offsets[1:])
+    return part_offsets, expand_runs(in_entry_order(tries, [o[:-1] + b for o, b in zip(offsets, stacked)]), counts)
 
 
 def _kway(a: np.ndarray | None) -> np.ndarray:

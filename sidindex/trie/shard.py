@@ -26,9 +26,19 @@ from typing import Any
 import numpy as np
 
 from schemas.artifacts import MAX_SHARDS, plane_arrays
-from sidindex.trie.build import GTMIndex, check_arguments, expand_runs
+from sidindex.trie.build import GTMIndex, check_arguments
 from sidindex.trie.kway import KWayConfig
-from sidindex.trie.partition import Subtrie, build_gtm_partitioned, default_workers, part_rows, token_ranges
+from sidindex.trie.partition import (
+    Subtrie,
+    build_gtm_partitioned,
+    default_workers,
+    in_entry_order,
+    joined_depths,
+    joined_node_offsets,
+    joined_partitions,
+    part_rows,
+    token_ranges,
+)
 
 # The default shard size. A serving host searches the shards' join, which costs a copy of the trie
 # when there are several (about 1 s per 4M SIDs on 2 cores, page faults included), and each shard
@@ -118,7 +128,6 @@ def join_shards(shards: Sequence[Shard], earlier: tuple[Sequence[Shard], GTMInde
     if len(g) == 1:
         return g[0]
     first = g[0]
-    L = first.sid_length
     reuse: Callable[[str], object | None] = lambda name: None  # noqa: E731
     if earlier is not None and len(earlier[0]) == len(shards):
         theirs = [s.gtm for s in earlier[0]]
@@ -129,54 +138,30 @@ def join_shards(shards: Sequence[Shard], earlier: tuple[Sequence[Shard], GTMInde
                        for a, b in zip(_inputs(name, x), _inputs(name, y)))
             return joined.get(name) if same else None
 
-    counts = np.array([np.diff(t.depth_offsets)[1:] for t in g], dtype=np.int64)  # (K, L) nodes per depth
-    depth_offsets = np.zeros(L + 2, dtype=np.int64)
-    depth_offsets[1] = 1
-    depth_offsets[2:] = 1 + np.cumsum(counts.sum(axis=0))
+    _, depth_offsets = joined_depths(g)
     num_nodes = int(depth_offsets[-1])
-
-    def entries(arrays: list[np.ndarray]) -> np.ndarray:
-        """A per-entry array of the whole trie from each shard's (entry e = node e + 1)."""
-        return np.concatenate([np.asarray(a)[t.depth_offsets[d] - 1:t.depth_offsets[d + 1] - 1]
-                               for d in range(1, L + 1) for a, t in zip(arrays, g)])
-
-    def node_offsets() -> np.ndarray:
-        out = np.zeros(num_nodes + 1, dtype=np.int64)
-        out[1] = sum(int(t.node_offsets[1]) for t in g)
-        out[2:] = out[1] + np.cumsum(entries([np.diff(t.node_offsets)[1:] for t in g]))
-        return out
-
+    entries = functools.partial(in_entry_order, g)
     kway = first.part_offsets is not None
-    offsets = [np.asarray(t.part_offsets) for t in g] if kway else []
     lock = threading.Lock()
 
     @functools.cache
-    def part_counts() -> np.ndarray:
-        return entries([np.diff(o) for o in offsets])
+    def partitions_joined() -> tuple[np.ndarray, np.ndarray]:
+        return joined_partitions(g, num_nodes)
 
-    @functools.cache
-    def part_take() -> np.ndarray:
-        """(T,) int64 the shards' partitions, stacked shard after shard, in the join's order."""
-        stacked = np.cumsum([0] + [int(o[-1]) for o in offsets])
-        return expand_runs(entries([o[:-1] + b for o, b in zip(offsets, stacked)]), part_counts())
-
-    def partitions(make: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
-        """`make`, with the partitions' order made once by whichever thread needs it first."""
+    def partitions(make: Callable[[np.ndarray], np.ndarray]) -> Callable[[], np.ndarray]:
+        """`make` of the join's partition order (`joined_partitions`: (T,) the shards' partitions
+        stacked shard after shard, in the join's order), made once by whichever thread needs it first."""
         def run() -> np.ndarray:
             with lock:
-                part_take()
-            return make()
+                _, take = partitions_joined()
+            return make(take)
         return run
-
-    def joined_part_offsets() -> np.ndarray:
-        out = np.zeros(num_nodes, dtype=np.int64)
-        np.cumsum(part_counts(), out=out[1:])
-        return out
 
     # each array the join makes, by name (the arrays are independent: made by a pool of threads,
     # whose copies and first touches of new memory run side by side)
     make: dict[str, Callable[[], np.ndarray]] = {
-        "node_offsets": node_offsets, "csr_child_nodes": lambda: np.arange(1, num_nodes, dtype=np.int32),
+        "node_offsets": lambda: joined_node_offsets(g, num_nodes),
+        "csr_child_nodes": lambda: np.arange(1, num_nodes, dtype=np.int32),
         "csr_tokens": lambda: entries([t.csr_tokens for t in g]), "depth_offsets": lambda: depth_offsets,
         "leaf_ad_offsets": lambda: np.concatenate([[0], np.cumsum(np.concatenate(
             [np.diff(t.leaf_ad_offsets) for t in g]))]).astype(np.int64),
@@ -185,9 +170,9 @@ def join_shards(shards: Sequence[Shard], earlier: tuple[Sequence[Shard], GTMInde
         if getattr(first, name) is not None:
             make[name] = functools.partial(lambda name: entries([getattr(t, name) for t in g]), name)
     if kway:
-        make["part_offsets"] = partitions(joined_part_offsets)
+        make["part_offsets"] = partitions(lambda take: partitions_joined()[0])
         if first.part_value is not None:
-            make["part_value"] = partitions(lambda: np.concatenate([np.asarray(t.part_value) for t in g])[part_take()])
+            make["part_value"] = partitions(lambda take: np.concatenate([np.asarray(t.part_value) for t in g])[take])
     for p, plane in enumerate(first.planes):
         names = plane_arrays(plane.name)
         base = np.cumsum([0] + [len(t.planes[p].table) for t in g])[:-1]
@@ -195,8 +180,8 @@ def join_shards(shards: Sequence[Shard], earlier: tuple[Sequence[Shard], GTMInde
         make[names.index] = functools.partial(lambda p, base: entries(
             [np.asarray(t.planes[p].index) + np.int32(b) for t, b in zip(g, base)]).astype(np.int32), p, base)
         if kway:
-            make[names.part_index] = partitions(functools.partial(lambda p, base: np.concatenate(
-                [np.asarray(t.planes[p].part_index) + np.int32(b) for t, b in zip(g, base)])[part_take()]
+            make[names.part_index] = partitions(functools.partial(lambda p, base, take: np.concatenate(
+                [np.asarray(t.planes[p].part_index) + np.int32(b) for t, b in zip(g, base)])[take]
                 .astype(np.int32), p, base))
     out: dict[str, Any] = {}
     todo = {}
