@@ -273,3 +273,110 @@ def test_crafted_centroid_files_are_refused_before_any_data_is_read(tmp_path, da
     _plant(path, "level_1.npy", buf.getvalue()[:-4])
     with pytest.raises(ArtifactError, match="level_1.npy: its size does not fit"):
         load_codebook(path)
+
+
+# --- the BLAS GEMM with certified choices gives the fixed order's SIDs, bit for bit ---
+
+def fixed_order(tables, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """tokens, kept, first_ratio of every ad, every score summed in the fixed order."""
+    from sidindex.sid.assign import _fixed_block
+
+    n, m = len(x), tables.paths
+    tokens = np.zeros((n, m, len(tables.offs) - 1), dtype=np.int16)
+    kept, ratio = np.empty((n, m), dtype=np.bool_), np.empty(n, dtype=np.float32)
+    _fixed_block(tables, np.ascontiguousarray(x, dtype=np.float32), tokens, kept, ratio)
+    return tokens, kept, ratio
+
+
+def assert_same_choices(got, want, where=None) -> None:
+    (tok, kept, ratio), (tok_w, kept_w, ratio_w) = got, want
+    rows = np.ones(len(kept), dtype=bool) if where is None else where
+    np.testing.assert_array_equal(kept[rows], kept_w[rows])
+    np.testing.assert_array_equal(ratio[rows].view(np.int32), ratio_w[rows].view(np.int32))  # bits
+    np.testing.assert_array_equal(tok[rows][kept[rows]], tok_w[rows][kept_w[rows]])
+
+
+def tied_codebook(rng, sizes, dim, paths, ratio, scale, repeats):
+    """Random centroids, some repeated (exact ties in every order); ads on centroids, on midpoints
+    of two centroids, at the origin and random, all times `scale`."""
+    cents = []
+    for lv, k in enumerate(sizes):
+        c = rng.standard_normal((k, dim)) * (0.5 ** lv)
+        if repeats and k > 1:
+            c[rng.integers(0, k, k // 2)] = c[rng.integers(0, k)]
+        cents.append((c * scale).astype(np.float32))
+    cb = Codebook(tuple(cents), 7, ("k",), min(paths, sizes[0]), ratio, SIDConfig(levels=tuple(sizes), hash_size=7))
+    c0 = cents[0].astype(np.float64)
+    pick = rng.integers(0, len(c0), (40, 2))
+    x = np.concatenate([c0[pick[:10, 0]],  # on a first-level centroid
+                        (c0[pick[10:, 0]] + c0[pick[10:, 1]]) / 2,  # midway between two
+                        np.zeros((3, dim)),
+                        rng.standard_normal((60, dim)) * scale])
+    return cb, np.clip(x, -1e6, 1e6).astype(np.float32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=4), dim=st.integers(1, 70),
+       paths=st.integers(1, 4), ratio=st.one_of(st.none(), st.floats(0, 0.5)),
+       scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e6]), repeats=st.booleans(), seed=st.integers(0, 10_000))
+def test_blas_assignment_equals_the_fixed_order(sizes, dim, paths, ratio, scale, repeats, seed):
+    """Ties, midpoints, subnormal and 1e6-sized scores: the BLAS path certifies what it can and
+    hands the rest to the fixed order, and the result is the fixed order's in every bit."""
+    from sidindex.sid.assign import _assign, _Tables
+
+    cb, x = tied_codebook(np.random.default_rng(seed), sizes, dim, paths, ratio, scale, repeats)
+    tables = _Tables.of(cb)
+    assert_same_choices(_assign(tables, x), fixed_order(tables, x))
+
+
+def test_certified_choices_hold_for_any_blas_within_the_bound():
+    """Scores off by up to the error bound of a summation order, adversarially (the fixed order's
+    choice made worse, every rival better) or at random: where `_certify` is sure, its choices
+    are the fixed order's; and it is sure of most ads."""
+    from sidindex.sid.assign import UNIT, _certify, _Scratch, _Tables
+
+    rng = np.random.default_rng(11)
+    x = clustered(3000, 24, seed=5)
+    cb = train_codebook(x, small_config(levels=(32, 16, 8), paths=2))
+    tables = _Tables.of(cb)
+    want = fixed_order(tables, x)
+    exact = x.astype(np.float64) @ tables.minus2.astype(np.float64)  # (N, sum K)
+    d = x.shape[1]
+    bound = d * UNIT / (1 - d * UNIT) * (np.abs(x).astype(np.float64) @ np.abs(tables.minus2).astype(np.float64))
+    first = np.zeros_like(exact, dtype=bool)  # each ad's fixed-order choices at every level
+    tok, kept, _ = want
+    for lv in range(len(tables.offs) - 1):
+        for j in range(tables.paths):
+            rows = np.flatnonzero(kept[:, j])
+            first[rows, tables.offs[lv] + tok[rows, j, lv]] = True
+    for name, sign in [("adversarial", np.where(first, 1.0, -1.0)),
+                       ("random", rng.choice([-1.0, 1.0], exact.shape)),
+                       ("uniform", rng.uniform(-1, 1, exact.shape))]:
+        xw = (exact + sign * bound).astype(np.float32)
+        scratch = _Scratch.of(tables, len(x))
+        got = (np.zeros_like(tok), np.zeros_like(kept), np.zeros(len(x), np.float32))
+        sure = np.zeros(len(x), dtype=bool)
+        _certify(xw, x, tables.rows, tables.norms, tables.cross2, tables.offs, tables.bounds, tables.paths,
+                 tables.ratio, scratch.score, scratch.lanes, scratch.best, scratch.arg, *got, sure)
+        assert sure.mean() > 0.8, name
+        assert_same_choices(got, want, where=sure)
+
+
+def test_exact_ties_go_to_the_lowest_centroid():
+    """Every centroid repeated K/2 places on: each tie is exact in every summation order, and the
+    lower index wins it at every level; the second path's first token is the repeat of the first's
+    (the next in (distance, index) order), on both the BLAS and the fixed-order path."""
+    from sidindex.sid.assign import _assign, _Tables
+
+    rng = np.random.default_rng(2)
+    half = (24, 12, 6)
+    cents = tuple(np.tile(rng.standard_normal((k, 10)).astype(np.float32) * 0.5 ** lv, (2, 1))
+                  for lv, k in enumerate(half))
+    cb = Codebook(cents, 7, ("k",), 2, None, SIDConfig(levels=tuple(2 * k for k in half), hash_size=7))
+    x = rng.standard_normal((2000, 10)).astype(np.float32)
+    tables = _Tables.of(cb)
+    for tokens, kept, _ in (_assign(tables, x), fixed_order(tables, x)):
+        assert kept.all()
+        np.testing.assert_array_equal(tokens[:, 1, 0], tokens[:, 0, 0] + half[0])
+        for lv, k in enumerate(half):
+            assert (tokens[:, 0, lv] < k).all() and (tokens[:, 1, 1:] < np.array(half[1:])).all()

@@ -11,20 +11,33 @@ So one GEMM x.(-2C)^T + ||C||^2 over all levels, shared by every path, plus the 
 C_p.C_l^T (K_p, K_l) give each path's scores by table lookups instead of a residual GEMM per path.
 Every sum runs in a fixed order (`_products`), so an ad's SIDs do not depend on the ads assigned
 with it or on the thread count: a catalog built whole or in fragments gets the same SIDs.
-Legend: N ads, P = sum of paths (SID rows), L SID length, m paths, K_l level sizes.
+
+Why it runs at BLAS speed and still gives the fixed order's SIDs: BLAS sums in an order that moves
+with the block's size and thread count, but any order lands within a known distance of the exact
+sum (Higham's bound gamma_n * sum |x_k w_k|). So the GEMM runs on BLAS, and an ad keeps the
+choices made on its BLAS scores when each wins by more than four such distances: summed in the
+fixed order, the scores make the same choices (`_certify`). The ads left, near ties (a few
+percent of random ones), are assigned again in the fixed order (`_fixed_block`). The SIDs are the
+fixed order's, bit for bit, whatever BLAS did.
+Legend: N ads, P = sum of paths (SID rows), L SID length, m paths, K_l level sizes, b block rows.
 """
 
 from __future__ import annotations
 
+import queue
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
 import numpy as np
 import pyarrow as pa
+from threadpoolctl import threadpool_limits
 
 from sidindex.sid.codebook import Codebook, Progress
 
-BLOCK = 32768  # ads per GEMM block: bounds the (block, K_l) score matrices to a few MB
+BLOCK = 1024  # ads per task: its (block, sum K) products stay in the core's cache
+FIXED_BLOCK = 16384  # near-tied ads per fixed-order pass: (block, sum K) products of a few 10 MB
+UNIT = 2.0 ** -24  # float32's unit roundoff
 
 
 @dataclass(frozen=True)
@@ -56,39 +69,124 @@ def assign_sids(codebook: Codebook, embedding: np.ndarray, hash_token: np.ndarra
     embedding:  (N, D) float32, D = codebook.dim
     hash_token: (N,) int16 final-level tokens (`hash_tokens`)
     """
-    n = len(embedding)
-    cents = codebook.centroids
-    n_sem = len(cents)
-    m = codebook.paths
-    ratio = -1.0 if codebook.path_ratio is None else float(codebook.path_ratio)
-    # Level offsets into the concatenated per-level arrays, and the cross tables C_p . C_l^T.
-    offs = np.zeros(n_sem + 1, dtype=np.int64)
-    np.cumsum([len(c) for c in cents], out=offs[1:])
-    cat = np.concatenate(cents).astype(np.float32)
-    total = len(cat)
-    # cross2 = 2 C.C^T (sum K, sum K), only blocks p < l are read; norms = ||c||^2
-    cross2, norms = np.empty((total, total), dtype=np.float32), np.empty(total, dtype=np.float32)
-    _products(cat, np.ascontiguousarray(2.0 * cat.T, dtype=np.float32), np.zeros(total, np.float32), cross2, norms)
-    minus2 = np.ascontiguousarray(-2.0 * cat.T, dtype=np.float32)  # (D, sum K)
-    base = np.empty((min(BLOCK, n), total), dtype=np.float32)
-    xnorm = np.empty(min(BLOCK, n), dtype=np.float32)
-    tokens = np.empty((n, m, n_sem), dtype=np.int16)
-    kept = np.empty((n, m), dtype=np.bool_)
-    first_ratio = np.empty(n, dtype=np.float32)
-    for start in range(0, n, BLOCK):
-        x = np.ascontiguousarray(embedding[start:start + BLOCK], dtype=np.float32)
-        b = len(x)
-        _products(x, minus2, norms, base[:b], xnorm[:b])  # ||c||^2 - 2 x.c for every centroid of every level
-        _chains(base[:b], xnorm[:b], cross2, offs, m, ratio,
-                tokens[start:start + b], kept[start:start + b], first_ratio[start:start + b])
-        if progress:
-            progress("assign", min(start + BLOCK, n), n)
+    tokens, kept, first_ratio = _assign(_Tables.of(codebook), embedding, progress)
     ad_index, path = np.nonzero(kept)  # row-major: sorted by (ad, path)
+    n_sem = tokens.shape[2]
     sids = np.empty((len(ad_index), n_sem + 1), dtype=np.int16)
     sids[:, :n_sem] = tokens[ad_index, path]
     sids[:, n_sem] = hash_token[ad_index]
     return SIDAssignment(ad_index.astype(np.int64), path.astype(np.int8), sids, first_ratio,
                          codebook.level_sizes)
+
+
+def _assign(tables: _Tables, embedding: np.ndarray, progress: Progress | None = None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """tokens (N, m, levels) int16 (valid where kept), kept (N, m) bool and first_ratio (N,)
+    float32 of ads embedding (N, D): `_fixed_block`'s, with BLAS doing the GEMM."""
+    n = len(embedding)
+    m = tables.paths
+    tokens = np.empty((n, m, len(tables.offs) - 1), dtype=np.int16)
+    kept = np.empty((n, m), dtype=np.bool_)
+    first_ratio = np.empty(n, dtype=np.float32)
+    sure = np.zeros(n, dtype=np.bool_)
+    workers = max(1, min(numba.get_num_threads(), -(-n // BLOCK)))  # every core, a block each
+    scratch: queue.SimpleQueue[_Scratch] = queue.SimpleQueue()
+    for _ in range(workers):
+        scratch.put(_Scratch.of(tables, min(BLOCK, n)))
+
+    def certify(start: int) -> None:
+        own = scratch.get()
+        try:
+            end = min(start + BLOCK, n)
+            x = np.ascontiguousarray(embedding[start:end], dtype=np.float32)
+            xw = own.products[:end - start]
+            np.matmul(x, tables.minus2, out=xw)  # x.(-2c) in whatever order BLAS sums
+            _certify(xw, x, tables.rows, tables.norms, tables.cross2, tables.offs, tables.bounds, m,
+                     tables.ratio, own.score, own.lanes, own.best, own.arg, tokens[start:end], kept[start:end],
+                     first_ratio[start:end], sure[start:end])
+        finally:
+            scratch.put(own)
+
+    # A block per task on BLAS's and numba's threads would have each pool spin while the other works.
+    with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
+        for i, _ in enumerate(pool.map(certify, range(0, n, BLOCK))):
+            if progress:
+                progress("assign", min((i + 1) * BLOCK, n), n)
+    # Near ties: assigned again with every sum in the fixed order, on numba's threads.
+    unsure = np.flatnonzero(~sure)
+    for start in range(0, len(unsure), FIXED_BLOCK):
+        rows = unsure[start:start + FIXED_BLOCK]
+        tok, kep, rat = tokens[rows], kept[rows], first_ratio[rows]
+        _fixed_block(tables, np.ascontiguousarray(embedding[rows], dtype=np.float32), tok, kep, rat)
+        tokens[rows], kept[rows], first_ratio[rows] = tok, kep, rat
+    return tokens, kept, first_ratio
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """The codebook as the kernels read it: every level's centroids concatenated (sum K).
+
+    offs:   (levels + 1,) int64 level offsets into the concatenation
+    minus2: (D, sum K) float32 -2 c^T; rows: (sum K, D) float32 -2 c, the same values by centroid
+    norms:  (sum K,) float32 ||c||^2, summed by `_products`
+    cross2: (sum K, sum K) float32 2 c.c' (only blocks of levels p < l are read)
+    bounds: (3,) float64 max |norms|, max ||-2 c||, max |cross2| for the margins of `_certify`
+    """
+
+    offs: np.ndarray
+    minus2: np.ndarray
+    rows: np.ndarray
+    norms: np.ndarray
+    cross2: np.ndarray
+    bounds: np.ndarray
+    paths: int
+    ratio: float  # path_ratio, -1 when unset
+
+    @property
+    def total(self) -> int:
+        return len(self.norms)
+
+    @classmethod
+    def of(cls, codebook: Codebook) -> _Tables:
+        cents = codebook.centroids
+        offs = np.zeros(len(cents) + 1, dtype=np.int64)
+        np.cumsum([len(c) for c in cents], out=offs[1:])
+        cat = np.concatenate(cents).astype(np.float32)
+        total = len(cat)
+        cross2, norms = np.empty((total, total), dtype=np.float32), np.empty(total, dtype=np.float32)
+        _products(cat, np.ascontiguousarray(2.0 * cat.T, dtype=np.float32), np.zeros(total, np.float32), cross2, norms)
+        minus2 = np.ascontiguousarray(-2.0 * cat.T, dtype=np.float32)
+        lengths = np.sqrt((minus2.astype(np.float64) ** 2).sum(0))
+        bounds = np.array([np.abs(norms).max(initial=0.0), lengths.max(initial=0.0), np.abs(cross2).max(initial=0.0)],
+                          dtype=np.float64)
+        return cls(offs, minus2, np.ascontiguousarray(minus2.T), norms, cross2, bounds, codebook.paths,
+                   -1.0 if codebook.path_ratio is None else float(codebook.path_ratio))
+
+
+@dataclass(frozen=True)
+class _Scratch:
+    """One worker's buffers: products (b, sum K) float32, score (sum K,) float32, lanes (8,)
+    float32, best (m + 2,) float32 and arg (m + 2,) int64."""
+
+    products: np.ndarray
+    score: np.ndarray
+    lanes: np.ndarray
+    best: np.ndarray
+    arg: np.ndarray
+
+    @classmethod
+    def of(cls, t: _Tables, rows: int) -> _Scratch:
+        return cls(np.empty((rows, t.total), dtype=np.float32), np.empty(t.total, dtype=np.float32),
+                   np.empty(8, dtype=np.float32), np.empty(t.paths + 2, dtype=np.float32),
+                   np.empty(t.paths + 2, dtype=np.int64))
+
+
+def _fixed_block(t: _Tables, x: np.ndarray, tokens: np.ndarray, kept: np.ndarray, first_ratio: np.ndarray) -> None:
+    """The reference assignment of ads x (b, D) float32, every sum in the fixed order; writes
+    tokens (b, m, levels) int16, kept (b, m) bool, first_ratio (b,) float32."""
+    products, xnorm = np.empty((len(x), t.total), dtype=np.float32), np.empty(len(x), dtype=np.float32)
+    _products(x, t.minus2, t.norms, products, xnorm)  # ||c||^2 - 2 x.c for every centroid of every level
+    _chains(products, xnorm, t.cross2, t.offs, t.paths, t.ratio, tokens, kept, first_ratio)
 
 
 @numba.njit(parallel=True, cache=True)
@@ -97,8 +195,9 @@ def _products(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray, s
 
     A GEMM whose every element is summed in one fixed order, whatever the rows around it or the
     threads: BLAS sums differently with the block's size and its thread count, which moved a few
-    near-tied ads to other SIDs between builds of one catalog in fragments and whole. As fast as
-    BLAS here: the pass is bound by writing `out`.
+    near-tied ads to other SIDs between builds of one catalog in fragments and whole. It defines
+    the SIDs; at 64 dims it is about 2.5x slower than BLAS, so it runs only on the near ties
+    `_certify` leaves, and on the codebook's own tables.
     """
     n, d = x.shape
     for i in numba.prange(n):
@@ -120,63 +219,194 @@ def _chains(base: np.ndarray, xnorm: np.ndarray, cross2: np.ndarray, offs: np.nd
 
     base: (b, sum K) float32 ||c||^2 - 2 x.c; xnorm: (b,) ||x||^2; cross2: (sum K, sum K) 2 c.c'
     Writes tokens (b, m, levels) int16, kept (b, m) bool, first_ratio (b,) float32.
-    Ties go to the lowest centroid index. The per-level loops are bound by reading one row of
-    `cross2` per (path, level), not by arithmetic.
     """
-    b, total = base.shape
-    n_sem = len(offs) - 1
+    top = min(max(m, 2), offs[1])  # the 2nd nearest is needed for first_ratio even when m == 1
+    for i in numba.prange(base.shape[0]):
+        best, arg = np.empty(top, dtype=np.float32), np.empty(top, dtype=np.int64)
+        score, lanes = np.empty(base.shape[1], dtype=np.float32), np.empty(8, dtype=np.float32)
+        _nearest(base[i, :offs[1]], top, best, arg, lanes)
+        first_ratio[i], _ = _descend(base[i], xnorm[i], cross2, offs, m, ratio, best, arg, top, 0.0, score, lanes,
+                                     tokens[i], kept[i])
+
+
+@numba.njit(nogil=True, cache=True)
+def _certify(xw: np.ndarray, x: np.ndarray, rows: np.ndarray, norms: np.ndarray, cross2: np.ndarray,
+             offs: np.ndarray, bounds: np.ndarray, m: int, ratio: float, score: np.ndarray, lanes: np.ndarray,
+             best: np.ndarray, arg: np.ndarray, tokens: np.ndarray, kept: np.ndarray, first_ratio: np.ndarray,
+             sure: np.ndarray) -> None:
+    """`_chains` on BLAS products, for the ads whose every choice is certain.
+
+    xw: (b, sum K) float32 x.(-2c) summed in any order (made ||c||^2 - 2 x.c in place); x: (b, D)
+    float32; rows, norms, cross2, offs, bounds: `_Tables`'s; score, lanes, best, arg: `_Scratch`'s.
+    sure: (b,) bool, set where the order of the top first-level centroids and the one after, and
+    each level's nearest centroid, win by more than `margin`: there tokens, kept and first_ratio
+    are `_chains`'s bits (||x||^2 and the top first-level scores are summed again in
+    `_products`'s order, the rest is the same code). Elsewhere they are left for `_fixed_block`.
+    """
+    b, d = x.shape
     k0 = offs[1]
-    top = min(max(m, 2), k0)  # the 2nd nearest is needed for first_ratio even when m == 1
-    for i in numba.prange(b):
-        bi = base[i]  # shared by every path
-        best = np.full(top, np.inf, dtype=np.float32)
-        arg = np.zeros(top, dtype=np.int64)
-        worst = np.float32(np.inf)
-        for k in range(k0):  # insertion into the `top` best first-level scores
-            s = bi[k]
-            if s < worst:
-                j = top - 1
-                while j > 0 and best[j - 1] > s:
-                    best[j] = best[j - 1]
-                    arg[j] = arg[j - 1]
-                    j -= 1
-                best[j] = s
-                arg[j] = k
-                worst = best[top - 1]
-        d0 = np.sqrt(max(xnorm[i] + best[0], 0.0))
-        if top > 1:
-            d1 = np.sqrt(max(xnorm[i] + best[1], 0.0))
-            first_ratio[i] = d1 / d0 if d0 > 0 else (1.0 if d1 == 0 else np.inf)
-        else:
-            first_ratio[i] = np.inf
-        score = np.empty(total, dtype=np.float32)
-        for j in range(m):
-            dj = np.sqrt(max(xnorm[i] + best[j], 0.0)) if j < top else np.inf
-            kept[i, j] = j < top and (ratio < 0 or j == 0 or dj <= (1.0 + ratio) * d0)
-            if not kept[i, j]:
-                continue
-            tokens[i, j, 0] = arg[j]
-            for lv in range(1, n_sem):
-                lo, hi = offs[lv], offs[lv + 1]
-                # score = base + 2 c_p.c over the centroids already on this path; all but the
-                # last term in a vectorisable pass, the last one fused with the argmin.
-                src = bi
-                if lv > 1:
-                    row = offs[0] + tokens[i, j, 0]
-                    for k in range(lo, hi):
-                        score[k] = bi[k] + cross2[row, k]
-                    for p in range(1, lv - 1):
-                        row = offs[p] + tokens[i, j, p]
-                        for k in range(lo, hi):
-                            score[k] += cross2[row, k]
-                    src = score
-                row = offs[lv - 1] + tokens[i, j, lv - 1]
-                low, at = np.float32(np.inf), lo
-                for k in range(lo, hi):
-                    v = src[k] + cross2[row, k]
-                    if v < low:
-                        low, at = v, k
-                tokens[i, j, lv] = at - lo
+    top = min(max(m, 2), k0)
+    ranked = min(top + 1, k0)  # and the first one not taken
+    levels = len(offs) - 1
+    gamma = (d + 1) * UNIT / (1.0 - (d + 1) * UNIT)
+    for i in range(b):
+        xi, row = x[i], xw[i]
+        for k in range(len(row)):
+            row[k] += norms[k]
+        q, q64 = np.float32(0.0), 0.0
+        for k in range(d):
+            q += xi[k] * xi[k]
+            q64 += np.float64(xi[k]) * np.float64(xi[k])
+        # A score sums d + 1 terms whose magnitudes add up to at most |c|^2 + ||x|| ||2c|| (Cauchy-
+        # Schwarz): in any order the sum is within gamma_(d+1) times that of the exact one
+        # (Higham, Accuracy and Stability of Numerical Algorithms, 3.1), and a chain's cross
+        # terms add one rounding each. Both BLAS's and the fixed order's scores are within `err`
+        # of the exact ones, so a gap over 4 err on BLAS's is a gap over 0 on the fixed order's;
+        # 5 and the absolute term absorb this bound's own rounding and flushed subnormals.
+        scale = bounds[0] + np.sqrt(q64) * bounds[1]
+        err = gamma * scale + levels * UNIT * (scale + levels * bounds[2])
+        margin = 5.0 * err + 1e-30
+        _nearest(row[:k0], ranked, best, arg, lanes)
+        certain = True
+        for r in range(1, ranked):
+            certain &= np.float64(best[r]) - np.float64(best[r - 1]) > margin
+        if not certain:
+            continue
+        for j in range(top):  # the fixed order's bits for the scores kept and compared
+            s, c = norms[arg[j]], rows[arg[j]]
+            for k in range(d):
+                s += xi[k] * c[k]
+            best[j] = s
+        first_ratio[i], sure[i] = _descend(row, q, cross2, offs, m, ratio, best, arg, top, margin, score, lanes,
+                                           tokens[i], kept[i])
+
+
+# Hot loops run from 0 over 1-D slices: numba vectorises those, not loops from an offset read at
+# run time (it guards each such index against being negative).
+
+@numba.njit(cache=True)
+def _nearest(scores: np.ndarray, count: int, best: np.ndarray, arg: np.ndarray, lanes: np.ndarray) -> None:
+    """best[:count] float32 and arg[:count] int64: the `count` lowest of scores (K,) float32
+    (finite) and their positions, ascending; ties go to the lowest position. lanes: (8,) float32
+    scratch.
+
+    Eight running minima are eight of the scores, so the count-th lowest of them bounds the count
+    lowest of all: only scores under that bound are inserted (in order, as a plain scan would),
+    which spares the scan most of its mispredicted branches.
+    """
+    best[:count] = np.inf
+    arg[:count] = 0
+    limit = np.float32(np.inf)
+    if count <= 8 and len(scores) >= 8:
+        _minima(scores, lanes)
+        for j in range(1, 8):  # insertion sort of the eight
+            v, t = lanes[j], j
+            while t > 0 and lanes[t - 1] > v:
+                lanes[t] = lanes[t - 1]
+                t -= 1
+            lanes[t] = v
+        limit = lanes[count - 1]
+    worst = np.float32(np.inf)
+    for k in range(len(scores)):
+        s = scores[k]
+        if s <= limit and s < worst:  # rarely true past the first few: the branch predicts well
+            j = count - 1
+            while j > 0 and best[j - 1] > s:
+                best[j] = best[j - 1]
+                arg[j] = arg[j - 1]
+                j -= 1
+            best[j] = s
+            arg[j] = k
+            worst = best[count - 1]
+
+
+@numba.njit(cache=True)
+def _minima(v: np.ndarray, lanes: np.ndarray) -> None:
+    """lanes (8,) float32: for each j < 8 the lowest of v[8 t + j] (v (K,) float32) over whole
+    groups of eight (the last K % 8 are left out). The select form runs eight independent chains
+    where a running minimum waits on the one before."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(np.inf)
+    for k in range(0, len(v) - len(v) % 8, 8):
+        a0 = v[k] if v[k] < a0 else a0
+        a1 = v[k + 1] if v[k + 1] < a1 else a1
+        a2 = v[k + 2] if v[k + 2] < a2 else a2
+        a3 = v[k + 3] if v[k + 3] < a3 else a3
+        a4 = v[k + 4] if v[k + 4] < a4 else a4
+        a5 = v[k + 5] if v[k + 5] < a5 else a5
+        a6 = v[k + 6] if v[k + 6] < a6 else a6
+        a7 = v[k + 7] if v[k + 7] < a7 else a7
+    lanes[0], lanes[1], lanes[2], lanes[3] = a0, a1, a2, a3
+    lanes[4], lanes[5], lanes[6], lanes[7] = a4, a5, a6, a7
+
+
+@numba.njit(cache=True)
+def _lowest(v: np.ndarray, margin: float, lanes: np.ndarray) -> tuple[int, bool]:
+    """The position of the lowest of v (K,) float32 (finite; ties: the first), and whether every
+    other value exceeds it by more than margin (>= 0). lanes: (8,) float32 scratch.
+
+    A minimum, then a count and the last position under a threshold, in passes the compiler
+    vectorises, where one pass keeping the lowest and the second branches on every value.
+    """
+    _minima(v, lanes)
+    low = np.float32(np.inf)
+    for j in range(8):
+        low = lanes[j] if lanes[j] < low else low
+    for k in range(len(v) - len(v) % 8, len(v)):
+        low = v[k] if v[k] < low else low
+    # float32 compares vectorise twice as wide; rounding the limit up only counts more as near
+    limit = np.nextafter(np.float32(np.float64(low) + margin), np.float32(np.inf))
+    near, last = 0, 0
+    for k in range(len(v)):
+        hit = v[k] <= limit
+        near += hit
+        last = max(last, k if hit else 0)
+    if near == 1:
+        return last, True
+    for k in range(len(v)):  # several within the margin: the first lowest
+        if v[k] == low:
+            return k, False
+    return 0, False
+
+
+@numba.njit(cache=True)
+def _descend(base: np.ndarray, xnorm: np.float32, cross2: np.ndarray, offs: np.ndarray, m: int, ratio: float,
+             best: np.ndarray, arg: np.ndarray, top: int, margin: float, score: np.ndarray, lanes: np.ndarray,
+             tokens: np.ndarray, kept: np.ndarray) -> tuple[np.float32, bool]:
+    """One ad's paths from its `top` nearest first-level centroids (best, arg: `_nearest`).
+
+    base: (sum K,) float32 ||c||^2 - 2 x.c; score (sum K,) and lanes (8,) float32: scratch;
+    writes tokens (m, levels) int16 and kept (m,) bool. Returns the first-level ratio and
+    whether every level's nearest centroid won by more than margin. Ties go to the lowest
+    centroid index.
+    """
+    n_sem = len(offs) - 1
+    d0 = np.sqrt(max(xnorm + best[0], 0.0))
+    if top > 1:
+        d1 = np.sqrt(max(xnorm + best[1], 0.0))
+        first_ratio = d1 / d0 if d0 > 0 else (1.0 if d1 == 0 else np.inf)
+    else:
+        first_ratio = np.inf
+    certain = True
+    for j in range(m):
+        dj = np.sqrt(max(xnorm + best[j], 0.0)) if j < top else np.inf
+        kept[j] = j < top and (ratio < 0 or j == 0 or dj <= (1.0 + ratio) * d0)
+        if not kept[j]:
+            continue
+        tokens[j, 0] = arg[j]
+        for lv in range(1, n_sem):
+            lo, hi = offs[lv], offs[lv + 1]
+            # base + 2 c_p.c over the centroids already on this path, summed in path order
+            here, below, cross = score[lo:hi], base[lo:hi], cross2[offs[0] + tokens[j, 0], lo:hi]
+            for k in range(len(here)):
+                here[k] = below[k] + cross[k]
+            for p in range(1, lv):
+                cross = cross2[offs[p] + tokens[j, p], lo:hi]
+                for k in range(len(here)):
+                    here[k] += cross[k]
+            at, alone = _lowest(here, margin, lanes)
+            certain &= alone
+            tokens[j, lv] = at
+    return np.float32(first_ratio), certain
 
 
 def sid_table(assignment: SIDAssignment, ad_id: np.ndarray) -> pa.Table:
