@@ -277,8 +277,52 @@ def test_crafted_centroid_files_are_refused_before_any_data_is_read(tmp_path, da
 
 # --- the BLAS GEMM with certified choices gives the fixed order's SIDs, bit for bit ---
 
+def plain_fixed_order(cb: Codebook, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """tokens, kept, first_ratio of every ad by the fixed order, in plain numpy float32 (written
+    apart from the kernels): every sum term by term from k = 0 (||c||^2, 2 c.c', then
+    ||c||^2 + x_k (-2 c_k)); the top first-level centroids by (score, index); below, base plus
+    2 c_p.c over the path's centroids in path order, the first lowest."""
+    cat = np.concatenate(cb.centroids).astype(np.float32)
+    offs = np.concatenate([[0], np.cumsum([len(c) for c in cb.centroids])])
+    norms = np.zeros(len(cat), np.float32)
+    cross2 = np.zeros((len(cat), len(cat)), np.float32)
+    for k in range(cat.shape[1]):
+        norms = norms + cat[:, k] * cat[:, k]
+        cross2 = cross2 + cat[:, k:k + 1] * (np.float32(2) * cat[:, k])[None, :]
+    minus2 = np.float32(-2) * cat.T
+    base = np.broadcast_to(norms, (len(x), len(cat))).copy()
+    xnorm = np.zeros(len(x), np.float32)
+    for k in range(x.shape[1]):
+        base = base + x[:, k:k + 1] * minus2[k][None, :]
+        xnorm = xnorm + x[:, k] * x[:, k]
+    m, levels = cb.paths, len(cb.centroids)
+    top = min(max(m, 2), len(cb.centroids[0]))
+    tokens, kept = np.zeros((len(x), m, levels), np.int16), np.zeros((len(x), m), bool)
+    first_ratio = np.zeros(len(x), np.float32)
+    for i in range(len(x)):
+        b0 = base[i, :offs[1]]
+        order = np.lexsort((np.arange(len(b0)), b0))[:top]
+        dist = [np.sqrt(max(float(xnorm[i] + b0[t]), 0.0)) for t in order]
+        if top < 2:
+            first_ratio[i] = np.inf
+        else:
+            first_ratio[i] = dist[1] / dist[0] if dist[0] > 0 else (1.0 if dist[1] == 0 else np.inf)
+        for j in range(m):
+            kept[i, j] = j < top and (cb.path_ratio is None or j == 0 or dist[j] <= (1.0 + cb.path_ratio) * dist[0])
+            if not kept[i, j]:
+                continue
+            tokens[i, j, 0] = order[j]
+            for lv in range(1, levels):
+                lo, hi = offs[lv], offs[lv + 1]
+                score = base[i, lo:hi]
+                for p in range(lv):
+                    score = score + cross2[offs[p] + tokens[i, j, p], lo:hi]
+                tokens[i, j, lv] = np.argmin(score)
+    return tokens, kept, first_ratio
+
+
 def fixed_order(tables, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """tokens, kept, first_ratio of every ad, every score summed in the fixed order."""
+    """tokens, kept, first_ratio of every ad from the fixed-order kernels."""
     from sidindex.sid.assign import _fixed_block
 
     n, m = len(x), tables.paths
@@ -318,54 +362,77 @@ def tied_codebook(rng, sizes, dim, paths, ratio, scale, repeats):
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=4), dim=st.integers(1, 70),
        paths=st.integers(1, 4), ratio=st.one_of(st.none(), st.floats(0, 0.5)),
-       scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e6]), repeats=st.booleans(), seed=st.integers(0, 10_000))
+       scale=st.sampled_from([1e-30, 1e-20, 1e-3, 1.0, 1e4, 1e6]), repeats=st.booleans(),
+       seed=st.integers(0, 10_000))
 def test_blas_assignment_equals_the_fixed_order(sizes, dim, paths, ratio, scale, repeats, seed):
-    """Ties, midpoints, subnormal and 1e6-sized scores: the BLAS path certifies what it can and
-    hands the rest to the fixed order, and the result is the fixed order's in every bit."""
+    """Ties, midpoints, zero, subnormal and 1e6-sized scores: the BLAS path certifies what it can
+    and hands the rest to the fixed order, and both give the plain reference's bits."""
     from sidindex.sid.assign import _assign, _Tables
 
     cb, x = tied_codebook(np.random.default_rng(seed), sizes, dim, paths, ratio, scale, repeats)
     tables = _Tables.of(cb)
-    assert_same_choices(_assign(tables, x), fixed_order(tables, x))
+    want = plain_fixed_order(cb, x)
+    assert_same_choices(fixed_order(tables, x), want)
+    assert_same_choices(_assign(tables, x), want)
+
+
+def test_blocks_and_threads_give_the_reference_bits():
+    """Several blocks of 1,024 ads on every thread, two paths and a path ratio: the plain
+    reference's bits."""
+    from sidindex.sid.assign import BLOCK, _assign, _Tables
+
+    x = clustered(2 * BLOCK + 300, 16, seed=9)
+    cb = dataclasses.replace(train_codebook(x, small_config(levels=(32, 16, 8), paths=2)), path_ratio=0.2)
+    tables = _Tables.of(cb)
+    got = _assign(tables, x)
+    assert_same_choices(got, plain_fixed_order(cb, x))
 
 
 def test_certified_choices_hold_for_any_blas_within_the_bound():
-    """Scores off by up to the error bound of a summation order, adversarially (the fixed order's
-    choice made worse, every rival better) or at random: where `_certify` is sure, its choices
-    are the fixed order's; and it is sure of most ads."""
-    from sidindex.sid.assign import UNIT, _certify, _Scratch, _Tables
+    """BLAS scores as far from the fixed order's as the bound allows (each order within `err` of
+    the exact sum), adversarially (the fixed order's choices made worse, every rival better) or at
+    random, on ads midway between first-level centroids (near ties) and clustered ones: where
+    `_certify` is sure its choices are the fixed order's; and it is sure of most ads."""
+    from sidindex.sid.assign import UNIT, _certify, _products, _Scratch, _Tables
 
     rng = np.random.default_rng(11)
     x = clustered(3000, 24, seed=5)
     cb = train_codebook(x, small_config(levels=(32, 16, 8), paths=2))
+    c0 = cb.centroids[0]
+    pairs = rng.integers(0, len(c0), (600, 2))
+    x = np.concatenate([x, (c0[pairs[:, 0]] + c0[pairs[:, 1]]) / 2]).astype(np.float32)
     tables = _Tables.of(cb)
     want = fixed_order(tables, x)
-    exact = x.astype(np.float64) @ tables.minus2.astype(np.float64)  # (N, sum K)
-    d = x.shape[1]
-    bound = d * UNIT / (1 - d * UNIT) * (np.abs(x).astype(np.float64) @ np.abs(tables.minus2).astype(np.float64))
-    first = np.zeros_like(exact, dtype=bool)  # each ad's fixed-order choices at every level
+    fixed, xnorm = np.empty((len(x), tables.total), np.float32), np.empty(len(x), np.float32)
+    _products(x, tables.minus2, tables.norms, fixed, xnorm)
+    d, levels = x.shape[1], len(cb.centroids)
+    gamma = (d + 1) * UNIT / (1 - (d + 1) * UNIT)
+    scale = tables.bounds[0] + np.sqrt((x.astype(np.float64) ** 2).sum(1)) * tables.bounds[1]
+    err = (gamma * scale + levels * UNIT * (scale + levels * tables.bounds[2]))[:, None]
+    first = np.zeros_like(fixed, dtype=bool)  # each ad's fixed-order choices at every level
     tok, kept, _ = want
-    for lv in range(len(tables.offs) - 1):
+    for lv in range(levels):
         for j in range(tables.paths):
             rows = np.flatnonzero(kept[:, j])
             first[rows, tables.offs[lv] + tok[rows, j, lv]] = True
     for name, sign in [("adversarial", np.where(first, 1.0, -1.0)),
-                       ("random", rng.choice([-1.0, 1.0], exact.shape)),
-                       ("uniform", rng.uniform(-1, 1, exact.shape))]:
-        xw = (exact + sign * bound).astype(np.float32)
+                       ("random", rng.choice([-1.0, 1.0], fixed.shape)),
+                       ("uniform", rng.uniform(-1, 1, fixed.shape))]:
+        xw = (fixed.astype(np.float64) + 2 * sign * err - tables.norms).astype(np.float32)
         scratch = _Scratch.of(tables, len(x))
         got = (np.zeros_like(tok), np.zeros_like(kept), np.zeros(len(x), np.float32))
         sure = np.zeros(len(x), dtype=bool)
         _certify(xw, x, tables.rows, tables.norms, tables.cross2, tables.offs, tables.bounds, tables.paths,
                  tables.ratio, scratch.score, scratch.lanes, scratch.best, scratch.arg, *got, sure)
-        assert sure.mean() > 0.8, name
+        assert sure.mean() > 0.7, name
         assert_same_choices(got, want, where=sure)
 
 
 def test_exact_ties_go_to_the_lowest_centroid():
     """Every centroid repeated K/2 places on: each tie is exact in every summation order, and the
     lower index wins it at every level; the second path's first token is the repeat of the first's
-    (the next in (distance, index) order), on both the BLAS and the fixed-order path."""
+    (the next in (distance, index) order). No ad is certain on BLAS's scores here: this is the
+    fixed order's rule, reached through both entries."""
     from sidindex.sid.assign import _assign, _Tables
 
     rng = np.random.default_rng(2)

@@ -14,9 +14,9 @@ with it or on the thread count: a catalog built whole or in fragments gets the s
 
 Why it runs at BLAS speed and still gives the fixed order's SIDs: BLAS sums in an order that moves
 with the block's size and thread count, but any order lands within a known distance of the exact
-sum (Higham's bound gamma_n * sum |x_k w_k|). So the GEMM runs on BLAS, and an ad keeps the
-choices made on its BLAS scores when each wins by more than four such distances: summed in the
-fixed order, the scores make the same choices (`_certify`). The ads left, near ties (a few
+sum (Higham's bound gamma_n * sum |x_k w_k|). So the GEMM runs on BLAS, and an ad keeps the choices
+made on its BLAS scores when each wins by more than four such distances (five, for slack): summed
+in the fixed order, the scores make the same choices (`_certify`). The ads left, near ties (a few
 percent of random ones), are assigned again in the fixed order (`_fixed_block`). The SIDs are the
 fixed order's, bit for bit, whatever BLAS did.
 Legend: N ads, P = sum of paths (SID rows), L SID length, m paths, K_l level sizes, b block rows.
@@ -38,6 +38,7 @@ from sidindex.sid.codebook import Codebook, Progress
 BLOCK = 1024  # ads per task: its (block, sum K) products stay in the core's cache
 FIXED_BLOCK = 16384  # near-tied ads per fixed-order pass: (block, sum K) products of a few 10 MB
 UNIT = 2.0 ** -24  # float32's unit roundoff
+TINY = 2.0 ** -126  # float32's smallest normal
 
 
 @dataclass(frozen=True)
@@ -260,12 +261,14 @@ def _certify(xw: np.ndarray, x: np.ndarray, rows: np.ndarray, norms: np.ndarray,
         # A score sums d + 1 terms whose magnitudes add up to at most |c|^2 + ||x|| ||2c|| (Cauchy-
         # Schwarz): in any order the sum is within gamma_(d+1) times that of the exact one
         # (Higham, Accuracy and Stability of Numerical Algorithms, 3.1), and a chain's cross
-        # terms add one rounding each. Both BLAS's and the fixed order's scores are within `err`
-        # of the exact ones, so a gap over 4 err on BLAS's is a gap over 0 on the fixed order's;
-        # 5 and the absolute term absorb this bound's own rounding and flushed subnormals.
-        scale = bounds[0] + np.sqrt(q64) * bounds[1]
-        err = gamma * scale + levels * UNIT * (scale + levels * bounds[2])
-        margin = 5.0 * err + 1e-30
+        # terms add one rounding each; a BLAS that reads subnormal inputs as zero loses at most
+        # d products under (||x|| + ||2c||) 2^-126. Both BLAS's and the fixed order's scores are
+        # within `err` of the exact ones, so a gap over 4 err on BLAS's is a gap over 0 on the
+        # fixed order's; 5 absorbs this bound's own rounding.
+        length = np.sqrt(q64)
+        scale = bounds[0] + length * bounds[1]
+        err = gamma * scale + levels * UNIT * (scale + levels * bounds[2]) + d * (length + bounds[1]) * TINY
+        margin = 5.0 * err
         _nearest(row[:k0], ranked, best, arg, lanes)
         certain = True
         for r in range(1, ranked):
