@@ -447,3 +447,22 @@ def test_exact_ties_go_to_the_lowest_centroid():
         np.testing.assert_array_equal(tokens[:, 1, 0], tokens[:, 0, 0] + half[0])
         for lv, k in enumerate(half):
             assert (tokens[:, 0, lv] < k).all() and (tokens[:, 1, 1:] < np.array(half[1:])).all()
+
+
+def test_an_interrupted_assignment_stops_at_the_running_blocks(monkeypatch):
+    """Ctrl-C (here, the progress callback raising) ends the assignment after the blocks already
+    running, not after every block submitted."""
+    import sidindex.sid.assign as assign_module
+
+    x = clustered(40 * assign_module.BLOCK, 8, seed=3)
+    cb = train_codebook(x[:2000], small_config())
+    ran = []
+    kernel = assign_module._certify
+    monkeypatch.setattr(assign_module, "_certify", lambda *a: (ran.append(1), kernel(*a)))
+
+    def progress(stage, done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        assign_sids(cb, x, np.zeros(len(x), np.int16), progress)
+    assert 1 <= len(ran) < 20

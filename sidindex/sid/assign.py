@@ -109,10 +109,14 @@ def _assign(tables: _Tables, embedding: np.ndarray, progress: Progress | None = 
             scratch.put(own)
 
     # A block per task on BLAS's and numba's threads would have each pool spin while the other works.
-    with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
-        for i, _ in enumerate(pool.map(certify, range(0, n, BLOCK))):
-            if progress:
-                progress("assign", min((i + 1) * BLOCK, n), n)
+    with threadpool_limits(1, user_api="blas"):
+        pool = ThreadPoolExecutor(workers)
+        try:
+            for i, _ in enumerate(pool.map(certify, range(0, n, BLOCK))):
+                if progress:
+                    progress("assign", min((i + 1) * BLOCK, n), n)
+        finally:  # an interrupt (or a progress callback's error) waits for the running blocks only
+            pool.shutdown(cancel_futures=True)
     # Near ties: assigned again with every sum in the fixed order, on numba's threads.
     unsure = np.flatnonzero(~sure)
     for start in range(0, len(unsure), FIXED_BLOCK):
