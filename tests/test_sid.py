@@ -407,8 +407,10 @@ def test_certified_choices_hold_for_any_blas_within_the_bound():
     _products(x, tables.minus2, tables.norms, fixed, xnorm)
     d, levels = x.shape[1], len(cb.centroids)
     gamma = (d + 1) * UNIT / (1 - (d + 1) * UNIT)
-    scale = tables.bounds[0] + np.sqrt((x.astype(np.float64) ** 2).sum(1)) * tables.bounds[1]
-    err = (gamma * scale + levels * UNIT * (scale + levels * tables.bounds[2]))[:, None]
+    err = np.empty_like(fixed, dtype=np.float64)  # each score's level's bound
+    for lv, (lo, hi) in enumerate(zip(tables.offs[:-1], tables.offs[1:])):
+        scale = tables.bounds[lv, 0] + np.sqrt((x.astype(np.float64) ** 2).sum(1)) * tables.bounds[lv, 1]
+        err[:, lo:hi] = (gamma * scale + lv * UNIT * (scale + lv * tables.bounds[lv, 2]))[:, None]
     first = np.zeros_like(fixed, dtype=bool)  # each ad's fixed-order choices at every level
     tok, kept, _ = want
     for lv in range(levels):
@@ -423,7 +425,7 @@ def test_certified_choices_hold_for_any_blas_within_the_bound():
         got = (np.zeros_like(tok), np.zeros_like(kept), np.zeros(len(x), np.float32))
         sure = np.zeros(len(x), dtype=bool)
         _certify(xw, x, tables.rows, tables.norms, tables.cross2, tables.offs, tables.bounds, tables.paths,
-                 tables.ratio, scratch.score, scratch.lanes, scratch.best, scratch.arg, *got, sure)
+                 tables.ratio, scratch.score, scratch.lanes, scratch.best, scratch.arg, scratch.margins, *got, sure)
         assert sure.mean() > 0.7, name
         assert_same_choices(got, want, where=sure)
 

@@ -103,7 +103,8 @@ def _assign(tables: _Tables, embedding: np.ndarray, progress: Progress | None = 
             xw = own.products[:end - start]
             np.matmul(x, tables.minus2, out=xw)  # x.(-2c) in whatever order BLAS sums
             _certify(xw, x, tables.rows, tables.norms, tables.cross2, tables.offs, tables.bounds, m,
-                     tables.ratio, own.score, own.lanes, own.best, own.arg, tokens[start:end], kept[start:end],
+                     tables.ratio, own.score, own.lanes, own.best, own.arg, own.margins, tokens[start:end],
+                     kept[start:end],
                      first_ratio[start:end], sure[start:end])
         finally:
             scratch.put(own)
@@ -135,7 +136,9 @@ class _Tables:
     minus2: (D, sum K) float32 -2 c^T; rows: (sum K, D) float32 -2 c, the same values by centroid
     norms:  (sum K,) float32 ||c||^2, summed by `_products`
     cross2: (sum K, sum K) float32 2 c.c' (only blocks of levels p < l are read)
-    bounds: (3,) float64 max |norms|, max ||-2 c||, max |cross2| for the margins of `_certify`
+    bounds: (levels, 3) float64 per level l: max |norms|, max ||-2 c|| over its centroids, max
+            |cross2| from a centroid of a level above to one of l (0 for the first level), for
+            the margins of `_certify`
     """
 
     offs: np.ndarray
@@ -162,8 +165,9 @@ class _Tables:
         _products(cat, np.ascontiguousarray(2.0 * cat.T, dtype=np.float32), np.zeros(total, np.float32), cross2, norms)
         minus2 = np.ascontiguousarray(-2.0 * cat.T, dtype=np.float32)
         lengths = np.sqrt((minus2.astype(np.float64) ** 2).sum(0))
-        bounds = np.array([np.abs(norms).max(initial=0.0), lengths.max(initial=0.0), np.abs(cross2).max(initial=0.0)],
-                          dtype=np.float64)
+        bounds = np.array([[np.abs(norms[lo:hi]).max(initial=0.0), lengths[lo:hi].max(initial=0.0),
+                            np.abs(cross2[:lo, lo:hi]).max(initial=0.0)] for lo, hi in zip(offs[:-1], offs[1:])],
+                          dtype=np.float64).reshape(len(cents), 3)
         return cls(offs, minus2, np.ascontiguousarray(minus2.T), norms, cross2, bounds, codebook.paths,
                    -1.0 if codebook.path_ratio is None else float(codebook.path_ratio))
 
@@ -171,19 +175,20 @@ class _Tables:
 @dataclass(frozen=True)
 class _Scratch:
     """One worker's buffers: products (b, sum K) float32, score (sum K,) float32, lanes (8,)
-    float32, best (m + 2,) float32 and arg (m + 2,) int64."""
+    float32, best (m + 2,) float32, arg (m + 2,) int64 and margins (levels,) float64."""
 
     products: np.ndarray
     score: np.ndarray
     lanes: np.ndarray
     best: np.ndarray
     arg: np.ndarray
+    margins: np.ndarray
 
     @classmethod
     def of(cls, t: _Tables, rows: int) -> _Scratch:
         return cls(np.empty((rows, t.total), dtype=np.float32), np.empty(t.total, dtype=np.float32),
                    np.empty(8, dtype=np.float32), np.empty(t.paths + 2, dtype=np.float32),
-                   np.empty(t.paths + 2, dtype=np.int64))
+                   np.empty(t.paths + 2, dtype=np.int64), np.empty(len(t.offs) - 1, dtype=np.float64))
 
 
 def _fixed_block(t: _Tables, x: np.ndarray, tokens: np.ndarray, kept: np.ndarray, first_ratio: np.ndarray) -> None:
@@ -230,21 +235,22 @@ def _chains(base: np.ndarray, xnorm: np.ndarray, cross2: np.ndarray, offs: np.nd
         best, arg = np.empty(top, dtype=np.float32), np.empty(top, dtype=np.int64)
         score, lanes = np.empty(base.shape[1], dtype=np.float32), np.empty(8, dtype=np.float32)
         _nearest(base[i, :offs[1]], top, best, arg, lanes)
-        first_ratio[i], _ = _descend(base[i], xnorm[i], cross2, offs, m, ratio, best, arg, top, 0.0, score, lanes,
-                                     tokens[i], kept[i])
+        first_ratio[i], _ = _descend(base[i], xnorm[i], cross2, offs, m, ratio, best, arg, top,
+                                     np.zeros(len(offs) - 1), score, lanes, tokens[i], kept[i])
 
 
 @numba.njit(nogil=True, cache=True)
 def _certify(xw: np.ndarray, x: np.ndarray, rows: np.ndarray, norms: np.ndarray, cross2: np.ndarray,
              offs: np.ndarray, bounds: np.ndarray, m: int, ratio: float, score: np.ndarray, lanes: np.ndarray,
-             best: np.ndarray, arg: np.ndarray, tokens: np.ndarray, kept: np.ndarray, first_ratio: np.ndarray,
-             sure: np.ndarray) -> None:
+             best: np.ndarray, arg: np.ndarray, margins: np.ndarray, tokens: np.ndarray, kept: np.ndarray,
+             first_ratio: np.ndarray, sure: np.ndarray) -> None:
     """`_chains` on BLAS products, for the ads whose every choice is certain.
 
     xw: (b, sum K) float32 x.(-2c) summed in any order (made ||c||^2 - 2 x.c in place); x: (b, D)
-    float32; rows, norms, cross2, offs, bounds: `_Tables`'s; score, lanes, best, arg: `_Scratch`'s.
+    float32; rows, norms, cross2, offs, bounds: `_Tables`'s; score, lanes, best, arg, margins:
+    `_Scratch`'s.
     sure: (b,) bool, set where the order of the top first-level centroids and the one after, and
-    each level's nearest centroid, win by more than `margin`: there tokens, kept and first_ratio
+    each level's nearest centroid, win by more than their level's margin: there tokens, kept and first_ratio
     are `_chains`'s bits (||x||^2 and the top first-level scores are summed again in
     `_products`'s order, the rest is the same code). Elsewhere they are left for `_fixed_block`.
     """
@@ -270,13 +276,14 @@ def _certify(xw: np.ndarray, x: np.ndarray, rows: np.ndarray, norms: np.ndarray,
         # within `err` of the exact ones, so a gap over 4 err on BLAS's is a gap over 0 on the
         # fixed order's; 5 absorbs this bound's own rounding.
         length = np.sqrt(q64)
-        scale = bounds[0] + length * bounds[1]
-        err = gamma * scale + levels * UNIT * (scale + levels * bounds[2]) + d * (length + bounds[1]) * TINY
-        margin = 5.0 * err
+        for lv in range(levels):  # a level's own centroids bound its scores: lower levels' are smaller
+            scale = bounds[lv, 0] + length * bounds[lv, 1]
+            err = gamma * scale + lv * UNIT * (scale + lv * bounds[lv, 2]) + d * (length + bounds[lv, 1]) * TINY
+            margins[lv] = 5.0 * err
         _nearest(row[:k0], ranked, best, arg, lanes)
         certain = True
         for r in range(1, ranked):
-            certain &= np.float64(best[r]) - np.float64(best[r - 1]) > margin
+            certain &= np.float64(best[r]) - np.float64(best[r - 1]) > margins[0]
         if not certain:
             continue
         for j in range(top):  # the fixed order's bits for the scores kept and compared
@@ -284,7 +291,7 @@ def _certify(xw: np.ndarray, x: np.ndarray, rows: np.ndarray, norms: np.ndarray,
             for k in range(d):
                 s += xi[k] * c[k]
             best[j] = s
-        first_ratio[i], sure[i] = _descend(row, q, cross2, offs, m, ratio, best, arg, top, margin, score, lanes,
+        first_ratio[i], sure[i] = _descend(row, q, cross2, offs, m, ratio, best, arg, top, margins, score, lanes,
                                            tokens[i], kept[i])
 
 
@@ -377,13 +384,14 @@ def _lowest(v: np.ndarray, margin: float, lanes: np.ndarray) -> tuple[int, bool]
 
 @numba.njit(cache=True)
 def _descend(base: np.ndarray, xnorm: np.float32, cross2: np.ndarray, offs: np.ndarray, m: int, ratio: float,
-             best: np.ndarray, arg: np.ndarray, top: int, margin: float, score: np.ndarray, lanes: np.ndarray,
+             best: np.ndarray, arg: np.ndarray, top: int, margins: np.ndarray, score: np.ndarray, lanes: np.ndarray,
              tokens: np.ndarray, kept: np.ndarray) -> tuple[np.float32, bool]:
     """One ad's paths from its `top` nearest first-level centroids (best, arg: `_nearest`).
 
     base: (sum K,) float32 ||c||^2 - 2 x.c; score (sum K,) and lanes (8,) float32: scratch;
     writes tokens (m, levels) int16 and kept (m,) bool. Returns the first-level ratio and
-    whether every level's nearest centroid won by more than margin. Ties go to the lowest
+    whether every level's nearest centroid won by more than margins[level] ((levels,) float64).
+    Ties go to the lowest
     centroid index.
     """
     n_sem = len(offs) - 1
@@ -410,7 +418,7 @@ def _descend(base: np.ndarray, xnorm: np.float32, cross2: np.ndarray, offs: np.n
                 cross = cross2[offs[p] + tokens[j, p], lo:hi]
                 for k in range(len(here)):
                     here[k] += cross[k]
-            at, alone = _lowest(here, margin, lanes)
+            at, alone = _lowest(here, margins[lv], lanes)
             certain &= alone
             tokens[j, lv] = at
     return np.float32(first_ratio), certain
