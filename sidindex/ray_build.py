@@ -154,8 +154,13 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
 
     @ray.remote(num_returns=3, max_retries=retries)
     def prepare(f: Fragment, spec: TargetingSpec, codebook: Codebook) -> tuple[Any, Any, tuple[np.ndarray, int] | None]:
+        import numba
         import pyarrow.parquet as pq
 
+        # the task's CPUs, not the node's: numba (and the SID assignment's pool) would start a
+        # thread per core of the node in every task, and a buffer each
+        cpus = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
+        numba.set_num_threads(max(1, min(cpus, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
         try:
             table = pq.ParquetFile(source).read_row_group(f.group)
             # pyarrow leaves what it decoded unchecked (a string's UTF-8 above all), and polars takes

@@ -9,23 +9,26 @@ Why it is fast: with r = x - sum_{p<l} c_p the residual at level l, the nearest 
     ||c||^2 - 2 r.c = ||c||^2 - 2 (x.c - sum_{p<l} c_p.c).
 So one GEMM x.(-2C)^T + ||C||^2 over all levels, shared by every path, plus the small tables
 C_p.C_l^T (K_p, K_l) give each path's scores by table lookups instead of a residual GEMM per path.
-Every sum runs in a fixed order (`_products`), so an ad's SIDs do not depend on the ads assigned
-with it or on the thread count: a catalog built whole or in fragments gets the same SIDs.
 
-Why it runs at BLAS speed and still gives the fixed order's SIDs: BLAS sums in an order that moves
-with the block's size and thread count, but any order lands within a known distance of the exact
-sum (Higham's bound gamma_n * sum |x_k w_k|). So the GEMM runs on BLAS, and an ad keeps the choices
-made on its BLAS scores when each wins by more than four such distances (five, for slack): summed
-in the fixed order, the scores make the same choices (`_certify`). The ads left, near ties (a few
-percent of random ones), are assigned again in the fixed order (`_fixed_block`). The SIDs are the
-fixed order's, bit for bit, whatever BLAS did.
+Why the SIDs do not depend on how the catalog is cut: they are those of every sum run in one fixed
+order (`_products`), whatever the ads assigned with an ad or the thread count, so a catalog built
+whole or in fragments gets the same SIDs. BLAS sums in an order that moves with the block's size
+and thread count, but any order lands within a known distance of the exact sum (Higham's bound
+gamma_n * sum |x_k w_k|). So the GEMM runs on BLAS, and an ad keeps the choices made on its BLAS
+scores when each wins by more than four such distances (five, for slack): summed in the fixed
+order, the scores make the same choices (`_certify`). The ads left, near ties (3% of random ones
+at 64 dims, a third at 256), are assigned again in the fixed order (`_fixed_block`).
 Legend: N ads, P = sum of paths (SID rows), L SID length, m paths, K_l level sizes, b block rows.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import queue
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
@@ -35,8 +38,8 @@ from threadpoolctl import threadpool_limits
 
 from sidindex.sid.codebook import Codebook, Progress
 
-BLOCK = 1024  # ads per task: its (block, sum K) products stay in the core's cache
-FIXED_BLOCK = 16384  # near-tied ads per fixed-order pass: (block, sum K) products of a few 10 MB
+BLOCK = 1024  # ads per task (measured: 4,096 and 16,384 are slower, their products leave the caches)
+FIXED_BLOCK = 16384  # near-tied ads per fixed-order pass: (block, sum K) float32 products, 100 MB at 3 x 512
 UNIT = 2.0 ** -24  # float32's unit roundoff
 TINY = 2.0 ** -126  # float32's smallest normal
 
@@ -90,7 +93,7 @@ def _assign(tables: _Tables, embedding: np.ndarray, progress: Progress | None = 
     kept = np.empty((n, m), dtype=np.bool_)
     first_ratio = np.empty(n, dtype=np.float32)
     sure = np.zeros(n, dtype=np.bool_)
-    workers = max(1, min(numba.get_num_threads(), -(-n // BLOCK)))  # every core, a block each
+    workers = max(1, min(numba.get_num_threads(), -(-n // BLOCK)))  # numba's thread count, a block each
     scratch: queue.SimpleQueue[_Scratch] = queue.SimpleQueue()
     for _ in range(workers):
         scratch.put(_Scratch.of(tables, min(BLOCK, n)))
@@ -102,30 +105,58 @@ def _assign(tables: _Tables, embedding: np.ndarray, progress: Progress | None = 
             x = np.ascontiguousarray(embedding[start:end], dtype=np.float32)
             xw = own.products[:end - start]
             np.matmul(x, tables.minus2, out=xw)  # x.(-2c) in whatever order BLAS sums
-            _certify(xw, x, tables.rows, tables.norms, tables.cross2, tables.offs, tables.bounds, m,
-                     tables.ratio, own.score, own.lanes, own.best, own.arg, own.margins, tokens[start:end],
-                     kept[start:end],
-                     first_ratio[start:end], sure[start:end])
+            _certify(xw, x, tables.rows, tables.norms, tables.cross2, tables.offs, tables.bounds, m, tables.ratio,
+                     own.score, own.lanes, own.best, own.arg, own.margins,
+                     tokens[start:end], kept[start:end], first_ratio[start:end], sure[start:end])
         finally:
             scratch.put(own)
 
-    # A block per task on BLAS's and numba's threads would have each pool spin while the other works.
-    with threadpool_limits(1, user_api="blas"):
+    # Blocks on a pool of our own, BLAS on one thread each: BLAS's threads would spin beside them.
+    # At most 4 blocks per worker are queued, so a billion ads do not make a million futures.
+    with _one_blas_thread():
         pool = ThreadPoolExecutor(workers)
+        queued: collections.deque[Future] = collections.deque()
         try:
-            for i, _ in enumerate(pool.map(certify, range(0, n, BLOCK))):
-                if progress:
-                    progress("assign", min((i + 1) * BLOCK, n), n)
+            for start in range(0, n, BLOCK):
+                queued.append(pool.submit(certify, start))
+                while queued and (len(queued) >= 4 * workers or start + BLOCK >= n):
+                    queued.popleft().result()
+                    if progress:
+                        progress("assign", min(start + BLOCK - len(queued) * BLOCK, n), n)
         finally:  # an interrupt (or a progress callback's error) waits for the running blocks only
             pool.shutdown(cancel_futures=True)
     # Near ties: assigned again with every sum in the fixed order, on numba's threads.
     unsure = np.flatnonzero(~sure)
     for start in range(0, len(unsure), FIXED_BLOCK):
-        rows = unsure[start:start + FIXED_BLOCK]
-        tok, kep, rat = tokens[rows], kept[rows], first_ratio[rows]
-        _fixed_block(tables, np.ascontiguousarray(embedding[rows], dtype=np.float32), tok, kep, rat)
-        tokens[rows], kept[rows], first_ratio[rows] = tok, kep, rat
+        at = unsure[start:start + FIXED_BLOCK]
+        tok, kep, rat = tokens[at], kept[at], first_ratio[at]
+        _fixed_block(tables, np.ascontiguousarray(embedding[at], dtype=np.float32), tok, kep, rat)
+        tokens[at], kept[at], first_ratio[at] = tok, kep, rat
+        if progress:
+            progress("near ties", min(start + FIXED_BLOCK, len(unsure)), len(unsure))
     return tokens, kept, first_ratio
+
+
+_blas_lock = threading.Lock()
+_blas_limits: list[threadpool_limits] = []  # while assignments run: the limit, which restores what was before
+
+
+@contextlib.contextmanager
+def _one_blas_thread() -> Iterator[None]:
+    """BLAS on one thread while any assignment runs in this process. The limit is the process's
+    (BLAS has no other): the first assignment to start sets it and the last to end restores it,
+    so overlapping assignments never leave it set."""
+    with _blas_lock:
+        if not _blas_limits:
+            _blas_limits.append(threadpool_limits(1, user_api="blas"))
+        _blas_limits.append(_blas_limits[0])
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_limits.pop()
+            if len(_blas_limits) == 1:
+                _blas_limits.pop().restore_original_limits()
 
 
 @dataclass(frozen=True)
@@ -167,7 +198,7 @@ class _Tables:
         lengths = np.sqrt((minus2.astype(np.float64) ** 2).sum(0))
         bounds = np.array([[np.abs(norms[lo:hi]).max(initial=0.0), lengths[lo:hi].max(initial=0.0),
                             np.abs(cross2[:lo, lo:hi]).max(initial=0.0)] for lo, hi in zip(offs[:-1], offs[1:])],
-                          dtype=np.float64).reshape(len(cents), 3)
+                          dtype=np.float64)
         return cls(offs, minus2, np.ascontiguousarray(minus2.T), norms, cross2, bounds, codebook.paths,
                    -1.0 if codebook.path_ratio is None else float(codebook.path_ratio))
 
@@ -250,8 +281,8 @@ def _certify(xw: np.ndarray, x: np.ndarray, rows: np.ndarray, norms: np.ndarray,
     float32; rows, norms, cross2, offs, bounds: `_Tables`'s; score, lanes, best, arg, margins:
     `_Scratch`'s.
     sure: (b,) bool, set where the order of the top first-level centroids and the one after, and
-    each level's nearest centroid, win by more than their level's margin: there tokens, kept and first_ratio
-    are `_chains`'s bits (||x||^2 and the top first-level scores are summed again in
+    each level's nearest centroid, win by more than their level's margin: there tokens, kept and
+    first_ratio are `_chains`'s bits (||x||^2 and the top first-level scores are summed again in
     `_products`'s order, the rest is the same code). Elsewhere they are left for `_fixed_block`.
     """
     b, d = x.shape
@@ -391,8 +422,7 @@ def _descend(base: np.ndarray, xnorm: np.float32, cross2: np.ndarray, offs: np.n
     base: (sum K,) float32 ||c||^2 - 2 x.c; score (sum K,) and lanes (8,) float32: scratch;
     writes tokens (m, levels) int16 and kept (m,) bool. Returns the first-level ratio and
     whether every level's nearest centroid won by more than margins[level] ((levels,) float64).
-    Ties go to the lowest
-    centroid index.
+    Ties go to the lowest centroid index.
     """
     n_sem = len(offs) - 1
     d0 = np.sqrt(max(xnorm + best[0], 0.0))
