@@ -131,6 +131,7 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
             built = _on_ray(catalog, spec, cfg, cb, ray_address, workers, shards)
         else:
             built = _locally(cat, spec, cfg, cb, workers, shards, progress)
+            del cat  # its columns are in the index now: not held through the write and the check
         clock.seconds |= built.seconds
         clock.restart()
         built, carried, warnings = _carry_changes(layout, published, built, cb, changes_through)
@@ -138,9 +139,14 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
         snapshot_id = new_snapshot_id(fingerprint)
         ad_id, stats, quality = built.ad_id, built.stats, built.quality
         assert ad_id is not None and stats is not None and quality is not None  # an engine's index has them all
+        counted = {"shards": len(built.shards), **Counts.of([s.gtm for s in built.shards], ad_id).to_dict()}
+        shape = {"ray": built.shape} if built.shape else {}
+        held = [built]  # dropped once written: the check maps the files, and need not find the arrays held too
+        del built
 
         def write(directory: Path) -> None:
-            write_snapshot(directory, built.shards, built.exact, ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
+            index = held.pop()
+            write_snapshot(directory, index.shards, index.exact, ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
                            input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()), build_config=cfg,
                            stats=stats, quality=quality.to_dict())
 
@@ -148,10 +154,8 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
                               through=changes_through)
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
-            "fingerprint": fingerprint, "codebook_id": cb.id, "shards": len(built.shards),
-            **Counts.of([s.gtm for s in built.shards], ad_id).to_dict(),
-            "matcher_bytes": stats.matcher_bytes, "carried": carried, "warnings": warnings,
-            **({"ray": built.shape} if built.shape else {}), "seconds": _rounded(clock)}
+            "fingerprint": fingerprint, "codebook_id": cb.id, **counted, "matcher_bytes": stats.matcher_bytes,
+            "carried": carried, "warnings": warnings, **shape, "seconds": _rounded(clock)}
 
 
 ENGINES = ("local", "ray")
