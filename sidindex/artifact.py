@@ -45,6 +45,7 @@ _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 
 # Threads that hash (and, in `runtime.staging`, stage) an artifact: memory bandwidth is shared, so
 # more than 16 add little, and a serving host keeps cores for the index it is still serving
 THREADS = min(16, os.cpu_count() or 1)
+MAPPED_BYTES = 1 << 29  # files mapped at once by the digests (a group closes past 512 MB)
 
 
 def open_regular(path: Path, *, follow_links: bool = False) -> int:
@@ -241,24 +242,38 @@ def _chunk_digest(mm: mmap.mmap, start: int) -> bytes:
 
 
 def _fast_digests(pool: ThreadPoolExecutor, paths: list[Path]) -> list[str]:
-    """The fast digest (`schemas.artifacts.FAST_DIGEST`) of each of `paths`: the chunks of every
-    file are queued on `pool` at once, so one large file does not bound the time."""
+    """The fast digest (`schemas.artifacts.FAST_DIGEST`) of each of `paths`: the chunks of a group
+    of files are queued on `pool` at once, so one large file does not bound the time. A group maps
+    about MAPPED_BYTES: the pages a map has read count as this process's memory until it closes,
+    and a snapshot's files mapped all at once would add their whole size to its peak."""
+    out: list[str] = []
     maps: list[mmap.mmap | None] = []
     futures: list[list[Future]] = []
+    mapped = 0
     try:
-        for path in paths:
+        for i, path in enumerate(paths):
             maps.append(mm := _map_file(path))
             futures.append([] if mm is None else [pool.submit(_chunk_digest, mm, start)
                                                   for start in range(0, len(mm), FAST_DIGEST_CHUNK)])
-        return [xxhash.xxh3_128(b"".join(f.result() for f in file)).hexdigest() for file in futures]
+            mapped += 0 if mm is None else len(mm)
+            if mapped >= MAPPED_BYTES or i == len(paths) - 1:
+                out += [xxhash.xxh3_128(b"".join(f.result() for f in file)).hexdigest() for file in futures]
+                _close(maps, futures)
+                maps, futures, mapped = [], [], 0
+        return out
     finally:
-        queued = [f for file in futures for f in file]
-        for f in queued:
-            f.cancel()
-        wait(queued)  # a map is closed only when no thread reads it any more
-        for mm in maps:
-            if mm is not None:
-                mm.close()
+        _close(maps, futures)
+
+
+def _close(maps: list[mmap.mmap | None], futures: list[list[Future]]) -> None:
+    """Close `maps` once no thread reads them: the hashing not yet started is cancelled."""
+    queued = [f for file in futures for f in file]
+    for f in queued:
+        f.cancel()
+    wait(queued)
+    for mm in maps:
+        if mm is not None:
+            mm.close()
 
 
 def fast_digest(path: Path) -> str:

@@ -73,6 +73,36 @@ def test_fast_digest_is_the_documented_chunked_xxh3(tmp_path, size):
     assert fast_digest(tmp_path / "f") == _reference_digest(data, FAST_DIGEST_CHUNK)
 
 
+def test_digests_map_a_bounded_group_of_files_at_a_time(tmp_path, monkeypatch):
+    """Files digested together are mapped in groups of about MAPPED_BYTES (a snapshot's files all
+    mapped at once added their size to the process's peak), each digest still the documented one,
+    empty files and groups closing mid-list included."""
+    sizes = [0, 5000, FAST_DIGEST_CHUNK + 7, 3, 0, 2 * FAST_DIGEST_CHUNK, 1]
+    rng = np.random.default_rng(4)
+    data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    paths = []
+    for i, d in enumerate(data):
+        (path := tmp_path / f"f{i}").write_bytes(d)
+        paths.append(path)
+    open_maps, most = set(), [0]
+    real_map = artifact._map_file
+
+    def tracked(path):
+        mm = real_map(path)
+        if mm is not None:
+            open_maps.add(mm)
+            most[0] = max(most[0], sum(len(m) for m in open_maps if not m.closed))
+        return mm
+
+    monkeypatch.setattr(artifact, "_map_file", tracked)
+    monkeypatch.setattr(artifact, "MAPPED_BYTES", FAST_DIGEST_CHUNK)
+    with artifact._pool() as pool:
+        got = artifact._fast_digests(pool, paths)
+    assert got == [_reference_digest(d, FAST_DIGEST_CHUNK) for d in data]
+    assert all(m.closed for m in open_maps)
+    assert most[0] <= FAST_DIGEST_CHUNK + max(sizes)  # a group closes once it passes the bound
+
+
 def test_a_new_snapshot_lists_every_file_with_its_fast_digest(snap_dir):
     m = _manifest(snap_dir)
     assert m["format_version"] == SNAPSHOT_VERSION == open_snapshot(snap_dir).manifest.version
