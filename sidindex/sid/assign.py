@@ -137,26 +137,33 @@ def _assign(tables: _Tables, embedding: np.ndarray, progress: Progress | None = 
     return tokens, kept, first_ratio
 
 
-_blas_lock = threading.Lock()
-_blas_limits: list[threadpool_limits] = []  # while assignments run: the limit, which restores what was before
-
-
-@contextlib.contextmanager
-def _one_blas_thread() -> Iterator[None]:
+class _OneBlasThread:
     """BLAS on one thread while any assignment runs in this process. The limit is the process's
     (BLAS has no other): the first assignment to start sets it and the last to end restores it,
     so overlapping assignments never leave it set."""
-    with _blas_lock:
-        if not _blas_limits:
-            _blas_limits.append(threadpool_limits(1, user_api="blas"))
-        _blas_limits.append(_blas_limits[0])
-    try:
-        yield
-    finally:
-        with _blas_lock:
-            _blas_limits.pop()
-            if len(_blas_limits) == 1:
-                _blas_limits.pop().restore_original_limits()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._limits: threadpool_limits | None = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self._limits = threadpool_limits(1, user_api="blas")
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0 and self._limits is not None:
+                    self._limits.restore_original_limits()
+                    self._limits = None
+
+
+_one_blas_thread = _OneBlasThread().held
 
 
 @dataclass(frozen=True)
@@ -262,12 +269,13 @@ def _chains(base: np.ndarray, xnorm: np.ndarray, cross2: np.ndarray, offs: np.nd
     Writes tokens (b, m, levels) int16, kept (b, m) bool, first_ratio (b,) float32.
     """
     top = min(max(m, 2), offs[1])  # the 2nd nearest is needed for first_ratio even when m == 1
+    no_margins = np.zeros(len(offs) - 1)  # read only: shared by every ad
     for i in numba.prange(base.shape[0]):
         best, arg = np.empty(top, dtype=np.float32), np.empty(top, dtype=np.int64)
         score, lanes = np.empty(base.shape[1], dtype=np.float32), np.empty(8, dtype=np.float32)
         _nearest(base[i, :offs[1]], top, best, arg, lanes)
-        first_ratio[i], _ = _descend(base[i], xnorm[i], cross2, offs, m, ratio, best, arg, top,
-                                     np.zeros(len(offs) - 1), score, lanes, tokens[i], kept[i])
+        first_ratio[i], _ = _descend(base[i], xnorm[i], cross2, offs, m, ratio, best, arg, top, no_margins, score,
+                                     lanes, tokens[i], kept[i])
 
 
 @numba.njit(nogil=True, cache=True)
