@@ -47,6 +47,7 @@ import runtime.staging as staging
 from bench.bench_snapshot import evict
 from bench.common import bench_requests, build_snapshot
 from runtime import Searcher, load_index, to_device
+from runtime.served import ServedIndex
 from schemas.artifacts import MANIFEST_FILE
 from sidindex.artifact import THREADS, verify_files
 from sidindex.request_encoding import encode_requests
@@ -78,8 +79,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer, reference: bool) -> dict:
-    """One swap to the snapshot at `path`: seconds per phase (PHASES). reference: the old path."""
+def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer_for, reference: bool,
+         base: ServedIndex | None = None) -> dict:
+    """One swap to the snapshot at `path`: seconds per phase (PHASES). reference: the old path;
+    scorer_for(index): the first search's scorer on the new index; base: the index served
+    before (an update's base, whose files and device tensors the new one may share), as a watcher
+    swaps after an update."""
     out = {}
     if reference:  # the old serving path: sha256 of every file, then an open that checks sizes only
         listing = {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in open_snapshot(path, verify=False)
@@ -87,7 +92,7 @@ def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer,
         t = time.perf_counter()
         verify_files(path, listing, MANIFEST_FILE)
         out["verify"] = time.perf_counter() - t
-    snap = open_snapshot(path, verify=not reference)
+    snap = open_snapshot(path, verify=not reference, base=None if base is None else base.snapshot)
     o = snap.open_seconds
     out |= {"manifest": o["manifest"] + o.get("files", 0.0), "structure": o["map"] + o["structure"]}
     if not reference:
@@ -97,13 +102,13 @@ def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer,
     out["join"] = time.perf_counter() - t
     staging.STAGE_THREADS = 1 if reference else THREADS
     try:
-        index = load_index(snap, device)
+        index = load_index(snap, device, base=base)
     finally:
         staging.STAGE_THREADS = THREADS
     p = index.load_info["phases"]
     out |= {"stage": p.get("pin", 0.0) + p["stage"], "transfer": p["transfer"]}
     t = time.perf_counter()
-    searcher.search(index, requests, scorer)
+    searcher.search(index, requests, scorer_for(index))
     sync(device)
     out["first search"] = time.perf_counter() - t
     out["total"] = sum(out.values())
@@ -148,7 +153,7 @@ def measure(n: int, scratch: Path, device: torch.device, args) -> dict:
         for _ in range(args.repeats):
             if args.cold:
                 evict(new_path)
-            runs.append(swap(new_path, device, searcher, requests, scorer, reference))
+            runs.append(swap(new_path, device, searcher, requests, lambda _: scorer, reference))
             print(f"  {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1].items() if k in PHASES),
                   file=sys.stderr, flush=True)
         res[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}

@@ -15,7 +15,12 @@ One ROOT, through the public API (`sidindex.job.run_build` / `run_update`, what 
   4. what an update's trust in nothing costs, on the last update's snapshot: opening it as an
      update did before (structure only), against verifying it as an update does now (every file's
      digest, the structure, the matchers' cover), best of 3 each;
-  5. serving: a `SnapshotWatcher` polling every 10 ms and a `Searcher` serving one batch in a loop;
+  5. swaps: before each update, ROOT's snapshot is loaded onto --device and searched (a warm
+     server); after it, the swap to the update's snapshot is timed per phase (`bench_swap.swap`) as
+     a watcher makes it, beside the served base (its files and device tensors shared where still
+     the same), and whole, as a host that served nothing would (median of --swap-reps; target
+     after a 1% update: <= 0.2 s at 30M SIDs on the H200);
+  6. serving: a `SnapshotWatcher` polling every 10 ms and a `Searcher` serving one batch in a loop;
      a separate `sidindex update` process pauses an ad the batch returns; the latency is from the
      publish (CURRENT's replacement) to the first search whose result no longer holds the ad
      (target: <= 1 s), with the watcher's swap phases. Repeated, median reported.
@@ -34,10 +39,14 @@ import threading
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import numpy as np
 import polars as pl
 
 import runtime
+from bench.bench_swap import PHASES, swap, sync
 from runtime.post import expand
 from sidindex.config import load_config
 from sidindex.job import run_build, run_update
@@ -119,6 +128,26 @@ def serving_latency(root: Path, requests: Path, device: str, reps: int, out: Pat
             "device": device}
 
 
+def update_swaps(root: Path, requests: Path, base: runtime.ServedIndex, reps: int) -> dict:
+    """Median seconds per phase of the swap from `base` (served, warm) to ROOT's current snapshot,
+    beside the base and whole: {"beside base": phases, "whole": phases}."""
+    path = Root.resolve(root)
+    reqs = runtime.read_requests(requests, base).head(16)
+    dev = runtime.to_device(runtime.encode_requests(reqs, base.spec), base.device)
+    searcher = runtime.Searcher()
+
+    def scorer_for(index):
+        return runtime.codebook_scorer(index, dev)(slice(0, len(reqs)))
+
+    searcher.search(base, dev, scorer_for(base))  # kernels compiled, graphs captured
+    sync(base.device)
+    out = {}
+    for name, beside in (("beside base", base), ("whole", None)):
+        runs = [swap(path, base.device, searcher, dev, scorer_for, False, base=beside) for _ in range(reps)]
+        out[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ads", type=int, default=10_000_000)
@@ -128,6 +157,7 @@ def main() -> int:
     ap.add_argument("--codebook", type=Path, help="a frozen codebook to use (default: train one on 500k ads)")
     ap.add_argument("--dir", type=Path, help="work directory (default: a temporary one, removed)")
     ap.add_argument("--json", type=Path, help="write the results as JSON here")
+    ap.add_argument("--swap-reps", type=int, default=3, help="swaps timed after each update")
     ap.add_argument("--shards", type=int, help="the snapshot's shards (default: the build's, from the catalog's size)")
     args = ap.parse_args()
     work = args.dir or Path(tempfile.mkdtemp(prefix="bench_update_"))
@@ -163,17 +193,21 @@ def run(args, work: Path) -> dict:
     paused, next_id = np.zeros(0, dtype=np.int64), int(ids.max()) + 1
     live = ids
     states_only = (("pause", 0.6), ("resume", 0.2), ("delete", 0.2))
+    swaps: dict[str, dict] = {}
     for name, share, mix in (("update 0.1%", 0.001, MIX), ("update 1%", 0.01, MIX),
                              ("update 1%, states only", 0.01, states_only)):
         n = int(args.ads * share)
         ch = changes(cat, live, paused, n, rng, next_id, mix)
         path = work / f"changes_{len(rows)}.parquet"
         ch.write_parquet(path)
+        served = runtime.load(root, args.device)  # the snapshot a serving host holds when the update publishes
         t = time.perf_counter()
         rep = run_update(root, path)
         s = time.perf_counter() - t
         rows.append((name, len(ch), s, s / full_s, rep["seconds"] | {"new SID rows": rep["new_sid_rows"]}))
         print(f"{name}: {s:.2f} s", flush=True)
+        swaps[name] = update_swaps(root, paths["requests"], served, args.swap_reps)
+        del served
         gone = ch.filter(pl.col("op").is_in(["pause", "delete"]))["ad_id"].to_numpy()
         live = np.setdiff1d(np.union1d(live, ch.filter(pl.col("op") == "upsert")["ad_id"].to_numpy()), gone)
         paused = np.setdiff1d(np.union1d(paused, ch.filter(pl.col("op") == "pause")["ad_id"].to_numpy()),
@@ -193,12 +227,20 @@ def run(args, work: Path) -> dict:
           f"digests + structure + cover {trust['full']:.2f} s (+{trust['full'] - trust['structure']:.2f} s per update, "
           f"{(trust['full'] - trust['structure']) / full_s:.2%} of the full build)")
     print(f"bytes moved to the device by the watcher's swap: {serve['moved_bytes']}")
+    print(f"\nswap to each update's snapshot on {args.device}, median of {args.swap_reps}, seconds "
+          "(beside the served base / whole)\n")
+    print("| update | " + " | ".join(PHASES) + " | bytes moved |")
+    print("|---|" + "---|" * (len(PHASES) + 1))
+    for name, sw in swaps.items():
+        b, w = sw["beside base"], sw["whole"]
+        print(f"| {name} | " + " | ".join(f"{b[k]:.3f} / {w[k]:.3f}" for k in PHASES)
+              + f" | {b['bytes moved'] / 1e9:.2f} / {w['bytes moved'] / 1e9:.2f} GB |")
     print(f"storage ({full['shards']} shard(s)): {disk['bytes'] / 1e9:.3f} GB; matcher rows repeated across shards "
           f"{disk['repeated_bytes'] / 1e6:.1f} MB, {disk['overhead']:.2%} over one table per plane (target <= 5%)")
     for name, _, _, _, phases in rows:
         print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     return {"rows": [dict(zip(("step", "rows", "seconds", "ratio", "phases"), r)) for r in rows],
-            "base_verification": trust, "serving": serve, "shards": full["shards"], "storage": disk}
+            "base_verification": trust, "serving": serve, "swaps": swaps, "shards": full["shards"], "storage": disk}
 
 
 def storage(root: Path) -> dict:

@@ -41,6 +41,7 @@ CONFIG = ('[sid]\nlevels = [16, 4, 4]\nhash_size = 32\npaths = 2\nmin_points_per
           '[kway]\nmode = "dynamic"\nk_max = 3\n')
 MODES = ("none", "cd", "cd+gtm", "cd+gtm+kway")
 BEAMS = (1, 8, 64, 1024)  # wider than every depth: every eligible ad of every mode
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # the kernels run on both
 
 
 def _rows(g, planes=True) -> dict:
@@ -112,8 +113,8 @@ def roots(sample_dir, tmp_path_factory):
     return base, out
 
 
-def _retrieved(root: Path, requests: Path) -> dict:
-    index = runtime.load(root, "cpu")
+def _retrieved(root: Path, requests: Path, device: str) -> dict:
+    index = runtime.load(root, device)
     reqs = runtime.read_requests(requests, index)
     out = {m: runtime.retrieve(index, reqs, mode=m, beams=BEAMS).table(reqs.request_id) for m in MODES}
     out["value-guided"] = runtime.retrieve(index, reqs, mode="cd+gtm", beams=BEAMS, value_weight=0.5).table(
@@ -121,16 +122,18 @@ def _retrieved(root: Path, requests: Path) -> dict:
     return out
 
 
-def test_a_sharded_snapshot_retrieves_what_one_shard_does(roots, sample_dir, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sharded_snapshot_retrieves_what_one_shard_does(roots, sample_dir, device):
     base, out = roots
     five = open_snapshot(out[5], verify=True, strong=True, cover=True)
     assert len(five.shards) == 5 and sorted(p.name for p in (five.path / SHARDS_DIR).iterdir()) == [
         Path(shard_dir(k)).name for k in range(5)]
     assert open_snapshot(out[1]).codebook.id == five.codebook.id
     requests = sample_dir / "requests.parquet"
-    one, many = _retrieved(out[1], requests), _retrieved(out[5], requests)
+    one, many = _retrieved(out[1], requests, device), _retrieved(out[5], requests, device)
+    cpu = one if device == "cpu" else _retrieved(out[1], requests, "cpu")
     for m in one:
-        assert many[m].num_rows > 0 and many[m].equals(one[m]), m
+        assert many[m].num_rows > 0 and many[m].equals(one[m]) and one[m].equals(cpu[m]), m
     r = run_cli("inspect", out[5], "--json")
     info = json.loads(r.stdout)
     assert r.returncode == 0 and len(info["shards"]) == 5
@@ -217,15 +220,17 @@ def test_an_update_rewrites_only_the_shards_it_touches(roots, sample_dir, tmp_pa
 
 # --- one catalog over several devices, CPU devices standing in ------------------------------------
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("devices", [2, 3, 5])
 @pytest.mark.parametrize("mode, value_weight", [("cd", 0.0), ("cd+gtm", 0.0), ("cd+gtm+kway", 0.0), ("cd+gtm", 0.7)])
-def test_a_search_over_several_devices_is_the_search_on_one(roots, sample_dir, devices, mode, value_weight):
-    """Shards in groups on several (CPU) devices, each with its own scorer, merged per step: the
-    same beams, scores and order as one device holding every shard, and the same ads under them."""
+def test_a_search_over_several_devices_is_the_search_on_one(roots, sample_dir, devices, mode, value_weight, device):
+    """Shards in groups on several devices (one CPU or GPU standing in for each), each with its own
+    scorer, merged per step: the same beams, scores and order as one device holding every shard,
+    and the same ads under them."""
     _, out = roots
     snap = open_snapshot(out[5])
-    whole = runtime.load_index(snap, "cpu")
-    parts = runtime.load_sharded(snap, ["cpu"] * devices)
+    whole = runtime.load_index(snap, device)
+    parts = runtime.load_sharded(snap, [device] * devices)
     assert len(parts) == devices and sum(p.gtm.num_leaves for p in parts) == whole.gtm.num_leaves
     reqs = runtime.read_requests(sample_dir / "requests.parquet", whole).head(24)
     host = runtime.encode_requests(reqs, whole.spec)
@@ -243,10 +248,13 @@ def test_a_search_over_several_devices_is_the_search_on_one(roots, sample_dir, d
     assert torch.equal(leaf >= 0, want.leaf >= 0)
     for r, c in zip(*torch.nonzero(want.leaf >= 0, as_tuple=True)):  # a SID's ads: its device's leaf, catalog rows
         g, ours, theirs = int(device[r, c]), int(leaf[r, c]), int(want.leaf[r, c])
-        p = parts[g].gtm
-        a = p.leaf_ads[p.leaf_ad_offsets[ours]:p.leaf_ad_offsets[ours + 1]]
-        w = whole.gtm.leaf_ads[whole.gtm.leaf_ad_offsets[theirs]:whole.gtm.leaf_ad_offsets[theirs + 1]]
-        assert np.array_equal(np.asarray(a), np.asarray(w))
+        assert np.array_equal(_leaf_ads(parts[g].gtm, ours), _leaf_ads(whole.gtm, theirs))
+
+
+def _leaf_ads(g, leaf: int) -> np.ndarray:
+    """(n,) int64 catalog rows of an index's leaf, wherever the index is held."""
+    offsets, ads = (torch.as_tensor(g.leaf_ad_offsets).cpu(), torch.as_tensor(g.leaf_ads).cpu())
+    return ads[int(offsets[leaf]):int(offsets[leaf + 1])].numpy().astype(np.int64)
 
 
 def test_a_search_over_several_devices_refuses_what_it_cannot_merge(roots, sample_dir):
