@@ -46,7 +46,7 @@ import torch
 import runtime.staging as staging
 from bench.bench_snapshot import evict
 from bench.common import bench_requests, build_snapshot
-from runtime import Searcher, load_index, to_device
+from runtime import Searcher, load, load_index, to_device
 from runtime.served import ServedIndex
 from schemas.artifacts import MANIFEST_FILE
 from sidindex.artifact import THREADS, verify_files
@@ -86,25 +86,27 @@ def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer_
     before (an update's base, whose files and device tensors the new one may share), as a watcher
     swaps after an update."""
     out = {}
-    if reference:  # the old serving path: sha256 of every file, then an open that checks sizes only
+    if reference:  # the old serving path: sha256 of every file, then an open, the join, the load
         listing = {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in open_snapshot(path, verify=False)
                    .manifest.files.items()}
         t = time.perf_counter()
         verify_files(path, listing, MANIFEST_FILE)
         out["verify"] = time.perf_counter() - t
-    snap = open_snapshot(path, verify=not reference, base=None if base is None else base.snapshot)
+        snap = open_snapshot(path, verify=False)
+        t = time.perf_counter()
+        snap.gtm  # noqa: B018 (joined here, timed apart from the load that reads it)
+        out["join"] = time.perf_counter() - t
+        staging.STAGE_THREADS = 1
+        try:
+            index = load_index(snap, device)
+        finally:
+            staging.STAGE_THREADS = THREADS
+    else:  # a serving host's (`runtime.load`, as its watcher calls it): on a GPU the copies run beside the checks
+        index = load(path, device, base=base)
+        snap = index.snapshot
+        out |= {"verify": snap.open_seconds["checksums"], "join": 0.0}  # the join is in the load's stage
     o = snap.open_seconds
-    out |= {"manifest": o["manifest"] + o.get("files", 0.0), "structure": o["map"] + o["structure"]}
-    if not reference:
-        out["verify"] = o["checksums"]
-    t = time.perf_counter()
-    snap.gtm  # noqa: B018 (joined here, timed apart from the load that reads it)
-    out["join"] = time.perf_counter() - t
-    staging.STAGE_THREADS = 1 if reference else THREADS
-    try:
-        index = load_index(snap, device, base=base)
-    finally:
-        staging.STAGE_THREADS = THREADS
+    out |= {"manifest": o["manifest"] + o["files"], "structure": o["map"] + o["structure"]}
     p = index.load_info["phases"]
     out |= {"stage": p.get("pin", 0.0) + p["stage"], "transfer": p["transfer"]}
     t = time.perf_counter()
@@ -113,7 +115,14 @@ def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer_
     out["first search"] = time.perf_counter() - t
     out["total"] = sum(out.values())
     out["bytes moved"] = index.load_info["bytes"]
+    out["copied while checking"] = index.load_info.get("while_checking", {})
     return out
+
+
+def median_swap(runs: list[dict]) -> dict:
+    """The median of each number of several `swap`s (what else they give, the last one's)."""
+    return {k: statistics.median(r[k] for r in runs) if isinstance(v, (int, float)) else runs[-1][k]
+            for k, v in runs[0].items()}
 
 
 def host_copy(path: Path, threads: int) -> float:
@@ -156,7 +165,7 @@ def measure(n: int, scratch: Path, device: torch.device, args) -> dict:
             runs.append(swap(new_path, device, searcher, requests, lambda _: scorer, reference))
             print(f"  {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1].items() if k in PHASES),
                   file=sys.stderr, flush=True)
-        res[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        res[name] = median_swap(runs)
     if device.type == "cpu":
         res["host copy s"] = {"threads": host_copy(new_path, THREADS), "one thread": host_copy(new_path, 1)}
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
@@ -200,6 +209,11 @@ def main() -> int:
             print(f"\n{r['ads']:,} ads, host copy a GPU's stage makes (unpinned): {c['threads']:.3f} s on {THREADS} "
                   f"threads, {c['one thread']:.3f} s on one ({r['gb'] / c['threads']:.1f} vs "
                   f"{r['gb'] / c['one thread']:.1f} GB/s)")
+        if r["new"]["copied while checking"]:
+            c = r["new"]["copied while checking"]
+            print(f"\n{r['ads']:,} ads, copied to the GPU while the snapshot was hashed and checked (in verify and "
+                  f"structure): {c['bytes'] / 1e9:.2f} GB, " + ", ".join(f"{k} {v:.3f} s" for k, v in c.items()
+                                                                       if k != "bytes"))
         if "all gpus" in r:
             a = r["all gpus"]
             print(f"\n{r['ads']:,} ads onto all {a['gpus']} GPUs at once: {a['seconds']:.3f} s (open + load; "

@@ -46,7 +46,7 @@ import numpy as np
 import polars as pl
 
 import runtime
-from bench.bench_swap import PHASES, swap, sync
+from bench.bench_swap import PHASES, median_swap, swap, sync
 from runtime.post import expand
 from sidindex.config import load_config
 from sidindex.job import run_build, run_update
@@ -144,7 +144,7 @@ def update_swaps(root: Path, requests: Path, base: runtime.ServedIndex, reps: in
     out = {}
     for name, beside in (("beside base", base), ("whole", None)):
         runs = [swap(path, base.device, searcher, dev, scorer_for, False, base=beside) for _ in range(reps)]
-        out[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        out[name] = median_swap(runs)
     return out
 
 

@@ -6,6 +6,9 @@ host memory (`runtime.staging`), filled by several threads, to the device, or to
 from one pinned copy; the CPU serves the memory maps themselves. The snapshot was validated when it
 was opened (`sidindex.snapshot.open_snapshot`), which also loaded its codebook into memory, so
 nothing unchecked reaches a kernel and nothing reads the snapshot's files by path after `load`.
+`load` (by path) onto GPUs copies the arrays' bytes there while the snapshot is hashed and
+validated, and makes the index from them once it passed: the copies take about as long as the
+checks, and nothing in either waits for the other.
 The result is a `runtime.served.ServedIndex` per device; `runtime.watcher.SnapshotWatcher` loads
 each snapshot a ROOT publishes through `load`.
 """
@@ -86,9 +89,44 @@ def load_targets(device, base) -> tuple[bool, list[torch.device], list[ServedInd
     return several, devices, bases
 
 
-def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex | None]) -> list[ServedIndex]:
+class _EarlyCopies:
+    """A GPU load's copies made while its snapshot is hashed and validated (`open_snapshot`'s
+    `while_checking`): the arrays the load moves (all but the host's own and those still the
+    base's), staged once and copied to every GPU as bytes, which nothing reads before the snapshot
+    passed."""
+
+    HOST_ONLY = frozenset(HOST_ARRAYS) - frozenset(POST_ARRAYS)  # read on the host alone
+
+    def __init__(self, devices: list[torch.device], bases: list[ServedIndex | None]) -> None:
+        self.gpus = [d for d in dict.fromkeys(devices) if d.type == "cuda"]
+        # a watcher's bases are one snapshot: arrays that are still its own keep their device tensors
+        self.theirs = next((b.snapshot.arrays() for b in bases if b is not None), {})
+        self.arrays: dict[str, np.ndarray] = {}  # what was copied
+        self.copies: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self.clock = StageClock()
+
+    def __call__(self, arrays: dict[str, np.ndarray]) -> None:
+        todo = {n: a for n, a in arrays.items() if n not in self.HOST_ONLY
+                and not (n in self.theirs and same_memory(a, self.theirs[n]))}
+        self.clock.restart()
+        with ARENA.lock:  # the arena is these copies' until every device has them
+            staged = stage_arrays(todo, self.clock)
+            self.copies = {d: {n: t.to(d, non_blocking=True) for n, t in staged.items()} for d in self.gpus}
+            for d in self.gpus:
+                torch.cuda.synchronize(d)
+        self.clock.lap("transfer")
+        self.arrays = todo
+
+    def on(self, device: torch.device, every: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """The copies on `device` of the arrays of `every` (by contract name) that are the very arrays copied."""
+        mine = self.copies.get(device, {})
+        return {n: t for n, t in mine.items() if n in every and same_memory(every[n], self.arrays[n])}
+
+
+def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex | None],
+          early: _EarlyCopies | None = None) -> list[ServedIndex]:
     """`load_index` of `snap` onto `devices` (parsed), with one base or None per device: a
-    complete `ServedIndex` per device, in order."""
+    complete `ServedIndex` per device, in order. early: the copies made while it was opened."""
     clock = StageClock()
     g = snap.gtm
     host = {n: getattr(g, n) for n in HOST_ARRAYS}
@@ -106,6 +144,9 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
     whole = [base is not None and k == set(served) for base, k in zip(bases, kept)]  # shares every tensor
     gpu = [i for i, d in enumerate(devices) if d.type == "cuda"]
     moving = {n for i in gpu for n in (set(served) - kept[i]) | (set(_post_names(snap)) - post_kept[i].keys())}
+    copied = {devices[i]: early.on(devices[i], every) if early is not None else {} for i in gpu}
+    on_each = [set(c) for c in copied.values()]  # copied to every GPU already: not staged again
+    moving -= on_each[0].intersection(*on_each[1:]) if on_each else set()
     with ARENA.lock if gpu else contextlib.nullcontext():  # the arena is this load's until its copies are done
         staged = stage_arrays({n: every[n] for n in moving}, clock) if gpu else {}
         if not gpu:
@@ -114,7 +155,7 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
         # before any device's reductions wait for them (the index is made once all are known)
         fields: list[dict] = []
         for device, base, k, pk, shares in zip(devices, bases, kept, post_kept, whole):
-            source = staged if device.type == "cuda" else {n: mapped(a) for n, a in served.items()}
+            source = staged | copied[device] if device.type == "cuda" else {n: mapped(a) for n, a in served.items()}
             post = None if device.type != "cuda" else {n: pk[n] if n in pk else source[n].to(device, non_blocking=True)
                                                        for n in _post_names(snap)}
             moved_bytes = sum(int(every[n].nbytes) for n in _post_names(snap) if n not in pk) if post is not None else 0
@@ -171,6 +212,8 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
     timing = {"seconds": sum(phases.values()), "phases": phases}
     if len(devices) > 1:
         timing["devices"] = len(devices)
+    if early is not None and early.arrays:  # made while the snapshot was checked: not in `seconds`
+        timing["while_checking"] = {"bytes": sum(int(a.nbytes) for a in early.arrays.values()), **early.clock.seconds}
     out = []
     for f, base, shares in zip(fields, bases, whole):
         f["load_info"] |= timing
@@ -237,5 +280,7 @@ def load(path: str | Path, device: str | torch.device | Sequence[str | torch.dev
     several, devices, bases = load_targets(device, base)  # before the work of opening
     # files an update shares with the served snapshot: the first base's (a watcher's bases are one snapshot)
     shared = next((b.snapshot for b in bases if b is not None), None)
-    out = _load(open_snapshot(path, verify=verify, base=shared), devices, bases)
+    early = _EarlyCopies(devices, bases) if any(d.type == "cuda" for d in devices) else None
+    snap = open_snapshot(path, verify=verify, base=shared, while_checking=early)
+    out = _load(snap, devices, bases, early)
     return out if several else out[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +31,11 @@ from sidindex.artifact import fast_digest, same_file, seal
 from sidindex.errors import ArtifactError, ConfigError
 from sidindex.root import Root
 from sidindex.snapshot import open_snapshot, write_snapshot
+from sidindex.snapshot.arrays import same_memory
 from sidindex.timing import StageClock
 from tests.conftest import run_cli
 from tests.test_retrieve import CONFIG, build_root, cli
-from tests.test_snapshot import reseal
+from tests.test_snapshot import reseal, rewrite_array
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +264,54 @@ def test_staging_copies_every_array_in_chunks(root, monkeypatch):
     for name, a in arrays.items():
         want = a.view(np.int64) if a.dtype == np.uint64 else a
         assert staged[name].numpy().dtype == want.dtype and np.array_equal(staged[name].numpy(), want), name
+
+
+def test_copies_made_while_checking_get_every_array_and_are_waited_for(snap_dir):
+    """`open_snapshot(while_checking=)`: the copy gets the very arrays the snapshot serves, runs while
+    they are hashed and checked, and is waited for; a corrupt snapshot's error wins over the copy's."""
+    seen: dict[str, np.ndarray] = {}
+
+    def copy(arrays: dict[str, np.ndarray]) -> None:
+        time.sleep(0.1)  # longer than the checks: the open must wait
+        seen.clear()
+        seen.update(arrays)
+
+    snap = open_snapshot(snap_dir, while_checking=copy)
+    assert seen.keys() == snap.arrays().keys() and all(same_memory(a, snap.arrays()[n]) for n, a in seen.items())
+
+    def failing(arrays: dict[str, np.ndarray]) -> None:
+        time.sleep(0.1)
+        seen.clear()
+        raise RuntimeError("the copy failed")
+
+    with pytest.raises(RuntimeError, match="the copy failed"):  # the snapshot passed: the copy's error
+        open_snapshot(snap_dir, while_checking=failing)
+    leaf_ads = snap.gtm.leaf_ads.copy()
+    leaf_ads[-1] = len(snap.ad_id)  # one row past the catalog, resealed: the structure refuses it
+    rewrite_array(snap_dir, "leaf_ads", leaf_ads)
+    for fn in (copy, failing):
+        seen["sentinel"] = np.zeros(1)
+        with pytest.raises(ArtifactError, match=r"leaf_ads\.arrow: an ad row lies outside"):
+            open_snapshot(snap_dir, while_checking=fn)
+        assert "sentinel" not in seen  # it ran to its end before the open raised
+    path = next(snap_dir.glob("**/leaf_ads.arrow"))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1  # an ad row, not resealed: the digest refuses it, after the copy
+    path.write_bytes(bytes(data))
+    seen["sentinel"] = np.zeros(1)
+    with pytest.raises(ArtifactError, match="checksum mismatch"):
+        open_snapshot(snap_dir, while_checking=copy)
+    assert "sentinel" not in seen
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="copies to a GPU")
+def test_a_gpu_load_copies_while_checking_and_gives_the_arrays_of_a_load_after_it(root):
+    overlapped = runtime.load(root, "cuda")
+    after = runtime.load_index(open_snapshot(root), "cuda")
+    assert overlapped.load_info["while_checking"]["bytes"] > 0 and "while_checking" not in after.load_info
+    _same(overlapped, after)
+    assert overlapped.post.keys() == after.post.keys()
+    assert all(torch.equal(overlapped.post[n], after.post[n]) for n in after.post)
 
 
 def _same(a: runtime.ServedIndex, b: runtime.ServedIndex) -> None:

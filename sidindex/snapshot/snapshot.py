@@ -3,19 +3,23 @@
 
 Opening checks, in order, before any index can be read: the manifest (`Manifest.read`: sealed,
 strict, its id the directory's name), the shapes it declares against each other and the spec, the
-directory's files against its list (regular files only, nothing unlisted, sizes; with `verify`,
-every file's fast digest, or its sha256 in a snapshot written before fast digests; with `strong`,
-every sha256 as well), then maps each Arrow file and validates the structure (`check_structure`). The
-carried codebook is loaded into memory, so a served snapshot never reads its directory again.
-Nothing is unpickled.
+directory's files against its list (regular files only, nothing unlisted, sizes), then maps each
+Arrow file and, with `verify`, checks every file's fast digest (or its sha256 in a snapshot written
+before fast digests; with `strong`, every sha256 as well), then validates the structure
+(`check_structure`). Mapping comes before hashing so that a GPU loader can copy the arrays' bytes
+while they are hashed and checked; a file that cannot be mapped is hashed first, so that damage is
+named by its checksum. The carried codebook is loaded into memory, so a served snapshot never reads
+its directory again. Nothing is unpickled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,7 +62,7 @@ class Snapshot:
     exact: ExactIndex
     ad_id: np.ndarray  # (N,) int64
     codebook: Codebook | None
-    open_seconds: dict[str, float] = field(default_factory=dict)  # manifest, files, map, structure, prefault
+    open_seconds: dict[str, float] = field(default_factory=dict)  # manifest, files, map, checksums, structure, prefault
     # an opened base's shards and join, which the join may take arrays from (dropped once joined)
     beside: tuple[tuple[Shard, ...], GTMIndex] | None = field(default=None, repr=False, compare=False)
 
@@ -171,7 +175,8 @@ def _shape(a: np.ndarray) -> ArrayShape:
 
 
 def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False, cover: bool = False,
-                  prefault: bool = False, base: Snapshot | None = None) -> Snapshot:
+                  prefault: bool = False, base: Snapshot | None = None,
+                  while_checking: Callable[[dict[str, np.ndarray]], None] | None = None) -> Snapshot:
     """Open a ROOT's published snapshot (its CURRENT) or a snapshot directory.
 
     verify:   also check every file's fast digest (reads every byte, in parallel chunks; a snapshot
@@ -185,6 +190,11 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
               hashed nor mapped again, its checked array reused; when only the ad states changed,
               only they are validated (what a serving host applies within a second of an update).
               Whatever it shares, a snapshot is accepted exactly when it is without a base
+    while_checking: called on another thread with the snapshot's arrays by contract name (every
+              one when it has one shard, else the global ones), once its files are listed and
+              mapped, while they are hashed and validated: it may copy their bytes (a GPU loader
+              stages them meanwhile), never read them as an index. The open waits for it, and
+              raises its error only once the snapshot passed (a corrupt snapshot's error wins)
     A ROOT whose snapshot retention prunes while it is being opened (`_pruned`) is read again once,
     for the snapshot CURRENT names now; when that one is pruned too, and for a snapshot directory
     pruned under the reader, the error is `sidindex.root.pruned`. Seconds per phase are in the
@@ -194,7 +204,7 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
     for attempt in range(2):
         directory = Root.resolve(path)
         try:
-            return _open(directory, verify, strong, cover, prefault, base)
+            return _open(directory, verify, strong, cover, prefault, base, while_checking)
         except ArtifactError:
             if not _pruned(path, directory):
                 raise
@@ -236,8 +246,8 @@ def _pruned(path: Path, directory: Path) -> bool:
         return False
 
 
-def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bool, base: Snapshot | None
-          ) -> Snapshot:
+def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bool, base: Snapshot | None,
+          while_checking: Callable[[dict[str, np.ndarray]], None] | None) -> Snapshot:
     clock = StageClock()
     m = Manifest.read(directory)
     where = directory / MANIFEST_FILE
@@ -252,36 +262,36 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     held = _held(m)
     shared = frozenset(f for f, (shape, _) in theirs.items() if held.get(f) == shape and base is not None
                        and base.manifest.files.get(f) == m.files.get(f) and same_file(directory / f, base.path / f))
-    verify_files(directory, {n: f.listing() for n, f in m.files.items()}, MANIFEST_FILE, checksums=verify,
-                 strong=strong, trusted=shared)
-    clock.lap("checksums" if verify else "files")
+    listing = {n: f.listing() for n, f in m.files.items()}
+    verify_files(directory, listing, MANIFEST_FILE, checksums=False)  # regular files of the listed sizes
+    clock.lap("files")
 
     def array(name: str, file: str, shape: tuple[int, ...]) -> np.ndarray:
         if file in shared:
             return theirs[file][1]
         return map_array(directory / Path(file).parent, ARRAYS_BY_NAME[name], shape)
 
-    glob = {n: array(n, ARRAYS_BY_NAME[n].file, s.shape) for n, s in m.global_arrays.items()}
-    ad_id = glob["ads"]
-    exact = ExactIndex.from_arrays(spec, glob, len(ad_id))
-    shards = tuple(Shard(entry.lo, entry.hi, GTMIndex.from_arrays(
-        m.level_sizes, {n: array(n, entry.file(n), s.shape) for n, s in entry.arrays.items()} | _value(glob),
-        MATCHER_PLANES)) for entry in entries)
+    def checksums() -> None:
+        verify_files(directory, listing, MANIFEST_FILE, strong=strong, trusted=shared)
+        clock.lap("checksums")
+
+    try:  # mapped before they are hashed, so that a GPU loader's copies run beside the hashing
+        glob = {n: array(n, ARRAYS_BY_NAME[n].file, s.shape) for n, s in m.global_arrays.items()}
+        ad_id = glob["ads"]
+        exact = ExactIndex.from_arrays(spec, glob, len(ad_id))
+        shards = tuple(Shard(entry.lo, entry.hi, GTMIndex.from_arrays(
+            m.level_sizes, {n: array(n, entry.file(n), s.shape) for n, s in entry.arrays.items()} | _value(glob),
+            MATCHER_PLANES)) for entry in entries)
+    except ArtifactError:
+        if verify:  # a file that cannot be read as an array is damaged: its checksum says so first
+            checksums()
+        raise
     clock.lap("map")
-    changed = None
-    if shared and base is not None and len(ad_id) >= len(base.ad_id):  # rows never leave an update's base
-        changed = Changed(frozenset(n for n in glob if ARRAYS_BY_NAME[n].file not in shared),
-                          tuple(frozenset(n for n in entry.arrays if entry.file(n) not in shared) for entry in entries))
-    placed = [(directory / entry.directory, shard) for entry, shard in zip(entries, shards)]
-    check_structure(directory, placed, exact, ad_id, m.counts, changed=changed,
-                    base_state=None if base is None else base.row_states)
-    check_lineage(directory, m.lineage, exact.ad_state)
-    if cover:
-        for where_, shard in placed:
-            check_cover(where_, shard.gtm, exact)
-    codebook = base.codebook if base is not None and shared and m.codebook_id == base.manifest.codebook_id and all(
-        n in shared for n in m.files if n.startswith("codebooks/")) else _codebook(directory, m)
-    clock.lap("structure")
+    with _beside(while_checking, glob | (_shard_arrays(shards[0]) if len(shards) == 1 else {})):
+        if verify:
+            checksums()
+        codebook = _checked(directory, m, shards, exact, ad_id, shared, base, cover)
+        clock.lap("structure")
     if prefault:
         for x in [*exact.arrays().values(), *(a for s in shards for a in _shard_arrays(s).values())]:
             prefault_pages(x)
@@ -290,6 +300,43 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     if base is not None and (joined := base.joined()) is not None:
         beside = (base.shards, joined)
     return Snapshot(directory, m, spec, shards, exact, ad_id, codebook, clock.seconds, beside)
+
+
+def _checked(directory: Path, m: Manifest, shards: Sequence[Shard], exact: ExactIndex, ad_id: np.ndarray,
+             shared: frozenset[str], base: Snapshot | None, cover: bool) -> Codebook | None:
+    """Validate an opened snapshot's structure (beside the base's checked files it `shared`), its
+    lineage and, with `cover`, its matchers' cover; then load its codebook into memory."""
+    entries, changed = m.shard_list(), None
+    if shared and base is not None and len(ad_id) >= len(base.ad_id):  # rows never leave an update's base
+        changed = Changed(frozenset(n for n in m.global_arrays if ARRAYS_BY_NAME[n].file not in shared),
+                          tuple(frozenset(n for n in entry.arrays if entry.file(n) not in shared) for entry in entries))
+    placed = [(directory / entry.directory, shard) for entry, shard in zip(entries, shards)]
+    check_structure(directory, placed, exact, ad_id, m.counts, changed=changed,
+                    base_state=None if base is None else base.row_states)
+    check_lineage(directory, m.lineage, exact.ad_state)
+    if cover:
+        for where, shard in placed:
+            check_cover(where, shard.gtm, exact)
+    if base is not None and shared and m.codebook_id == base.manifest.codebook_id and all(
+            n in shared for n in m.files if n.startswith("codebooks/")):
+        return base.codebook
+    return _codebook(directory, m)
+
+
+@contextlib.contextmanager
+def _beside(fn: Callable[[dict[str, np.ndarray]], None] | None, arrays: dict[str, np.ndarray]) -> Iterator[None]:
+    """fn(arrays) on another thread while the block runs; the block's error wins over fn's, which
+    is raised once the block passed (the block waits for fn either way)."""
+    if fn is None:
+        yield
+        return
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(fn, arrays)
+        try:
+            yield
+        finally:
+            wait([done])
+        done.result()
 
 
 def _value(glob: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

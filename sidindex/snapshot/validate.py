@@ -6,7 +6,8 @@ compares neighbours (`a[i + 1] >= a[i]`), never `np.diff(a) >= 0`, which wraps a
 pair like (2**63 - 1, -2) and would let it through; a run of an offsets array is read only once
 those offsets are checked. Every pass over a large array is a numba loop on all cores counting the
 items that break its relation, without temporaries (it runs at every open and bounds a swap: numpy's
-whole-array expressions took about 0.15 s per million SIDs on one core, allocating as they went).
+whole-array expressions took about 0.15 s per million SIDs on one core, allocating as they went),
+and releases the GIL: a GPU loader copies the arrays' bytes on other threads meanwhile.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _sized = sized(PARALLEL_ITEMS)
 
 
 @_sized
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _falls(a: np.ndarray, strict: bool) -> int:
     """Neighbours a[i] > a[i + 1] (strict: also a[i] == a[i + 1])."""
     bad = 0
@@ -45,7 +46,7 @@ def _falls(a: np.ndarray, strict: bool) -> int:
 
 
 @_sized
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _outside(a: np.ndarray, size: int) -> int:
     """Values outside [0, size)."""
     bad = 0
@@ -56,7 +57,7 @@ def _outside(a: np.ndarray, size: int) -> int:
 
 
 @_sized
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _run_falls(x: np.ndarray, offsets: np.ndarray, strict: bool) -> int:
     """Neighbours falling (strict: not rising) within a run x[offsets[r]:offsets[r + 1]] (offsets
     checked: rising from 0 to at most len(x))."""
@@ -69,7 +70,7 @@ def _run_falls(x: np.ndarray, offsets: np.ndarray, strict: bool) -> int:
 
 
 @_sized
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _not_next(child: np.ndarray) -> int:
     """Entries e whose child is not node e + 1."""
     bad = 0
@@ -80,7 +81,7 @@ def _not_next(child: np.ndarray) -> int:
 
 
 @_sized
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _out_of_bounds(v: np.ndarray, hi: float) -> int:
     """Values outside [0, hi]; NaN is outside."""
     bad = 0
@@ -91,7 +92,7 @@ def _out_of_bounds(v: np.ndarray, hi: float) -> int:
 
 
 @_sized
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _leaf_bounds_below(ev: np.ndarray, first: int, ad_value: np.ndarray, leaf_ads: np.ndarray,
                        lo: np.ndarray) -> int:
     """Leaves s whose entry's bound ev[first + s] lies below the value of one of their ads."""
@@ -105,7 +106,7 @@ def _leaf_bounds_below(ev: np.ndarray, first: int, ad_value: np.ndarray, leaf_ad
 
 
 @_sized
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _child_bounds_above(ev: np.ndarray, no: np.ndarray, inner_end: int) -> int:
     """Child entries whose bound exceeds their parent's: node i (1 <= i < inner_end) is entry i - 1's child."""
     bad = 0
@@ -117,7 +118,7 @@ def _child_bounds_above(ev: np.ndarray, no: np.ndarray, inner_end: int) -> int:
 
 
 @_sized
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _bad_partitions(pv: np.ndarray, po: np.ndarray, ev: np.ndarray) -> int:
     """Entries whose partitions do not fall in value from exactly the entry's own bound (po checked:
     strictly rising, so every entry has a first partition)."""
