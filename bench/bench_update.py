@@ -208,6 +208,8 @@ def run(args, work: Path) -> dict:
         print(f"{name}: {s:.2f} s", flush=True)
         swaps[name] = update_swaps(root, paths["requests"], served, args.swap_reps)
         del served
+        print(f"  swap to it: beside the base {swaps[name]['beside base']['total']:.3f} s, "
+              f"whole {swaps[name]['whole']['total']:.3f} s", flush=True)
         gone = ch.filter(pl.col("op").is_in(["pause", "delete"]))["ad_id"].to_numpy()
         live = np.setdiff1d(np.union1d(live, ch.filter(pl.col("op") == "upsert")["ad_id"].to_numpy()), gone)
         paused = np.setdiff1d(np.union1d(paused, ch.filter(pl.col("op") == "pause")["ad_id"].to_numpy()),
