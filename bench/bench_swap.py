@@ -9,22 +9,26 @@ copied into a second directory. A serving index is loaded from the first copy an
 (kernels compiled, the old index serving), then the swap to the second copy is timed, as a host sees
 it after the new snapshot was copied onto it (its files in the page cache; --cold: evicted before
 every swap), median of --repeats, with the old index serving throughout:
-  manifest      read the sealed manifest, check the shapes it declares
+  manifest      read the sealed manifest, check the shapes it declares and the files' sizes
   verify        every file's fast digest (xxh3_128 by 16 MiB chunks, all files' chunks on one pool)
                 reference: every file's sha256, one thread per file (the largest file bounds it)
   structure     map every Arrow file and validate the structure (`check_structure`), shard by shard
-  join          the shards' one trie (`Snapshot.gtm`): one shard's own arrays, several copied into one
+  join          reference: the shards' one trie (`Snapshot.gtm`; one shard's own arrays, several
+                copied into one); the new path joins in its load (stage)
   stage         pinned allocation (once: the arena is kept), copy of the maps (STAGE_THREADS threads)
-                reference: the copy on one thread
-  transfer      host to device, then the entry keys, launch shapes and post bounds made there
+                reference: the copy on one thread. The new path is `runtime.load`, a serving host's:
+                on a GPU its copies to the device run beside verify and structure, and stage is
+                the wait for what they did not hide
+  transfer      host to device (what was not copied beside the checks), then the entry keys, the
+                matcher rows renumbered, launch shapes and post bounds made there
   first search  one batch (--batch requests, random logits) through `runtime.Searcher` on the new index
-  total         the sum of the phases
+  total         the sum of the phases: the swap's wall time
 With several GPUs, the load onto all of them at once (read, verified and staged once) is timed too.
 On the CPU the index serves the memory maps themselves (stage copies nothing; transfer is the entry
 keys built on the host), so the copy a GPU host's stage makes is also timed, into fresh unpinned
 memory (its first-touch page faults included, which pinned memory pays when it is allocated), on
 STAGE_THREADS threads and on one.
-Target: total <= 1 s at 15M ads (30M SIDs).
+Target: total <= 0.5 s at 15M ads (30M SIDs) on the H200.
 """
 
 from __future__ import annotations
@@ -108,7 +112,8 @@ def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer_
     o = snap.open_seconds
     out |= {"manifest": o["manifest"] + o["files"], "structure": o["map"] + o["structure"]}
     p = index.load_info["phases"]
-    out |= {"stage": p.get("pin", 0.0) + p["stage"], "transfer": p["transfer"]}
+    # on a GPU the new path's copies run beside verify and structure: what they did not hide is waited for
+    out |= {"stage": o.get("copies", 0.0) + p.get("pin", 0.0) + p["stage"], "transfer": p["transfer"]}
     t = time.perf_counter()
     searcher.search(index, requests, scorer_for(index))
     sync(device)
@@ -220,7 +225,7 @@ def main() -> int:
                   + ", ".join(f"{k} {v:.3f}" for k, v in a["phases"].items()) + ")")
     last = results[-1]
     total = last["new"]["total"]
-    print(f"\n{'PASS' if total <= 1 else 'MISS'}  swap <= 1 s at {last['ads']:,} ads ({last['sids']:,} SIDs): "
+    print(f"\n{'PASS' if total <= 0.5 else 'MISS'}  swap <= 0.5 s at {last['ads']:,} ads ({last['sids']:,} SIDs): "
           f"{total:.3f} s; the reference path takes {last['reference']['total'] / total:.1f}x as long")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

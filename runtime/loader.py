@@ -7,8 +7,8 @@ from one pinned copy; the CPU serves the memory maps themselves. The snapshot wa
 was opened (`sidindex.snapshot.open_snapshot`), which also loaded its codebook into memory, so
 nothing unchecked reaches a kernel and nothing reads the snapshot's files by path after `load`.
 `load` (by path) onto GPUs copies the arrays' bytes there while the snapshot is hashed and
-validated, and makes the index from them once it passed: the copies take about as long as the
-checks, and nothing in either waits for the other.
+validated (the arrays of its one shard and the global ones; with several shards the global ones,
+the join being made after the checks), and makes the index from them once it passed.
 The result is a `runtime.served.ServedIndex` per device; `runtime.watcher.SnapshotWatcher` loads
 each snapshot a ROOT publishes through `load`.
 """
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.ops.gtm_mask.planes import stack_tables
+from runtime.ops.gtm_mask.planes import TableStack, order_by_first_use, stack_tables
 from runtime.ops.gtm_mask.shared_rows import SharedRows, shared_rows
 from runtime.served import HOST_ARRAYS, POST_ARRAYS, ServedIndex, bound_names, post_bounds
 from runtime.staging import ARENA, mapped, stage_arrays
@@ -92,35 +92,61 @@ def load_targets(device, base) -> tuple[bool, list[torch.device], list[ServedInd
 class _EarlyCopies:
     """A GPU load's copies made while its snapshot is hashed and validated (`open_snapshot`'s
     `while_checking`): the arrays the load moves (all but the host's own and those still the
-    base's), staged once and copied to every GPU as bytes, which nothing reads before the snapshot
-    passed."""
+    base's), staged once and copied to every GPU as bytes, the matcher planes straight into their
+    stack (`stack_tables`); nothing reads them before the snapshot passed."""
 
     HOST_ONLY = frozenset(HOST_ARRAYS) - frozenset(POST_ARRAYS)  # read on the host alone
 
     def __init__(self, devices: list[torch.device], bases: list[ServedIndex | None]) -> None:
-        self.gpus = [d for d in dict.fromkeys(devices) if d.type == "cuda"]
+        self.gpus = list(dict.fromkeys(_resolved(d) for d in devices if d.type == "cuda"))
         # a watcher's bases are one snapshot: arrays that are still its own keep their device tensors
         self.theirs = next((b.snapshot.arrays() for b in bases if b is not None), {})
         self.arrays: dict[str, np.ndarray] = {}  # what was copied
-        self.copies: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self.copies: dict[torch.device, dict[str, torch.Tensor]] = {}  # but the planes
+        self.stacks: dict[torch.device, TableStack] = {}  # the planes, when every one of them was copied
         self.clock = StageClock()
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> None:
         todo = {n: a for n, a in arrays.items() if n not in self.HOST_ONLY
                 and not (n in self.theirs and same_memory(a, self.theirs[n]))}
+        kway = any(a.part_index in arrays for a in _PLANES)
+        stacked = all(n in todo for a in _PLANES for n in (a.table, a.index, *([a.part_index] if kway else [])))
         self.clock.restart()
         with ARENA.lock:  # the arena is these copies' until every device has them
             staged = stage_arrays(todo, self.clock)
-            self.copies = {d: {n: t.to(d, non_blocking=True) for n, t in staged.items()} for d in self.gpus}
+            for d in self.gpus:
+                with torch.cuda.device(d):
+                    self.copies[d] = {n: t.to(d, non_blocking=True) for n, t in staged.items()
+                                      if not (stacked and n in _PLANE_NAMES)}
+                    if stacked:
+                        self.stacks[d] = stack_tables([staged[a.table] for a in _PLANES],
+                                                      [staged[a.index] for a in _PLANES],
+                                                      [staged[a.part_index] for a in _PLANES] if kway else None, d)
             for d in self.gpus:
                 torch.cuda.synchronize(d)
         self.clock.lap("transfer")
         self.arrays = todo
 
-    def on(self, device: torch.device, every: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """The copies on `device` of the arrays of `every` (by contract name) that are the very arrays copied."""
-        mine = self.copies.get(device, {})
-        return {n: t for n, t in mine.items() if n in every and same_memory(every[n], self.arrays[n])}
+    def on(self, device: torch.device, every: dict[str, np.ndarray]) -> tuple[dict[str, torch.Tensor],
+                                                                               TableStack | None]:
+        """The copies on `device` of the arrays of `every` (by contract name) that are the very
+        arrays copied, and the planes' stack if every plane array is."""
+        device = _resolved(device)
+        same = {n for n in self.arrays if n in every and same_memory(every[n], self.arrays[n])}
+        copies = {n: t for n, t in self.copies.get(device, {}).items() if n in same}
+        stack = self.stacks.get(device)
+        planes = _PLANE_NAMES & every.keys()
+        return copies, stack if stack is not None and planes <= same else None
+
+
+_PLANES = [plane_arrays(p) for p in MATCHER_PLANES]
+_PLANE_NAMES = frozenset(n for a in _PLANES for n in (a.table, a.index, a.part_index))
+
+
+def _resolved(device: torch.device) -> torch.device:
+    """A bare "cuda" as the GPU it means on this thread (the current device is per thread)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
 
 
 def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex | None],
@@ -132,8 +158,8 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
     host = {n: getattr(g, n) for n in HOST_ARRAYS}
     served = {n: a for n, a in g.arrays().items() if n not in HOST_ARRAYS}
     every = snap.arrays()  # by contract name: `served` and the post stage's
-    named = [plane_arrays(p) for p in MATCHER_PLANES]
-    planes = {n for a in named for n in (a.table, a.index, a.part_index)} & set(served)
+    named = _PLANES
+    planes = _PLANE_NAMES & set(served)
     kept, post_kept = [], []  # per device: the names whose device tensor is its base's
     for device, base in zip(devices, bases):
         k = _kept(served, g.level_sizes, base, device)  # names whose device tensor is the base's
@@ -144,9 +170,9 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
     whole = [base is not None and k == set(served) for base, k in zip(bases, kept)]  # shares every tensor
     gpu = [i for i, d in enumerate(devices) if d.type == "cuda"]
     moving = {n for i in gpu for n in (set(served) - kept[i]) | (set(_post_names(snap)) - post_kept[i].keys())}
-    copied = {devices[i]: early.on(devices[i], every) if early is not None else {} for i in gpu}
-    on_each = [set(c) for c in copied.values()]  # copied to every GPU already: not staged again
-    moving -= on_each[0].intersection(*on_each[1:]) if on_each else set()
+    copied = {devices[i]: early.on(devices[i], every) if early is not None else ({}, None) for i in gpu}
+    on_each = [set(c) | (planes if stack is not None else set()) for c, stack in copied.values()]
+    moving -= on_each[0].intersection(*on_each[1:]) if on_each else set()  # on every GPU already: not staged again
     with ARENA.lock if gpu else contextlib.nullcontext():  # the arena is this load's until its copies are done
         staged = stage_arrays({n: every[n] for n in moving}, clock) if gpu else {}
         if not gpu:
@@ -155,7 +181,8 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
         # before any device's reductions wait for them (the index is made once all are known)
         fields: list[dict] = []
         for device, base, k, pk, shares in zip(devices, bases, kept, post_kept, whole):
-            source = staged | copied[device] if device.type == "cuda" else {n: mapped(a) for n, a in served.items()}
+            early_copies, early_stack = copied.get(device, ({}, None))
+            source = staged | early_copies if device.type == "cuda" else {n: mapped(a) for n, a in served.items()}
             post = None if device.type != "cuda" else {n: pk[n] if n in pk else source[n].to(device, non_blocking=True)
                                                        for n in _post_names(snap)}
             moved_bytes = sum(int(every[n].nbytes) for n in _post_names(snap) if n not in pk) if post is not None else 0
@@ -173,8 +200,8 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
             if device.type == "cuda":  # the planes into one stack, the rest as they are
                 if tables is None:
                     parts = [source[a.part_index] for a in named] if g.part_offsets is not None else None
-                    tables = stack_tables([source[a.table] for a in named], [source[a.index] for a in named], parts,
-                                          device, by_first_use=True)
+                    tables = order_by_first_use(early_stack or stack_tables(
+                        [source[a.table] for a in named], [source[a.index] for a in named], parts, device))
                 moved = {n: source[n].to(device, non_blocking=True) for n in served if n not in k | planes}
                 for i, a in enumerate(named):
                     moved |= {a.table: tables.tables[i], a.index: tables.index[i]}
@@ -276,7 +303,9 @@ def load(path: str | Path, device: str | torch.device | Sequence[str | torch.dev
     snapshot or a snapshot directory onto `device`, or onto each of a list of devices (then a list
     of indexes, one per device: the snapshot is read, verified and staged once for all of them);
     `base`: an index served on `device` (one per device, or None) that the snapshot may share
-    files and device tensors with (an update of it), see `open_snapshot` and `load_index`."""
+    files and device tensors with (an update of it), see `open_snapshot` and `load_index`.
+    On GPUs the copies run while the snapshot is hashed and checked: `load_info["while_checking"]`
+    gives their bytes and phases (pin, stage, transfer), which are not in `load_info["seconds"]`."""
     several, devices, bases = load_targets(device, base)  # before the work of opening
     # files an update shares with the served snapshot: the first base's (a watcher's bases are one snapshot)
     shared = next((b.snapshot for b in bases if b is not None), None)

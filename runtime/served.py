@@ -102,7 +102,8 @@ class ServedIndex:
          memory maps.
     post_bounds: on a GPU, what the device post stage's shapes and keys need (`PostBounds`), made
          with `post`; None on the CPU.
-    load_info: bytes moved, and seconds in total and per phase.
+    load_info: bytes moved, and seconds in total and per phase (`runtime.load_index`); from
+         `runtime.load` onto a GPU also "while_checking", the copies made while it was opened.
     generation: an identity that an index loaded with a `base` keeps only when it shares every
          device tensor with it (an update of ad states): CUDA graphs captured on one replay on the other.
     """

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from runtime.loader import load_index
 from runtime.ops.gtm_mask import gtm_candidates, gtm_mask
 from runtime.ops.gtm_mask.kernel import gtm_mask_triton
-from runtime.ops.gtm_mask.planes import stack_tables
+from runtime.ops.gtm_mask.planes import order_by_first_use, stack_tables
 from runtime.ops.gtm_mask.slots import slots_of
 from runtime.post import expand
 from runtime.requests import to_device
@@ -147,12 +147,12 @@ def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed, updated):
 @settings(max_examples=25, deadline=None)
 @given(scenarios())
 def test_rows_by_first_use_name_the_same_rows(sc):
-    """The loader's renumbering on a GPU (`stack_tables(by_first_use=True)`): every entry and
-    partition names a row with the same bits as before, and the numbers go up in order of first use."""
+    """The loader's renumbering on a GPU (`order_by_first_use`): every entry and partition names a
+    row with the same bits as before, and the numbers go up in order of first use."""
     g = Case(sc, "cpu").index.gtm
     parts = [p.part_index for p in g.planes] if g.part_offsets is not None else None
     args = ([p.table for p in g.planes], [p.index for p in g.planes], parts, "cpu")
-    was, now = stack_tables(*args), stack_tables(*args, by_first_use=True)
+    was, now = stack_tables(*args), order_by_first_use(stack_tables(*args))
     for p, plane in enumerate(g.planes):
         uses = [(was.index[p], now.index[p])] + ([] if parts is None else [(was.part_index[p], now.part_index[p])])
         for old, new in uses:

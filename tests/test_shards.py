@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import runtime
-from schemas.artifacts import SHARDS_DIR, shard_dir
+from schemas.artifacts import ARRAYS_BY_NAME, SHARDS_DIR, shard_dir
 from sidindex.artifact import same_file
 from sidindex.errors import ArtifactError, ConfigError
 from sidindex.explain import Explainer
@@ -134,6 +134,9 @@ def test_a_sharded_snapshot_retrieves_what_one_shard_does(roots, sample_dir, dev
     cpu = one if device == "cpu" else _retrieved(out[1], requests, "cpu")
     for m in one:
         assert many[m].num_rows > 0 and many[m].equals(one[m]) and one[m].equals(cpu[m]), m
+    seen: dict[str, np.ndarray] = {}
+    open_snapshot(out[5], while_checking=seen.update)  # several shards: only what is not joined goes early
+    assert seen.keys() == {n for n in five.arrays() if ARRAYS_BY_NAME[n].scope != "shard"} and "ads" in seen
     r = run_cli("inspect", out[5], "--json")
     info = json.loads(r.stdout)
     assert r.returncode == 0 and len(info["shards"]) == 5

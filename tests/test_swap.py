@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -17,8 +18,10 @@ import torch
 import xxhash
 
 import runtime
+import runtime.loader
 import runtime.staging as staging
 import sidindex.artifact as artifact
+import sidindex.snapshot.snapshot as snapshot_module
 from schemas.artifacts import (
     DIGEST_VERSION,
     FAST_DIGEST,
@@ -266,30 +269,43 @@ def test_staging_copies_every_array_in_chunks(root, monkeypatch):
         assert staged[name].numpy().dtype == want.dtype and np.array_equal(staged[name].numpy(), want), name
 
 
-def test_copies_made_while_checking_get_every_array_and_are_waited_for(snap_dir):
-    """`open_snapshot(while_checking=)`: the copy gets the very arrays the snapshot serves, runs while
-    they are hashed and checked, and is waited for; a corrupt snapshot's error wins over the copy's."""
+def test_copies_made_while_checking_get_every_array_and_are_waited_for(snap_dir, monkeypatch):
+    """`open_snapshot(while_checking=)`: the copy gets the very arrays the snapshot serves, runs on
+    another thread while they are checked, and is waited for; a corrupt snapshot's error wins."""
+    checking = threading.Event()
+    checks = snapshot_module.check_structure
+
+    def check_structure(*args, **kw):
+        checking.set()
+        return checks(*args, **kw)
+
+    monkeypatch.setattr(snapshot_module, "check_structure", check_structure)
     seen: dict[str, np.ndarray] = {}
 
     def copy(arrays: dict[str, np.ndarray]) -> None:
-        time.sleep(0.1)  # longer than the checks: the open must wait
+        assert threading.current_thread() is not threading.main_thread()
+        assert checking.wait(10)  # the checks started while it runs: beside them, not before
+        time.sleep(0.1)  # and it outlasts them: the open must wait for it
         seen.clear()
         seen.update(arrays)
 
     snap = open_snapshot(snap_dir, while_checking=copy)
     assert seen.keys() == snap.arrays().keys() and all(same_memory(a, snap.arrays()[n]) for n, a in seen.items())
+    assert snap.open_seconds["copies"] > 0.05  # the wait is a phase of the open
 
     def failing(arrays: dict[str, np.ndarray]) -> None:
         time.sleep(0.1)
         seen.clear()
         raise RuntimeError("the copy failed")
 
+    checking.clear()
     with pytest.raises(RuntimeError, match="the copy failed"):  # the snapshot passed: the copy's error
         open_snapshot(snap_dir, while_checking=failing)
     leaf_ads = snap.gtm.leaf_ads.copy()
     leaf_ads[-1] = len(snap.ad_id)  # one row past the catalog, resealed: the structure refuses it
     rewrite_array(snap_dir, "leaf_ads", leaf_ads)
     for fn in (copy, failing):
+        checking.clear()
         seen["sentinel"] = np.zeros(1)
         with pytest.raises(ArtifactError, match=r"leaf_ads\.arrow: an ad row lies outside"):
             open_snapshot(snap_dir, while_checking=fn)
@@ -298,6 +314,7 @@ def test_copies_made_while_checking_get_every_array_and_are_waited_for(snap_dir)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 1  # an ad row, not resealed: the digest refuses it, after the copy
     path.write_bytes(bytes(data))
+    checking.set()  # the digests fail before the checks
     seen["sentinel"] = np.zeros(1)
     with pytest.raises(ArtifactError, match="checksum mismatch"):
         open_snapshot(snap_dir, while_checking=copy)
@@ -305,10 +322,23 @@ def test_copies_made_while_checking_get_every_array_and_are_waited_for(snap_dir)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="copies to a GPU")
-def test_a_gpu_load_copies_while_checking_and_gives_the_arrays_of_a_load_after_it(root):
+def test_a_gpu_load_copies_while_checking_and_gives_the_arrays_of_a_load_after_it(root, monkeypatch):
+    staged: list[set[str]] = []
+    stage = runtime.loader.stage_arrays
+
+    def recorded(arrays, *args, **kw):
+        staged.append(set(arrays))
+        return stage(arrays, *args, **kw)
+
+    monkeypatch.setattr(runtime.loader, "stage_arrays", recorded)
     overlapped = runtime.load(root, "cuda")
+    assert staged[0] == set(overlapped.snapshot.arrays()) - {"depth_offsets"}  # every array but the host's own
+    assert staged[1:] == [set()]  # nothing left to stage once the snapshot passed
+    info = overlapped.load_info["while_checking"]
+    assert info["bytes"] == sum(int(a.nbytes) for n, a in overlapped.snapshot.arrays().items() if n in staged[0])
+    staged.clear()
     after = runtime.load_index(open_snapshot(root), "cuda")
-    assert overlapped.load_info["while_checking"]["bytes"] > 0 and "while_checking" not in after.load_info
+    assert "while_checking" not in after.load_info and len(staged) == 1
     _same(overlapped, after)
     assert overlapped.post.keys() == after.post.keys()
     assert all(torch.equal(overlapped.post[n], after.post[n]) for n in after.post)

@@ -62,7 +62,8 @@ class Snapshot:
     exact: ExactIndex
     ad_id: np.ndarray  # (N,) int64
     codebook: Codebook | None
-    open_seconds: dict[str, float] = field(default_factory=dict)  # manifest, files, map, checksums, structure, prefault
+    # manifest, files, map, checksums, structure, copies (waiting for `while_checking`), prefault
+    open_seconds: dict[str, float] = field(default_factory=dict)
     # an opened base's shards and join, which the join may take arrays from (dropped once joined)
     beside: tuple[tuple[Shard, ...], GTMIndex] | None = field(default=None, repr=False, compare=False)
 
@@ -292,6 +293,8 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
             checksums()
         codebook = _checked(directory, m, shards, exact, ad_id, shared, base, cover)
         clock.lap("structure")
+    if while_checking is not None:
+        clock.lap("copies")  # waiting for what the checks did not outlast
     if prefault:
         for x in [*exact.arrays().values(), *(a for s in shards for a in _shard_arrays(s).values())]:
             prefault_pages(x)
@@ -334,8 +337,11 @@ def _beside(fn: Callable[[dict[str, np.ndarray]], None] | None, arrays: dict[str
         done = pool.submit(fn, arrays)
         try:
             yield
-        finally:
+        except BaseException as e:
             wait([done])
+            if (theirs := done.exception()) is not None:
+                e.add_note(f"(what ran while checking failed too: {theirs!r})")
+            raise
         done.result()
 
 

@@ -116,11 +116,10 @@ def _flat(parts: list[torch.Tensor], device, rows: tuple[int, ...] | None = None
 
 
 def stack_tables(tables: list[torch.Tensor], index: list[torch.Tensor], part_index: list[torch.Tensor] | None,
-                 device, by_first_use: bool = False) -> TableStack:
+                 device) -> TableStack:
     """Stack per-plane tables (R_p, W_p) int64, entry indexes (E,) int32 and partition indexes (T,)
-    int32 (host or device tensors) onto `device`, each copied once. by_first_use: renumber each
-    plane's rows on `device` in the order the entries, then the partitions, first use them
-    (`first_use_order`); the stack then means the same rows by other numbers than its sources."""
+    int32 (host or device tensors) onto `device`, each copied once: bytes only (nothing reads a row
+    number, so a loader stacks a snapshot's planes before its structure is checked)."""
     words, starts, views = _flat(tables, device)
 
     def rows(parts):
@@ -129,17 +128,22 @@ def stack_tables(tables: list[torch.Tensor], index: list[torch.Tensor], part_ind
             out[p].copy_(src, non_blocking=True)
         return out
 
-    stack = TableStack(words, torch.tensor(starts, dtype=torch.int64, device=device), rows(index),
-                       None if part_index is None else rows(part_index), views)
-    if by_first_use:
-        for p, table in enumerate(views):
-            uses = [stack.index[p]] + ([] if stack.part_index is None else [stack.part_index[p]])
-            order = first_use_order(uses, len(table))
-            new = torch.empty_like(order)
-            new[order] = torch.arange(len(order), device=device)
-            table.copy_(table[order])
-            for u in uses:
-                u.copy_(new[u.long()])
+    return TableStack(words, torch.tensor(starts, dtype=torch.int64, device=device), rows(index),
+                      None if part_index is None else rows(part_index), views)
+
+
+def order_by_first_use(stack: TableStack) -> TableStack:
+    """Renumber each plane's rows of `stack` in place, on its device, in the order the entries, then
+    the partitions, first use them (`first_use_order`): the stack then means the same rows by other
+    numbers than its sources. Its row numbers index: they must have been checked."""
+    for p, table in enumerate(stack.tables):
+        uses = [stack.index[p]] + ([] if stack.part_index is None else [stack.part_index[p]])
+        order = first_use_order(uses, len(table))
+        new = torch.empty_like(order)
+        new[order] = torch.arange(len(order), device=order.device)
+        table.copy_(table[order])
+        for u in uses:
+            u.copy_(new[u.long()])
     return stack
 
 
