@@ -158,7 +158,6 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
     host = {n: getattr(g, n) for n in HOST_ARRAYS}
     served = {n: a for n, a in g.arrays().items() if n not in HOST_ARRAYS}
     every = snap.arrays()  # by contract name: `served` and the post stage's
-    named = _PLANES
     planes = _PLANE_NAMES & set(served)
     kept, post_kept = [], []  # per device: the names whose device tensor is its base's
     for device, base in zip(devices, bases):
@@ -199,11 +198,11 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
             moved: dict[str, Any]  # by contract name: tensors on the device, or on the CPU the memory maps
             if device.type == "cuda":  # the planes into one stack, the rest as they are
                 if tables is None:
-                    parts = [source[a.part_index] for a in named] if g.part_offsets is not None else None
+                    parts = [source[a.part_index] for a in _PLANES] if g.part_offsets is not None else None
                     tables = order_by_first_use(early_stack or stack_tables(
-                        [source[a.table] for a in named], [source[a.index] for a in named], parts, device))
+                        [source[a.table] for a in _PLANES], [source[a.index] for a in _PLANES], parts, device))
                 moved = {n: source[n].to(device, non_blocking=True) for n in served if n not in k | planes}
-                for i, a in enumerate(named):
+                for i, a in enumerate(_PLANES):
                     moved |= {a.table: tables.tables[i], a.index: tables.index[i]}
                     if g.part_offsets is not None:
                         assert tables.part_index is not None  # stacked with the partitions

@@ -348,8 +348,13 @@ def verify_files(directory: Path, listed: dict[str, dict], skip: str, *, checksu
             raise ArtifactError(f"{path}: missing (the manifest lists it)") from None
         if size != entry["bytes"]:
             raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or replaced?)")
-    if not checksums:
-        return
+    if checksums:
+        verify_checksums(directory, listed, strong=strong, trusted=trusted)
+
+
+def verify_checksums(directory: Path, listed: dict[str, dict], *, strong: bool = False,
+                     trusted: frozenset[str] = frozenset()) -> None:
+    """The checksums of `verify_files`, of files it already found listed and sized."""
     names = [n for n in listed if n not in trusted]
     fast = [n for n in names if FAST_DIGEST in listed[n]]
     slow = [n for n in names if strong or FAST_DIGEST not in listed[n]]

@@ -35,7 +35,7 @@ from schemas.artifacts import (
     plane_arrays,
     shard_dir,
 )
-from sidindex.artifact import link_file, list_files, same_file, verify_files
+from sidindex.artifact import link_file, list_files, same_file, verify_checksums, verify_files
 from sidindex.config import BuildConfig
 from sidindex.errors import ArtifactError, SidIndexError
 from sidindex.matchers.exact import ExactIndex
@@ -273,7 +273,7 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
         return map_array(directory / Path(file).parent, ARRAYS_BY_NAME[name], shape)
 
     def checksums() -> None:
-        verify_files(directory, listing, MANIFEST_FILE, strong=strong, trusted=shared)
+        verify_checksums(directory, listing, strong=strong, trusted=shared)
         clock.lap("checksums")
 
     try:  # mapped before they are hashed, so that a GPU loader's copies run beside the hashing
