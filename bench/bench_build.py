@@ -3,6 +3,7 @@ Ray engine, end to end (ingest, SIDs, trie, write, validate, publish), same cata
 
     python bench/bench_build.py                                  # 10M ads: local, ray (2 CPUs)
     python bench/bench_build.py --ads 1000000 --engines local local:2 ray:2 --codebook ROOT
+    python bench/bench_build.py --ads 30000000 --engines ray:2 --shards 8       # the Ray driver at 30M
 
 Data: a generated catalog (`sidindex sample`: 5 bitmask attributes, Bloom locations, values, 32
 dims) written as Parquet (row groups of 262,144 rows: the Ray engine's fragments), and a frozen
@@ -52,13 +53,13 @@ def train(catalog: Path, root: Path) -> None:
     save_codebook(train_codebook(emb, load_config(None).sid), root)
 
 
-def single(data: Path, root: Path, codebook: Path, engine: str) -> dict:
+def single(data: Path, root: Path, codebook: Path, engine: str, shards: int) -> dict:
     from sidindex.job import run_build
 
     name, _, n = engine.partition(":")
     t = time.perf_counter()
     report = run_build(data / "catalog.parquet", data / "targeting.toml", root, codebook=codebook, engine=name,
-                       workers=int(n) if n else None, force=True)
+                       workers=int(n) if n else None, force=True, shards=shards or None)
     import resource
 
     return {"seconds": time.perf_counter() - t, "stages": report["seconds"], "sid_rows": report["sid_rows"],
@@ -95,10 +96,11 @@ def main() -> int:
     ap.add_argument("--engines", nargs="+", default=["local", "ray:2"])
     ap.add_argument("--codebook", type=Path, help="a frozen codebook (default: train one on 500k ads)")
     ap.add_argument("--dir", type=Path, help="work directory (default: a temporary one, removed)")
+    ap.add_argument("--shards", type=int, default=0, help="the snapshot's shards (default: from its size)")
     ap.add_argument("--json", type=Path, help="write the results as JSON here")
     ap.add_argument("--generate", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--train", nargs=2, help=argparse.SUPPRESS)
-    ap.add_argument("--single", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--single", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.generate:
         generate(int(args.generate[0]), args.dim, Path(args.generate[1]))
@@ -109,7 +111,7 @@ def main() -> int:
         print("{}")
         return 0
     if args.single:
-        print(json.dumps(single(*map(Path, args.single[:3]), args.single[3])))
+        print(json.dumps(single(*map(Path, args.single[:3]), args.single[3], int(args.single[4]))))
         return 0
     work = args.dir or Path(tempfile.mkdtemp(prefix="bench_build_"))
     rows = []
@@ -126,7 +128,7 @@ def main() -> int:
             for engine in args.engines:
                 root = work / f"root_{n}_{engine.replace(':', '_')}"
                 print(f"{n:,} ads, {engine} ...", file=sys.stderr, flush=True)
-                r, peak = child("--single", str(data), str(root), str(codebook), engine)
+                r, peak = child("--single", str(data), str(root), str(codebook), engine, str(args.shards))
                 same = True if first is None else same_arrays(first, root)
                 first = first or root
                 rows.append({"ads": n, "engine": engine, "peak_gb": peak, "same": same, **r})
@@ -152,6 +154,11 @@ def main() -> int:
                   f"SID row); per part: {rows_.mean():,.0f} SID rows "
                   f"(max {rows_.max():,}), {secs.mean():.2f} s (max {secs.max():.2f}), "
                   f"{secs.sum() / rows_.sum() * 1e6:.2f} us per SID row")
+            if "shard_peak_bytes" in shape:
+                print(f"  per shard: {np.mean(shape['shard_sid_rows']):,.0f} SID rows, its task (combine, write, "
+                      f"digests) {np.mean(shape['shard_seconds']):.1f} s (max {max(shape['shard_seconds']):.1f}), "
+                      f"its growth in RSS {max(shape['shard_peak_bytes']) / 1e9:.2f} GB (max); the globals' task's "
+                      f"{shape['globals_peak_bytes'] / 1e9:.2f} GB, {shape['globals_seconds']:.1f} s")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

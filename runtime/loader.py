@@ -197,9 +197,11 @@ def _load(snap: Snapshot, devices: list[torch.device], bases: list[ServedIndex |
             tables = base.tables if planes <= k and base is not None else None
             moved: dict[str, Any]  # by contract name: tensors on the device, or on the CPU the memory maps
             if device.type == "cuda":  # the planes into one stack, the rest as they are
-                if tables is None:
+                if tables is None and early_stack is not None:  # the planes were stacked while checking
+                    tables = order_by_first_use(early_stack)
+                elif tables is None:
                     parts = [source[a.part_index] for a in _PLANES] if g.part_offsets is not None else None
-                    tables = order_by_first_use(early_stack or stack_tables(
+                    tables = order_by_first_use(stack_tables(
                         [source[a.table] for a in _PLANES], [source[a.index] for a in _PLANES], parts, device))
                 moved = {n: source[n].to(device, non_blocking=True) for n in served if n not in k | planes}
                 for i, a in enumerate(_PLANES):

@@ -30,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -45,13 +47,17 @@ from sidindex.errors import ArtifactError, ConfigError, InputError, QualityGateE
 from sidindex.ingest import Catalog, read_catalog, table_metadata
 from sidindex.root import Root, new_snapshot_id
 from sidindex.sid import Codebook, assign_sids, hash_tokens, load_codebook, save_codebook, sid_quality, train_codebook
-from sidindex.sid.quality import QualityReport, quality_report
+from sidindex.sid.quality import QualityReport
 from sidindex.snapshot import Manifest, open_snapshot, read_states, write_snapshot
 from sidindex.snapshot.manifest import Counts, Lineage
+from sidindex.snapshot.snapshot import write_manifest
 from sidindex.targeting import TargetingSpec, load_targeting
 from sidindex.timing import StageClock
 from sidindex.trie.stats import gtm_stats
 from sidindex.update import Indexed, ads_in_state, apply_changes
+
+if TYPE_CHECKING:  # Ray is an optional extra
+    from sidindex.ray_build import RayBuilt
 
 Progress = Callable[[str, int, int], None]
 
@@ -128,31 +134,39 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
         if not force and (unchanged := _unchanged(layout, fingerprint)):
             return {**unchanged, **report, "codebook_id": cb.id, "seconds": _rounded(clock)}
         if engine == "ray":  # after the check: unchanged inputs cost no cluster time
-            built = _on_ray(catalog, spec, cfg, cb, ray_address, workers, shards)
+            from sidindex.ray_build import ray_cluster
+
+            with ray_cluster(ray_address, workers):
+                clock.lap("start ray")
+                snapshot_id, path, m, on_ray, carried, warnings = _publish_on_ray(
+                    layout, published, Path(catalog), spec, cfg, cb, fingerprint, changes_through, keep, shards, clock)
+            counted = {"shards": len(m.shard_list()), **m.counts.to_dict()}
+            stats, shape = on_ray.stats, {"ray": on_ray.shape}
         else:
             built = _locally(cat, spec, cfg, cb, workers, shards, progress)
             del cat  # its columns are in the index now: not held through the write and the check
-        clock.seconds |= built.seconds
-        clock.restart()
-        built, carried, warnings = _carry_changes(layout, published, built, cb, changes_through)
-        clock.lap("carry changes")
-        snapshot_id = new_snapshot_id(fingerprint)
-        ad_id, stats, quality = built.ad_id, built.stats, built.quality
-        assert ad_id is not None and stats is not None and quality is not None  # an engine's index has them all
-        counted = {"shards": len(built.shards), **Counts.of([s.gtm for s in built.shards], ad_id).to_dict()}
-        shape = {"ray": built.shape} if built.shape else {}
-        held = [built]  # dropped once written: the check maps the files, and need not find the arrays held too
-        del built
+            clock.seconds |= built.seconds
+            clock.restart()
+            built, carried, warnings = _carry_changes(layout, published, built, cb, changes_through)
+            clock.lap("carry changes")
+            snapshot_id = new_snapshot_id(fingerprint)
+            ad_id, local_stats, quality = built.ad_id, built.stats, built.quality
+            assert ad_id is not None and local_stats is not None and quality is not None  # an engine's index has them
+            stats = local_stats
+            counted = {"shards": len(built.shards), **Counts.of([s.gtm for s in built.shards], ad_id).to_dict()}
+            shape = {}
+            held = [built]  # dropped once written: the check maps the files, and need not find the arrays held too
+            del built
 
-        def write(directory: Path) -> None:
-            index = held.pop()
-            write_snapshot(directory, index.shards, index.exact, ad_id, spec, snapshot_id=snapshot_id, codebook=cb,
-                           input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()), build_config=cfg,
-                           stats=stats, quality=quality.to_dict())
+            def write(directory: Path) -> None:
+                index = held.pop()
+                write_snapshot(directory, index.shards, index.exact, ad_id, spec, snapshot_id=snapshot_id,
+                               codebook=cb, input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()),
+                               build_config=cfg, stats=stats, quality=quality.to_dict())
 
-        path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep, expected=published,
-                              through=changes_through)
-        clock.lap("write + validate + publish")
+            path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep,
+                                  expected=published, through=changes_through)
+            clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
             "fingerprint": fingerprint, "codebook_id": cb.id, **counted, "matcher_bytes": stats.matcher_bytes,
             "carried": carried, "warnings": warnings, **shape, "seconds": _rounded(clock)}
@@ -182,22 +196,59 @@ def _gated(quality: QualityReport) -> QualityReport:
     return quality
 
 
-def _on_ray(catalog: Path, spec: TargetingSpec, cfg: BuildConfig, cb: Codebook, address: str | None,
-            workers: int | None, shards: int | None) -> BuiltIndex:
-    from sidindex.ray_build import build_on_ray
+def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: TargetingSpec, cfg: BuildConfig,
+                    cb: Codebook, fingerprint: str, through: str | None, keep: int, shards: int | None,
+                    clock: StageClock) -> tuple[str, Path, Manifest, RayBuilt, dict, list[str]]:
+    """The ray engine's build, published (on the Ray of `ray_cluster`): its tasks write the snapshot
+    into the ROOT and check it, this process writes the manifest. The changes a build carries forward
+    (`_carry_changes`), when there are any, are applied here to the snapshot the tasks wrote, staged
+    beside it, into one that links what they leave as it is. Returns the id, the directory, the
+    manifest, what the engine built, what was carried and the warnings; seconds per stage into `clock`."""
+    from sidindex.ray_build import build_on_ray, check_on_ray
 
-    r = build_on_ray(Path(catalog), spec, cb, kway=cfg.kway, address=address, workers=workers, shards=shards)
-    clock = StageClock()
-    g = [s.gtm for s in r.shards]  # leaves in the whole trie's order: shard after shard
-    per_ad = np.zeros(len(r.ad_id), dtype=np.int64)
-    for t in g:
-        per_ad += np.bincount(t.leaf_ads, minlength=len(r.ad_id))
-    quality = quality_report(np.concatenate([t.leaf_sids() for t in g]),
-                             np.concatenate([np.diff(t.leaf_ad_offsets) for t in g]), per_ad, r.sums, cb, cfg.quality)
-    stats = gtm_stats(g, tuple(layout.bits for layout in spec.layouts))
-    clock.lap("quality + stats")
-    return BuiltIndex(r.shards, r.exact, {f"ray: {k}": v for k, v in r.seconds.items()} | clock.seconds,
-                      ad_id=r.ad_id, stats=stats, quality=_gated(quality), shape=r.shape)
+    snapshot_id = new_snapshot_id(fingerprint)
+    paused, replay, warnings = _to_carry(root, published, through)
+    done: dict = {}
+
+    def write(directory: Path) -> None:
+        # staged under a temporary of the ROOT's (what a killed build leaves is cleaned), named as its id says
+        holder = directory.with_name(f"{directory.name}.ray")
+        staged = holder / snapshot_id if len(paused) or replay else directory
+        staged.mkdir(parents=True, exist_ok=True)
+        try:
+            built = done["built"] = build_on_ray(catalog, spec, cb, staged, kway=cfg.kway, quality=cfg.quality,
+                                                 shards=shards)
+            clock.seconds |= {f"ray: {k}": v for k, v in built.seconds.items()}
+            clock.restart()
+            _gated(built.quality)
+            m = write_manifest(staged, built.shards, built.global_arrays, built.listed, spec, cb.level_sizes,
+                               snapshot_id=snapshot_id, codebook=cb, input_fingerprint=fingerprint,
+                               catalog=str(catalog.resolve()), build_config=cfg, stats=built.stats,
+                               quality=built.quality.to_dict())
+            clock.lap("write manifest")
+            done["carried"], done["warnings"] = {"paused": 0, "replayed": []}, warnings
+            if staged != directory:
+                base = open_snapshot(staged)
+                index = BuiltIndex(base.shards, base.exact, {}, ad_id=base.ad_id, stats=built.stats,
+                                   quality=built.quality)
+                index, done["carried"], done["warnings"] = _carry_changes(root, published, index, cb, through)
+                assert index.ad_id is not None and index.stats is not None
+                m = write_snapshot(directory, index.shards, index.exact, index.ad_id, spec, snapshot_id=snapshot_id,
+                                   codebook=cb, input_fingerprint=fingerprint, catalog=str(catalog.resolve()),
+                                   build_config=cfg, stats=index.stats, quality=built.quality.to_dict(), base=base)
+                clock.lap("carry changes")
+            done["manifest"] = m
+        finally:
+            shutil.rmtree(holder, ignore_errors=True)
+
+    def check(directory: Path) -> None:
+        clock.restart()
+        check_on_ray(directory)
+        clock.lap("check on ray")
+
+    path = root.publish(snapshot_id, write, check, keep, expected=published, through=through)
+    clock.lap("publish")
+    return snapshot_id, path, done["manifest"], done["built"], done["carried"], done["warnings"]
 
 
 def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Codebook, through: str | None
@@ -205,23 +256,9 @@ def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Cod
     """`built` with the ads the published snapshot has paused paused, and the journal's change files
     named after `through` re-applied in the order they were published; what was carried, and
     the warnings for the report."""
-    entries = root.journal()
-    journal = [e.file for e in entries]
-    replay = [e.file for e in entries if through is not None and e.file.name > through]
-    for e in entries:  # a journaled file is applied again only as the update that published it read it
-        if e.file in replay and sha256_file(e.file) != e.digest:
-            raise ArtifactError(f"{e.file}: its sha256 is not the one its journal entry was published with; the "
-                                "journal is corrupt, so the changes published after the export cannot be applied "
-                                "again. Restore the file, or build from an export that holds it")
-    warnings = []
-    if through is None and journal:
-        warnings.append(f"{len(journal)} change file(s) in the ROOT's journal ({journal[0].name} .. "
-                        f"{journal[-1].name}, published by updates since the last build told its export's newest "
-                        "change file) were not re-applied: the build was not told which of them its catalog export "
-                        "holds, so the deletes and upserts of any it lacks are reverted (paused ads stay paused)")
+    paused, replay, warnings = _to_carry(root, published, through)
     assert built.ad_id is not None  # an engine's index carries the catalog's ad ids
     index: Indexed = built
-    paused = _paused(root, published)
     if len(paused):  # an ad the export no longer holds is gone, pause and all
         paused = paused[np.isin(paused, built.ad_id)]
     if published is not None and len(paused):  # (none paused when nothing is published)
@@ -239,6 +276,26 @@ def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Cod
                       ) if replay else built.stats
     return dataclasses.replace(built, shards=index.shards, exact=index.exact, ad_id=index.ad_id, stats=stats), \
         carried, warnings
+
+
+def _to_carry(root: Root, published: str | None, through: str | None) -> tuple[np.ndarray, list[Path], list[str]]:
+    """What a build carries forward (`_carry_changes`): the ids of the ads the published snapshot
+    has paused, the journal's change files to re-apply, and the warnings for the report."""
+    entries = root.journal()
+    journal = [e.file for e in entries]
+    replay = [e.file for e in entries if through is not None and e.file.name > through]
+    for e in entries:  # a journaled file is applied again only as the update that published it read it
+        if e.file in replay and sha256_file(e.file) != e.digest:
+            raise ArtifactError(f"{e.file}: its sha256 is not the one its journal entry was published with; the "
+                                "journal is corrupt, so the changes published after the export cannot be applied "
+                                "again. Restore the file, or build from an export that holds it")
+    warnings = []
+    if through is None and journal:
+        warnings.append(f"{len(journal)} change file(s) in the ROOT's journal ({journal[0].name} .. "
+                        f"{journal[-1].name}, published by updates since the last build told its export's newest "
+                        "change file) were not re-applied: the build was not told which of them its catalog export "
+                        "holds, so the deletes and upserts of any it lacks are reverted (paused ads stay paused)")
+    return _paused(root, published), replay, warnings
 
 
 def _published(root: Root) -> str | None:

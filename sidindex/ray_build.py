@@ -1,30 +1,40 @@
-"""The build on Ray (`sidindex build --engine ray`, docs/design.md §14): `sidindex.stages` as Ray tasks.
+"""The build on Ray (`sidindex build --engine ray`, docs/design.md §14): `sidindex.stages` as Ray
+tasks that write the snapshot's arrays themselves, so that the driver holds per-fragment and
+per-shard sums, never an array of the catalog's length.
 
   fragments  the catalog's Parquet row groups; each task reads its own (and knows their file rows,
              which error messages name; Ray Data's reader does not give them)
   prepare    one task per fragment: validate, SIDs (the frozen codebook is put in the object store
-             once), matcher rows, exact index; returns its ads table and its SID rows
+             once), matcher rows, exact index; returns its ads table, its SID rows and its sums
+             (first-token counts, the histogram of its ads' SID rows, its quality sums)
+  globals    one task takes every fragment's ads table, ranks the fragments' errors and checks ad
+             ids for repeats across them (the first error a whole-file validation meets); once they
+             pass, another streams the global arrays (ad ids, values, exact index) into their files a
+             fragment at a time and lists them, while the shards are built
   shuffle    the driver sums the fragments' first-token counts into shard bounds, and those into
              parts (about 4 per CPU, none across a shard's bound); one task per fragment splits
              its SID rows into a table per part (num_returns = parts)
-  build      one task per part builds its subtrie from every fragment's table for it; one task per
-             shard of several parts combines them into the shard (`trie.partition.combine`: the
-             arrays one part would give)
-  finish     the driver joins the ads tables (`stages.finish_ads`); the job writes and publishes
-             the shards and the ads as for the local engine
+  build      one task per part builds its subtrie from every fragment's table for it
+  shards     one task per shard, once the ads passed their checks, combines its parts into the shard
+             (`trie.partition.combine`: the arrays one part would give), writes and lists its
+             files and returns its manifest entry with its statistics' and SID report's sums
+  finish     the driver merges the sums into the statistics and the SID report (exactly the local
+             engine's: histograms, not percentiles, are summed) and the job writes the manifest;
+             `check_on_ray` checks the snapshot a task per shard (`snapshot.check_part`) before
+             it is published
 
-Errors: a fragment's bad row fails the build with the local engine's message (the first error a
-whole-file validation meets, ranked by `InputError.rank`; ad ids are checked for repeats across
-fragments once every fragment is read), a corrupt row group with the parse error naming it; a task
-that dies (its worker killed) or a cluster that cannot be reached raises `EngineError`. Nothing is
-published on failure. A local Ray started for a build ends with it, even when its driver is killed.
-Ray is an optional extra.
+The snapshot's directory lies in the ROOT, so on a cluster every node must mount the ROOT at the
+same path (a task that does not see it fails the build saying so). Errors: a fragment's bad row
+fails the build with the local engine's message; a corrupt row group with the parse error naming
+it; a task that dies (its worker killed) or a cluster that cannot be reached raises `EngineError`.
+Nothing is published on failure. A local Ray started for a build ends with it, even when its driver
+is killed. Ray is an optional extra.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import os
 import time
 from collections.abc import Iterator
@@ -35,18 +45,23 @@ from typing import Any
 
 import numpy as np
 
-from schemas.artifacts import MATCHER_PLANES
-from sidindex.artifact import regular_input
-from sidindex.errors import EngineError, InputError
+from schemas.artifacts import ARRAYS_BY_NAME, MANIFEST_FILE, MATCHER_PLANES
+from sidindex import histogram
+from sidindex.artifact import list_files, regular_input
+from sidindex.config import QualityThresholds
+from sidindex.errors import ArtifactError, EngineError, InputError, SidIndexError
 from sidindex.ingest import check_unique_ad_ids
-from sidindex.matchers.exact import ExactIndex
 from sidindex.sid import Codebook
-from sidindex.sid.quality import QualitySums
+from sidindex.sid.quality import QualityReport, QualitySums, SidSums, quality_report
+from sidindex.snapshot import snapshot
+from sidindex.snapshot.arrays import write_array_pieces
+from sidindex.snapshot.manifest import ArrayShape, ShardEntry
 from sidindex.targeting import TargetingSpec
 from sidindex.timing import StageClock
 from sidindex.trie.kway import KWayConfig
 from sidindex.trie.partition import Subtrie, combine, default_workers
 from sidindex.trie.shard import Shard, default_shards, part_bounds, shard_bounds, shard_of
+from sidindex.trie.stats import GTMStats, StatsSums
 
 
 @dataclass(frozen=True)
@@ -59,16 +74,20 @@ class Fragment:
 
 @dataclass(frozen=True)
 class RayBuilt:
-    """What the Ray engine hands the job: the local engine's arrays and the SID report's inputs.
+    """What the Ray engine hands the job: the snapshot's arrays, which its tasks wrote into the
+    directory they were given, described for its manifest (`write_manifest`).
 
-    ad_id: (N,) int64; sums: the embeddings' quality sums; shape: fragments, shards, shuffle bytes,
-    and each shard's SID rows and build seconds
+    shards: each shard's manifest entry, in token order; global_arrays: the global arrays' shapes;
+    listed: every file written, with its listing (sizes, digests); stats, quality: merged from
+    per-shard and per-fragment sums; shape: fragments, shards, shuffle bytes, and each part's SID rows
+    and build seconds
     """
 
-    shards: tuple[Shard, ...]
-    exact: ExactIndex
-    ad_id: np.ndarray
-    sums: QualitySums
+    shards: tuple[ShardEntry, ...]
+    global_arrays: dict[str, ArrayShape]
+    listed: dict[str, dict]
+    stats: GTMStats
+    quality: QualityReport
     seconds: dict[str, float]
     shape: dict
 
@@ -89,19 +108,15 @@ def fragments(path: Path) -> list[Fragment]:
     return [Fragment(g, int(starts[g])) for g in range(meta.num_row_groups) if starts[g + 1] > starts[g]]
 
 
-def build_on_ray(path: Path, spec: TargetingSpec, codebook: Codebook, *, kway: KWayConfig | None,
-                 address: str | None = None, workers: int | None = None, retries: int = 0,
-                 shards: int | None = None) -> RayBuilt:
-    """Build the catalog at `path` on Ray: a local Ray on `workers` CPUs (default: every core)
-    started for this build, or the cluster at `address` ("auto": the one this host belongs to).
-    When this process already runs Ray, the build uses it (and neither argument). A task is
-    retried `retries` times when its worker dies. shards: as `sidindex.trie.shard.build_shards`."""
+@contextlib.contextmanager
+def ray_cluster(address: str | None = None, workers: int | None = None) -> Iterator[ModuleType]:
+    """Ray, for the block: a local Ray on `workers` CPUs (default: every core) started for it, or
+    the cluster at `address` ("auto": the one this host belongs to). When this process already runs
+    Ray, the block uses it (and neither argument). Ray's own errors in the block raise `EngineError`."""
     try:
         import ray
     except ImportError:
         raise EngineError("the ray engine needs Ray, an optional extra: pip install 'sidindex[ray]'") from None
-    clock = StageClock()
-    frags = fragments(path)
     started = not ray.is_initialized()
     if started:
         env = {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}  # keeps Ray from warning about GPUs
@@ -120,13 +135,28 @@ def build_on_ray(path: Path, spec: TargetingSpec, codebook: Codebook, *, kway: K
             ray.shutdown()
             raise EngineError(f"cannot start or reach Ray{f' at {address}' if address else ''}: {e}") from None
     try:
-        clock.lap("start ray")
-        return _run(ray, path, spec, codebook, kway, frags, retries, shards, clock)
+        yield ray
     except ray.exceptions.RayError as e:
         raise EngineError(f"the ray build failed, nothing published: {_cause(e)}") from None
     finally:
         if started:
             ray.shutdown()
+
+
+def build_on_ray(path: Path, spec: TargetingSpec, codebook: Codebook, directory: Path, *,
+                 kway: KWayConfig | None, quality: QualityThresholds | None = None, retries: int = 0,
+                 shards: int | None = None) -> RayBuilt:
+    """Build the catalog at `path` on the Ray of `ray_cluster`, its tasks writing the snapshot's
+    arrays into the new, empty `directory` (on a cluster, one every node mounts at the same path):
+    this process holds only per-shard and per-fragment sums. A task is retried `retries` times
+    when its worker dies. shards: as `sidindex.trie.shard.build_shards`. A SID quality gate that
+    fails raises `QualityGateError` once the arrays are written (the caller publishes nothing)."""
+    import ray
+
+    clock = StageClock()
+    frags = fragments(path)
+    clock.lap("start ray")
+    return _run(ray, path, spec, codebook, kway, quality, directory.resolve(), frags, retries, shards, clock)
 
 
 @contextlib.contextmanager
@@ -142,18 +172,43 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
             os.environ.pop(k, None)
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """What the driver reads of a prepared fragment: (K_0,) int64 SID rows per first token, the
+    bytes of its SID rows, (M,) int64 the histogram of its ads' SID rows, its quality sums."""
+
+    first_tokens: np.ndarray
+    nbytes: int
+    per_ad: np.ndarray
+    sums: QualitySums
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What a shard's task hands the driver: its manifest entry, its files' listing, its sums."""
+
+    entry: ShardEntry
+    listed: dict[str, dict]
+    stats: StatsSums
+    sids: SidSums
+    peak_bytes: int  # the task's peak RSS above what its worker held before (`_reset_peak`)
+    seconds: float
+
+
 def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, kway: KWayConfig | None,
-         frags: list[Fragment], retries: int, shards: int | None, clock: StageClock) -> RayBuilt:
+         thresholds: QualityThresholds | None, directory: Path, frags: list[Fragment], retries: int,
+         shards: int | None, clock: StageClock) -> RayBuilt:
     from sidindex import stages
 
     level_sizes = codebook.level_sizes
     planes = MATCHER_PLANES
-    bits = sum(layout.bits for layout in spec.layouts)
+    plane_bits = tuple(layout.bits for layout in spec.layouts)
+    bits = sum(plane_bits)
 
     source = path.resolve()  # what every task reads, wherever it runs; messages name `path`
 
     @ray.remote(num_returns=3, max_retries=retries)
-    def prepare(f: Fragment, spec: TargetingSpec, codebook: Codebook) -> tuple[Any, Any, tuple[np.ndarray, int] | None]:
+    def prepare(f: Fragment, spec: TargetingSpec, codebook: Codebook) -> tuple[Any, Any, _Prepared | _Failed]:
         import numba
         import pyarrow.parquet as pq
 
@@ -167,15 +222,43 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
             # it as valid: a corrupt page would make the worker panic or crash instead of naming it
             table.validate(full=True)
         except Exception as e:  # a corrupt row group; ranked first, as the local engine fails reading
-            return _Failed(f"{path}: row group {f.group} (from file row {f.first_row}) cannot be read as Parquet: "
-                           f"{' '.join(str(e).split()).rstrip('.')}; the file is corrupt: write it again", (-1, -1, -1),
-                           None), None, None
+            failed = _Failed(f"{path}: row group {f.group} (from file row {f.first_row}) cannot be read as Parquet: "
+                             f"{' '.join(str(e).split()).rstrip('.')}; the file is corrupt: write it again",
+                             (-1, -1, -1), None)
+            return failed, None, failed
         try:
             ads, sid_rows = stages.prepare_fragment(table, f.first_row, str(path), spec, codebook)
         except InputError as e:  # reported by the driver, which ranks every fragment's error
             rank = e.rank
-            return _Failed(str(e), rank, table.column("ad_id") if rank[0] > 0 else None), None, None
-        return ads, sid_rows, (stages.first_tokens(sid_rows, level_sizes[0]), sid_rows.nbytes)
+            failed = _Failed(str(e), rank, table.column("ad_id") if rank[0] > 0 else None)
+            return failed, None, failed
+        per_ad = histogram.histogram(np.bincount(sid_rows.column("ad").to_numpy() - f.first_row,
+                                                 minlength=ads.num_rows))
+        return ads, sid_rows, _Prepared(stages.first_tokens(sid_rows, level_sizes[0]), sid_rows.nbytes, per_ad,
+                                        stages.fragment_sums(ads))
+
+    @ray.remote(max_retries=retries)
+    def check_ads(*ads: Any) -> str | None:
+        """The catalog's first error (`_first_error`), None when it has none."""
+        return _first_error(list(ads), path)
+
+    @ray.remote(max_retries=retries)
+    def write_globals(error: str | None, *ads: Any) -> tuple[dict[str, ArrayShape], dict[str, dict],
+                                                             tuple[int, float]] | None:
+        """The global arrays written (None when the catalog was refused): their shapes, listing,
+        and the task's peak RSS (above what its worker held before) and seconds."""
+        if error is not None:
+            return None
+        t = time.perf_counter()
+        held = _reset_peak()
+        arrays = stages.global_arrays(list(ads), spec)
+        _reachable(directory)
+        for name, a in arrays.items():  # a fragment at a time: the task never holds an array whole
+            write_array_pieces(directory, ARRAYS_BY_NAME[name], a.shape, a.pieces())
+        files = {ARRAYS_BY_NAME[n].file for n in arrays}
+        listed = {n: e for n, e in list_files(directory, MANIFEST_FILE, fast=True).items() if n in files}
+        return ({n: ArrayShape(a.shape[0], a.shape[1] if len(a.shape) == 2 else None) for n, a in arrays.items()},
+                listed, (_peak_bytes() - held, time.perf_counter() - t))
 
     @ray.remote(max_retries=retries)
     def split(sid_rows: Any, bounds: np.ndarray) -> Any:  # pyarrow tables
@@ -189,17 +272,32 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
         return sub, (sum(x.num_rows for x in tables), time.perf_counter() - t)
 
     @ray.remote(max_retries=retries)
-    def join(lo: int, hi: int, *subs: Subtrie) -> Shard:
-        """The shard [lo, hi) of its parts' subtries, in token order (over catalog rows; values set by the driver)."""
-        return shard_of(subs[0], lo, hi, None) if len(subs) == 1 else Shard(lo, hi, combine(subs, level_sizes))
+    def write_shard(k: int, lo: int, hi: int, error: str | None, *subs: Subtrie) -> _Written | None:
+        """Shard k, [lo, hi), of its parts' subtries, in token order, written once the catalog passed
+        its checks (None when it was refused: nothing is written)."""
+        if error is not None:
+            return None
+        t, held = time.perf_counter(), _reset_peak()
+        shard = shard_of(subs[0], lo, hi, None) if len(subs) == 1 else Shard(lo, hi, combine(subs, level_sizes))
+        del subs
+        _reachable(directory)
+        entry, _ = snapshot.write_shard(directory, k, shard)
+        g = shard.gtm
+        return _Written(entry, snapshot.list_shard(directory, k), StatsSums.of(g, plane_bits),
+                        SidSums.of(g.leaf_sids(), np.diff(g.leaf_ad_offsets), level_sizes), _peak_bytes() - held,
+                        time.perf_counter() - t)
 
     spec_ref, cb_ref = ray.put(spec), ray.put(codebook)
     prepared = [prepare.remote(f, spec_ref, cb_ref) for f in frags]
-    ads = ray.get([p[0] for p in prepared])
-    _raise_first_error(ads, path)
-    clock.lap("prepare fragments")
+    checked = check_ads.remote(*[p[0] for p in prepared])  # every fragment's error ranked, ids across them
+    written_globals = write_globals.remote(checked, *[p[0] for p in prepared])
     counted = ray.get([p[2] for p in prepared])
-    held = np.sum([c for c, _ in counted], axis=0)
+    if any(isinstance(c, _Failed) for c in counted):
+        error = ray.get(checked)
+        assert isinstance(error, str)
+        raise InputError(error)
+    clock.lap("prepare fragments")
+    held = np.sum([c.first_tokens for c in counted], axis=0)
     bounds = shard_bounds(held, shards or default_shards(int(held.sum()), level_sizes[0]))
     cuts, first = part_bounds(held, bounds, 4 * int(ray.cluster_resources().get("CPU", 1)))
     q = len(cuts) - 1
@@ -207,19 +305,91 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
     splits = [s if q > 1 else [s] for s in splits]
     del prepared
     parts = [build.remote(*[s[i] for s in splits]) for i in range(q)]
-    joined = [join.remote(int(lo), int(hi), *[parts[i][0] for i in range(a, b)])
-              for lo, hi, a, b in zip(bounds[:-1], bounds[1:], first[:-1], first[1:])]
-    built, timed = ray.get(joined), ray.get([p[1] for p in parts])
-    shape = {"fragments": len(frags), "shards": len(built), "parts": q,
-             "shuffle_bytes": int(sum(b for _, b in counted)), "part_sid_rows": [t[0] for t in timed],
-             "part_seconds": [round(t[1], 3) for t in timed]}
-    clock.lap("shuffle + shards")
-    ad_id, value, exact, sums = stages.finish_ads(ads, spec)
-    del ads
-    out = tuple(dataclasses.replace(b, gtm=dataclasses.replace(b.gtm, ad_value=value)) for b in built)
-    del splits, parts, joined, built
-    clock.lap("finish")
-    return RayBuilt(out, exact, ad_id, sums, clock.seconds, shape)
+    del splits
+    shard_tasks = [write_shard.remote(k, int(lo), int(hi), checked, *[parts[i][0] for i in range(a, b)])
+                   for k, (lo, hi, a, b) in enumerate(zip(bounds[:-1], bounds[1:], first[:-1], first[1:]))]
+    if (error := ray.get(checked)) is not None:  # repeated ad ids: every fragment had to be read to see them
+        for t in [*shard_tasks, *(p[0] for p in parts)]:
+            ray.cancel(t)
+        raise InputError(error)
+    globals_out = ray.get(written_globals)  # the globals are written while the shards are
+    assert globals_out is not None  # (the catalog passed)
+    written, timed = ray.get(shard_tasks), ray.get([p[1] for p in parts])
+    clock.lap("shuffle + write shards")
+    global_arrays, listed, (globals_peak, globals_seconds) = globals_out
+    for w in written:
+        listed |= w.listed
+    per_ad = functools.reduce(histogram.merged, [c.per_ad for c in counted])
+    sums = functools.reduce(QualitySums.merge, [c.sums for c in counted])
+    report = quality_report(functools.reduce(SidSums.merge, [w.sids for w in written]), per_ad, sums, codebook,
+                            thresholds)
+    stats = functools.reduce(StatsSums.merge, [w.stats for w in written]).stats(per_ad)
+    shape = {"fragments": len(frags), "shards": len(written), "parts": q,
+             "shuffle_bytes": int(sum(c.nbytes for c in counted)), "part_sid_rows": [t[0] for t in timed],
+             "part_seconds": [round(t[1], 3) for t in timed], "shard_sid_rows": [w.entry.arrays["leaf_ads"].rows
+                                                                                  for w in written],
+             "shard_peak_bytes": [w.peak_bytes for w in written],
+             "shard_seconds": [round(w.seconds, 3) for w in written], "globals_peak_bytes": globals_peak,
+             "globals_seconds": round(globals_seconds, 3)}
+    clock.lap("quality + stats")
+    return RayBuilt(tuple(w.entry for w in written), global_arrays, listed, stats, report, clock.seconds, shape)
+
+
+def check_on_ray(directory: Path) -> None:
+    """Check the snapshot `directory` as `open_snapshot(directory, verify=True)` does, a task per
+    part (`sidindex.snapshot.snapshot.check_part`), on the Ray of `ray_cluster`: this process maps
+    none of its arrays."""
+    import ray
+
+    from sidindex.snapshot import Manifest
+
+    @ray.remote
+    def check(part: int | None) -> str | None:
+        try:
+            _reachable(directory)
+            snapshot.check_part(directory, part)
+        except SidIndexError as e:
+            return str(e)
+        return None
+
+    shards = len(Manifest.read(directory).shard_list())
+    errors = [e for e in ray.get([check.remote(part) for part in [None, *range(shards)]]) if e is not None]
+    if errors:
+        raise ArtifactError(errors[0])
+
+
+def _reset_peak() -> int:
+    """Start this process's peak resident memory anew at what it holds now, which is returned
+    (Linux; elsewhere 0, and the peak stays the process's): a worker reused across tasks keeps what
+    its earlier tasks left, so a task's own memory is its peak above that."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+        return _status_bytes("VmRSS:")
+    return 0
+
+
+def _peak_bytes() -> int:
+    """This process's peak resident memory since `_reset_peak` (object store pages it read included)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return _status_bytes("VmHWM:")
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _status_bytes(key: str) -> int:
+    """A memory figure of /proc/self/status (KeyError when it has none)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reachable(directory: Path) -> None:
+    """Refuse a task that does not see the snapshot's directory (a node that does not mount the ROOT)."""
+    if not directory.is_dir():
+        raise EngineError(f"{directory}: not found on a node of the Ray cluster; the ray engine's tasks write and "
+                          "check the snapshot in the ROOT, which every node must mount at the same path")
 
 
 @dataclass(frozen=True)
@@ -231,16 +401,19 @@ class _Failed:
     ad_id: Any  # pyarrow.ChunkedArray, or None
 
 
-def _raise_first_error(ads: list, path: Path) -> None:
-    """Raise the error a validation of the whole file would: the ad_id column's checks, then ad
-    ids repeated anywhere in the file, then every other check, each ranked (column, check, row)."""
+def _first_error(ads: list, path: Path) -> str | None:
+    """The error a validation of the whole file would raise, None when there is none: the ad_id
+    column's checks, then ad ids repeated anywhere in the file, then every other check, each ranked
+    (column, check, row)."""
     failed = [a for a in ads if isinstance(a, _Failed)]
     first = min(failed, key=lambda f: f.rank, default=None)
     if first is None or first.rank[0] > 0:  # every fragment's ad ids passed their checks: repeats come next
         ids = [f.ad_id.to_numpy() if isinstance(f, _Failed) else f.column("ad_id").to_numpy() for f in ads]
-        check_unique_ad_ids(np.concatenate(ids).astype(np.int64), str(path))
-    if first is not None:
-        raise InputError(first.message)
+        try:
+            check_unique_ad_ids(np.concatenate(ids).astype(np.int64), str(path))
+        except InputError as e:
+            return str(e)
+    return None if first is None else first.message
 
 
 def _cause(e: Exception) -> str:

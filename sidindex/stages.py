@@ -15,8 +15,9 @@ map a function over Arrow batches and group rows by a key can run them the same 
   3. split_sid_rows(sid_rows, cuts) -> one table per part (the shuffle's map side)
   4. build_part(tables, ...) -> Subtrie: one part's tables from every fragment, in fragment order;
      a shard's parts `combine`d (or its one part, `sidindex.trie.shard.shard_of`) are the shard
-  5. the driver: concatenate the ads tables (in fragment order) and `finish` them; with the shards
-     (in token order) they are what the local engine builds
+  5. global_arrays(ads) -> the snapshot's global arrays (ad ids, values, exact index) of the ads
+     tables (in fragment order), in pieces of one fragment; with the shards (in token order) they
+     are what the local engine builds (the Ray engine writes each where it is made)
 
 With Spark: stage 1 in `mapInArrow` over fragments numbered with their first file row
 (`zipWithIndex`), stage 3's part id as a column, `groupBy(part).applyInArrow` for stage 4 with the
@@ -28,6 +29,7 @@ a validation of the whole file would meet them.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import polars as pl
@@ -35,7 +37,7 @@ import pyarrow as pa
 
 from sidindex.build import encode_ads
 from sidindex.ingest import catalog_rows
-from sidindex.matchers.exact import ExactIndex, exact_columns, exact_from_columns
+from sidindex.matchers.exact import ArrayPieces, exact_columns, exact_pieces
 from sidindex.sid import Codebook, assign_sids, hash_tokens
 from sidindex.sid.quality import QualitySums, quality_sums
 from sidindex.targeting import TargetingSpec
@@ -90,16 +92,22 @@ def build_part(tables: list[pa.Table], level_sizes: tuple[int, ...], planes: tup
                          matcher_bits=matcher_bits, ad_value=value)
 
 
-def finish_ads(ads: list[pa.Table],
-               spec: TargetingSpec) -> tuple[np.ndarray, np.ndarray | None, ExactIndex, QualitySums]:
-    """Stage 5's ad side: (ad_id (N,) int64, value (N,) float64 or None, exact index, quality sums)
-    of the fragments' ads tables, in fragment order."""
-    t = pa.concat_tables(ads)
-    sums = QualitySums.from_dict(json.loads(ads[0].schema.metadata[QUALITY_KEY]))
-    for a in ads[1:]:
-        sums = sums.merge(QualitySums.from_dict(json.loads(a.schema.metadata[QUALITY_KEY])))
-    value = t.column("value").to_numpy() if "value" in t.column_names else None
-    return t.column("ad_id").to_numpy(), value, exact_from_columns(spec, t), sums
+def fragment_sums(ads: pa.Table) -> QualitySums:
+    """The quality sums of a fragment's ads table (stage 1's)."""
+    return QualitySums.from_dict(json.loads(ads.schema.metadata[QUALITY_KEY]))
+
+
+def global_arrays(ads: list[pa.Table], spec: TargetingSpec) -> dict[str, ArrayPieces]:
+    """Stage 5's ad side: the snapshot's global arrays (ad ids, values when the catalog has them, the
+    exact index) of the fragments' ads tables, in fragment order, each in pieces of one fragment's
+    rows: what one writer streams into the snapshot holding a fragment at a time."""
+    n = sum(t.num_rows for t in ads)
+
+    def column(name: str) -> Callable[[], Iterator[np.ndarray]]:
+        return lambda: (t.column(name).to_numpy() for t in ads)
+
+    value = {"ad_value": ArrayPieces((n,), column("value"))} if "value" in ads[0].column_names else {}
+    return exact_pieces(spec, ads) | {"ads": ArrayPieces((n,), column("ad_id"))} | value
 
 
 def _fixed(a: np.ndarray) -> pa.FixedSizeListArray:

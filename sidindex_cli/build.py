@@ -146,8 +146,11 @@ def build(
     force: bool = typer.Option(False, "--force", help="Publish even when the inputs match the published snapshot."),
     keep: int = typer.Option(3, "--keep", min=1, help="Published snapshots to keep (older ones are deleted)."),
     engine: str = typer.Option("local", "--engine", help="Where the build runs: local (this process) or ray "
-                               "(Ray tasks over the Parquet catalog's row groups; needs a frozen codebook and "
-                               "the ray extra: pip install 'sidindex\\[ray]'). Both publish the same arrays."),
+                               "(Ray tasks over the Parquet catalog's row groups, each shard written by its own "
+                               "task, so this process holds no array of the catalog's length; needs a frozen "
+                               "codebook, the ray "
+                               "extra: pip install 'sidindex\\[ray]', and on a cluster the ROOT mounted at the "
+                               "same path on every node). Both publish the same arrays."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster to run on (ADDR, or auto: "
                                               "the one this host belongs to). Default: start a local Ray for the "
                                               "build."),

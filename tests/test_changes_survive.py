@@ -211,6 +211,28 @@ def test_changes_after_the_export_are_applied_again_with_its_watermark(built, po
     assert r.returncode == 2 and "the journal is corrupt" in r.stderr and _published(root) == before, r.stderr
 
 
+def test_the_ray_engine_carries_changes_forward_as_the_local_one_does(built, pool, tmp_path):
+    """Pauses carried and change files re-applied over the snapshot the Ray tasks wrote: the local
+    engine's snapshot, file for file."""
+    pytest.importorskip("ray")
+    from tests.test_scaleout import _same_snapshot
+
+    ads = pool["catalog"].head(N_BASE)
+    ids = ads["ad_id"].to_list()
+    old = _export(pool, tmp_path, ads, "export.parquet")
+    roots = [Path(shutil.copytree(built, tmp_path / engine)) for engine in ("local", "ray")]
+    for root in roots:
+        run_update(root, _changes(pool, tmp_path / "0001.parquet", [{"ad_id": ids[0], "op": "pause"},
+                                                                    {"ad_id": ids[1], "op": "delete"}]))
+        run_update(root, _changes(pool, tmp_path / "0002.parquet", [_upsert(pool, N_BASE, 10**9)]))
+    local = _build(pool, roots[0], old, "--changes-applied-through", "0001.parquet")
+    ray = _build(pool, roots[1], old, "--changes-applied-through", "0001.parquet", "--engine", "ray", "--workers", "2")
+    assert local["carried"] == ray["carried"] == {"paused": 1, "replayed": ["0002.parquet"]}
+    _same_snapshot(roots[0], roots[1])
+    assert _live(roots[1]) == set(ids[1:]) | {10**9}  # the export holds 0001: its delete is not the truth
+    assert not [p for p in (roots[1] / "snapshots").iterdir() if p.name.startswith(".")]  # nothing staged is left
+
+
 # rounds of 1-3 change files (pause/resume/delete an existing ad, upsert a new one or one deleted
 # before), each round
 # ending in a full build from an export `lag` change files old, told its watermark (an export older

@@ -28,7 +28,7 @@ from sidindex.errors import ArtifactError
 from sidindex.ingest import read_catalog
 from sidindex.sid import assign_sids, hash_tokens, load_codebook
 from sidindex.snapshot import open_snapshot
-from sidindex.snapshot.arrays import write_array
+from sidindex.snapshot.arrays import write_array, write_array_pieces
 from sidindex.targeting import load_targeting
 from tests.conftest import run_cli
 
@@ -490,3 +490,24 @@ def test_an_empty_array_is_written_and_mapped(tmp_path):
     spec = ARRAYS_BY_NAME["exact_bloom_hashes"]
     write_array(tmp_path, spec, np.zeros(0, dtype=np.uint64))
     assert map_array(tmp_path, spec, (0,)).shape == (0,)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(sorted(ARRAYS_BY_NAME)), rows=st.integers(0, 3000), width=st.integers(1, 3),
+       cuts=st.lists(st.integers(0, 3000), max_size=6), seed=st.integers(0, 2**16))
+def test_an_array_written_in_pieces_is_the_array_written_whole(tmp_path, name, rows, width, cuts, seed):
+    """What a Ray task streams from its fragments is byte for byte what the local engine writes."""
+    spec = ARRAYS_BY_NAME[name]
+    shape = (rows,) if spec.width is None else (rows, width)
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(spec.dtype).itemsize, dtype=np.uint8)
+    a = a.view(spec.dtype).reshape(shape)
+    whole, pieces = tmp_path / f"whole{seed}", tmp_path / f"pieces{seed}"
+    whole.mkdir(exist_ok=True)
+    pieces.mkdir(exist_ok=True)
+    write_array(whole, spec, a)
+    bounds = [0, *sorted(c for c in cuts if c <= rows), rows]
+    write_array_pieces(pieces, spec, shape, (a[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])))
+    assert (pieces / spec.file).read_bytes() == (whole / spec.file).read_bytes()
+    with pytest.raises(ValueError, match="pieces"):  # pieces that do not fill the array are refused
+        write_array_pieces(pieces, spec, shape, [a[:-1], a[:0]] if rows else [np.zeros(width, dtype=spec.dtype)])

@@ -29,7 +29,8 @@ from sidindex.errors import SidIndexError
 from sidindex.explain import Explainer
 from sidindex.matchers.exact import eligible_pairs
 from sidindex.request_encoding import encode_requests
-from sidindex.snapshot import open_snapshot
+from sidindex.snapshot import Manifest, open_snapshot
+from sidindex.snapshot.snapshot import check_part
 from tests.conftest import run_cli
 from tests.test_snapshot import reseal, rewrite_array
 
@@ -126,6 +127,8 @@ def judge(fuzz_root, name: str, mutate) -> str:
     saved = {p: p.read_bytes() for p in snap_dir.rglob("*") if p.is_file()}
     try:
         mutate(snap_dir)
+        # what a Ray build's tasks check part by part is accepted exactly when the whole open accepts it
+        assert _accepted(lambda: open_snapshot(snap_dir, verify=True)) == _accepted(lambda: _check_parts(snap_dir))
         try:
             got = outcome(snap_dir, requests)
         except SidIndexError:
@@ -139,6 +142,20 @@ def judge(fuzz_root, name: str, mutate) -> str:
         for p, b in saved.items():
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(b)
+
+
+def _accepted(check) -> bool:
+    try:
+        check()
+    except SidIndexError:
+        return False
+    return True
+
+
+def _check_parts(snap_dir: Path) -> None:
+    check_part(snap_dir, None)  # the manifest first: it says how many shards there are
+    for k in range(len(Manifest.read(snap_dir).shard_list())):
+        check_part(snap_dir, k)
 
 
 def _set(name: str, shard: int, at: tuple[int, ...], values: tuple):

@@ -14,6 +14,7 @@ plane's attributes, T hashes.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -212,28 +213,58 @@ def exact_columns(index: ExactIndex) -> dict[str, pa.Array]:
     return out
 
 
-def exact_from_columns(spec: TargetingSpec, table: pa.Table) -> ExactIndex:
-    """The inverse of `exact_columns`, from a table holding those columns (chunked or not)."""
-    def values(name: str) -> pa.Array:
-        return table.column(name).combine_chunks()
+@dataclass(frozen=True)
+class ArrayPieces:
+    """An array of `shape`, as the pieces `pieces()` yields in order (rows, or elements of a flat
+    array): what a task writes without holding the array (`sidindex.snapshot.arrays.write_array_pieces`)."""
 
-    planes = []
+    shape: tuple[int, ...]
+    pieces: Callable[[], Iterator[np.ndarray]]
+
+
+def exact_pieces(spec: TargetingSpec, tables: Sequence[pa.Table]) -> dict[str, ArrayPieces]:
+    """The inverse of `exact_columns` over tables of consecutive catalog rows (a catalog's fragments,
+    in order): the exact index's arrays by snapshot name (`ExactIndex.arrays`), each in pieces of
+    one table's rows (a `values` plane's: one attribute of one table)."""
+    n = sum(t.num_rows for t in tables)
+
+    def column(t: pa.Table, name: str) -> pa.Array:
+        return t.column(name).combine_chunks()
+
+    out = {}
     for kind, layout in zip(KINDS, spec.layouts):
+        names = plane_arrays(kind.name)
         if EXACT_FORM[kind.name] == EXACT_ROWS:
-            col = values(f"exact_plane_{kind.name}")
-            rows = col.flatten().to_numpy().reshape(len(col), col.type.list_size)
-            planes.append(ExactPlane(kind.name, rows=rows))
+            def rows(name: str = f"exact_plane_{kind.name}") -> Iterator[np.ndarray]:
+                for t in tables:
+                    col = column(t, name)
+                    yield col.flatten().to_numpy().reshape(len(col), col.type.list_size)
+            out[names.exact_rows] = ArrayPieces((n, layout.words), rows)
             continue
-        offsets, pieces, base = [], [], 0
-        for name in layout.names:
-            col = values(f"exact_attr_{name}")
-            off = col.offsets.to_numpy().astype(np.int64)
-            offsets.append(off - off[0] + base)
-            pieces.append(col.values.to_numpy()[off[0]:off[-1]])
-            base += int(off[-1] - off[0])
-        planes.append(ExactPlane(kind.name, hash_offsets=np.stack(offsets),
-                                 hashes=np.concatenate(pieces or [np.zeros(0, dtype=np.uint64)])))
-    return ExactIndex(spec, tuple(planes))
+        attrs = [f"exact_attr_{a}" for a in layout.names]
+
+        def offsets(attrs: list[str] = attrs) -> Iterator[np.ndarray]:
+            # attribute-major: each attribute's offsets over every ad, one run rising through them all
+            held = 0
+            for name in attrs:
+                for t in tables:
+                    off = column(t, name).offsets.to_numpy().astype(np.int64)
+                    yield off[:-1] - off[0] + held
+                    held += int(off[-1] - off[0])
+                yield np.array([held], dtype=np.int64)
+
+        def hashes(attrs: list[str] = attrs) -> Iterator[np.ndarray]:
+            for name in attrs:
+                for t in tables:
+                    col = column(t, name)
+                    off = col.offsets.to_numpy()
+                    yield col.values.to_numpy()[off[0]:off[-1]]
+
+        total = sum(int(len(column(t, name).flatten())) for name in attrs for t in tables)
+        out[names.exact_hash_offsets] = ArrayPieces((len(attrs) * (n + 1),), offsets)
+        out[names.exact_hashes] = ArrayPieces((total,), hashes)
+    return out
+
 
 
 def eligible_mask(index: ExactIndex, requests: BatchQueries, request: int, ads: np.ndarray) -> np.ndarray:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sidindex import histogram
 from sidindex.config import QualityThresholds
 from sidindex.sid.assign import SIDAssignment, key_counts, key_tokens, sid_keys
 from sidindex.sid.codebook import Codebook
@@ -96,6 +97,36 @@ def quality_sums(assignment: SIDAssignment, codebook: Codebook, embedding: np.nd
                        _reconstruction_error(codebook, embedding, assignment), mean, spread)
 
 
+@dataclass(frozen=True)
+class SidSums:
+    """What the quality report needs from the distinct SIDs, summed over sets of them that follow
+    each other in key order (a snapshot's shards; `merge` adds the next set's).
+
+    use:     per level l, (level_sizes[l],) int64 the SID rows under each token
+    per_sid: (M,) int64 histogram of the SIDs' row counts (`sidindex.histogram`)
+    top:     the row count of the first SID (in key order) with the most rows; top_sid: its tokens
+    """
+
+    use: tuple[np.ndarray, ...]
+    per_sid: np.ndarray
+    top: int
+    top_sid: tuple[int, ...]
+
+    @classmethod
+    def of(cls, sids: np.ndarray, counts: np.ndarray, level_sizes: tuple[int, ...]) -> SidSums:
+        """The sums of distinct SIDs (S, L) int16 in key order holding counts (S,) int64 rows each."""
+        top = int(np.argmax(counts)) if len(counts) else 0
+        return cls(tuple(np.bincount(sids[:, level].astype(np.int64), weights=counts, minlength=size).astype(np.int64)
+                         for level, size in enumerate(level_sizes)),
+                   histogram.histogram(counts), int(counts[top]) if len(counts) else 0,
+                   tuple(int(t) for t in sids[top]) if len(counts) else ())
+
+    def merge(self, other: SidSums) -> SidSums:
+        first = self if self.top >= other.top else other  # a tie: the SID first in key order
+        return SidSums(tuple(a + b for a, b in zip(self.use, other.use)), histogram.merged(self.per_sid, other.per_sid),
+                       first.top, first.top_sid)
+
+
 def sid_quality(assignment: SIDAssignment, codebook: Codebook, embedding: np.ndarray,
                 thresholds: QualityThresholds | None = None) -> QualityReport:
     """Report on an assignment; `failures` lists the crossed thresholds (empty when none).
@@ -103,39 +134,41 @@ def sid_quality(assignment: SIDAssignment, codebook: Codebook, embedding: np.nda
     embedding: (N, D) float32, the embeddings the assignment was made from
     """
     uniq, counts = key_counts(sid_keys(assignment.sids, assignment.level_sizes))
-    return quality_report(key_tokens(uniq, assignment.level_sizes), counts,
-                          np.bincount(assignment.ad_index, minlength=assignment.n_ads),
-                          quality_sums(assignment, codebook, embedding), codebook, thresholds)
+    return quality_report(SidSums.of(key_tokens(uniq, assignment.level_sizes), counts, assignment.level_sizes),
+                          ads_rows(assignment), quality_sums(assignment, codebook, embedding), codebook, thresholds)
 
 
-def quality_report(sids: np.ndarray, counts: np.ndarray, per_ad: np.ndarray, sums: QualitySums, codebook: Codebook,
+def ads_rows(assignment: SIDAssignment) -> np.ndarray:
+    """(M,) int64 histogram of the SID rows of each ad of the assignment (ads without any count 0)."""
+    return histogram.histogram(np.bincount(assignment.ad_index, minlength=assignment.n_ads))
+
+
+def quality_report(sids: SidSums, per_ad: np.ndarray, sums: QualitySums, codebook: Codebook,
                    thresholds: QualityThresholds | None = None) -> QualityReport:
-    """The report of an assignment given as its distinct SIDs (S, L) int16 in key order, the SID
-    rows of each (S,) int64, the SID rows of each ad (N,) int64, and its embedding sums."""
-    n = len(per_ad)
-    level_sizes = codebook.level_sizes
-    top = int(np.argmax(counts))
+    """The report of an assignment given as its distinct SIDs' sums, the histogram (M,) int64 of
+    its ads' SID rows, and its embedding sums."""
+    n = histogram.items(per_ad)
     levels = []
     n_sem = len(codebook.centroids)
-    for level, size in enumerate(level_sizes):
-        use = np.bincount(sids[:, level].astype(np.int64), weights=counts, minlength=size).astype(np.int64)
+    for level, (size, use) in enumerate(zip(codebook.level_sizes, sids.use)):
         levels.append(LevelUsage(level, "semantic" if level < n_sem else "hash", size,
                                  int((use > 0).sum()), int((use == 0).sum()), _perplexity(use), _gini(use)))
-    rows = int(counts.sum())
+    held = np.arange(len(sids.per_sid), dtype=np.int64)
+    rows = int(np.dot(held, sids.per_sid))
     mse = tuple(float(e / max(n, 1)) for e in sums.sq_error)
     spread = sums.spread / max(n, 1)
     report = QualityReport(
         n_ads=n,
         n_sid_rows=rows,
-        sids_per_ad_mean=float(per_ad.mean()),
-        sids_per_ad_counts={int(k): int(v) for k, v in enumerate(np.bincount(per_ad)) if v},
-        distinct_sids=len(counts),
-        ads_per_sid_p50=float(np.percentile(counts, 50)),
-        ads_per_sid_p99=float(np.percentile(counts, 99)),
-        ads_per_sid_max=int(counts[top]),
-        largest_group_sid=tuple(int(t) for t in sids[top]),
-        largest_group_share=float(counts[top] / n),
-        collision_rate=float(counts[counts > 1].sum() / rows),
+        sids_per_ad_mean=histogram.mean(per_ad),
+        sids_per_ad_counts={int(k): int(v) for k, v in enumerate(per_ad) if v},
+        distinct_sids=histogram.items(sids.per_sid),
+        ads_per_sid_p50=histogram.percentile(sids.per_sid, 50),
+        ads_per_sid_p99=histogram.percentile(sids.per_sid, 99),
+        ads_per_sid_max=sids.top,
+        largest_group_sid=sids.top_sid,
+        largest_group_share=float(sids.top / n),
+        collision_rate=float(int(np.dot(held[2:], sids.per_sid[2:])) / rows),
         levels=tuple(levels),
         mse=mse,
         relative_mse=mse[-1] / spread if spread > 0 else 0.0,

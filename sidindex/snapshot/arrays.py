@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -30,12 +32,70 @@ def _arrow_type(spec: ArrayFile, width: int | None) -> pa.DataType:
 def write_array(directory: Path, spec: ArrayFile, array: np.ndarray) -> None:
     """Write `array` (1-D, or 2-D for a spec with a width) as `directory/spec.file` (the caller fsyncs)."""
     a = np.ascontiguousarray(array, dtype=spec.dtype)
+    with pa.OSFile(str(directory / spec.file), "wb") as sink:
+        _write_batch(sink, spec, a)
+
+
+def write_array_pieces(directory: Path, spec: ArrayFile, shape: tuple[int, ...], pieces: Iterable[np.ndarray]) -> None:
+    """Write the array of `shape` whose rows are `pieces`, in order, as `write_array` writes it whole,
+    holding one piece at a time (a task writes an array of the catalog's length from its fragments).
+
+    The file is written for a stand-in of the whole array: private anonymous memory that is never
+    touched (no page of it is ever resident), which pyarrow hands the sink as one buffer; the sink
+    writes the pieces in its place."""
+    nbytes = int(np.prod(shape)) * np.dtype(spec.dtype).itemsize
+    stand_in = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # unmapped when dropped
+    a = np.frombuffer(stand_in, dtype=spec.dtype, count=int(np.prod(shape))).reshape(shape)
+    with open(directory / spec.file, "wb") as f:
+        sink = _PiecesSink(f, a.ctypes.data, nbytes, spec.dtype, iter(pieces))
+        with pa.PythonFile(sink, mode="w") as out:
+            _write_batch(out, spec, a)
+        if not sink.written:
+            raise AssertionError(f"{spec.name}: pyarrow did not hand the sink the array's values as one buffer")
+        if nbytes == 0 and any(np.asarray(p).size for p in sink.pieces):
+            raise ValueError(f"{spec.name}: pieces of an empty array hold values")
+
+
+class _PiecesSink:
+    """A file-like sink writing `pieces` where pyarrow writes the buffer at `address` (`nbytes` long)."""
+
+    def __init__(self, file: BinaryIO, address: int, nbytes: int, dtype: str, pieces: Iterator[np.ndarray]) -> None:
+        self.file, self.address, self.nbytes, self.dtype, self.pieces = file, address, nbytes, dtype, pieces
+        self.written = nbytes == 0  # an empty array's values are not written at all
+        self.closed = False
+
+    def write(self, data: object) -> int:
+        if isinstance(data, pa.Buffer) and data.address == self.address and data.size == self.nbytes:
+            n = 0
+            for piece in self.pieces:
+                n += self.file.write(np.ascontiguousarray(piece, dtype=self.dtype).data)
+            if n != self.nbytes:
+                raise ValueError(f"the pieces hold {n} bytes, the array {self.nbytes}")
+            self.written = True
+            return n
+        return self.file.write(memoryview(data))  # type: ignore[arg-type]  # bytes or a pyarrow buffer
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.closed = True
+
+    def writable(self) -> bool:
+        return True
+
+
+def _write_batch(sink: pa.NativeFile, spec: ArrayFile, a: np.ndarray) -> None:
+    """One record batch of one column holding `a`, as an Arrow IPC file into `sink`."""
     if a.ndim != (1 if spec.width is None else 2):
         raise ValueError(f"{spec.name}: expected {'1' if spec.width is None else '2'} dimensions, got {a.shape}")
     values = pa.array(a.reshape(-1))
     column = values if spec.width is None else pa.FixedSizeListArray.from_arrays(values, a.shape[1])
     batch = pa.record_batch([column], names=[spec.column_name])  # one batch even when empty (a table writes none)
-    with pa.OSFile(str(directory / spec.file), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
+    with pa.ipc.new_file(sink, batch.schema) as writer:
         writer.write_batch(batch)
 
 

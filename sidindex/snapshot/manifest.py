@@ -107,6 +107,13 @@ class Counts:
         return cls(ads=len(ad_id), sid_rows=sum(len(g.leaf_ads) for g in shards),
                    sids=sum(g.num_leaves for g in shards), nodes=1 + sum(g.num_nodes - 1 for g in shards))
 
+    @classmethod
+    def of_shapes(cls, shards: Sequence[ShardEntry], ads: int) -> Counts:
+        """`of` from the shards' array shapes (what their arrays hold once mapped)."""
+        return cls(ads=ads, sid_rows=sum(e.arrays["leaf_ads"].rows for e in shards),
+                   sids=sum(e.arrays["leaf_ad_offsets"].rows - 1 for e in shards),
+                   nodes=1 + sum(e.arrays["node_offsets"].rows - 2 for e in shards))
+
     def to_dict(self) -> dict:
         return asdict(self)
 

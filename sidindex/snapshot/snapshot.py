@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -43,7 +44,14 @@ from sidindex.root import Root, pruned
 from sidindex.sid.codebook import Codebook, load_codebook, save_codebook
 from sidindex.snapshot.arrays import map_array, prefault_pages, same_memory, write_array
 from sidindex.snapshot.manifest import ArrayShape, Counts, FileEntry, Lineage, Manifest, ShardEntry
-from sidindex.snapshot.validate import Changed, check_cover, check_lineage, check_structure
+from sidindex.snapshot.validate import (
+    Changed,
+    check_cover,
+    check_globals,
+    check_lineage,
+    check_shard,
+    check_structure,
+)
 from sidindex.targeting import TargetingSpec, spec_from_dict
 from sidindex.timing import StageClock
 from sidindex.trie.build import GTMIndex
@@ -119,51 +127,92 @@ def write_snapshot(directory: Path, shards: Sequence[Shard], exact: ExactIndex, 
     manifest entries, not written and hashed again, so an update's cost follows what it changed
     (a shard it did not touch is all links). lineage: the update's.
     """
-    kept = {}  # files linked from the base, with the base's manifest entries
-    theirs = _base_files(base) if base is not None else {}  # the base's checked arrays, by its file
-    by_range = {} if base is None else {(e.lo, e.hi): e for e in base.manifest.shard_list()}
-
-    def put(name: str, a: np.ndarray, file: str, source: str | None) -> None:
-        """Array `name` as `file`, linked from the base's `source` when that holds this very array."""
-        if source in theirs and same_memory(theirs[source][1], a):
-            assert base is not None  # (theirs is empty without one)
-            link_file(base.path / source, directory / file)
-            kept[file] = base.manifest.files[source]
-        else:
-            write_array((directory / file).parent, ARRAYS_BY_NAME[name], a)
-
-    entries_out = []
-    for k, shard in enumerate(shards):
-        (directory / shard_dir(k)).mkdir(parents=True)
-        arrays = _shard_arrays(shard)
-        entry = ShardEntry(shard.lo, shard.hi, {n: _shape(a) for n, a in arrays.items()}, shard_dir(k))
-        same = by_range.get((shard.lo, shard.hi))  # the base's shard of this token range
-        for name, a in arrays.items():
-            put(name, a, entry.file(name), None if same is None else same.file(name))
-        entries_out.append(entry)
+    written = [write_shard(directory, k, shard, base) for k, shard in enumerate(shards)]
     global_arrays = _global_arrays(shards, exact, ad_id)
-    for name, a in global_arrays.items():
-        put(name, a, ARRAYS_BY_NAME[name].file, ARRAYS_BY_NAME[name].file)
+    kept = write_globals(directory, global_arrays, base)
+    for _, linked in written:
+        kept |= linked
+    return write_manifest(directory, [e for e, _ in written], {n: _shape(a) for n, a in global_arrays.items()}, kept,
+                          spec, shards[0].gtm.level_sizes, snapshot_id=snapshot_id, codebook=codebook,
+                          input_fingerprint=input_fingerprint, catalog=catalog, build_config=build_config,
+                          stats=stats, quality=quality, base=base, lineage=lineage)
+
+
+def write_shard(directory: Path, k: int, shard: Shard, base: Snapshot | None = None
+                ) -> tuple[ShardEntry, dict[str, dict]]:
+    """Write shard k's files into `directory`'s shards/<k>/ (made anew; what a failed attempt left
+    there is removed); returns its manifest entry and the listing of the files linked from `base`'s
+    shard of the same token range (`write_snapshot`)."""
+    where = directory / shard_dir(k)
+    shutil.rmtree(where, ignore_errors=True)
+    where.parent.mkdir(exist_ok=True)  # not `directory`: one removed meanwhile (a failed build's) stays gone
+    where.mkdir()
+    arrays = _shard_arrays(shard)
+    entry = ShardEntry(shard.lo, shard.hi, {n: _shape(a) for n, a in arrays.items()}, shard_dir(k))
+    same = None if base is None else {(e.lo, e.hi): e for e in base.manifest.shard_list()}.get((shard.lo, shard.hi))
+    kept: dict[str, dict] = {}
+    theirs = {} if same is None or base is None else _base_files(base)
+    for name, a in arrays.items():
+        _put(directory, name, a, entry.file(name), None if same is None else same.file(name), base, theirs, kept)
+    return entry, kept
+
+
+def write_globals(directory: Path, arrays: dict[str, np.ndarray], base: Snapshot | None = None) -> dict[str, dict]:
+    """Write the global arrays (`_global_arrays`) into `directory`; returns the listing of the files
+    linked from `base` (`write_snapshot`)."""
+    kept: dict[str, dict] = {}
+    theirs = {} if base is None else _base_files(base)
+    for name, a in arrays.items():
+        _put(directory, name, a, ARRAYS_BY_NAME[name].file, ARRAYS_BY_NAME[name].file, base, theirs, kept)
+    return kept
+
+
+def _put(directory: Path, name: str, a: np.ndarray, file: str, source: str | None, base: Snapshot | None,
+         theirs: dict[str, tuple[ArrayShape, np.ndarray]], kept: dict[str, dict]) -> None:
+    """Array `name` as `file`, linked from the base's `source` (its listing into `kept`) when that
+    holds this very array (theirs: the base's arrays by file, `_base_files`)."""
+    if base is not None and source in theirs and same_memory(theirs[source][1], a):
+        link_file(base.path / source, directory / file)
+        kept[file] = base.manifest.files[source].listing()
+        return
+    write_array((directory / file).parent, ARRAYS_BY_NAME[name], a)
+
+
+def list_shard(directory: Path, k: int) -> dict[str, dict]:
+    """The manifest listing (sizes, digests) of the files of shard k, by path below `directory`:
+    what a Ray task that wrote the shard hands the manifest's writer instead of the arrays."""
+    return {f"{shard_dir(k)}/{n}": e for n, e in list_files(directory / shard_dir(k), MANIFEST_FILE, fast=True).items()}
+
+
+def write_manifest(directory: Path, shards: Sequence[ShardEntry], global_arrays: dict[str, ArrayShape],
+                   listed: dict[str, dict], spec: TargetingSpec, level_sizes: tuple[int, ...], *, snapshot_id: str,
+                   codebook: Codebook | None,
+                   input_fingerprint: str = "", catalog: str = "", build_config: BuildConfig | None = None,
+                   stats: GTMStats | None = None, quality: dict | None = None, base: Snapshot | None = None,
+                   lineage: Lineage | None = None) -> Manifest:
+    """Write the codebook (linked from `base` when it has this one) and manifest.json into the
+    `directory` that holds the shards and global arrays described (`write_shard`, `write_globals`);
+    listed: files whose listing is known (linked, or listed by whoever wrote them), the rest are hashed
+    here. Returns the manifest."""
+    kept = dict(listed)
     if codebook is not None:
         if base is not None and base.manifest.codebook_id == codebook.id:
-            for name, listed in base.manifest.files.items():
+            for name, entry in base.manifest.files.items():
                 if name.startswith(f"codebooks/{codebook.id}/"):
                     link_file(base.path / name, directory / name)
-                    kept[name] = listed
+                    kept[name] = entry.listing()
         else:
             save_codebook(codebook, directory)
-    g = [s.gtm for s in shards]
+    first = shards[0].arrays
     manifest = Manifest(
         id=snapshot_id, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         input_fingerprint=input_fingerprint, catalog=catalog, codebook_id=codebook.id if codebook else None,
-        build_config=build_config, targeting=spec.to_dict(), level_sizes=tuple(g[0].level_sizes),
-        kway=g[0].part_offsets is not None,
-        counts=Counts.of(g, ad_id),
-        stats=stats, quality=quality, arrays={n: _shape(a) for n, a in global_arrays.items()},
-        files={n: FileEntry.of(e) for n, e in list_files(directory, MANIFEST_FILE,
-                                                          {n: f.listing() for n, f in kept.items()},
-                                                          fast=True).items()},
-        shards=tuple(entries_out), lineage=lineage)
+        build_config=build_config, targeting=spec.to_dict(), level_sizes=tuple(level_sizes),
+        kway="part_offsets" in first,
+        counts=Counts.of_shapes(shards, global_arrays["ads"].rows),
+        stats=stats, quality=quality, arrays=dict(global_arrays),
+        files={n: FileEntry.of(e) for n, e in list_files(directory, MANIFEST_FILE, kept, fast=True).items()},
+        shards=tuple(shards), lineage=lineage)
     (directory / MANIFEST_FILE).write_bytes(manifest.to_bytes())
     return manifest
 
@@ -250,13 +299,7 @@ def _pruned(path: Path, directory: Path) -> bool:
 def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bool, base: Snapshot | None,
           while_checking: Callable[[dict[str, np.ndarray]], None] | None) -> Snapshot:
     clock = StageClock()
-    m = Manifest.read(directory)
-    where = directory / MANIFEST_FILE
-    try:
-        spec = spec_from_dict(m.targeting, where=f"{where} targeting")
-    except SidIndexError as e:
-        raise ArtifactError(str(e)) from None
-    _check_shapes(where, m, spec)
+    m, spec = _manifest(directory)
     clock.lap("manifest")
     entries = m.shard_list()
     theirs = _base_files(base) if base is not None and _comparable(m, spec, base) else {}
@@ -303,6 +346,57 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     if base is not None and (joined := base.joined()) is not None:
         beside = (base.shards, joined)
     return Snapshot(directory, m, spec, shards, exact, ad_id, codebook, clock.seconds, beside)
+
+
+def _manifest(directory: Path) -> tuple[Manifest, TargetingSpec]:
+    """The snapshot's manifest and spec, once the shapes it declares agree (`_check_shapes`)."""
+    m = Manifest.read(directory)
+    where = directory / MANIFEST_FILE
+    try:
+        spec = spec_from_dict(m.targeting, where=f"{where} targeting")
+    except SidIndexError as e:
+        raise ArtifactError(str(e)) from None
+    _check_shapes(where, m, spec)
+    return m, spec
+
+
+def check_part(directory: Path, part: int | None) -> None:
+    """Check one part of the snapshot `directory` as `open_snapshot(directory, verify=True)` checks
+    it, so that the parts of a large snapshot are checked side by side (a Ray build's tasks), none
+    holding it whole: part None the manifest, the file list and sizes, the counts, the global
+    arrays' digests and structure, the lineage and the codebook; part k shard k's digests and trie
+    (against the global arrays it reads). A snapshot passes `open_snapshot` exactly when part None
+    and each of its shards' parts pass; the first error met may differ."""
+    m, spec = _manifest(directory)
+    listing = {n: f.listing() for n, f in m.files.items()}
+    entries = m.shard_list()
+    entry = None if part is None else entries[part]
+    if entry is None:
+        verify_files(directory, listing, MANIFEST_FILE, checksums=False)
+        theirs = {e.file(n) for e in entries for n in e.arrays}
+        mine = {n: e for n, e in listing.items() if n not in theirs}
+    else:
+        mine = {entry.file(n): listing[entry.file(n)] for n in entry.arrays}
+    try:
+        glob = {n: map_array(directory, ARRAYS_BY_NAME[n], s.shape) for n, s in m.global_arrays.items()}
+        exact = ExactIndex.from_arrays(spec, glob, len(glob["ads"]))
+        shard = None if entry is None else Shard(entry.lo, entry.hi, GTMIndex.from_arrays(
+            m.level_sizes, {n: map_array(directory / entry.directory, ARRAYS_BY_NAME[n], s.shape)
+                            for n, s in entry.arrays.items()} | _value(glob), MATCHER_PLANES))
+    except ArtifactError:
+        verify_checksums(directory, mine)
+        raise
+    verify_checksums(directory, mine)
+    if entry is not None and shard is not None:
+        check_shard(directory / entry.directory, shard, exact, len(glob["ads"]))
+        return
+    check_globals(directory, exact, glob["ads"])
+    found = Counts.of_shapes(entries, len(glob["ads"]))
+    if m.counts != found:
+        raise ArtifactError(f"{directory / MANIFEST_FILE}: counts {m.counts.to_dict()} disagree with the arrays "
+                            f"{found.to_dict()}")
+    check_lineage(directory, m.lineage, exact.ad_state)
+    _codebook(directory, m)
 
 
 def _checked(directory: Path, m: Manifest, shards: Sequence[Shard], exact: ExactIndex, ad_id: np.ndarray,

@@ -174,6 +174,20 @@ def check_structure(directory: Path, shards: Sequence[tuple[Path, Shard]], exact
     uint8 the base's row states (None: all live): ad ids are checked again when a row leaves the
     deleted state, else the rows not deleted are a subset of checked ones.
     """
+    check_globals(directory, exact, ad_id, changed, base_state)
+    value_changed = changed is None or "ad_value" in changed.globals
+    for k, (where, shard) in enumerate(shards):
+        new = None if changed is None else changed.shards[k] | ({"ad_value"} if value_changed else set())
+        check_shard(where, shard, exact, len(ad_id), new)
+    found = Counts.of([s.gtm for _, s in shards], ad_id)
+    if counts != found:
+        raise ArtifactError(f"{directory / MANIFEST_FILE}: counts {counts.to_dict()} disagree with the arrays "
+                            f"{found.to_dict()}")
+
+
+def check_globals(directory: Path, exact: ExactIndex, ad_id: np.ndarray, changed: Changed | None = None,
+                  base_state: np.ndarray | None = None) -> None:
+    """`check_structure`'s checks of the global arrays (the exact index, the states, the ad ids)."""
     need = _Need(directory)
     if changed is None or changed.globals - {"ad_state"}:
         groups: tuple[Callable[[_Need, ExactIndex, np.ndarray], None], ...] = (_exact, _state, _ads)
@@ -183,14 +197,6 @@ def check_structure(directory: Path, shards: Sequence[tuple[Path, Shard]], exact
         groups = (_state, _ads) if revived else (_state,)
     for group in groups:
         group(need, exact, ad_id)
-    value_changed = changed is None or "ad_value" in changed.globals
-    for k, (where, shard) in enumerate(shards):
-        new = None if changed is None else changed.shards[k] | ({"ad_value"} if value_changed else set())
-        check_shard(where, shard, exact, len(ad_id), new)
-    found = Counts.of([s.gtm for _, s in shards], ad_id)
-    if counts != found:
-        raise ArtifactError(f"{directory / MANIFEST_FILE}: counts {counts.to_dict()} disagree with the arrays "
-                            f"{found.to_dict()}")
 
 
 def check_shard(path: Path, shard: Shard, exact: ExactIndex, n_ads: int,

@@ -5,12 +5,14 @@ the `stats` of a snapshot's manifest, which `from_dict` reads back."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from schemas.artifacts import MATCHER_PLANES
+from sidindex import histogram
 from sidindex.matchers.bits import fill_rate
 from sidindex.trie.build import GTMIndex
 
@@ -118,14 +120,32 @@ def _share(doc: dict, key: str) -> float:
     return v
 
 
-def gtm_stats(shards: Sequence[GTMIndex], plane_bits: tuple[int, ...]) -> GTMStats:
-    """The statistics of the index whose shards' tries are `shards` (one: a whole trie), summed
-    shard by shard (a shard's table rows are its own: bytes after dedup are the bytes stored).
-    plane_bits: meaningful bits per row of each plane (fill rates ignore word padding)."""
-    L = shards[0].sid_length
-    sums = np.zeros((L, 4), dtype=np.int64)  # per position: parents, entries, partitions, part bytes
-    plane_sums = {p.name: np.zeros((L, 4)) for p in shards[0].planes}  # before, after, sum of fills, of part fills
-    for index in shards:
+@dataclass(frozen=True)
+class StatsSums:
+    """What the statistics need from a trie, summed shard by shard (`merge` adds the next shard's),
+    so that a Ray build's driver merges per-shard sums instead of holding the shards.
+
+    positions: (L, 4) int64 per position: parents, entries, partitions, partition bytes
+    planes:    per plane (L, 4) float64: bytes before, after dedup, summed fill of the entries' rows,
+               of the partitions' rows
+    table_bytes: per plane, the tables as stored; nodes: below the root
+    per_sid:   (M,) int64 histogram of the SIDs' ad counts (`sidindex.histogram`)
+    """
+
+    positions: np.ndarray
+    planes: dict[str, np.ndarray]
+    table_bytes: dict[str, int]
+    nodes: int
+    per_sid: np.ndarray
+    kway: bool
+
+    @classmethod
+    def of(cls, index: GTMIndex, plane_bits: tuple[int, ...]) -> StatsSums:
+        """The sums of one shard's trie; plane_bits: meaningful bits per row of each plane (fill
+        rates ignore word padding)."""
+        L = index.sid_length
+        sums = np.zeros((L, 4), dtype=np.int64)
+        plane_sums = {p.name: np.zeros((L, 4)) for p in index.planes}
         fills = [fill_rate(p.table, max(bits, 1)) for p, bits in zip(index.planes, plane_bits)]
         for d in range(L):
             lo, hi = index.depth_offsets[d + 1] - 1, index.depth_offsets[d + 2] - 1  # entries of depth d+1 nodes
@@ -140,25 +160,49 @@ def gtm_stats(shards: Sequence[GTMIndex], plane_bits: tuple[int, ...]) -> GTMSta
                 part = float(fill[p.part_index[plo:phi]].sum()) if p.part_index is not None else 0.0
                 plane_sums[p.name][d] += ((hi - lo) * row, _distinct(idx, len(fill)) * row, float(fill[idx].sum()),
                                           part)
-    sums[0, 0] = 1  # the root, whichever shards share it
-    kway = shards[0].part_offsets is not None
-    positions = tuple(PositionStats(
-        position=d, parents=int(sums[d, 0]), entries=int(sums[d, 1]),
-        planes={n: PlaneStats(int(x[d, 0]), int(x[d, 1]), float(x[d, 2] / max(sums[d, 1], 1)),
-                              float(x[d, 3] / max(sums[d, 2], 1)) if kway else 0.0) for n, x in plane_sums.items()},
-        **(dict(partitions=int(sums[d, 2]), part_bytes=int(sums[d, 3])) if kway else {})) for d in range(L))
-    per_sid = np.concatenate([np.diff(index.leaf_ad_offsets) for index in shards])
-    rows = max(int(np.max(index.leaf_ads)) for index in shards) + 1
+        return cls(sums, plane_sums, {p.name: int(p.table.nbytes) for p in index.planes}, index.num_nodes - 1,
+                   histogram.histogram(np.diff(index.leaf_ad_offsets)), index.part_offsets is not None)
+
+    def merge(self, other: StatsSums) -> StatsSums:
+        return StatsSums(self.positions + other.positions, {n: x + other.planes[n] for n, x in self.planes.items()},
+                         {n: b + other.table_bytes[n] for n, b in self.table_bytes.items()}, self.nodes + other.nodes,
+                         histogram.merged(self.per_sid, other.per_sid), self.kway)
+
+    def stats(self, per_ad: np.ndarray) -> GTMStats:
+        """The statistics; per_ad: (M,) int64 histogram of the ads' SID rows (ads without any are
+        left out)."""
+        sums, kway = self.positions.copy(), self.kway
+        sums[0, 0] = 1  # the root, whichever shards share it
+        per_ad = histogram.without_zero(per_ad)
+        positions = tuple(PositionStats(
+            position=d, parents=int(sums[d, 0]), entries=int(sums[d, 1]),
+            planes={n: PlaneStats(int(x[d, 0]), int(x[d, 1]), float(x[d, 2] / max(sums[d, 1], 1)),
+                                  float(x[d, 3] / max(sums[d, 2], 1)) if kway else 0.0)
+                    for n, x in self.planes.items()},
+            **(dict(partitions=int(sums[d, 2]), part_bytes=int(sums[d, 3])) if kway else {}))
+            for d in range(len(sums)))
+        return GTMStats(
+            positions=positions, num_nodes=1 + self.nodes, sids=histogram.items(self.per_sid),
+            table_bytes=dict(self.table_bytes), ads_per_sid_p50=histogram.percentile(self.per_sid, 50),
+            ads_per_sid_p99=histogram.percentile(self.per_sid, 99), ads_per_sid_max=histogram.largest(self.per_sid),
+            sids_per_ad_mean=histogram.mean(per_ad), sids_per_ad_max=histogram.largest(per_ad))
+
+
+def gtm_stats(shards: Sequence[GTMIndex], plane_bits: tuple[int, ...]) -> GTMStats:
+    """The statistics of the index whose shards' tries are `shards` (one: a whole trie), summed
+    shard by shard (a shard's table rows are its own: bytes after dedup are the bytes stored).
+    plane_bits: meaningful bits per row of each plane (fill rates ignore word padding)."""
+    return functools.reduce(StatsSums.merge, (StatsSums.of(index, plane_bits) for index in shards)).stats(
+        histogram.histogram(ad_rows(shards)))
+
+
+def ad_rows(shards: Sequence[GTMIndex]) -> np.ndarray:
+    """(N',) int64 the SID rows of each catalog row up to the last one the shards hold."""
+    rows = max((int(np.max(index.leaf_ads)) + 1 for index in shards if len(index.leaf_ads)), default=0)
     per_ad = np.zeros(rows, dtype=np.int64)
     for index in shards:
         per_ad += np.bincount(index.leaf_ads, minlength=rows)
-    per_ad = per_ad[per_ad > 0]
-    return GTMStats(
-        positions=positions, num_nodes=1 + sum(index.num_nodes - 1 for index in shards), sids=len(per_sid),
-        table_bytes={p.name: sum(int(index.planes[i].table.nbytes) for index in shards)
-                     for i, p in enumerate(shards[0].planes)},
-        ads_per_sid_p50=float(np.percentile(per_sid, 50)), ads_per_sid_p99=float(np.percentile(per_sid, 99)),
-        ads_per_sid_max=int(per_sid.max()), sids_per_ad_mean=float(per_ad.mean()), sids_per_ad_max=int(per_ad.max()))
+    return per_ad
 
 
 def _distinct(index: np.ndarray, rows: int) -> int:
