@@ -82,7 +82,11 @@ def fuzz_root(tmp_path_factory, sample_dir):
 
 def outcome(snap_dir: Path, requests: Path) -> dict:
     """Open, load, retrieve in every mode and explain: the results a user would see, as plain data."""
-    snap = open_snapshot(snap_dir, verify=False)  # checksums were recomputed: structure is what is tested
+    return served(open_snapshot(snap_dir, verify=True), requests)
+
+
+def served(snap, requests: Path) -> dict:
+    """`outcome` of an opened snapshot."""
     index = runtime.load_index(snap, "cpu")
     reqs = runtime.read_requests(requests, index)
     out = {}
@@ -121,16 +125,23 @@ def current(snap_dir: Path, name: str, shard: int = 0) -> np.ndarray:
     return _ORIGINAL[snap_dir, name, shard].copy()
 
 
-def judge(fuzz_root, name: str, mutate) -> str:
-    """Apply `mutate(snap_dir)`, run everything a user runs, restore; returns "refused" or "served"."""
+def judge(fuzz_root, name: str, mutate, parts: bool = True) -> str:
+    """Apply `mutate(snap_dir)`, run everything a user runs, restore; returns "refused" or "served".
+    parts: also hold the part-by-part check (a Ray build's) to the open's verdict."""
     snap_dir, requests, reference = fuzz_root
     saved = {p: p.read_bytes() for p in snap_dir.rglob("*") if p.is_file()}
     try:
         mutate(snap_dir)
-        # what a Ray build's tasks check part by part is accepted exactly when the whole open accepts it
-        assert _accepted(lambda: open_snapshot(snap_dir, verify=True)) == _accepted(lambda: _check_parts(snap_dir))
         try:
-            got = outcome(snap_dir, requests)
+            snap = open_snapshot(snap_dir, verify=True)
+        except SidIndexError:
+            snap = None
+        # what a Ray build's tasks check part by part is accepted exactly when the whole open accepts it
+        assert not parts or (snap is not None) == _accepted(lambda: _check_parts(snap_dir))
+        if snap is None:
+            return "refused"
+        try:
+            got = served(snap, requests)
         except SidIndexError:
             return "refused"
         if name not in DATA:
@@ -206,8 +217,8 @@ def _grow(a: np.ndarray) -> np.ndarray:
 def test_value_fuzzer_every_array_and_relation(fuzz_root):
     outcomes = {"refused": 0, "served": 0}
     by_file: dict[str, set[str]] = {}
-    for name, label, mutate in _cases(fuzz_root):
-        verdict = judge(fuzz_root, name, mutate)
+    for i, (name, label, mutate) in enumerate(_cases(fuzz_root)):
+        verdict = judge(fuzz_root, name, mutate, parts=i % 3 == 0)  # a third of them, spread over every file
         outcomes[verdict] += 1
         by_file.setdefault(label.split("[")[0].split(":")[0], set()).add(verdict)
     assert sum(outcomes.values()) > 2000, outcomes
