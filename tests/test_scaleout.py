@@ -309,8 +309,10 @@ def _ray_tasks(name: str, session: int) -> list[int]:
     return out
 
 
-def test_a_killed_worker_fails_the_build_and_publishes_nothing(spec, write_catalog, tmp_path):
-    """SIGKILL a worker of the build while it prepares a fragment: the console script exits 2 with one line."""
+@pytest.mark.parametrize("task", ["prepare", "write_shard"])
+def test_a_killed_worker_fails_the_build_and_publishes_nothing(spec, write_catalog, tmp_path, task):
+    """SIGKILL a worker of the build while it prepares a fragment, or while it writes a shard into the
+    snapshot's staging directory: the console script exits 2 with one line, and nothing is left."""
     _, spec_path = write_catalog(pl.DataFrame({"x": [0]}))
     job = _job(tmp_path, sample_catalog(200_000, spec, dim=16, seed=5), spec_path, False, 100_000)
     build = subprocess.Popen([shutil.which("sidindex"), "build", "--catalog", job["catalog"], "--targeting",
@@ -319,16 +321,17 @@ def test_a_killed_worker_fails_the_build_and_publishes_nothing(spec, write_catal
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     killed, deadline = [], time.monotonic() + 240
     while not killed and build.poll() is None and time.monotonic() < deadline:
-        for pid in _ray_tasks("prepare", build.pid):  # the build's session: its own workers only
+        for pid in _ray_tasks(task, build.pid):  # the build's session: its own workers only
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
         time.sleep(0.005)
     _, err = build.communicate(timeout=300)
-    assert killed, "no worker was seen running a fragment"
+    assert killed, f"no worker was seen running {task}"
     assert build.returncode == 2, err
     assert err.startswith("error: the ray build failed, nothing published") and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "root" / "CURRENT").exists()
-    assert not list((tmp_path / "root").glob("snapshots/*"))
+    snapshots = tmp_path / "root" / "snapshots"
+    assert not snapshots.exists() or not list(snapshots.iterdir())  # no staging directory left either
 
 
 def _corrupt_row_group(path: Path, group: int, how: str) -> None:
