@@ -42,7 +42,6 @@ class BuiltIndex:
                    targeting columns: its caller holds the ids)
     stats:         a full build's GTM statistics (an update's snapshot keeps its full build's)
     quality:       a full build's SID quality report
-    shape:         the ray engine's fragments, parts and shuffle
     new_sid_rows:  SID rows an update inserted
     stale_entries, dead_sids: after an update, the entries whose matchers hold a row that is not
                    live and the SIDs without a live row (`sidindex.trie.patch.liveness`)
@@ -54,7 +53,6 @@ class BuiltIndex:
     ad_id: np.ndarray | None = None
     stats: GTMStats | None = None
     quality: QualityReport | None = None
-    shape: dict | None = None
     new_sid_rows: int = 0
     stale_entries: int | None = None
     dead_sids: int | None = None
