@@ -139,7 +139,8 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
             with ray_cluster(ray_address, workers):
                 clock.lap("start ray")
                 snapshot_id, path, m, on_ray, carried, warnings = _publish_on_ray(
-                    layout, published, Path(catalog), spec, cfg, cb, fingerprint, changes_through, keep, shards, clock)
+                    layout, published, Path(catalog), spec, cfg, cb, fingerprint, changes_through, keep, shards, clock,
+                    progress)
             counted = {"shards": len(m.shard_list()), **m.counts.to_dict()}
             stats, shape = on_ray.stats, {"ray": on_ray.shape}
         else:
@@ -198,7 +199,7 @@ def _gated(quality: QualityReport) -> QualityReport:
 
 def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: TargetingSpec, cfg: BuildConfig,
                     cb: Codebook, fingerprint: str, through: str | None, keep: int, shards: int | None,
-                    clock: StageClock) -> tuple[str, Path, Manifest, RayBuilt, dict, list[str]]:
+                    clock: StageClock, progress: Progress) -> tuple[str, Path, Manifest, RayBuilt, dict, list[str]]:
     """The ray engine's build, published (on the Ray of `ray_cluster`): its tasks write the snapshot
     into the ROOT and check it, this process writes the manifest. The changes a build carries forward
     (`_carry_changes`), when there are any, are applied here to the snapshot the tasks wrote, staged
@@ -217,7 +218,7 @@ def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: Targ
         staged.mkdir(parents=True, exist_ok=True)
         try:
             built = done["built"] = build_on_ray(catalog, spec, cb, staged, kway=cfg.kway, quality=cfg.quality,
-                                                 shards=shards)
+                                                 shards=shards, progress=progress)
             clock.seconds |= {f"ray: {k}": v for k, v in built.seconds.items()}
             clock.restart()
             _gated(built.quality)

@@ -37,7 +37,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -145,18 +145,20 @@ def ray_cluster(address: str | None = None, workers: int | None = None) -> Itera
 
 def build_on_ray(path: Path, spec: TargetingSpec, codebook: Codebook, directory: Path, *,
                  kway: KWayConfig | None, quality: QualityThresholds | None = None, retries: int = 0,
-                 shards: int | None = None) -> RayBuilt:
+                 shards: int | None = None, progress: Callable[[str, int, int], None] | None = None) -> RayBuilt:
     """Build the catalog at `path` on the Ray of `ray_cluster`, its tasks writing the snapshot's
     arrays into the new, empty `directory` (on a cluster, one every node mounts at the same path):
     this process holds only per-shard and per-fragment sums. A task is retried `retries` times
-    when its worker dies. shards: as `sidindex.trie.shard.build_shards`. A SID quality gate that
-    fails raises `QualityGateError` once the arrays are written (the caller publishes nothing)."""
+    when its worker dies. shards: as `sidindex.trie.shard.build_shards`. progress(stage, done, total)
+    as fragments are prepared and shards written. A SID quality gate that fails raises
+    `QualityGateError` once the arrays are written (the caller publishes nothing)."""
     import ray
 
     clock = StageClock()
     frags = fragments(path)
     clock.lap("start ray")
-    return _run(ray, path, spec, codebook, kway, quality, directory.resolve(), frags, retries, shards, clock)
+    return _run(ray, path, spec, codebook, kway, quality, directory.resolve(), frags, retries, shards, clock,
+                progress or (lambda *_: None))
 
 
 @contextlib.contextmanager
@@ -197,7 +199,7 @@ class _Written:
 
 def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, kway: KWayConfig | None,
          thresholds: QualityThresholds | None, directory: Path, frags: list[Fragment], retries: int,
-         shards: int | None, clock: StageClock) -> RayBuilt:
+         shards: int | None, clock: StageClock, progress: Callable[[str, int, int], None]) -> RayBuilt:
     from sidindex import stages
 
     level_sizes = codebook.level_sizes
@@ -291,7 +293,7 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
     prepared = [prepare.remote(f, spec_ref, cb_ref) for f in frags]
     checked = check_ads.remote(*[p[0] for p in prepared])  # every fragment's error ranked, ids across them
     written_globals = write_globals.remote(checked, *[p[0] for p in prepared])
-    counted = ray.get([p[2] for p in prepared])
+    counted = _gathered(ray, [p[2] for p in prepared], "prepare fragments", progress)
     if any(isinstance(c, _Failed) for c in counted):
         error = ray.get(checked)
         assert isinstance(error, str)
@@ -314,7 +316,7 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
         raise InputError(error)
     globals_out = ray.get(written_globals)  # the globals are written while the shards are
     assert globals_out is not None  # (the catalog passed)
-    written, timed = ray.get(shard_tasks), ray.get([p[1] for p in parts])
+    written, timed = _gathered(ray, shard_tasks, "write shards", progress), ray.get([p[1] for p in parts])
     clock.lap("shuffle + write shards")
     global_arrays, listed, (globals_peak, globals_seconds) = globals_out
     for w in written:
@@ -333,6 +335,17 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
              "globals_seconds": round(globals_seconds, 3)}
     clock.lap("quality + stats")
     return RayBuilt(tuple(w.entry for w in written), global_arrays, listed, stats, report, clock.seconds, shape)
+
+
+def _gathered(ray: ModuleType, refs: list, stage: str, progress: Callable[[str, int, int], None]) -> list:
+    """ray.get(refs), saying progress(stage, done, len(refs)) as they finish."""
+    pending, done = list(refs), 0
+    progress(stage, 0, len(refs))
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        done += len(ready)
+        progress(stage, done, len(refs))
+    return ray.get(refs)
 
 
 def check_on_ray(directory: Path) -> None:

@@ -221,6 +221,16 @@ def test_ray_engine_publishes_the_local_engines_snapshot(ray_session, spec, writ
     assert _build(job, tmp / "ray", "ray", shards=shards)["status"] == "unchanged"  # same inputs: nothing new
 
 
+def test_ray_engine_says_its_progress(ray_session, spec, write_catalog, tmp_path):
+    """Fragments prepared and shards written are counted up to their totals, once each."""
+    _, spec_path = write_catalog(pl.DataFrame({"x": [0]}))
+    job = _job(tmp_path, sample_catalog(90, spec, dim=16, seed=3), spec_path, False, 20)
+    seen: list[tuple[str, int, int]] = []
+    _build(job, tmp_path / "root", "ray", shards=3, progress=lambda *a: seen.append(a))
+    for stage, total in (("prepare fragments", 5), ("write shards", 3)):
+        assert [d for s, d, t in seen if s == stage and t == total] == list(range(total + 1)), seen
+
+
 def test_ray_engine_retrieves_what_the_local_engine_does(ray_session, sample_dir, tmp_path):
     table = pq.read_table(sample_dir / "catalog.parquet")
     job = _job(tmp_path, table, sample_dir / "targeting.toml", True, 100)
