@@ -311,8 +311,8 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
     shard_tasks = [write_shard.remote(k, int(lo), int(hi), checked, *[parts[i][0] for i in range(a, b)])
                    for k, (lo, hi, a, b) in enumerate(zip(bounds[:-1], bounds[1:], first[:-1], first[1:]))]
     if (error := ray.get(checked)) is not None:  # repeated ad ids: every fragment had to be read to see them
-        for t in [*shard_tasks, *(p[0] for p in parts)]:
-            ray.cancel(t)
+        # the shard tasks write nothing (they are given the error), so nothing is cancelled: Ray 2's
+        # cancel of a task whose arguments are being resolved can abort the driver
         raise InputError(error)
     globals_out = ray.get(written_globals)  # the globals are written while the shards are
     assert globals_out is not None  # (the catalog passed)
