@@ -30,7 +30,7 @@ import mmap
 import os
 import shutil
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -293,13 +293,15 @@ def _pool() -> Iterator[ThreadPoolExecutor]:
 
 
 def list_files(directory: Path, skip: str, known: dict[str, dict] | None = None, *,
-               fast: bool = False) -> dict[str, dict]:
+               fast: bool = False, only: Collection[str] | None = None) -> dict[str, dict]:
     """{relative path: {"bytes", "sha256"}, with `fast` also FAST_DIGEST} of every file below
-    `directory` but `skip`; a file in `known` (linked from a checked artifact) keeps its entry there
-    instead of being hashed, when that entry has every digest asked for."""
+    `directory` but `skip` (of the relative paths `only`, when given: files others may be writing
+    beside them are neither walked nor read); a file in `known` (linked from a checked artifact)
+    keeps its entry there instead of being hashed, when that entry has every digest asked for."""
     keys = {"bytes", "sha256"} | ({FAST_DIGEST} if fast else set())
     known = {n: e for n, e in (known or {}).items() if set(e) == keys}
-    files = dict(sorted(_walk(directory, skip).items()))
+    found = _walk(directory, skip) if only is None else {n: directory / n for n in only}
+    files = dict(sorted(found.items()))
     hashed = [n for n in files if n not in known]
     paths = [files[n] for n in hashed]
     with _pool() as pool:

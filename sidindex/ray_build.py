@@ -257,8 +257,7 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
         _reachable(directory)
         for name, a in arrays.items():  # a fragment at a time: the task never holds an array whole
             write_array_pieces(directory, ARRAYS_BY_NAME[name], a.shape, a.pieces())
-        files = {ARRAYS_BY_NAME[n].file for n in arrays}
-        listed = {n: e for n, e in list_files(directory, MANIFEST_FILE, fast=True).items() if n in files}
+        listed = list_files(directory, MANIFEST_FILE, fast=True, only=[ARRAYS_BY_NAME[n].file for n in arrays])
         return ({n: ArrayShape(a.shape[0], a.shape[1] if len(a.shape) == 2 else None) for n, a in arrays.items()},
                 listed, (_peak_bytes() - held, time.perf_counter() - t))
 
@@ -310,6 +309,21 @@ def _run(ray: ModuleType, path: Path, spec: TargetingSpec, codebook: Codebook, k
     del splits
     shard_tasks = [write_shard.remote(k, int(lo), int(hi), checked, *[parts[i][0] for i in range(a, b)])
                    for k, (lo, hi, a, b) in enumerate(zip(bounds[:-1], bounds[1:], first[:-1], first[1:]))]
+    try:
+        return _finish(ray, checked, written_globals, shard_tasks, parts, counted, frags, q, codebook, thresholds,
+                       clock, progress)
+    except Exception:
+        # the staging directory is removed on the way out: not while a task may still write into it (an
+        # interrupt does not wait; what a task writes after it is removed with the next publish's temporaries)
+        with contextlib.suppress(Exception):
+            ray.wait([written_globals, *shard_tasks], num_returns=1 + len(shard_tasks))
+        raise
+
+
+def _finish(ray: ModuleType, checked: Any, written_globals: Any, shard_tasks: list, parts: list, counted: list,
+            frags: list[Fragment], q: int, codebook: Codebook, thresholds: QualityThresholds | None,
+            clock: StageClock, progress: Callable[[str, int, int], None]) -> RayBuilt:
+    """`_run` once every task that writes is submitted: their results gathered and merged."""
     if (error := ray.get(checked)) is not None:  # repeated ad ids: every fragment had to be read to see them
         # the shard tasks write nothing (they are given the error), so nothing is cancelled: Ray 2's
         # cancel of a task whose arguments are being resolved can abort the driver
@@ -356,6 +370,8 @@ def check_on_ray(directory: Path) -> None:
 
     from sidindex.snapshot import Manifest
 
+    directory = directory.resolve()  # what every task reads, wherever it runs (a worker's own cwd is not ours)
+
     @ray.remote
     def check(part: int | None) -> str | None:
         try:
@@ -375,7 +391,7 @@ def _reset_peak() -> int:
     """Start this process's peak resident memory anew at what it holds now, which is returned
     (Linux; elsewhere 0, and the peak stays the process's): a worker reused across tasks keeps what
     its earlier tasks left, so a task's own memory is its peak above that."""
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, ValueError, IndexError, KeyError):
         Path("/proc/self/clear_refs").write_text("5")
         return _status_bytes("VmRSS:")
     return 0
@@ -383,7 +399,7 @@ def _reset_peak() -> int:
 
 def _peak_bytes() -> int:
     """This process's peak resident memory since `_reset_peak` (object store pages it read included)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
+    with contextlib.suppress(OSError, ValueError, IndexError, KeyError):
         return _status_bytes("VmHWM:")
     import resource
 

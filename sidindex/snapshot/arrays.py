@@ -44,7 +44,8 @@ def write_array_pieces(directory: Path, spec: ArrayFile, shape: tuple[int, ...],
     touched (no page of it is ever resident), which pyarrow hands the sink as one buffer; the sink
     writes the pieces in its place."""
     nbytes = int(np.prod(shape)) * np.dtype(spec.dtype).itemsize
-    stand_in = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # unmapped when dropped
+    # read-only: not counted against the memory commit limit, however large (unmapped when dropped)
+    stand_in = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ)
     a = np.frombuffer(stand_in, dtype=spec.dtype, count=int(np.prod(shape))).reshape(shape)
     with open(directory / spec.file, "wb") as f:
         sink = _PiecesSink(f, a.ctypes.data, nbytes, spec.dtype, iter(pieces))
