@@ -40,9 +40,14 @@ def largest(h: np.ndarray) -> int:
     return int(held[-1]) if len(held) else 0
 
 
+def total(h: np.ndarray, least: int = 0) -> int:
+    """The sum of the counts that are at least `least`."""
+    return int(np.dot(np.arange(least, max(len(h), least), dtype=np.int64), h[least:]))
+
+
 def mean(h: np.ndarray) -> float:
     """`np.mean` of the counts (exact while their sum stays below 2**53, as numpy's is)."""
-    return float(int(np.dot(np.arange(len(h), dtype=np.int64), h))) / items(h)
+    return float(total(h)) / items(h)
 
 
 def percentile(h: np.ndarray, q: float) -> float:

@@ -33,7 +33,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -148,7 +148,8 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
             del cat  # its columns are in the index now: not held through the write and the check
             clock.seconds |= built.seconds
             clock.restart()
-            built, carried, warnings = _carry_changes(layout, published, built, cb, changes_through)
+            built, carried, warnings = _carry_changes(layout, published, built, cb,
+                                                      _to_carry(layout, published, changes_through))
             clock.lap("carry changes")
             snapshot_id = new_snapshot_id(fingerprint)
             ad_id, local_stats, quality = built.ad_id, built.stats, built.quality
@@ -208,13 +209,13 @@ def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: Targ
     from sidindex.ray_build import build_on_ray, check_on_ray
 
     snapshot_id = new_snapshot_id(fingerprint)
-    paused, replay, warnings = _to_carry(root, published, through)
+    carry = _to_carry(root, published, through)
     done: dict = {}
 
     def write(directory: Path) -> None:
         # staged under a temporary of the ROOT's (what a killed build leaves is cleaned), named as its id says
         holder = directory.with_name(f"{directory.name}.ray")
-        staged = holder / snapshot_id if len(paused) or replay else directory
+        staged = holder / snapshot_id if len(carry.paused) or carry.replay else directory
         staged.mkdir(parents=True, exist_ok=True)
         try:
             built = done["built"] = build_on_ray(catalog, spec, cb, staged, kway=cfg.kway, quality=cfg.quality,
@@ -227,12 +228,14 @@ def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: Targ
                                catalog=str(catalog.resolve()), build_config=cfg, stats=built.stats,
                                quality=built.quality.to_dict())
             clock.lap("write manifest")
-            done["carried"], done["warnings"] = {"paused": 0, "replayed": []}, warnings
+            done["carried"], done["warnings"] = {"paused": 0, "replayed": []}, carry.warnings
             if staged != directory:
-                base = open_snapshot(staged)
+                # its structure is checked before the changes read it; its digests, those of the files the
+                # published snapshot links, are checked there (`check_on_ray`) before it is published
+                base = open_snapshot(staged, verify=False)
                 index = BuiltIndex(base.shards, base.exact, {}, ad_id=base.ad_id, stats=built.stats,
                                    quality=built.quality)
-                index, done["carried"], done["warnings"] = _carry_changes(root, published, index, cb, through)
+                index, done["carried"], done["warnings"] = _carry_changes(root, published, index, cb, carry)
                 assert index.ad_id is not None and index.stats is not None
                 m = write_snapshot(directory, index.shards, index.exact, index.ad_id, spec, snapshot_id=snapshot_id,
                                    codebook=cb, input_fingerprint=fingerprint, catalog=str(catalog.resolve()),
@@ -252,12 +255,12 @@ def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: Targ
     return snapshot_id, path, done["manifest"], done["built"], done["carried"], done["warnings"]
 
 
-def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Codebook, through: str | None
+def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Codebook, carry: _Carry
                    ) -> tuple[BuiltIndex, dict, list[str]]:
     """`built` with the ads the published snapshot has paused paused, and the journal's change files
-    named after `through` re-applied in the order they were published; what was carried, and
-    the warnings for the report."""
-    paused, replay, warnings = _to_carry(root, published, through)
+    `carry` names re-applied in the order they were published; what was carried, and the warnings
+    for the report."""
+    paused, replay, warnings = carry
     assert built.ad_id is not None  # an engine's index carries the catalog's ad ids
     index: Indexed = built
     if len(paused):  # an ad the export no longer holds is gone, pause and all
@@ -279,9 +282,18 @@ def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Cod
         carried, warnings
 
 
-def _to_carry(root: Root, published: str | None, through: str | None) -> tuple[np.ndarray, list[Path], list[str]]:
-    """What a build carries forward (`_carry_changes`): the ids of the ads the published snapshot
-    has paused, the journal's change files to re-apply, and the warnings for the report."""
+class _Carry(NamedTuple):
+    """What a build carries forward (`_carry_changes`): the ids (n,) int64 of the ads the published
+    snapshot has paused, the journal's change files named after the export's watermark, to re-apply,
+    and the warnings for the report."""
+
+    paused: np.ndarray
+    replay: list[Path]
+    warnings: list[str]
+
+
+def _to_carry(root: Root, published: str | None, through: str | None) -> _Carry:
+    """What a build from an export holding the change files through `through` carries forward."""
     entries = root.journal()
     journal = [e.file for e in entries]
     replay = [e.file for e in entries if through is not None and e.file.name > through]
@@ -296,7 +308,7 @@ def _to_carry(root: Root, published: str | None, through: str | None) -> tuple[n
                         f"{journal[-1].name}, published by updates since the last build told its export's newest "
                         "change file) were not re-applied: the build was not told which of them its catalog export "
                         "holds, so the deletes and upserts of any it lacks are reverted (paused ads stay paused)")
-    return _paused(root, published), replay, warnings
+    return _Carry(_paused(root, published), replay, warnings)
 
 
 def _published(root: Root) -> str | None:

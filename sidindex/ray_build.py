@@ -156,7 +156,7 @@ def build_on_ray(path: Path, spec: TargetingSpec, codebook: Codebook, directory:
 
     clock = StageClock()
     frags = fragments(path)
-    clock.lap("start ray")
+    clock.lap("fragments")
     return _run(ray, path, spec, codebook, kway, quality, directory.resolve(), frags, retries, shards, clock,
                 progress or (lambda *_: None))
 

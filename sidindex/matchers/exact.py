@@ -266,7 +266,6 @@ def exact_pieces(spec: TargetingSpec, tables: Sequence[pa.Table]) -> dict[str, A
     return out
 
 
-
 def eligible_mask(index: ExactIndex, requests: BatchQueries, request: int, ads: np.ndarray) -> np.ndarray:
     """(k,) bool: which of `ads` (k,) int64 are eligible for request `request` (docs/design.md §3)."""
     ads = np.asarray(ads, dtype=np.int64)

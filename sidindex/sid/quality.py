@@ -153,8 +153,7 @@ def quality_report(sids: SidSums, per_ad: np.ndarray, sums: QualitySums, codeboo
     for level, (size, use) in enumerate(zip(codebook.level_sizes, sids.use)):
         levels.append(LevelUsage(level, "semantic" if level < n_sem else "hash", size,
                                  int((use > 0).sum()), int((use == 0).sum()), _perplexity(use), _gini(use)))
-    held = np.arange(len(sids.per_sid), dtype=np.int64)
-    rows = int(np.dot(held, sids.per_sid))
+    rows = histogram.total(sids.per_sid)
     mse = tuple(float(e / max(n, 1)) for e in sums.sq_error)
     spread = sums.spread / max(n, 1)
     report = QualityReport(
@@ -168,7 +167,7 @@ def quality_report(sids: SidSums, per_ad: np.ndarray, sums: QualitySums, codeboo
         ads_per_sid_max=sids.top,
         largest_group_sid=sids.top_sid,
         largest_group_share=float(sids.top / n),
-        collision_rate=float(int(np.dot(held[2:], sids.per_sid[2:])) / rows),
+        collision_rate=float(histogram.total(sids.per_sid, 2) / rows),
         levels=tuple(levels),
         mse=mse,
         relative_mse=mse[-1] / spread if spread > 0 else 0.0,

@@ -127,9 +127,10 @@ def write_snapshot(directory: Path, shards: Sequence[Shard], exact: ExactIndex, 
     manifest entries, not written and hashed again, so an update's cost follows what it changed
     (a shard it did not touch is all links). lineage: the update's.
     """
-    written = [write_shard(directory, k, shard, base) for k, shard in enumerate(shards)]
+    links = None if base is None else _Links.of(base)
+    written = [write_shard(directory, k, shard, links) for k, shard in enumerate(shards)]
     global_arrays = _global_arrays(shards, exact, ad_id)
-    kept = write_globals(directory, global_arrays, base)
+    kept = write_globals(directory, global_arrays, links)
     for _, linked in written:
         kept |= linked
     return write_manifest(directory, [e for e, _ in written], {n: _shape(a) for n, a in global_arrays.items()}, kept,
@@ -138,42 +139,54 @@ def write_snapshot(directory: Path, shards: Sequence[Shard], exact: ExactIndex, 
                           stats=stats, quality=quality, base=base, lineage=lineage)
 
 
-def write_shard(directory: Path, k: int, shard: Shard, base: Snapshot | None = None
+@dataclass(frozen=True)
+class _Links:
+    """What a snapshot written over a base may hard-link from it (`write_snapshot`), found once per
+    write: the base's checked arrays by file (`_base_files`) and its shards by token range."""
+
+    base: Snapshot
+    theirs: dict[str, tuple[ArrayShape, np.ndarray]]
+    by_range: dict[tuple[int, int], ShardEntry]
+
+    @classmethod
+    def of(cls, base: Snapshot) -> _Links:
+        return cls(base, _base_files(base), {(e.lo, e.hi): e for e in base.manifest.shard_list()})
+
+
+def write_shard(directory: Path, k: int, shard: Shard, links: _Links | None = None
                 ) -> tuple[ShardEntry, dict[str, dict]]:
     """Write shard k's files into `directory`'s shards/<k>/ (made anew; what a failed attempt left
-    there is removed); returns its manifest entry and the listing of the files linked from `base`'s
-    shard of the same token range (`write_snapshot`)."""
+    there is removed); returns its manifest entry and the listing of the files linked from the
+    base's shard of the same token range (`write_snapshot`)."""
     where = directory / shard_dir(k)
     shutil.rmtree(where, ignore_errors=True)
     where.parent.mkdir(exist_ok=True)  # not `directory`: one removed meanwhile (a failed build's) stays gone
     where.mkdir()
     arrays = _shard_arrays(shard)
     entry = ShardEntry(shard.lo, shard.hi, {n: _shape(a) for n, a in arrays.items()}, shard_dir(k))
-    same = None if base is None else {(e.lo, e.hi): e for e in base.manifest.shard_list()}.get((shard.lo, shard.hi))
+    same = None if links is None else links.by_range.get((shard.lo, shard.hi))
     kept: dict[str, dict] = {}
-    theirs = {} if same is None or base is None else _base_files(base)
     for name, a in arrays.items():
-        _put(directory, name, a, entry.file(name), None if same is None else same.file(name), base, theirs, kept)
+        _put(directory, name, a, entry.file(name), None if same is None else same.file(name), links, kept)
     return entry, kept
 
 
-def write_globals(directory: Path, arrays: dict[str, np.ndarray], base: Snapshot | None = None) -> dict[str, dict]:
+def write_globals(directory: Path, arrays: dict[str, np.ndarray], links: _Links | None = None) -> dict[str, dict]:
     """Write the global arrays (`_global_arrays`) into `directory`; returns the listing of the files
-    linked from `base` (`write_snapshot`)."""
+    linked from the base (`write_snapshot`)."""
     kept: dict[str, dict] = {}
-    theirs = {} if base is None else _base_files(base)
     for name, a in arrays.items():
-        _put(directory, name, a, ARRAYS_BY_NAME[name].file, ARRAYS_BY_NAME[name].file, base, theirs, kept)
+        _put(directory, name, a, ARRAYS_BY_NAME[name].file, ARRAYS_BY_NAME[name].file, links, kept)
     return kept
 
 
-def _put(directory: Path, name: str, a: np.ndarray, file: str, source: str | None, base: Snapshot | None,
-         theirs: dict[str, tuple[ArrayShape, np.ndarray]], kept: dict[str, dict]) -> None:
+def _put(directory: Path, name: str, a: np.ndarray, file: str, source: str | None, links: _Links | None,
+         kept: dict[str, dict]) -> None:
     """Array `name` as `file`, linked from the base's `source` (its listing into `kept`) when that
-    holds this very array (theirs: the base's arrays by file, `_base_files`)."""
-    if base is not None and source in theirs and same_memory(theirs[source][1], a):
-        link_file(base.path / source, directory / file)
-        kept[file] = base.manifest.files[source].listing()
+    holds this very array."""
+    if links is not None and source in links.theirs and same_memory(links.theirs[source][1], a):
+        link_file(links.base.path / source, directory / file)
+        kept[file] = links.base.manifest.files[source].listing()
         return
     write_array((directory / file).parent, ARRAYS_BY_NAME[name], a)
 
@@ -313,7 +326,7 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     def array(name: str, file: str, shape: tuple[int, ...]) -> np.ndarray:
         if file in shared:
             return theirs[file][1]
-        return map_array(directory / Path(file).parent, ARRAYS_BY_NAME[name], shape)
+        return _map(directory, name, file, shape)
 
     def checksums() -> None:
         verify_checksums(directory, listing, strong=strong, trusted=shared)
@@ -323,9 +336,7 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
         glob = {n: array(n, ARRAYS_BY_NAME[n].file, s.shape) for n, s in m.global_arrays.items()}
         ad_id = glob["ads"]
         exact = ExactIndex.from_arrays(spec, glob, len(ad_id))
-        shards = tuple(Shard(entry.lo, entry.hi, GTMIndex.from_arrays(
-            m.level_sizes, {n: array(n, entry.file(n), s.shape) for n, s in entry.arrays.items()} | _value(glob),
-            MATCHER_PLANES)) for entry in entries)
+        shards = tuple(_mapped_shard(m, entry, glob, array) for entry in entries)
     except ArtifactError:
         if verify:  # a file that cannot be read as an array is damaged: its checksum says so first
             checksums()
@@ -346,6 +357,20 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     if base is not None and (joined := base.joined()) is not None:
         beside = (base.shards, joined)
     return Snapshot(directory, m, spec, shards, exact, ad_id, codebook, clock.seconds, beside)
+
+
+def _map(directory: Path, name: str, file: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Array `name` of the snapshot `directory`, mapped from its `file` (a path below it)."""
+    return map_array(directory / Path(file).parent, ARRAYS_BY_NAME[name], shape)
+
+
+def _mapped_shard(m: Manifest, entry: ShardEntry, glob: dict[str, np.ndarray],
+                  array: Callable[[str, str, tuple[int, ...]], np.ndarray]) -> Shard:
+    """The shard the manifest's `entry` lists, its arrays from array(name, file, shape), over the
+    global arrays `glob` (each shard's index reads the catalog's values)."""
+    return Shard(entry.lo, entry.hi, GTMIndex.from_arrays(
+        m.level_sizes, {n: array(n, entry.file(n), s.shape) for n, s in entry.arrays.items()} | _value(glob),
+        MATCHER_PLANES))
 
 
 def _manifest(directory: Path) -> tuple[Manifest, TargetingSpec]:
@@ -377,12 +402,13 @@ def check_part(directory: Path, part: int | None) -> None:
         mine = {n: e for n, e in listing.items() if n not in theirs}
     else:
         mine = {entry.file(n): listing[entry.file(n)] for n in entry.arrays}
+    def array(name: str, file: str, shape: tuple[int, ...]) -> np.ndarray:
+        return _map(directory, name, file, shape)
+
     try:
-        glob = {n: map_array(directory, ARRAYS_BY_NAME[n], s.shape) for n, s in m.global_arrays.items()}
+        glob = {n: array(n, ARRAYS_BY_NAME[n].file, s.shape) for n, s in m.global_arrays.items()}
         exact = ExactIndex.from_arrays(spec, glob, len(glob["ads"]))
-        shard = None if entry is None else Shard(entry.lo, entry.hi, GTMIndex.from_arrays(
-            m.level_sizes, {n: map_array(directory / entry.directory, ARRAYS_BY_NAME[n], s.shape)
-                            for n, s in entry.arrays.items()} | _value(glob), MATCHER_PLANES))
+        shard = None if entry is None else _mapped_shard(m, entry, glob, array)
     except ArtifactError:
         verify_checksums(directory, mine)
         raise

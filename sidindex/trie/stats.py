@@ -193,10 +193,10 @@ def gtm_stats(shards: Sequence[GTMIndex], plane_bits: tuple[int, ...]) -> GTMSta
     shard by shard (a shard's table rows are its own: bytes after dedup are the bytes stored).
     plane_bits: meaningful bits per row of each plane (fill rates ignore word padding)."""
     return functools.reduce(StatsSums.merge, (StatsSums.of(index, plane_bits) for index in shards)).stats(
-        histogram.histogram(ad_rows(shards)))
+        histogram.histogram(_sid_rows_per_ad(shards)))
 
 
-def ad_rows(shards: Sequence[GTMIndex]) -> np.ndarray:
+def _sid_rows_per_ad(shards: Sequence[GTMIndex]) -> np.ndarray:
     """(N',) int64 the SID rows of each catalog row up to the last one the shards hold."""
     rows = max((int(np.max(index.leaf_ads)) + 1 for index in shards if len(index.leaf_ads)), default=0)
     per_ad = np.zeros(rows, dtype=np.int64)
