@@ -1,8 +1,10 @@
 """Snapshot swap benchmark: what a serving host pays to swap to a newly published snapshot, per
-phase, next to the old path (sha256 verification, single-threaded staging) measured in the same run.
+phase, next to the old path (sha256 verification, single-threaded staging) and to the new path with
+its digests checked before the structure instead of beside it, measured in the same run.
 
     python bench/bench_swap.py                       # 5M and 15M ads (about 10M and 30M SIDs); GPU if present
     python bench/bench_swap.py --ads 200000          # a smoke test, fine on a CPU
+    python bench/bench_swap.py --keep DIR; python bench/bench_swap.py --built DIR --cold   # warm, then cold
 
 Each size: the `bench_search` snapshot (the `bench_gtm` catalog, k-way partitions) is built once and
 copied into a second directory. A serving index is loaded from the first copy and searched once
@@ -10,14 +12,16 @@ copied into a second directory. A serving index is loaded from the first copy an
 it after the new snapshot was copied onto it (its files in the page cache; --cold: evicted before
 every swap), median of --repeats, with the old index serving throughout:
   manifest      read the sealed manifest, check the shapes it declares and the files' sizes
-  verify        every file's fast digest (xxh3_128 by 16 MiB chunks, all files' chunks on one pool)
-                reference: every file's sha256, one thread per file (the largest file bounds it)
-  structure     map every Arrow file and validate the structure (`check_structure`), shard by shard
+  checks        map every Arrow file, validate the structure (`check_structure`, shard by shard)
+                and, on another thread beside it, check every file's fast digest (xxh3_128 by 16
+                MiB chunks, all files' chunks on one pool)
+                in turn: the digests first, then the structure (each one's seconds are printed)
+                reference: every file's sha256 first, one thread per file (the largest file bounds it)
   join          reference: the shards' one trie (`Snapshot.gtm`; one shard's own arrays, several
                 copied into one); the new path joins in its load (stage)
   stage         pinned allocation (once: the arena is kept), copy of the maps (STAGE_THREADS threads)
                 reference: the copy on one thread. The new path is `runtime.load`, a serving host's:
-                on a GPU its copies to the device run beside verify and structure, and stage is
+                on a GPU its copies to the device run beside the checks, and stage is
                 the wait for what they did not hide
   transfer      host to device (what was not copied beside the checks), then the entry keys, the
                 matcher rows renumbered, launch shapes and post bounds made there
@@ -48,6 +52,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import torch
 
 import runtime.staging as staging
+import sidindex.snapshot.snapshot as snapshot_module
 from bench.bench_snapshot import evict
 from bench.common import bench_requests, build_snapshot
 from runtime import Searcher, load, load_index, to_device
@@ -59,7 +64,8 @@ from sidindex.snapshot import open_snapshot
 from sidindex.timing import StageClock
 
 BEAMS = (1, 512, 1024, 1024)
-PHASES = ("manifest", "verify", "structure", "join", "stage", "transfer", "first search", "total")
+PHASES = ("manifest", "checks", "join", "stage", "transfer", "first search", "total")
+VARIANTS = ("new", "in turn", "reference")  # the swap; its digests checked first; the old path
 
 
 class RandomLogits:
@@ -95,7 +101,7 @@ def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer_
                    .manifest.files.items()}
         t = time.perf_counter()
         verify_files(path, listing, MANIFEST_FILE)
-        out["verify"] = time.perf_counter() - t
+        out["checks"] = time.perf_counter() - t
         snap = open_snapshot(path, verify=False)
         t = time.perf_counter()
         snap.gtm  # noqa: B018 (joined here, timed apart from the load that reads it)
@@ -108,11 +114,14 @@ def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer_
     else:  # a serving host's (`runtime.load`, as its watcher calls it): on a GPU the copies run beside the checks
         index = load(path, device, base=base)
         snap = index.snapshot
-        out |= {"verify": snap.open_seconds["checksums"], "join": 0.0}  # the join is in the load's stage
+        out |= {"checks": 0.0, "join": 0.0}  # the join is in the load's stage
     o = snap.open_seconds
-    out |= {"manifest": o["manifest"] + o["files"], "structure": o["map"] + o["structure"]}
+    checks = ("checksums + structure", "checksums", "structure")  # side by side, or in turn
+    out |= {"manifest": o["manifest"] + o["files"],
+            "checks": out["checks"] + o["map"] + sum(o.get(k, 0.0) for k in checks)}
+    out |= {f"{k} alone": o[k] for k in checks[1:] if k in o and "checksums" in o}
     p = index.load_info["phases"]
-    # on a GPU the new path's copies run beside verify and structure: what they did not hide is waited for
+    # on a GPU the new path's copies run beside the checks: what they did not hide is waited for
     out |= {"stage": o.get("copies", 0.0) + p.get("pin", 0.0) + p["stage"], "transfer": p["transfer"]}
     t = time.perf_counter()
     searcher.search(index, requests, scorer_for(index))
@@ -149,8 +158,11 @@ def measure(n: int, scratch: Path, device: torch.device, args) -> dict:
         build = json.loads(kept.read_text())
     else:
         print(f"building {n:,} ads ...", file=sys.stderr, flush=True)
-        (scratch / f"build-{n}").mkdir()
-        build = build_snapshot(n, scratch / f"build-{n}")
+        where = Path(args.keep) / f"ads-{n}" if args.keep else scratch / f"build-{n}"
+        where.mkdir(parents=True)
+        build = build_snapshot(n, where)
+        if args.keep:
+            (where / "build.json").write_text(json.dumps(build))
     old_path = Path(build["path"])
     new_path = scratch / f"published-{n}" / old_path.name  # a snapshot directory is named by its id
     shutil.copytree(old_path, new_path)
@@ -162,14 +174,18 @@ def measure(n: int, scratch: Path, device: torch.device, args) -> dict:
     searcher = Searcher(BEAMS)
     searcher.search(serving, requests, scorer)  # kernels compiled, graphs captured: a warm server
     sync(device)
-    for name, reference in (("new", False), ("reference", True)):
+    for name in VARIANTS:
         runs = []
-        for _ in range(args.repeats):
-            if args.cold:
-                evict(new_path)
-            runs.append(swap(new_path, device, searcher, requests, lambda _: scorer, reference))
-            print(f"  {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1].items() if k in PHASES),
-                  file=sys.stderr, flush=True)
+        snapshot_module.CHECKS_SIDE_BY_SIDE = name != "in turn"
+        try:
+            for _ in range(args.repeats):
+                if args.cold:
+                    evict(new_path)
+                runs.append(swap(new_path, device, searcher, requests, lambda _: scorer, name == "reference"))
+                print(f"  {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1].items() if k in PHASES),
+                      file=sys.stderr, flush=True)
+        finally:
+            snapshot_module.CHECKS_SIDE_BY_SIDE = True
         res[name] = median_swap(runs)
     if device.type == "cpu":
         res["host copy s"] = {"threads": host_copy(new_path, THREADS), "one thread": host_copy(new_path, 1)}
@@ -189,7 +205,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="evict the new snapshot's files from the page cache first")
     ap.add_argument("--json", help="write the results as JSON here")
-    ap.add_argument("--built", help="a directory `bench_search --keep` built the snapshots in: reuse them")
+    ap.add_argument("--built", help="a directory `--keep` (here or bench_search's) built the snapshots in: reuse them")
+    ap.add_argument("--keep", help="build into DIR/ads-N and keep it (a later --built DIR reuses it, --cold say)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -199,16 +216,19 @@ def main() -> int:
             results.append(measure(n, Path(scratch), device, args))
     print(f"\nsnapshot swap on {where} ({THREADS} threads), {'cold' if args.cold else 'page-cache warm'} files, "
           f"median of {args.repeats}")
-    print("\n| phase, s | " + " | ".join(f"{r['ads']:,} ads ({r['sids']:,} SIDs, {r['gb']:.2f} GB) | reference | "
-                                        "reference / new" for r in results) + " |")
-    print("|---|" + "---|---|---|" * len(results))
+    print("\n| phase, s | " + " | ".join(f"{r['ads']:,} ads ({r['sids']:,} SIDs, {r['gb']:.2f} GB) | checks in turn | "
+                                        "reference | reference / new" for r in results) + " |")
+    print("|---|" + "---|---|---|---|" * len(results))
     for ph in PHASES:
         cells = []
         for r in results:
-            new, ref = r["new"][ph], r["reference"][ph]
-            cells += [f"{new:.3f}", f"{ref:.3f}", f"{ref / new:.1f}x" if new > 0 else "-"]
+            new, turn, ref = (r[v][ph] for v in VARIANTS)
+            cells += [f"{new:.3f}", f"{turn:.3f}", f"{ref:.3f}", f"{ref / new:.1f}x" if new > 0 else "-"]
         print(f"| {ph} | " + " | ".join(cells) + " |")
     for r in results:
+        turn = r["in turn"]
+        print(f"\n{r['ads']:,} ads, checks: {r['new']['checks']:.3f} s side by side, {turn['checks']:.3f} s in turn "
+              f"(digests {turn['checksums alone']:.3f} s, then structure {turn['structure alone']:.3f} s)")
         if "host copy s" in r:
             c = r["host copy s"]
             print(f"\n{r['ads']:,} ads, host copy a GPU's stage makes (unpinned): {c['threads']:.3f} s on {THREADS} "
@@ -216,8 +236,8 @@ def main() -> int:
                   f"{r['gb'] / c['one thread']:.1f} GB/s)")
         if r["new"]["copied while checking"]:
             c = r["new"]["copied while checking"]
-            print(f"\n{r['ads']:,} ads, copied to the GPU while the snapshot was hashed and checked (in verify and "
-                  f"structure): {c['bytes'] / 1e9:.2f} GB, " + ", ".join(f"{k} {v:.3f} s" for k, v in c.items()
+            print(f"\n{r['ads']:,} ads, copied to the GPU while the snapshot was hashed and checked (in checks): "
+                  f"{c['bytes'] / 1e9:.2f} GB, " + ", ".join(f"{k} {v:.3f} s" for k, v in c.items()
                                                                        if k != "bytes"))
         if "all gpus" in r:
             a = r["all gpus"]

@@ -28,6 +28,7 @@ from sidindex.errors import ArtifactError
 from sidindex.ingest import read_catalog
 from sidindex.sid import assign_sids, hash_tokens, load_codebook
 from sidindex.snapshot import open_snapshot
+from sidindex.snapshot import snapshot as snapshot_module
 from sidindex.snapshot.arrays import write_array, write_array_pieces
 from sidindex.targeting import load_targeting
 from tests.conftest import run_cli
@@ -129,6 +130,23 @@ def test_every_flipped_byte_and_truncation_anywhere_is_refused(snap_dir):
                 open_snapshot(snap_dir)
         path.write_bytes(data)
     open_snapshot(snap_dir)  # restored: opens again
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_a_damaged_file_is_named_by_its_checksum_whatever_its_structure_shows(snap_dir, monkeypatch, side_by_side):
+    """Digests are checked beside the structure checks (or before them, a benchmark's reference):
+    damage that also breaks the structure is reported as the damaged file's checksum mismatch."""
+    monkeypatch.setattr(snapshot_module, "CHECKS_SIDE_BY_SIDE", side_by_side)
+    path = array_file(snap_dir, "node_offsets")
+    offsets = open_snapshot(snap_dir).gtm.node_offsets
+    data = bytearray(path.read_bytes())
+    at = bytes(data).index(offsets[1:].tobytes())  # node 0's end: a wrap-around the structure checks refuse
+    data[at:at + 8] = np.int64(-2**63).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=re.escape(f"{path}: checksum mismatch")):
+        open_snapshot(snap_dir)
+    with pytest.raises(ArtifactError, match="node_offsets"):  # what the structure check alone finds
+        open_snapshot(snap_dir, verify=False)
 
 
 def reseal(snap_dir: Path, edit=None) -> None:
@@ -450,7 +468,7 @@ def test_prefault_maps_every_page_and_reports_phases(built):
     # (the first and last page, with the kernel's fault-around of up to 16 pages each) are mapped
     assert resident_kb(table) <= 2 * 64
     eager = open_snapshot(path, verify=True, prefault=True)
-    assert set(eager.open_seconds) == {"manifest", "files", "map", "checksums", "structure", "prefault"}
+    assert set(eager.open_seconds) == {"manifest", "files", "map", "checksums + structure", "prefault"}
     assert resident_kb(table) * 1024 >= table.stat().st_size - 4096
     np.testing.assert_array_equal(eager.gtm.planes[1].table, lazy.gtm.planes[1].table)
 

@@ -4,11 +4,13 @@
 Opening checks, in order, before any index can be read: the manifest (`Manifest.read`: sealed,
 strict, its id the directory's name), the shapes it declares against each other and the spec, the
 directory's files against its list (regular files only, nothing unlisted, sizes), then maps each
-Arrow file and, with `verify`, checks every file's fast digest (or its sha256 in a snapshot written
-before fast digests; with `strong`, every sha256 as well), then validates the structure
-(`check_structure`). Mapping comes before hashing so that a GPU loader can copy the arrays' bytes
-while they are hashed and checked; a file that cannot be mapped is hashed first, so that damage is
-named by its checksum. The carried codebook is loaded into memory, so a served snapshot never reads
+Arrow file and validates the structure (`check_structure`) while, with `verify`, every file's fast
+digest is checked on another thread (or its sha256 in a snapshot written before fast digests; with
+`strong`, every sha256 as well): both are passes over the same pages, and the structure checks
+read any bytes safely, so neither waits for the other; a digest that fails wins over what the
+structure check found (damage is named by its checksum). Mapping comes before hashing so that a
+GPU loader can copy the arrays' bytes while they are hashed and checked; a file that cannot be
+mapped is hashed first. The carried codebook is loaded into memory, so a served snapshot never reads
 its directory again. Nothing is unpickled.
 """
 
@@ -58,6 +60,9 @@ from sidindex.trie.build import GTMIndex
 from sidindex.trie.shard import Shard, join_shards
 from sidindex.trie.stats import GTMStats
 
+# Digests are checked beside the structure checks; False checks them first (a benchmark's reference)
+CHECKS_SIDE_BY_SIDE = True
+
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -70,7 +75,8 @@ class Snapshot:
     exact: ExactIndex
     ad_id: np.ndarray  # (N,) int64
     codebook: Codebook | None
-    # manifest, files, map, checksums, structure, copies (waiting for `while_checking`), prefault
+    # manifest, files, map, structure (with verify: "checksums + structure", side by side; in turn:
+    # checksums, structure), copies (waiting for `while_checking`), prefault
     open_seconds: dict[str, float] = field(default_factory=dict)
     # an opened base's shards and join, which the join may take arrays from (dropped once joined)
     beside: tuple[tuple[Shard, ...], GTMIndex] | None = field(default=None, repr=False, compare=False)
@@ -330,7 +336,6 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
 
     def checksums() -> None:
         verify_checksums(directory, listing, strong=strong, trusted=shared)
-        clock.lap("checksums")
 
     try:  # mapped before they are hashed, so that a GPU loader's copies run beside the hashing
         glob = {n: array(n, ARRAYS_BY_NAME[n].file, s.shape) for n, s in m.global_arrays.items()}
@@ -343,10 +348,13 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
         raise
     clock.lap("map")
     with _beside(while_checking, glob | (_shard_arrays(shards[0]) if len(shards) == 1 else {})):
-        if verify:
+        side_by_side = verify and CHECKS_SIDE_BY_SIDE
+        if verify and not side_by_side:
             checksums()
-        codebook = _checked(directory, m, shards, exact, ad_id, shared, base, cover)
-        clock.lap("structure")
+            clock.lap("checksums")
+        with _beside(checksums if side_by_side else None, wins=True):
+            codebook = _checked(directory, m, shards, exact, ad_id, shared, base, cover)
+        clock.lap("checksums + structure" if side_by_side else "structure")
     if while_checking is not None:
         clock.lap("copies")  # waiting for what the checks did not outlast
     if prefault:
@@ -447,20 +455,25 @@ def _checked(directory: Path, m: Manifest, shards: Sequence[Shard], exact: Exact
 
 
 @contextlib.contextmanager
-def _beside(fn: Callable[[dict[str, np.ndarray]], None] | None, arrays: dict[str, np.ndarray]) -> Iterator[None]:
-    """fn(arrays) on another thread while the block runs; the block's error wins over fn's, which
-    is raised once the block passed (the block waits for fn either way)."""
+def _beside(fn: Callable[..., None] | None, *args: object, wins: bool = False) -> Iterator[None]:
+    """fn(*args) on another thread while the block runs, waited for either way. When both fail,
+    the block's error is raised, or with `wins` fn's (an interrupt is never replaced); the other
+    is added to it as a note."""
     if fn is None:
         yield
         return
     with ThreadPoolExecutor(1) as pool:
-        done = pool.submit(fn, arrays)
+        done = pool.submit(fn, *args)
         try:
             yield
         except BaseException as e:
             wait([done])
-            if (theirs := done.exception()) is not None:
-                e.add_note(f"(what ran while checking failed too: {theirs!r})")
+            if (theirs := done.exception()) is None:
+                raise
+            if wins and isinstance(e, Exception):
+                theirs.add_note(f"(what ran beside it failed too: {e!r})")
+                raise theirs from None
+            e.add_note(f"(what ran while checking failed too: {theirs!r})")
             raise
         done.result()
 
