@@ -30,6 +30,7 @@ import mmap
 import os
 import shutil
 import stat
+from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -45,7 +46,7 @@ _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 
 # Threads that hash (and, in `runtime.staging`, stage) an artifact: memory bandwidth is shared, so
 # more than 16 add little, and a serving host keeps cores for the index it is still serving
 THREADS = min(16, os.cpu_count() or 1)
-MAPPED_BYTES = 1 << 29  # files mapped at once by the digests (a group closes past 512 MB)
+MAPPED_BYTES = 1 << 29  # the digests map a next file only while under 512 MB are mapped
 
 
 def open_regular(path: Path, *, follow_links: bool = False) -> int:
@@ -242,27 +243,38 @@ def _chunk_digest(mm: mmap.mmap, start: int) -> bytes:
 
 
 def _fast_digests(pool: ThreadPoolExecutor, paths: list[Path]) -> list[str]:
-    """The fast digest (`schemas.artifacts.FAST_DIGEST`) of each of `paths`: the chunks of a group
-    of files are queued on `pool` at once, so one large file does not bound the time. A group maps
-    about MAPPED_BYTES: the pages a map has read count as this process's memory until it closes,
-    and a snapshot's files mapped all at once would add their whole size to its peak."""
+    """The fast digest (`schemas.artifacts.FAST_DIGEST`) of each of `paths`: every file's chunks
+    are queued on `pool` as soon as it is mapped, so one large file does not bound the time. The
+    pages a map has read count as this process's memory until it closes, and a snapshot's files
+    mapped all at once would add their whole size to its peak: before the next file is mapped, the
+    oldest files are finished and closed until under MAPPED_BYTES stay mapped. The pool never
+    drains at a group's end: the files mapped meanwhile are queued behind the oldest's chunks."""
     out: list[str] = []
-    maps: list[mmap.mmap | None] = []
-    futures: list[list[Future]] = []
+    maps: deque[tuple[mmap.mmap | None, list[Future]]] = deque()
     mapped = 0
+
+    def finish_oldest() -> None:
+        nonlocal mapped
+        mm, chunks = maps[0]
+        out.append(xxhash.xxh3_128(b"".join(f.result() for f in chunks)).hexdigest())
+        maps.popleft()
+        if mm is not None:
+            mapped -= len(mm)
+            mm.close()
+
     try:
-        for i, path in enumerate(paths):
-            maps.append(mm := _map_file(path))
-            futures.append([] if mm is None else [pool.submit(_chunk_digest, mm, start)
-                                                  for start in range(0, len(mm), FAST_DIGEST_CHUNK)])
+        for path in paths:
+            while maps and mapped >= MAPPED_BYTES:
+                finish_oldest()
+            mm = _map_file(path)
+            maps.append((mm, [] if mm is None else [pool.submit(_chunk_digest, mm, start)
+                                                    for start in range(0, len(mm), FAST_DIGEST_CHUNK)]))
             mapped += 0 if mm is None else len(mm)
-            if mapped >= MAPPED_BYTES or i == len(paths) - 1:
-                out += [xxhash.xxh3_128(b"".join(f.result() for f in file)).hexdigest() for file in futures]
-                _close(maps, futures)
-                maps, futures, mapped = [], [], 0
+        while maps:
+            finish_oldest()
         return out
     finally:
-        _close(maps, futures)
+        _close([mm for mm, _ in maps], [chunks for _, chunks in maps])
 
 
 def _close(maps: list[mmap.mmap | None], futures: list[list[Future]]) -> None:

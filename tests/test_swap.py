@@ -78,10 +78,10 @@ def test_fast_digest_is_the_documented_chunked_xxh3(tmp_path, size):
     assert fast_digest(tmp_path / "f") == _reference_digest(data, FAST_DIGEST_CHUNK)
 
 
-def test_digests_map_a_bounded_group_of_files_at_a_time(tmp_path, monkeypatch):
-    """Files digested together are mapped in groups of about MAPPED_BYTES (a snapshot's files all
-    mapped at once added their size to the process's peak), each digest still the documented one,
-    empty files and groups closing mid-list included."""
+def test_digests_map_a_bounded_window_of_files_at_a_time(tmp_path, monkeypatch):
+    """Files digested together stay mapped under about MAPPED_BYTES (a snapshot's files all mapped
+    at once added their size to the process's peak): a next file is mapped only once the oldest
+    ones closed to under the bound; each digest still the documented one, empty files included."""
     sizes = [0, 5000, FAST_DIGEST_CHUNK + 7, 3, 0, 2 * FAST_DIGEST_CHUNK, 1]
     rng = np.random.default_rng(4)
     data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
@@ -105,7 +105,7 @@ def test_digests_map_a_bounded_group_of_files_at_a_time(tmp_path, monkeypatch):
         got = artifact._fast_digests(pool, paths)
     assert got == [_reference_digest(d, FAST_DIGEST_CHUNK) for d in data]
     assert all(m.closed for m in open_maps)
-    assert most[0] <= FAST_DIGEST_CHUNK + max(sizes)  # a group closes once it passes the bound
+    assert most[0] <= FAST_DIGEST_CHUNK + max(sizes)  # under the bound, then one file more
 
 
 def test_a_new_snapshot_lists_every_file_with_its_fast_digest(snap_dir):

@@ -93,20 +93,6 @@ def _out_of_bounds(v: np.ndarray, hi: float) -> int:
 
 @_sized
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _leaf_bounds_below(ev: np.ndarray, first: int, ad_value: np.ndarray, leaf_ads: np.ndarray,
-                       lo: np.ndarray) -> int:
-    """Leaves s whose entry's bound ev[first + s] lies below the value of one of their ads."""
-    bad = 0
-    for s in numba.prange(len(lo) - 1):
-        bound = np.float64(ev[first + s])
-        for j in range(lo[s], lo[s + 1]):
-            if bound < ad_value[leaf_ads[j]]:
-                bad += 1
-    return bad
-
-
-@_sized
-@numba.njit(parallel=True, cache=True, nogil=True)
 def _child_bounds_above(ev: np.ndarray, no: np.ndarray, inner_end: int) -> int:
     """Child entries whose bound exceeds their parent's: node i (1 <= i < inner_end) is entry i - 1's child."""
     bad = 0
@@ -311,9 +297,11 @@ def _ads(need: _Need, exact: ExactIndex, ad_id: np.ndarray) -> None:
 
 
 def _values(need: _Need, gtm: GTMIndex) -> None:
-    """Value bounds: values in [0, MAX_AD_VALUE]; a SID's bound at least its ads' values, a
-    prefix's at least its children's; an entry's partitions falling from exactly the entry's bound
-    (the kernel takes the first passing one, and the build makes the first the entry's best)."""
+    """Value bounds: values in [0, MAX_AD_VALUE]; a prefix's bound at least its children's; an
+    entry's partitions falling from exactly the entry's bound (the kernel takes the first passing
+    one, and the build makes the first the entry's best). That a SID's bound holds its ads' values
+    is part of the cover (`check_cover`): a gather over the catalog's values that bounded a swap,
+    and no read depends on it."""
     if gtm.ad_value is None:
         return
     arrays = (("ad_value", gtm.ad_value), ("entry_value", gtm.entry_value), ("part_value", gtm.part_value))
@@ -322,8 +310,6 @@ def _values(need: _Need, gtm: GTMIndex) -> None:
              f"values must lie in [0, {MAX_AD_VALUE:g}]")
     ev, do, no, L = gtm.entry_value, gtm.depth_offsets, gtm.node_offsets, gtm.sid_length
     assert ev is not None  # read with ad_value (the value group)
-    need(_leaf_bounds_below(ev, int(do[L]) - 1, gtm.ad_value, gtm.leaf_ads, gtm.leaf_ad_offsets) == 0, "entry_value",
-         "a SID's bound is below the value of one of its ads")
     need(_child_bounds_above(ev, no, int(do[L])) == 0, "entry_value",  # nodes 1 .. do[L]-1 have children
          "a prefix's bound is below one of its children's")
     if gtm.part_value is not None:
@@ -334,7 +320,8 @@ def _values(need: _Need, gtm: GTMIndex) -> None:
 
 def check_cover(path: Path, gtm: GTMIndex, exact: ExactIndex) -> None:
     """Raise ArtifactError naming the first matcher table whose rows do not cover what lies beneath
-    them (`sidindex.trie.cover`); the structure must have passed `check_structure`."""
+    them, or the value bounds when a SID's is below one of its ads' values (`sidindex.trie.cover`);
+    the structure must have passed `check_structure`."""
     need = _Need(path)
     for name, what in uncovered(gtm, exact):
         need(False, name, f"{what} (its digests may have been written over the damage)")

@@ -1,4 +1,5 @@
-"""Matcher cover: every child entry's matcher rows hold what lies beneath it (docs/design.md §3, §4).
+"""Cover: every child entry's matcher rows hold what lies beneath it (docs/design.md §3, §4), and
+every SID's value bound its ads' values (§16).
 
 A node's matcher is the OR over its subtree's ads (updates only grow it), so for no false
 negative each entry's row must hold every bit of its children's rows, and a SID's row every bit
@@ -10,8 +11,14 @@ a sound one; these relations can, wherever the snapshot holds what a row must co
                    (bloom: the ads' rows are not kept, only their value hashes): per attribute,
                    all ones where an ad is unrestricted, and some bit where it is restricted
 
+    SID bounds     a SID entry's value bound (float32, rounded up) at least each of its ads' values;
+                   a prefix's bound holding its children's is checked at every open (no gather)
+
 k-way partitions are not covered (a partition holds some of the entry's ads, which ones is not
-kept). One parallel numba pass per relation and plane over the entries, counting the breaks.
+kept). One parallel numba pass per relation and plane over the entries, counting the breaks. The
+SID-to-ad relations gather rows or values by ad at random, which costs more than the rest of an
+open's checks together, so they are checked where a snapshot is judged rather than served:
+`sidindex validate`, an update's base and the entries an update inserts.
 Legend as in `sidindex.trie.build`; `do` depth offsets, `no` node offsets, `lo` leaf ad offsets.
 """
 
@@ -91,9 +98,23 @@ def _groups_unset(lo: np.ndarray, leaf_ads: np.ndarray, table: np.ndarray, index
     return bad
 
 
+@_sized
+@numba.njit(parallel=True, cache=True)
+def _values_above(lo: np.ndarray, leaf_ads: np.ndarray, ev: np.ndarray, first: int, ad_value: np.ndarray) -> int:
+    """(SID, ad) pairs whose ad's value exceeds the SID entry's bound ev[first + s]. ev: (E,)
+    float32; ad_value: (N,) float64."""
+    bad = 0
+    for s in numba.prange(len(lo) - 1):
+        bound = np.float64(ev[first + s])
+        for j in range(lo[s], lo[s + 1]):
+            if bound < ad_value[leaf_ads[j]]:
+                bad += 1
+    return bad
+
+
 def uncovered(gtm: GTMIndex, exact: ExactIndex) -> list[tuple[str, str]]:
     """(array name, what breaks) for each plane whose matcher rows do not cover what lies beneath
-    them, in plane order; empty when all do. The trie's structure must be checked first
+    them, in plane order, then for the SIDs' value bounds; empty when all do. The trie's structure must be checked first
     (`sidindex.snapshot.validate.check_structure`): this indexes with its offsets unchecked."""
     L, do, no = gtm.sid_length, gtm.depth_offsets, gtm.node_offsets
     first, lo = int(do[L]) - 1, gtm.leaf_ad_offsets  # SID s is node do[L] + s, led to by entry do[L] - 1 + s
@@ -109,4 +130,7 @@ def uncovered(gtm: GTMIndex, exact: ExactIndex) -> list[tuple[str, str]]:
                 np.asarray(layout.word_offsets, dtype=np.int64)):
             out.append((name, "a SID's matcher row has an attribute with no bit of one of its ads "
                                            "(all ones where the ad is unrestricted)"))
+    if gtm.ad_value is not None and gtm.entry_value is not None and _values_above(
+            lo, gtm.leaf_ads, gtm.entry_value, first, gtm.ad_value):
+        out.append(("entry_value", "a SID's bound is below the value of one of its ads"))
     return out
