@@ -177,7 +177,7 @@ ROWS = [
     ("first query, cold s", lambda r: r["cold"]["query_s"]),
     ("open: prefault s", lambda r: phase(r, "prefault", "prefault")),
     ("first query after prefault s", lambda r: r["prefault"]["query_s"]),
-    ("open: checksums beside the structure s", lambda r: phase(r, "verify", "checksums + structure")),
+    ("open: checksums + structure (side by side) s", lambda r: phase(r, "verify", "checksums + structure")),
     ("open, verify on (total) s", lambda r: r["verify"]["open_s"]),
     ("load onto the device s", lambda r: r["load"]["load_s"]),
 ]

@@ -251,8 +251,8 @@ SNAPSHOT_RELATIONS = (
     f"ad_state: N values in {{{AD_LIVE}, {AD_PAUSED}, {AD_DELETED}}}; entry_live[e] = 1 exactly when a row of state "
     f"{AD_LIVE} lies beneath entry e (in leaf_ads of a leaf of e's subtree), else 0.",
     "ad_value, entry_value, part_value: in [0, 1e30] (entry and part values rounded up to float32). entry_value "
-    "of a leaf entry >= ad_value of each of its ads; entry_value of an inner entry >= that of each child entry; "
-    "part_value falling (not rising) within each entry's partitions, the first equal to the entry's entry_value.",
+    "of an inner entry >= that of each child entry; part_value falling (not rising) within each entry's "
+    "partitions, the first equal to the entry's entry_value.",
     "level_sizes (manifest): L values in [1, 32768], equal to the carried codebook's.",
     "manifest counts: ads = N, sid_rows = P, sids = S, nodes = num_nodes (of the whole trie: below).",
     "shards (version 8): token ranges [lo, hi) rising from 0 to level_sizes[0], each beginning where the previous "
@@ -262,10 +262,12 @@ SNAPSHOT_RELATIONS = (
     "joined: the root's entries are every shard's root entries, shard after shard, and depth d > 0 is every "
     "shard's depth d, shard after shard; per-entry arrays follow that order, and a row index of shard k's "
     "tables counts the rows of the shards before it. Tables are deduplicated within a shard only.",
-    "Matcher cover (no false negative): per plane, the row of an inner entry holds every bit of each child "
-    "entry's row; the bitmask row of a SID's entry holds every bit of each of its ads' exact_bitmask_rows; the "
-    "bloom row of a SID's entry has, per attribute, all ones where one of its ads has no values there and some "
-    "bit set where it has some (the ads' bloom rows are not kept; k-way partitions are not covered).",
+    "Cover (no false negative, no bound below a value): per plane, the row of an inner entry holds every bit of "
+    "each child entry's row; the bitmask row of a SID's entry holds every bit of each of its ads' "
+    "exact_bitmask_rows; the bloom row of a SID's entry has, per attribute, all ones where one of its ads has no "
+    "values there and some bit set where it has some (the ads' bloom rows are not kept; k-way partitions are not "
+    "covered); entry_value of a SID's entry >= ad_value of each of its ads. An open does not check the cover "
+    "(nothing indexes memory by it); `sidindex validate` and an update do.",
 )
 
 

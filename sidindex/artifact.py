@@ -30,9 +30,10 @@ import mmap
 import os
 import shutil
 import stat
+import threading
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import xxhash
@@ -242,13 +243,14 @@ def _chunk_digest(mm: mmap.mmap, start: int) -> bytes:
         return xxhash.xxh3_128(chunk).digest()
 
 
-def _fast_digests(pool: ThreadPoolExecutor, paths: list[Path]) -> list[str]:
+def _fast_digests(pool: ThreadPoolExecutor, paths: list[Path], stop: threading.Event | None = None) -> list[str]:
     """The fast digest (`schemas.artifacts.FAST_DIGEST`) of each of `paths`: every file's chunks
     are queued on `pool` as soon as it is mapped, so one large file does not bound the time. The
     pages a map has read count as this process's memory until it closes, and a snapshot's files
     mapped all at once would add their whole size to its peak: before the next file is mapped, the
     oldest files are finished and closed until under MAPPED_BYTES stay mapped. The pool never
-    drains at a group's end: the files mapped meanwhile are queued behind the oldest's chunks."""
+    drains at a group's end: the files mapped meanwhile are queued behind the oldest's chunks.
+    `stop` set: CancelledError at the next chunk waited for (the chunks queued are cancelled)."""
     out: list[str] = []
     maps: deque[tuple[mmap.mmap | None, list[Future]]] = deque()
     mapped = 0
@@ -256,7 +258,11 @@ def _fast_digests(pool: ThreadPoolExecutor, paths: list[Path]) -> list[str]:
     def finish_oldest() -> None:
         nonlocal mapped
         mm, chunks = maps[0]
-        out.append(xxhash.xxh3_128(b"".join(f.result() for f in chunks)).hexdigest())
+        digests = []
+        for f in chunks:
+            _stopped(stop)
+            digests.append(f.result())
+        out.append(xxhash.xxh3_128(b"".join(digests)).hexdigest())
         maps.popleft()
         if mm is not None:
             mapped -= len(mm)
@@ -266,15 +272,24 @@ def _fast_digests(pool: ThreadPoolExecutor, paths: list[Path]) -> list[str]:
         for path in paths:
             while maps and mapped >= MAPPED_BYTES:
                 finish_oldest()
+            _stopped(stop)
             mm = _map_file(path)
-            maps.append((mm, [] if mm is None else [pool.submit(_chunk_digest, mm, start)
-                                                    for start in range(0, len(mm), FAST_DIGEST_CHUNK)]))
-            mapped += 0 if mm is None else len(mm)
+            chunks: list[Future] = []
+            maps.append((mm, chunks))  # tracked before its chunks are queued: `_close` finds them all
+            if mm is not None:
+                mapped += len(mm)
+                for start in range(0, len(mm), FAST_DIGEST_CHUNK):
+                    chunks.append(pool.submit(_chunk_digest, mm, start))
         while maps:
             finish_oldest()
         return out
     finally:
         _close([mm for mm, _ in maps], [chunks for _, chunks in maps])
+
+
+def _stopped(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise CancelledError("the digests were stopped")
 
 
 def _close(maps: list[mmap.mmap | None], futures: list[list[Future]]) -> None:
@@ -367,16 +382,18 @@ def verify_files(directory: Path, listed: dict[str, dict], skip: str, *, checksu
 
 
 def verify_checksums(directory: Path, listed: dict[str, dict], *, strong: bool = False,
-                     trusted: frozenset[str] = frozenset()) -> None:
-    """The checksums of `verify_files`, of files it already found listed and sized."""
+                     trusted: frozenset[str] = frozenset(), stop: threading.Event | None = None) -> None:
+    """The checksums of `verify_files`, of files it already found listed and sized. `stop` set
+    (another thread interrupted): CancelledError at the next chunk or file waited for."""
     names = [n for n in listed if n not in trusted]
     fast = [n for n in names if FAST_DIGEST in listed[n]]
     slow = [n for n in names if strong or FAST_DIGEST not in listed[n]]
     with _pool() as pool:
         for kind, todo in ((FAST_DIGEST, fast), ("sha256", slow)):
             paths = [directory / n for n in todo]
-            digests = _fast_digests(pool, paths) if kind == FAST_DIGEST else pool.map(sha256_file, paths)
+            digests = _fast_digests(pool, paths, stop) if kind == FAST_DIGEST else pool.map(sha256_file, paths)
             for name, digest in zip(todo, digests):
+                _stopped(stop)
                 if digest != listed[name][kind]:
                     raise ArtifactError(f"{directory / name}: checksum mismatch ({kind}); the file is corrupt")
 

@@ -116,7 +116,7 @@ def crowded(draw, max_ads: int = 14) -> Scenario:
     return Scenario(spec, ads, sids, sid_ads, level_sizes, requests, kway, values)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)  # each runs tens of interpreted kernels: the suite's longest test
 @given(crowded(), st.integers(0, 2**32 - 1))
 def test_tabled_mask_equals_query_by_query_and_reference(sc, seed):
     case = Case(sc)

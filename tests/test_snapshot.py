@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas.artifacts import ARRAYS_BY_NAME, READ_VERSIONS, SNAPSHOT_ARRAYS, SNAPSHOT_VERSION, shard_dir
+from sidindex import artifact
 from sidindex.artifact import list_files, seal
 from sidindex.build import build_index
 from sidindex.errors import ArtifactError
@@ -147,6 +149,31 @@ def test_a_damaged_file_is_named_by_its_checksum_whatever_its_structure_shows(sn
         open_snapshot(snap_dir)
     with pytest.raises(ArtifactError, match="node_offsets"):  # what the structure check alone finds
         open_snapshot(snap_dir, verify=False)
+
+
+def test_an_interrupted_open_stops_the_digests_beside_it(snap_dir, monkeypatch):
+    """Ctrl-C during the structure checks ends the digests running beside them at their next
+    chunk, not once every file is hashed, and is what the open raises."""
+    hashed, started = [], threading.Event()
+    real = artifact._chunk_digest
+
+    def slow(mm, start):
+        started.set()
+        time.sleep(0.05)
+        hashed.append(start)
+        return real(mm, start)
+
+    def interrupted(*args, **kwargs):
+        started.wait(10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifact, "_chunk_digest", slow)
+    monkeypatch.setattr(artifact, "THREADS", 1)
+    monkeypatch.setattr(snapshot_module, "_checked", interrupted)
+    assert len(_files(snap_dir)) > 10
+    with pytest.raises(KeyboardInterrupt):
+        open_snapshot(snap_dir)
+    assert 1 <= len(hashed) <= 2  # the chunk hashing when the interrupt came, and at most one queued before
 
 
 def reseal(snap_dir: Path, edit=None) -> None:

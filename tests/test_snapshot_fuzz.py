@@ -40,6 +40,8 @@ CONFIG = ('[sid]\nlevels = [8, 4, 4]\nhash_size = 16\npaths = 2\nmin_points_per_
           '[kway]\nmode = "dynamic"\nk_max = 4\n')
 MODES = ("cd", "cd+gtm", "cd+gtm+kway")
 BEAMS = (1, 8, 64, 384)  # wider than every depth of the catalog: every eligible ad of every mode
+# (entry_value is structure here: an open refuses a SID bound below one of its ads' values only through
+# the k-way partitions, whose first must equal it; without k-way only the cover check would)
 DATA = {"bitmask_table", "bloom_table", "exact_bitmask_rows", "exact_bloom_hashes", "ads", "ad_value", "ad_state"}
 ARRAYS = ARRAYS_BY_NAME
 EXTREMES = {

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -251,8 +252,9 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
     verify:   also check every file's fast digest (reads every byte, in parallel chunks; a snapshot
               written before fast digests: its sha256). Structure is always validated
     strong:   with verify, check every file's sha256 too (`sidindex validate`; several times slower)
-    cover:    also check that every matcher row covers what lies beneath it (`check_cover`: what
-              digests resealed over damaged rows cannot show; `sidindex validate` and an update's base)
+    cover:    also check that every matcher row covers what lies beneath it, and every SID's value
+              bound its ads' values (`check_cover`: what digests resealed over damaged rows cannot
+              show; `sidindex validate` and an update's base)
     prefault: read every page of every array now, so the first queries do not wait on page faults
     base:     an open snapshot this one may share files with (an update's base): a file that is the
               base's own (the same inode, and the same manifest entry and array shape) is neither
@@ -334,8 +336,10 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
             return theirs[file][1]
         return _map(directory, name, file, shape)
 
+    stop = threading.Event()  # set when the open is interrupted: the digests beside it end early
+
     def checksums() -> None:
-        verify_checksums(directory, listing, strong=strong, trusted=shared)
+        verify_checksums(directory, listing, strong=strong, trusted=shared, stop=stop)
 
     try:  # mapped before they are hashed, so that a GPU loader's copies run beside the hashing
         glob = {n: array(n, ARRAYS_BY_NAME[n].file, s.shape) for n, s in m.global_arrays.items()}
@@ -352,7 +356,7 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
         if verify and not side_by_side:
             checksums()
             clock.lap("checksums")
-        with _beside(checksums if side_by_side else None, wins=True):
+        with _beside(checksums if side_by_side else None, wins=True, stop=stop):
             codebook = _checked(directory, m, shards, exact, ad_id, shared, base, cover)
         clock.lap("checksums + structure" if side_by_side else "structure")
     if while_checking is not None:
@@ -455,10 +459,12 @@ def _checked(directory: Path, m: Manifest, shards: Sequence[Shard], exact: Exact
 
 
 @contextlib.contextmanager
-def _beside(fn: Callable[..., None] | None, *args: object, wins: bool = False) -> Iterator[None]:
-    """fn(*args) on another thread while the block runs, waited for either way. When both fail,
-    the block's error is raised, or with `wins` fn's (an interrupt is never replaced); the other
-    is added to it as a note."""
+def _beside(fn: Callable[..., None] | None, *args: object, wins: bool = False,
+            stop: threading.Event | None = None) -> Iterator[None]:
+    """fn(*args) on another thread while the block runs, waited for either way; an interrupt of
+    the block sets `stop` first (fn watches it to end early). When both fail, the block's error is
+    raised, or with `wins` fn's when it is about the snapshot (`SidIndexError`; an interrupt is
+    never replaced); the other is added to it as a note."""
     if fn is None:
         yield
         return
@@ -467,10 +473,13 @@ def _beside(fn: Callable[..., None] | None, *args: object, wins: bool = False) -
         try:
             yield
         except BaseException as e:
+            interrupted = not isinstance(e, Exception)
+            if interrupted and stop is not None:
+                stop.set()
             wait([done])
-            if (theirs := done.exception()) is None:
+            if (theirs := done.exception()) is None or interrupted and stop is not None:
                 raise
-            if wins and isinstance(e, Exception):
+            if wins and not interrupted and isinstance(theirs, SidIndexError):
                 theirs.add_note(f"(what ran beside it failed too: {e!r})")
                 raise theirs from None
             e.add_note(f"(what ran while checking failed too: {theirs!r})")

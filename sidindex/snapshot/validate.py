@@ -301,7 +301,7 @@ def _values(need: _Need, gtm: GTMIndex) -> None:
     entry's partitions falling from exactly the entry's bound (the kernel takes the first passing
     one, and the build makes the first the entry's best). That a SID's bound holds its ads' values
     is part of the cover (`check_cover`): a gather over the catalog's values that bounded a swap,
-    and no read depends on it."""
+    and nothing indexes memory by it."""
     if gtm.ad_value is None:
         return
     arrays = (("ad_value", gtm.ad_value), ("entry_value", gtm.entry_value), ("part_value", gtm.part_value))

@@ -45,7 +45,7 @@ def _lacks(row: np.ndarray, table: np.ndarray, r: int) -> bool:
 
 
 @_sized
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _children_outside(no: np.ndarray, table: np.ndarray, index: np.ndarray, inner_end: int) -> int:
     """Child entries c of node i (1 <= i < inner_end, entry i - 1 leads to it) with a bit that
     entry i - 1's row lacks. no: (num_nodes+1,) int64; table: (R, W) uint64; index: (E,) int32.
@@ -61,7 +61,7 @@ def _children_outside(no: np.ndarray, table: np.ndarray, index: np.ndarray, inne
 
 
 @_sized
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _ads_outside(lo: np.ndarray, leaf_ads: np.ndarray, table: np.ndarray, index: np.ndarray, first: int,
                  rows: np.ndarray) -> int:
     """(SID, ad) pairs whose exact row has a bit the SID entry's row lacks; SID s's entry is
@@ -75,7 +75,7 @@ def _ads_outside(lo: np.ndarray, leaf_ads: np.ndarray, table: np.ndarray, index:
 
 
 @_sized
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _groups_unset(lo: np.ndarray, leaf_ads: np.ndarray, table: np.ndarray, index: np.ndarray, first: int,
                   hash_offsets: np.ndarray, word_offsets: np.ndarray) -> int:
     """(SID, ad, attribute) triples whose attribute words in the SID entry's row are not all ones
@@ -99,7 +99,7 @@ def _groups_unset(lo: np.ndarray, leaf_ads: np.ndarray, table: np.ndarray, index
 
 
 @_sized
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _values_above(lo: np.ndarray, leaf_ads: np.ndarray, ev: np.ndarray, first: int, ad_value: np.ndarray) -> int:
     """(SID, ad) pairs whose ad's value exceeds the SID entry's bound ev[first + s]. ev: (E,)
     float32; ad_value: (N,) float64."""
