@@ -305,11 +305,11 @@ def test_ray_engine_cli_errors_are_one_line(sample_dir, tmp_path):
     assert not (tmp_path / "root" / "CURRENT").exists()
 
 
-def _ray_tasks(name: str, session: int) -> list[int]:
-    """Pids of the Ray worker processes of session `session` (a build the test started) running
-    the task `name` (Ray titles them ray::<name>): never another job's."""
+def _ray_tasks(name: str, pids: list[int]) -> list[int]:
+    """Those of `pids` (the processes of a build the test started: never another job's) that are
+    Ray workers running the task `name` (Ray titles them ray::<name>)."""
     out = []
-    for pid in _in_session(session):
+    for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if f.read().startswith(f"ray::{name}".encode()):
@@ -330,12 +330,16 @@ def test_a_killed_worker_fails_the_build_and_publishes_nothing(spec, write_catal
                               job["targeting"], "--config", job["config"], "--codebook", job["codebook"], "--out",
                               tmp_path / "root", "--engine", "ray", "--workers", "2"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    killed, deadline = [], time.monotonic() + 240
+    killed, deadline, pids, listed = [], time.monotonic() + 240, [], 0.0
     while not killed and build.poll() is None and time.monotonic() < deadline:
-        for pid in _ray_tasks(task, build.pid):  # the build's session: its own workers only
+        # the build's session (its own workers only), listed by a walk of /proc now and then: between
+        # walks, only the workers' titles are read, so a short task is not missed on a loaded machine
+        if time.monotonic() - listed > 0.05:
+            pids, listed = list(_in_session(build.pid)), time.monotonic()
+        for pid in _ray_tasks(task, pids):
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
-        time.sleep(0.005)
+        time.sleep(0.001)
     _, err = build.communicate(timeout=300)
     assert killed, f"no worker was seen running {task}"
     assert build.returncode == 2, err
