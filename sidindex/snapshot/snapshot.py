@@ -49,6 +49,7 @@ from sidindex.snapshot.arrays import map_array, prefault_pages, same_memory, wri
 from sidindex.snapshot.manifest import ArrayShape, Counts, FileEntry, Lineage, Manifest, ShardEntry
 from sidindex.snapshot.validate import (
     Changed,
+    check_counts,
     check_cover,
     check_globals,
     check_lineage,
@@ -414,9 +415,7 @@ def check_part(directory: Path, part: int | None) -> None:
         mine = {n: e for n, e in listing.items() if n not in theirs}
     else:
         mine = {entry.file(n): listing[entry.file(n)] for n in entry.arrays}
-    def array(name: str, file: str, shape: tuple[int, ...]) -> np.ndarray:
-        return _map(directory, name, file, shape)
-
+    array = functools.partial(_map, directory)
     try:
         glob = {n: array(n, ARRAYS_BY_NAME[n].file, s.shape) for n, s in m.global_arrays.items()}
         exact = ExactIndex.from_arrays(spec, glob, len(glob["ads"]))
@@ -429,10 +428,7 @@ def check_part(directory: Path, part: int | None) -> None:
         check_shard(directory / entry.directory, shard, exact, len(glob["ads"]))
         return
     check_globals(directory, exact, glob["ads"])
-    found = Counts.of_shapes(entries, len(glob["ads"]))
-    if m.counts != found:
-        raise ArtifactError(f"{directory / MANIFEST_FILE}: counts {m.counts.to_dict()} disagree with the arrays "
-                            f"{found.to_dict()}")
+    check_counts(directory, m.counts, Counts.of_shapes(entries, len(glob["ads"])))
     check_lineage(directory, m.lineage, exact.ad_state)
     _codebook(directory, m)
 

@@ -165,9 +165,13 @@ def check_structure(directory: Path, shards: Sequence[tuple[Path, Shard]], exact
     for k, (where, shard) in enumerate(shards):
         new = None if changed is None else changed.shards[k] | ({"ad_value"} if value_changed else set())
         check_shard(where, shard, exact, len(ad_id), new)
-    found = Counts.of([s.gtm for _, s in shards], ad_id)
-    if counts != found:
-        raise ArtifactError(f"{directory / MANIFEST_FILE}: counts {counts.to_dict()} disagree with the arrays "
+    check_counts(directory, counts, Counts.of([s.gtm for _, s in shards], ad_id))
+
+
+def check_counts(directory: Path, declared: Counts, found: Counts) -> None:
+    """Refuse a manifest whose counts are not those `found` in the arrays."""
+    if declared != found:
+        raise ArtifactError(f"{directory / MANIFEST_FILE}: counts {declared.to_dict()} disagree with the arrays "
                             f"{found.to_dict()}")
 
 
