@@ -406,9 +406,14 @@ def publish_dir(tmp: Path, final: Path) -> None:
 
 
 def fsync_tree(directory: Path) -> None:
-    """fsync every file and directory below `directory`, and it."""
+    """fsync every file and directory below `directory`, and it. A file with another link is one
+    hard-linked from a published artifact (`link_file`), synced when that one was published: its
+    new name is made durable by syncing the directory that holds it, and syncing the file again
+    would only commit the link count (a journal commit per file, most of an update's sync)."""
     for p in sorted(directory.rglob("*"), reverse=True):  # files before the directories holding them
-        fsync_path(p)
+        st = p.lstat()
+        if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
+            fsync_path(p)
     fsync_path(directory)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import polars as pl
 
 from schemas import CHANGE_OPS
+from schemas.artifacts import AD_DELETED, AD_PAUSED
 from sidindex.errors import InputError
 from sidindex.ingest import Catalog, catalog_rows, int64_column, read_table
 from sidindex.targeting import TargetingSpec
@@ -56,12 +57,12 @@ class Changes:
 
 
 def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], dim: int, values: bool,
-                 known: np.ndarray, paused: np.ndarray, replay: bool = False) -> Changes:
+                 ad_id: np.ndarray, state: np.ndarray, replay: bool = False) -> Changes:
     """Read and validate a change file against a snapshot.
 
     hash_keys, dim: the codebook's (upsert rows are validated as catalog rows with them)
     values: the snapshot carries ad values (upsert rows then need a `value`; without, none may)
-    known, paused: (n,) int64 the ids of the snapshot's ads (live or paused), and of its paused ones
+    ad_id, state: (N,) int64 the snapshot's ad ids and (N,) uint8 their rows' states
     replay: the file was applied once already and is applied again over a newer catalog export (a
             full build's, `sidindex.job`): a delete, pause or resume naming an ad the export no
             longer holds is dropped (the catalog removed the ad itself), not refused
@@ -98,8 +99,11 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
     # exists there; delete, pause and resume need one that does
     rows = pl.DataFrame({"ad_id": ids, "op": ops, "pos": np.arange(df.height, dtype=np.int64)})
     data_op = pl.when(pl.col("op").is_in(["upsert", "delete"])).then(pl.col("op"))
+    # the file's few ids are hashed and the snapshot's millions probed once, not the other way round
+    named = pl.Series(ad_id).is_in(pl.Series(ids).implode()).to_numpy()
+    known, paused = ad_id[named & (state != AD_DELETED)], ad_id[named & (state == AD_PAUSED)]
     rows = rows.with_columns(before=data_op.shift(1).forward_fill().over("ad_id"),
-                             in_base=pl.col("ad_id").is_in(_among(known, ids)))
+                             in_base=pl.col("ad_id").is_in(pl.Series(known).implode()))
     exists = (pl.col("before") == "upsert").fill_null(False) | (pl.col("before").is_null() & pl.col("in_base"))
     needs_ad = pl.col("op").is_in(["delete", "pause", "resume"]) & ~exists
     if replay:
@@ -120,7 +124,7 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
         state=pl.col("op").filter(pl.col("op").is_in(["pause", "resume"]) & pl.col("after_delete")).last(),
         in_base=pl.col("in_base").first(),
     )
-    base_paused = pl.col("ad_id").is_in(_among(paused, ids))
+    base_paused = pl.col("ad_id").is_in(pl.Series(paused).implode())
     # an ad ends paused by its last pause/resume, else as it was unless a delete reset it
     ends_paused = (pl.when(pl.col("state").is_not_null()).then(pl.col("state") == "pause")
                    .otherwise(~pl.col("deleted") & base_paused))
@@ -144,9 +148,3 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
         added=added, added_paused=up.get_column("ends_paused").to_numpy().astype(bool),
         paused=as_ids(changed.filter(pl.col("ends_paused"))), resumed=as_ids(changed.filter(~pl.col("ends_paused"))))
 
-
-def _among(snapshot_ids: np.ndarray, file_ids: np.ndarray) -> pl.Series:
-    """The file's ids that are among the snapshot's (millions), as an is_in operand: the file's few
-    ids are hashed and the snapshot's probed, not the other way round."""
-    ids = pl.Series(snapshot_ids)
-    return ids.filter(ids.is_in(pl.Series(file_ids).implode())).implode()

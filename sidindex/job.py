@@ -4,9 +4,10 @@ build:  ingest + validate -> codebook (reuse the frozen one, or train) -> SIDs +
         GTM + exact index -> carry the published snapshot's paused ads forward and re-apply the
         journal's change files newer than the catalog export -> write snapshot -> open and
         validate it -> publish -> retention
-update: verify the published snapshot in full (digests, structure, matcher cover) -> validate
-        the whole change file -> apply it (`sidindex.update`) -> write what changed, link the
-        rest -> open and validate -> publish, journaling the change file
+update: verify the published snapshot (every digest; its structure and matcher cover too unless a
+        check record holds them) -> validate the whole change file -> apply it (`sidindex.update`)
+        -> write what changed, link the rest -> open and validate -> record its checks -> publish,
+        journaling the change file
 
 Under ROOT's build lock. The input fingerprint (catalog bytes, targeting spec, build config,
 codebook id, snapshot format; for an update, the base's and the change file's bytes) is recorded
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, MAX_SHARDS, SNAPSHOT_VERSION
+from schemas.artifacts import AD_PAUSED, MAX_SHARDS, SNAPSHOT_VERSION
 from schemas.contracts import CHANGES_THROUGH_KEY
 from sidindex.artifact import regular_input, sha256_file
 from sidindex.build import BuiltIndex, build_index
@@ -54,7 +55,7 @@ from sidindex.snapshot.snapshot import write_manifest
 from sidindex.targeting import TargetingSpec, load_targeting
 from sidindex.timing import StageClock
 from sidindex.trie.stats import gtm_stats
-from sidindex.update import Indexed, ads_in_state, apply_changes
+from sidindex.update import Indexed, ad_rows, apply_changes
 
 if TYPE_CHECKING:  # Ray is an optional extra
     from sidindex.ray_build import RayBuilt
@@ -268,10 +269,9 @@ def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Cod
     if published is not None and len(paused):  # (none paused when nothing is published)
         index = apply_changes(index, Changes.pausing(paused, f"{root.snapshot_dir(published)} (paused ads)"), cb)
     for f in replay:
+        ad_id, state = ad_rows(index)
         change = read_changes(str(f), built.exact.spec, hash_keys=cb.hash_keys, dim=cb.dim,
-                              values=built.shards[0].gtm.ad_value is not None,
-                              known=ads_in_state(index, AD_LIVE, AD_PAUSED), paused=ads_in_state(index, AD_PAUSED),
-                              replay=True)
+                              values=built.shards[0].gtm.ad_value is not None, ad_id=ad_id, state=state, replay=True)
         index = apply_changes(index, change, cb)
     carried = {"paused": len(paused), "replayed": [f.name for f in replay]}
     if index is built:
@@ -357,10 +357,13 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
     (status "published", "unchanged" for a file without rows, or with `once` "already applied" for
     a file the published snapshot holds (`Root.holds`); ids, counts, lineage, seconds).
 
-    Nothing read is trusted: the published snapshot is verified in full (every file's digest, its
-    structure, its matchers' cover) before it is used, since whatever it holds is written into the
-    new snapshot under fresh digests; the new snapshot is validated before it publishes. The change
-    file is read, digested and journaled from one copy."""
+    Nothing read is trusted: every file of the published snapshot has its digest verified before it
+    is used, since whatever it holds is written into the new snapshot under fresh digests; its
+    structure and matchers' cover are checked too, unless ROOT's check record says that this very
+    manifest passed them (`Root.checks_recorded`: the digests tie each byte to it). A base checked
+    in full is recorded; so is the new snapshot once validated (its shared files are the base's,
+    the files it wrote are checked), so a chain of updates checks each snapshot's structure once.
+    The change file is read, digested and journaled from one copy."""
     clock = StageClock()
     layout = Root(root)
     regular_input(changes, "change file")  # before the lock: a FIFO would hold it while blocking the read
@@ -371,16 +374,20 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         source = sha256_file(staged)
         if once and layout.holds(Path(changes).name, source):
             return {"status": "already applied", "snapshot_id": None, "root": str(root), "seconds": _rounded(clock)}
-        base = open_snapshot(layout.snapshot_dir(published), verify=True, cover=True)
+        base = open_snapshot(layout.snapshot_dir(published), verify=True, cover=True,
+                             recorded=lambda m: layout.checks_recorded(published, m.sha256()))
+        if not base.recorded:
+            layout.record_checks(published, base.manifest.sha256())
         cb = base.codebook
         if cb is None:
             raise ArtifactError(f"{base.path}: carries no codebook, so new ads cannot get SIDs; rebuild it")
         clock.lap("verify base")
+        ad_id, state = ad_rows(base)
         change = read_changes(str(staged), base.spec, hash_keys=cb.hash_keys, dim=cb.dim,
-                              values=base.shards[0].gtm.ad_value is not None,
-                              known=ads_in_state(base, AD_LIVE, AD_PAUSED), paused=ads_in_state(base, AD_PAUSED))
+                              values=base.shards[0].gtm.ad_value is not None, ad_id=ad_id, state=state)
         clock.lap("read changes")
-        report = {"root": str(root), "base": base.id, "changes": change.counts}
+        report = {"root": str(root), "base": base.id, "base_checks": "recorded" if base.recorded else "full",
+                  "changes": change.counts}
         if change.empty:
             return {"status": "unchanged", "snapshot_id": base.id, **report, "seconds": _rounded(clock)}
         updated = apply_changes(base, change, cb)
@@ -392,9 +399,9 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         fingerprint = hashlib.sha256((base.manifest.input_fingerprint + source).encode()).hexdigest()
         snapshot_id = new_snapshot_id(fingerprint)
         m = base.manifest
-        rows = np.bincount(ad_state, minlength=AD_DELETED + 1)
+        paused, deleted = updated.exact.paused_and_deleted()
         lineage = Lineage(full_build=m.full_build, base=base.id, updates=m.updates + 1, source=source,
-                          changes=change.counts, paused=int(rows[AD_PAUSED]), deleted=int(rows[AD_DELETED]),
+                          changes=change.counts, paused=paused, deleted=deleted,
                           stale_entries=updated.stale_entries, dead_sids=updated.dead_sids)
 
         def write(directory: Path) -> None:
@@ -404,8 +411,12 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
 
         # files linked from the base were verified above, in this job; the new ones were digested as
         # read back from disk once written (hashing them again would compare them with themselves);
-        # their structure is checked, and the cover of the new matcher rows new SIDs bring
-        check = lambda d: open_snapshot(d, verify=False, cover=updated.new_sid_rows > 0, base=base)  # noqa: E731
+        # their structure is checked, and the cover when new SIDs brought matcher rows; it is then
+        # checked as a whole, and recorded so (a record of a snapshot that never publishes is pruned)
+        def check(directory: Path) -> None:
+            new = open_snapshot(directory, verify=False, cover=updated.new_sid_rows > 0, base=base)
+            layout.record_checks(snapshot_id, new.manifest.sha256())
+
         path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=(staged, source))
         clock.lap("write + validate + publish")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,

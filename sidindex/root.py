@@ -9,6 +9,8 @@ writer of a ROOT goes through `Root`; no other module spells these names.
     ROOT/codebooks/<id>/       frozen codebooks;  ROOT/codebooks/.tmp-*/  one being written
     ROOT/changes/<id>.<sha256>/<name>  the journal: change file `name` (its sha256) that update <id> published
     ROOT/changes/THROUGH       the newest change file name a full build's catalog export held
+    ROOT/checked/<id>          a check record: snapshot <id>, by its manifest's sha256, passed every
+                               check (digests, structure, matcher cover) under this sidindex
 
 Publishing: the new snapshot is written into a temporary directory, checked, fsynced and renamed
 into place; CURRENT is then replaced (CURRENT.tmp, fsync, rename, fsync ROOT), and HISTORY after
@@ -21,6 +23,12 @@ snapshot directory, orphans of a build killed between its rename and the CURRENT
 the next build also removes temporaries that killed builds left. A process that has a snapshot
 open keeps its memory maps when retention deletes the files.
 
+A check record lets the next update over a snapshot verify its digests alone: the digests tie
+every byte to the manifest, and the record ties the manifest to checks already passed (`sidindex.job`).
+It is written by a job holding the lock, for a snapshot it verified in full or published from one;
+one that is missing, unreadable, of another manifest or of another sidindex counts as none, so the
+snapshot is checked in full again. Retention deletes the records of the snapshots it deletes.
+
 The journal lets a full build keep the changes published after its catalog export was taken
 (`sidindex.job`): an update copies its change file into ROOT/changes/<its id>.<sha256>/ before
 its CURRENT swap; an entry newer than CURRENT is an update that never published (a crash in
@@ -30,6 +38,7 @@ records that name in THROUGH and drops the entries at or before it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -41,7 +50,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from schemas.artifacts import MANIFEST_FILE
-from sidindex.artifact import fsync_tree, read_bounded, rename_synced, replace_file, temporary_file
+from sidindex import __version__
+from sidindex.artifact import fsync_tree, read_bounded, read_sealed, rename_synced, replace_file, seal, temporary_file
 from sidindex.errors import ArtifactError
 from sidindex.interrupts import Interrupted, interrupts_deferred
 
@@ -51,6 +61,8 @@ JOURNAL_ENTRY = re.compile(SNAPSHOT_ID.pattern.removesuffix("$") + r"\.[0-9a-f]{
 TMP_PREFIX = ".tmp-"
 _POINTER_BYTES = 256  # CURRENT holds one id
 _HISTORY_BYTES = 1 << 20
+CHECK_RECORD_FORMAT = "sidindex-check-record"
+CHECK_RECORD_VERSION = 1
 
 
 class JournalEntry(NamedTuple):
@@ -85,6 +97,7 @@ class Root:
         self.history_file = self.path / "HISTORY"
         self.changes = self.path / "changes"
         self.through_file = self.changes / "THROUGH"
+        self.checked = self.path / "checked"
 
     def snapshot_dir(self, snapshot_id: str) -> Path:
         return self.snapshots / snapshot_id
@@ -310,6 +323,32 @@ class Root:
                 os.rename(e.file.parent, gone)
                 shutil.rmtree(gone, ignore_errors=True)
 
+    # --- check records --------------------------------------------------------------------
+
+    def record_checks(self, snapshot_id: str, manifest_sha256: str) -> bool:
+        """Record that snapshot `snapshot_id`, whose manifest.json has sha256 `manifest_sha256`,
+        passed every check (its digests, structure and matcher cover); whether it was recorded. A
+        record is only ever a saving: one that cannot be written (something else holds its name)
+        leaves the snapshot to be checked in full again, and fails no job."""
+        doc = {"format": CHECK_RECORD_FORMAT, "format_version": CHECK_RECORD_VERSION, "snapshot": snapshot_id,
+               "manifest_sha256": manifest_sha256, "checker": f"sidindex {__version__}"}
+        try:
+            self.checked.mkdir(exist_ok=True)
+            replace_file(self.checked / snapshot_id, lambda tmp: tmp.write_bytes(seal(doc)))
+        except OSError:
+            return False
+        return True
+
+    def checks_recorded(self, snapshot_id: str, manifest_sha256: str) -> bool:
+        """Whether a record says snapshot `snapshot_id` with this manifest passed every check under
+        this sidindex; a record missing or unreadable is none (the snapshot is checked again)."""
+        try:
+            doc = read_sealed(self.checked / snapshot_id, CHECK_RECORD_FORMAT, CHECK_RECORD_VERSION, "check record")
+        except ArtifactError:
+            return False
+        return (doc.get("snapshot"), doc.get("manifest_sha256"), doc.get("checker")) == (
+            snapshot_id, manifest_sha256, f"sidindex {__version__}")
+
     def _replace(self, path: Path, text: str) -> None:
         """Replace one of ROOT's small files (CURRENT, HISTORY, THROUGH) with `text`."""
         replace_file(path, lambda tmp: tmp.write_text(text))
@@ -329,6 +368,11 @@ class Root:
                 continue
             shutil.rmtree(gone, ignore_errors=True)
         self._replace(self.history_file, "".join(f"{i}\n" for i in self.history() if i in kept))
+        if self.checked.is_dir():  # a record outlives no snapshot, nor one that never published
+            for record in self.checked.iterdir():
+                if record.name not in kept:
+                    with contextlib.suppress(OSError):  # not a file of ours: left as it is
+                        record.unlink()
         return doomed
 
 

@@ -31,6 +31,8 @@ from sidindex.timing import StageClock
 from sidindex.trie.patch import insert_sids, liveness
 from sidindex.trie.shard import Shard
 
+_UNNAMED = 255  # no row state: an id the change file does not name
+
 
 class Indexed(Protocol):
     """What changes apply to: `sidindex.snapshot.Snapshot`, or a build's or an update's `BuiltIndex`
@@ -53,10 +55,11 @@ def _ad_ids(index: Indexed) -> np.ndarray:
     return index.ad_id
 
 
-def ads_in_state(index: Indexed, *states: int) -> np.ndarray:
-    """(n,) int64 the ids of the index's rows in one of `states`."""
+def ad_rows(index: Indexed) -> tuple[np.ndarray, np.ndarray]:
+    """The index's (N,) int64 ad ids and (N,) uint8 their rows' states (what a change file is
+    read against: `sidindex.changes.read_changes`)."""
     ad_id = _ad_ids(index)
-    return np.asarray(ad_id)[np.isin(index.exact.states(len(ad_id)), states)]
+    return ad_id, index.exact.states(len(ad_id))
 
 
 def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> BuiltIndex:
@@ -66,11 +69,15 @@ def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> BuiltI
     clock = StageClock()
     ad_id = _ad_ids(snap)
     state = snap.exact.states(len(ad_id)).copy()
-    served = state != AD_DELETED  # rows an id may name: its only one that is not deleted
-    ids = pl.Series(ad_id)
-    for wanted, new_state in ((changes.removed, AD_DELETED), (changes.paused, AD_PAUSED), (changes.resumed, AD_LIVE)):
-        if len(wanted):
-            state[ids.is_in(pl.Series(wanted).implode()).to_numpy() & served] = new_state
+    # each id named (removed, paused, resumed: disjoint) mapped to its new state in one probe of the
+    # snapshot's ids; rows an id may name: its only one that is not deleted
+    named = (changes.removed, changes.paused, changes.resumed)
+    new = pl.Series(ad_id).replace_strict(
+        np.concatenate(named), np.repeat(np.array([AD_DELETED, AD_PAUSED, AD_LIVE], dtype=np.uint8),
+                                         [len(x) for x in named]),
+        default=_UNNAMED, return_dtype=pl.UInt8).to_numpy()
+    rows = np.flatnonzero((new != _UNNAMED) & (state != AD_DELETED))
+    state[rows] = new[rows]
     clock.lap("ad states")
     shards, exact, sid_rows = snap.shards, snap.exact, 0
     values = shards[0].gtm.ad_value

@@ -220,8 +220,12 @@ def update(
 ) -> None:
     """Apply ad changes to the published snapshot without a full rebuild, and publish the result.
 
-    Validates the whole file first (ops, ad ids that exist, every upsert row as the catalog's);
-    any error publishes nothing (exit 2). Rows apply in file order. pause/resume/delete change ad
+    Verifies the published snapshot first: every file's digest, and its structure and matcher
+    cover unless ROOT/checked holds a record that this very manifest passed them (an update records
+    its base and the snapshot it publishes; `base_checks` in the report says which was done). A
+    corrupt base is refused (exit 2). Then validates the whole change file (ops, ad ids that
+    exist, every upsert row as the catalog's); any error publishes nothing (exit 2). Rows apply in
+    file order. pause/resume/delete change ad
     states only (and which prefixes still have a live ad: the search skips the others); upsert
     assigns SIDs with the frozen codebook and adds what they need to the trie. Files the update
     leaves alone are hard-linked from the base snapshot, and a watching serving host applies an

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,9 +28,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.artifacts import AD_LIVE, AD_PAUSED, SNAPSHOT_VERSION
+from schemas.artifacts import AD_LIVE, AD_PAUSED, MANIFEST_FILE, SNAPSHOT_VERSION
 from schemas.contracts import CHANGES_THROUGH_KEY
-from sidindex.errors import InputError
+from sidindex.artifact import seal, sha256_file
+from sidindex.errors import ArtifactError, InputError
 from sidindex.job import run_build, run_update
 from sidindex.root import Root
 from sidindex.snapshot import open_snapshot
@@ -134,6 +136,84 @@ def test_a_refused_update_creates_nothing(pool, tmp_path):
         r = run_cli("update", root, "--changes", path)
         assert r.returncode == 2 and "no published snapshot to update" in r.stderr
     assert not (tmp_path / "missing").exists() and list((tmp_path / "empty").iterdir()) == []
+
+
+# --- check records: what an update over an update's snapshot verifies ------------------------------
+
+def _pause(pool, tmp_path: Path, i: int) -> Path:
+    """A change file pausing the base catalog's ad i."""
+    return _changes(pool, tmp_path / f"pause{i}.parquet", [{"ad_id": int(pool["catalog"]["ad_id"][i]), "op": "pause"}])
+
+
+def test_an_update_records_its_checks_and_the_next_verifies_the_digests_alone(built, pool, tmp_path):
+    root = _root(built, tmp_path)
+    layout = Root(root)
+    first = run_update(root, _pause(pool, tmp_path, 0))
+    assert first["base_checks"] == "full"  # a full build records nothing: its base was checked whole
+    assert sorted(p.name for p in layout.checked.iterdir()) == sorted([first["base"], first["snapshot_id"]])
+    second = run_update(root, _pause(pool, tmp_path, 1), keep=2)
+    assert second["base_checks"] == "recorded" and second["base"] == first["snapshot_id"]
+    assert sorted(p.name for p in layout.checked.iterdir()) == sorted(
+        p.name for p in layout.snapshots.iterdir())  # retention took the build's record with it
+    snap = open_snapshot(root)  # the record names the manifest as written
+    assert layout.checks_recorded(snap.id, snap.manifest.sha256())
+    assert snap.manifest.sha256() == sha256_file(snap.path / MANIFEST_FILE)
+    assert open_snapshot(root, verify=False, recorded=lambda m: True).recorded
+    paused = {int(pool["catalog"]["ad_id"][i]) for i in (0, 1)}
+    assert paused <= set(snap.ad_id[snap.row_states == AD_PAUSED].tolist()) and not paused & _live(root)
+
+
+@pytest.mark.parametrize("edit, seal, message", [
+    (_zero_sid_row("bitmask"), True, "bitmask_table.arrow: a "),
+    (_zero_inner_bloom_bits, True, "bloom_table.arrow: a prefix's matcher row lacks a bit of one of its children"),
+    (_flip_bytes, False, "bloom_table.arrow: checksum mismatch"),
+], ids=["zeroed-bitmask-resealed", "inner-bloom-resealed", "flipped-not-resealed"])
+def test_a_check_record_does_not_cover_a_base_changed_since(built, pool, tmp_path, edit, seal, message):
+    """Damage after the record: resealed, the manifest is not the one recorded, so the base is
+    checked in full; not resealed, its digests (always verified) find it."""
+    root = _root(built, tmp_path)
+    run_update(root, _pause(pool, tmp_path, 0))
+    current = Root(root).snapshot_dir(Root(root).current_id())
+    _edit_table(current, "bloom" if "bloom" in message else "bitmask", edit, seal)
+    before = _published(root)
+    with pytest.raises(ArtifactError, match=re.escape(message)):
+        run_update(root, _pause(pool, tmp_path, 1))
+    assert _published(root) == before
+
+
+def _rewrite_record(path: Path, **edit) -> None:
+    doc = json.loads(path.read_text())
+    path.write_bytes(seal({k: v for k, v in doc.items() if k != "checksum"} | edit))
+
+
+@pytest.mark.parametrize("record", ["another sidindex", "another manifest", "another snapshot", "not sealed",
+                                    "a fifo", "a symbolic link", "a directory"])
+def test_a_record_that_does_not_match_counts_as_none(built, pool, tmp_path, record):
+    root = _root(built, tmp_path)
+    layout = Root(root)
+    first = run_update(root, _pause(pool, tmp_path, 0))
+    path = layout.checked / first["snapshot_id"]
+    if record == "another sidindex":
+        _rewrite_record(path, checker="sidindex 0.0.0")
+    elif record == "another manifest":
+        _rewrite_record(path, manifest_sha256="0" * 64)
+    elif record == "another snapshot":  # the build's record, renamed: its manifest is not this one
+        os.replace(layout.checked / first["base"], path)
+    elif record == "not sealed":
+        path.write_bytes(path.read_bytes().replace(b'"sidindex-check-record"', b'"sidindex-check-recorD"'))
+    elif record == "a fifo":  # refused at once, never waited on
+        path.unlink()
+        os.mkfifo(path)
+    elif record == "a symbolic link":  # to a sound record: records are read without following links
+        shutil.copyfile(path, tmp_path / "elsewhere")
+        path.unlink()
+        path.symlink_to(tmp_path / "elsewhere")
+    else:
+        path.unlink()
+        path.mkdir()
+    second = run_update(root, _pause(pool, tmp_path, 1))
+    assert second["base_checks"] == "full" and second["status"] == "published"
+    assert layout.checks_recorded(second["snapshot_id"], open_snapshot(root).manifest.sha256())
 
 
 # --- pauses, deletes and upserts through full builds ------------------------------------------------

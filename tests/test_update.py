@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 import runtime
 from runtime.post import expand
-from schemas.artifacts import AD_DELETED, AD_LIVE, MATCHER_PLANES, shard_dir
+from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, MATCHER_PLANES, shard_dir
 from sidindex.artifact import same_file
 from sidindex.errors import InputError
 from sidindex.job import run_build, run_update
@@ -39,7 +39,7 @@ from sidindex.sid import save_codebook
 from sidindex.snapshot import open_snapshot
 from sidindex.trie.build import build_gtm
 from sidindex.trie.kway import KWayConfig
-from sidindex.trie.patch import insert_sids
+from sidindex.trie.patch import insert_sids, live_entries, liveness
 from tests.conftest import run_cli, sampled_codebook
 from tests.test_snapshot import reseal, rewrite_array
 
@@ -112,6 +112,34 @@ def test_inserted_sids_give_the_full_builds_trie(case, kway):
                 np.testing.assert_array_equal(ored, p.table[p.index[e]])
             pv = got.part_value[po[e]:po[e + 1]]
             assert pv[0] == got.entry_value[e] and np.all(pv[1:] <= pv[:-1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(trie_cases(), st.data())
+def test_liveness_walks_up_from_every_sid_as_a_brute_force_does(case, data):
+    """entry_live, stale entries and dead SIDs under random row states, against walking each SID's
+    path to the root."""
+    sizes, sids, ads, _, _, rows, _ = case
+    g = build_gtm(sids, ads, sizes, rows)
+    n_ads = int(ads.max()) + 1
+    state = np.array(data.draw(st.lists(st.sampled_from([AD_LIVE, AD_PAUSED, AD_DELETED]), min_size=n_ads,
+                                        max_size=n_ads)), dtype=np.uint8)
+    live, stale, dead = np.zeros(g.num_nodes - 1, dtype=np.uint8), set(), 0
+    for s in range(g.num_leaves):
+        rows_live = state[g.leaf_ads[g.leaf_ad_offsets[s]:g.leaf_ad_offsets[s + 1]]] == AD_LIVE
+        dead += not rows_live.any()
+        node = int(g.depth_offsets[g.sid_length]) + s
+        while node > 0:
+            live[node - 1] |= rows_live.any()
+            if not rows_live.all():
+                stale.add(node - 1)
+            node = int(np.searchsorted(g.node_offsets, node - 1, side="right")) - 1
+    got_live, got_stale, got_dead = liveness(g, state)
+    np.testing.assert_array_equal(got_live, live)
+    np.testing.assert_array_equal(live_entries(g, state), live)
+    assert (got_stale, got_dead) == (len(stale), dead)
+    with pytest.raises(ValueError, match="outside"):  # states for fewer rows than the SIDs name: refused, not read
+        liveness(g, state[:-1])
 
 
 # --- the stateful test: random change files against fresh builds --------------------------------

@@ -24,7 +24,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from schemas.artifacts import AD_LIVE, EXACT_FORM, EXACT_ROWS, MATCHER_PLANES, plane_arrays
+from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, EXACT_FORM, EXACT_ROWS, MATCHER_PLANES, plane_arrays
 from sidindex.arraytypes import HostOrDevice
 from sidindex.matchers.bits import ListCodes, list_codes
 from sidindex.matchers.kinds import KINDS
@@ -138,6 +138,13 @@ class ExactIndex:
         """(n,) uint8 each of the n catalog rows' state (`schemas.artifacts.AD_LIVE`, ...; all live
         when no update or carried pause wrote states)."""
         return np.zeros(n, dtype=np.uint8) if self.ad_state is None else self.ad_state
+
+    def paused_and_deleted(self) -> tuple[int, int]:
+        """The rows paused and deleted (what an update's lineage counts); one compare per state,
+        not `np.bincount`, whose cast of the states to intp costs ten times more."""
+        if self.ad_state is None:
+            return 0, 0
+        return int(np.count_nonzero(self.ad_state == AD_PAUSED)), int(np.count_nonzero(self.ad_state == AD_DELETED))
 
     def live(self, ads: np.ndarray) -> np.ndarray:
         """(n,) bool: which catalog rows `ads` (n,) int64 are live (neither paused nor deleted)."""

@@ -8,6 +8,7 @@ symbolic link to one). Everything after it reads typed attributes, never keys.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -225,6 +226,11 @@ class Manifest:
     def shard_bytes(self, shard: ShardEntry) -> int:
         """The bytes of a shard's files."""
         return sum(self.files[shard.file(n)].bytes for n in shard.arrays)
+
+    def sha256(self) -> str:
+        """The sha256 of manifest.json (a read one's file is exactly `to_bytes`), as check records
+        name it (`sidindex.root.Root.record_checks`)."""
+        return hashlib.sha256(self.to_bytes()).hexdigest()
 
     def to_bytes(self) -> bytes:
         """The sealed manifest.json text."""

@@ -10,8 +10,10 @@ digest is checked on another thread (or its sha256 in a snapshot written before 
 read any bytes safely, so neither waits for the other; a digest that fails wins over what the
 structure check found (damage is named by its checksum). Mapping comes before hashing so that a
 GPU loader can copy the arrays' bytes while they are hashed and checked; a file that cannot be
-mapped is hashed first. The carried codebook is loaded into memory, so a served snapshot never reads
-its directory again. Nothing is unpickled.
+mapped is hashed first. A snapshot whose checks are on record (`recorded`, `Root.checks_recorded`)
+has its digests verified alone: they tie every byte to the manifest the record names. The carried
+codebook is loaded into memory, so a served snapshot never reads its directory again. Nothing is
+unpickled.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class Snapshot:
     exact: ExactIndex
     ad_id: np.ndarray  # (N,) int64
     codebook: Codebook | None
+    recorded: bool = False  # its structure and cover were on record: only its digests were verified
     # manifest, files, map, structure (with verify: "checksums + structure", side by side; in turn:
     # checksums, structure), copies (waiting for `while_checking`), prefault
     open_seconds: dict[str, float] = field(default_factory=dict)
@@ -247,7 +250,8 @@ def _shape(a: np.ndarray) -> ArrayShape:
 
 def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False, cover: bool = False,
                   prefault: bool = False, base: Snapshot | None = None,
-                  while_checking: Callable[[dict[str, np.ndarray]], None] | None = None) -> Snapshot:
+                  while_checking: Callable[[dict[str, np.ndarray]], None] | None = None,
+                  recorded: Callable[[Manifest], bool] | None = None) -> Snapshot:
     """Open a ROOT's published snapshot (its CURRENT) or a snapshot directory.
 
     verify:   also check every file's fast digest (reads every byte, in parallel chunks; a snapshot
@@ -267,6 +271,10 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
               mapped, while they are hashed and validated: it may copy their bytes (a GPU loader
               stages them meanwhile), never read them as an index. The open waits for it, and
               raises its error only once the snapshot passed (a corrupt snapshot's error wins)
+    recorded: asked of the manifest read (an update's base: `Root.checks_recorded`); when it says
+              the snapshot passed every check under this manifest, every file's digest is verified
+              (whatever `verify` says: they tie the bytes to the manifest) and neither the structure
+              nor the cover is checked again. The result's `recorded` says which was done
     A ROOT whose snapshot retention prunes while it is being opened (`_pruned`) is read again once,
     for the snapshot CURRENT names now; when that one is pruned too, and for a snapshot directory
     pruned under the reader, the error is `sidindex.root.pruned`. Seconds per phase are in the
@@ -276,7 +284,7 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
     for attempt in range(2):
         directory = Root.resolve(path)
         try:
-            return _open(directory, verify, strong, cover, prefault, base, while_checking)
+            return _open(directory, verify, strong, cover, prefault, base, while_checking, recorded)
         except ArtifactError:
             if not _pruned(path, directory):
                 raise
@@ -319,9 +327,12 @@ def _pruned(path: Path, directory: Path) -> bool:
 
 
 def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bool, base: Snapshot | None,
-          while_checking: Callable[[dict[str, np.ndarray]], None] | None) -> Snapshot:
+          while_checking: Callable[[dict[str, np.ndarray]], None] | None,
+          recorded: Callable[[Manifest], bool] | None) -> Snapshot:
     clock = StageClock()
     m, spec = _manifest(directory)
+    on_record = recorded is not None and recorded(m)
+    verify = verify or on_record
     clock.lap("manifest")
     entries = m.shard_list()
     theirs = _base_files(base) if base is not None and _comparable(m, spec, base) else {}
@@ -353,13 +364,16 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
         raise
     clock.lap("map")
     with _beside(while_checking, glob | (_shard_arrays(shards[0]) if len(shards) == 1 else {})):
-        side_by_side = verify and CHECKS_SIDE_BY_SIDE
+        side_by_side = verify and CHECKS_SIDE_BY_SIDE and not on_record
         if verify and not side_by_side:
             checksums()
             clock.lap("checksums")
-        with _beside(checksums if side_by_side else None, wins=True, stop=stop):
-            codebook = _checked(directory, m, shards, exact, ad_id, shared, base, cover)
-        clock.lap("checksums + structure" if side_by_side else "structure")
+        if on_record:  # structure and cover: the record's
+            codebook = _codebook(directory, m)
+        else:
+            with _beside(checksums if side_by_side else None, wins=True, stop=stop):
+                codebook = _checked(directory, m, shards, exact, ad_id, shared, base, cover)
+            clock.lap("checksums + structure" if side_by_side else "structure")
     if while_checking is not None:
         clock.lap("copies")  # waiting for what the checks did not outlast
     if prefault:
@@ -369,7 +383,7 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     beside = None
     if base is not None and (joined := base.joined()) is not None:
         beside = (base.shards, joined)
-    return Snapshot(directory, m, spec, shards, exact, ad_id, codebook, clock.seconds, beside)
+    return Snapshot(directory, m, spec, shards, exact, ad_id, codebook, on_record, clock.seconds, beside)
 
 
 def _map(directory: Path, name: str, file: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -429,7 +443,7 @@ def check_part(directory: Path, part: int | None) -> None:
         return
     check_globals(directory, exact, glob["ads"])
     check_counts(directory, m.counts, Counts.of_shapes(entries, len(glob["ads"])))
-    check_lineage(directory, m.lineage, exact.ad_state)
+    check_lineage(directory, m.lineage, exact)
     _codebook(directory, m)
 
 
@@ -444,7 +458,7 @@ def _checked(directory: Path, m: Manifest, shards: Sequence[Shard], exact: Exact
     placed = [(directory / entry.directory, shard) for entry, shard in zip(entries, shards)]
     check_structure(directory, placed, exact, ad_id, m.counts, changed=changed,
                     base_state=None if base is None else base.row_states)
-    check_lineage(directory, m.lineage, exact.ad_state)
+    check_lineage(directory, m.lineage, exact)
     if cover:
         for where, shard in placed:
             check_cover(where, shard.gtm, exact)

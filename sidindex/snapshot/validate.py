@@ -331,12 +331,12 @@ def check_cover(path: Path, gtm: GTMIndex, exact: ExactIndex) -> None:
         need(False, name, f"{what} (its digests may have been written over the damage)")
 
 
-def check_lineage(path: Path, lineage: Lineage | None, ad_state: np.ndarray | None) -> None:
+def check_lineage(path: Path, lineage: Lineage | None, exact: ExactIndex) -> None:
     """An update's lineage counts the rows its ad states hold (what `inspect` reports)."""
     if lineage is None:
         return
-    assert ad_state is not None  # the manifest's reader refuses a lineage without ad_state
-    n = np.bincount(ad_state, minlength=AD_DELETED + 1)
-    if (lineage.paused, lineage.deleted) != (int(n[AD_PAUSED]), int(n[AD_DELETED])):
+    assert exact.ad_state is not None  # the manifest's reader refuses a lineage without ad_state
+    paused, deleted = exact.paused_and_deleted()
+    if (lineage.paused, lineage.deleted) != (paused, deleted):
         raise ArtifactError(f"{path / MANIFEST_FILE}: lineage counts {lineage.paused} paused and "
-                            f"{lineage.deleted} deleted rows, ad_state holds {n[AD_PAUSED]} and {n[AD_DELETED]}")
+                            f"{lineage.deleted} deleted rows, ad_state holds {paused} and {deleted}")

@@ -15,9 +15,12 @@ import numba
 import numpy as np
 
 from schemas.artifacts import AD_LIVE
+from sidindex.parallel import sized
 from sidindex.sid.assign import sid_keys
 from sidindex.trie.build import GTMIndex, MatcherPlane, round_up_f32
 from sidindex.trie.dedup import RowTable
+
+_sized = sized(1 << 20)
 
 
 def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: dict[str, np.ndarray],
@@ -152,29 +155,71 @@ def liveness(g: GTMIndex, ad_state: np.ndarray) -> tuple[np.ndarray, int, int]:
     (`entry_live`: the search takes no other); the stale entries, with a row that is not live
     beneath them (their matchers still hold its bits, a superset of what a full build would keep);
     and the dead SIDs, none of whose rows is live."""
-    live = ad_state[g.leaf_ads] == AD_LIVE  # (P,) one gather for all three
-    starts = g.leaf_ad_offsets[:-1]
-    any_live, all_live = np.logical_or.reduceat(live, starts), np.logical_and.reduceat(live, starts)
+    any_live, all_live = _leaf_live(g, ad_state)
     return (_beneath(g, any_live).view(np.uint8), int(_beneath(g, ~all_live).sum()),
             int(len(any_live) - any_live.sum()))
 
 
 def live_entries(g: GTMIndex, ad_state: np.ndarray) -> np.ndarray:
     """(E,) uint8: 1 for the child entries with a live row (`ad_state` (N,) uint8) beneath them."""
-    live = ad_state[g.leaf_ads] == AD_LIVE
-    return _beneath(g, np.logical_or.reduceat(live, g.leaf_ad_offsets[:-1])).view(np.uint8)
+    return _beneath(g, _leaf_live(g, ad_state)[0]).view(np.uint8)
+
+
+def _leaf_live(g: GTMIndex, ad_state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(S,) bool per SID: some of its rows is live; all of them are. A row outside `ad_state`
+    (N,) uint8 is refused (ValueError), not read."""
+    any_live, all_live, outside = _leaf_states(g.leaf_ads, g.leaf_ad_offsets, ad_state)
+    if outside:
+        raise ValueError(f"{outside} SID rows name ads outside the {len(ad_state)} ad states")
+    return any_live, all_live
+
+
+@_sized
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _leaf_states(leaf_ads: np.ndarray, offsets: np.ndarray, ad_state: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, int]:
+    """One pass over the SID rows (leaf_ads (P,) int64 by SID, offsets (S+1,) int64): (S,) bool a
+    live row, (S,) bool only live rows, and the rows outside ad_state (N,) uint8 (skipped)."""
+    S, N = len(offsets) - 1, len(ad_state)
+    any_live, all_live = np.empty(S, dtype=np.bool_), np.empty(S, dtype=np.bool_)
+    outside = 0
+    for s in numba.prange(S):
+        some, every = False, True
+        for j in range(offsets[s], offsets[s + 1]):
+            r = leaf_ads[j]
+            if r < 0 or r >= N:
+                outside += 1
+                continue
+            live = ad_state[r] == AD_LIVE
+            some |= live
+            every &= live
+        any_live[s], all_live[s] = some, every
+    return any_live, all_live, outside
 
 
 def _beneath(g: GTMIndex, leaf_flag: np.ndarray) -> np.ndarray:
     """(E,) bool: the entries with a flagged leaf (leaf_flag (S,) bool) in their subtree; one pass
     per depth, deepest first (a node's children are the contiguous entries of the next depth)."""
-    L, do, no = g.sid_length, g.depth_offsets, g.node_offsets
+    L, do = g.sid_length, g.depth_offsets
     out = np.empty(g.num_nodes - 1, dtype=bool)
     out[do[L] - 1:] = leaf_flag
     for d in range(L - 1, 0, -1):
-        lo, hi = do[d], do[d + 1]
-        out[lo - 1:hi - 1] = np.logical_or.reduceat(out[no[lo]:no[hi]], no[lo:hi] - no[lo])
+        _any_child(out, g.node_offsets, int(do[d]), int(do[d + 1]))
     return out
+
+
+@_sized
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _any_child(out: np.ndarray, no: np.ndarray, lo: int, hi: int) -> None:
+    """out[i - 1] = whether any child entry of node i (lo <= i < hi) is set in out (E,) bool, the
+    children's depth already filled (entry i - 1 leads to node i; no (num_nodes+1,) int64)."""
+    for i in numba.prange(lo, hi):
+        some = False
+        for c in range(no[i], no[i + 1]):
+            if out[c]:
+                some = True
+                break
+        out[i - 1] = some
 
 
 @numba.njit(cache=True)
