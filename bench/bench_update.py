@@ -58,7 +58,9 @@ from sidindex.snapshot import open_snapshot
 from sidindex.trie.dedup import RowTable
 
 MIX = (("pause", 0.30), ("resume", 0.10), ("delete", 0.20), ("upsert", 0.25), ("new", 0.15))
-
+STATES_ONLY = (("pause", 0.6), ("resume", 0.2), ("delete", 0.2))
+UPDATES = {"0.1%": "update 0.1%", "1%": "update 1%", "states": "update 1%, states only"}  # --updates: row names
+SHARES = {"0.1%": (0.001, MIX), "1%": (0.01, MIX), "states": (0.01, STATES_ONLY)}  # share of the ads, ops
 
 def changes(cat: pl.DataFrame, live: np.ndarray, paused: np.ndarray, n: int, rng: np.random.Generator,
             next_id: int, mix=MIX) -> pl.DataFrame:
@@ -160,6 +162,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write the results as JSON here")
     ap.add_argument("--swap-reps", type=int, default=3, help="swaps timed after each update")
     ap.add_argument("--shards", type=int, help="the snapshot's shards (default: the build's, from the catalog's size)")
+    ap.add_argument("--updates", nargs="+", choices=tuple(UPDATES), default=list(UPDATES),
+                    help="the updates to run, in this order (default: all)")
     args = ap.parse_args()
     work = args.dir or Path(tempfile.mkdtemp(prefix="bench_update_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -193,10 +197,8 @@ def run(args, work: Path) -> dict:
     ids = cat["ad_id"].to_numpy()
     paused, next_id = np.zeros(0, dtype=np.int64), int(ids.max()) + 1
     live = ids
-    states_only = (("pause", 0.6), ("resume", 0.2), ("delete", 0.2))
     swaps: dict[str, dict] = {}
-    for name, share, mix in (("update 0.1%", 0.001, MIX), ("update 1%", 0.01, MIX),
-                             ("update 1%, states only", 0.01, states_only)):
+    for name, share, mix in ((UPDATES[u], *SHARES[u]) for u in args.updates):
         n = int(args.ads * share)
         ch = changes(cat, live, paused, n, rng, next_id, mix)
         path = work / f"changes_{len(rows)}.parquet"

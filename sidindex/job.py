@@ -168,8 +168,9 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
                                build_config=cfg, stats=stats, quality=quality.to_dict())
 
             path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep,
-                                  expected=published, through=changes_through)
-            clock.lap("write + validate + publish")
+                                  expected=published, through=changes_through,
+                                  published=lambda: clock.lap("write + validate + publish"))
+            clock.lap("retention")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
             "fingerprint": fingerprint, "codebook_id": cb.id, **counted, "matcher_bytes": stats.matcher_bytes,
             "carried": carried, "warnings": warnings, **shape, "seconds": _rounded(clock)}
@@ -251,8 +252,9 @@ def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: Targ
         check_on_ray(directory)
         clock.lap("check on ray")
 
-    path = root.publish(snapshot_id, write, check, keep, expected=published, through=through)
-    clock.lap("publish")
+    path = root.publish(snapshot_id, write, check, keep, expected=published, through=through,
+                        published=lambda: clock.lap("publish"))
+    clock.lap("retention")
     return snapshot_id, path, done["manifest"], done["built"], done["carried"], done["warnings"]
 
 
@@ -417,8 +419,9 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
             new = open_snapshot(directory, verify=False, cover=updated.new_sid_rows > 0, base=base)
             layout.record_checks(snapshot_id, new.manifest.sha256())
 
-        path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=(staged, source))
-        clock.lap("write + validate + publish")
+        path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=(staged, source),
+                              published=lambda: clock.lap("write + validate + publish"))
+        clock.lap("retention")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
             **Counts.of([s.gtm for s in updated.shards], ad_id).to_dict(), "new_sid_rows": updated.new_sid_rows,
             "lineage": lineage.to_dict(), "seconds": _rounded(clock)}

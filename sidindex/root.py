@@ -210,7 +210,7 @@ class Root:
 
     def publish(self, snapshot_id: str, write: Callable[[Path], None], check: Callable[[Path], object],
                 keep: int, *, expected: str | None, journal: tuple[Path, str] | None = None,
-                through: str | None = None) -> Path:
+                through: str | None = None, published: Callable[[], object] | None = None) -> Path:
         """Write, check and publish a snapshot, then apply retention; returns its directory.
 
         write(directory) fills the new, empty directory; check(directory) raises if it is not sound.
@@ -221,6 +221,9 @@ class Root:
             the journal entry of `snapshot_id` in the commit.
         through: a full build's export's watermark, recorded in the commit (THROUGH); the journal
             entries it makes redundant are dropped after it.
+        published: called once the snapshot is CURRENT, before retention deletes what it no longer
+            keeps (a job's clock tells the two apart: deleting a snapshot's own files costs time
+            that grows with its size, not with what the job changed).
         The commit (the renames) runs with SIGINT and SIGTERM held: an interrupt that came during it,
         or during retention after it, is raised with `published` set (the snapshot is CURRENT).
         """
@@ -250,6 +253,8 @@ class Root:
                 e.published = snapshot_id  # held during the commit, raised once it was done
             shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
             raise
+        if published is not None:
+            published()
         try:
             self.prune(keep)
             if through is not None:
