@@ -271,9 +271,9 @@ def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Cod
     if published is not None and len(paused):  # (none paused when nothing is published)
         index = apply_changes(index, Changes.pausing(paused, f"{root.snapshot_dir(published)} (paused ads)"), cb)
     for f in replay:
-        ad_id, state = ad_rows(index)
+        ids, states = ad_rows(index)
         change = read_changes(str(f), built.exact.spec, hash_keys=cb.hash_keys, dim=cb.dim,
-                              values=built.shards[0].gtm.ad_value is not None, ad_id=ad_id, state=state, replay=True)
+                              values=built.shards[0].gtm.ad_value is not None, ad_id=ids, state=states, replay=True)
         index = apply_changes(index, change, cb)
     carried = {"paused": len(paused), "replayed": [f.name for f in replay]}
     if index is built:
@@ -384,9 +384,9 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         if cb is None:
             raise ArtifactError(f"{base.path}: carries no codebook, so new ads cannot get SIDs; rebuild it")
         clock.lap("verify base")
-        ad_id, state = ad_rows(base)
+        base_ids, base_states = ad_rows(base)
         change = read_changes(str(staged), base.spec, hash_keys=cb.hash_keys, dim=cb.dim,
-                              values=base.shards[0].gtm.ad_value is not None, ad_id=ad_id, state=state)
+                              values=base.shards[0].gtm.ad_value is not None, ad_id=base_ids, state=base_states)
         clock.lap("read changes")
         report = {"root": str(root), "base": base.id, "base_checks": "recorded" if base.recorded else "full",
                   "changes": change.counts}
