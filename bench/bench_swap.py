@@ -1,20 +1,22 @@
 """Snapshot swap benchmark: what a serving host pays to swap to a newly published snapshot, per
-phase, next to the old path (sha256 verification, single-threaded staging) and to the new path with
-its digests checked before the structure instead of beside it, measured in the same run.
+phase, next to the same swap checking the structure again (beside the digests, or after them) and
+the old path (sha256 verification, single-threaded staging), measured in the same run.
 
     python bench/bench_swap.py                       # 5M and 15M ads (about 10M and 30M SIDs); GPU if present
     python bench/bench_swap.py --ads 200000          # a smoke test, fine on a CPU
     python bench/bench_swap.py --keep DIR; python bench/bench_swap.py --built DIR --cold   # warm, then cold
 
 Each size: the `bench_search` snapshot (the `bench_gtm` catalog, k-way partitions) is built once and
-copied into a second directory. A serving index is loaded from the first copy and searched once
-(kernels compiled, the old index serving), then the swap to the second copy is timed, as a host sees
+published into a ROOT as a build publishes it (`Root.publish`, checked by `check_to_publish`, which
+records its structure check). A serving index is loaded from the first copy and searched once
+(kernels compiled, the old index serving), then the swap to the published one is timed, as a host sees
 it after the new snapshot was copied onto it (its files in the page cache; --cold: evicted before
 every swap), median of --repeats, with the old index serving throughout:
   manifest      read the sealed manifest, check the shapes it declares and the files' sizes
-  checks        map every Arrow file, validate the structure (`check_structure`, shard by shard)
-                and, on another thread beside it, check every file's fast digest (xxh3_128 by 16
-                MiB chunks, all files' chunks on one pool)
+  checks        map every Arrow file and check every file's fast digest (xxh3_128 by 16 MiB
+                chunks, all files' chunks on one pool); the structure is on record
+                checked: also validate the structure (`check_structure`, shard by shard), the
+                digests on another thread beside it (a snapshot without a record: `records=False`)
                 in turn: the digests first, then the structure (each one's seconds are printed)
                 reference: every file's sha256 first, one thread per file (the largest file bounds it)
   join          reference: the shards' one trie (`Snapshot.gtm`; one shard's own arrays, several
@@ -60,12 +62,15 @@ from runtime.served import ServedIndex
 from schemas.artifacts import MANIFEST_FILE
 from sidindex.artifact import THREADS, verify_files
 from sidindex.request_encoding import encode_requests
+from sidindex.root import Root
 from sidindex.snapshot import open_snapshot
+from sidindex.snapshot.snapshot import check_to_publish
 from sidindex.timing import StageClock
 
 BEAMS = (1, 512, 1024, 1024)
 PHASES = ("manifest", "checks", "join", "stage", "transfer", "first search", "total")
-VARIANTS = ("new", "in turn", "reference")  # the swap; its digests checked first; the old path
+# the swap (digests, structure on record); structure checked beside the digests; after them; the old path
+VARIANTS = ("new", "checked", "in turn", "reference")
 
 
 class RandomLogits:
@@ -90,11 +95,11 @@ def sync(device: torch.device) -> None:
 
 
 def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer_for, reference: bool,
-         base: ServedIndex | None = None) -> dict:
+         base: ServedIndex | None = None, records: bool = True) -> dict:
     """One swap to the snapshot at `path`: seconds per phase (PHASES). reference: the old path;
     scorer_for(index): the first search's scorer on the new index; base: the index served
     before (an update's base, whose files and device tensors the new one may share), as a watcher
-    swaps after an update."""
+    swaps after an update; records: trust ROOT's check record (`runtime.load`)."""
     out = {}
     if reference:  # the old serving path: sha256 of every file, then an open, the join, the load
         listing = {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in open_snapshot(path, verify=False)
@@ -112,7 +117,7 @@ def swap(path: Path, device: torch.device, searcher: Searcher, requests, scorer_
         finally:
             staging.STAGE_THREADS = THREADS
     else:  # a serving host's (`runtime.load`, as its watcher calls it): on a GPU the copies run beside the checks
-        index = load(path, device, base=base)
+        index = load(path, device, base=base, records=records)
         snap = index.snapshot
         out |= {"checks": 0.0, "join": 0.0}  # the join is in the load's stage
     o = snap.open_seconds
@@ -164,8 +169,10 @@ def measure(n: int, scratch: Path, device: torch.device, args) -> dict:
         if args.keep:
             (where / "build.json").write_text(json.dumps(build))
     old_path = Path(build["path"])
-    new_path = scratch / f"published-{n}" / old_path.name  # a snapshot directory is named by its id
-    shutil.copytree(old_path, new_path)
+    root = Root(scratch / f"published-{n}")  # a snapshot directory is named by its id
+    with root.lock():
+        new_path = root.publish(old_path.name, lambda d: shutil.copytree(old_path, d, dirs_exist_ok=True),
+                                lambda d: check_to_publish(d, root, old_path.name), 1, expected=None)
     res = {"ads": n, "sids": build["sids"], "nodes": build["nodes"], "gb": build["bytes"] / 1e9,
            "build_s": build["build"] + build["generate"]}
     serving = load_index(open_snapshot(old_path), device)  # the old index, serving throughout
@@ -181,7 +188,8 @@ def measure(n: int, scratch: Path, device: torch.device, args) -> dict:
             for _ in range(args.repeats):
                 if args.cold:
                     evict(new_path)
-                runs.append(swap(new_path, device, searcher, requests, lambda _: scorer, name == "reference"))
+                runs.append(swap(new_path, device, searcher, requests, lambda _: scorer, name == "reference",
+                                 records=name == "new"))
                 print(f"  {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1].items() if k in PHASES),
                       file=sys.stderr, flush=True)
         finally:
@@ -216,18 +224,21 @@ def main() -> int:
             results.append(measure(n, Path(scratch), device, args))
     print(f"\nsnapshot swap on {where} ({THREADS} threads), {'cold' if args.cold else 'page-cache warm'} files, "
           f"median of {args.repeats}")
-    print("\n| phase, s | " + " | ".join(f"{r['ads']:,} ads ({r['sids']:,} SIDs, {r['gb']:.2f} GB) | checks in turn | "
-                                        "reference | reference / new" for r in results) + " |")
-    print("|---|" + "---|---|---|---|" * len(results))
+    print("\n| phase, s | " + " | ".join(f"{r['ads']:,} ads ({r['sids']:,} SIDs, {r['gb']:.2f} GB) | structure "
+                                        "checked | checks in turn | reference | reference / new" for r in results)
+          + " |")
+    print("|---|" + "---|---|---|---|---|" * len(results))
     for ph in PHASES:
         cells = []
         for r in results:
-            new, turn, ref = (r[v][ph] for v in VARIANTS)
-            cells += [f"{new:.3f}", f"{turn:.3f}", f"{ref:.3f}", f"{ref / new:.1f}x" if new > 0 else "-"]
+            new, checked, turn, ref = (r[v][ph] for v in VARIANTS)
+            cells += [f"{new:.3f}", f"{checked:.3f}", f"{turn:.3f}", f"{ref:.3f}",
+                      f"{ref / new:.1f}x" if new > 0 else "-"]
         print(f"| {ph} | " + " | ".join(cells) + " |")
     for r in results:
         turn = r["in turn"]
-        print(f"\n{r['ads']:,} ads, checks: {r['new']['checks']:.3f} s side by side, {turn['checks']:.3f} s in turn "
+        print(f"\n{r['ads']:,} ads, checks: {r['new']['checks']:.3f} s with the structure on record, "
+              f"{r['checked']['checks']:.3f} s checking it beside the digests, {turn['checks']:.3f} s in turn "
               f"(digests {turn['checksums alone']:.3f} s, then structure {turn['structure alone']:.3f} s)")
         if "host copy s" in r:
             c = r["host copy s"]

@@ -299,18 +299,22 @@ def _kept(served: dict[str, np.ndarray], snap_level_sizes: tuple[int, ...], base
 
 
 def load(path: str | Path, device: str | torch.device | Sequence[str | torch.device] = "cpu", *, verify: bool = True,
-         base: ServedIndex | Sequence[ServedIndex | None] | None = None) -> ServedIndex | list[ServedIndex]:
+         base: ServedIndex | Sequence[ServedIndex | None] | None = None,
+         records: bool = True) -> ServedIndex | list[ServedIndex]:
     """Open (validating structure, and checksums unless verify=False) and load a ROOT's current
     snapshot or a snapshot directory onto `device`, or onto each of a list of devices (then a list
     of indexes, one per device: the snapshot is read, verified and staged once for all of them);
     `base`: an index served on `device` (one per device, or None) that the snapshot may share
     files and device tensors with (an update of it), see `open_snapshot` and `load_index`.
     On GPUs the copies run while the snapshot is hashed and checked: `load_info["while_checking"]`
-    gives their bytes and phases (pin, stage, transfer), which are not in `load_info["seconds"]`."""
+    gives their bytes and phases (pin, stage, transfer), which are not in `load_info["seconds"]`.
+    `records`: a snapshot whose ROOT records that its build or update checked its structure has its
+    digests verified instead of its structure checked again (`open_snapshot(records=True)`); the
+    job checked exactly these bytes, so the load is as safe and 0.3 s shorter at 30M SIDs."""
     several, devices, bases = load_targets(device, base)  # before the work of opening
     # files an update shares with the served snapshot: the first base's (a watcher's bases are one snapshot)
     shared = next((b.snapshot for b in bases if b is not None), None)
     early = _EarlyCopies(devices, bases) if any(d.type == "cuda" for d in devices) else None
-    snap = open_snapshot(path, verify=verify, base=shared, while_checking=early)
+    snap = open_snapshot(path, verify=verify, base=shared, while_checking=early, records=records)
     out = _load(snap, devices, bases, early)
     return out if several else out[0]

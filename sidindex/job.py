@@ -51,7 +51,7 @@ from sidindex.sid import Codebook, assign_sids, hash_tokens, load_codebook, save
 from sidindex.sid.quality import QualityReport
 from sidindex.snapshot import Manifest, open_snapshot, read_states, write_snapshot
 from sidindex.snapshot.manifest import Counts, Lineage
-from sidindex.snapshot.snapshot import write_manifest
+from sidindex.snapshot.snapshot import check_to_publish, write_manifest
 from sidindex.targeting import TargetingSpec, load_targeting
 from sidindex.timing import StageClock
 from sidindex.trie.stats import gtm_stats
@@ -167,7 +167,7 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
                                codebook=cb, input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()),
                                build_config=cfg, stats=stats, quality=quality.to_dict())
 
-            path = layout.publish(snapshot_id, write, lambda d: open_snapshot(d, verify=True), keep,
+            path = layout.publish(snapshot_id, write, lambda d: check_to_publish(d, layout, snapshot_id), keep,
                                   expected=published, through=changes_through,
                                   published=lambda: clock.lap("write + validate + publish"))
             clock.lap("retention")
@@ -249,7 +249,8 @@ def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: Targ
 
     def check(directory: Path) -> None:
         clock.restart()
-        check_on_ray(directory)
+        check_on_ray(directory)  # every part's digests and structure
+        root.record_checks(snapshot_id, Manifest.read(directory).sha256(), ("structure",))
         clock.lap("check on ray")
 
     path = root.publish(snapshot_id, write, check, keep, expected=published, through=through,
@@ -376,10 +377,9 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         source = sha256_file(staged)
         if once and layout.holds(Path(changes).name, source):
             return {"status": "already applied", "snapshot_id": None, "root": str(root), "seconds": _rounded(clock)}
-        base = open_snapshot(layout.snapshot_dir(published), verify=True, cover=True,
-                             recorded=lambda m: layout.checks_recorded(published, m.sha256()))
+        base = open_snapshot(layout.snapshot_dir(published), verify=True, cover=True, records=True)
         if not base.recorded:
-            layout.record_checks(published, base.manifest.sha256())
+            layout.record_checks(published, base.manifest.sha256(), ("structure", "cover"))
         cb = base.codebook
         if cb is None:
             raise ArtifactError(f"{base.path}: carries no codebook, so new ads cannot get SIDs; rebuild it")
@@ -417,7 +417,7 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         # checked as a whole, and recorded so (a record of a snapshot that never publishes is pruned)
         def check(directory: Path) -> None:
             new = open_snapshot(directory, verify=False, cover=updated.new_sid_rows > 0, base=base)
-            layout.record_checks(snapshot_id, new.manifest.sha256())
+            layout.record_checks(snapshot_id, new.manifest.sha256(), ("structure", "cover"))
 
         path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=(staged, source),
                               published=lambda: clock.lap("write + validate + publish"))

@@ -9,8 +9,8 @@ writer of a ROOT goes through `Root`; no other module spells these names.
     ROOT/codebooks/<id>/       frozen codebooks;  ROOT/codebooks/.tmp-*/  one being written
     ROOT/changes/<id>.<sha256>/<name>  the journal: change file `name` (its sha256) that update <id> published
     ROOT/changes/THROUGH       the newest change file name a full build's catalog export held
-    ROOT/checked/<id>          a check record: snapshot <id>, by its manifest's sha256, passed every
-                               check (digests, structure, matcher cover) under this sidindex
+    ROOT/checked/<id>          a check record: snapshot <id>, by its manifest's sha256, passed the
+                               checks it lists (structure; matcher cover) under this sidindex
 
 Publishing: the new snapshot is written into a temporary directory, checked, fsynced and renamed
 into place; CURRENT is then replaced (CURRENT.tmp, fsync, rename, fsync ROOT), and HISTORY after
@@ -23,11 +23,14 @@ snapshot directory, orphans of a build killed between its rename and the CURRENT
 the next build also removes temporaries that killed builds left. A process that has a snapshot
 open keeps its memory maps when retention deletes the files.
 
-A check record lets the next update over a snapshot verify its digests alone: the digests tie
-every byte to the manifest, and the record ties the manifest to checks already passed (`sidindex.job`).
-It is written by a job holding the lock, for a snapshot it verified in full or published from one;
-one that is missing, unreadable, of another manifest or of another sidindex counts as none, so the
-snapshot is checked in full again. Retention deletes the records of the snapshots it deletes.
+A check record lets a reader that would check a snapshot again verify its digests alone: the
+digests tie every byte to the manifest, and the record ties the manifest to checks already passed
+(`sidindex.snapshot.open_snapshot(records=True)`: a serving host's load, an update's base). A
+build records the structure it checked before publishing; an update records its base's structure
+and cover once checked, and its new snapshot's once validated (`sidindex.job`). Written by a job
+holding the lock; a record that is missing, unreadable, of another manifest or of another sidindex
+counts as none, so the snapshot is checked in full again. Retention deletes the records of the
+snapshots it deletes.
 
 The journal lets a full build keep the changes published after its catalog export was taken
 (`sidindex.job`): an update copies its change file into ROOT/changes/<its id>.<sha256>/ before
@@ -44,7 +47,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -63,6 +66,7 @@ _POINTER_BYTES = 256  # CURRENT holds one id
 _HISTORY_BYTES = 1 << 20
 CHECK_RECORD_FORMAT = "sidindex-check-record"
 CHECK_RECORD_VERSION = 1
+CHECKS = frozenset({"structure", "cover"})  # what a check record may hold (digests are verified by every reader)
 
 
 class JournalEntry(NamedTuple):
@@ -330,13 +334,14 @@ class Root:
 
     # --- check records --------------------------------------------------------------------
 
-    def record_checks(self, snapshot_id: str, manifest_sha256: str) -> bool:
+    def record_checks(self, snapshot_id: str, manifest_sha256: str, checks: Collection[str]) -> bool:
         """Record that snapshot `snapshot_id`, whose manifest.json has sha256 `manifest_sha256`,
-        passed every check (its digests, structure and matcher cover); whether it was recorded. A
-        record is only ever a saving: one that cannot be written (something else holds its name)
-        leaves the snapshot to be checked in full again, and fails no job."""
+        passed `checks` (of CHECKS) as well as its digests; whether it was recorded. A record is
+        only ever a saving: one that cannot be written (something else holds its name) leaves the
+        snapshot to be checked in full again, and fails no job."""
         doc = {"format": CHECK_RECORD_FORMAT, "format_version": CHECK_RECORD_VERSION, "snapshot": snapshot_id,
-               "manifest_sha256": manifest_sha256, "checker": f"sidindex {__version__}"}
+               "manifest_sha256": manifest_sha256, "checks": sorted(set(checks) & CHECKS),
+               "checker": f"sidindex {__version__}"}
         try:
             self.checked.mkdir(exist_ok=True)
             replace_file(self.checked / snapshot_id, lambda tmp: tmp.write_bytes(seal(doc)))
@@ -344,15 +349,27 @@ class Root:
             return False
         return True
 
-    def checks_recorded(self, snapshot_id: str, manifest_sha256: str) -> bool:
-        """Whether a record says snapshot `snapshot_id` with this manifest passed every check under
+    def checks_recorded(self, snapshot_id: str, manifest_sha256: str, checks: Collection[str]) -> bool:
+        """Whether a record says snapshot `snapshot_id` with this manifest passed `checks` under
         this sidindex; a record missing or unreadable is none (the snapshot is checked again)."""
         try:
             doc = read_sealed(self.checked / snapshot_id, CHECK_RECORD_FORMAT, CHECK_RECORD_VERSION, "check record")
         except ArtifactError:
             return False
+        held = doc.get("checks")
         return (doc.get("snapshot"), doc.get("manifest_sha256"), doc.get("checker")) == (
-            snapshot_id, manifest_sha256, f"sidindex {__version__}")
+            snapshot_id, manifest_sha256, f"sidindex {__version__}") and isinstance(held, list) and set(
+            checks) <= set(held)
+
+    @staticmethod
+    def containing(directory: Path) -> Root | None:
+        """The ROOT a published snapshot directory (ROOT/snapshots/<id>) belongs to; None for one
+        elsewhere (nothing records its checks)."""
+        if directory.parent.name == "snapshots" and SNAPSHOT_ID.match(directory.name):
+            root = Root(directory.parent.parent)
+            if os.path.lexists(root.current_file):
+                return root
+        return None
 
     def _replace(self, path: Path, text: str) -> None:
         """Replace one of ROOT's small files (CURRENT, HISTORY, THROUGH) with `text`."""

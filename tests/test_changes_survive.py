@@ -28,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import runtime
 from schemas.artifacts import AD_LIVE, AD_PAUSED, MANIFEST_FILE, SNAPSHOT_VERSION
 from schemas.contracts import CHANGES_THROUGH_KEY
 from sidindex.artifact import seal, sha256_file
@@ -36,7 +37,7 @@ from sidindex.job import run_build, run_update
 from sidindex.root import Root
 from sidindex.snapshot import open_snapshot
 from tests.conftest import run_cli
-from tests.test_snapshot import array_file, reseal
+from tests.test_snapshot import array_file, reseal, rewrite_array
 from tests.test_update import N_BASE, _changes, _upsert, built, pool  # noqa: F401 (fixtures)
 
 
@@ -156,9 +157,9 @@ def test_an_update_records_its_checks_and_the_next_verifies_the_digests_alone(bu
     assert sorted(p.name for p in layout.checked.iterdir()) == sorted(
         p.name for p in layout.snapshots.iterdir())  # retention took the build's record with it
     snap = open_snapshot(root)  # the record names the manifest as written
-    assert layout.checks_recorded(snap.id, snap.manifest.sha256())
+    assert layout.checks_recorded(snap.id, snap.manifest.sha256(), ("structure", "cover"))
     assert snap.manifest.sha256() == sha256_file(snap.path / MANIFEST_FILE)
-    assert open_snapshot(root, verify=False, recorded=lambda m: True).recorded
+    assert open_snapshot(root, verify=False, cover=True, records=True).recorded
     paused = {int(pool["catalog"]["ad_id"][i]) for i in (0, 1)}
     assert paused <= set(snap.ad_id[snap.row_states == AD_PAUSED].tolist()) and not paused & _live(root)
 
@@ -213,7 +214,46 @@ def test_a_record_that_does_not_match_counts_as_none(built, pool, tmp_path, reco
         path.mkdir()
     second = run_update(root, _pause(pool, tmp_path, 1))
     assert second["base_checks"] == "full" and second["status"] == "published"
-    assert layout.checks_recorded(second["snapshot_id"], open_snapshot(root).manifest.sha256())
+    assert layout.checks_recorded(second["snapshot_id"], open_snapshot(root).manifest.sha256(), ("structure", "cover"))
+
+
+def test_a_serving_load_of_a_recorded_snapshot_verifies_its_digests_alone(built, pool, tmp_path):
+    """A build records its structure check; a load then verifies every digest instead of checking
+    the structure again, and only then: without the record, outside its ROOT, or asked not to."""
+    root = _root(built, tmp_path)
+    snap = open_snapshot(root)
+    assert Root(root).checks_recorded(snap.id, snap.manifest.sha256(), ("structure",))
+    assert not Root(root).checks_recorded(snap.id, snap.manifest.sha256(), ("structure", "cover"))
+    served = runtime.load(root, "cpu")
+    assert served.snapshot.recorded and "checksums" in served.snapshot.open_seconds
+    assert not any("structure" in k for k in served.snapshot.open_seconds)
+    assert not runtime.load(root, "cpu", records=False).snapshot.recorded
+    elsewhere = Path(shutil.copytree(snap.path, tmp_path / snap.id))  # no ROOT: nothing records it
+    assert not open_snapshot(elsewhere, records=True).recorded
+    assert not open_snapshot(root, records=True, cover=True).recorded  # a build checks no cover
+
+
+@pytest.mark.parametrize("damage", ["resealed", "not resealed"])
+def test_a_recorded_snapshot_damaged_since_is_refused_at_load(built, pool, tmp_path, damage):
+    """Resealed over damage, the manifest is not the one recorded: the structure is checked and
+    refuses it; not resealed, the digests (verified on record, even with verify=False) do."""
+    root = _root(built, tmp_path)
+    snap = open_snapshot(root)
+    offsets = np.array(snap.gtm.node_offsets)
+    offsets[1] = np.iinfo(np.int64).min  # a wrap-around a kernel would index with
+    if damage == "resealed":
+        rewrite_array(snap.path, "node_offsets", offsets)
+        message = "node_offsets.arrow: child offsets must rise"
+    else:
+        path = array_file(snap.path, "node_offsets")
+        raw = bytearray(path.read_bytes())
+        at = raw.find(np.asarray(snap.gtm.node_offsets).tobytes())
+        raw[at:at + offsets.nbytes] = offsets.tobytes()
+        os.chmod(path, 0o644)
+        path.write_bytes(bytes(raw))
+        message = "node_offsets.arrow: checksum mismatch"
+    with pytest.raises(ArtifactError, match=re.escape(message)):
+        runtime.load(root, "cpu", verify=False)
 
 
 # --- pauses, deletes and upserts through full builds ------------------------------------------------

@@ -10,10 +10,10 @@ digest is checked on another thread (or its sha256 in a snapshot written before 
 read any bytes safely, so neither waits for the other; a digest that fails wins over what the
 structure check found (damage is named by its checksum). Mapping comes before hashing so that a
 GPU loader can copy the arrays' bytes while they are hashed and checked; a file that cannot be
-mapped is hashed first. A snapshot whose checks are on record (`recorded`, `Root.checks_recorded`)
-has its digests verified alone: they tie every byte to the manifest the record names. The carried
-codebook is loaded into memory, so a served snapshot never reads its directory again. Nothing is
-unpickled.
+mapped is hashed first. With `records`, a snapshot whose checks are on record in its ROOT
+(`Root.checks_recorded`) has its digests verified alone: they tie every byte to the manifest the
+record names. The carried codebook is loaded into memory, so a served snapshot never reads its
+directory again. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Snapshot:
     exact: ExactIndex
     ad_id: np.ndarray  # (N,) int64
     codebook: Codebook | None
-    recorded: bool = False  # its structure and cover were on record: only its digests were verified
+    recorded: bool = False  # its checks were on record (`records`): only its digests were verified
     # manifest, files, map, structure (with verify: "checksums + structure", side by side; in turn:
     # checksums, structure), copies (waiting for `while_checking`), prefault
     open_seconds: dict[str, float] = field(default_factory=dict)
@@ -251,7 +251,7 @@ def _shape(a: np.ndarray) -> ArrayShape:
 def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False, cover: bool = False,
                   prefault: bool = False, base: Snapshot | None = None,
                   while_checking: Callable[[dict[str, np.ndarray]], None] | None = None,
-                  recorded: Callable[[Manifest], bool] | None = None) -> Snapshot:
+                  records: bool = False) -> Snapshot:
     """Open a ROOT's published snapshot (its CURRENT) or a snapshot directory.
 
     verify:   also check every file's fast digest (reads every byte, in parallel chunks; a snapshot
@@ -271,10 +271,11 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
               mapped, while they are hashed and validated: it may copy their bytes (a GPU loader
               stages them meanwhile), never read them as an index. The open waits for it, and
               raises its error only once the snapshot passed (a corrupt snapshot's error wins)
-    recorded: asked of the manifest read (an update's base: `Root.checks_recorded`); when it says
-              the snapshot passed every check under this manifest, every file's digest is verified
-              (whatever `verify` says: they tie the bytes to the manifest) and neither the structure
-              nor the cover is checked again. The result's `recorded` says which was done
+    records:  trust its ROOT's check record (`Root.checks_recorded`: a serving host's load, an
+              update's base): when it says this very manifest passed the structure check (and with
+              `cover` the cover), every file's digest is verified (whatever `verify` says: they tie
+              the bytes to the manifest) and those checks are not made again. A snapshot outside a
+              ROOT, or without such a record, is checked. The result's `recorded` says which
     A ROOT whose snapshot retention prunes while it is being opened (`_pruned`) is read again once,
     for the snapshot CURRENT names now; when that one is pruned too, and for a snapshot directory
     pruned under the reader, the error is `sidindex.root.pruned`. Seconds per phase are in the
@@ -284,13 +285,22 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
     for attempt in range(2):
         directory = Root.resolve(path)
         try:
-            return _open(directory, verify, strong, cover, prefault, base, while_checking, recorded)
+            return _open(directory, verify, strong, cover, prefault, base, while_checking, records)
         except ArtifactError:
             if not _pruned(path, directory):
                 raise
             if attempt or directory == path:
                 raise pruned(directory) from None
     raise AssertionError("unreachable")
+
+
+def check_to_publish(directory: Path, root: Root, snapshot_id: str) -> Snapshot:
+    """Open a snapshot written to be published into `root` as `snapshot_id` (`Root.publish`'s
+    check) verifying every digest and its structure, and record that check: a serving host's load
+    then verifies its digests alone (`open_snapshot(records=True)`)."""
+    checked = open_snapshot(directory, verify=True)
+    root.record_checks(snapshot_id, checked.manifest.sha256(), ("structure",))
+    return checked
 
 
 def read_states(directory: Path) -> tuple[np.ndarray, np.ndarray] | None:
@@ -328,10 +338,12 @@ def _pruned(path: Path, directory: Path) -> bool:
 
 def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bool, base: Snapshot | None,
           while_checking: Callable[[dict[str, np.ndarray]], None] | None,
-          recorded: Callable[[Manifest], bool] | None) -> Snapshot:
+          records: bool) -> Snapshot:
     clock = StageClock()
     m, spec = _manifest(directory)
-    on_record = recorded is not None and recorded(m)
+    root = Root.containing(directory) if records else None
+    on_record = root is not None and root.checks_recorded(m.id, m.sha256(), ("structure", "cover") if cover
+                                                          else ("structure",))
     verify = verify or on_record
     clock.lap("manifest")
     entries = m.shard_list()
@@ -368,7 +380,7 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
         if verify and not side_by_side:
             checksums()
             clock.lap("checksums")
-        if on_record:  # structure and cover: the record's
+        if on_record:  # the structure (and cover): the record's
             codebook = _codebook(directory, m)
         else:
             with _beside(checksums if side_by_side else None, wins=True, stop=stop):
