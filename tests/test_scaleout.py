@@ -326,22 +326,27 @@ def test_a_killed_worker_fails_the_build_and_publishes_nothing(spec, write_catal
     one line, and nothing is left."""
     _, spec_path = write_catalog(pl.DataFrame({"x": [0]}))
     job = _job(tmp_path, sample_catalog(200_000, spec, dim=16, seed=5), spec_path, False, 100_000)
-    build = subprocess.Popen([shutil.which("sidindex"), "build", "--catalog", job["catalog"], "--targeting",
-                              job["targeting"], "--config", job["config"], "--codebook", job["codebook"], "--out",
-                              tmp_path / "root", "--engine", "ray", "--workers", "2"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    killed, deadline, pids, listed = [], time.monotonic() + 240, [], 0.0
-    while not killed and build.poll() is None and time.monotonic() < deadline:
-        # the build's session (its own workers only), listed by a walk of /proc now and then: between
-        # walks, only the workers' titles are read, so a short task is not missed on a loaded machine
-        if time.monotonic() - listed > 0.05:
-            pids, listed = list(_in_session(build.pid)), time.monotonic()
-        for pid in _ray_tasks(task, pids):
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-        time.sleep(0.001)
-    _, err = build.communicate(timeout=300)
-    assert killed, f"no worker was seen running {task}"
+    for _ in range(3):  # a task that ran between two looks at a loaded machine's processes: build again
+        shutil.rmtree(tmp_path / "root", ignore_errors=True)
+        build = subprocess.Popen([shutil.which("sidindex"), "build", "--catalog", job["catalog"], "--targeting",
+                                  job["targeting"], "--config", job["config"], "--codebook", job["codebook"], "--out",
+                                  tmp_path / "root", "--engine", "ray", "--workers", "2"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        killed, deadline, pids, listed = [], time.monotonic() + 240, [], 0.0
+        while not killed and build.poll() is None and time.monotonic() < deadline:
+            # the build's session (its own workers only), listed by a walk of /proc now and then: between
+            # walks, only the workers' titles are read, so a short task is not missed on a loaded machine
+            if time.monotonic() - listed > 0.05:
+                pids, listed = list(_in_session(build.pid)), time.monotonic()
+            for pid in _ray_tasks(task, pids):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.001)
+        _, err = build.communicate(timeout=300)
+        if killed:
+            break
+        assert build.returncode == 0, err  # missed, not failed: the build that was not disturbed published
+    assert killed, f"no worker was seen running {task} in three builds"
     assert build.returncode == 2, err
     assert err.startswith("error: the ray build failed, nothing published") and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "root" / "CURRENT").exists()
