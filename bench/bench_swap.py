@@ -169,8 +169,8 @@ def measure(n: int, scratch: Path, device: torch.device, args) -> dict:
         if args.keep:
             (where / "build.json").write_text(json.dumps(build))
     old_path = Path(build["path"])
-    root = Root(scratch / f"published-{n}")  # a snapshot directory is named by its id
-    with root.lock():
+    root = Root(scratch / f"published-{n}")  # published as a build publishes: its structure check recorded
+    with root.lock():  # under its id: a snapshot directory is named by it
         new_path = root.publish(old_path.name, lambda d: shutil.copytree(old_path, d, dirs_exist_ok=True),
                                 lambda d: check_to_publish(d, root, old_path.name), 1, expected=None)
     res = {"ads": n, "sids": build["sids"], "nodes": build["nodes"], "gb": build["bytes"] / 1e9,

@@ -357,9 +357,10 @@ class Root:
         except ArtifactError:
             return False
         held = doc.get("checks")
-        return (doc.get("snapshot"), doc.get("manifest_sha256"), doc.get("checker")) == (
-            snapshot_id, manifest_sha256, f"sidindex {__version__}") and isinstance(held, list) and set(
-            checks) <= set(held)
+        if not isinstance(held, list) or not all(isinstance(c, str) for c in held):
+            return False  # sealed, but not a record this sidindex wrote
+        return (doc.get("snapshot") == snapshot_id and doc.get("manifest_sha256") == manifest_sha256
+                and doc.get("checker") == f"sidindex {__version__}" and set(checks) <= set(held))
 
     @staticmethod
     def containing(directory: Path) -> Root | None:

@@ -188,7 +188,7 @@ def _rewrite_record(path: Path, **edit) -> None:
 
 
 @pytest.mark.parametrize("record", ["another sidindex", "another manifest", "another snapshot", "not sealed",
-                                    "a fifo", "a symbolic link", "a directory"])
+                                    "checks not named", "a fifo", "a symbolic link", "a directory"])
 def test_a_record_that_does_not_match_counts_as_none(built, pool, tmp_path, record):
     root = _root(built, tmp_path)
     layout = Root(root)
@@ -198,6 +198,8 @@ def test_a_record_that_does_not_match_counts_as_none(built, pool, tmp_path, reco
         _rewrite_record(path, checker="sidindex 0.0.0")
     elif record == "another manifest":
         _rewrite_record(path, manifest_sha256="0" * 64)
+    elif record == "checks not named":  # sealed, but no list of check names: none, never a crash
+        _rewrite_record(path, checks=[["structure"], {"cover": 1}])
     elif record == "another snapshot":  # the build's record, renamed: its manifest is not this one
         os.replace(layout.checked / first["base"], path)
     elif record == "not sealed":
