@@ -48,6 +48,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -238,9 +239,13 @@ class Root:
         final = self.snapshot_dir(snapshot_id)
         try:
             write(tmp)
-            check(tmp)
+            # synced beside the check (the disk's work and the check's overlap), before the held
+            # section: a signal waits for the renames alone
+            with ThreadPoolExecutor(1, thread_name_prefix="sidindex-fsync") as syncing:
+                synced = syncing.submit(fsync_tree, tmp)
+                check(tmp)
+            synced.result()
             self._check_current(expected)
-            fsync_tree(tmp)  # before the held section: a signal waits for the renames alone
             if journal is not None:
                 fsync_tree(journal[0].parent)
             with interrupts_deferred():

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -31,11 +32,13 @@ from hypothesis import strategies as st
 import runtime
 from schemas.artifacts import AD_LIVE, AD_PAUSED, MANIFEST_FILE, SNAPSHOT_VERSION
 from schemas.contracts import CHANGES_THROUGH_KEY
+from sidindex import update
 from sidindex.artifact import seal, sha256_file
 from sidindex.errors import ArtifactError, InputError
 from sidindex.job import run_build, run_update
 from sidindex.root import Root
 from sidindex.snapshot import open_snapshot
+from sidindex.trie.cover import unchanged_entries, uncovered
 from tests.conftest import run_cli
 from tests.test_snapshot import array_file, reseal, rewrite_array
 from tests.test_update import N_BASE, _changes, _upsert, built, pool  # noqa: F401 (fixtures)
@@ -256,6 +259,98 @@ def test_a_recorded_snapshot_damaged_since_is_refused_at_load(built, pool, tmp_p
         message = "node_offsets.arrow: checksum mismatch"
     with pytest.raises(ArtifactError, match=re.escape(message)):
         runtime.load(root, "cpu", verify=False)
+
+
+# --- an update's result: its cover checked since its base ------------------------------------------
+
+@pytest.fixture(scope="module")
+def since(built, pool, tmp_path_factory) -> tuple:
+    """(base, new): a built snapshot, opened with its cover checked, and an update of it that
+    inserted SIDs: new ads, and existing ads with new data (their rows deleted, new ones added)."""
+    tmp = tmp_path_factory.mktemp("since")
+    root = Path(shutil.copytree(built, tmp / "root"))
+    base_dir = Root(root).snapshot_dir(Root(root).current_id())
+    ids = open_snapshot(root).ad_id
+    rows = ([_upsert(pool, N_BASE + i, 10**9 + i) for i in range(12)]
+            + [_upsert(pool, N_BASE + 20 + i, int(ids[i])) for i in range(6)])
+    assert run_update(root, _changes(pool, tmp / "c.parquet", rows))["new_sid_rows"] > 0
+    return open_snapshot(base_dir, cover=True), open_snapshot(root)
+
+
+def _copied(snap) -> tuple:
+    """The snapshot's one shard's trie and its exact index, every array a writable copy."""
+    g = snap.shards[0].gtm
+    planes = tuple(dataclasses.replace(p, table=np.array(p.table), index=np.array(p.index)) for p in g.planes)
+    g = dataclasses.replace(g, planes=planes, leaf_ads=np.array(g.leaf_ads), entry_value=np.array(g.entry_value),
+                            ad_value=np.array(g.ad_value))
+    exact = dataclasses.replace(snap.exact, planes=tuple(
+        dataclasses.replace(e, rows=None if e.rows is None else np.array(e.rows)) for e in snap.exact.planes))
+    return g, exact
+
+
+def _damage(g, exact, n_base: int, changed: np.ndarray, kind: str, rng: np.random.Generator) -> None:
+    """One structure-keeping damage of `kind`: a matcher row's index or bit, a SID's ads, a SID's
+    bound, a kept ad's exact row or value; at an entry the update changed or any (by coin)."""
+    E, first = g.num_nodes - 1, int(g.depth_offsets[g.sid_length]) - 1
+    sids = changed[changed >= first]
+    entry = int(rng.choice(changed) if rng.random() < 0.5 else rng.integers(0, E))
+    sid = int(rng.choice(sids) if rng.random() < 0.5 else rng.integers(first, E)) - first
+    p = g.planes[rng.integers(0, len(g.planes))]
+    if kind == "index":
+        p.index[entry] = rng.integers(0, len(p.table))
+    elif kind == "bit":
+        row = p.index[entry] if rng.random() < 0.5 else rng.integers(0, len(p.table))
+        p.table[row, rng.integers(0, p.table.shape[1])] ^= np.uint64(1) << np.uint64(rng.integers(0, 64))
+    elif kind == "ads":  # one ad of the SID swapped for another it lacks, kept ascending and distinct
+        lo, hi = g.leaf_ad_offsets[sid], g.leaf_ad_offsets[sid + 1]
+        other = rng.integers(0, len(g.ad_value))
+        if other not in g.leaf_ads[lo:hi]:
+            g.leaf_ads[lo + rng.integers(0, hi - lo)] = other
+            g.leaf_ads[lo:hi] = np.sort(g.leaf_ads[lo:hi])
+    elif kind == "bound":
+        g.entry_value[first + sid] = 0.0 if rng.random() < 0.5 else g.entry_value[first + sid] / 2
+    elif kind == "exact":
+        rows = next(e.rows for e in exact.planes if e.rows is not None)
+        rows[rng.integers(0, n_base), rng.integers(0, rows.shape[1])] ^= np.uint64(1) << np.uint64(rng.integers(0, 64))
+    else:
+        g.ad_value[rng.integers(0, n_base)] += 1.0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_cover_checked_since_the_base_gives_the_whole_checks_verdict(since, data):
+    """Whatever structure-keeping damage an update's result holds, at an entry it changed or any
+    other, checking only the relations it did not keep from its base gives the verdict a check of
+    every relation gives."""
+    base, new = since
+    held = (base.shards[0].gtm, base.exact)
+    g, exact = _copied(new)
+    kept = unchanged_entries(g, exact, *held)
+    assert kept is not None and 0 < (~kept[0]).sum() < len(kept[0]) // 2  # most of the base is kept
+    changed = np.flatnonzero(~kept[0])
+    kinds = data.draw(st.lists(st.sampled_from(["index", "bit", "ads", "bound", "exact", "value"]), max_size=3))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))  # where: uniform, not shrunk to 0
+    for kind in kinds:
+        _damage(g, exact, len(base.ad_id), changed, kind, rng)
+    assert uncovered(g, exact, held) == uncovered(g, exact)
+
+
+def test_an_update_whose_rows_do_not_cover_its_ads_publishes_nothing(built, pool, tmp_path, monkeypatch):
+    """The check before an update publishes sees a union row the update wrote without an ad's bits
+    (a writer's fault: only its base's relations are taken as kept)."""
+    root = _root(built, tmp_path)
+    real = update.insert_sids
+
+    def dropping(g, *args, **kw):
+        out = real(g, *args, **kw)
+        out.planes[0].table[len(g.planes[0].table):] = 0  # every row the update added to the bitmask table
+        return out
+
+    monkeypatch.setattr(update, "insert_sids", dropping)
+    before = _published(root)
+    with pytest.raises(ArtifactError, match="bitmask_table.arrow: a .* lacks a bit"):
+        run_update(root, _changes(pool, tmp_path / "c.parquet", [_upsert(pool, N_BASE, 10**9)]))
+    assert _published(root) == before
 
 
 # --- pauses, deletes and upserts through full builds ------------------------------------------------

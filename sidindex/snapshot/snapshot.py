@@ -80,6 +80,7 @@ class Snapshot:
     ad_id: np.ndarray  # (N,) int64
     codebook: Codebook | None
     recorded: bool = False  # its checks were on record (`records`): only its digests were verified
+    covered: bool = False  # its matchers' cover passed (`cover`: checked, or on record)
     # manifest, files, map, structure (with verify: "checksums + structure", side by side; in turn:
     # checksums, structure), copies (waiting for `while_checking`), prefault
     open_seconds: dict[str, float] = field(default_factory=dict)
@@ -395,7 +396,7 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     beside = None
     if base is not None and (joined := base.joined()) is not None:
         beside = (base.shards, joined)
-    return Snapshot(directory, m, spec, shards, exact, ad_id, codebook, on_record, clock.seconds, beside)
+    return Snapshot(directory, m, spec, shards, exact, ad_id, codebook, on_record, cover, clock.seconds, beside)
 
 
 def _map(directory: Path, name: str, file: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -471,9 +472,11 @@ def _checked(directory: Path, m: Manifest, shards: Sequence[Shard], exact: Exact
     check_structure(directory, placed, exact, ad_id, m.counts, changed=changed,
                     base_state=None if base is None else base.row_states)
     check_lineage(directory, m.lineage, exact)
-    if cover:
+    if cover:  # beside a base whose cover passed, under the same spec, the relations it kept hold
+        kept = {(s.lo, s.hi): (s.gtm, base.exact) for s in base.shards} if (
+            base is not None and base.covered and _comparable(m, exact.spec, base)) else {}
         for where, shard in placed:
-            check_cover(where, shard.gtm, exact)
+            check_cover(where, shard.gtm, exact, kept.get((shard.lo, shard.hi)))
     if base is not None and shared and m.codebook_id == base.manifest.codebook_id and all(
             n in shared for n in m.files if n.startswith("codebooks/")):
         return base.codebook

@@ -322,12 +322,14 @@ def _values(need: _Need, gtm: GTMIndex) -> None:
              "an entry's partitions must fall in value from the entry's own bound")
 
 
-def check_cover(path: Path, gtm: GTMIndex, exact: ExactIndex) -> None:
+def check_cover(path: Path, gtm: GTMIndex, exact: ExactIndex, since: tuple[GTMIndex, ExactIndex] | None = None
+                ) -> None:
     """Raise ArtifactError naming the first matcher table whose rows do not cover what lies beneath
     them, or the value bounds when a SID's is below one of its ads' values (`sidindex.trie.cover`);
-    the structure must have passed `check_structure`."""
+    the structure must have passed `check_structure`. since: a base whose cover passed, whose kept
+    relations are not checked again (`sidindex.trie.cover.uncovered`)."""
     need = _Need(path)
-    for name, what in uncovered(gtm, exact):
+    for name, what in uncovered(gtm, exact, since):
         need(False, name, f"{what} (its digests may have been written over the damage)")
 
 

@@ -44,7 +44,7 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
     exist, ins = _walk(g.node_offsets, g.csr_tokens, sids)
 
     # --- 2. NEW NODES --- one per distinct missing (depth, prefix), ordered by (ins, depth, prefix),
-    # which is the order of the new trie: np.insert puts them before old node `ins`
+    # which is the order of the new trie: `_inserted` puts them before old node `ins`
     prefix = np.stack([sid_keys(sids[:, :d + 1], g.level_sizes[:d + 1]) for d in range(L)], axis=1)  # (Q, L)
     miss_i, miss_d = np.nonzero(exist < 0)
     depth = miss_d + 1
@@ -66,32 +66,23 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
     token[which.reshape(-1)] = sids[miss_i, miss_d]
 
     # --- 3. CSR --- child counts with the new nodes (none of their own yet) plus one per new child
-    counts = np.insert(np.diff(g.node_offsets), new_ins, 0)
+    counts = _inserted(np.diff(g.node_offsets), new_ins, 0)
     np.add.at(counts, parent, 1)
     node_offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=node_offsets[1:])
     num_nodes = len(counts)
     depth_offsets = g.depth_offsets + np.concatenate([[0], np.cumsum(np.bincount(new_depth, minlength=L + 1))])
     e_ins = new_ins - 1  # entry e leads to node e + 1
-    tokens = np.insert(g.csr_tokens, e_ins, token)
+    tokens = _inserted(g.csr_tokens, e_ins, token)
 
     # --- 4. SID -> AD --- new leaves hold no old ads; each new (leaf, ad) goes after the leaf's old ads
-    leaf0_old, leaf0 = int(g.depth_offsets[L]), int(depth_offsets[L])
-    is_leaf = new_depth == L
-    old_count = np.insert(np.diff(g.leaf_ad_offsets), new_ins[is_leaf] - leaf0_old, 0)
-    pairs = np.unique(np.stack([path[:, L - 1] - leaf0, ad_index]), axis=1)  # by leaf, then ad
-    leaf_counts = old_count + np.bincount(pairs[0], minlength=len(old_count))
-    leaf_ad_offsets = np.zeros(len(leaf_counts) + 1, dtype=np.int64)
-    np.cumsum(leaf_counts, out=leaf_ad_offsets[1:])
-    leaf_ads = np.empty(leaf_ad_offsets[-1], dtype=np.int64)
-    old_leaf_new = old_to_new(np.arange(leaf0_old, g.num_nodes)) - leaf0
-    shift = leaf_ad_offsets[old_leaf_new] - g.leaf_ad_offsets[:-1]
-    leaf_ads[np.arange(len(g.leaf_ads)) + np.repeat(shift, np.diff(g.leaf_ad_offsets))] = g.leaf_ads
-    run = np.arange(pairs.shape[1]) - np.searchsorted(pairs[0], pairs[0])  # place within the leaf's new ads
-    leaf_ads[leaf_ad_offsets[pairs[0]] + old_count[pairs[0]] + run] = pairs[1]
+    leaf0 = int(depth_offsets[L])
+    pairs = _unique_pairs(path[:, L - 1] - leaf0, ad_index)  # by leaf, then ad
+    leaf_ad_offsets, leaf_ads = _merge_leaves(g.leaf_ad_offsets, g.leaf_ads, new_id[new_depth == L] - leaf0,
+                                              pairs[0], pairs[1])
 
     # --- 5. ENTRIES ON NEW PATHS --- one (entry, new ad) pair per depth of each SID row, by entry
-    ent_ad = np.unique(np.stack([(path - 1).reshape(-1), np.repeat(local, L)]), axis=1)
+    ent_ad = _unique_pairs((path - 1).reshape(-1), np.repeat(local, L))
     touched, at = np.unique(ent_ad[0], return_index=True)  # (K,) entries, first pair of each
     is_new_entry = np.zeros(num_nodes - 1, dtype=bool)
     is_new_entry[new_id - 1] = True
@@ -99,7 +90,7 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
     kway = g.part_offsets is not None
     part_offsets: np.ndarray | None = None
     if g.part_offsets is not None:  # a new entry has one partition; partitions of old ones keep their order
-        part_counts = np.insert(np.diff(g.part_offsets), e_ins, 1)
+        part_counts = _inserted(np.diff(g.part_offsets), e_ins, 1)
         part_offsets = np.zeros(len(part_counts) + 1, dtype=np.int64)
         np.cumsum(part_counts, out=part_offsets[1:])
         p_ins = g.part_offsets[e_ins]
@@ -112,14 +103,14 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
     for plane, rows in zip(g.planes, ad_rows.values()):
         grown = np.bitwise_or.reduceat(rows[ent_ad[1]], at, axis=0)  # (K, W)
         new_rows = RowTable(plane.table.shape[1], 2 * len(touched))
-        index = np.insert(plane.index, e_ins, 0)
+        index = _inserted(plane.index, e_ins, 0)
         union = grown.copy()
         union[old_touched] |= plane.table[index[touched[old_touched]]]
         index[touched] = len(plane.table) + new_rows.add(union)
         part_index = None
         if kway:
             assert plane.part_index is not None  # a k-way index partitions every plane
-            part_index = np.insert(plane.part_index, p_ins, 0)
+            part_index = _inserted(plane.part_index, p_ins, 0)
             part = grown
             part[old_touched] |= plane.table[part_index[first_part[old_touched]]]
             part_index[first_part] = len(plane.table) + new_rows.add(part)
@@ -132,12 +123,12 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
         if ad_value is None:
             raise ValueError("the index has ad values: insert_sids needs the new ads' ad_value")
         ad_values = np.concatenate([g.ad_value, ad_value])
-        entry_value = np.insert(g.entry_value, e_ins, 0)
+        entry_value = _inserted(g.entry_value, e_ins, 0)
         best = round_up_f32(np.maximum.reduceat(ad_value[ent_ad[1]], at))
         entry_value[touched] = np.maximum(entry_value[touched], best)
         if kway:
             assert g.part_value is not None
-            part_value = np.insert(g.part_value, p_ins, 0)
+            part_value = _inserted(g.part_value, p_ins, 0)
             part_value[first_part] = entry_value[touched]  # the first was the entry's best before
     if M == 0:  # the shape of the trie is the base's: keep its arrays (a writer links, a loader keeps them)
         node_offsets, tokens, depth_offsets = g.node_offsets, g.csr_tokens, g.depth_offsets
@@ -220,6 +211,63 @@ def _any_child(out: np.ndarray, no: np.ndarray, lo: int, hi: int) -> None:
                 some = True
                 break
         out[i - 1] = some
+
+
+def _inserted(a: np.ndarray, at: np.ndarray, values: np.ndarray | int) -> np.ndarray:
+    """np.insert(a, at, values) for a (n,) array and at (m,) int64 ascending (values: (m,) or one),
+    in one pass (np.insert makes several over the whole array)."""
+    return _insert_before(a, at, np.broadcast_to(np.asarray(values, dtype=a.dtype), at.shape).copy())
+
+
+@numba.njit(cache=True, nogil=True)
+def _insert_before(a: np.ndarray, at: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """(n+m,) a with values[j] (values: (m,)) before a[at[j]] (at: (m,) int64 ascending; n: at the end)."""
+    out = np.empty(len(a) + len(at), dtype=a.dtype)
+    j = 0
+    for i in range(len(a) + 1):
+        while j < len(at) and at[j] == i:
+            out[i + j] = values[j]
+            j += 1
+        if i < len(a):
+            out[i + j] = a[i]
+    return out
+
+
+def _unique_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(2, K) int64 the distinct pairs (a[i], b[i]) of a, b (n,) int64, by a then b."""
+    order = np.lexsort((b, a))
+    a, b = a[order], b[order]
+    keep = np.ones(len(a), dtype=bool)
+    keep[1:] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
+    return np.stack([a[keep], b[keep]])
+
+
+@numba.njit(cache=True, nogil=True)
+def _merge_leaves(offsets: np.ndarray, ads: np.ndarray, new_leaves: np.ndarray, pair_leaf: np.ndarray,
+                  pair_ad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The SID -> ad CSR with leaves and ads inserted: offsets (S+1,) int64 and ads (P,) int64 the
+    old one; new_leaves (M,) int64 ascending, the new leaves' places among the S + M; pair_leaf,
+    pair_ad (Q,) int64 new (leaf, ad) pairs in the new numbering, by leaf then ad, each ad after the
+    leaf's old ones. Returns (S+M+1,) int64 offsets and (P+Q,) int64 ads. One pass in order."""
+    S = len(offsets) - 1 + len(new_leaves)
+    out_offsets = np.empty(S + 1, dtype=np.int64)
+    out = np.empty(len(ads) + len(pair_ad), dtype=np.int64)
+    out_offsets[0] = 0
+    old = k = q = n = 0
+    for s in range(S):
+        if k < len(new_leaves) and new_leaves[k] == s:
+            k += 1
+        else:
+            for j in range(offsets[old], offsets[old + 1]):
+                out[n] = ads[j]
+                n += 1
+            old += 1
+        while q < len(pair_leaf) and pair_leaf[q] == s:
+            out[n] = pair_ad[q]
+            n += 1
+            q += 1
+        out_offsets[s + 1] = n
+    return out_offsets, out
 
 
 @numba.njit(cache=True)
