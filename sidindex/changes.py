@@ -34,6 +34,8 @@ class Changes:
     added:   the data of each ad upserted, once per ad (its last upsert), in order of that row
     added_paused: (u,) bool each added ad starts paused
     paused, resumed: (p,), (r,) int64 ids of the snapshot's ads, kept, that end paused / live
+    named:   (m,) int64 ascending, the rows of the index read against whose ids the file names
+             (`named_rows`), or None when not known
     """
 
     path: str
@@ -43,6 +45,7 @@ class Changes:
     added_paused: np.ndarray
     paused: np.ndarray
     resumed: np.ndarray
+    named: np.ndarray | None = None
 
     @classmethod
     def pausing(cls, ids: np.ndarray, path: str) -> Changes:
@@ -54,6 +57,12 @@ class Changes:
     @property
     def empty(self) -> bool:
         return not any(self.counts.values())
+
+
+def named_rows(ad_id: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """(m,) int64 ascending: the rows of ad_id (N,) int64 holding one of ids (k,) int64. The few
+    ids are hashed and the millions of rows probed once, not the other way round."""
+    return np.flatnonzero(pl.Series(ad_id).is_in(pl.Series(ids).implode()).to_numpy())
 
 
 def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], dim: int, values: bool,
@@ -99,9 +108,9 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
     # exists there; delete, pause and resume need one that does
     rows = pl.DataFrame({"ad_id": ids, "op": ops, "pos": np.arange(df.height, dtype=np.int64)})
     data_op = pl.when(pl.col("op").is_in(["upsert", "delete"])).then(pl.col("op"))
-    # the file's few ids are hashed and the snapshot's millions probed once, not the other way round
-    named = pl.Series(ad_id).is_in(pl.Series(ids).implode()).to_numpy()
-    known, paused = ad_id[named & (state != AD_DELETED)], ad_id[named & (state == AD_PAUSED)]
+    named = named_rows(ad_id, ids)
+    named_id, named_state = ad_id[named], state[named]
+    known, paused = named_id[named_state != AD_DELETED], named_id[named_state == AD_PAUSED]
     rows = rows.with_columns(before=data_op.shift(1).forward_fill().over("ad_id"),
                              in_base=pl.col("ad_id").is_in(pl.Series(known).implode()))
     exists = (pl.col("before") == "upsert").fill_null(False) | (pl.col("before").is_null() & pl.col("in_base"))
@@ -146,5 +155,6 @@ def read_changes(path: str, spec: TargetingSpec, *, hash_keys: tuple[str, ...], 
         path=path, counts=counts,
         removed=as_ids(per_ad.filter(pl.col("data").is_not_null() & pl.col("in_base"))),
         added=added, added_paused=up.get_column("ends_paused").to_numpy().astype(bool),
-        paused=as_ids(changed.filter(pl.col("ends_paused"))), resumed=as_ids(changed.filter(~pl.col("ends_paused"))))
+        paused=as_ids(changed.filter(pl.col("ends_paused"))), resumed=as_ids(changed.filter(~pl.col("ends_paused"))),
+        named=named)
 

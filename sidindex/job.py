@@ -413,8 +413,9 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
 
         # files linked from the base were verified above, in this job; the new ones were digested as
         # read back from disk once written (hashing them again would compare them with themselves);
-        # their structure is checked, and the cover when new SIDs brought matcher rows; it is then
-        # checked as a whole, and recorded so (a record of a snapshot that never publishes is pruned)
+        # their structure is checked, and the cover when new SIDs brought matcher rows (the
+        # relations not kept from the base, whose cover passed); it is then checked as a whole, and
+        # recorded so (a record of a snapshot that never publishes is pruned)
         def check(directory: Path) -> None:
             new = open_snapshot(directory, verify=False, cover=updated.new_sid_rows > 0, base=base)
             layout.record_checks(snapshot_id, new.manifest.sha256(), ("structure", "cover"))

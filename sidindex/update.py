@@ -23,7 +23,7 @@ import polars as pl
 
 from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED
 from sidindex.build import BuiltIndex, encode_ads
-from sidindex.changes import Changes
+from sidindex.changes import Changes, named_rows
 from sidindex.errors import InputError
 from sidindex.matchers.exact import ExactIndex, concat_exact
 from sidindex.sid import Codebook, assign_sids, hash_tokens
@@ -69,15 +69,16 @@ def apply_changes(snap: Indexed, changes: Changes, codebook: Codebook) -> BuiltI
     clock = StageClock()
     ad_id = _ad_ids(snap)
     state = snap.exact.states(len(ad_id)).copy()
-    # each id named (removed, paused, resumed: disjoint) mapped to its new state in one probe of the
-    # snapshot's ids; rows an id may name: its only one that is not deleted
+    # each id named (removed, paused, resumed: disjoint) mapped to its new state, probing the rows the
+    # file names (found as it was read); rows an id may name: its only one that is not deleted
     named = (changes.removed, changes.paused, changes.resumed)
-    new = pl.Series(ad_id).replace_strict(
-        np.concatenate(named), np.repeat(np.array([AD_DELETED, AD_PAUSED, AD_LIVE], dtype=np.uint8),
-                                         [len(x) for x in named]),
+    ids = np.concatenate(named)
+    rows = changes.named if changes.named is not None else named_rows(ad_id, ids)
+    new = pl.Series(ad_id[rows]).replace_strict(
+        ids, np.repeat(np.array([AD_DELETED, AD_PAUSED, AD_LIVE], dtype=np.uint8), [len(x) for x in named]),
         default=_UNNAMED, return_dtype=pl.UInt8).to_numpy()
-    rows = np.flatnonzero((new != _UNNAMED) & (state != AD_DELETED))
-    state[rows] = new[rows]
+    hit = (new != _UNNAMED) & (state[rows] != AD_DELETED)
+    state[rows[hit]] = new[hit]
     clock.lap("ad states")
     shards, exact, sid_rows = snap.shards, snap.exact, 0
     values = shards[0].gtm.ad_value
