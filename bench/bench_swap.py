@@ -40,6 +40,7 @@ Target: total <= 0.5 s at 15M ads (30M SIDs) on the H200.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import statistics
@@ -186,6 +187,11 @@ def measure(n: int, scratch: Path, device: torch.device, args) -> dict:
         snapshot_module.CHECKS_SIDE_BY_SIDE = name != "in turn"
         try:
             for _ in range(args.repeats):
+                # the old index serving again, so that nothing holds the last swap's index and its
+                # maps: pages still mapped are not evicted
+                searcher.search(serving, requests, scorer)
+                sync(device)
+                gc.collect()
                 if args.cold:
                     evict(new_path)
                 runs.append(swap(new_path, device, searcher, requests, lambda _: scorer, name == "reference",

@@ -267,7 +267,8 @@ SNAPSHOT_RELATIONS = (
     "exact_bitmask_rows; the bloom row of a SID's entry has, per attribute, all ones where one of its ads has no "
     "values there and some bit set where it has some (the ads' bloom rows are not kept; k-way partitions are not "
     "covered); entry_value of a SID's entry >= ad_value of each of its ads. An open does not check the cover "
-    "(nothing indexes memory by it); `sidindex validate` and an update do.",
+    "(nothing indexes memory by it); `sidindex validate` and an update do (an update's result: the relations it "
+    "does not keep from its checked base).",
 )
 
 

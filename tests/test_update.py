@@ -498,9 +498,11 @@ def test_searcher_keeps_replaying_its_graphs_across_a_pause(built, pool, tmp_pat
     keep = before.ad_id != ad
     np.testing.assert_array_equal(paused.ad_id, before.ad_id[keep])
     np.testing.assert_array_equal(paused.score, before.score[keep])
-    graphs = dict(searcher._graphs)
+    graphs, paused_id = dict(searcher._graphs), watcher.current.snapshot.id
     run_update(root, _changes(pool, tmp_path / "delete.parquet", [{"ad_id": ad, "op": "delete"}]))
-    assert watcher.poll() and watcher.current.load_info["bytes"] == 0
+    assert watcher.poll()
+    info = watcher.current.load_info  # the search's arrays all kept: only the post stage's row states moved
+    assert info["shared_with"] == paused_id and info["bytes"] == watcher.current.snapshot.exact.ad_state.nbytes
     after = served()
     assert searcher._graphs == graphs  # the same device arrays: replayed, not captured again
     np.testing.assert_array_equal(after.ad_id, paused.ad_id)
