@@ -182,7 +182,7 @@ def _set(name: str, shard: int, at: tuple[int, ...], values: tuple):
 
 
 def _positions(n: int) -> list[int]:
-    return sorted({p % n for p in (0, 1, 2, n // 4, n // 3, n // 2, 3 * n // 4, n - 2, n - 1)}) if n else []
+    return sorted({p % n for p in (0, 1, 2, n // 4, n // 2, n - 2, n - 1)}) if n else []
 
 
 def _files():
