@@ -231,7 +231,8 @@ def _map_file(path: Path) -> mmap.mmap | None:
         mm.madvise(mmap.MADV_SEQUENTIAL)  # each chunk is read once, front to back
         # and read ahead now: pages not cached are then read in large requests while earlier chunks
         # hash, not faulted in a page or a readahead window at a time (cached ones cost a lookup)
-        mm.madvise(mmap.MADV_WILLNEED)
+        with contextlib.suppress(OSError):  # a hint: a file that refuses it is still read
+            mm.madvise(mmap.MADV_WILLNEED)
         return mm
     except OSError as e:
         raise ArtifactError(f"{path}: cannot be read ({e.strerror})") from None

@@ -36,9 +36,10 @@ from sidindex import update
 from sidindex.artifact import seal, sha256_file
 from sidindex.errors import ArtifactError, InputError
 from sidindex.job import run_build, run_update
+from sidindex.matchers.exact import ExactIndex, ExactPlane, concat_exact
 from sidindex.root import Root
 from sidindex.snapshot import open_snapshot
-from sidindex.trie.cover import unchanged_entries, uncovered
+from sidindex.trie.cover import _restrictions_kept, unchanged_entries, uncovered
 from tests.conftest import run_cli
 from tests.test_snapshot import array_file, reseal, rewrite_array
 from tests.test_update import N_BASE, _changes, _upsert, built, pool  # noqa: F401 (fixtures)
@@ -333,6 +334,31 @@ def test_a_cover_checked_since_the_base_gives_the_whole_checks_verdict(since, da
     for kind in kinds:
         _damage(g, exact, len(base.ad_id), changed, kind, rng)
     assert uncovered(g, exact, held) == uncovered(g, exact)
+
+
+def test_a_values_planes_restrictions_are_kept_though_its_offsets_shift(since):
+    """A values plane is attribute-major: an update's new ads shift every later attribute's hash
+    offsets, yet which ads are restricted where (all the cover reads of them) is kept, so the check
+    since a base still skips what it kept; an ad's restriction flipped is not kept."""
+    spec = since[0].spec
+    rng = np.random.default_rng(5)
+
+    def part(n: int) -> ExactIndex:  # 3 attributes, some runs empty (the ad unrestricted there)
+        offsets = np.zeros((3, n + 1), dtype=np.int64)
+        np.cumsum(rng.integers(0, 3, size=(3, n)), axis=1, out=offsets[:, 1:])
+        return ExactIndex(spec, (ExactPlane("bloom", hash_offsets=offsets,
+                                            hashes=np.arange(int(offsets[:, -1].max()), dtype=np.uint64)),))
+
+    old, new = part(40), part(7)
+    base = concat_exact([old]).planes[0].hash_offsets
+    grown = concat_exact([old, new]).planes[0].hash_offsets
+    assert not np.array_equal(grown[1:, :41], base[1:])  # the later attributes' offsets moved
+    assert _restrictions_kept(grown, base)
+    a = int(np.flatnonzero(np.diff(grown[2, :41]) > 0)[0])  # an ad restricted on the last attribute
+    flipped = grown.copy()
+    flipped[2, a + 1] = flipped[2, a]  # its run emptied: unrestricted there now
+    assert not _restrictions_kept(flipped, base)
+    assert not _restrictions_kept(base, grown)  # a result with fewer ads than its base keeps nothing
 
 
 def test_an_update_whose_rows_do_not_cover_its_ads_publishes_nothing(built, pool, tmp_path, monkeypatch):

@@ -207,9 +207,27 @@ def _kept(a: np.ndarray | None, b: np.ndarray | None) -> bool:
                        np.ascontiguousarray(b).reshape(-1).view(np.uint8))
 
 
-def _by_ad(hash_offsets: np.ndarray | None) -> np.ndarray | None:
-    """(N+1, A) the ads' hash offsets (A, N+1) int64, so that a base's are its first rows."""
-    return None if hash_offsets is None else hash_offsets.T
+@_sized
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _restrictions_differ(offsets: np.ndarray, base: np.ndarray) -> bool:
+    """Whether any of base's ads (A, N_base+1) is restricted on an attribute where the same row of
+    offsets (A, N+1) int64 is not, or the other way round (an ad is unrestricted on attribute t
+    when its run is empty; only that is read of its hashes, so runs that moved are still kept:
+    a values plane is attribute-major, and the new ads' hashes shift later attributes' offsets)."""
+    bad = 0
+    for a in numba.prange(base.shape[1] - 1):
+        for t in range(base.shape[0]):
+            bad += (offsets[t, a + 1] == offsets[t, a]) != (base[t, a + 1] == base[t, a])
+    return bad > 0
+
+
+def _restrictions_kept(offsets: np.ndarray | None, base: np.ndarray | None) -> bool:
+    """Whether the ads of base's hash offsets (A, N_base+1) are restricted where they were in
+    offsets (A, N+1), N >= N_base (both None: no values plane)."""
+    if offsets is None or base is None:
+        return offsets is None and base is None
+    return offsets.shape[0] == base.shape[0] and offsets.shape[1] >= base.shape[1] and not _restrictions_differ(
+        offsets, base)
 
 
 def unchanged_entries(gtm: GTMIndex, exact: ExactIndex, base: GTMIndex, base_exact: ExactIndex
@@ -223,7 +241,7 @@ def unchanged_entries(gtm: GTMIndex, exact: ExactIndex, base: GTMIndex, base_exa
         return None
     if not (_kept(gtm.ad_value, base.ad_value) and all(
             p.name == q.name and _kept(p.table, q.table) for p, q in zip(gtm.planes, base.planes)) and all(
-            _kept(e.rows, f.rows) and _kept(_by_ad(e.hash_offsets), _by_ad(f.hash_offsets))
+            _kept(e.rows, f.rows) and _restrictions_kept(e.hash_offsets, f.hash_offsets)
             for e, f in zip(exact.planes, base_exact.planes))):
         return None
     # --- 1. COUNTERPARTS --- depth by depth from the roots, each node's children merged by token

@@ -230,6 +230,8 @@ def _insert_before(a: np.ndarray, at: np.ndarray, values: np.ndarray) -> np.ndar
             j += 1
         if i < len(a):
             out[i + j] = a[i]
+    if j != len(at):
+        raise ValueError("insert positions must be ascending, within [0, len(a)]")
     return out
 
 
@@ -267,6 +269,8 @@ def _merge_leaves(offsets: np.ndarray, ads: np.ndarray, new_leaves: np.ndarray, 
             n += 1
             q += 1
         out_offsets[s + 1] = n
+    if k != len(new_leaves) or q != len(pair_leaf) or old != len(offsets) - 1:
+        raise ValueError("new leaves and pairs must be ascending, within the merged leaves")
     return out_offsets, out
 
 
