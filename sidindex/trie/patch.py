@@ -44,7 +44,7 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
     exist, ins = _walk(g.node_offsets, g.csr_tokens, sids)
 
     # --- 2. NEW NODES --- one per distinct missing (depth, prefix), ordered by (ins, depth, prefix),
-    # which is the order of the new trie: `_inserted` puts them before old node `ins`
+    # which is the order of the new trie: np.insert puts them before old node `ins`
     prefix = np.stack([sid_keys(sids[:, :d + 1], g.level_sizes[:d + 1]) for d in range(L)], axis=1)  # (Q, L)
     miss_i, miss_d = np.nonzero(exist < 0)
     depth = miss_d + 1
@@ -66,14 +66,14 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
     token[which.reshape(-1)] = sids[miss_i, miss_d]
 
     # --- 3. CSR --- child counts with the new nodes (none of their own yet) plus one per new child
-    counts = _inserted(np.diff(g.node_offsets), new_ins, 0)
+    counts = np.insert(np.diff(g.node_offsets), new_ins, 0)
     np.add.at(counts, parent, 1)
     node_offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=node_offsets[1:])
     num_nodes = len(counts)
     depth_offsets = g.depth_offsets + np.concatenate([[0], np.cumsum(np.bincount(new_depth, minlength=L + 1))])
     e_ins = new_ins - 1  # entry e leads to node e + 1
-    tokens = _inserted(g.csr_tokens, e_ins, token)
+    tokens = np.insert(g.csr_tokens, e_ins, token)
 
     # --- 4. SID -> AD --- new leaves hold no old ads; each new (leaf, ad) goes after the leaf's old ads
     leaf0 = int(depth_offsets[L])
@@ -90,7 +90,7 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
     kway = g.part_offsets is not None
     part_offsets: np.ndarray | None = None
     if g.part_offsets is not None:  # a new entry has one partition; partitions of old ones keep their order
-        part_counts = _inserted(np.diff(g.part_offsets), e_ins, 1)
+        part_counts = np.insert(np.diff(g.part_offsets), e_ins, 1)
         part_offsets = np.zeros(len(part_counts) + 1, dtype=np.int64)
         np.cumsum(part_counts, out=part_offsets[1:])
         p_ins = g.part_offsets[e_ins]
@@ -103,14 +103,14 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
     for plane, rows in zip(g.planes, ad_rows.values()):
         grown = np.bitwise_or.reduceat(rows[ent_ad[1]], at, axis=0)  # (K, W)
         new_rows = RowTable(plane.table.shape[1], 2 * len(touched))
-        index = _inserted(plane.index, e_ins, 0)
+        index = np.insert(plane.index, e_ins, 0)
         union = grown.copy()
         union[old_touched] |= plane.table[index[touched[old_touched]]]
         index[touched] = len(plane.table) + new_rows.add(union)
         part_index = None
         if kway:
             assert plane.part_index is not None  # a k-way index partitions every plane
-            part_index = _inserted(plane.part_index, p_ins, 0)
+            part_index = np.insert(plane.part_index, p_ins, 0)
             part = grown
             part[old_touched] |= plane.table[part_index[first_part[old_touched]]]
             part_index[first_part] = len(plane.table) + new_rows.add(part)
@@ -123,12 +123,12 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
         if ad_value is None:
             raise ValueError("the index has ad values: insert_sids needs the new ads' ad_value")
         ad_values = np.concatenate([g.ad_value, ad_value])
-        entry_value = _inserted(g.entry_value, e_ins, 0)
+        entry_value = np.insert(g.entry_value, e_ins, 0)
         best = round_up_f32(np.maximum.reduceat(ad_value[ent_ad[1]], at))
         entry_value[touched] = np.maximum(entry_value[touched], best)
         if kway:
             assert g.part_value is not None
-            part_value = _inserted(g.part_value, p_ins, 0)
+            part_value = np.insert(g.part_value, p_ins, 0)
             part_value[first_part] = entry_value[touched]  # the first was the entry's best before
     if M == 0:  # the shape of the trie is the base's: keep its arrays (a writer links, a loader keeps them)
         node_offsets, tokens, depth_offsets = g.node_offsets, g.csr_tokens, g.depth_offsets
@@ -211,28 +211,6 @@ def _any_child(out: np.ndarray, no: np.ndarray, lo: int, hi: int) -> None:
                 some = True
                 break
         out[i - 1] = some
-
-
-def _inserted(a: np.ndarray, at: np.ndarray, values: np.ndarray | int) -> np.ndarray:
-    """np.insert(a, at, values) for a (n,) array and at (m,) int64 ascending (values: (m,) or one),
-    in one pass (np.insert makes several over the whole array)."""
-    return _insert_before(a, at, np.broadcast_to(np.asarray(values, dtype=a.dtype), at.shape).copy())
-
-
-@numba.njit(cache=True, nogil=True)
-def _insert_before(a: np.ndarray, at: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """(n+m,) a with values[j] (values: (m,)) before a[at[j]] (at: (m,) int64 ascending; n: at the end)."""
-    out = np.empty(len(a) + len(at), dtype=a.dtype)
-    j = 0
-    for i in range(len(a) + 1):
-        while j < len(at) and at[j] == i:
-            out[i + j] = values[j]
-            j += 1
-        if i < len(a):
-            out[i + j] = a[i]
-    if j != len(at):
-        raise ValueError("insert positions must be ascending, within [0, len(a)]")
-    return out
 
 
 def _unique_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
