@@ -35,6 +35,7 @@ parsed after the clock stops.
 Scenarios (--scenarios), run in turn on the same server:
   steady     the load alone
   publisher  the load, and every --publish-every seconds `sidindex update WORK_ROOT --changes FILE`
+             (the update path warmed first by one update of a scratch copy: numba's kernels compiled)
              pausing --pause ads: those a probe request just got back (top ranks first, so that
              answers before and after the swap differ), topped up with random catalog ads
   corrupt    the load; at a third of the scenario a snapshot that cannot load is published: a copy
@@ -121,6 +122,23 @@ def working_root(root: Path, work: Path) -> Path:
             shutil.copy2(src, dst)
 
     return Path(shutil.copytree(root, work / "root", copy_function=link, ignore=shutil.ignore_patterns(".lock")))
+
+
+def warm_updates(root: Path, work: Path, ad: int) -> None:
+    """One update (pausing `ad`) of a scratch copy of ROOT, dropped after: it compiles the update
+    path's numba kernels into their on-disk cache, as a builder host that ran an update before has
+    them, so the publisher's first `sidindex update` is not a fresh environment's compile."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sidindex.job import run_update
+
+    scratch = work / "warm"
+    scratch.mkdir()
+    changes = scratch / "pause.parquet"
+    pq.write_table(pa.table({"ad_id": pa.array([ad], pa.int64()), "op": ["pause"]}), changes)
+    run_update(working_root(root, scratch), changes)
+    shutil.rmtree(scratch)
 
 
 def request_pool(index, catalog: Path, n: int, seed: int) -> list[bytes]:
@@ -446,6 +464,7 @@ def run(args) -> dict:
         bodies_path = work / "bodies.jsonl"
         bodies_path.write_bytes(b"\n".join(bodies) + b"\n")
         ad_ids = pq.read_table(size["catalog"], columns=["ad_id"]).column(0).to_numpy()
+        warm_updates(Path(size["root"]), work, int(ad_ids[0]))
         log(f"sidindex serve {root} on {args.device} ...")
         server = Server(root, args, work / "serve.log")
         try:
