@@ -25,6 +25,14 @@ elsewhere: it keeps the shape of a SID and never ends early on EOS, and its scor
 keep the sequences whose `sequences_scores` exceed -1e6 (generate also starts spare beams at
 -1e9), as `runtime.beam_search` drops dead beams. When every beam of every request dies, generate
 stops early and returns the prompts alone.
+
+A broken model is not a request without eligible ads: only finite logits count (a NaN or
+infinite one's token is never chosen), and a step at which the model gives none of a request's
+live rows a finite logit at the level's ids is recorded on the device (no host synchronisation,
+so generate runs as it would); after generate, `check()` refuses it (a ScorerError naming the
+request and the step), as the search refuses such a scorer. generate itself cannot be stopped
+from a processor without a wait per step, so a program that skips `check()` sees those requests'
+rows dead.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from runtime.constraint import Constraint
-from runtime.search import level_log_probs
+from runtime.search import check_scored, level_log_probs, scored_rows
 from runtime.served import ServedIndex
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
@@ -77,6 +85,9 @@ class SidLogitsProcessor:
                 raise ConfigError(f"token_ids[{d}, :{size}] must be distinct non-negative model token ids")
         self.token_ids = token_ids.clamp(min=0).to(index.device)  # ids beyond a level's size are never read
         self.inverse: torch.Tensor | None = None  # (L, model vocabulary) SID token of each id, -1 for none
+        # per step of the last generate, (B,) bool on the device: the request had live rows and the
+        # model gave none of them a finite logit at the level's ids (read by `check`)
+        self.unscored: dict[int, torch.Tensor] = {}
 
     def _inverse(self, vocab: int) -> torch.Tensor:
         if self.inverse is None or self.inverse.shape[1] != vocab:
@@ -110,11 +121,25 @@ class SidLogitsProcessor:
         size = index.level_sizes[d]
         ids = self.token_ids[d, :size]
         level = level_log_probs(scores[:, self.token_ids[d]], size)  # (N, V): the ids past `size` are never read
+        live = node >= 0 if self.mode.constrained else torch.ones(N, dtype=torch.bool, device=scores.device)
+        if d == 0:  # a new generate
+            self.unscored = {}
+        scored = (live & scored_rows(level)).reshape(B, -1).any(dim=1)
+        self.unscored[d] = live.reshape(B, -1).any(dim=1) & ~scored
         if self.mode.constrained:
             req = torch.arange(N, device=scores.device) // self.num_beams
-            alive = torch.where(node >= 0, 0.0, NEG_INF).float()
+            alive = torch.where(live, 0.0, NEG_INF).float()
             level = self.constraint.mask(d, req, node, alive, level)
         level = level[:, :size]
         stuck = ~torch.isfinite(level).any(dim=1, keepdim=True)  # no allowed token: a dead row
         out[:, ids] = torch.where(stuck, DEAD, level).to(out.dtype)
         return out
+
+    def check(self, request_id=None) -> None:
+        """Refuse the last generate if at some step the model gave none of a request's live rows a
+        finite logit at the level's ids (a ScorerError naming the request, by `request_id` (B,) or
+        its place, and the step; `runtime.search.check_scored`). One copy to the host: call it once
+        generate has returned."""
+        if self.unscored:
+            steps = [self.unscored[d] for d in sorted(self.unscored)]
+            check_scored(torch.stack(steps, dim=1), "generate's model", request_id)

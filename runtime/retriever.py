@@ -137,7 +137,9 @@ class Retriever:
         """Ranked eligible ads of `requests` (a pyarrow Table or RecordBatch, a polars DataFrame,
         or a list of dicts, validated as a request file is; `source` names them in messages), as a
         pyarrow.Table: request_id, rank, ad_id, sid (fixed_size_list<int16>), score, and value
-        when the snapshot has ad values. An InputError names a bad request's column and row."""
+        when the snapshot has ad values. An InputError names a bad request's column and row; a
+        ScorerError a user's scorer that failed, or gave some request no finite logit at a step
+        (`runtime.search.check_scored`)."""
         index = self.index
         t = time.perf_counter()
         reqs = self._validated(requests, index, source)
@@ -193,8 +195,9 @@ class Retriever:
         t1 = time.perf_counter()
         dev = to_device(host, index.device)
         t2 = time.perf_counter()
+        # a scorer that gives some request no finite logit is refused naming its request_id
         found = warmed.searcher.retrieve(index, dev, self._scorer(warmed, padded, dev), host=host, top_k=self.top_k,
-                                         rank=self.rank, stages=stages)
+                                         rank=self.rank, stages=stages, request_id=reqs.request_id)
         t3 = time.perf_counter()
         seconds["encode"] += t1 - t
         seconds["copy"] += t2 - t1

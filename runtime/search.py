@@ -24,6 +24,12 @@ still pick its -inf slots when too few candidates survive, but they are marked d
 extended, so a request whose beams all die returns fewer (or zero) SIDs. There is no fallback to
 unconstrained decoding. Scores are accumulated log-probabilities.
 
+A broken model is not a request without eligible ads. Only finite logits count (a NaN or infinite
+one's token is never chosen, as if it were -inf), and a step at which the scorer gives none of a
+request's live beams a finite logit among the level's tokens is recorded on the device
+(`Beams.unscored`, no host synchronisation); `check_scored` refuses such a search, read once where
+the batch's results come back (`runtime.Searcher` does, so every serving path does).
+
 Value-guided search (docs/design.md §16, `value_weight` λ > 0, a snapshot with ad values): the mask
 weighs each candidate by its value bound v (the largest value of an ad beneath it that can pass),
 and the beams kept are the top candidates by score + λ log(max(v, 1e-6)), the key the mask
@@ -40,13 +46,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from runtime.constraint import Constraint
 from runtime.ops.impl import Impl
 from runtime.ops.order import top_k
 from runtime.served import ServedIndex
-from sidindex.errors import ConfigError
+from sidindex.errors import ConfigError, ScorerError
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import EncodedRequests
 
@@ -73,7 +80,9 @@ class Scorer(Protocol):
     nothing the search keeps. Returns (B, K, V) float logits, of which the level's first
     `level_sizes[step]` are the distribution: the search log-softmaxes over them alone
     (`level_log_probs`), so a logit beyond the level's size is never read (-inf there or any
-    other value), and dead beams may get any logits. `runtime.CodebookScorer` is the built-in
+    other value), and dead beams may get any logits. A NaN or infinite logit counts as -inf (its
+    token is never chosen); a step at which none of a request's live beams gets a finite logit is
+    a broken model, refused (`check_scored`). `runtime.CodebookScorer` is the built-in
     one, `runtime.decoder.DecoderScorer` a transformer with a KV cache. A scorer that also exposes
     `inputs`, a dict of the tensors it reads (refreshed in place per batch), can be captured with
     the whole search in a CUDA graph (`runtime.Searcher`). A scorer may be asked for a batch's
@@ -102,6 +111,10 @@ class Beams:
     # capped it to, so the beams are not exact (the first such step is the one to widen: later
     # steps searched from inexact beams); None when no step's width was capped
     overflow: torch.Tensor | None = None
+    # (B, L) bool on the device: request b had live beams entering step d and the scorer gave none
+    # of them a finite logit among the level's tokens (`check_scored` refuses the search); None
+    # when not recorded (or already checked)
+    unscored: torch.Tensor | None = None
 
     @property
     def alive(self) -> torch.Tensor:
@@ -204,7 +217,10 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     and mode none ignore them); a capped step that needs more sets `Beams.overflow`, and the
     beams are then not exact (`capped_widths`; `runtime.Searcher` searches again wider). Dead
     beams come back with score -inf, token 0 at every position and leaf -1. A search whose widest
-    step would not fit the free memory is refused (ConfigError) before it allocates.
+    step would not fit the free memory is refused (ConfigError) before it allocates. A step at
+    which the scorer gave some request's live beams no finite logit sets `Beams.unscored`, which
+    this function does not read (that would wait for the device): pass the result to
+    `check_scored` where it comes back to the host.
     """
     mode = parse_mode(mode, kway_available=index.kway)
     beams = parse_beams(beams, index.sid_length)
@@ -225,9 +241,11 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     tokens = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)
     req = torch.arange(B, device=dev)
     parent = overflow = None
+    unscored = []  # per step, (B,) bool on the device: read once, by `check_scored`
     for d in range(L):
         K = node.shape[1]
         logp = level_log_probs(logits_of(scorer, d, tokens, parent), index.level_sizes[d]).reshape(B * K, V)
+        unscored.append(_unscored(logp.reshape(B, K, V), score))
         k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
         key = None
         if compact:  # slots of the beams' child entries; padded so top-k always has k_next of them
@@ -261,19 +279,76 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         node = constraint.child(node.gather(1, parent), tok, alive)
     alive = score > NEG_INF
     leaf = torch.where(alive & (node >= 0), node - index.leaf_start, -1)
-    return Beams(torch.where(alive[..., None], tokens, 0), score, leaf, overflow)
+    return Beams(torch.where(alive[..., None], tokens, 0), score, leaf, overflow, torch.stack(unscored, dim=1))
 
 
 def level_log_probs(logits: torch.Tensor, size: int) -> torch.Tensor:
     """(..., V) float32 log-probabilities of a level of `size` tokens from logits (..., V): the
-    log-softmax over the first `size` logits, -inf beyond them whatever the logits are there. The
-    one distribution of the search, `runtime.hf.SidLogitsProcessor` and `runtime.simulate`. `size`
-    is a host int: a slice, no host synchronisation."""
+    log-softmax over the first `size` logits, -inf beyond them whatever the logits are there. Only
+    finite logits count: a NaN or infinite one is taken as -inf, so its token is never chosen and
+    the rest of its row keeps its distribution (no NaN); a row with no finite logit among the
+    level's is NaN throughout (never chosen either; `scored_rows` tells them apart). The one
+    distribution of the search, `runtime.hf.SidLogitsProcessor` and `runtime.simulate`. `size` is a
+    host int: a slice, no host synchronisation."""
     logits = logits.float()
     V = logits.shape[-1]
+    level = (logits if size >= V else logits[..., :size]).nan_to_num(nan=NEG_INF, posinf=NEG_INF, neginf=NEG_INF)
     if size >= V:
-        return torch.log_softmax(logits, dim=-1)
-    return torch.nn.functional.pad(torch.log_softmax(logits[..., :size], dim=-1), (0, V - size), value=NEG_INF)
+        return torch.log_softmax(level, dim=-1)
+    return torch.nn.functional.pad(torch.log_softmax(level, dim=-1), (0, V - size), value=NEG_INF)
+
+
+def scored_rows(logp: torch.Tensor) -> torch.Tensor:
+    """(...) bool: which rows of log-probabilities logp (..., V) (`level_log_probs`) had a finite
+    logit. Such a row holds no NaN, and a row without one is NaN throughout, so its first entry
+    tells: no pass over the row, no synchronisation."""
+    return ~logp[..., 0].isnan()
+
+
+def _unscored(logp: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the request has live beams (score (B, K) > -inf) and none of them has a finite
+    logit (`scored_rows` of logp (B, K, V)). On the device: a captured search records it too."""
+    live = score > NEG_INF
+    return live.any(dim=1) & ~(live & scored_rows(logp)).any(dim=1)
+
+
+def check_scored(unscored: torch.Tensor | None, what: str, request_id=None) -> None:
+    """Refuse a search in which the scorer gave some request's live beams no finite logit at a
+    step: a ScorerError naming the scorer, the request and the step (the earliest step, then the
+    first request). A broken model (NaN weights, an overflow) would otherwise pass for requests
+    without eligible ads.
+
+    unscored: `Beams.unscored` (B, L) bool on any device, copied to the host here: call it where
+    the batch's results come back anyway (None: nothing to check); what: the scorer as the message
+    names it (`scorer_name`); request_id: (n,) the batch's first n requests' ids, which the message
+    names (rows beyond n, a padded batch's copies, are not checked); None: rows are named by their
+    place in the batch."""
+    if unscored is None:
+        return
+    bad = unscored.cpu().numpy()
+    if request_id is not None:
+        bad = bad[:len(request_id)]
+    if not bad.any():
+        return
+    d, b = (int(i) for i in np.argwhere(bad.T)[0])  # the earliest step, then the first request
+    who = f"request {request_id[b]}" if request_id is not None else f"the batch's request {b} (counting from 0)"
+    n = int(bad.any(axis=1).sum())
+    also = f" ({n} of the batch's {len(bad)} requests got none at some step)" if n > 1 else ""
+    e = ScorerError(f"{what} returned no finite logit for {who} at step {d}{also}: every logit of its beams at the "
+                    "level's tokens was NaN or infinite, a broken model rather than a request without eligible "
+                    "ads; check the model's weights and its inputs for this request")
+    e.row, e.request_id = b, (request_id[b] if request_id is not None else None)
+    raise e
+
+
+def scorer_name(scorer: object) -> str:
+    """"scorer 'MODULE:FACTORY'" for a user's factory's scorer (`runtime.scorer`'s checked scorers
+    carry it as `spec`), else the scorer's qualified name or type, as messages name it."""
+    spec = getattr(scorer, "spec", None)
+    if not isinstance(spec, str):
+        name = getattr(scorer, "__qualname__", None)
+        spec = name if isinstance(name, str) else type(scorer).__name__
+    return f"scorer {spec!r}"
 
 
 def logits_of(scorer: Scorer, step: int, tokens: torch.Tensor, parent: torch.Tensor | None) -> torch.Tensor:

@@ -39,7 +39,7 @@ from runtime.requests import requests_from
 from runtime.retriever import Retriever, requests_part, table_of
 from runtime.served import ServedIndex
 from runtime.watcher import SnapshotWatcher
-from sidindex.errors import InputError, SidIndexError
+from sidindex.errors import InputError, ScorerError, SidIndexError
 from sidindex.requests import Requests
 from sidindex.targeting import TargetingSpec
 
@@ -142,7 +142,7 @@ class RetrievalServer:
             table, snapshot = await pending.future
         except InputError as e:  # refused by a new snapshot's targeting spec, swapped in since it arrived
             return self._error(400, "bad_request", str(e))
-        except SidIndexError as e:  # a scorer that raised, a batch the index refused
+        except SidIndexError as e:  # a scorer that raised or gave no finite logit, a batch the index refused
             return self._error(500, "error", str(e))
         except Exception as e:  # a bug must not take the server down
             return self._error(500, "error", f"{type(e).__name__}: {e}")
@@ -296,8 +296,14 @@ class RetrievalServer:
                 answers[i] = self._one(index, reqs)
         elif parts:
             assert joined is not None  # one part always joins
-            found, _ = self.retriever.run(joined, index)
             bounds = np.cumsum([0] + [len(r) for _, r in parts]).tolist()
+            try:
+                found, _ = self.retriever.run(joined, index)
+            except ScorerError as e:  # named by its client's request id, not the batch's renumbering
+                if e.row is None or e.request_id is None:
+                    raise
+                k = int(np.searchsorted(bounds, e.row, side="right")) - 1
+                raise e.renamed(parts[k][1].request_id[e.row - bounds[k]]) from None
             for (i, reqs), lo, hi in zip(parts, bounds[:-1], bounds[1:]):
                 answers[i] = (table_of(requests_part(found, lo, hi), reqs.request_id), index.id)
         return answers

@@ -27,6 +27,9 @@ reads the search's overflow flags (one small copy to the host); a batch whose ca
 fit is searched again with twice the slack at the first step that overflowed (kept for later
 batches). So no candidate is ever cut: each step keeps the candidates the uncapped search would,
 ties included (`runtime.ops.order`: a width changes no candidate's place relative to another's).
+The same copy brings the search's record of steps at which the scorer gave a request no finite
+logit (`Beams.unscored`): such a batch is refused (`runtime.search.check_scored`, a ScorerError),
+with no wait per step, captured or not.
 
 With a `SnapshotWatcher`, each request takes `watcher.current` once and passes it here: a graph
 belongs to the device arrays it was captured on, so a swapped-in snapshot is captured anew at its
@@ -44,12 +47,22 @@ import warnings
 from dataclasses import dataclass
 from typing import Protocol, TypeGuard
 
+import numpy as np
 import torch
 
 from runtime.ops.gtm_mask.planes import stack_queries
 from runtime.ops.impl import Impl
 from runtime.post import DevicePost, Retrieved, check_rank, check_top_k, expand, on_device
-from runtime.search import DEFAULT_BEAMS, Beams, Scorer, beam_search, capped_widths, check_slack
+from runtime.search import (
+    DEFAULT_BEAMS,
+    Beams,
+    Scorer,
+    beam_search,
+    capped_widths,
+    check_scored,
+    check_slack,
+    scorer_name,
+)
 from runtime.served import ServedIndex
 from sidindex.matchers.exact import ExactQueries
 from sidindex.modes import Mode, parse_mode
@@ -117,20 +130,29 @@ class Searcher:
         return capped_widths(index, self.beams, tuple(self.step_slack.get(d, self.slack)
                                                        for d in range(index.sid_length)))
 
-    def _eager(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
+    def _eager(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, request_id) -> Beams:
         with self._lock:  # one search at a time, as with graphs: a batch that overflows widens once
             beams = self._search(index, requests, scorer)
-            while self._widen(beams):
+            while self._widen(beams, scorer, request_id):
                 beams = self._search(index, requests, scorer)
-            return dataclasses.replace(beams, overflow=None)  # as a replay's: its flags were read
+            return dataclasses.replace(beams, overflow=None, unscored=None)  # as a replay's: its flags were read
 
-    def _widen(self, beams: Beams) -> bool:
-        """Whether a search overflowed a capped width (`Beams.overflow`; a copy to the host); if so
-        the first step that did gets twice the slack, and the graphs captured before are dropped."""
-        if beams.overflow is None:
+    def _widen(self, beams: Beams, scorer: Scorer, request_id) -> bool:
+        """Whether a search overflowed a capped width (`Beams.overflow`); if so the first step that
+        did gets twice the slack, and the graphs captured before are dropped. Else a search whose
+        scorer gave some request no finite logit at a step is refused (`check_scored`, a
+        ScorerError), on the search that stands: widths change no beam it keeps. Both flags come to
+        the host in one copy."""
+        flags = [f.reshape(-1) for f in (beams.overflow, beams.unscored) if f is not None]
+        if not flags:
             return False
-        over = beams.overflow.cpu()
-        if not over.any():
+        host = (torch.cat(flags) if len(flags) > 1 else flags[0]).cpu()
+        L = beams.tokens.shape[2]
+        over = host[:L] if beams.overflow is not None else None
+        if over is None or not over.any():
+            if beams.unscored is not None:
+                check_scored(host[-beams.unscored.numel():].view(beams.unscored.shape), scorer_name(scorer),
+                             request_id)
             return False
         d = int(over.int().argmax())
         with self._lock:
@@ -148,39 +170,44 @@ class Searcher:
                 warnings.warn(f"searching eagerly: {why}", stacklevel=3)
         return why
 
-    def search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
+    def search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, *,
+               request_id: np.ndarray | None = None) -> Beams:
         """`runtime.beam_search(index, requests, scorer, beams, mode)`, replayed when it can be.
-        requests: on the index's device (`runtime.to_device`)."""
+        requests: on the index's device (`runtime.to_device`). A search in which the scorer gave
+        some request no finite logit at a step is a ScorerError (`runtime.search.check_scored`),
+        naming the request by its `request_id` (the batch's first len(request_id) rows; rows
+        beyond, a padded batch's copies, are not checked) or by its row."""
         if self._why_eager(index, scorer) is not None:
-            return self._eager(index, requests, scorer)
+            return self._eager(index, requests, scorer, request_id)
         assert _capturable(scorer)  # as _why_eager found
         with self._lock:  # the next replay overwrites the outputs
             while True:
                 g = self._replay(index, requests, scorer, None)
                 found = Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
-                if not self._widen(g.out):  # read after the copies are queued: one wait for both
+                # read after the copies are queued: one wait for both
+                if not self._widen(g.out, scorer, request_id):
                     return found
 
     def retrieve(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, *,
                  host: EncodedRequests | None = None, top_k: int | None = None, rank: str = "score",
-                 stages: bool = False) -> Retrieved:
+                 stages: bool = False, request_id: np.ndarray | None = None) -> Retrieved:
         """The ranked eligible ads of one batch (`runtime.post.expand` of `search`): on a GPU
         holding the index's post arrays (`runtime.post.on_device`), search and post stage replayed
         as one graph, the result brought to the host (its counts, then the rows in use). requests:
         on the index's device (`runtime.to_device`); host: the batch's host encoding, which the host
-        post stage reads (the CPU, or an eager search)."""
+        post stage reads (the CPU, or an eager search); request_id: as `search`'s."""
         check_rank(index, rank)
         check_top_k(top_k)
         if self._why_eager(index, scorer) is not None or not on_device(index):
-            beams = self._eager(index, requests, scorer)
+            beams = self._eager(index, requests, scorer, request_id)
             return expand(index, requests if host is None else host, beams, top_k, stages, rank)
         assert _capturable(scorer)  # as _why_eager found
         with self._lock:
             while True:
                 g = self._replay(index, requests, scorer, (top_k, rank, stages))
                 assert g.post is not None and g.buffer is not None  # captured with the post stage
-                found = g.post.result(g.buffer)  # synchronised: the overflow flag is ready too
-                if not self._widen(g.out):
+                found = g.post.result(g.buffer)  # synchronised: the search's flags are ready too
+                if not self._widen(g.out, scorer, request_id):
                     return found
 
     def _replay(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple | None

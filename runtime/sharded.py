@@ -37,6 +37,7 @@ from runtime.search import (
     level_log_probs,
     logits_of,
     parse_beams,
+    scored_rows,
 )
 from runtime.served import ServedIndex
 from sidindex.errors import ConfigError
@@ -72,6 +73,9 @@ class ShardedBeams:
 
     beams: tuple[Beams, ...]
     rank: tuple[torch.Tensor, ...]
+    # (B, L) bool on the first device: request b had live beams entering step d, on any device, and
+    # no device's scorer gave one of them a finite logit (`runtime.search.check_scored` refuses it)
+    unscored: torch.Tensor | None = None
 
     def ranked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens (B, k, L) int64, score (B, k) float32, device (B, k) int64, leaf (B, k) int64 in
@@ -101,7 +105,9 @@ def sharded_beam_search(indexes: Sequence[ServedIndex], requests: Sequence[Encod
     """`runtime.beam_search` of one batch over the devices of `indexes` (`load_sharded`: disjoint
     groups of one snapshot's shards, in token order), with each device's encoding of the batch and
     its own scorer: the same beams, scores and order as the search on one device holding every
-    shard (module doc). A constrained mode only: a device searches its own shards."""
+    shard (module doc). A constrained mode only: a device searches its own shards. Steps at which
+    the scorers gave a request's live beams no finite logit are recorded in `ShardedBeams.unscored`
+    (no host synchronisation): pass it to `runtime.search.check_scored`."""
     if not indexes or not (len(indexes) == len(requests) == len(scorers)):
         raise ConfigError("give one index, one encoding of the batch and one scorer per device")
     first = indexes[0]
@@ -121,12 +127,17 @@ def sharded_beam_search(indexes: Sequence[ServedIndex], requests: Sequence[Encod
     for ix in indexes:
         zero = torch.zeros(B, 1, dtype=torch.int64, device=ix.device)
         state.append((zero, torch.zeros(B, 1, device=ix.device), zero, zero[..., None][..., :0], None))
+    unscored = []  # per step, (B,) bool on the first device
     for d in range(L):
         K = state[0][0].shape[1]
         k = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
         local, keys = [], []
+        live = scored = torch.zeros(B, dtype=torch.bool, device=home)  # over every device's beams
         for ix, con, scorer, (node, score, rank, tokens, parent) in zip(indexes, cons, scorers, state):
             logp = level_log_probs(logits_of(scorer, d, tokens, parent), ix.level_sizes[d]).reshape(B * K, V)
+            mine = score > NEG_INF
+            live = live | mine.any(dim=1).to(home)
+            scored = scored | (mine & scored_rows(logp).reshape(B, K)).any(dim=1).to(home)
             req = torch.arange(B, device=ix.device).repeat_interleave(K)
             cand = con.mask(d, req, node.reshape(-1), score.reshape(-1), logp, value_weight)
             by = None
@@ -155,10 +166,11 @@ def sharded_beam_search(indexes: Sequence[ServedIndex], requests: Sequence[Encod
             node = con.child(node.gather(1, parent), tok, alive)
             nxt.append((node, new_score, torch.where(alive, order, k), tokens, parent))
         state = nxt
+        unscored.append(live & ~scored)
     out, ranks = [], []
     for ix, (node, score, rank, tokens, _) in zip(indexes, state):
         alive = score > NEG_INF
         leaf = torch.where(alive & (node >= 0), node - ix.leaf_start, -1)
         out.append(Beams(torch.where(alive[..., None], tokens, 0), score, leaf))
         ranks.append(torch.where(alive, rank, rank.shape[1]))
-    return ShardedBeams(tuple(out), tuple(ranks))
+    return ShardedBeams(tuple(out), tuple(ranks), torch.stack(unscored, dim=1))

@@ -3,6 +3,8 @@
 The CLI prints ``str(error)`` as one line and exits non-zero; anything else is a bug.
 """
 
+from __future__ import annotations
+
 
 class SidIndexError(Exception):
     """Base class: an error whose message tells the user what to fix."""
@@ -28,7 +30,18 @@ class ArtifactError(SidIndexError):
 
 class ScorerError(SidIndexError):
     """A user's scorer (a model plugged into the search) could not be loaded, failed, or returned
-    logits of the wrong shape or dtype."""
+    logits of the wrong shape or dtype, or none finite for a request."""
+
+    # set where one request of the batch is to blame: its row in the batch and the id the message
+    # names (a server that renumbered its clients' requests names theirs: `renamed`)
+    row: int | None = None
+    request_id: object = None
+
+    def renamed(self, request_id: object) -> ScorerError:
+        """The same error naming the blamed request by `request_id`."""
+        out = ScorerError(str(self).replace(f"for request {self.request_id} ", f"for request {request_id} ", 1))
+        out.row, out.request_id = self.row, request_id
+        return out
 
 
 class EngineError(SidIndexError):
