@@ -17,6 +17,9 @@ JOB.toml:
     changes_applied_through = "20261204T1200.parquet"  # optional: the newest change file the catalog
                                               # export holds (a full build applies the later ones again);
                                               # default: the export's own schema metadata of that name
+    sign_key  = "/etc/sidindex/build-key.pem" # optional: sign what builds and updates publish
+    trust_key = "/etc/sidindex/old.pub.pem"   # optional: what the snapshot they build on is signed by
+                                              # (default: sign_key's public half)
 
 The intended loop: a full build on schedule (every few hours) from a catalog export; between
 them, `--update` every minute or so. An update run applies each pending change file of the
@@ -36,7 +39,9 @@ a code an orchestrator can act on:
     0  published a new snapshot        10  inputs unchanged (no pending change file), nothing published
     2  bad input, config or artifact   3   a quality gate failed (nothing published)
        (a bad job file too)
-    130, 143  interrupted by SIGINT, SIGTERM (nothing published unless the report names a snapshot)
+    130, 143  interrupted by SIGINT, SIGTERM (nothing published unless the report names a snapshot;
+              a signal after the run's last publication is noted in signals_after_publish instead,
+              and an update run stops before its next change file)
     1  anything else (a bug, a full disk); the previous snapshot stays published
 
 Two cases print one line on stderr (and never a traceback):
@@ -51,6 +56,7 @@ Two cases print one line on stderr (and never a traceback):
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 import traceback
@@ -58,13 +64,13 @@ from pathlib import Path
 
 from sidindex.artifact import replace_file
 from sidindex.errors import ConfigError, SidIndexError
-from sidindex.interrupts import Interrupted, interrupts_raise
+from sidindex.interrupts import Interrupted, interrupts_raise, noted
 from sidindex.job import run_build, run_update
 from sidindex.tomlio import check_keys, read_toml
 
 UNCHANGED = 10
 _KEYS = {"catalog", "targeting", "root", "config", "codebook", "keep", "force", "reports", "changes",
-         "changes_applied_through"}
+         "changes_applied_through", "sign_key", "trust_key"}
 CHANGE_FILES = ("*.parquet", "*.arrow")
 APPLIED = "applied"
 
@@ -76,7 +82,7 @@ def load_job(path: Path) -> dict:
     for key in ("catalog", "targeting", "root"):
         if not isinstance(doc.get(key), str):
             raise ConfigError(f"{path}: '{key}' is required (a path)")
-    for key in ("config", "codebook", "reports", "changes", "changes_applied_through"):
+    for key in ("config", "codebook", "reports", "changes", "changes_applied_through", "sign_key", "trust_key"):
         if not isinstance(doc.get(key, ""), str):
             raise ConfigError(f"{path}: '{key}' must be a path (a string)")
     keep = doc.get("keep", 3)
@@ -106,7 +112,8 @@ def run(job_path: Path, update: bool = False) -> tuple[int, dict]:
             config, codebook = (Path(job[k]) if k in job else None for k in ("config", "codebook"))
             report |= run_build(Path(job["catalog"]), Path(job["targeting"]), Path(job["root"]),
                                 keep=job.get("keep", 3), force=job.get("force", False), waiting=_waiting,
-                                changes_through=job.get("changes_applied_through"), config=config, codebook=codebook)
+                                changes_through=job.get("changes_applied_through"), config=config, codebook=codebook,
+                                sign_key=job.get("sign_key"), trust_key=job.get("trust_key"))
         code = 0 if report["status"] == "published" else UNCHANGED
     except SidIndexError as e:
         report |= {"status": "failed", "error": str(e), "error_type": type(e).__name__}
@@ -121,7 +128,9 @@ def run(job_path: Path, update: bool = False) -> tuple[int, dict]:
         report |= {"status": "failed", "error": f"{type(e).__name__}: {e}", "error_type": type(e).__name__,
                    "traceback": traceback.format_exc()}
         code = 1
-    report |= {"exit_code": code, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    signals, _ = noted()  # came once the run had published: they stopped nothing, the success stands
+    report |= {"exit_code": code, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               **({"signals_after_publish": [signal.Signals(s).name for s in signals]} if signals else {})}
     if "reports" in report:
         directory = Path(report["reports"])
         try:
@@ -143,7 +152,8 @@ def apply_pending(job: dict, job_path: Path) -> dict:
     pending = sorted({p for pattern in CHANGE_FILES for p in directory.glob(pattern) if p.is_file()})
     applied = []
     for path in pending:  # one the published snapshot holds (a run killed before archiving it, a build) is not applied
-        report = run_update(Path(job["root"]), path, keep=job.get("keep", 3), once=True, waiting=_waiting)
+        report = run_update(Path(job["root"]), path, keep=job.get("keep", 3), once=True, waiting=_waiting,
+                            sign_key=job.get("sign_key"), trust_key=job.get("trust_key"))
         (directory / APPLIED).mkdir(exist_ok=True)
         path.replace(directory / APPLIED / path.name)
         applied.append({"file": path.name, "status": report["status"], "snapshot_id": report["snapshot_id"]})
@@ -168,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if rest and rest[0] in ("-h", "--help") else 2
     try:
-        with interrupts_raise():
+        with interrupts_raise(keep=True):
             code, report = run(Path(rest[0]), update)
     except Interrupted as e:  # while the report was written: the run's own outcome is in it, or lost
         _one_line(f"error: {e.describe('the run report may be incomplete')}")

@@ -31,6 +31,7 @@ from runtime.served import HOST_ARRAYS, POST_ARRAYS, ServedIndex, bound_names, p
 from runtime.staging import ARENA, mapped, stage_arrays
 from schemas.artifacts import MATCHER_PLANES, plane_arrays
 from sidindex.errors import ConfigError
+from sidindex.signing import TrustKey
 from sidindex.snapshot import Snapshot, open_snapshot
 from sidindex.snapshot.arrays import same_memory
 from sidindex.timing import StageClock
@@ -300,7 +301,7 @@ def _kept(served: dict[str, np.ndarray], snap_level_sizes: tuple[int, ...], base
 
 def load(path: str | Path, device: str | torch.device | Sequence[str | torch.device] = "cpu", *, verify: bool = True,
          base: ServedIndex | Sequence[ServedIndex | None] | None = None,
-         records: bool = True) -> ServedIndex | list[ServedIndex]:
+         records: bool = True, trust_key: TrustKey | str | Path | None = None) -> ServedIndex | list[ServedIndex]:
     """Open (validating structure, and checksums unless verify=False) and load a ROOT's current
     snapshot or a snapshot directory onto `device`, or onto each of a list of devices (then a list
     of indexes, one per device: the snapshot is read, verified and staged once for all of them);
@@ -310,11 +311,14 @@ def load(path: str | Path, device: str | torch.device | Sequence[str | torch.dev
     gives their bytes and phases (pin, stage, transfer), which are not in `load_info["seconds"]`.
     `records`: a snapshot whose ROOT records that its build or update checked its structure has its
     digests verified instead of its structure checked again (`open_snapshot(records=True)`); the
-    job checked exactly these bytes, so the load is as safe and 0.3 s shorter at 30M SIDs."""
+    job checked exactly these bytes, so the load is as safe and 0.3 s shorter at 30M SIDs.
+    `trust_key`: an Ed25519 public key (or a PEM file of one): a snapshot it did not sign is
+    refused before anything else is read (`sidindex.signing`)."""
+    trust = TrustKey.of(trust_key)
     several, devices, bases = load_targets(device, base)  # before the work of opening
     # files an update shares with the served snapshot: the first base's (a watcher's bases are one snapshot)
     shared = next((b.snapshot for b in bases if b is not None), None)
     early = _EarlyCopies(devices, bases) if any(d.type == "cuda" for d in devices) else None
-    snap = open_snapshot(path, verify=verify, base=shared, while_checking=early, records=records)
+    snap = open_snapshot(path, verify=verify, base=shared, while_checking=early, records=records, trust=trust)
     out = _load(snap, devices, bases, early)
     return out if several else out[0]

@@ -15,6 +15,7 @@ from runtime import loader
 from runtime.served import ServedIndex
 from sidindex.errors import SidIndexError
 from sidindex.root import Root
+from sidindex.signing import TrustKey
 
 
 class SnapshotWatcher:
@@ -30,15 +31,17 @@ class SnapshotWatcher:
     ROOT accepts it, through the same checks (`sidindex validate` adds every sha256 and the matchers'
     cover, which a swap does not pay for). An update of the served snapshot (`sidindex update`)
     shares its unchanged files: they are neither hashed nor mapped again, and when only ad states
-    changed nothing moves to the device and a `Searcher` keeps replaying its graphs.
+    changed nothing moves to the device and a `Searcher` keeps replaying its graphs. Given
+    `trust_key`, a snapshot that key did not sign is refused as a corrupt one is (`runtime.load`).
     """
 
     def __init__(self, root: str | Path, device: str | torch.device | Sequence[str | torch.device] = "cpu", *,
-                 verify: bool = True) -> None:
+                 verify: bool = True, trust_key: TrustKey | str | Path | None = None) -> None:
         _, devices, _ = loader.load_targets(device, None)
         self.root, self.devices, self.verify = Root(root), tuple(devices), verify
+        self.trust = TrustKey.of(trust_key)
         self.device = devices[0]
-        indexes = loader.load(self.root.path, devices, verify=verify)
+        indexes = loader.load(self.root.path, devices, verify=verify, trust_key=self.trust)
         assert isinstance(indexes, list)  # one per device of the list
         self.indexes: tuple[ServedIndex, ...] = tuple(indexes)
         self.last_error: str | None = None
@@ -67,7 +70,8 @@ class SnapshotWatcher:
             # the ROOT, opened as `load` and `sidindex validate` open it (CURRENT read again, once
             # more if retention prunes it meanwhile); an update of the served snapshot shares its
             # checked files and device arrays
-            loaded = loader.load(self.root.path, list(self.devices), verify=self.verify, base=list(self.indexes))
+            loaded = loader.load(self.root.path, list(self.devices), verify=self.verify, base=list(self.indexes),
+                                 trust_key=self.trust)
             assert isinstance(loaded, list)  # one per device of the list
             new = tuple(loaded)
             for hook in self.before_swap:

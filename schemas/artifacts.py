@@ -22,16 +22,20 @@ SNAPSHOT_FORMAT = "sidindex.snapshot"
 # those groups of arrays (the array list says which). Version 7 lets a full build hold the ad states
 # without a lineage (the paused ads it carried forward from the snapshot it replaces, docs/design.md §15);
 # Version 8 splits the trie into shards by first-token range (docs/design.md §18): each shard's
-# arrays in a directory of their own (`shard_dir`), the ad table and the exact index global. This code
-# writes version 8 and reads all six (a snapshot before it is one shard whose files lie at the top).
+# arrays in a directory of their own (`shard_dir`), the ad table and the exact index global (a snapshot
+# before it is one shard whose files lie at the top). Version 9 records the ROOT's journal of change
+# files (`journal`, docs/design.md §15), what a full build re-applies by. This code writes version 9
+# and reads all seven.
 VALUE_FREE_VERSION = 3
 VALUE_VERSION = 4
 UPDATED_VERSION = 5
 DIGEST_VERSION = 6
 STATES_VERSION = 7
 SHARDED_VERSION = 8
-SNAPSHOT_VERSION = SHARDED_VERSION  # the one this code writes
-READ_VERSIONS = (VALUE_FREE_VERSION, VALUE_VERSION, UPDATED_VERSION, DIGEST_VERSION, STATES_VERSION, SHARDED_VERSION)
+JOURNAL_VERSION = 9
+SNAPSHOT_VERSION = JOURNAL_VERSION  # the one this code writes
+READ_VERSIONS = (VALUE_FREE_VERSION, VALUE_VERSION, UPDATED_VERSION, DIGEST_VERSION, STATES_VERSION, SHARDED_VERSION,
+                 JOURNAL_VERSION)
 SHARDS_DIR = "shards"
 MAX_SHARDS = 32768  # one first-level token each at most (tokens are int16)
 
@@ -56,6 +60,10 @@ GONE_VERSIONS = {1: "raw .bin arrays, no longer read: rebuild the snapshot from 
                  2: "exact arrays not yet named by matcher plane, no longer read: "
                     "rebuild the snapshot from its catalog"}
 MANIFEST_FILE = "manifest.json"
+# An Ed25519 signature of manifest.json (`sidindex.signing`), beside it in a signed snapshot; like the
+# manifest, not listed in it
+SIGNATURE_FILE = "manifest.sig"
+UNLISTED = (MANIFEST_FILE, SIGNATURE_FILE)
 
 # Matcher kinds. Each plane has a deduplicated row table, a row index per child entry and, with
 # k-way partitions, a row index per partition; a candidate passes when every plane passes. The
@@ -288,9 +296,11 @@ def manifest_keys(version: int, updated: bool) -> tuple[ManifestKey, ...]:
 
 MANIFEST_KEYS = (
     ManifestKey("format", "string", f"`{SNAPSHOT_FORMAT}`."),
-    ManifestKey("format_version", "int", f"{SHARDED_VERSION} (written now): the trie in shards (`shards`), `arrays` "
+    ManifestKey("format_version", "int", f"{JOURNAL_VERSION} (written now): the journal of change files "
+                                         f"(`journal`), the trie in shards (`shards`), `arrays` "
                                          f"the global arrays, every file with `{FAST_DIGEST}`, `ad_state` with or "
-                                         "without `lineage`. Written by earlier sidindex versions and still read, "
+                                         "without `lineage`. Written by earlier sidindex versions and still read: "
+                                         f"{SHARDED_VERSION} (the same without `journal`), and "
                                          f"every array at the top as one shard: {STATES_VERSION} (a full build "
                                          "holding `ad_state` without `lineage`, the paused ads it carried forward), "
                                          f"{DIGEST_VERSION} (every file with `{FAST_DIGEST}`; `ad_state` comes with "
@@ -325,7 +335,15 @@ MANIFEST_KEYS = (
                                      "whose matchers still hold a paused or deleted row: conservative supersets "
                                      "until the next full build), `dead_sids` (SIDs with no live row).",
                 since=UPDATED_VERSION, group="updated"),
-    ManifestKey("files", "object", "Every file below the directory but manifest.json (the carried codebook "
+    ManifestKey("journal", "object", "The change files the snapshot's ROOT journals (docs/design.md §15), what a "
+                                     "full build re-applies from: `through` (the newest change file the export of "
+                                     "the last full build told one held, or null) and `entries`, in the order "
+                                     "they were published, each `update` (the id of the snapshot whose update "
+                                     "applied it), `name` (the file's name) and `sha256` (its bytes'). Journal "
+                                     "files no snapshot records are not applied.",
+                since=JOURNAL_VERSION),
+    ManifestKey("files", "object", "Every file below the directory but manifest.json and manifest.sig (the "
+                                   "carried codebook "
                                    f"included): relative path -> `bytes`, `sha256`, `{FAST_DIGEST}` (version "
                                    f"{DIGEST_VERSION}; the chunked digest below)."),
     ManifestKey("checksum", "string", "sha256 of the canonical manifest without this key (below)."),
@@ -346,9 +364,10 @@ MANIFEST_DOC = (
 
 def render_artifacts() -> list[str]:
     """The snapshot contract as Markdown lines."""
-    out = [f"## snapshot directory (format `{SNAPSHOT_FORMAT}`, version {SHARDED_VERSION}; versions "
-           f"{VALUE_FREE_VERSION} to {STATES_VERSION} are still read)", "",
-           "A snapshot is a directory `ROOT/snapshots/<id>/` holding `manifest.json`, the global arrays below "
+    out = [f"## snapshot directory (format `{SNAPSHOT_FORMAT}`, version {JOURNAL_VERSION}; versions "
+           f"{VALUE_FREE_VERSION} to {SHARDED_VERSION} are still read)", "",
+           "A snapshot is a directory `ROOT/snapshots/<id>/` holding `manifest.json` (and, when signed, "
+           f"`{SIGNATURE_FILE}`: `sidindex.signing`), the global arrays below "
            f"(one Arrow IPC file each), a directory `{SHARDS_DIR}/<k>/` per shard (k = 00000, 00001, ...) holding "
            "the shard's arrays, and the frozen codebook in `codebooks/<codebook_id>/` (`codebook.json` and "
            "`level_<l>.npy`). A snapshot before version 8 holds every array at the top, as one shard. Every "

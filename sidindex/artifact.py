@@ -39,7 +39,7 @@ from pathlib import Path
 import xxhash
 
 from schemas.artifacts import FAST_DIGEST, FAST_DIGEST_CHUNK
-from sidindex.errors import ArtifactError, InputError
+from sidindex.errors import ArtifactError, ConfigError, InputError
 
 MAX_MANIFEST_BYTES = 4 << 20
 CHECKSUM_KEY = "checksum"
@@ -196,13 +196,15 @@ def check_format(path: Path, doc: dict, fmt: str, version: int | tuple[int, ...]
 MAX_NESTING = 4  # an artifact's own folders (a snapshot's codebooks/<id>/) are two deep
 
 
-def _walk(directory: Path, skip: str, depth: int = 0) -> dict[str, Path]:
-    """Every entry below `directory` as relative POSIX path -> path, except `skip`; refuses
+def _walk(directory: Path, skip: str | Collection[str], depth: int = 0) -> dict[str, Path]:
+    """Every entry below `directory` as relative POSIX path -> path, except the files `skip` names
+    at its top (one name, or several); refuses
     anything that is not a regular file or a directory (symlinks included), and folders nested
     deeper than an artifact's, naming it."""
     if depth > MAX_NESTING:
         raise ArtifactError(f"{directory}: folders nested deeper than any artifact's")
     out: dict[str, Path] = {}
+    skipped = {skip} if isinstance(skip, str) else set(skip)
     try:
         entries = list(os.scandir(directory))
     except OSError as e:
@@ -212,9 +214,9 @@ def _walk(directory: Path, skip: str, depth: int = 0) -> dict[str, Path]:
         if entry.is_symlink():
             raise ArtifactError(f"{path}: is a symbolic link; an artifact holds regular files only")
         if entry.is_dir(follow_symlinks=False):
-            out |= {f"{entry.name}/{k}": p for k, p in _walk(path, "", depth + 1).items()}
+            out |= {f"{entry.name}/{k}": p for k, p in _walk(path, (), depth + 1).items()}
         elif entry.is_file(follow_symlinks=False):
-            if entry.name != skip:
+            if entry.name not in skipped:
                 out[entry.name] = path
         else:
             raise ArtifactError(f"{path}: is not a regular file; an artifact holds regular files only")
@@ -323,7 +325,7 @@ def _pool() -> Iterator[ThreadPoolExecutor]:
         pool.shutdown(cancel_futures=True)
 
 
-def list_files(directory: Path, skip: str, known: dict[str, dict] | None = None, *,
+def list_files(directory: Path, skip: str | Collection[str], known: dict[str, dict] | None = None, *,
                fast: bool = False, only: Collection[str] | None = None) -> dict[str, dict]:
     """{relative path: {"bytes", "sha256"}, with `fast` also FAST_DIGEST} of every file below
     `directory` but `skip` (of the relative paths `only`, when given: files others may be writing
@@ -362,7 +364,7 @@ def link_file(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def verify_files(directory: Path, listed: dict[str, dict], skip: str, *, checksums: bool = True,
+def verify_files(directory: Path, listed: dict[str, dict], skip: str | Collection[str], *, checksums: bool = True,
                  strong: bool = False, trusted: frozenset[str] = frozenset()) -> None:
     """Refuse unless the files below `directory` (but `skip`) are exactly `listed`, each of the
     listed size and, with `checksums`, digest: FAST_DIGEST where the entry has it, sha256 where
@@ -465,6 +467,25 @@ def regular_input(path: str | Path, what: str) -> Path:
         raise InputError(f"{path}: the {what} cannot be read ({e.strerror})") from None
     if not stat.S_ISREG(mode):
         raise InputError(f"{path}: the {what} is {_kind(mode)}; it must be a regular file (or a symbolic link to one)")
+    return path
+
+
+def regular_output(path: Path) -> Path:
+    """`path` if it is a new path or a regular file (links followed: the file written replaces a
+    link, its target left as it was), and so is the temporary it is written to first
+    (`temporary_file`); else ConfigError naming it: a FIFO, directory, device or socket must not be
+    replaced by a file, nor a FIFO block the writer. Checked with stat, never by opening."""
+    for p in (path, temporary_file(path)):
+        try:
+            mode = p.stat().st_mode
+        except FileNotFoundError:  # a new path (or a link to no file, which the rename replaces)
+            continue
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot be checked as an output file ({e.strerror}); choose another path") from None
+        if not stat.S_ISREG(mode):
+            role = "" if p == path else f"the temporary that {path.name!r} is written to first, "
+            raise ConfigError(f"{p}: {role}is {_kind(mode)}; an output file must be a new path or a regular file, so "
+                              "it was left as it is: choose another path, or remove it first")
     return path
 
 

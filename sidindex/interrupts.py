@@ -6,6 +6,13 @@ Entry points (the CLI, the scheduled rebuild) run inside `interrupts_raise()`; l
 installs handlers of its own, except `interrupts_deferred()` around a step that must not stop half
 way (a publication's commit), which holds a signal until the step is done and then raises it.
 Handlers can only be installed in the main thread; elsewhere both are no-ops.
+
+Once a job has committed its result (`committed`: a snapshot is CURRENT), a signal can no longer
+stop anything that matters, and turning a success into a failure would make a scheduler retry a
+job that succeeded: under `interrupts_raise` such a signal is noted (`noted`), not raised, until
+the next job begins (`job_starts`, which raises it then, before that job changes anything) or the
+entry point ends; with `keep`, until the process exits. The entry point then reports the success
+and the signal.
 """
 
 from __future__ import annotations
@@ -24,8 +31,8 @@ class Interrupted(BaseException):
     Exception` swallows it; not a KeyboardInterrupt, which libraries catch and turn into other
     outcomes (typer returns exit code 130 from a command, for one).
 
-    published: the snapshot whose publication was committing when the signal came, and which
-    was therefore completed first (`sidindex.root.Root.publish`); None otherwise.
+    published: the snapshot an earlier job of the process published before the signal stopped
+    this one (`job_starts`); None otherwise.
     """
 
     def __init__(self, signum: int, published: str | None = None) -> None:
@@ -51,7 +58,36 @@ def from_signal(e: BaseException) -> bool:
                                           and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 
 
+_committed: list[str] = []  # snapshots published since the current job began (under `interrupts_raise`)
+_noted: list[int] = []  # signals that came after that
+
+
+def committed(snapshot_id: str) -> None:
+    """Called once a job's result is committed (snapshot `snapshot_id` is CURRENT): from now on a
+    signal is noted, not raised (see the module docstring)."""
+    _committed.append(snapshot_id)
+
+
+def job_starts() -> None:
+    """Called as a job begins changing things: a signal noted after an earlier job's commit is
+    raised now (saying what that job published), and signals raise again."""
+    published = _committed[-1] if _committed else None
+    _committed.clear()
+    if _noted:
+        signum = _noted.pop(0)
+        _noted.clear()
+        raise Interrupted(signum, published)
+
+
+def noted() -> tuple[list[int], str | None]:
+    """The signals noted since a job committed, and the snapshot it published (None: none)."""
+    return list(_noted), (_committed[-1] if _committed else None)
+
+
 def _raise(signum: int, _frame: FrameType | None) -> None:
+    if _committed:
+        _noted.append(signum)
+        return
     raise Interrupted(signum)
 
 
@@ -60,12 +96,17 @@ def _main_thread() -> bool:
 
 
 @contextmanager
-def interrupts_raise() -> Iterator[None]:
-    """Within: SIGINT and SIGTERM raise `Interrupted` in the main thread. A signal the process was
-    started ignoring (SIGINT in a shell's background job, `nohup`) stays ignored."""
+def interrupts_raise(keep: bool = False) -> Iterator[None]:
+    """Within: SIGINT and SIGTERM raise `Interrupted` in the main thread, or are noted once a job
+    committed (`committed`). A signal the process was started ignoring (SIGINT in a shell's
+    background job, `nohup`) stays ignored. keep: an entry point whose process ends with the
+    block: after a commit the handlers stay, noting signals until the process has exited (its exit
+    code is the success's)."""
     if not _main_thread():
         yield
         return
+    _committed.clear()
+    _noted.clear()
     # polars, when first imported, installs a SIGINT handler that chains to the one in place and
     # restarts the interrupted system call: imported inside, it would hold a SIGINT until a lock
     # wait or a blocking read ends. Imported before, its handler is replaced by ours.
@@ -77,8 +118,9 @@ def interrupts_raise() -> Iterator[None]:
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        if not (keep and _committed):
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 @contextmanager

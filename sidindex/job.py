@@ -19,11 +19,18 @@ published snapshot has paused paused (by ad_id): a pause ends only with a resume
 Deletes and upserts live in the catalog export, which may predate the latest updates: given the
 name of the newest change file the export holds (`changes_through`, or the export's own
 `schemas.contracts.CHANGES_THROUGH_KEY` metadata), a build re-applies every
-journaled change file named after it (`sidindex.root`), in the order they were published, before
-it publishes. Without that name it re-applies none and says so in its report's warnings.
+change file the published snapshot's journal records after it (`sidindex.journal`), in the order
+they were published, before it publishes; a name the journal does not hold is refused. Without
+that name it re-applies none and says so in its report's warnings.
 Without `changes_through`, a build that waited for the lock while an update published refuses
 (that update's deletes and upserts are likely newer than its export); with it, the build re-applies
 them. Either way a job publishes only over the CURRENT it read under the lock (`Root.publish`).
+
+Given a signing key, a job signs what it publishes (`sidindex.signing`), and first verifies that
+the snapshot it builds on (an update's base; the published snapshot a build carries paused ads
+and the journal from) is signed by the trusted key (the signing key's own public half unless
+another is given): signing a snapshot vouches for everything carried into it. An unsigned one is
+accepted only when told to adopt it (the first signed job on a ROOT).
 """
 
 from __future__ import annotations
@@ -31,26 +38,31 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from schemas.artifacts import AD_PAUSED, MAX_SHARDS, SNAPSHOT_VERSION
+from schemas.artifacts import AD_PAUSED, MAX_SHARDS, SIGNATURE_FILE, SNAPSHOT_VERSION
 from schemas.contracts import CHANGES_THROUGH_KEY
+from sidindex import journal as journals
 from sidindex.artifact import regular_input, sha256_file
 from sidindex.build import BuiltIndex, build_index
 from sidindex.changes import Changes, read_changes
 from sidindex.config import BuildConfig, load_config
-from sidindex.errors import ArtifactError, ConfigError, InputError, QualityGateError
+from sidindex.errors import ArtifactError, ConfigError, QualityGateError, SidIndexError
 from sidindex.ingest import Catalog, read_catalog, table_metadata
 from sidindex.root import Root, new_snapshot_id
 from sidindex.sid import Codebook, assign_sids, hash_tokens, load_codebook, save_codebook, sid_quality, train_codebook
 from sidindex.sid.quality import QualityReport
+from sidindex.signing import SigningKey, TrustKey
 from sidindex.snapshot import Manifest, open_snapshot, read_states, write_snapshot
-from sidindex.snapshot.manifest import Counts, Lineage
+from sidindex.snapshot.manifest import Counts, Journal, Lineage
 from sidindex.snapshot.snapshot import check_to_publish, write_manifest
 from sidindex.targeting import TargetingSpec, load_targeting
 from sidindex.timing import StageClock
@@ -66,7 +78,9 @@ Progress = Callable[[str, int, int], None]
 def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None = None, codebook: Path | None = None,
               force: bool = False, keep: int = 3, progress: Progress | None = None,
               waiting: Callable[[], None] | None = None, engine: str = "local", ray_address: str | None = None,
-              workers: int | None = None, changes_through: str | None = None, shards: int | None = None) -> dict:
+              workers: int | None = None, changes_through: str | None = None, shards: int | None = None,
+              sign_key: SigningKey | str | Path | None = None, trust_key: TrustKey | str | Path | None = None,
+              adopt_unsigned: bool = False) -> dict:
     """Run the job; returns its report (status "published" or "unchanged", ids, counts, what was
     carried forward, warnings, seconds).
 
@@ -77,6 +91,7 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
     docstring); None: unknown.
     shards: the snapshot's shard count (docs/design.md §18; default from the catalog's size, at most one
     per first-level token): the shards' arrays depend on it and the catalog alone, not on the engine.
+    sign_key, trust_key, adopt_unsigned: see the module docstring (`_signing`).
     """
     if shards is not None and not 1 <= shards <= MAX_SHARDS:
         raise ConfigError(f"a snapshot holds 1 to {MAX_SHARDS} shards, not {shards}")
@@ -94,26 +109,28 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
     if changes_through is not None and (not changes_through or Path(changes_through).name != changes_through):
         raise ConfigError(f"{changes_through!r} does not name a change file (a file name, without a directory)")
     progress = progress or (lambda *_: None)
+    signer, keys = _signing(sign_key, trust_key)
     clock = StageClock()
     cfg = load_config(config)
     spec = load_targeting(targeting)
     layout = Root(root)
     started_over = _published(layout)
-    with layout.lock(waiting):
+    with layout.lock(waiting), tempfile.TemporaryDirectory(prefix="sidindex-changes-") as copies:
         clock.restart()  # time spent waiting for the lock is not the build's
         published = _published(layout)
+        carry = _to_carry(layout, published, changes_through, keys, adopt_unsigned, Path(copies))
         if changes_through is None and published != started_over and any(
-                e.update > (started_over or "") for e in layout.journal()):
+                r.update > (started_over or "") for r in carry.journal.entries):
             raise ArtifactError(f"{root}: an update was published while this build waited for the ROOT (CURRENT is "
                                 f"now {published}); its changes may be newer than this catalog export and would be "
                                 "reverted, so nothing was built. Run the build again (or give it the newest change "
                                 "file its export holds)")
-        through = layout.through()
-        if changes_through is not None and through is not None and changes_through < through:
-            raise InputError(f"the catalog export holds the change files through {changes_through!r}, fewer than the "
-                             f"export of the published build did (through {through!r}); building from it would revert "
-                             "the changes in between. Build from a newer export")
         cb, cb_source = _codebook(layout, codebook)
+        if signer is not None and cb is not None and cb_source == "reused" and carry.signed \
+                and cb.id != carry.codebook_id:  # the signature vouches for the codebook it carries, by content id
+            raise ArtifactError(f"{layout.codebooks}: holds codebook {cb.id}, not {carry.codebook_id}, which the "
+                                "signed published snapshot carries; a signing build reuses only a codebook a signature "
+                                "vouches for. Give the codebook explicitly, or restore the ROOT's")
         report = {"root": str(root), "codebook": cb_source, "engine": engine}
         if engine == "ray":
             from sidindex.ray_build import fragments
@@ -131,7 +148,8 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
                 save_codebook(cb, layout.path)
                 report["codebook"] = "trained"
                 clock.lap("train codebook")
-        fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id, changes_through, shards)
+        fingerprint = _fingerprint(catalog, spec.to_dict(), cfg.to_dict(), cb.id, changes_through, shards,
+                                   signer.trust.key_id if signer is not None else None)
         if not force and (unchanged := _unchanged(layout, fingerprint)):
             return {**unchanged, **report, "codebook_id": cb.id, "seconds": _rounded(clock)}
         if engine == "ray":  # after the check: unchanged inputs cost no cluster time
@@ -140,7 +158,7 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
             with ray_cluster(ray_address, workers):
                 clock.lap("start ray")
                 snapshot_id, path, m, on_ray, carried, warnings = _publish_on_ray(
-                    layout, published, Path(catalog), spec, cfg, cb, fingerprint, changes_through, keep, shards, clock,
+                    layout, published, Path(catalog), spec, cfg, cb, fingerprint, carry, keep, shards, signer, clock,
                     progress)
             counted = {"shards": len(m.shard_list()), **m.counts.to_dict()}
             stats, shape = on_ray.stats, {"ray": on_ray.shape}
@@ -149,8 +167,7 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
             del cat  # its columns are in the index now: not held through the write and the check
             clock.seconds |= built.seconds
             clock.restart()
-            built, carried, warnings = _carry_changes(layout, published, built, cb,
-                                                      _to_carry(layout, published, changes_through))
+            built, carried, warnings = _carry_changes(layout, published, built, cb, carry)
             clock.lap("carry changes")
             snapshot_id = new_snapshot_id(fingerprint)
             ad_id, local_stats, quality = built.ad_id, built.stats, built.quality
@@ -165,15 +182,15 @@ def run_build(catalog: Path, targeting: Path, root: Path, *, config: Path | None
                 index = held.pop()
                 write_snapshot(directory, index.shards, index.exact, ad_id, spec, snapshot_id=snapshot_id,
                                codebook=cb, input_fingerprint=fingerprint, catalog=str(Path(catalog).resolve()),
-                               build_config=cfg, stats=stats, quality=quality.to_dict())
+                               build_config=cfg, stats=stats, quality=quality.to_dict(), journal=carry.journal)
 
             path = layout.publish(snapshot_id, write, lambda d: check_to_publish(d, layout, snapshot_id), keep,
-                                  expected=published, through=changes_through,
+                                  expected=published, retired=carry.retired, signer=signer,
                                   published=lambda: clock.lap("write + validate + publish"))
             clock.lap("retention")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
             "fingerprint": fingerprint, "codebook_id": cb.id, **counted, "matcher_bytes": stats.matcher_bytes,
-            "carried": carried, "warnings": warnings, **shape, "seconds": _rounded(clock)}
+            "carried": carried, "warnings": warnings, **shape, **_signed(signer), "seconds": _rounded(clock)}
 
 
 ENGINES = ("local", "ray")
@@ -201,8 +218,9 @@ def _gated(quality: QualityReport) -> QualityReport:
 
 
 def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: TargetingSpec, cfg: BuildConfig,
-                    cb: Codebook, fingerprint: str, through: str | None, keep: int, shards: int | None,
-                    clock: StageClock, progress: Progress) -> tuple[str, Path, Manifest, RayBuilt, dict, list[str]]:
+                    cb: Codebook, fingerprint: str, carry: _Carry, keep: int, shards: int | None,
+                    signer: SigningKey | None, clock: StageClock, progress: Progress
+                    ) -> tuple[str, Path, Manifest, RayBuilt, dict, list[str]]:
     """The ray engine's build, published (on the Ray of `ray_cluster`): its tasks write the snapshot
     into the ROOT and check it, this process writes the manifest. The changes a build carries forward
     (`_carry_changes`), when there are any, are applied here to the snapshot the tasks wrote, staged
@@ -211,7 +229,6 @@ def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: Targ
     from sidindex.ray_build import build_on_ray, check_on_ray
 
     snapshot_id = new_snapshot_id(fingerprint)
-    carry = _to_carry(root, published, through)
     done: dict = {}
 
     def write(directory: Path) -> None:
@@ -228,7 +245,7 @@ def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: Targ
             m = write_manifest(staged, built.shards, built.global_arrays, built.listed, spec, cb.level_sizes,
                                snapshot_id=snapshot_id, codebook=cb, input_fingerprint=fingerprint,
                                catalog=str(catalog.resolve()), build_config=cfg, stats=built.stats,
-                               quality=built.quality.to_dict())
+                               quality=built.quality.to_dict(), journal=carry.journal)
             clock.lap("write manifest")
             done["carried"], done["warnings"] = {"paused": 0, "replayed": []}, carry.warnings
             if staged != directory:
@@ -241,7 +258,8 @@ def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: Targ
                 assert index.ad_id is not None and index.stats is not None
                 m = write_snapshot(directory, index.shards, index.exact, index.ad_id, spec, snapshot_id=snapshot_id,
                                    codebook=cb, input_fingerprint=fingerprint, catalog=str(catalog.resolve()),
-                                   build_config=cfg, stats=index.stats, quality=built.quality.to_dict(), base=base)
+                                   build_config=cfg, stats=index.stats, quality=built.quality.to_dict(), base=base,
+                                   journal=carry.journal)
                 clock.lap("carry changes")
             done["manifest"] = m
         finally:
@@ -253,7 +271,7 @@ def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: Targ
         root.record_checks(snapshot_id, Manifest.read(directory).sha256(), ("structure",))
         clock.lap("check on ray")
 
-    path = root.publish(snapshot_id, write, check, keep, expected=published, through=through,
+    path = root.publish(snapshot_id, write, check, keep, expected=published, retired=carry.retired, signer=signer,
                         published=lambda: clock.lap("publish"))
     clock.lap("retention")
     return snapshot_id, path, done["manifest"], done["built"], done["carried"], done["warnings"]
@@ -264,7 +282,7 @@ def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Cod
     """`built` with the ads the published snapshot has paused paused, and the journal's change files
     `carry` names re-applied in the order they were published; what was carried, and the warnings
     for the report."""
-    paused, replay, warnings = carry
+    paused, replay, warnings = carry.paused, carry.replay, carry.warnings
     assert built.ad_id is not None  # an engine's index carries the catalog's ad ids
     index: Indexed = built
     if len(paused):  # an ad the export no longer holds is gone, pause and all
@@ -287,31 +305,91 @@ def _carry_changes(root: Root, published: str | None, built: BuiltIndex, cb: Cod
 
 class _Carry(NamedTuple):
     """What a build carries forward (`_carry_changes`): the ids (n,) int64 of the ads the published
-    snapshot has paused, the journal's change files named after the export's watermark, to re-apply,
-    and the warnings for the report."""
+    snapshot has paused, private copies of the journal's change files to re-apply (checked against
+    their records), the warnings for the report, the journal its snapshot records, the journal
+    entries that journal drops (deleted once it is published), and the published snapshot's
+    codebook and whether its signature was verified."""
 
     paused: np.ndarray
     replay: list[Path]
     warnings: list[str]
+    journal: Journal
+    retired: list[Path]
+    codebook_id: str | None  # the published snapshot's codebook
+    signed: bool  # its signature was verified
 
 
-def _to_carry(root: Root, published: str | None, through: str | None) -> _Carry:
-    """What a build from an export holding the change files through `through` carries forward."""
-    entries = root.journal()
-    journal = [e.file for e in entries]
-    replay = [e.file for e in entries if through is not None and e.file.name > through]
-    for e in entries:  # a journaled file is applied again only as the update that published it read it
-        if e.file in replay and sha256_file(e.file) != e.digest:
-            raise ArtifactError(f"{e.file}: its sha256 is not the one its journal entry was published with; the "
-                                "journal is corrupt, so the changes published after the export cannot be applied "
-                                "again. Restore the file, or build from an export that holds it")
-    warnings = []
-    if through is None and journal:
-        warnings.append(f"{len(journal)} change file(s) in the ROOT's journal ({journal[0].name} .. "
-                        f"{journal[-1].name}, published by updates since the last build told its export's newest "
-                        "change file) were not re-applied: the build was not told which of them its catalog export "
-                        "holds, so the deletes and upserts of any it lacks are reverted (paused ads stay paused)")
-    return _Carry(_paused(root, published), replay, warnings)
+def _to_carry(root: Root, published: str | None, through: str | None, keys: tuple[TrustKey, ...],
+              adopt_unsigned: bool, copies: Path) -> _Carry:
+    """What a build from an export holding the change files through `through` carries forward from
+    the published snapshot (signed by one of `keys`, when given); the change files to apply again
+    are copied into the private directory `copies`, and checked there."""
+    directory = root.snapshot_dir(published) if published is not None else None
+    trust = _base_trust(root, directory, keys, adopt_unsigned)
+    manifest = _published_manifest(directory, trust, "a build cannot carry that snapshot's paused ads and journal "
+                                   "forward. Restore it, or move its ROOT's CURRENT aside to build without them")
+    journal, on_record = journals.recorded(root, manifest)
+    replay = journals.replayed(journal, through) if through is not None else ()
+    files = journals.change_files(root, replay, copies)
+    warnings = journals.warnings(journal, on_record, published or "")
+    warnings += [f"{d}: a journal entry the published snapshot does not record (forged, a file edited and renamed, "
+                 "or one a crash kept from being deleted); not applied" for d in journals.unrecorded(root, journal)]
+    if through is None and journal.entries:
+        first, last = journal.entries[0].name, journal.entries[-1].name
+        warnings.append(f"{len(journal.entries)} change file(s) in the ROOT's journal ({first} .. {last}, published by "
+                        "updates since the last build told its export's newest change file) were not re-applied: the "
+                        "build was not told which of them its catalog export holds, so the deletes and upserts of any "
+                        "it lacks are reverted (paused ads stay paused)")
+    new = Journal(through, tuple(replay)) if through is not None else journal
+    return _Carry(_paused(root, published, trust), files, warnings, new, journals.retired(root, journal, new),
+                  manifest.codebook_id if manifest is not None else None, trust is not None)
+
+
+def _signing(sign_key: SigningKey | str | Path | None, trust_key: TrustKey | str | Path | None
+             ) -> tuple[SigningKey | None, tuple[TrustKey, ...]]:
+    """The key a job signs with, and the keys the snapshot it builds on may be signed by: the trust
+    key given and the signing key's own public half (rotating keys: the base an earlier job signed
+    with the new key passes too); none when the job neither signs nor was given a key."""
+    signer = sign_key if isinstance(sign_key, SigningKey) or sign_key is None else SigningKey.load(sign_key)
+    keys = [k for k in (TrustKey.of(trust_key), signer.trust if signer is not None else None) if k is not None]
+    return signer, tuple(keys)
+
+
+def _base_trust(root: Root, directory: Path | None, keys: tuple[TrustKey, ...], adopt_unsigned: bool
+                ) -> TrustKey | None:
+    """The key the snapshot `directory` a job builds on is checked with (of `keys`, the one its
+    signature names); none for an unsigned one the job was told to adopt, as long as the ROOT holds
+    no signed snapshot (a stripped signature must not be adopted; a signed base is still checked:
+    adopting is no way around a bad signature)."""
+    if not keys or directory is None:
+        return None
+    if adopt_unsigned and not os.path.lexists(directory / SIGNATURE_FILE):
+        signed = [p.name for p in root.published_dirs() if os.path.lexists(p / SIGNATURE_FILE)]
+        if signed:
+            raise ArtifactError(f"{directory}: unsigned, and its ROOT holds signed snapshots ({signed[-1]}): its "
+                                "signature may have been stripped, so it is not adopted. Restore a signed snapshot")
+        return None
+    return TrustKey.pick(directory, keys)
+
+
+def _signed(signer: SigningKey | None) -> dict:
+    """The report's word on signing."""
+    return {"signed_by": signer.trust.key_id} if signer is not None else {}
+
+
+def _published_manifest(directory: Path | None, trust: TrustKey | None, consequence: str) -> Manifest | None:
+    """The published snapshot's manifest (signed by `trust`, when given), None when nothing is
+    published; one that cannot be read is refused, saying `consequence`: the journal it records
+    would be a guess."""
+    if directory is None:
+        return None
+    try:
+        m = Manifest.read(directory)
+        if trust is not None:
+            trust.verify(directory, m.to_bytes())
+    except ArtifactError as e:
+        raise ArtifactError(f"{e}; {consequence}") from None
+    return m
 
 
 def _published(root: Root) -> str | None:
@@ -324,13 +402,13 @@ def _published(root: Root) -> str | None:
                             "it aside to build without them") from None
 
 
-def _paused(root: Root, published: str | None) -> np.ndarray:
+def _paused(root: Root, published: str | None, trust: TrustKey | None) -> np.ndarray:
     """(n,) int64 the ids of the ads the published snapshot has paused, read from its verified
     ad ids and states (a full build without ad states has none)."""
     if published is None:
         return np.zeros(0, dtype=np.int64)
     try:
-        states = read_states(root.snapshot_dir(published))
+        states = read_states(root.snapshot_dir(published), trust)
     except ArtifactError as e:
         raise ArtifactError(f"cannot carry the ads paused in the published snapshot forward ({e}); a build from the "
                             "catalog alone would serve them again. Restore that snapshot, or move its ROOT's CURRENT "
@@ -355,10 +433,12 @@ def _unchanged(root: Root, fingerprint: str) -> dict | None:
 
 
 def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[], None] | None = None,
-               once: bool = False) -> dict:
+               once: bool = False, sign_key: SigningKey | str | Path | None = None,
+               trust_key: TrustKey | str | Path | None = None, adopt_unsigned: bool = False) -> dict:
     """Apply a change file to ROOT's published snapshot and publish the result; returns its report
     (status "published", "unchanged" for a file without rows, or with `once` "already applied" for
-    a file the published snapshot holds (`Root.holds`); ids, counts, lineage, seconds).
+    a file the published snapshot holds (`sidindex.journal.holds`); ids, counts, lineage, seconds).
+    sign_key, trust_key, adopt_unsigned: see the module docstring.
 
     Nothing read is trusted: every file of the published snapshot has its digest verified before it
     is used, since whatever it holds is written into the new snapshot under fresh digests; its
@@ -366,18 +446,24 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
     manifest passed them (`Root.checks_recorded`: the digests tie each byte to it). A base checked
     in full is recorded; so is the new snapshot once validated (its shared files are the base's,
     the files it wrote are checked), so a chain of updates checks each snapshot's structure once.
-    The change file is read, digested and journaled from one copy."""
+    The change file is read, digested and journaled from one copy; messages name the user's path."""
     clock = StageClock()
     layout = Root(root)
     regular_input(changes, "change file")  # before the lock: a FIFO would hold it while blocking the read
+    signer, keys = _signing(sign_key, trust_key)
     _to_update(layout)  # before the lock too: a refused update creates nothing
-    with layout.lock(waiting, create=False), layout.staged_change(Path(changes)) as staged:
+    with layout.lock(waiting, create=False), _private_copy(Path(changes)) as mine, _naming(mine, Path(changes)), \
+            layout.staged_change(mine) as staged:
         clock.restart()
         published = _to_update(layout)
-        source = sha256_file(staged)
-        if once and layout.holds(Path(changes).name, source):
+        source = sha256_file(mine)
+        directory = layout.snapshot_dir(published)
+        trust = _base_trust(layout, directory, keys, adopt_unsigned)
+        journal, on_record = journals.recorded(layout, _published_manifest(
+            directory, trust, "an update cannot build on it. Restore it, or publish a new one with a full build"))
+        if once and journals.holds(journal, Path(changes).name, source):
             return {"status": "already applied", "snapshot_id": None, "root": str(root), "seconds": _rounded(clock)}
-        base = open_snapshot(layout.snapshot_dir(published), verify=True, cover=True, records=True)
+        base = open_snapshot(directory, verify=True, cover=True, records=True, trust=trust)
         if not base.recorded:
             layout.record_checks(published, base.manifest.sha256(), ("structure", "cover"))
         cb = base.codebook
@@ -385,11 +471,11 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
             raise ArtifactError(f"{base.path}: carries no codebook, so new ads cannot get SIDs; rebuild it")
         clock.lap("verify base")
         base_ids, base_states = ad_rows(base)
-        change = read_changes(str(staged), base.spec, hash_keys=cb.hash_keys, dim=cb.dim,
+        change = read_changes(str(mine), base.spec, hash_keys=cb.hash_keys, dim=cb.dim,
                               values=base.shards[0].gtm.ad_value is not None, ad_id=base_ids, state=base_states)
         clock.lap("read changes")
         report = {"root": str(root), "base": base.id, "base_checks": "recorded" if base.recorded else "full",
-                  "changes": change.counts}
+                  "changes": change.counts, "warnings": journals.warnings(journal, on_record, base.id)}
         if change.empty:
             return {"status": "unchanged", "snapshot_id": base.id, **report, "seconds": _rounded(clock)}
         updated = apply_changes(base, change, cb)
@@ -405,11 +491,13 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         lineage = Lineage(full_build=m.full_build, base=base.id, updates=m.updates + 1, source=source,
                           changes=change.counts, paused=paused, deleted=deleted,
                           stale_entries=updated.stale_entries, dead_sids=updated.dead_sids)
+        journaled = journals.after_update(journal, snapshot_id, Path(changes).name, source)
 
         def write(directory: Path) -> None:
             write_snapshot(directory, updated.shards, updated.exact, ad_id, base.spec, snapshot_id=snapshot_id,
                            codebook=cb, input_fingerprint=fingerprint, catalog=m.catalog,
-                           build_config=m.build_config, stats=m.stats, quality=m.quality, base=base, lineage=lineage)
+                           build_config=m.build_config, stats=m.stats, quality=m.quality, base=base, lineage=lineage,
+                           journal=journaled)
 
         # files linked from the base were verified above, in this job; the new ones were digested as
         # read back from disk once written (hashing them again would compare them with themselves);
@@ -421,11 +509,34 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
             layout.record_checks(snapshot_id, new.manifest.sha256(), ("structure", "cover"))
 
         path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=(staged, source),
+                              retired=journals.retired(layout, journal, journaled), signer=signer,
                               published=lambda: clock.lap("write + validate + publish"))
         clock.lap("retention")
     return {"status": "published", "snapshot_id": snapshot_id, "path": str(path), **report,
             **Counts.of([s.gtm for s in updated.shards], ad_id).to_dict(), "new_sid_rows": updated.new_sid_rows,
-            "lineage": lineage.to_dict(), "seconds": _rounded(clock)}
+            "lineage": lineage.to_dict(), **_signed(signer), "seconds": _rounded(clock)}
+
+
+@contextmanager
+def _private_copy(path: Path) -> Iterator[Path]:
+    """A copy of change file `path` in a directory only this process's user can write: what an
+    update reads, digests and journals, so that nothing that can write ROOT (where the journal's
+    copy is staged) changes the bytes between the digest and the parse."""
+    with tempfile.TemporaryDirectory(prefix="sidindex-changes-") as d:
+        copy = Path(d) / path.name
+        shutil.copyfile(path, copy)
+        yield copy
+
+
+@contextmanager
+def _naming(staged: Path, given: Path) -> Iterator[None]:
+    """Within: an error naming the private copy of a change file names the file the user gave."""
+    try:
+        yield
+    except SidIndexError as e:
+        if str(staged) not in str(e):
+            raise
+        raise type(e)(str(e).replace(str(staged), str(given))) from None
 
 
 def _to_update(root: Root) -> str:
@@ -450,11 +561,12 @@ def _codebook(root: Root, given: Path | None) -> tuple[Codebook | None, str]:
 
 
 def _fingerprint(catalog: Path, spec: dict, config: dict, codebook_id: str, changes_through: str | None,
-                 shards: int | None) -> str:
+                 shards: int | None, signed_by: str | None) -> str:
     h = hashlib.sha256(sha256_file(Path(catalog), follow_links=True).encode())  # a link to the latest export
     h.update(json.dumps({"targeting": spec, "config": config, "codebook": codebook_id,
                          "snapshot_format": SNAPSHOT_VERSION,  # the export's watermark decides what is re-applied
                          **({"changes_through": changes_through} if changes_through else {}),
-                         **({"shards": shards} if shards else {})},
+                         **({"shards": shards} if shards else {}),
+                         **({"signed_by": signed_by} if signed_by else {})},  # signing an unsigned ROOT publishes
                         sort_keys=True).encode())
     return h.hexdigest()

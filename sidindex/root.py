@@ -8,7 +8,8 @@ writer of a ROOT goes through `Root`; no other module spells these names.
     ROOT/snapshots/.tmp-<id>/  a snapshot being written
     ROOT/codebooks/<id>/       frozen codebooks;  ROOT/codebooks/.tmp-*/  one being written
     ROOT/changes/<id>.<sha256>/<name>  the journal: change file `name` (its sha256) that update <id> published
-    ROOT/changes/THROUGH       the newest change file name a full build's catalog export held
+    ROOT/changes/THROUGH       (written before format version 9) the newest change file name a full
+                               build's catalog export held; now the published manifest's `journal`
     ROOT/checked/<id>          a check record: snapshot <id>, by its manifest's sha256, passed the
                                checks it lists (structure; matcher cover) under this sidindex
 
@@ -35,8 +36,16 @@ snapshots it deletes.
 The journal lets a full build keep the changes published after its catalog export was taken
 (`sidindex.job`): an update copies its change file into ROOT/changes/<its id>.<sha256>/ before
 its CURRENT swap; an entry newer than CURRENT is an update that never published (a crash in
-between) and the next writer removes it. A full build told which change file its export holds through
-records that name in THROUGH and drops the entries at or before it.
+between) and the next writer removes it. Which entries exist, and in what order, is what the
+published snapshot's manifest records (`sidindex.snapshot.manifest.Journal`), never what the
+directory lists: a recorded entry that is missing or whose bytes differ is refused, an entry no
+record names is ignored and reported (`sidindex.journal`). A full build's record keeps the entries
+its export does not hold; the entries the old record had and the new one dropped are deleted
+after its commit.
+
+ROOT's own directories (snapshots/, changes/, codebooks/, checked/) are refused when they are
+symbolic links out of ROOT, by every reader and writer (`Root.own_directories`): what they hold
+would be served and published from where retention, locks and builds never look.
 """
 
 from __future__ import annotations
@@ -51,13 +60,24 @@ from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 from schemas.artifacts import MANIFEST_FILE
 from sidindex import __version__
-from sidindex.artifact import fsync_tree, read_bounded, read_sealed, rename_synced, replace_file, seal, temporary_file
+from sidindex.artifact import (
+    fsync_tree,
+    read_bounded,
+    read_sealed,
+    rename_synced,
+    replace_file,
+    seal,
+    temporary_file,
+)
 from sidindex.errors import ArtifactError
-from sidindex.interrupts import Interrupted, interrupts_deferred
+from sidindex.interrupts import committed, interrupts_deferred, job_starts
+
+if TYPE_CHECKING:
+    from sidindex.signing import SigningKey
 
 SNAPSHOT_ID = re.compile(r"^[0-9]{8}T[0-9]{12}Z-[0-9a-f]{8}$")
 # <update id>.<sha256 of its file>
@@ -68,14 +88,6 @@ _HISTORY_BYTES = 1 << 20
 CHECK_RECORD_FORMAT = "sidindex-check-record"
 CHECK_RECORD_VERSION = 1
 CHECKS = frozenset({"structure", "cover"})  # what a check record may hold (digests are verified by every reader)
-
-
-class JournalEntry(NamedTuple):
-    """A change file an update published: the update's snapshot id, the file's sha256, the file."""
-
-    update: str
-    digest: str
-    file: Path
 
 
 def new_snapshot_id(fingerprint: str) -> str:
@@ -106,6 +118,18 @@ class Root:
 
     def snapshot_dir(self, snapshot_id: str) -> Path:
         return self.snapshots / snapshot_id
+
+    def own_directories(self) -> None:
+        """Refuse a ROOT whose snapshots/, changes/, codebooks/ or checked/ is a symbolic link out of
+        it (one inside it is left alone: it moves nothing out of retention's and the lock's reach)."""
+        inside = None
+        for d in (self.snapshots, self.changes, self.codebooks, self.checked):
+            if d.is_symlink():
+                inside = inside or self.path.resolve()
+                target = d.resolve()
+                if not target.is_relative_to(inside) or target == inside:
+                    raise ArtifactError(f"{d}: a symbolic link out of its ROOT (to {target}); a ROOT's snapshots, "
+                                        "journal, codebooks and check records are read from its own directories only")
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -150,11 +174,14 @@ class Root:
         path = Path(path)
         root = Root(path)
         if os.path.lexists(root.current_file):
+            root.own_directories()
             current = root.current_id()
             if current is None:
                 raise ArtifactError(f"{path}: a ROOT with no published snapshot (no CURRENT)")
             return root.snapshot_dir(current)
         if os.path.lexists(path / MANIFEST_FILE):
+            if (holder := Root.containing(path)) is not None:  # a published snapshot, named by its path
+                holder.own_directories()
             return path
         if not os.path.lexists(path):
             if SNAPSHOT_ID.match(path.name):
@@ -175,6 +202,7 @@ class Root:
             self.path.mkdir(parents=True, exist_ok=True)
         elif not self.path.is_dir():
             raise ArtifactError(f"{self.path}: no such ROOT (a directory that builds publish into)")
+        job_starts()  # a signal noted after an earlier job's commit stops this one before it waits
         with open(self.path / ".lock", "a+b") as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -183,6 +211,7 @@ class Root:
                     waiting()
                 fcntl.flock(f, fcntl.LOCK_EX)
             try:
+                self.own_directories()
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
@@ -204,8 +233,9 @@ class Root:
             entries = [p for p in self.changes.iterdir() if JOURNAL_ENTRY.match(p.name)]
             if current is None:
                 doomed += entries + ([self.through_file] if os.path.lexists(self.through_file) else [])
-            elif current:
-                doomed += [p for p in entries if _entry_id(p) > current]
+            elif current:  # an update HISTORY names did publish (CURRENT was moved back since): kept
+                published = set(self.history())
+                doomed += [p for p in entries if _entry_id(p) > current and _entry_id(p) not in published]
         for p in doomed:
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
@@ -215,7 +245,8 @@ class Root:
 
     def publish(self, snapshot_id: str, write: Callable[[Path], None], check: Callable[[Path], object],
                 keep: int, *, expected: str | None, journal: tuple[Path, str] | None = None,
-                through: str | None = None, published: Callable[[], object] | None = None) -> Path:
+                retired: Collection[Path] = (), signer: SigningKey | None = None,
+                published: Callable[[], object] | None = None) -> Path:
         """Write, check and publish a snapshot, then apply retention; returns its directory.
 
         write(directory) fills the new, empty directory; check(directory) raises if it is not sound.
@@ -224,13 +255,16 @@ class Root:
             meanwhile is refused rather than reverted.
         journal: (change file staged by `staged_change`, its sha256) an update applied, which becomes
             the journal entry of `snapshot_id` in the commit.
-        through: a full build's export's watermark, recorded in the commit (THROUGH); the journal
-            entries it makes redundant are dropped after it.
+        retired: journal entries (and a THROUGH file) the new snapshot's journal no longer records,
+            deleted after the commit.
+        signer: signs the manifest once written (`sidindex.signing`), before the check.
         published: called once the snapshot is CURRENT, before retention deletes what it no longer
             keeps (a job's clock tells the two apart: deleting a snapshot's own files costs time
             that grows with its size, not with what the job changed).
-        The commit (the renames) runs with SIGINT and SIGTERM held: an interrupt that came during it,
-        or during retention after it, is raised with `published` set (the snapshot is CURRENT).
+        The commit (the renames) runs with SIGINT and SIGTERM held; once CURRENT names the new
+        snapshot the job has succeeded, and under `interrupts_raise` (the CLI, the scheduled
+        rebuild) a signal from then on is noted, not raised (`sidindex.interrupts.committed`); a
+        library caller's own handler gets it once the commit is done.
         """
         self.snapshots.mkdir(parents=True, exist_ok=True)
         self.clean_temporaries(spare=journal[0].parent if journal is not None else None)
@@ -239,6 +273,8 @@ class Root:
         final = self.snapshot_dir(snapshot_id)
         try:
             write(tmp)
+            if signer is not None:
+                signer.sign(tmp)
             # synced beside the check (the disk's work and the check's overlap), before the held
             # section: a signal waits for the renames alone
             with ThreadPoolExecutor(1, thread_name_prefix="sidindex-fsync") as syncing:
@@ -253,24 +289,23 @@ class Root:
                     rename_synced(journal[0].parent, self.changes / f"{snapshot_id}.{journal[1]}")
                 rename_synced(tmp, final)
                 self._replace(self.current_file, snapshot_id + "\n")
+                committed(snapshot_id)
                 history = [i for i in self.history() if i != snapshot_id] + [snapshot_id]
                 self._replace(self.history_file, "\n".join(history) + "\n")
-                if through is not None:
-                    self._replace(self.through_file, through + "\n")
-        except BaseException as e:
-            if isinstance(e, Interrupted) and self.current_or_none() == snapshot_id:
-                e.published = snapshot_id  # held during the commit, raised once it was done
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
             raise
         if published is not None:
             published()
-        try:
-            self.prune(keep)
-            if through is not None:
-                self._drop_journal(through)
-        except Interrupted as e:
-            e.published = snapshot_id
-            raise
+        self.prune(keep)
+        for p in retired:  # each renamed away first: a crash leaves a temporary, never half an entry
+            gone = self.changes / f"{TMP_PREFIX}retired-{p.name}"
+            with contextlib.suppress(OSError):  # the publication stands; a later writer cleans what is left
+                os.rename(p, gone)
+                if gone.is_dir() and not gone.is_symlink():
+                    shutil.rmtree(gone)
+                else:
+                    gone.unlink()
         return final
 
     def _check_current(self, expected: str | None) -> None:
@@ -290,29 +325,39 @@ class Root:
         and journals (`publish`), so the three are the same bytes. Removed on leaving, unless
         published."""
         entry = self.changes / f"{TMP_PREFIX}{os.getpid()}-{time.time_ns()}"
+        made = not os.path.lexists(self.changes)
         entry.mkdir(parents=True)
         try:
             shutil.copyfile(path, entry / path.name)
             yield entry / path.name
         finally:
             shutil.rmtree(entry, ignore_errors=True)
+            if made:  # a refused update leaves the ROOT as it found it (the directory stays once it holds an entry)
+                with contextlib.suppress(OSError):
+                    self.changes.rmdir()
 
-    def journal(self) -> list[JournalEntry]:
-        """The published journal entries, oldest first (an unreadable CURRENT is refused: which
-        entries were published would be a guess)."""
+    def published_dirs(self) -> list[Path]:
+        """The snapshot directories the ROOT holds (published, or orphans retention has yet to delete)."""
+        if not self.snapshots.is_dir():
+            return []
+        return sorted(p for p in self.snapshots.iterdir() if SNAPSHOT_ID.match(p.name))
+
+    def entry_dir(self, update: str, digest: str) -> Path:
+        """The journal entry of update `update`, whose change file has sha256 `digest`."""
+        return self.changes / f"{update}.{digest}"
+
+    def entry_dirs(self) -> list[Path]:
+        """The journal entries as the directory lists them, of updates published by CURRENT's time
+        (`clean_temporaries` removes newer ones), by name; what they are worth is for the published
+        manifest's journal to say (`sidindex.journal`)."""
         current = self.current_id()
         if current is None or not self.changes.is_dir():
             return []
-        out = []
-        for d in sorted(p for p in self.changes.iterdir() if JOURNAL_ENTRY.match(p.name) and _entry_id(p) <= current):
-            files = [f for f in d.iterdir() if f.is_file() and not f.is_symlink()] if d.is_dir() else []
-            if len(files) != 1:
-                raise ArtifactError(f"{d}: a journal entry holds exactly one change file, found {len(files)}")
-            out.append(JournalEntry(_entry_id(d), d.name.rpartition(".")[2], files[0]))
-        return out
+        return sorted(p for p in self.changes.iterdir() if JOURNAL_ENTRY.match(p.name) and _entry_id(p) <= current)
 
     def through(self) -> str | None:
-        """The newest change file name a published full build's catalog export held (THROUGH), or None."""
+        """The newest change file name a full build's catalog export held, as ROOTs published before
+        the manifest recorded its journal keep it (THROUGH), or None."""
         try:
             raw = read_bounded(self.through_file, _POINTER_BYTES * 4)
         except ArtifactError:
@@ -320,22 +365,6 @@ class Root:
                 return None
             raise
         return raw.decode("utf-8", "replace").strip() or None
-
-    def holds(self, name: str, digest: str) -> bool:
-        """Whether the published snapshot holds change file `name` with sha256 `digest`: an update
-        published it (the journal has it), or a full build's export did (named at or before THROUGH)."""
-        through = self.through()
-        return (through is not None and name <= through) or any(
-            (e.file.name, e.digest) == (name, digest) for e in self.journal())
-
-    def _drop_journal(self, through: str) -> None:
-        """Drop the journal entries named at or before `through`, each renamed away first (a crash
-        leaves a temporary, never a half-deleted entry)."""
-        for e in self.journal():
-            if e.file.name <= through:
-                gone = self.changes / f"{TMP_PREFIX}dropped-{e.file.parent.name}"
-                os.rename(e.file.parent, gone)
-                shutil.rmtree(gone, ignore_errors=True)
 
     # --- check records --------------------------------------------------------------------
 

@@ -11,10 +11,13 @@ import typer
 
 from sidindex.errors import QualityGateError
 from sidindex_cli.options import (
+    ADOPT_OPT,
     CATALOG_OPT,
     CONFIG_OPT,
     JSON_OPT,
+    SIGN_KEY_OPT,
     TARGETING_OPT,
+    TRUST_KEY_OPT,
     output_file,
     progress_bar,
     write_table,
@@ -169,6 +172,9 @@ def build(
              "upserts survive it. Default: the catalog's own schema metadata "
              "`sidindex.changes_applied_through`, if it has it. Without either none are, and the build warns if "
              "there are some."),
+    sign_key: Optional[Path] = SIGN_KEY_OPT,
+    trust_key: Optional[Path] = TRUST_KEY_OPT,
+    adopt_unsigned: bool = ADOPT_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Build and publish a snapshot: the main job, end to end.
@@ -182,8 +188,12 @@ def build(
     Changes survive the build. An ad the published snapshot has paused stays paused (pauses are
     not in the catalog): a paused ad is never served again until an update resumes or deletes it.
     Deletes and upserts published by updates after the catalog export are applied again when
-    --changes-applied-through names the newest change file the export holds. Without it, a build
-    that waited while an update published refuses (exit 2; run it again).
+    --changes-applied-through names the newest change file the export holds (a name the ROOT's
+    journal does not hold is refused). Without it, a build that waited while an update published
+    refuses (exit 2; run it again).
+
+    With --sign-key the snapshot is signed, and the published snapshot whose paused ads and journal
+    it carries forward must be signed by that key (or --trust-key).
     """
     from sidindex.job import run_build
 
@@ -191,7 +201,7 @@ def build(
         report = run_build(catalog, targeting, root, config=config, codebook=codebook, force=force, keep=keep,
                            progress=progress, waiting=lambda: err.print("waiting for another build on this ROOT ..."),
                            engine=engine, ray_address=ray_address, workers=workers, changes_through=changes_through,
-                           shards=shards)
+                           shards=shards, sign_key=sign_key, trust_key=trust_key, adopt_unsigned=adopt_unsigned)
     for warning in report.get("warnings", ()):
         err.print(f"warning: {warning}", highlight=False, soft_wrap=True)
     if as_json:
@@ -216,6 +226,9 @@ def update(
                                  "delete, pause, resume) and, for upserts, every catalog column; see "
                                  "schemas/CONTRACTS.md."),
     keep: int = typer.Option(3, "--keep", min=1, help="Published snapshots to keep (older ones are deleted)."),
+    sign_key: Optional[Path] = SIGN_KEY_OPT,
+    trust_key: Optional[Path] = TRUST_KEY_OPT,
+    adopt_unsigned: bool = ADOPT_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Apply ad changes to the published snapshot without a full rebuild, and publish the result.
@@ -234,14 +247,20 @@ def update(
     Matchers only grow between full builds: a paused, deleted or narrowed ad's targeting stays in
     its prefixes' matchers (never served; `inspect` counts these stale entries) until the next
     `sidindex build` compacts them. Run full builds on schedule and updates in between.
+
+    With --sign-key the snapshot is signed, and its base must be signed by that key (or
+    --trust-key): an update never vouches for a base it cannot verify.
     """
     from sidindex.job import run_update
 
-    report = run_update(root, changes, keep=keep, waiting=lambda: err.print("waiting for a build on this ROOT ..."))
+    report = run_update(root, changes, keep=keep, waiting=lambda: err.print("waiting for a build on this ROOT ..."),
+                        sign_key=sign_key, trust_key=trust_key, adopt_unsigned=adopt_unsigned)
+    for warning in report.get("warnings", ()):
+        err.print(f"warning: {warning}", highlight=False, soft_wrap=True)
     if as_json:
         emit(report, True, "")
         return
-    shown = {k: v for k, v in report.items() if k not in ("seconds", "lineage", "changes")}
+    shown = {k: v for k, v in report.items() if k not in ("seconds", "lineage", "changes", "warnings")}
     shown["changes"] = ", ".join(f"{n} {op}" for op, n in report["changes"].items() if n) or "none"
     if "lineage" in report:
         lin = report["lineage"]

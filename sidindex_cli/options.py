@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sidindex.artifact import replace_file
+from sidindex.artifact import regular_output, replace_file
 from sidindex.errors import ConfigError
 from sidindex_cli.render import err
 
@@ -47,14 +47,20 @@ def progress_bar(enabled: bool) -> Iterator:
 
 
 def output_file(path: Path | None) -> Path | None:
-    """`path` (None passes) when the directory it names a file in exists; else a ConfigError
-    naming that directory: a typo in an output path must not create a tree of folders. Also an
+    """`path` (None passes) when the directory it names a file in exists and the path is new or a
+    regular file (links followed: a link to a regular file is accepted, and the written file
+    replaces the link, its target left as it was); else a ConfigError naming the path: a typo in
+    an output path must not create a tree of folders, and a FIFO, directory, device or socket
+    must not be replaced by a file (nor a FIFO block the command). The temporary the file is
+    written to first (`sidindex.artifact.temporary_file`) is held to the same rule. Also an
     option's callback, so that a command refuses the path before any work."""
-    if path is not None and not path.parent.is_dir():
+    if path is None:
+        return None
+    if not path.parent.is_dir():
         problem = "is not a directory" if path.parent.exists() else "the directory does not exist"
         raise ConfigError(f"{path.parent}: {problem}, so {path.name!r} cannot be written there; "
                           "create the directory first or correct the path")
-    return path
+    return regular_output(path)
 
 
 def write_table(table, path: Path) -> None:
@@ -71,3 +77,13 @@ def write_table(table, path: Path) -> None:
             feather.write_feather(table, str(tmp), compression="uncompressed")
 
     replace_file(path, write)
+
+
+SIGN_KEY_OPT = typer.Option(None, "--sign-key", metavar="FILE", help="Sign the published snapshot with this Ed25519 "
+                            "private key (PEM: `openssl genpkey -algorithm ed25519 -out KEY`); the snapshot it "
+                            "builds on must then be signed by it (or by --trust-key). Needs "
+                            "pip install 'sidindex\\[sign]'.")
+TRUST_KEY_OPT = typer.Option(None, "--trust-key", metavar="FILE", help="Refuse any snapshot this Ed25519 key did not "
+                             "sign (PEM: the signing key's public half, `openssl pkey -in KEY -pubout`).")
+ADOPT_OPT = typer.Option(False, "--adopt-unsigned", help="With --sign-key: accept the snapshot this one builds on "
+                         "unsigned, once, to start signing a ROOT (a signed one is still checked).")

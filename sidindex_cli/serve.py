@@ -12,7 +12,16 @@ import typer
 
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode, served_modes
-from sidindex_cli.options import BEAMS_OPT, DEVICE_OPT, JSON_OPT, SNAPSHOT_ARG, output_file, progress_bar, write_table
+from sidindex_cli.options import (
+    BEAMS_OPT,
+    DEVICE_OPT,
+    JSON_OPT,
+    SNAPSHOT_ARG,
+    TRUST_KEY_OPT,
+    output_file,
+    progress_bar,
+    write_table,
+)
 from sidindex_cli.render import emit, err, print_study
 
 SWITCH_INTERVAL_S = 2e-4  # how long a thread waiting for the GIL waits at most while `serve` runs
@@ -56,6 +65,7 @@ def retrieve(
     scorer_timeout: Optional[float] = SCORER_TIMEOUT_OPT,
     value_weight: float = VALUE_WEIGHT_OPT,
     rank: str = RANK_OPT,
+    trust_key: Optional[Path] = TRUST_KEY_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Retrieve eligible ads: constrained beam search over SIDs, then SID -> ads and the exact filter.
@@ -71,7 +81,7 @@ def retrieve(
     chosen = parse_mode(mode)  # a typo fails before the snapshot loads; retrieve checks it against the index
     factory = _factory(scorer, scorer_timeout)  # so does a module that cannot be imported
     t0 = time.perf_counter()
-    index = runtime.load(snapshot, device, verify=False)
+    index = runtime.load(snapshot, device, verify=False, trust_key=trust_key)  # a key: the digests too
     beam_sizes = runtime.parse_beams(beams, index.sid_length)
     reqs = runtime.read_requests(requests, index)
     load_s = time.perf_counter() - t0
@@ -199,6 +209,7 @@ def serve(
     value_weight: float = VALUE_WEIGHT_OPT,
     rank: str = RANK_OPT,
     top_k: Optional[int] = TOP_K_OPT,
+    trust_key: Optional[Path] = TRUST_KEY_OPT,
 ) -> None:
     """Serve retrieval over HTTP, batching concurrent requests and following ROOT's snapshots.
 
@@ -207,6 +218,9 @@ def serve(
 
     GET /healthz, /readyz, /snapshot and /metrics (Prometheus) report on it. A bad request gets 400 with one
     line; a full queue 503 with Retry-After. SIGTERM finishes the requests in flight, then exits 0.
+
+    With --trust-key a snapshot that key did not sign is refused like a corrupt one: the one served goes on,
+    and /snapshot's last_error says why.
 
     Needs the extra: pip install 'sidindex\\[serve]'. Example: sidindex serve runs/sample --port 8000
     """
@@ -221,7 +235,7 @@ def serve(
 
     chosen = parse_mode(mode)
     factory = _factory(scorer, None)  # batches run off the main thread, where no alarm can stop a scorer
-    watcher = runtime.SnapshotWatcher(root, device)
+    watcher = runtime.SnapshotWatcher(root, device, trust_key=trust_key)
     sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch} | {max_batch}))
     err.print(f"warming snapshot {watcher.current.id} on {watcher.device} (batch sizes {', '.join(map(str, sizes))})",
               highlight=False)

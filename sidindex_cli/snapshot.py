@@ -10,14 +10,15 @@ import typer
 
 from schemas.artifacts import AD_DELETED, AD_PAUSED
 from sidindex.errors import ArtifactError
-from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, output_file
+from sidindex_cli.options import JSON_OPT, SNAPSHOT_ARG, TRUST_KEY_OPT, output_file
 from sidindex_cli.render import emit, print_positions, print_shards
 
 app = typer.Typer()
 
 
 @app.command()
-def validate(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
+def validate(snapshot: Path = SNAPSHOT_ARG, trust_key: Optional[Path] = TRUST_KEY_OPT,
+             as_json: bool = JSON_OPT) -> None:
     """Check a snapshot: every byte and the structure; exit 2 naming the first fault.
 
     Checks the manifest (sealed by its own checksum, strict keys, id = directory name), that the
@@ -26,13 +27,20 @@ def validate(snapshot: Path = SNAPSHOT_ARG, as_json: bool = JSON_OPT) -> None:
     each Arrow file's schema and lengths, the index structure (offsets rising without
     wrap-around, every index in range, every relation between arrays; see schemas/CONTRACTS.md),
     and that every matcher row covers what lies beneath it (a row damaged under resealed digests).
+
+    Digests find corruption, not someone who can rewrite the ROOT: an edit resealed under fresh
+    digests passes. With --trust-key, a snapshot not signed by that key (unsigned, another key's,
+    or a manifest changed since it was signed) is refused too.
     """
+    from sidindex.signing import TrustKey
     from sidindex.snapshot import open_snapshot
 
     t0 = time.perf_counter()
-    snap = open_snapshot(snapshot, verify=True, strong=True, cover=True)
+    trust = TrustKey.of(trust_key)
+    snap = open_snapshot(snapshot, verify=True, strong=True, cover=True, trust=trust)
     emit({"status": "ok", "snapshot_id": snap.id, "path": str(snap.path), "files": len(snap.manifest.files),
-          "bytes": snap.manifest.total_bytes, "seconds": round(time.perf_counter() - t0, 2)}, as_json, "snapshot valid")
+          "bytes": snap.manifest.total_bytes, **({"signed_by": trust.key_id} if trust else {}),
+          "seconds": round(time.perf_counter() - t0, 2)}, as_json, "snapshot valid")
 
 
 @app.command()

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import select
 import shutil
@@ -267,3 +268,65 @@ def test_a_scorer_that_outlives_its_timeout_is_one_line_exit_2(root, work, facto
     r = run_cli("retrieve", root, "--requests", "requests.parquet", "--scorer-timeout", "0.5", "--out",
                 work / "late.parquet", cwd=work)
     assert r.returncode == 2 and "--scorer-timeout limits a scorer given with --scorer" in r.stderr
+
+
+# Runs the console script's entry point with a signal sent to itself at one phase after the commit
+# (CURRENT names the new snapshot): while the commit finishes, in retention, while the report is
+# printed, and at interpreter exit.
+AFTER_COMMIT = """
+import atexit, os, signal, sys
+phase, signum, exe, *args = sys.argv[1:]
+kill = lambda *_: os.kill(os.getpid(), int(signum))
+import sidindex.root as root
+import sidindex_cli.render as render
+if phase == "commit":
+    replace = root.Root._replace
+    root.Root._replace = lambda self, path, text: (replace(self, path, text), path == self.current_file and kill())
+elif phase == "retention":
+    prune = root.Root.prune
+    root.Root.prune = lambda self, keep: (kill(), prune(self, keep))[1]
+elif phase == "report":
+    emit = render.emit
+    render.emit = lambda *a, **k: (kill(), emit(*a, **k))
+else:
+    atexit.register(kill)
+sys.argv = [exe, *args]
+from sidindex_cli.app import main
+main()
+"""
+
+
+@pytest.mark.parametrize("signum, name", SIGNALS)
+@pytest.mark.parametrize("phase", ["commit", "retention", "report", "exit"])
+@pytest.mark.parametrize("command", ["build", "update"])
+def test_a_signal_after_the_commit_leaves_a_success_that_says_so(root, work, sample_dir, tmp_path, command, phase,
+                                                                 signum, name):
+    """From the moment CURRENT names the new snapshot no signal turns the success into a failure:
+    exit 0, the report printed, and a note of the signal (at interpreter exit, after the note's
+    time, the exit code alone)."""
+    target = Path(shutil.copytree(root, tmp_path / "root"))
+    args = (("build", "--catalog", sample_dir / "catalog.parquet", "--targeting", sample_dir / "targeting.toml",
+             "--out", target, "--config", root.parent / "build.toml", "--force") if command == "build" else
+            ("update", target, "--changes", work / "changes.parquet"))
+    p = subprocess.run([sys.executable, "-c", AFTER_COMMIT, phase, str(int(signum)), shutil.which("sidindex"),
+                        *map(str, args), "--json"], cwd=work, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    report = json.loads(p.stdout)
+    assert report["status"] == "published" and (target / "CURRENT").read_text().strip() == report["snapshot_id"]
+    notes = [line for line in p.stderr.splitlines() if line.startswith("note:")]
+    want = [f"note: {name} arrived after snapshot {report['snapshot_id']} was published; the command finished"]
+    assert notes == ([] if phase == "exit" else want), p.stderr
+    assert run_cli("validate", target, timeout=120).returncode == 0
+
+
+def test_a_change_file_refused_leaves_the_root_as_it_was_and_names_the_users_path(root, work, tmp_path):
+    """A .toml change file on a ROOT no update touched: exit 2, one line naming the file the user
+    gave (never the journal's staged copy), and no changes/ directory made."""
+    target = Path(shutil.copytree(root, tmp_path / "root"))
+    assert not (target / "changes").exists()
+    some = tmp_path / "some.toml"
+    some.write_text('op = "pause"\n')
+    r = run_cli("update", target, "--changes", some)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and str(some) in lines[0] and ".tmp-" not in lines[0], r.stderr
+    assert not (target / "changes").exists() and published(target) == published(root)

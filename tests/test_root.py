@@ -145,10 +145,11 @@ def test_a_root_without_history_keeps_its_newest_snapshots(tmp_path):
 
 
 @pytest.mark.parametrize("during", ["write", "commit", "retention"])
-def test_an_interrupt_says_whether_the_snapshot_was_published(tmp_path, monkeypatch, during):
+def test_a_signal_before_the_commit_stops_the_publication_and_one_after_it_is_noted(tmp_path, monkeypatch, during):
     """A signal before the commit publishes nothing; one during it is held until the commit is done,
-    and one during retention after it, and both say the snapshot was published."""
-    from sidindex.interrupts import Interrupted, interrupts_raise
+    and from then on (retention too) a signal is noted, not raised: the publication succeeded. The
+    next job raises it before changing anything."""
+    from sidindex.interrupts import Interrupted, interrupts_raise, noted
 
     root = Root(tmp_path / "root")
     old, new = _ids(2)
@@ -162,12 +163,16 @@ def test_an_interrupt_says_whether_the_snapshot_was_published(tmp_path, monkeypa
         monkeypatch.setattr(Root, "prune", lambda self, keep: (kill(), prune(self, keep))[1])
     write = (lambda d: (kill(), (d / "manifest.json").write_text(new))) if during == "write" else \
         (lambda d: (d / "manifest.json").write_text(new))
-    with pytest.raises(Interrupted) as e, interrupts_raise():
-        root.publish(new, write, lambda d: None, 3, expected=old)
-    assert e.value.exit_code == 143
     if during == "write":
-        assert e.value.published is None and root.current_id() == old and _present(root) == {old}
-        assert "nothing published" in e.value.describe()
-    else:
-        assert e.value.published == new and root.current_id() == new and root.history()[-1] == new
-        assert f"snapshot {new} was published first" in e.value.describe()
+        with pytest.raises(Interrupted) as e, interrupts_raise():
+            root.publish(new, write, lambda d: None, 3, expected=old)
+        assert e.value.exit_code == 143 and e.value.published is None
+        assert root.current_id() == old and _present(root) == {old} and "nothing published" in e.value.describe()
+        return
+    with interrupts_raise():
+        root.publish(new, write, lambda d: None, 3, expected=old)
+        assert noted() == ([signal.SIGTERM], new)
+        assert root.current_id() == new and root.history()[-1] == new
+        with pytest.raises(Interrupted) as e, root.lock():  # the next job: stopped before it starts
+            pass
+    assert e.value.exit_code == 143 and f"snapshot {new} was published first" in e.value.describe()

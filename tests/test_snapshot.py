@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.artifacts import ARRAYS_BY_NAME, READ_VERSIONS, SNAPSHOT_ARRAYS, SNAPSHOT_VERSION, shard_dir
+from schemas.artifacts import ARRAYS_BY_NAME, READ_VERSIONS, SNAPSHOT_ARRAYS, SNAPSHOT_VERSION, UNLISTED, shard_dir
 from sidindex import artifact
 from sidindex.artifact import list_files, seal
 from sidindex.build import build_index
@@ -182,7 +182,7 @@ def reseal(snap_dir: Path, edit=None) -> None:
     m = json.loads((snap_dir / "manifest.json").read_text())
     if edit:
         edit(m)
-    m["files"] = list_files(snap_dir, "manifest.json", fast=True)
+    m["files"] = list_files(snap_dir, UNLISTED, fast=True)
     (snap_dir / "manifest.json").write_bytes(seal(m))
 
 

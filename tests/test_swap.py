@@ -179,6 +179,7 @@ def as_unsharded(d: Path, version: int = DIGEST_VERSION) -> dict:
     """Rewrite the one-shard snapshot `d` as a sidindex before shards wrote it (`version`, 6 or 7):
     the shard's files at the top, one array list; its manifest JSON, sealed."""
     m = _manifest(d)
+    m.pop("journal")
     (shard,) = m.pop("shards")
     for f in (d / shard_dir(0)).iterdir():
         f.rename(d / f.name)

@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from schemas.artifacts import (
     DIGEST_VERSION,
     FAST_DIGEST,
     GONE_VERSIONS,
+    JOURNAL_VERSION,
     MANIFEST_FILE,
     MAX_SHARDS,
     READ_VERSIONS,
@@ -168,6 +170,67 @@ class Lineage:
         return cls(**{**doc, "changes": dict(ch)})
 
 
+class JournalRecord(NamedTuple):
+    """A change file an update published: the update's snapshot id, the file's name, its sha256."""
+
+    update: str
+    name: str
+    sha256: str
+
+
+MAX_JOURNAL = 10_000  # entries a manifest records: well inside its byte bound
+
+
+@dataclass(frozen=True)
+class Journal:
+    """The manifest's `journal` (docs/design.md §15): the change files its ROOT journals, what a
+    full build re-applies from. through: the newest change file the last full build's export was
+    told to hold (None: never told); entries: in the order they were published."""
+
+    through: str | None = None
+    entries: tuple[JournalRecord, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"through": self.through, "entries": [r._asdict() for r in self.entries]}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> Journal:
+        """`to_dict`'s inverse (ValueError when `doc` is not one)."""
+        if set(doc) != {"through", "entries"}:
+            raise ValueError("journal must hold exactly ['entries', 'through']")
+        if doc["through"] is not None and not _is_file_name(doc["through"]):
+            raise ValueError("journal: through must be a change file's name or null")
+        entries = doc["entries"]
+        if not isinstance(entries, list) or len(entries) > MAX_JOURNAL:
+            raise ValueError(f"journal: entries must be a list of at most {MAX_JOURNAL}")
+        out = []
+        for e in entries:
+            if not (isinstance(e, dict) and set(e) == set(JournalRecord._fields)
+                    and isinstance(e["update"], str) and SNAPSHOT_ID.match(e["update"])
+                    and _is_file_name(e["name"]) and _is_hex(e["sha256"], 64)):
+                raise ValueError("journal: each entry must be an update's snapshot id, a file name and a sha256")
+            out.append(JournalRecord(e["update"], e["name"], e["sha256"]))
+        if len({r.update for r in out}) != len(out):
+            raise ValueError("journal: each update publishes one entry")
+        return cls(doc["through"], tuple(out))
+
+    def since(self, through: str | None) -> tuple[JournalRecord, ...]:
+        """The entries published after the newest one named `through` (all of them when `through`
+        is this journal's own watermark, which its entries follow; none when the journal is empty
+        and has none: the first watermark a ROOT is told); ValueError when the journal holds no
+        such name."""
+        at = [k for k, r in enumerate(self.entries) if r.name == through]
+        if at:  # the newest of that name: an entry named as the watermark came after it
+            return self.entries[at[-1] + 1:]
+        if through == self.through or (self.through is None and not self.entries):
+            return self.entries
+        raise ValueError(through)
+
+
+def _is_file_name(x: object) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= 255 and Path(x).name == x and x not in (".", "..")
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A snapshot's manifest. `arrays` maps each array name (`schemas.artifacts.ARRAYS_BY_NAME`)
@@ -190,6 +253,7 @@ class Manifest:
     files: dict[str, FileEntry]
     shards: tuple[ShardEntry, ...] = ()  # version 8; `shard_list` reads any version's
     lineage: Lineage | None = None  # an update's (docs/design.md §15); None for a full build
+    journal: Journal | None = None  # version 9: never None when written now
     format_version: int = SNAPSHOT_VERSION  # a manifest read keeps its own
 
     @property
@@ -235,14 +299,15 @@ class Manifest:
     def to_bytes(self) -> bytes:
         """The sealed manifest.json text."""
         doc = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("format_version", "lineage", "shards")}
+               if f.name not in ("format_version", "lineage", "shards", "journal")}
         doc |= {"level_sizes": list(self.level_sizes), "counts": self.counts.to_dict(),
                 "build_config": {} if self.build_config is None else self.build_config.to_dict(),
                 "stats": {} if self.stats is None else self.stats.to_dict(),
                 "arrays": {n: asdict(a) for n, a in self.arrays.items()},
                 "files": {n: f.listing() for n, f in self.files.items()},
                 **({} if self.lineage is None else {"lineage": self.lineage.to_dict()}),
-                **({"shards": [e.to_dict() for e in self.shards]} if self.version >= SHARDED_VERSION else {})}
+                **({"shards": [e.to_dict() for e in self.shards]} if self.version >= SHARDED_VERSION else {}),
+                **({"journal": (self.journal or Journal()).to_dict()} if self.version >= JOURNAL_VERSION else {})}
         if (self.version >= SHARDED_VERSION) != bool(self.shards):
             raise ValueError(f"a manifest lists its shards exactly from format version {SHARDED_VERSION}")
         if not _states_fit(self.version, self.lineage is not None, "ad_state" in self.arrays):
@@ -303,6 +368,7 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
     try:  # the typed records: their own checks, with this manifest's path
         counts = Counts.from_dict(doc["counts"])
         lineage = Lineage.from_dict(doc["lineage"]) if "lineage" in doc else None
+        journal = Journal.from_dict(doc["journal"]) if "journal" in doc else None
         stats = GTMStats.from_dict(doc["stats"]) if doc["stats"] else None
         config = BuildConfig.from_dict(doc["build_config"], "build_config") if doc["build_config"] else None
     except (ValueError, ConfigError) as e:
@@ -311,7 +377,7 @@ def _parse(path: Path, doc: dict, dirname: str) -> Manifest:
         **{k: doc[k] for k in ("id", "created", "input_fingerprint", "catalog", "codebook_id", "targeting", "kway",
                                "quality")},
         build_config=config, level_sizes=tuple(sizes), counts=counts, stats=stats, arrays=arrays, files=files,
-        shards=shards, lineage=lineage, format_version=version)
+        shards=shards, lineage=lineage, journal=journal, format_version=version)
 
 
 def _states_fit(version: int, lineage: bool, states: bool) -> bool:

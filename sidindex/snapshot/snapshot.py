@@ -38,6 +38,7 @@ from schemas.artifacts import (
     EXACT_ROWS,
     MANIFEST_FILE,
     MATCHER_PLANES,
+    UNLISTED,
     plane_arrays,
     shard_dir,
 )
@@ -47,8 +48,9 @@ from sidindex.errors import ArtifactError, SidIndexError
 from sidindex.matchers.exact import ExactIndex
 from sidindex.root import Root, pruned
 from sidindex.sid.codebook import Codebook, load_codebook, save_codebook
+from sidindex.signing import TrustKey
 from sidindex.snapshot.arrays import map_array, prefault_pages, same_memory, write_array
-from sidindex.snapshot.manifest import ArrayShape, Counts, FileEntry, Lineage, Manifest, ShardEntry
+from sidindex.snapshot.manifest import ArrayShape, Counts, FileEntry, Journal, Lineage, Manifest, ShardEntry
 from sidindex.snapshot.validate import (
     Changed,
     check_counts,
@@ -129,7 +131,7 @@ def write_snapshot(directory: Path, shards: Sequence[Shard], exact: ExactIndex, 
                    spec: TargetingSpec, *, snapshot_id: str, codebook: Codebook | None = None,
                    input_fingerprint: str = "", catalog: str = "", build_config: BuildConfig | None = None,
                    stats: GTMStats | None = None, quality: dict | None = None, base: Snapshot | None = None,
-                   lineage: Lineage | None = None) -> Manifest:
+                   lineage: Lineage | None = None, journal: Journal | None = None) -> Manifest:
     """Write the files of a snapshot of `shards` (in token order, covering the first-level tokens)
     into the new, empty `directory` (named `snapshot_id`) and return its manifest (written last,
     as manifest.json).
@@ -137,7 +139,8 @@ def write_snapshot(directory: Path, shards: Sequence[Shard], exact: ExactIndex, 
     base: the snapshot an update started from. An array that is still the base's (the same memory,
     in a shard of the same token range) and the base's codebook are hard-linked from it with their
     manifest entries, not written and hashed again, so an update's cost follows what it changed
-    (a shard it did not touch is all links). lineage: the update's.
+    (a shard it did not touch is all links). lineage: the update's. journal: the ROOT's journal
+    of change files as of this snapshot (none: empty).
     """
     links = None if base is None else _Links.of(base)
     written = [write_shard(directory, k, shard, links) for k, shard in enumerate(shards)]
@@ -148,7 +151,7 @@ def write_snapshot(directory: Path, shards: Sequence[Shard], exact: ExactIndex, 
     return write_manifest(directory, [e for e, _ in written], {n: _shape(a) for n, a in global_arrays.items()}, kept,
                           spec, shards[0].gtm.level_sizes, snapshot_id=snapshot_id, codebook=codebook,
                           input_fingerprint=input_fingerprint, catalog=catalog, build_config=build_config,
-                          stats=stats, quality=quality, base=base, lineage=lineage)
+                          stats=stats, quality=quality, base=base, lineage=lineage, journal=journal)
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,7 @@ def _put(directory: Path, name: str, a: np.ndarray, file: str, source: str | Non
 def list_shard(directory: Path, k: int) -> dict[str, dict]:
     """The manifest listing (sizes, digests) of the files of shard k, by path below `directory`:
     what a Ray task that wrote the shard hands the manifest's writer instead of the arrays."""
-    return {f"{shard_dir(k)}/{n}": e for n, e in list_files(directory / shard_dir(k), MANIFEST_FILE, fast=True).items()}
+    return {f"{shard_dir(k)}/{n}": e for n, e in list_files(directory / shard_dir(k), UNLISTED, fast=True).items()}
 
 
 def write_manifest(directory: Path, shards: Sequence[ShardEntry], global_arrays: dict[str, ArrayShape],
@@ -214,7 +217,7 @@ def write_manifest(directory: Path, shards: Sequence[ShardEntry], global_arrays:
                    codebook: Codebook | None,
                    input_fingerprint: str = "", catalog: str = "", build_config: BuildConfig | None = None,
                    stats: GTMStats | None = None, quality: dict | None = None, base: Snapshot | None = None,
-                   lineage: Lineage | None = None) -> Manifest:
+                   lineage: Lineage | None = None, journal: Journal | None = None) -> Manifest:
     """Write the codebook (linked from `base` when it has this one) and manifest.json into the
     `directory` that holds the shards and global arrays described (`write_shard`, `write_globals`);
     listed: files whose listing is known (linked, or listed by whoever wrote them), the rest are hashed
@@ -236,8 +239,8 @@ def write_manifest(directory: Path, shards: Sequence[ShardEntry], global_arrays:
         kway="part_offsets" in first,
         counts=Counts.of_shapes(shards, global_arrays["ads"].rows),
         stats=stats, quality=quality, arrays=dict(global_arrays),
-        files={n: FileEntry.of(e) for n, e in list_files(directory, MANIFEST_FILE, kept, fast=True).items()},
-        shards=tuple(shards), lineage=lineage)
+        files={n: FileEntry.of(e) for n, e in list_files(directory, UNLISTED, kept, fast=True).items()},
+        shards=tuple(shards), lineage=lineage, journal=journal or Journal())
     (directory / MANIFEST_FILE).write_bytes(manifest.to_bytes())
     return manifest
 
@@ -252,7 +255,7 @@ def _shape(a: np.ndarray) -> ArrayShape:
 def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False, cover: bool = False,
                   prefault: bool = False, base: Snapshot | None = None,
                   while_checking: Callable[[dict[str, np.ndarray]], None] | None = None,
-                  records: bool = False) -> Snapshot:
+                  records: bool = False, trust: TrustKey | None = None) -> Snapshot:
     """Open a ROOT's published snapshot (its CURRENT) or a snapshot directory.
 
     verify:   also check every file's fast digest (reads every byte, in parallel chunks; a snapshot
@@ -277,6 +280,9 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
               `cover` the cover), every file's digest is verified (whatever `verify` says: they tie
               the bytes to the manifest) and those checks are not made again. A snapshot outside a
               ROOT, or without such a record, is checked. The result's `recorded` says which
+    trust:    refuse the snapshot unless its manifest carries this key's signature (`sidindex.signing`),
+              before anything else is read; every file's digest is then verified, whatever `verify`
+              says (they tie the bytes to the signed manifest)
     A ROOT whose snapshot retention prunes while it is being opened (`_pruned`) is read again once,
     for the snapshot CURRENT names now; when that one is pruned too, and for a snapshot directory
     pruned under the reader, the error is `sidindex.root.pruned`. Seconds per phase are in the
@@ -286,7 +292,7 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
     for attempt in range(2):
         directory = Root.resolve(path)
         try:
-            return _open(directory, verify, strong, cover, prefault, base, while_checking, records)
+            return _open(directory, verify, strong, cover, prefault, base, while_checking, records, trust)
         except ArtifactError:
             if not _pruned(path, directory):
                 raise
@@ -304,17 +310,19 @@ def check_to_publish(directory: Path, root: Root, snapshot_id: str) -> Snapshot:
     return checked
 
 
-def read_states(directory: Path) -> tuple[np.ndarray, np.ndarray] | None:
+def read_states(directory: Path, trust: TrustKey | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """(N,) int64 ad ids and (N,) uint8 row states of the snapshot `directory`, or None when it
-    holds no states: only their two files are hashed (against the sealed manifest; every other file's
-    presence and size is checked), what a full build carries forward without reading the whole
-    snapshot."""
+    holds no states: only their two files are hashed (against the sealed manifest, signed by `trust`
+    when given; every other file's presence and size is checked), what a full build carries forward
+    without reading the whole snapshot."""
     m = Manifest.read(directory)
+    if trust is not None:
+        trust.verify(directory, m.to_bytes())
     if "ad_state" not in m.arrays:
         return None
     names = ("ads", "ad_state")
     read = frozenset(ARRAYS_BY_NAME[n].file for n in names)
-    verify_files(directory, {n: f.listing() for n, f in m.files.items()}, MANIFEST_FILE,
+    verify_files(directory, {n: f.listing() for n, f in m.files.items()}, UNLISTED,
                  trusted=frozenset(m.files) - read)
     ads, state = (map_array(directory, ARRAYS_BY_NAME[n], m.arrays[n].shape) for n in names)
     if len(state) != len(ads) or not np.all(state <= AD_DELETED):
@@ -339,13 +347,13 @@ def _pruned(path: Path, directory: Path) -> bool:
 
 def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bool, base: Snapshot | None,
           while_checking: Callable[[dict[str, np.ndarray]], None] | None,
-          records: bool) -> Snapshot:
+          records: bool, trust: TrustKey | None) -> Snapshot:
     clock = StageClock()
-    m, spec = _manifest(directory)
+    m, spec = _manifest(directory, trust)
     root = Root.containing(directory) if records else None
     on_record = root is not None and root.checks_recorded(m.id, m.sha256(), ("structure", "cover") if cover
                                                           else ("structure",))
-    verify = verify or on_record
+    verify = verify or on_record or trust is not None  # a signature vouches for the manifest, digests for the rest
     clock.lap("manifest")
     entries = m.shard_list()
     theirs = _base_files(base) if base is not None and _comparable(m, spec, base) else {}
@@ -353,7 +361,7 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     shared = frozenset(f for f, (shape, _) in theirs.items() if held.get(f) == shape and base is not None
                        and base.manifest.files.get(f) == m.files.get(f) and same_file(directory / f, base.path / f))
     listing = {n: f.listing() for n, f in m.files.items()}
-    verify_files(directory, listing, MANIFEST_FILE, checksums=False)  # regular files of the listed sizes
+    verify_files(directory, listing, UNLISTED, checksums=False)  # regular files of the listed sizes
     clock.lap("files")
 
     def array(name: str, file: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -413,9 +421,12 @@ def _mapped_shard(m: Manifest, entry: ShardEntry, glob: dict[str, np.ndarray],
         MATCHER_PLANES))
 
 
-def _manifest(directory: Path) -> tuple[Manifest, TargetingSpec]:
-    """The snapshot's manifest and spec, once the shapes it declares agree (`_check_shapes`)."""
+def _manifest(directory: Path, trust: TrustKey | None = None) -> tuple[Manifest, TargetingSpec]:
+    """The snapshot's manifest and spec, once the shapes it declares agree (`_check_shapes`) and,
+    given `trust`, its signature."""
     m = Manifest.read(directory)
+    if trust is not None:
+        trust.verify(directory, m.to_bytes())
     where = directory / MANIFEST_FILE
     try:
         spec = spec_from_dict(m.targeting, where=f"{where} targeting")
@@ -437,7 +448,7 @@ def check_part(directory: Path, part: int | None) -> None:
     entries = m.shard_list()
     entry = None if part is None else entries[part]
     if entry is None:
-        verify_files(directory, listing, MANIFEST_FILE, checksums=False)
+        verify_files(directory, listing, UNLISTED, checksums=False)
         theirs = {e.file(n) for e in entries for n in e.arrays}
         mine = {n: e for n, e in listing.items() if n not in theirs}
     else:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs the tests that exercise a CUDA device, on a bare GPU host whose Python has torch and Triton
+# but lacks some of sidindex's dependencies: wheels found in .whl/ and .whl2/ (cp312, manylinux;
+# pip download --no-deps ... -d .whl NAME==VERSION, versions from constraints.txt) are installed
+# into .site/ first, which stays for later runs on the same host.
+#
+#   bash bench/gpu_check.sh install        # install the wheels that came along, nothing else
+#   bash bench/gpu_check.sh [PYTEST ARGS]  # install what came along, then the GPU tests
+set -uo pipefail
+cd "$(dirname "$0")/.."
+site="$PWD/.site"
+mkdir -p "$site"
+for d in .whl .whl2; do
+    if compgen -G "$d/*.whl" > /dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$d"/*.whl \
+            || exit 1
+    fi
+done
+export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${1:-}" = "install" ]; then
+    exit 0
+fi
+# the console script the tests run, from this checkout
+mkdir -p "$site/bin"
+printf '#!/usr/bin/env python3\nimport sys\nfrom sidindex_cli.app import main\nsys.exit(main())\n' > "$site/bin/sidindex"
+chmod +x "$site/bin/sidindex"
+export PATH="$site/bin:$PATH"
+nvidia-smi -L
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+TESTS=(tests/test_broken_scorer.py tests/test_serving.py tests/test_retriever.py tests/test_order.py
+       tests/test_swap.py tests/test_signing.py tests/test_shared_rows.py tests/test_impl.py)
+python3 -m pytest -q -p no:cacheprovider -n 8 -o addopts="" -ra "${TESTS[@]}" "$@"
