@@ -8,6 +8,7 @@ reaching `main` is a bug.
 
 from __future__ import annotations
 
+import signal
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
@@ -17,7 +18,8 @@ from rich.text import Text
 from typer.exceptions import TyperException
 
 from sidindex.errors import SidIndexError
-from sidindex.interrupts import Interrupted, interrupts_raise
+from sidindex.interrupts import Interrupted, interrupts_raise, noted
+from sidindex.resources import address_space_limit, check_limit, fit_to_limit, is_out_of_memory
 from sidindex_cli import build, explain, serve, snapshot
 from sidindex_cli.render import err
 
@@ -34,33 +36,50 @@ for group in (build, snapshot, explain, serve):
 
 @dataclass(frozen=True)
 class _Outcome:
-    """What a command stopped half way leaves, and how it needs less memory, for its one line."""
+    """What a command stopped half way leaves, how it needs less memory, and what it loads, for its one line."""
 
     left: str = "nothing published"  # build, update and sid train publish into a ROOT by rename
     smaller: str = "a smaller input file"
+    # the heaviest library it loads, for the address space that needs (`sidindex.resources.check_limit`);
+    # numpy stands for numpy, polars, pyarrow and numba, which every command loads
+    loads: str | None = None
 
 
 # The commands that write files write each under a temporary name and rename it into place,
 # except sample; the others write nothing.
 OUTCOMES = {
-    "sample": _Outcome("the --out directory may hold some of its files", "fewer --ads or --requests"),
-    "retrieve": _Outcome("nothing written", "fewer requests per file, or per search (--batch-size)"),
-    "simulate": _Outcome("nothing written", "fewer requests (--max-requests)"),
-    "serve": _Outcome("nothing written", "smaller --beams or --max-batch"),
-    **{c: _Outcome("nothing written") for c in ("explain", "inspect", "validate")},
+    "sample": _Outcome("the --out directory may hold some of its files", "fewer --ads or --requests", "numpy"),
+    "build": _Outcome(loads="faiss"),
+    "sid": _Outcome(loads="faiss"),
+    "update": _Outcome(loads="numpy"),
+    "retrieve": _Outcome("nothing written", "fewer requests per file, or per search (--batch-size)", "torch"),
+    "simulate": _Outcome("nothing written", "fewer requests (--max-requests)", "torch"),
+    "serve": _Outcome("nothing written", "smaller --beams or --max-batch", "torch"),
+    **{c: _Outcome("nothing written", loads="numpy") for c in ("explain", "inspect", "validate")},
 }
 
 
 def _out_of_memory(e: BaseException) -> str | None:
     """Which memory ran out ("host" or "GPU"), when `e` says one did: a MemoryError (Python,
-    numpy, pyarrow), or torch's (torch.OutOfMemoryError on a GPU, a RuntimeError from its CPU
-    allocator); else None."""
+    numpy, pyarrow), torch's (torch.OutOfMemoryError on a GPU, a RuntimeError from its CPU
+    allocator), a thread that could not start or a library that could not be mapped
+    (`sidindex.resources.is_out_of_memory`); else None."""
     torch = sys.modules.get("torch")  # loaded by the commands that use it
     if torch is not None and isinstance(e, getattr(torch, "OutOfMemoryError", ())):
         return "GPU"
-    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
-        return "host"
-    return None
+    if not is_out_of_memory(e):
+        return None
+    # CUDA's "out of memory" under `ulimit -v` is host address space it could not reserve
+    return "GPU" if "cuda" in str(e).lower() and address_space_limit() is None else "host"
+
+
+def _memory_line(e: BaseException, command: str, outcome: _Outcome) -> str | None:
+    """The one line for `e` when it says memory ran out, else None."""
+    memory = _out_of_memory(e)
+    if memory is None:
+        return None
+    return (f"out of {memory} memory: `sidindex {command}` could not allocate what it needed ({e}); give it more "
+            f"memory or less to hold at once: {outcome.smaller}")
 
 
 def _fail(message: str, code: int, label: str = "error: ") -> NoReturn:
@@ -69,25 +88,29 @@ def _fail(message: str, code: int, label: str = "error: ") -> NoReturn:
 
 
 def main() -> None:
+    fit_to_limit()  # before numpy, polars, pyarrow and numba load: they size their pools as they do
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     outcome = OUTCOMES.get(command, _Outcome())
     try:
-        with interrupts_raise():  # SIGINT and SIGTERM unwind the command (`Interrupted`)
+        check_limit(outcome.loads)  # below it a library would fail where it cannot say so
+        # SIGINT and SIGTERM unwind the command (`Interrupted`) until it publishes; after that they are
+        # noted until the process has exited, and the success stands
+        with interrupts_raise(keep=True):
             code = app(standalone_mode=False)
     except Interrupted as e:
         _fail(e.describe(outcome.left), e.exit_code, label="")
-    except SidIndexError as e:
-        _fail(str(e), e.exit_code)
-    except OSError as e:  # permissions, a full disk, a file where a directory should be
-        _fail(str(e), USAGE)
-    except (MemoryError, RuntimeError) as e:
-        memory = _out_of_memory(e)
-        if memory is None:
-            raise
-        _fail(f"out of {memory} memory: `sidindex {command}` could not allocate what it needed ({e}); give it more "
-              f"memory or less to hold at once: {outcome.smaller}", USAGE)
-    except typer.Abort:  # end of input at a prompt
+    except SidIndexError as e:  # one raised on a failed allocation (a file that "cannot be read") is out of memory
+        line = _memory_line(e, command, outcome)
+        _fail(line or str(e), USAGE if line else e.exit_code)
+    except OSError as e:  # permissions, a full disk, a file where a directory should be; or ENOMEM
+        _fail(_memory_line(e, command, outcome) or str(e), USAGE)
+    except typer.Abort:  # end of input at a prompt (a RuntimeError: before the clause below)
         _fail("aborted", SIGINT_EXIT, label="")
+    except (MemoryError, RuntimeError, ImportError) as e:
+        line = _memory_line(e, command, outcome)
+        if line is None:
+            raise
+        _fail(line, USAGE)
     except KeyboardInterrupt:  # raised by code, not by a SIGINT (`interrupts_raise` makes that Interrupted)
         _fail(f"interrupted; {outcome.left}", SIGINT_EXIT, label="")
     except TyperException as e:  # usage errors: a mistyped flag, a bad option value, an unknown command
@@ -98,3 +121,7 @@ def main() -> None:
     if isinstance(code, int) and code != 0:  # typer's exit code for an exception it caught: never a success
         _fail(f"interrupted; {outcome.left}" if code == SIGINT_EXIT else f"stopped with exit code {code}", code,
               label="")
+    signals, published = noted()
+    if signals and published:
+        err.print(f"note: {signal.Signals(signals[0]).name} arrived after snapshot {published} was published; the "
+                  "command finished", highlight=False, soft_wrap=True)
