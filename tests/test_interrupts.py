@@ -296,9 +296,9 @@ main()
 """
 
 
-@pytest.mark.parametrize("signum, name", SIGNALS)
-@pytest.mark.parametrize("phase", ["commit", "retention", "report", "exit"])
-@pytest.mark.parametrize("command", ["build", "update"])
+@pytest.mark.parametrize("command, phase, signum, name", [
+    ("build", "commit", *SIGNALS[0]), ("update", "retention", *SIGNALS[1]), ("build", "report", *SIGNALS[1]),
+    ("update", "report", *SIGNALS[0]), ("update", "exit", *SIGNALS[1])])
 def test_a_signal_after_the_commit_leaves_a_success_that_says_so(root, work, sample_dir, tmp_path, command, phase,
                                                                  signum, name):
     """From the moment CURRENT names the new snapshot no signal turns the success into a failure:

@@ -188,9 +188,11 @@ class TableScorer:
         return table[step % 4][key % 257]
 
     def one(self, prefix: tuple[int, ...], size: int) -> torch.Tensor:
-        """The log-probabilities after `prefix` of a level of `size` tokens: over its first `size` logits."""
+        """The log-probabilities after `prefix` of a level of `size` tokens: over its first `size` logits,
+        of which only the finite ones count (docs/design.md §12)."""
         logits = self(len(prefix), torch.tensor([[list(prefix)]], dtype=torch.int64))[0, 0, :size]
-        return torch.log_softmax(logits, -1)
+        inf = float("-inf")
+        return torch.log_softmax(logits.nan_to_num(nan=inf, posinf=inf, neginf=inf), -1)
 
 
 def brute_force_search(case: Case, r: int, scorer: TableScorer, beams: tuple[int, ...], mode: Mode) -> dict:
