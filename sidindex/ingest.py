@@ -12,6 +12,8 @@ with an absolute value of at most `MAX_ABS_EMBEDDING` (1e6).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,16 +67,26 @@ def _form(path: str | Path, what: str) -> tuple[Path, str]:
     return path, "parquet" if head[:4] == b"PAR1" else "ipc file" if head == b"ARROW1" else "ipc stream"
 
 
+@contextlib.contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """Within: an error reading the table at `path` is an InputError naming it (polars and pyarrow
+    raise many types for corrupt input), except memory running out, which is no fault of the file."""
+    try:
+        yield
+    except MemoryError:
+        raise
+    except Exception as e:
+        raise InputError(f"{path}: cannot be read as Parquet or Arrow IPC: {e}") from None
+
+
 def read_table(path: str | Path, what: str) -> pl.DataFrame:
     """Read the Parquet or Arrow IPC (file or stream) table at `path`, chosen by its magic bytes;
     `what` names it in messages ("catalog")."""
     path, form = _form(path, what)
-    try:
+    with _readable(path):
         if form == "parquet":
             return pl.read_parquet(path)
         return pl.read_ipc(path) if form == "ipc file" else pl.read_ipc_stream(path)
-    except Exception as e:  # polars raises many types for corrupt input
-        raise InputError(f"{path}: cannot be read as Parquet or Arrow IPC: {e}") from None
 
 
 def open_table(path: str | Path, what: str) -> pa.Table:
@@ -84,13 +96,11 @@ def open_table(path: str | Path, what: str) -> pa.Table:
     import pyarrow.parquet as pq
 
     path, form = _form(path, what)
-    try:
+    with _readable(path):
         if form == "parquet":
             return pq.read_table(path)
         with pa.memory_map(str(path)) as source:
             return (ipc.open_file if form == "ipc file" else ipc.open_stream)(source).read_all()
-    except Exception as e:  # pyarrow raises several types for corrupt input
-        raise InputError(f"{path}: cannot be read as Parquet or Arrow IPC: {e}") from None
 
 
 def table_metadata(path: str | Path, what: str) -> dict[str, str]:
@@ -99,14 +109,12 @@ def table_metadata(path: str | Path, what: str) -> dict[str, str]:
     import pyarrow.parquet as pq
 
     path, form = _form(path, what)
-    try:
+    with _readable(path):
         if form == "parquet":
             schema = pq.read_schema(path)
         else:
             with pa.memory_map(str(path)) as source:
                 schema = (pa.ipc.open_file if form == "ipc file" else pa.ipc.open_stream)(source).schema
-    except Exception as e:  # pyarrow raises several types for corrupt input
-        raise InputError(f"{path}: cannot be read as Parquet or Arrow IPC: {e}") from None
     return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in (schema.metadata or {}).items()}
 
 
