@@ -384,12 +384,9 @@ def _published_manifest(directory: Path | None, trust: TrustKey | None, conseque
     if directory is None:
         return None
     try:
-        m = Manifest.read(directory)
-        if trust is not None:
-            trust.verify(directory, m.to_bytes())
+        return Manifest.read(directory, trust)
     except ArtifactError as e:
         raise ArtifactError(f"{e}; {consequence}") from None
-    return m
 
 
 def _published(root: Root) -> str | None:

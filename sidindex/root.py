@@ -321,9 +321,9 @@ class Root:
 
     @contextmanager
     def staged_change(self, path: Path) -> Iterator[Path]:
-        """A copy of change file `path` in a temporary journal entry: what an update reads, digests
-        and journals (`publish`), so the three are the same bytes. Removed on leaving, unless
-        published."""
+        """A copy of change file `path` (an update's private copy: the bytes it read and digested) in
+        a temporary journal entry, which `publish` makes the update's entry. Removed on leaving,
+        unless published."""
         entry = self.changes / f"{TMP_PREFIX}{os.getpid()}-{time.time_ns()}"
         made = not os.path.lexists(self.changes)
         entry.mkdir(parents=True)

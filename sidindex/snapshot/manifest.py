@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from sidindex.errors import ArtifactError, ConfigError
 from sidindex.root import SNAPSHOT_ID, TMP_PREFIX, pruned
 from sidindex.trie.build import GTMIndex
 from sidindex.trie.stats import GTMStats
+
+if TYPE_CHECKING:
+    from sidindex.signing import TrustKey
 
 MAX_ROWS = 1 << 40  # no snapshot array is longer; a larger count is a corrupt manifest
 MAX_LEVEL_SIZE = MAX_TOKEN + 1  # tokens are int16
@@ -320,8 +323,9 @@ class Manifest:
         return seal({"format": SNAPSHOT_FORMAT, "format_version": self.version, **doc})
 
     @classmethod
-    def read(cls, directory: Path) -> Manifest:
-        """The manifest of the snapshot `directory`, checked as the module docstring says."""
+    def read(cls, directory: Path, trust: TrustKey | None = None) -> Manifest:
+        """The manifest of the snapshot `directory`, checked as the module docstring says, and given
+        `trust`, signed by that key (`sidindex.signing`)."""
         path = directory / MANIFEST_FILE
         if directory.is_symlink():  # one pointing out of its ROOT would serve files retention and builds never see
             raise ArtifactError(f"{directory}: is a symbolic link; a snapshot is read from its own directory only")
@@ -332,7 +336,10 @@ class Manifest:
                 and doc["format_version"] != snapshot_version(doc["arrays"])):  # an older version names its arrays
             raise ArtifactError(f"{path}: format version {doc['format_version']} disagrees with its arrays (version "
                                 f"{snapshot_version(doc['arrays'])} holds exactly those)")
-        return _parse(path, doc, directory.name.removeprefix(TMP_PREFIX))  # checked before publishing too
+        m = _parse(path, doc, directory.name.removeprefix(TMP_PREFIX))  # checked before publishing too
+        if trust is not None:
+            trust.verify(directory, m.to_bytes())
+        return m
 
 
 def _parse(path: Path, doc: dict, dirname: str) -> Manifest:

@@ -315,9 +315,7 @@ def read_states(directory: Path, trust: TrustKey | None = None) -> tuple[np.ndar
     holds no states: only their two files are hashed (against the sealed manifest, signed by `trust`
     when given; every other file's presence and size is checked), what a full build carries forward
     without reading the whole snapshot."""
-    m = Manifest.read(directory)
-    if trust is not None:
-        trust.verify(directory, m.to_bytes())
+    m = Manifest.read(directory, trust)
     if "ad_state" not in m.arrays:
         return None
     names = ("ads", "ad_state")
@@ -424,9 +422,7 @@ def _mapped_shard(m: Manifest, entry: ShardEntry, glob: dict[str, np.ndarray],
 def _manifest(directory: Path, trust: TrustKey | None = None) -> tuple[Manifest, TargetingSpec]:
     """The snapshot's manifest and spec, once the shapes it declares agree (`_check_shapes`) and,
     given `trust`, its signature."""
-    m = Manifest.read(directory)
-    if trust is not None:
-        trust.verify(directory, m.to_bytes())
+    m = Manifest.read(directory, trust)
     where = directory / MANIFEST_FILE
     try:
         spec = spec_from_dict(m.targeting, where=f"{where} targeting")
