@@ -35,7 +35,8 @@ parsed after the clock stops.
 Scenarios (--scenarios), run in turn on the same server:
   steady     the load alone
   publisher  the load, and every --publish-every seconds `sidindex update WORK_ROOT --changes FILE`
-             (the update path warmed first by one update of a scratch copy: numba's kernels compiled)
+             (the update path warmed first by one update of a scratch copy: numba's kernels compiled;
+             the scenario's load lasts at least three such updates and a swap, so one lands in it)
              pausing --pause ads: those a probe request just got back (top ranks first, so that
              answers before and after the swap differ), topped up with random catalog ads
   corrupt    the load; at a third of the scenario a snapshot that cannot load is published: a copy
@@ -103,6 +104,7 @@ KEEP = 1_000_000  # retention of the working ROOT: every snapshot an answer may 
 MONITOR_S = 0.05  # how often CURRENT and /snapshot are read during a scenario
 LEAD_S = 0.5  # from the clients' READY to the first scheduled send
 FIRST_UPDATE_S, LAST_UPDATE_S = 0.25, 0.5  # the publisher's updates start from, and until before the end
+SWAP_MARGIN_S = 2.0  # `publisher_seconds`: the server's poll, load and warm-up of a new snapshot
 
 
 def log(msg: str) -> None:
@@ -124,21 +126,37 @@ def working_root(root: Path, work: Path) -> Path:
     return Path(shutil.copytree(root, work / "root", copy_function=link, ignore=shutil.ignore_patterns(".lock")))
 
 
-def warm_updates(root: Path, work: Path, ad: int) -> None:
-    """One update (pausing `ad`) of a scratch copy of ROOT, dropped after: it compiles the update
-    path's numba kernels into their on-disk cache, as a builder host that ran an update before has
-    them, so the publisher's first `sidindex update` is not a fresh environment's compile."""
+def warm_updates(root: Path, work: Path, ad: int) -> float:
+    """The publisher's `sidindex update` (pausing `ad`) once on a scratch copy of ROOT, dropped
+    after: it compiles the update path's numba kernels into their on-disk cache and brings the
+    command's modules into the page cache, as on a builder host that ran an update before. Its
+    seconds: what the publisher scenario's load is sized by (`publisher_seconds`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from sidindex.job import run_update
 
     scratch = work / "warm"
     scratch.mkdir()
     changes = scratch / "pause.parquet"
     pq.write_table(pa.table({"ad_id": pa.array([ad], pa.int64()), "op": ["pause"]}), changes)
-    run_update(working_root(root, scratch), changes)
+    t = time.perf_counter()
+    subprocess.run(update_command(working_root(root, scratch), changes), check=True, capture_output=True)
+    seconds = time.perf_counter() - t
     shutil.rmtree(scratch)
+    return seconds
+
+
+def update_command(root: Path, changes: Path) -> list[str]:
+    """The publisher's update of ROOT: the installed CLI, as an operator runs it."""
+    return [sys.executable, "-m", "sidindex_cli", "update", str(root), "--changes", str(changes), "--keep", str(KEEP),
+            "--json"]
+
+
+def publisher_seconds(seconds: float, update_s: float) -> float:
+    """The publisher scenario's load: `seconds`, or long enough for its first update to land and be
+    swapped in under load (an update under load takes longer than the warm one alone: three of
+    them, plus the server's warm-up of the new snapshot) on a slow or busy host. A run in which no
+    swap happened would measure no swap."""
+    return max(seconds, FIRST_UPDATE_S + LAST_UPDATE_S + 3 * update_s + SWAP_MARGIN_S)
 
 
 def request_pool(index, catalog: Path, n: int, seed: int) -> list[bytes]:
@@ -304,9 +322,8 @@ async def publisher(root: Path, url: str, start: float, seconds: float, every: f
             changes = work / f"pause-{n:05d}.parquet"
             pq.write_table(pa.table({"ad_id": pa.array(chosen, pa.int64()), "op": ["pause"] * len(chosen)}), changes)
             t0 = time.monotonic()
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "sidindex_cli", "update", str(root), "--changes", str(changes), "--keep",
-                str(KEEP), "--json", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            proc = await asyncio.create_subprocess_exec(*update_command(root, changes), stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.PIPE)
             out, err = await proc.communicate()
             event = {"kind": "update", "started_s": t0 - start, "finished_s": time.monotonic() - start,
                      "paused": chosen, "paused_returned": len([a for a in chosen if a in returned])}
@@ -375,10 +392,10 @@ def swap_windows(samples: list, end: float) -> list[dict]:
     return out
 
 
-async def scenario(name: str, server: Server, root: Path, args, bodies: list[bytes], bodies_path: Path,
-                   ad_ids: np.ndarray, seed: int, work: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """One scenario's load and ROOT changes: its figures without the checks, and its answers."""
-    sends = schedule(args.rate, args.seconds, args.clients, len(bodies), args.arrivals, seed)
+async def scenario(name: str, server: Server, root: Path, args, seconds: float, bodies: list[bytes],
+                   bodies_path: Path, ad_ids: np.ndarray, seed: int, work: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """One scenario's `seconds` of load and ROOT changes: its figures without the checks, and its answers."""
+    sends = schedule(args.rate, seconds, args.clients, len(bodies), args.arrivals, seed)
     procs = min(args.procs, args.clients)
     before = server_counts(server.get("/metrics"))
     children = await asyncio.gather(*(
@@ -392,10 +409,10 @@ async def scenario(name: str, server: Server, root: Path, args, bodies: list[byt
     watch = asyncio.create_task(monitor(root, server.url, start, stop, samples))
     action = None
     if name == "publisher":
-        action = asyncio.create_task(publisher(root, server.url, start, args.seconds, args.publish_every, args.pause,
+        action = asyncio.create_task(publisher(root, server.url, start, seconds, args.publish_every, args.pause,
                                                bodies, ad_ids, seed, work, events))
     elif name == "corrupt":
-        action = asyncio.create_task(corrupter(root, start, args.seconds, events))
+        action = asyncio.create_task(corrupter(root, start, seconds, events))
     for proc, _ in children:
         if await proc.wait() != 0:
             raise RuntimeError(f"a client process of scenario {name} exited with {proc.returncode}")
@@ -405,15 +422,15 @@ async def scenario(name: str, server: Server, root: Path, args, bodies: list[byt
     stop.set()
     await watch
     answers = merged([dict(np.load(out)) for _, out in children])
-    end = float(answers["done"].max()) if len(answers["done"]) else args.seconds
+    end = float(answers["done"].max()) if len(answers["done"]) else seconds
     after = server_counts(server.get("/metrics"))
-    res = {"scenario": name, "events": events, "windows": swap_windows(samples, end),
+    res = {"scenario": name, "seconds": seconds, "events": events, "windows": swap_windows(samples, end),
            "server": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
            "snapshot_after": server.get("/snapshot")}
     res["last_errors_seen"] = sorted({s[3] for s in samples if s[3]})
     if name == "corrupt":
         res["answered_while_refused"] = answered_while_refused(answers, res["windows"], end)
-    return res | load_figures(answers, res["windows"], args), answers
+    return res | load_figures(answers, res["windows"], seconds), answers
 
 
 def answered_while_refused(a: dict[str, np.ndarray], windows: list[dict], end: float) -> int | None:
@@ -428,12 +445,14 @@ def answered_while_refused(a: dict[str, np.ndarray], windows: list[dict], end: f
 
 # --- the run, the report --------------------------------------------------------------------
 
-async def run_scenarios(server: Server, root: Path, args, bodies: list[bytes], bodies_path: Path,
+async def run_scenarios(server: Server, root: Path, args, update_s: float, bodies: list[bytes], bodies_path: Path,
                         ad_ids: np.ndarray, work: Path) -> list[tuple[dict, dict]]:
     out = []
     for n, name in enumerate(args.scenarios):
-        log(f"scenario {name}: {args.rate:g} req/s from {args.clients} clients for {args.seconds:g} s ...")
-        out.append(await scenario(name, server, root, args, bodies, bodies_path, ad_ids, args.seed + 1 + n, work))
+        seconds = publisher_seconds(args.seconds, update_s) if name == "publisher" else args.seconds
+        log(f"scenario {name}: {args.rate:g} req/s from {args.clients} clients for {seconds:g} s ...")
+        out.append(await scenario(name, server, root, args, seconds, bodies, bodies_path, ad_ids, args.seed + 1 + n,
+                                  work))
     return out
 
 
@@ -464,13 +483,14 @@ def run(args) -> dict:
         bodies_path = work / "bodies.jsonl"
         bodies_path.write_bytes(b"\n".join(bodies) + b"\n")
         ad_ids = pq.read_table(size["catalog"], columns=["ad_id"]).column(0).to_numpy()
-        warm_updates(Path(size["root"]), work, int(ad_ids[0]))
+        res["warm_update_s"] = warm_updates(Path(size["root"]), work, int(ad_ids[0]))
         log(f"sidindex serve {root} on {args.device} ...")
         server = Server(root, args, work / "serve.log")
         try:
             res["server_ready_s"] = server.wait_ready(args.ready_timeout)
             res["served_first"] = server.get("/snapshot")["id"]
-            results = asyncio.run(run_scenarios(server, root, args, bodies, bodies_path, ad_ids, work))
+            results = asyncio.run(run_scenarios(server, root, args, res["warm_update_s"], bodies, bodies_path, ad_ids,
+                                                work))
         finally:
             res["server_exit"] = server.stop()
             log_text = server.log_path.read_text(errors="replace")

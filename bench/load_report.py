@@ -16,8 +16,8 @@ def percentiles(ms: np.ndarray) -> dict:
     return {"p50_ms": float(p50), "p99_ms": float(p99), "p99.9_ms": float(p999), "max_ms": float(ms.max())}
 
 
-def load_figures(a: dict[str, np.ndarray], windows: list[dict], args) -> dict:
-    """Throughput, latency (from the scheduled send), failures by status, send lag, snapshots
+def load_figures(a: dict[str, np.ndarray], windows: list[dict], seconds: float) -> dict:
+    """Over `seconds` of load: throughput, latency (from the scheduled send), failures by status, send lag, snapshots
     seen and the latency of requests in flight during a swap window against the others."""
     ok = a["status"] == 200
     latency = (a["done"] - a["t"]) * 1e3
@@ -32,7 +32,7 @@ def load_figures(a: dict[str, np.ndarray], windows: list[dict], args) -> dict:
     seen = list(dict.fromkeys(a["snapshot"][ok][np.argsort(a["done"][ok], kind="stable")].tolist()))
     span = float(a["done"][ok].max()) if ok.any() else float("nan")
     return {"sent": int(len(ok)), "ok": int(ok.sum()), "failed": int((~ok).sum()), "errors": failed,
-            "offered_rps": len(ok) / args.seconds, "throughput_rps": float(ok.sum()) / span if ok.any() else 0.0,
+            "offered_rps": len(ok) / seconds, "throughput_rps": float(ok.sum()) / span if ok.any() else 0.0,
             "latency": percentiles(latency[ok]), "sends_behind_previous": behind,
             "generator_lag_p99_ms": float(np.percentile(lag, 99) * 1e3) if len(lag) else None,
             "rows_per_answer": float(a["rows"][ok].mean()) if ok.any() else 0.0,
@@ -87,7 +87,7 @@ def report(res: dict, console=None) -> None:
     for s in res["scenarios"]:
         t = Table(title=f"{s['scenario']}: {cat['ads']:,} ads ({res['device']}), {c['mode']}, beams {c['beams']}, "
                         f"{c['rate']:g} req/s offered ({c['arrivals']}) from {c['clients']} clients for "
-                        f"{c['seconds']:g} s, max batch {c['max_batch']}; ms from the scheduled send",
+                        f"{s['seconds']:g} s, max batch {c['max_batch']}; ms from the scheduled send",
                   title_justify="left")
         for col in ("sent", "ok", "req/s", "p50", "p99", "p99.9", "max", "failed", "checked", "mismatches",
                     "swaps seen", "p99 in swaps", "p99 other", "in swaps", "rows/answer", "rows/batch",
