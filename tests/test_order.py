@@ -9,7 +9,10 @@ hash level as the codebook scorer's, or drawn from three values).
   its token (a brute force that sorts each step's candidates stably, in float32 as the search adds).
 - The post stage ranks those beams identically on the host and the device path (its torch
   reference and its kernels).
-- `ops.order.top_k` ranks as a stable sort by score descending does.
+- `ops.order.top_k` ranks as a stable sort by score descending does, and bit for bit as the int64
+  key's top-k over all candidates it replaced (`int64_key_top_k`), on adversarial scores: two or three
+  values (ties straddling the k-th place), -0.0 beside 0.0, -inf (rows with fewer than k finite
+  scores), float32 extremes and subnormals; on a GPU the CPU's result, inside a CUDA graph too.
 - On a GPU, the CPU and CUDA searches keep the same beams in the same order (scores to the last
   bit of a log-softmax), and their post stages the same rows.
 """
@@ -25,12 +28,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from runtime.ops.order import TIE_LIMIT, ordered, top_k
 from runtime.post import RANKS, expand
 from runtime.search import beam_search
 from sidindex.modes import Mode
 from tests.test_gtm import scenarios
 from tests.test_post import IMPLS as POST_IMPLS
-from tests.test_post import device_post, same
+from tests.test_post import device_result, same
 from tests.test_runtime import DEVICE, GPU, Case
 from tests.test_value import VALUES
 
@@ -159,17 +163,116 @@ def test_the_post_stage_ranks_tied_beams_alike_on_host_and_device(sc, data, seed
         for rank in RANKS if sc.values is not None else ("score",):
             host = expand(case.index, case.req, found, None, False, rank)
             for impl in POST_IMPLS:
-                same(host, device_post(case, found, impl, rank=rank))
+                same(host, device_result(case, found, impl, rank=rank))
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from([0.0, -0.0, -1.0, -1.5, 2.0, float("-inf")]), min_size=1, max_size=40), st.data())
 def test_top_k_ranks_as_a_stable_sort_by_score(values, data):
-    from runtime.ops.order import top_k
-
     k = data.draw(st.integers(1, len(values)))
-    got = top_k(torch.tensor([values], dtype=torch.float32), k)[0].tolist()
+    got = top_k(torch.tensor([values], dtype=torch.float32), k, data.draw(st.booleans()))[0].tolist()
     assert got == sorted(range(len(values)), key=lambda i: -values[i])[:k]  # stable: ties to the lower position
+
+
+def int64_key_top_k(score: torch.Tensor, k: int) -> torch.Tensor:
+    """The reference: `top_k` as it was, one int64 key per candidate (the score's `ordered` bits x 2^32
+    + 2^32 - 1 - position) top-k'd over all N. score (B, N) float32 -> (B, k) int64."""
+    key = ordered(score).mul_(TIE_LIMIT)
+    key += torch.arange(TIE_LIMIT - 1, TIE_LIMIT - 1 - score.shape[1], -1, device=score.device)
+    return key.topk(k, dim=1, sorted=True).indices
+
+
+F32 = np.finfo(np.float32)
+EXTREMES = [0.0, -0.0, float("-inf"), float("inf"), 1.0, -1.0, float(F32.max), float(-F32.max),
+            float(F32.tiny), float(-F32.tiny), float(F32.smallest_subnormal), float(-F32.smallest_subnormal),
+            float(np.nextafter(np.float32(1), np.float32(2))), float(F32.smallest_subnormal * 2)]
+FLOATS = st.floats(width=32, allow_nan=False)
+
+
+@st.composite
+def scores(draw, max_b: int = 4, max_n: int = 80) -> np.ndarray:
+    """(B, N) float32 scores from a small palette (two or three values: ties wherever the cut falls,
+    extremes, ±0.0, -inf) or from any float32s mixed with it."""
+    B, N = draw(st.integers(1, max_b)), draw(st.integers(1, max_n))
+    palette = draw(st.lists(st.sampled_from(EXTREMES) | FLOATS, min_size=1, max_size=3))
+    pick = st.sampled_from(palette)
+    cell = draw(st.sampled_from([pick, pick | FLOATS, pick | st.sampled_from(EXTREMES)]))
+    return np.array(draw(st.lists(st.lists(cell, min_size=N, max_size=N), min_size=B, max_size=B)), dtype=np.float32)
+
+
+def stable_sort(row: list[float], k: int) -> list[int]:
+    return sorted(range(len(row)), key=lambda i: -row[i])[:k]  # -0.0 == 0.0; stable: ties to the lower position
+
+
+@settings(max_examples=150, deadline=None)
+@given(scores(), st.data())
+def test_top_k_is_the_int64_key_top_k_bit_for_bit(values, data):
+    N = values.shape[1]
+    k = data.draw(st.sampled_from([1, N, data.draw(st.integers(1, N))]))
+    score = torch.from_numpy(values)
+    got = top_k(score, k, float_first=data.draw(st.booleans()))  # either selection: below and from FLOAT_FIRST
+    assert got.dtype == torch.int64 and got.shape == (values.shape[0], k)
+    assert torch.equal(got, int64_key_top_k(score, k))
+    assert got.tolist() == [stable_sort(row, k) for row in values.tolist()]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 300), st.data())
+def test_top_k_keeps_the_lowest_ties_straddling_the_cut(B, N, data):
+    """A few scores above one value that fills the rest of the row (-inf or ±0.0 among them), the cut
+    anywhere inside the ties; a non-contiguous view, as the search's reshapes may give."""
+    tie = data.draw(st.sampled_from([0.0, -0.0, float("-inf"), -2.5]))
+    values = np.full((B, N), tie, dtype=np.float32)
+    values[:, 1::2] = -tie if tie == 0 else tie
+    above = data.draw(st.lists(st.integers(0, N - 1), max_size=N))
+    values[:, above] = data.draw(st.sampled_from([1.0, float(F32.max), float(F32.smallest_subnormal)]))
+    buffer = torch.full((B, 2 * N), float("nan"))  # NaN between the scores: never read
+    buffer[:, ::2] = torch.from_numpy(values)
+    score = buffer[:, ::2]
+    k = data.draw(st.integers(1, N))
+    assert torch.equal(top_k(score, k, data.draw(st.booleans())), int64_key_top_k(score.contiguous(), k))
+
+
+@pytest.mark.parametrize("float_first", [False, True])
+def test_top_k_edge_shapes(float_first):
+    one = torch.tensor([[float("-inf")], [0.0], [-0.0]])
+    assert top_k(one, 1, float_first).tolist() == [[0], [0], [0]]
+    empty = top_k(torch.zeros(3, 5), 0, float_first)
+    assert empty.shape == (3, 0) and empty.dtype == torch.int64
+    assert top_k(torch.zeros(0, 5), 2, float_first).shape == (0, 2)
+    with pytest.raises(RuntimeError):
+        top_k(torch.zeros(2, 3), 4, float_first)  # k > N: as torch.topk
+    with pytest.raises(ValueError, match="at most"):
+        top_k(torch.zeros(1, 1).expand(1, TIE_LIMIT + 1), 1, float_first)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 16), st.sampled_from([1000, 4099, 65536, 200_003]), st.data())
+def test_top_k_on_cuda_is_the_cpus_inside_a_cuda_graph(B, N, data):
+    """Widths where CUDA's top-k takes its other paths, scores from three values plus -inf and -0.0
+    (most of the row ties), k from 1 to 2048; eager and replayed from a CUDA graph."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
+    palette = torch.tensor([-1.0, 0.0, -0.0, float("-inf"), 3.0])
+    values = palette[torch.randint(0, 5, (B, N), generator=gen)]
+    other = torch.rand(B, N, generator=gen) < data.draw(st.sampled_from([0.0, 0.01, 0.5]))
+    values[other] = float(torch.randn(1, generator=gen))  # one more value, anywhere
+    k = min(N, data.draw(st.sampled_from([1, 7, 1024, 2048])))
+    want = int64_key_top_k(values, k)
+    assert torch.equal(top_k(values, k), want)
+    score = values.cuda()
+    assert torch.equal(top_k(score, k).cpu(), want)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        top_k(score, k)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = top_k(score, k)
+    score.copy_(values.flip(1).cuda())
+    graph.replay()
+    assert torch.equal(out.cpu(), int64_key_top_k(values.flip(1), k))
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
