@@ -16,14 +16,17 @@ Two implementations of the one contract (`Retrieved`), and `expand` picks:
           or an index without `ServedIndex.post`): expand + dedupe with a hash table per request,
           the exact filter of `sidindex.matchers.exact`, a merge sort per request.
   device  `DevicePost`: `runtime.ops.expand` (Triton kernels around the exact filter's, or its torch
-          reference) on the tensors of `ServedIndex.post`, every shape fixed by the batch,
-          the beams and bounds of the index known on the host, no host synchronisation, so a CUDA
-          graph can capture it right after the search; the result's counts, then its rows in use, come
-          back through pinned memory.
+          reference) on the tensors of `ServedIndex.post`, every shape fixed by the batch, the
+          beams and a capacity of pairs per request, no host synchronisation, so a CUDA graph can
+          capture it right after the search; the result's counts, then its rows in use, come back
+          through pinned memory. A request whose beams reach more pairs than the capacity
+          overflows: `result` returns None for its batch rather than a wrong answer, and
+          `last_reached` tells the caller what capacity would have held it.
 
-Legend: B requests, K beams, L SID length, N catalog rows, C the most (request, ad) pairs K beams
-can reach, T the result rows kept per request (min(top_k, C)), A a plane's attributes, M the most
-values a request has for one attribute.
+Legend: B requests, K beams, L SID length, N catalog rows, C the pairs capacity of a request (the
+caller's; by default the most (request, ad) pairs K beams can reach, at most DEFAULT_PAIRS), T the
+result rows kept per request (min(top_k, C)), A a plane's attributes, M the most values a request
+has for one attribute.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.ops.expand import RANKS, PostLayout, expand_beams, expand_host
+from runtime.ops.expand import DEFAULT_PAIRS, MAX_PAIRS, RANKS, PostLayout, expand_beams, expand_host
 from runtime.requests import to_device
 from runtime.search import Beams
 from runtime.served import POST_ARRAYS, ServedIndex, post_bounds
@@ -102,15 +105,31 @@ def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: i
 
     Beams on a GPU with the index's post arrays there (`ServedIndex.post`) run `DevicePost`
     (requests: best their device form, `runtime.requests.to_device`; a host encoding is moved
-    first); otherwise the host path runs (requests: the encoding on the host). Same result either way.
+    first: at the default capacity, and once more at the pairs the requests reached when one
+    overflowed it; past MAX_PAIRS on the host, from the host encoding); otherwise the host path
+    runs (requests: the encoding on the host). Same result either way.
     """
     check_rank(index, rank)
     check_top_k(top_k)  # both paths refuse what one would: the host's loop would keep nothing
     if beams.score.is_cuda and on_device(index):
-        if requests.stacked is None:
-            requests = to_device(requests, beams.score.device)
+        host = requests if requests.stacked is None else None
+        if host is not None:
+            requests = to_device(host, beams.score.device)
         post = DevicePost(index, *beams.score.shape, top_k=top_k, rank=rank, stages=stages)
-        return post.result(post.run(requests, beams))
+        found = post.result(post.run(requests, beams))
+        if found is not None:
+            return found
+        assert post.last_reached is not None  # `result` sets it
+        most = int(post.last_reached.max())  # a request reached more pairs than the default capacity
+        if most <= MAX_PAIRS:  # again, sized to them
+            post = DevicePost(index, *beams.score.shape, top_k=top_k, rank=rank, stages=stages, pairs=most)
+            found = post.result(post.run(requests, beams))
+            assert found is not None  # every request's pairs fit
+            return found
+        if host is None:
+            raise ConfigError(f"a request reached {most:,} (request, ad) pairs, more than the device post stage "
+                              f"holds ({MAX_PAIRS:,}): pass the requests' host encoding, for the host post stage")
+        requests = host
     return Retrieved(**expand_host(index.snapshot, requests, beams, top_k, stages, rank))
 
 
@@ -133,18 +152,26 @@ class DevicePost:
     """The post stage on the device (`runtime.ops.expand`: Triton kernels around the exact filter's),
     for a batch of `batch` requests x `beams` beams.
 
-    Every shape is fixed here, from host-known bounds: C = the most (request, ad) pairs `beams`
-    distinct leaves hold (`runtime.served.PostBounds`), T = min(top_k, C) result rows per request; the
-    torch reference also takes M = `max_values` request values per attribute (the bound
-    `sidindex.requests.requests_from` enforces; the kernels loop to each request's own). `run` makes
-    no host synchronisation, so it can be captured in a CUDA graph after the search; `result`
-    copies the buffer's counts, then only the result rows in use, to the host (with `pinned`,
-    through pinned memory the stage keeps: for a stage read batch after batch, as
-    `runtime.Searcher`'s; a one-off stage would pay more to pin it than it saves).
+    Every shape is fixed here: C = `pairs`, the (request, ad) pairs a request may reach (its
+    capacity), T = min(top_k, C) result rows per request; the torch reference also takes M =
+    `max_values` request values per attribute (the bound `sidindex.requests.requests_from`
+    enforces; the kernels loop to each request's own). The kernels' work grows with the pairs the
+    beams reach, their memory with C: about 80 bytes a slot for the score ranking (B x C x 80;
+    value and fused need a few more), and the rows, B x T x 8F bytes. `pairs` None: the most pairs
+    `beams` distinct leaves hold (`runtime.served.PostBounds.most_pairs`, the worst case, which never
+    overflows), at most DEFAULT_PAIRS (65,536): `bounds_pairs`. A serving host chooses C from its
+    traffic: `last_reached` holds each request's reached pairs after every `result`.
 
-        post = DevicePost(index, 16, 1024, top_k=100)
+    `run` makes no host synchronisation, so it can be captured in a CUDA graph after the search;
+    `result` copies the buffer's counts, then only the result rows in use, to the host (with
+    `pinned`, through pinned memory the stage keeps: for a stage read batch after batch, as
+    `runtime.Searcher`'s; a one-off stage would pay more to pin it than it saves). When a request's
+    beams reached more than C pairs (an overflow), `result` returns None for the whole batch: run
+    it again with a larger `pairs` (at least `last_reached.max()`), or on the host (`expand`).
+
+        post = DevicePost(index, 16, 1024, top_k=100, pairs=8192)
         buffer = post.run(requests_on_device, beams)   # capturable
-        retrieved = post.result(buffer)
+        retrieved = post.result(buffer)                # None: post.last_reached.max() > 8192
 
     arrays: the post arrays (`ServedIndex.post`, the default; `post_tensors` builds them anywhere).
     impl: `runtime.ops.expand`'s ("auto": its Triton kernels on a GPU, the torch reference elsewhere).
@@ -153,7 +180,8 @@ class DevicePost:
 
     def __init__(self, index: ServedIndex, batch: int, beams: int, *, top_k: int | None = None, rank: str = "score",
                  stages: bool = False, max_values: int = MAX_REQUEST_VALUES,
-                 arrays: dict[str, torch.Tensor] | None = None, pinned: bool = False, impl: str = "auto") -> None:
+                 arrays: dict[str, torch.Tensor] | None = None, pinned: bool = False, impl: str = "auto",
+                 pairs: int | None = None) -> None:
         check_rank(index, rank)
         post = index.post if arrays is None else arrays
         if post is None:
@@ -165,17 +193,26 @@ class DevicePost:
                               f"stage serves fewer than {DEVICE_ROWS:,}: run the post stage on the host "
                               "(`expand` does)")
         check_top_k(top_k)
+        if pairs is not None and not 1 <= pairs <= MAX_PAIRS:
+            raise ConfigError(f"pairs {pairs}: expected a capacity of 1 to {MAX_PAIRS:,} (request, ad) pairs per "
+                              "request")
         if rank != "score" and "ad_value" not in self.arrays:
             raise ConfigError(f"rank {rank!r}: the post arrays given for snapshot {index.id} carry no ad values")
         self.index, self.rank, self.max_values, self.impl = index, rank, max_values, impl
         bounds = index.post_bounds if arrays is None else post_bounds(arrays, index.snapshot)
         assert bounds is not None  # the loader makes them with the index's post arrays
         self.bounds = bounds
-        pairs = self.bounds.most_pairs(beams)  # C
+        # the capacity `pairs` None gives: the bound, at most DEFAULT_PAIRS (a stage holding no more
+        # than this answers a batch past it on the host, or at a capacity sized to its reached pairs)
+        self.bounds_pairs = max(1, min(self.bounds.most_pairs(beams), DEFAULT_PAIRS))
+        if pairs is None:
+            pairs = self.bounds_pairs
         self.layout = PostLayout(batch, beams, pairs, pairs if top_k is None else min(top_k, pairs),
                                  index.sid_length, rank, stages, "ad_value" in self.arrays)
         self.pinned = pinned
         self._host: torch.Tensor | None = None  # with `pinned`: `result`'s copies land here
+        # (B,) int64 each request's reached pairs in the last `result`'s batch (None before one)
+        self.last_reached: np.ndarray | None = None
 
     def check(self, requests: EncodedRequests) -> None:
         """Refuse a batch with more values per attribute than the stage was sized for (ConfigError),
@@ -207,12 +244,17 @@ class DevicePost:
         torch.cuda.current_stream(buffer.device).synchronize()
         return self._host[lo:hi].numpy()
 
-    def result(self, buffer: torch.Tensor) -> Retrieved:
-        """The `Retrieved` of a `run`'s buffer: its counts, then the rows in use, to the host."""
+    def result(self, buffer: torch.Tensor) -> Retrieved | None:
+        """The `Retrieved` of a `run`'s buffer: its counts, then the rows in use, to the host; None
+        when a request overflowed (reached more than `layout.pairs` pairs: its rows were not
+        computed). Either way `last_reached` holds the batch's reached pairs per request."""
         lay = self.layout
         B, T, F = lay.batch, lay.kept, lay.row_words
         head = len(lay.counts) * B
         counts = dict(zip(lay.counts, self._fetch(buffer, 0, head).reshape(-1, B).copy()))
+        self.last_reached = counts["reached"]
+        if (counts["reached"] > lay.pairs).any():
+            return None
         n = np.minimum(counts["eligible"], T)  # rows per request
         total = int(n.sum())
         # one copy (the pinned buffer serves the next call); the fields are views of it: copying

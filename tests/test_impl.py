@@ -22,7 +22,6 @@ def test_auto_is_triton_on_cuda_and_the_host_path_elsewhere():
     assert resolve_impl("auto", CUDA, op="an op") is Impl.TRITON
     assert resolve_impl("auto", CPU, op="an op") is Impl.TORCH
     assert resolve_impl(Impl.AUTO, CPU, op="an op", host=Impl.NUMBA) is Impl.NUMBA
-    assert resolve_impl("auto", CUDA, op="an op", kernels_fit=False) is Impl.TORCH
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
@@ -65,7 +64,7 @@ def test_the_post_stage_refuses_an_unknown_impl_before_it_runs():
 
     from runtime.ops.expand import expand_beams
 
-    layout = SimpleNamespace(batch=1, pairs=1, block=1, beam_block=1)  # read by kernels_fit only
+    layout = SimpleNamespace(batch=1, pairs=1)
     with pytest.raises(ConfigError, match=r"impl 'trition' for the post stage: expected one of auto, triton, torch "
                                           r"\(auto: triton on a CUDA device, torch elsewhere\)"):
         expand_beams(layout, {}, None, {}, None, SimpleNamespace(score=torch.zeros(1, 1)), 0, impl="trition")

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.loader import load_index
-from runtime.ops.expand import MAX_BLOCK, RRF_K, PostLayout, kernels_fit
+from runtime.ops.expand import DEFAULT_PAIRS, RRF_K, PostLayout
 from runtime.post import RANKS, DevicePost, Retrieved, expand, post_tensors
 from runtime.requests import to_device
 from runtime.search import Beams
@@ -29,7 +29,7 @@ from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import ConfigError
 from sidindex.targeting import BITMASK, BLOOM
 from tests.test_gtm import eligible, scenarios
-from tests.test_runtime import DEVICE, Case
+from tests.test_runtime import DEVICE, GPU, Case
 from tests.test_value import VALUES
 
 SCORES = [0.0, -0.5, -1.0, -1.0, -2.5]  # few values: equal scores are common
@@ -78,18 +78,21 @@ def brute_force(case: Case, beams: Beams, top_k: int | None, rank: str) -> dict:
     ads_of = {}
     for sid, a in zip(sc.sids, sc.sid_ads):
         ads_of.setdefault(tuple(sid), []).append(a)
-    out = {"rows": [], "sids": [], "generated": [], "eligible": [], "stages": {p: [] for p in MATCHER_PLANES}}
+    out = {"rows": [], "sids": [], "reached": [], "generated": [], "eligible": [],
+           "stages": {p: [] for p in MATCHER_PLANES}}
     for r, req in enumerate(sc.requests):
-        best, live = {}, 0
+        best, live, reached = {}, 0, 0
         for k in range(beams.score.shape[1]):
             s = float(beams.score[r, k])
             if beams.leaf[r, k] < 0 or s == float("-inf"):
                 continue
             live += 1
+            reached += len(ads_of[tuple(beams.tokens[r, k].tolist())])
             for a in ads_of[tuple(beams.tokens[r, k].tolist())]:
                 if (state is None or state[a] == 0) and (a not in best or s > best[a][0]):
                     best[a] = (s, k)
         out["sids"].append(live)
+        out["reached"].append(reached)
         out["generated"].append(len(best))
         for p in MATCHER_PLANES:
             part = dataclasses.replace(sc.spec, attributes=tuple(x for x in sc.spec.attributes
@@ -141,15 +144,23 @@ def same(a: Retrieved, b: Retrieved) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(cases(), st.sampled_from([None, 1, 2, 5]), st.booleans(), st.data())
-def test_host_and_device_paths_equal_the_brute_force(case_beams, top_k, stages, data):
+@given(cases(), st.sampled_from([None, 1, 2, 5]), st.booleans(), st.sampled_from([None, None, 1, 2, 4, 9]), st.data())
+def test_host_and_device_paths_equal_the_brute_force(case_beams, top_k, stages, pairs, data):
+    """Every path, and the device path at any capacity: a batch in which a request reached more
+    pairs than the capacity is reported (None, and its reached pairs), never answered wrongly."""
     case, beams = case_beams
     rank = data.draw(st.sampled_from(RANKS if case.sc.values is not None else ("score",)))
     want = brute_force(case, beams, top_k, rank)
     host = expand(case.index, case.req, beams, top_k, stages, rank)
     check(host, want, stages)
+    overflow = pairs is not None and max(want["reached"]) > pairs
     for impl in IMPLS:
-        device = device_post(case, beams, impl, top_k=top_k, rank=rank, stages=stages)
+        post, device = device_post(case, beams, impl, top_k=top_k, rank=rank, stages=stages, pairs=pairs)
+        assert post.last_reached is not None and post.last_reached.tolist() == want["reached"]
+        if overflow:
+            assert device is None
+            continue
+        assert device is not None
         check(device, want, stages)
         same(host, device)
 
@@ -158,12 +169,19 @@ def moved(beams: Beams, dev) -> Beams:
     return Beams(beams.tokens.to(dev), beams.score.to(dev), beams.leaf.to(dev))
 
 
-def device_post(case, beams: Beams, impl: str, **kw) -> Retrieved:
-    """`DevicePost` with `impl`: torch on CPU tensors, the Triton kernels on a GPU (in the
-    interpreter, on CPU tensors, without one)."""
+def device_post(case, beams: Beams, impl: str, **kw) -> tuple[DevicePost, Retrieved | None]:
+    """`DevicePost` with `impl` and its result: torch on CPU tensors, the Triton kernels on a GPU
+    (in the interpreter, on CPU tensors, without one)."""
     dev = DEVICE if impl == "triton" else "cpu"
     post = DevicePost(case.index, *beams.score.shape, arrays=post_tensors(case.index, dev), impl=impl, **kw)
-    return post.result(post.run(to_device(case.req, dev), moved(beams, dev)))
+    return post, post.result(post.run(to_device(case.req, dev), moved(beams, dev)))
+
+
+def device_result(case, beams: Beams, impl: str, **kw) -> Retrieved:
+    """`device_post`'s result, which must not have overflowed."""
+    got = device_post(case, beams, impl, **kw)[1]
+    assert got is not None
+    return got
 
 
 @pytest.mark.parametrize("rank", RANKS)
@@ -177,7 +195,7 @@ def test_crowded_leaves_equal_the_brute_force(rank, case_beams, top_k):
     case, beams = case_beams
     want = brute_force(case, beams, top_k, rank)
     for impl in IMPLS:
-        check(device_post(case, beams, impl, top_k=top_k, rank=rank, stages=True), want, True)
+        check(device_result(case, beams, impl, top_k=top_k, rank=rank, stages=True), want, True)
 
 
 @settings(max_examples=10, deadline=None)
@@ -191,6 +209,7 @@ def test_the_device_path_serves_a_slice_of_the_requests(case_beams):
     for impl, dev in (("torch", "cpu"), ("triton", DEVICE)):
         post = DevicePost(case.index, B - lo, beams.score.shape[1], arrays=post_tensors(case.index, dev), impl=impl)
         got = post.result(post.run(to_device(case.req, dev).slice(lo, B), moved(part, dev)))
+        assert got is not None
         same(got, expand(case.index, case.req.slice(lo, B), part))
 
 
@@ -205,13 +224,14 @@ def test_one_level_sids_keep_their_shape():
     host = expand(case.index, case.req, beams)
     assert host.sid.shape == (len(host.ad_id), 1) and len(host.ad_id) > 0
     for impl in IMPLS:
-        same(host, device_post(case, beams, impl))
+        same(host, device_result(case, beams, impl))
 
 
 def test_fused_ties_of_mirrored_ranks_fall_to_ad_id():
     """Ads whose value order is their score order reversed: the ads at score ranks r and n + 1 - r
     tie exactly on the fused score (1/(k + r) + 1/(k + n + 1 - r) either way round), so ad_id orders
-    them; a rank off by one on either side breaks the ties the other way."""
+    them (ad ids shuffled against the rows here: against the score order on some ties, against the
+    value order on others); a rank off by one on either side breaks the ties the other way."""
     from tests.test_gtm import scenario
 
     n = 9
@@ -219,71 +239,104 @@ def test_fused_ties_of_mirrored_ranks_fall_to_ad_id():
     sc = scenario([{"country": None, "locations": []}] * n, sids, list(range(n)))
     sc = dataclasses.replace(sc, values=[float(i) for i in range(n)])  # value rank: score rank reversed
     case = Case(sc, "cpu")
+    case.snap = dataclasses.replace(case.snap, ad_id=np.array([5, 3, 8, 1, 7, 0, 2, 6, 4], dtype=np.int64) * 7 - 20)
+    case.index = load_index(case.snap, "cpu")
     B = len(sc.requests)
     tokens = torch.tensor([sids] * B)
     score = torch.tensor([[-0.25 * i for i in range(n)]] * B)
     leaf = torch.tensor([[case.node(s) - case.gtm.depth_offsets[3] for s in sids]] * B)
     beams = Beams(tokens, score, leaf)
     want = brute_force(case, beams, None, "fused")
-    for got in [expand(case.index, case.req, beams, rank="fused")] + [device_post(case, beams, impl, rank="fused")
+    for got in [expand(case.index, case.req, beams, rank="fused")] + [device_result(case, beams, impl, rank="fused")
                                                                         for impl in IMPLS]:
         check(got, want, False)
         first = got.request == 0
         assert len(set(got.score[first].tolist())) == n  # every ad its own score rank
 
 
-POOL = np.flatnonzero(np.isin(((np.arange(1 << 16) * 2654435761) & 0xFFFFFFFF) >> 24, [254, 255, 0]))
-# catalog rows that `_pairs_kernel` hashes to the last two cells of a 256-cell table and the first:
-# chains of collisions that wrap around its end
-
-
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(1, 40), st.integers(1, 100), st.booleans())
-def test_first_slots_keep_each_ads_best_beam_through_collisions(seed, B, K, C, with_state):
-    """`_pairs_kernel` (`first_slots`) on raw arrays, every ad from a pool of hash collisions: per
-    request each live ad under its first C slots once, with the first beam of its best score, in
-    slot order, against a walk over the slots."""
-    from runtime.ops.expand.kernel import first_slots
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(1, 40), st.integers(1, 600), st.booleans())
+def test_distinct_pairs_keep_each_ads_best_beam_through_collisions(seed, B, K, C, with_state):
+    """The kernels' passes 1-3 (`distinct_pairs`) on raw arrays, request 0's ads all from a pool
+    hashing to the last two cells of its table and the first (chains of collisions that wrap around
+    its end, claimed across programs when it reaches more than a tile of slots): per request its
+    reached pairs, and when they fit C each live ad once with the first beam of its best score
+    (in any order), against a walk over the slots; none when they do not fit."""
+    from runtime.ops.expand.kernel import distinct_pairs
+    from runtime.ops.expand.layout import GENERATED, REACHED, SIDS
     from schemas.artifacts import AD_LIVE
 
     rng = np.random.default_rng(seed)
     S = int(rng.integers(1, 9))
-    lists = [rng.choice(POOL[:60], int(rng.integers(0, 13)), replace=False) for _ in range(S)]
-    offsets = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int64)
-    leaf_ads = np.concatenate(lists).astype(np.int32)
+    sizes = rng.integers(0, 13, S)
     leaf = rng.integers(-1, S, (B, K))
     score = rng.choice(np.float32([0.0, -0.0, -0.5, -1.0, -np.inf]), (B, K))
+    alive = [[k for k in range(K) if leaf[b, k] >= 0 and score[b, k] > -np.inf] for b in range(B)]
+    reached = [int(sum(sizes[leaf[b, k]] for k in alive[b])) for b in range(B)]
+    n = 2 * max(reached[0], 1)  # request 0's cells (when it fits C)
+    rows = np.arange(1 << 16)
+    pool = rows[np.isin((((rows * 2654435761) & 0xFFFFFFFF) * n) >> 32, [n - 2, n - 1, 0])]
+    lists = [rng.choice(pool[:60], int(m), replace=False) for m in sizes]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    leaf_ads = np.concatenate(lists).astype(np.int32)
     state = rng.choice(np.uint8([AD_LIVE, AD_LIVE, 1, 2]), 1 << 16) if with_state else None
     t = torch.from_numpy
-    buf = torch.zeros(2 * B, dtype=torch.int64, device=DEVICE)
-    pair_ad, pair_beam = first_slots(t(leaf).to(DEVICE), t(score).to(DEVICE), t(offsets).to(DEVICE),
-                                     t(leaf_ads).to(DEVICE), None if state is None else t(state).to(DEVICE), C, buf)
-    buf, pair_ad, pair_beam = buf.cpu().numpy(), pair_ad.cpu().numpy(), pair_beam.cpu().numpy()
+    buf = torch.full((4 * B,), -7, dtype=torch.int64, device=DEVICE)
+    pairs = distinct_pairs(t(leaf).to(DEVICE), t(score).to(DEVICE), t(offsets).to(DEVICE), t(leaf_ads).to(DEVICE),
+                           None if state is None else t(state).to(DEVICE), C, buf, 4)
+    buf = buf.cpu().numpy().reshape(4, B)
+    ad, cell, best = (x.cpu().numpy() for x in pairs)
+    assert buf[SIDS].tolist() == [len(a) for a in alive] and buf[REACHED].tolist() == reached
     for b in range(B):
-        alive = [k for k in range(K) if leaf[b, k] >= 0 and score[b, k] > -np.inf]
-        slots = [(a, k) for k in alive for a in lists[leaf[b, k]]][:C]
-        best, at = {}, {}  # ad -> (its best beam, the slot holding it)
-        for j, (a, k) in enumerate(slots):
-            if state is not None and state[a] != AD_LIVE:
-                continue
-            if a not in best or score[b, k] > score[b, best[a]]:
-                best[a], at[a] = k, j
-        want = sorted(best, key=at.get)
-        assert buf[b] == len(alive) and buf[B + b] == len(want)
-        assert pair_ad[b, :len(want)].tolist() == want
-        assert pair_beam[b, :len(want)].tolist() == [best[a] for a in want]
+        if reached[b] > C:  # an overflow holds nothing
+            assert buf[GENERATED, b] == 0
+            continue
+        want = {}  # ad -> its best beam (the first of its best score)
+        for k in alive[b]:
+            for a in lists[leaf[b, k]]:
+                if (state is None or state[a] == AD_LIVE) and (a not in want or score[b, k] > score[b, want[a]]):
+                    want[a] = k
+        G = buf[GENERATED, b]
+        assert G == len(want)
+        assert dict(zip(ad[b, :G].tolist(), (best[b, cell[b, :G]] % K).tolist())) == want
 
 
-def test_the_kernels_take_what_fits_their_block():
-    """On a GPU "auto" runs the kernels up to MAX_BLOCK slots and beams, the torch reference past it
-    (and for a stage with no pairs to hold)."""
-    def layout(pairs, beams, batch=16):
-        return PostLayout(batch, beams, pairs, pairs, 3, "score", False, False)
+def test_auto_runs_the_kernels_on_every_cuda_tensor(monkeypatch):
+    """"auto" picks the Triton kernels for CUDA tensors at any capacity (nothing has to fit one
+    program's block), the torch reference for CPU tensors."""
+    from types import SimpleNamespace
 
-    assert kernels_fit(layout(MAX_BLOCK, 1024)) and kernels_fit(layout(1, 1))
-    assert not kernels_fit(layout(MAX_BLOCK + 1, 1024))
-    assert not kernels_fit(layout(100, MAX_BLOCK + 1))
-    assert not kernels_fit(layout(0, 8)) and not kernels_fit(layout(8, 8, batch=0))
+    import runtime.ops.expand as op
+    import runtime.ops.expand.kernel as kernel
+
+    monkeypatch.setattr(kernel, "expand_triton", lambda *args: "triton")
+    monkeypatch.setattr(op, "expand_reference", lambda *args: "torch")
+    layout = PostLayout(16, 1024, 1 << 20, 100, 4, "score", False, False)
+    for dev, want in (("cuda", "triton"), ("cpu", "torch")):
+        beams = SimpleNamespace(score=SimpleNamespace(device=torch.device(dev)))
+        assert op.expand_beams(layout, {}, None, {}, None, beams, 0) == want
+
+
+def test_the_capacity_is_the_callers_and_defaults_to_the_bound(monkeypatch):
+    """`pairs` is the caller's; without it the bound (the ads of the K largest SIDs together), at
+    most DEFAULT_PAIRS; T is at most the capacity; a capacity below 1 is refused."""
+    import runtime.post
+    from tests.test_gtm import scenario
+
+    sizes = (5, 3, 2)  # ads per SID
+    sids = [(i, 0, 0) for i, m in enumerate(sizes) for _ in range(m)]
+    case = Case(scenario([{"country": None, "locations": []}] * len(sids), sids, list(range(len(sids)))), "cpu")
+    arrays = post_tensors(case.index)
+    assert DevicePost(case.index, 2, 2, arrays=arrays).layout.pairs == 8
+    assert DevicePost(case.index, 2, 5, arrays=arrays).layout.pairs == 10
+    assert DevicePost(case.index, 2, 5, arrays=arrays, pairs=4, top_k=9).layout.kept == 4
+    assert DevicePost(case.index, 2, 5, arrays=arrays, pairs=40, top_k=9).layout.kept == 9
+    assert DEFAULT_PAIRS == 1 << 16
+    monkeypatch.setattr(runtime.post, "DEFAULT_PAIRS", 6)
+    assert DevicePost(case.index, 2, 5, arrays=arrays).layout.pairs == 6
+    for bad in (0, -3):
+        with pytest.raises(ConfigError, match="a capacity of 1 to"):
+            DevicePost(case.index, 2, 5, arrays=arrays, pairs=bad)
 
 
 def test_the_kernels_refuse_beams_of_another_shape():
@@ -324,6 +377,89 @@ def test_the_device_path_needs_its_arrays():
         DevicePost(valued.index, 1, 1, rank="fused", arrays=arrays)
     with pytest.raises(ValueError, match="value or fused only with the ads' values"):
         PostLayout(1, 1, 1, 1, 3, "value", False, False)
+
+
+# --- SIDs holding thousands of ads --------------------------------------------------------------
+
+def skewed(sizes: tuple[int, ...], requests: int, seed: int, device: str = "cpu") -> tuple[Case, Beams]:
+    """(case, beams): a catalog whose SID s holds sizes[s] ads (and every 7th ad also the next
+    SID: ads reached twice), targeting from a few values (some ads eligible, some not), values
+    from a few (ties), ad ids that are not the rows' order, some rows paused; `requests` requests
+    (at most 2) whose beams are every SID in a random order with scores from SCORES (ads tie by
+    the thousands), a SID outside the catalog and a dead beam."""
+    from tests.test_gtm import scenario
+
+    rng = np.random.default_rng(seed)
+    n, S = sum(sizes), len(sizes)
+    countries, places = [None, ["US"], ["GB"], ["US", "CA"]], [[], ["loc1"], ["loc3", "loc5"], None]
+    ads = [{"country": countries[c], "locations": places[p]} for c, p in rng.integers(0, 4, (n, 2))]
+    sid = [(s % 3, s // 3 % 2, s // 6) for s in range(S + 1)]  # the last one: outside the catalog
+    owner = np.repeat(np.arange(S), sizes)
+    sids = [sid[s] for s in owner] + [sid[(owner[a] + 1) % S] for a in range(0, n, 7)]
+    sid_ads = list(range(n)) + list(range(0, n, 7))
+    asked = [{"country": "US", "locations": ["loc1"]}, {"country": "GB", "locations": ["loc3", "nowhere"]}]
+    sc = dataclasses.replace(scenario(ads, sids, sid_ads, requests=asked[:requests]),
+                             values=rng.choice([0.5, 1.0, 1.0, 4.0], n).tolist())
+    case = Case(sc, device, ad_state=rng.choice(np.uint8([0, 0, 0, 0, 1, 2]), n))
+    case.snap = dataclasses.replace(case.snap, ad_id=rng.permutation(n).astype(np.int64) * 3 - n)
+    case.index = load_index(case.snap, device)
+    K = S + 2
+    tokens = np.zeros((requests, K, 3), dtype=np.int64)
+    score = rng.choice(np.float32(SCORES), (requests, K))
+    leaf = np.full((requests, K), -1, dtype=np.int64)
+    for r in range(requests):
+        for k, s in enumerate(rng.permutation(S + 1)):
+            tokens[r, k] = sid[s]
+            leaf[r, k] = -1 if s == S else case.node(sid[s]) - case.gtm.depth_offsets[3]
+        score[r, K - 1] = -np.inf  # dead
+    return case, Beams(torch.from_numpy(tokens), torch.from_numpy(score), torch.from_numpy(leaf))
+
+
+def test_the_reference_takes_a_sid_of_20000_ads():
+    """The torch reference against the host path, bit for bit, with a SID of 20,000 ads (one tie
+    group) and others of 3,000 and 500: each ranking, top_k 1, 100 and all; a capacity below the
+    pairs reached reports the overflow."""
+    case, beams = skewed((20_000, 3_000, 500, 7), 2, seed=5)
+    reached = 23_507 + len(range(0, 23_507, 7))  # every catalog SID, each ad once, every 7th twice
+    for rank, top_k in (("score", 1), ("value", 100), ("fused", None)):
+        host = expand(case.index, case.req, beams, top_k, True, rank)
+        post, got = device_post(case, beams, "torch", top_k=top_k, rank=rank, stages=True, max_values=4)
+        assert got is not None and post.last_reached.tolist() == [reached] * 2
+        same(host, got)
+        assert host.ads_eligible.min() > 5_000  # ties by the thousand, ranked by ad_id
+    post, got = device_post(case, beams, "torch", pairs=reached - 1, max_values=4)
+    assert got is None and post.last_reached.tolist() == [reached] * 2
+
+
+def test_the_kernels_take_sids_of_thousands_of_ads():
+    """The Triton kernels (under the interpreter without a GPU) against the host path, bit for bit,
+    with SIDs of 3,000 and 1,000 ads: a request's slots over many programs; top_k 1, 100 and all."""
+    case, beams = skewed((3_000, 1_000, 40), 1, seed=11)
+    for rank, top_k in (("score", 1), ("value", 100), ("fused", None)):
+        host = expand(case.index, case.req, beams, top_k, True, rank)
+        same(host, device_result(case, beams, "triton", top_k=top_k, rank=rank, stages=True))
+    post, got = device_post(case, beams, "triton", pairs=4_000)
+    assert got is None and post.last_reached.tolist() == [4_040 + len(range(0, 4_040, 7))]  # as above
+
+
+@pytest.mark.skipif(not GPU, reason="the real kernels need a GPU")
+@pytest.mark.parametrize("sizes", [(20_000, 3_000, 500, 7), (100_000, 2_000, 30)])
+def test_the_kernels_on_a_gpu_take_a_sid_of_100000_ads(sizes):
+    """On a GPU: `expand` (the kernels, at the default capacity, then sized to the pairs reached
+    when they overflow it) and `DevicePost` at a capacity that holds them, against the host path,
+    bit for bit; a capacity below them reports the overflow."""
+    case, beams = skewed(sizes, 2, seed=7, device=DEVICE)
+    cuda = moved(beams, DEVICE)
+    for rank in RANKS:
+        for top_k in (1, 100, None):
+            host = expand(case.index, case.req, beams, top_k, True, rank)
+            same(host, expand(case.index, case.dreq, cuda, top_k, True, rank))
+            post = DevicePost(case.index, *beams.score.shape, top_k=top_k, rank=rank, stages=True, pairs=150_000)
+            got = post.result(post.run(case.dreq, cuda))
+            assert got is not None
+            same(host, got)
+    post = DevicePost(case.index, *beams.score.shape, pairs=sizes[0])
+    assert post.result(post.run(case.dreq, cuda)) is None and post.last_reached.min() > sizes[0]
 
 
 @settings(max_examples=15, deadline=None)

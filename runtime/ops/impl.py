@@ -25,10 +25,9 @@ class Impl(str, Enum):
         return self.value
 
 
-def resolve_impl(impl: Impl | str, device: torch.device, *, op: str, host: Impl = Impl.TORCH,
-                 kernels_fit: bool = True) -> Impl:
+def resolve_impl(impl: Impl | str, device: torch.device, *, op: str, host: Impl = Impl.TORCH) -> Impl:
     """The implementation `op` runs on `device` for `impl`: `impl` itself, or for "auto" TRITON on
-    CUDA where `kernels_fit`, else `host` (the op's path off the GPU: NUMBA or TORCH). NUMBA is a
+    CUDA, else `host` (the op's path off the GPU: NUMBA or TORCH). NUMBA is a
     choice only for an op whose host path it is. Raises ConfigError naming the choices."""
     choices = tuple(i for i in Impl if i is not Impl.NUMBA or host is Impl.NUMBA)
     if impl not in choices:
@@ -37,4 +36,4 @@ def resolve_impl(impl: Impl | str, device: torch.device, *, op: str, host: Impl 
     impl = Impl(impl)
     if impl is not Impl.AUTO:
         return impl
-    return Impl.TRITON if device.type == "cuda" and kernels_fit else host
+    return Impl.TRITON if device.type == "cuda" else host

@@ -4,14 +4,17 @@ pairs, each ad's best score, the exact filter, and the ranked rows.
 On the host (`expand_host`, `host`): numba passes over the snapshot's memory maps, to the fields of
 `runtime.post.Retrieved`. On the device (`runtime.post.DevicePost`, `expand_beams`): the rows
 packed into one int64 buffer (`PostLayout`), with no host synchronisation (a CUDA graph captures
-it); two implementations of that one contract, and `expand_beams` picks:
-  triton  Triton kernels around the exact filter's (`kernel`): one program per request holds its C
-          slots in one block and finds each ad's first slot by hashing, and the eligible ones are
-          ranked by counting over many programs (C and K up to MAX_BLOCK)
-  torch   the reference (`reference`): whole-tensor ops, sorts along C; on CPU tensors, and past
-          MAX_BLOCK, where one program per request holds more lanes than it was measured with
-Both give every count and every row in use bit for bit, as the host path gives them (tests compare
-all three, the kernels under TRITON_INTERPRET=1); rows past those in use are unspecified.
+it), every request holding at most C pairs (the capacity the caller chose; a request whose beams
+reach more overflows, and its `reached` count says so); two implementations of that one contract,
+and `expand_beams` picks:
+  triton  Triton kernels around the exact filter's (`kernel`): many programs per request, a tile of
+          slots each, whose work grows with the pairs the beams reach; each ad's best slot found
+          in a hash table; on CUDA tensors
+  torch   the reference (`reference`): whole-tensor ops, a sort along the C slots to dedupe; on
+          CPU tensors
+Both rank with the same sorts (`rank`), and give every count and every row in use bit for bit, as
+the host path gives them, for every request that did not overflow (tests compare all three, the
+kernels under TRITON_INTERPRET=1); rows past those in use are unspecified.
 """
 
 from __future__ import annotations
@@ -19,15 +22,11 @@ from __future__ import annotations
 import torch
 
 from runtime.ops.expand.host import expand_host
-from runtime.ops.expand.layout import MAX_BLOCK, RANKS, RRF_K, PostLayout
+from runtime.ops.expand.layout import DEFAULT_PAIRS, MAX_PAIRS, RANKS, RRF_K, PostLayout
 from runtime.ops.expand.reference import expand_reference
 from runtime.ops.impl import Impl, resolve_impl
 
-__all__ = ["MAX_BLOCK", "RANKS", "RRF_K", "PostLayout", "expand_beams", "expand_host", "kernels_fit"]
-
-def kernels_fit(layout: PostLayout) -> bool:
-    """The Triton kernels take this stage: some pairs, and slots and beams within MAX_BLOCK."""
-    return bool(layout.batch and layout.pairs) and max(layout.block, layout.beam_block) <= MAX_BLOCK
+__all__ = ["DEFAULT_PAIRS", "MAX_PAIRS", "RANKS", "RRF_K", "PostLayout", "expand_beams", "expand_host"]
 
 
 def expand_beams(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_order: torch.Tensor,
@@ -43,10 +42,9 @@ def expand_beams(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_order: 
     binary-search steps (`runtime.served.PostBounds`). requests: the batch's device form
     (`runtime.requests.to_device`). beams: tokens (B, K, L) int64, score (B, K) float32, leaf (B, K)
     int64. max_values: the reference's static query bound. impl: "triton", "torch" or "auto"
-    (triton on CUDA tensors when C and K fit MAX_BLOCK, torch elsewhere).
+    (triton on CUDA tensors, torch elsewhere).
     """
-    chosen = resolve_impl(impl, beams.score.device, op="the post stage", kernels_fit=kernels_fit(layout))
-    if chosen is Impl.TRITON:
+    if resolve_impl(impl, beams.score.device, op="the post stage") is Impl.TRITON:
         from runtime.ops.expand.kernel import expand_triton  # triton only where it runs
 
         return expand_triton(layout, arrays, ad_order, steps, requests, beams, max_values)
