@@ -6,8 +6,9 @@ Ray engine, end to end (ingest, SIDs, trie, write, validate, publish), same cata
     python bench/bench_build.py --ads 30000000 --engines ray:2 --shards 8       # the Ray driver at 30M
 
 Data: a generated catalog (`sidindex sample`: 5 bitmask attributes, Bloom locations, values, 32
-dims) written as Parquet (row groups of 262,144 rows: the Ray engine's fragments), and a frozen
-codebook (given, or trained on 500k of its ads; training is not a build's). An engine spec is
+dims; --profile skewed: with bulk advertisers' near-duplicates, `sidindex.sample.Bulk`) written as
+Parquet (row groups of 262,144 rows: the Ray engine's fragments), and a frozen codebook (given, or
+trained on 500k of its ads; training is not a build's). An engine spec is
 `local` (whole trie), `local:N` (subtries on N threads) or `ray:N` (a local Ray of N CPUs). Each
 build runs in its own process; memory is the machine's peak in use during the build above what was
 in use before it (MemTotal - MemAvailable, sampled every 50 ms), so it counts Ray's workers and
@@ -36,10 +37,34 @@ def used_bytes() -> int:
     return (int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])) * 1024
 
 
-def generate(n: int, dim: int, out: Path) -> None:
+def generate(n: int, dim: int, out: Path, profile: str = "default") -> None:
+    """The benchmarks' catalog of n ads (seed 5; `sidindex.sample.PROFILES`' profile), its
+    targeting spec and 64 requests under `out`."""
     from sidindex.sample import write_sample
 
-    write_sample(out, n, 64, dim=dim, seed=5)
+    write_sample(out, n, 64, dim=dim, seed=5, profile=profile)
+
+
+# the SID beams the most (request, ad) pairs are counted for (`ads_per_sid`): a serving search's last
+PAIR_BEAMS = 1024
+
+
+def ads_per_sid(snapshot, beams: int = PAIR_BEAMS) -> dict:
+    """How many ads the SIDs of a snapshot (a `Snapshot`, or a ROOT or snapshot directory, opened
+    without checksums) hold, read on the host from each shard's leaf_ad_offsets: the SIDs, p50,
+    p99 and max ads per SID, and `most_pairs`, the most (request, ad) pairs `beams` distinct SIDs
+    reach, the sum of the `beams` largest SIDs' ads (`runtime.served.largest_sum`: what the post
+    stage sizes its work by, `PostBounds.most_pairs`)."""
+    from runtime.served import largest_sum
+    from sidindex import histogram
+    from sidindex.snapshot import Snapshot, open_snapshot
+
+    snap = snapshot if isinstance(snapshot, Snapshot) else open_snapshot(snapshot, verify=False)
+    h = np.zeros(1, dtype=np.int64)
+    for shard in snap.shards:
+        h = histogram.merged(h, histogram.histogram(np.diff(shard.gtm.leaf_ad_offsets)))
+    return {"sids": histogram.items(h), "p50": histogram.percentile(h, 50), "p99": histogram.percentile(h, 99),
+            "max": histogram.largest(h), "beams": beams, "most_pairs": largest_sum(h, beams)}
 
 
 def train(catalog: Path, root: Path) -> None:
@@ -93,6 +118,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ads", type=int, nargs="+", default=[10_000_000])
     ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--profile", choices=("default", "skewed"), default="default",
+                    help="the catalog's profile (sidindex.sample.PROFILES; skewed: bulk advertisers' near-duplicates)")
     ap.add_argument("--engines", nargs="+", default=["local", "ray:2"])
     ap.add_argument("--codebook", type=Path, help="a frozen codebook (default: train one on 500k ads)")
     ap.add_argument("--dir", type=Path, help="work directory (default: a temporary one, removed)")
@@ -103,7 +130,7 @@ def main() -> int:
     ap.add_argument("--single", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.generate:
-        generate(int(args.generate[0]), args.dim, Path(args.generate[1]))
+        generate(int(args.generate[0]), args.dim, Path(args.generate[1]), args.profile)
         print("{}")
         return 0
     if args.train:
@@ -117,11 +144,12 @@ def main() -> int:
     rows = []
     try:
         for n in args.ads:
-            data = work / f"data_{n}"
+            tag = "" if args.profile == "default" else f"_{args.profile}"
+            data = work / f"data_{n}{tag}"
             if not (data / "catalog.parquet").exists():
-                print(f"generating {n:,} ads ...", file=sys.stderr, flush=True)
-                child("--generate", str(n), str(data), "--dim", str(args.dim))
-            codebook = args.codebook or work / "cb"
+                print(f"generating {n:,} ads ({args.profile}) ...", file=sys.stderr, flush=True)
+                child("--generate", str(n), str(data), "--dim", str(args.dim), "--profile", args.profile)
+            codebook = args.codebook or work / f"cb{tag}"
             if args.codebook is None and not any(codebook.glob("codebooks/cb-*")):
                 child("--train", str(data / "catalog.parquet"), str(codebook))
             first = None
@@ -131,10 +159,11 @@ def main() -> int:
                 r, peak = child("--single", str(data), str(root), str(codebook), engine, str(args.shards))
                 same = True if first is None else same_arrays(first, root)
                 first = first or root
-                rows.append({"ads": n, "engine": engine, "peak_gb": peak, "same": same, **r})
+                rows.append({"ads": n, "profile": args.profile, "engine": engine, "peak_gb": peak, "same": same, **r})
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
+    print(f"catalog profile: {args.profile}")
     print("| ads | SID rows | engine | seconds | / first engine | peak memory GB | its process's peak RSS GB "
           "| same arrays |")
     print("|---|---|---|---|---|---|---|---|")

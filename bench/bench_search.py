@@ -4,12 +4,21 @@ public API, and where each kernel stands against the bytes it must move.
 
     python bench/bench_search.py                         # on a CUDA host: 5M and 15M ads (~10M, ~30M SIDs)
     python bench/bench_search.py --ads 200000 --reps 5   # a quick look
+    python bench/bench_search.py --profile skewed        # one catalog profile (default: both, side by side)
 
 Index: the `bench_gtm` catalog (GRACE-like widths: 6 bitmask words, a 256-bit 2-hash Bloom
 attribute for locations) with generated SIDs, L=4, V=512, 2 paths per ad, built here with dynamic
 k-way partitions (k_max 16, target fill 0.5), written as a snapshot, opened (checksums on) and
-loaded onto the GPU. Requests: B=16, 64 locations each, random logits (fixed per step, so only the
-search is timed). Beams 1,512,1024,1024. Medians over --reps (CUDA events). Per mode:
+loaded onto the GPU. --profile: `default` (that catalog: SIDs hold few ads), `skewed` (the same
+catalog with `sidindex sample --profile skewed`'s bulk advertisers, `sidindex.sample.Bulk`: each
+bulk ad takes the semantic tokens of its advertiser's base ad, as residual k-means gives
+near-duplicates, and the hash level is its advertiser's, so each bulk advertiser's ads share one
+SID per path: at 15M ads the largest holds thousands) or `both` (the default: each size with each
+profile, a table row per profile and mode). Per profile: ads per SID (p50, p99, max) and the most
+(request, ad) pairs 1,024 beams reach (the 1,024 largest SIDs' ads; what the post stage's work is
+sized by), read on the host from the snapshot's leaf_ad_offsets (`bench_build.ads_per_sid`).
+Requests: B=16, 64 locations each, random logits (fixed per step, so only the search is timed).
+Beams 1,512,1024,1024. Medians over --reps (CUDA events). Per mode:
 
   graph       the whole search (log-softmax, mask, top-k, reorder, child lookup, 4 steps) captured
               as a CUDA graph and replayed, each step's compact layout capped to the widths the
@@ -60,10 +69,16 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+import polars as pl
 import torch
+from pyarrow import feather
 
+from bench.bench_build import PAIR_BEAMS, ads_per_sid
+from bench.bench_gtm import bench_spec, generated_sids
 from bench.bench_post import time_post
+from bench.bench_snapshot import write
 from bench.common import (
+    KWAY,
     bench_requests,
     build_snapshot,
     captured,
@@ -84,9 +99,40 @@ from runtime.search import beam_search
 from runtime.serving import Searcher
 from sidindex.modes import Mode
 from sidindex.request_encoding import encode_requests
+from sidindex.sample import PROFILES, bulk_ads, sample_catalog
 from sidindex.snapshot import open_snapshot
 
 CONSTRAINED = tuple(m for m in Mode if m.constrained)
+PATHS = 2  # the bench_gtm SIDs' paths per ad
+
+
+def generate_skewed(n: int, out: Path) -> None:
+    """`bench_gtm.generate`'s files (catalog.arrow, sids.npy, ad_index.npy) for its catalog in the
+    skewed profile (the same seed): its generated SIDs, then each bulk ad's semantic tokens set to
+    those of its advertiser's base ad (`sidindex.sample.bulk_ads`), per path; the hash token is
+    already its advertiser's."""
+    spec = bench_spec()
+    table = sample_catalog(n, spec, dim=1, seed=0, profile="skewed")
+    sids, ad_index = generated_sids(pl.DataFrame({"advertiser_id": table["advertiser_id"].to_numpy()}), PATHS,
+                                    np.random.default_rng(0))
+    bulk = PROFILES["skewed"]
+    assert bulk is not None
+    plan = bulk_ads(n, 0, bulk)
+    per_ad = sids.reshape(n, PATHS, -1)  # (ad, path) order
+    per_ad[plan.rows, :, :-1] = per_ad[plan.base_row[plan.group], :, :-1]  # the right side is gathered first
+    feather.write_feather(table.select([a.name for a in spec.attributes] + ["value"]), out / "catalog.arrow",
+                          compression="uncompressed")
+    np.save(out / "sids.npy", sids)
+    np.save(out / "ad_index.npy", ad_index)
+
+
+def build_profile(n: int, profile: str, out: Path) -> dict:
+    """`bench.common.build_snapshot` of n ads in a catalog profile: seconds per stage, its path."""
+    if profile == "default":
+        return build_snapshot(n, out)
+    t = time.perf_counter()
+    generate_skewed(n, out)
+    return {"generate": time.perf_counter() - t, **write(out, out / "snapshot", kway=KWAY)}
 
 
 def same_rows(a, b) -> bool:
@@ -231,20 +277,23 @@ def mask_kernel_us(profile: list[dict]) -> float:
     return sum(p["us"] for p in profile if p["kernel"].startswith(MASK_KERNELS))
 
 
-def one_size(n: int, args, beams: tuple[int, ...], dev) -> dict:
-    res: dict = {"ads": n}
+def one_size(n: int, profile: str, args, beams: tuple[int, ...], dev) -> dict:
+    # "profile" is the kernel profiler's table (as in bench_post), so the catalog's is "catalog_profile"
+    res: dict = {"ads": n, "catalog_profile": profile}
+    name = f"{n:,} ads ({profile})"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        if args.keep:  # the snapshot stays for other benchmarks (bench_swap --built)
-            tmp = Path(args.keep) / f"ads-{n}"
+        if args.keep:  # the snapshot stays for other benchmarks (bench_swap --built: the default's ads-N)
+            tmp = Path(args.keep) / (f"ads-{n}" + ("" if profile == "default" else f"-{profile}"))
             tmp.mkdir(parents=True, exist_ok=False)
-        print(f"building {n:,} ads ...", file=sys.stderr, flush=True)
-        res["build"] = build_snapshot(n, tmp)
+        print(f"building {name} ...", file=sys.stderr, flush=True)
+        res["build"] = build_profile(n, profile, tmp)
         if args.keep:
             (tmp / "build.json").write_text(json.dumps(res["build"]))
         t = time.perf_counter()
         snap = open_snapshot(res["build"]["path"], verify=True)
         res["open_s"] = time.perf_counter() - t
+        res["ads_per_sid"] = ads_per_sid(snap, PAIR_BEAMS)
         index = load_index(snap, dev)
         res["load"] = index.load_info
         host_req = encode_requests(bench_requests(args.batch, args.locations), snap.spec)
@@ -272,7 +321,7 @@ def one_size(n: int, args, beams: tuple[int, ...], dev) -> dict:
         rows, calls_by_mode, widths_by_mode = {}, {}, {}
         for mode in Mode:
             r = rows[mode.value] = {}
-            print(f"{n:,} ads, {mode}", file=sys.stderr, flush=True)
+            print(f"{name}, {mode}", file=sys.stderr, flush=True)
             searcher = Searcher(beams, mode)
             got = searcher.search(index, dreq, Fixed())  # a step the batch overflows is widened here, once
             widths = widths_by_mode[mode] = searcher.widths(index)  # what its graphs replay from now on
@@ -315,25 +364,45 @@ def one_size(n: int, args, beams: tuple[int, ...], dev) -> dict:
     return res
 
 
-def report(res: dict, B: int, args) -> None:
-    b = res["build"]
-    print(f"\n## {res['ads']:,} ads: {b['sids']:,} SIDs, {b['nodes']:,} nodes; B={B}, beams {args.beams}, "
-          f"{args.locations} request locations; copy bandwidth {res['bandwidth_GBs']:.0f} GB/s")
-    print(f"load onto the GPU: {res['load']['bytes'] / 1e9:.2f} GB in {res['load']['seconds']:.2f} s; "
-          f"open with checksums {res['open_s']:.2f} s")
+def skew_line(res: dict) -> str:
+    """A result's ads per SID and the most (request, ad) pairs 1,024 beams reach, in words."""
+    a = res["ads_per_sid"]
+    return (f"ads per SID p50 {a['p50']:g}, p99 {a['p99']:g}, max {a['max']:,}; the {a['beams']:,} largest SIDs hold "
+            f"{a['most_pairs']:,} ads (the most (request, ad) pairs {a['beams']:,} beams reach)")
+
+
+def report(results: list[dict], B: int, args) -> None:
+    """One size's results, a profile each: a line per profile, the modes' table (a row per profile
+    and mode), then each profile's details."""
+    for res in results:
+        b = res["build"]
+        print(f"\n## {res['ads']:,} ads ({res['catalog_profile']}): {b['sids']:,} SIDs, {b['nodes']:,} nodes; B={B}, "
+              f"beams {args.beams}, {args.locations} request locations; copy bandwidth {res['bandwidth_GBs']:.0f} GB/s")
+        print(skew_line(res))
+        print(f"load onto the GPU: {res['load']['bytes'] / 1e9:.2f} GB in {res['load']['seconds']:.2f} s; "
+              f"open with checksums {res['open_s']:.2f} s")
+    print("\n| profile | mode | graph ms | / none | / plain torch | Searcher ms | eager ms | "
+          "worst-case widths graph ms | dense layout graph ms | mask ms | identical | live SIDs / request |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for res in results:
+        rows, cat = res["modes"], res["catalog_profile"]
+        none = rows["none"]["graph_ms"]
+        print(f"| {cat} | plain torch (unconstrained) | {res['plain_torch_ms']:.3f} | "
+              f"{res['plain_torch_ms'] / none:.2f} | 1.00 | - | - | - | - | - | - | - |")
+        for mode, r in rows.items():
+            worst, dense, mask = (f"{r[k]:.3f}" if k in r else "-" for k in ("worst_case_graph_ms", "dense_graph_ms",
+                                                                              "mask_ms"))
+            print(f"| {cat} | {mode} | {r['graph_ms']:.3f} | {r['graph_ms'] / none:.2f} "
+                  f"| {r['graph_ms'] / res['plain_torch_ms']:.2f} | {r['searcher_ms']:.3f} | {r['eager_ms']:.3f} "
+                  f"| {worst} | {dense} | {mask} | {r['identical']} | {r['live_sids_per_request']:.0f} |")
+    for res in results:
+        details(res)
+
+
+def details(res: dict) -> None:
+    """One result's per-mode widths, kernel profile, floor per step, sweep and post stage."""
     rows = res["modes"]
-    none = rows["none"]["graph_ms"]
-    print("\n| mode | graph ms | / none | / plain torch | Searcher ms | eager ms | worst-case widths graph ms | "
-          "dense layout graph ms | mask ms | identical | live SIDs / request |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| plain torch (unconstrained) | {res['plain_torch_ms']:.3f} | {res['plain_torch_ms'] / none:.2f} | 1.00 "
-          "| - | - | - | - | - | - | - |")
-    for mode, r in rows.items():
-        worst, dense, mask = (f"{r[k]:.3f}" if k in r else "-" for k in ("worst_case_graph_ms", "dense_graph_ms",
-                                                                          "mask_ms"))
-        print(f"| {mode} | {r['graph_ms']:.3f} | {r['graph_ms'] / none:.2f} "
-              f"| {r['graph_ms'] / res['plain_torch_ms']:.2f} | {r['searcher_ms']:.3f} | {r['eager_ms']:.3f} "
-              f"| {worst} | {dense} | {mask} | {r['identical']} | {r['live_sids_per_request']:.0f} |")
+    print(f"\n### {res['ads']:,} ads ({res['catalog_profile']})")
     print("compact layout widths per step (the Searcher's after its first batch; - the worst case), and the "
           "first batch's searches again wider: " + "; ".join(
               f"{m} {', '.join('-' if w is None else f'{w:,}' for w in r['widths'])} ({r['widened']})"
@@ -367,10 +436,9 @@ def report(res: dict, B: int, args) -> None:
 
 
 def verdicts(results: list[dict]) -> None:
-    big = max(results, key=lambda r: r["ads"])
     print()
     for res in results:
-        rows, tag = res["modes"], f"{res['build']['sids']:,} SIDs"
+        rows, tag = res["modes"], f"{res['build']['sids']:,} SIDs ({res['catalog_profile']})"
         g, none, plain = rows["cd+gtm"]["graph_ms"], rows["none"]["graph_ms"], res["plain_torch_ms"]
         print(f"{'PASS' if g <= min(none, plain) else 'MISS'}  {tag}: cd+gtm graph {g:.3f} ms <= none {none:.3f} "
               f"and plain torch {plain:.3f}")
@@ -384,16 +452,18 @@ def verdicts(results: list[dict]) -> None:
             rt = rows["cd+gtm"]["retrieve_ms"]
             print(f"{'PASS' if rt <= 1.5 else 'MISS'}  {tag}: search + post through runtime.Searcher "
                   f"{rt:.3f} ms <= 1.5")
-    cd, gtm = (mask_kernel_us(big["profile"][m]) for m in ("cd", "cd+gtm"))
-    tag = f"{big['build']['sids']:,} SIDs"
-    if cd:
-        print(f"{'PASS' if gtm <= 1.5 * cd else 'MISS'}  {tag}: cd+gtm mask kernel {gtm:.0f} us <= 1.5x cd {cd:.0f} us "
-              f"({gtm / cd:.2f}x)")
-    kw = big["modes"]["cd+gtm+kway"]["graph_ms"]
-    print(f"{'PASS' if kw <= 1.5 else 'MISS'}  {tag}: cd+gtm+kway graph {kw:.3f} ms <= 1.5")
-    if "post" in big and "numba_ms" in big["post"]:
-        print(f"{'PASS' if big['post']['numba_ms'] <= 1 else 'MISS'}  post on the CPU {big['post']['numba_ms']:.3f} ms "
-              "<= 1")
+    for cat in dict.fromkeys(r["catalog_profile"] for r in results):  # the largest size's, per profile
+        big = max((r for r in results if r["catalog_profile"] == cat), key=lambda r: r["ads"])
+        cd, gtm = (mask_kernel_us(big["profile"][m]) for m in ("cd", "cd+gtm"))
+        tag = f"{big['build']['sids']:,} SIDs ({cat})"
+        if cd:
+            print(f"{'PASS' if gtm <= 1.5 * cd else 'MISS'}  {tag}: cd+gtm mask kernel {gtm:.0f} us <= 1.5x cd "
+                  f"{cd:.0f} us ({gtm / cd:.2f}x)")
+        kw = big["modes"]["cd+gtm+kway"]["graph_ms"]
+        print(f"{'PASS' if kw <= 1.5 else 'MISS'}  {tag}: cd+gtm+kway graph {kw:.3f} ms <= 1.5")
+        if "post" in big and "numba_ms" in big["post"]:
+            print(f"{'PASS' if big['post']['numba_ms'] <= 1 else 'MISS'}  {tag}: post on the CPU "
+                  f"{big['post']['numba_ms']:.3f} ms <= 1")
 
 
 def main() -> int:
@@ -405,21 +475,27 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also time the mask kernel's launch shapes")
     ap.add_argument("--json", help="write the results as JSON here")
-    ap.add_argument("--keep", help="build into DIR/ads-N and keep it (bench_swap --built DIR reuses it)")
+    ap.add_argument("--keep", help="build into DIR/ads-N (the skewed profile: DIR/ads-N-skewed) and keep it "
+                                   "(bench_swap --built DIR reuses the default's)")
+    ap.add_argument("--profile", choices=(*PROFILES, "both"), default="both",
+                    help="the catalog's profile: default, skewed (bulk advertisers' near-duplicates, some SIDs "
+                         "holding thousands of ads: sidindex.sample.Bulk) or both, side by side")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: a smoke run on the CPU (wall-clock times, no graphs, no kernel profile)",
               file=sys.stderr)
     beams = tuple(int(b) for b in args.beams.split(","))
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    profiles = tuple(PROFILES) if args.profile == "both" else (args.profile,)
     results = []
     for n in args.ads:
-        res = one_size(n, args, beams, dev)
-        res["gpu"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-        results.append(res)
-        report(res, args.batch, args)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+        for profile in profiles:
+            res = one_size(n, profile, args, beams, dev)
+            res["gpu"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+            results.append(res)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+        report(results[-len(profiles):], args.batch, args)
     verdicts(results)
     return 0
 

@@ -5,6 +5,11 @@ Zipf-distributed per attribute (most ads restrict some attributes, a share restr
 location vocabulary has tens of thousands of values with a heavy tail; advertisers own many ads each.
 Every step is vectorised over ads (loops run over clusters or attributes only), so a 10M-ad
 catalog is generated in seconds. Deterministic for a given seed.
+
+Profiles (`PROFILES`): `default` is the catalog above, where a SID holds few ads. `skewed` is the
+same catalog with a share of its ads rewritten as bulk advertisers' near-duplicate creatives
+(`Bulk`, `bulk_ads`): real catalogs are skewed so, and the ads a SID holds are what the post
+stage pays for per beam.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sidindex.errors import ConfigError
 from sidindex.matchers.attribute import Attribute
 from sidindex.matchers.bloom import DEFAULT_BLOOM_BITS, DEFAULT_BLOOM_HASHES
 from sidindex.targeting import BITMASK, BLOOM, TargetingSpec
@@ -45,6 +51,74 @@ _RESTRICTIONS = {
     "platform": _Restriction(0.3, 1.5, 0.6),
     "locations": _Restriction(0.6, 10.0, 1.05),
 }
+
+
+@dataclass(frozen=True)
+class Bulk:
+    """The `skewed` profile: bulk advertisers whose creatives are near-duplicates.
+
+    A real catalog holds large advertisers' near-identical creatives (one product photo, a dozen
+    captions). The codebook is frozen between trainings and the final SID level is a hash of
+    `advertiser_id`, so all of one advertiser's near-duplicates share one SID per path: on a
+    held-out catalog 3,000 such creatives built against an earlier codebook gave one SID holding
+    all 3,000. Here round(share * n) ads, chosen at random, become bulk creatives of A =
+    ceil(share * n / mean_size) new advertisers (ids after the default's), sized by a Zipf law
+    (rank^-zipf, drawn multinomially), each ad its advertiser's embedding (a random catalog ad's)
+    plus Gaussian noise of `noise` per dimension, so that residual k-means gives all of them one
+    semantic path (per first-level path) and the hash one SID. Everything else (the other ads,
+    the bulk ads' ad_id, value and targeting) is the default catalog's, drawn as it draws them.
+
+    The largest SID grows about as (share * n)^zipf, and the 1,024 largest (both paths of the 512
+    largest advertisers) hold at most 2 * share * n ads. Measured (32 dims, a 512/512/512 + 512
+    codebook trained on the catalog, 2 paths; default in brackets), the largest SID holds 31 ads at
+    2,000 ads (4), 83 at 20,000 (1), 836 at 1M (9) and 5,468 at 15M (120); the 1,024 largest hold
+    30,867 at 1M (2,476) and 204,759 at 15M (14,604). Real catalogs measured 27,444 at 1M (largest
+    477) and 298,175 at 15M.
+    """
+
+    share: float = 0.015     # of the catalog's ads, bulk creatives
+    mean_size: float = 40.0  # creatives per bulk advertiser on average (sets how many advertisers)
+    zipf: float = 0.7        # advertiser sizes ~ rank^-zipf
+    noise: float = 1e-3      # per-dimension std of a creative around its advertiser's embedding
+
+
+# the catalog profiles by name: None is the default catalog
+PROFILES: dict[str, Bulk | None] = {"default": None, "skewed": Bulk()}
+_BULK_STREAM = 0xB01C  # the bulk plan's own random stream: the default's draws stay as they are
+
+
+def check_profile(profile: str) -> Bulk | None:
+    """The `Bulk` of a profile name (None for `default`); a ConfigError for an unknown name."""
+    if profile not in PROFILES:
+        raise ConfigError(f"unknown catalog profile {profile!r}; expected one of {', '.join(PROFILES)}")
+    return PROFILES[profile]
+
+
+@dataclass(frozen=True)
+class BulkAds:
+    """Which ads of an n-ad catalog are bulk creatives (`Bulk`), and whose.
+
+    rows:     (K,) int64 catalog rows, distinct, in random order
+    group:    (K,) int64 each row's bulk advertiser in [0, A)
+    base_row: (A,) int64 per advertiser the catalog row whose (default) embedding it takes, distinct
+    """
+
+    rows: np.ndarray
+    group: np.ndarray
+    base_row: np.ndarray
+
+
+def bulk_ads(n: int, seed: int, bulk: Bulk) -> BulkAds:
+    """The bulk plan of the n-ad catalog of `seed` (what `sample_catalog` rewrites), from a
+    random stream of its own: the same for any dim, spec or caller."""
+    rng = np.random.default_rng([seed, _BULK_STREAM])
+    k = min(n, int(round(bulk.share * n)))
+    a = max(1, int(np.ceil(k / bulk.mean_size))) if k else 0
+    rows = rng.choice(n, size=k, replace=False).astype(np.int64)
+    sizes = rng.multinomial(k, zipf_weights(a, bulk.zipf)) if a else np.zeros(0, np.int64)
+    group = np.repeat(np.arange(a, dtype=np.int64), sizes)
+    base_row = rng.choice(n, size=a, replace=False).astype(np.int64)
+    return BulkAds(rows, group, base_row)
 
 
 def sample_spec(n_countries: int = 250, bloom_bits: int = DEFAULT_BLOOM_BITS) -> TargetingSpec:
@@ -164,13 +238,22 @@ def _list_array(offsets: np.ndarray, codes: np.ndarray, valid: np.ndarray, vocab
 
 
 def sample_catalog(n: int, spec: TargetingSpec, *, dim: int = 64, seed: int = 0,
-                   n_locations: int = 40000) -> pa.Table:
-    """A catalog table of `n` ads following `schemas.CATALOG` for `spec`."""
+                   n_locations: int = 40000, profile: str = "default") -> pa.Table:
+    """A catalog table of `n` ads following `schemas.CATALOG` for `spec`.
+
+    profile: a name in `PROFILES`: "default", or "skewed" (the default catalog with a share of its
+             ads rewritten as bulk advertisers' near-duplicate creatives, `Bulk`: some SIDs then
+             hold hundreds to thousands of ads)
+    """
+    bulk = check_profile(profile)
     rng = np.random.default_rng(seed)
     ad_id = 1 + rng.choice(2**53 - 1, size=n, replace=False)  # unique, in random order
     emb = sample_embeddings(n, dim, rng)
     n_adv = max(1, n // 25)
     advertiser = 100000 + rng.choice(n_adv, size=n, p=zipf_weights(n_adv, 0.9)).astype(np.int64)
+    if bulk is not None:
+        _make_bulk(emb, advertiser, bulk_ads(n, seed, bulk), bulk, np.random.default_rng([seed, _BULK_STREAM, 1]),
+                   first_id=100000 + n_adv)
     cols: dict[str, pa.Array] = {
         "ad_id": pa.array(ad_id),
         "advertiser_id": pa.array(advertiser),
@@ -184,6 +267,16 @@ def sample_catalog(n: int, spec: TargetingSpec, *, dim: int = 64, seed: int = 0,
         offsets, codes, valid = _restricted_lists(n, len(vocab), r, rng, heavy_tail=a.kind == BLOOM)
         cols[a.name] = _list_array(offsets, codes, valid, vocab)
     return pa.table(cols)
+
+
+def _make_bulk(emb: np.ndarray, advertiser: np.ndarray, plan: BulkAds, bulk: Bulk, rng: np.random.Generator,
+               first_id: int) -> None:
+    """Rewrite the plan's rows in place: emb (N, D) float32 to their advertiser's embedding plus
+    noise, advertiser (N,) int64 to first_id + their bulk advertiser."""
+    base = emb[plan.base_row]  # a copy, taken before any row is rewritten
+    noise = rng.standard_normal((len(plan.rows), emb.shape[1])).astype(np.float32) * np.float32(bulk.noise)
+    emb[plan.rows] = base[plan.group] + noise
+    advertiser[plan.rows] = first_id + plan.group
 
 
 def sample_requests(n: int, spec: TargetingSpec, *, dim: int = 64, seed: int = 1,
@@ -217,14 +310,17 @@ def sample_requests(n: int, spec: TargetingSpec, *, dim: int = 64, seed: int = 1
     return pa.table(cols)
 
 
-def write_sample(out: str | Path, n_ads: int, n_requests: int, *, dim: int = 64, seed: int = 0) -> dict[str, Path]:
-    """Write catalog.parquet, requests.parquet and targeting.toml under `out`; returns their paths."""
+def write_sample(out: str | Path, n_ads: int, n_requests: int, *, dim: int = 64, seed: int = 0,
+                 profile: str = "default") -> dict[str, Path]:
+    """Write catalog.parquet, requests.parquet and targeting.toml under `out`; returns their paths.
+    profile: the catalog's (`sample_catalog`, `PROFILES`); the requests lie near its ads either way."""
     from sidindex.targeting import write_targeting
 
+    check_profile(profile)  # before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     spec = sample_spec()
-    catalog = sample_catalog(n_ads, spec, dim=dim, seed=seed)
+    catalog = sample_catalog(n_ads, spec, dim=dim, seed=seed, profile=profile)
     emb = catalog.column("embedding").combine_chunks().flatten().to_numpy().reshape(n_ads, dim)
     requests = sample_requests(n_requests, spec, dim=dim, seed=seed + 1, catalog_embedding=emb)
     paths = {"catalog": out / "catalog.parquet", "requests": out / "requests.parquet",

@@ -31,13 +31,19 @@ def test_one_command_reports_every_mode(built, tmp_path, capsys):
     cache, size = built
     out = tmp_path / "stream.json"
     assert bs.main(["--ads", str(ADS), "--dim", str(DIM), "--batches", "32", "--beams", ",".join(map(str, BEAMS)),
-                    "--device", "cpu", "--cache", str(cache), "--json", str(out), "--decoder"]) == 0
+                    "--device", "cpu", "--cache", str(cache), "--json", str(out), "--decoder",
+                    "--profile", "default"]) == 0  # one profile: the fixture's catalog (the default runs both)
     printed = capsys.readouterr().out
     res = json.loads(out.read_text())
     assert res["device"] == "cpu" and res["beams"] == list(BEAMS) and res["batches"] == 32
     assert res["decoder_skipped"] and "needs a CUDA device" in printed  # said, not silently dropped
     (got,) = res["sizes"]
     assert got["cached"] and got["ads"] == ADS and got["sids"] == size["sids"] > 0  # the fixture's ROOT, reused
+    assert res["profiles"] == ["default"] and got["profile"] == "default"
+    skew = got["ads_per_sid"]  # read from the snapshot's leaf_ad_offsets
+    assert skew["sids"] == got["sids"] and 1 <= skew["p50"] <= skew["p99"] <= skew["max"]
+    assert skew["beams"] == 1024 and skew["max"] <= skew["most_pairs"] <= 2 * ADS  # 2 paths per ad
+    assert f"ads per SID p50 {skew['p50']:g}" in printed and f"{skew['most_pairs']:,} ads" in printed
     assert list(got["modes"]) == [m.value for m in Mode]  # the k-way partitions were built
     for mode, r in got["modes"].items():
         assert mode in printed
