@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Runs the tests that exercise a CUDA device, on a bare GPU host whose Python has torch and Triton
-# but lacks some of sidindex's dependencies: wheels found in .whl/ and .whl2/ (cp312, manylinux;
-# pip download --no-deps ... -d .whl NAME==VERSION, versions from constraints.txt) are installed
-# into .site/ first, which stays for later runs on the same host.
+# Runs the tests that exercise a CUDA device, then the serving benchmarks, on a bare GPU host whose
+# Python has torch and Triton but lacks some of sidindex's dependencies: wheels found in .whl/ and
+# .whl2/ (cp312, manylinux; pip download --no-deps ... -d .whl NAME==VERSION, versions from
+# constraints.txt) are installed into .site/ first, which stays for later runs on the same host.
 #
 #   bash bench/gpu_check.sh install        # install the wheels that came along, nothing else
 #   bash bench/gpu_check.sh [PYTEST ARGS]  # install what came along, then the GPU tests
+#   bash bench/gpu_check.sh bench [ADS]    # then the serving benchmarks, into $OUT (or bench_out/):
+#                                          # bench_topk, bench_post, bench_stream both profiles at ADS
+#                                          # ads (default 2000000: about 4M SIDs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 site="$PWD/.site"
@@ -27,6 +30,20 @@ chmod +x "$site/bin/sidindex"
 export PATH="$site/bin:$PATH"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+if [ "${1:-}" = "bench" ]; then
+    out="${OUT:-bench_out}"
+    mkdir -p "$out"
+    status=0
+    python3 -m bench.bench_topk --device cuda --json "$out/topk.json" || status=1
+    python3 bench/bench_post.py --device cuda --json "$out/post.json" || status=1
+    python3 bench/bench_stream.py --device cuda --ads "${2:-2000000}" --profile both --cache "$out/cache" \
+        --json "$out/stream.json" || status=1
+    rm -rf "$out/cache"
+    exit $status
+fi
+# every test file with a CUDA case (each skips them without a GPU)
 TESTS=(tests/test_broken_scorer.py tests/test_serving.py tests/test_retriever.py tests/test_order.py
-       tests/test_swap.py tests/test_signing.py tests/test_shared_rows.py tests/test_impl.py)
+       tests/test_swap.py tests/test_signing.py tests/test_shared_rows.py tests/test_impl.py tests/test_post.py
+       tests/test_runtime.py tests/test_query_tables.py tests/test_retrieve.py tests/test_update.py
+       tests/test_serving_errors.py tests/test_scorer_isolation.py tests/test_shards.py tests/test_cold_start.py)
 python3 -m pytest -q -p no:cacheprovider -n 8 -o addopts="" -ra "${TESTS[@]}" "$@"

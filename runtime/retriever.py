@@ -1,5 +1,5 @@
 """The serving object: requests in memory in, ranked eligible ads out, warm from the first request
-(docs/design.md §12).
+(docs/design.md §17).
 
     retriever = runtime.Retriever(runtime.SnapshotWatcher(ROOT, "cuda"), mode="cd+gtm",
                                   beams=(1, 512, 1024, 1024), batch_sizes=(1, 4, 16))
@@ -27,9 +27,12 @@ Warm start: at construction and for each new snapshot, every configured batch si
 once with requests shaped like the largest a batch can be (every bloom attribute at its most
 values), which compiles the kernels and captures the graphs with room for any batch. Their
 embeddings are rebuilt from random paths of the codebook, so their beams go where the catalog's
-ads are and a few more such batches widen each step's compact width as real traffic would; with
-`warmup` requests (real ones: a few hundred from traffic; what a user's scorer needs, whose
-factory reads its own columns) the widths fit those too, so serving rarely widens. Triton keeps
+ads are and a few more such batches widen each step's compact width, and size the post stage's
+pairs, as real traffic would; with `warmup` requests (real ones: a few hundred from traffic; what a
+user's scorer needs, whose factory reads its own columns) the widths fit those too. Then the
+searcher is settled and frozen (`runtime.Searcher`): a batch past the widths is answered by the
+worst case's graph captured at warm-up, so nothing compiles, captures or widens while serving
+(`Counters`: compiles, captures, overflows, each 0 in a steady state but overflows). Triton keeps
 compiled kernels in its cache directory (TRITON_CACHE_DIR, default ~/.triton/cache): point it at a
 persistent volume for a restarted host to find them.
 
@@ -53,6 +56,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from runtime.ops.compiles import compiles
 from runtime.post import Retrieved, check_rank, check_top_k
 from runtime.requests import requests_from, to_device
 from runtime.scorer import CodebookScorer, ScorerFactory, as_factory
@@ -60,8 +64,8 @@ from runtime.search import DEFAULT_BEAMS, check_value_weight, parse_beams
 from runtime.served import ServedIndex
 from runtime.serving import Searcher
 from runtime.watcher import SnapshotWatcher
+from schemas import MAX_ABS_EMBEDDING
 from sidindex.errors import ArtifactError, ConfigError, InputError
-from sidindex.ingest import MAX_ABS_EMBEDDING
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import encode_requests
 from sidindex.requests import MAX_REQUEST_VALUES, Requests
@@ -72,18 +76,24 @@ STAGES = ("validate", "encode", "copy", "search_post", "result")
 @dataclass
 class Counters:
     """What a retriever has done since it was made (`Retriever.counters`): batches and requests
-    served, the searches widened (each one a second search of its batch and new graphs; 0 in a
-    steady state), snapshots warmed and swapped to, and the seconds spent per stage (`STAGES`)."""
+    served; while serving them, searches widened, graphs captured and Triton kernels compiled (each
+    a stall of its batch: 0 once warm) and batches answered by the worst case's graph (overflows:
+    a batch past the widths warm-up measured, exact and a little slower); snapshots warmed and
+    swapped to; and the seconds spent per stage (`STAGES`)."""
 
     batches: int = 0
     requests: int = 0
     widenings: int = 0
+    captures: int = 0
+    compiles: int = 0
+    overflows: int = 0
     warmed: int = 0
     swaps: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
     def to_dict(self) -> dict:
         return {"batches": self.batches, "requests": self.requests, "widenings": self.widenings,
+                "captures": self.captures, "compiles": self.compiles, "overflows": self.overflows,
                 "warmed": self.warmed, "swaps": self.swaps, "seconds": dict(self.seconds)}
 
 
@@ -171,14 +181,17 @@ class Retriever:
         with self._lock:
             warmed = self._serving(index)
             searcher = warmed.searcher
-            widened = searcher.widened
+            before = (searcher.widened, searcher.captures, searcher.overflows, compiles())
             for lo in range(0, n, most):
                 hi = min(n, lo + most)
                 parts.append((lo, self._batch(warmed, self._arena, requests.rows(lo, hi), stages, seconds)))
                 if progress:
                     progress("retrieve", hi, n)
             c = self.counters
-            c.widenings += searcher.widened - widened
+            after = (searcher.widened, searcher.captures, searcher.overflows, compiles())
+            widened, captured, overflowed, compiled = (a - b for a, b in zip(after, before))
+            c.widenings, c.captures = c.widenings + widened, c.captures + captured
+            c.overflows, c.compiles = c.overflows + overflowed, c.compiles + compiled
             c.batches, c.requests = c.batches + len(parts), c.requests + n
             for k, v in seconds.items():
                 c.seconds[k] += v
@@ -255,6 +268,7 @@ class Retriever:
         served = None if self._served is None else self._warmed.get(self._served)
         if served is not None:
             searcher.step_slack = dict(served.searcher.step_slack)
+            searcher.most_reached = served.searcher.most_reached
         return _Warmed(index, searcher)
 
     def prepare(self, index: ServedIndex) -> None:
@@ -277,21 +291,32 @@ class Retriever:
             self.counters.warmed += 1
 
     def _warm(self, warmed: _Warmed) -> None:
+        """Each batch size searched once, then the warm-up batches (module doc), then the searcher
+        settled (its post stage fitted to the pairs the warm-up reached), the first batch of each
+        size once more to capture the settled graphs, and the searcher frozen."""
         index, arena, most = warmed.index, _Arena(), self.batch_sizes[-1]
         seconds = dict.fromkeys(STAGES, 0.0)
         synthetic = self.factory is None and index.codebook is not None  # a user's scorer reads its own columns
+        firsts: list[Requests] = []  # a batch of each size
         if synthetic:
             batches = WARM_BATCHES * most
             dummy = self._validated(largest_requests(index, batches), index, "warm-up requests")
-            for b in self.batch_sizes:
-                self._batch(warmed, arena, dummy.head(b), False, seconds)
+            firsts = [dummy.head(b) for b in self.batch_sizes]
+            for reqs in firsts:
+                self._batch(warmed, arena, reqs, False, seconds)
             for lo in range(0, batches, most):
                 self._batch(warmed, arena, dummy.rows(lo, lo + most), False, seconds)
         if self._warmup is not None:
-            for b in self.batch_sizes if not synthetic else ():
-                self._batch(warmed, arena, self._warmup.head(min(b, len(self._warmup))), False, seconds)
+            if not synthetic:
+                firsts = [self._warmup.head(min(b, len(self._warmup))) for b in self.batch_sizes]
+                for reqs in firsts:
+                    self._batch(warmed, arena, reqs, False, seconds)
             for lo in range(0, len(self._warmup), most):
                 self._batch(warmed, arena, self._warmup.rows(lo, min(len(self._warmup), lo + most)), False, seconds)
+        warmed.searcher.settle()
+        for reqs in firsts:
+            self._batch(warmed, arena, reqs, False, seconds)
+        warmed.searcher.frozen = True
 
     def _before_swap(self, indexes: tuple[ServedIndex, ...]) -> None:
         """The watcher's hook: warm its new snapshot before it is swapped in."""

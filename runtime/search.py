@@ -371,9 +371,19 @@ def capped_widths(index: ServedIndex, beams: tuple[int, ...] | str,
     check_slack(slack, L)
     out = []
     for d, K in enumerate(step_beams(parse_beams(beams, L), index.vocab_size)):
-        cap = math.ceil(slack[d] * index.typical_children(d, K))
+        cap = rounded_width(math.ceil(slack[d] * index.typical_children(d, K)))
         out.append(cap if 0 < cap < index.most_children(d, K) else None)
     return tuple(out)
+
+
+def rounded_width(n: int) -> int:
+    """n from 64 up rounded up to a multiple of 16 and of 1/16 of its power of 2 (at most 1/16
+    wider): few widths, so snapshots and restarts meet shapes a warm Triton cache already holds
+    (Triton specialises a size on its divisibility by 16). Smaller widths are few anyway."""
+    if n < 64:
+        return n
+    step = max(16, 1 << (n.bit_length() - 5))
+    return -(-n // step) * step
 
 
 def check_slack(slack: tuple[float, ...], steps: int) -> None:

@@ -77,6 +77,10 @@ class Metrics:
         self.swap_seconds = Histogram("sidindex_swap_seconds", "Time to load and warm a new snapshot",
                                       buckets=(0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60), registry=r)
         self.widenings = Gauge("sidindex_widenings", "Searches widened since start (0 in a steady state)", registry=r)
+        self.stalls = Gauge("sidindex_stalls", "Graphs captured and Triton kernels compiled while serving batches "
+                            "(0 once warm)", ["kind"], registry=r)
+        self.overflows = Gauge("sidindex_overflows", "Batches answered by the worst case's graph (past the widths "
+                               "warm-up measured)", registry=r)
         self.snapshot = Gauge("sidindex_snapshot_info", "The snapshot served", ["snapshot"], registry=r)
         self.age = Gauge("sidindex_snapshot_age_seconds", "Seconds since the snapshot served was swapped in",
                          registry=r)
@@ -210,7 +214,11 @@ class RetrievalServer:
         from starlette.responses import Response
 
         m = self.metrics
-        m.widenings.set(self.retriever.counters.widenings)
+        c = self.retriever.counters
+        m.widenings.set(c.widenings)
+        m.stalls.labels("capture").set(c.captures)
+        m.stalls.labels("compile").set(c.compiles)
+        m.overflows.set(c.overflows)
         m.age.set(time.time() - self.since)
         m.refused.set(0 if self.watcher.last_error is None else 1)
         device = self.watcher.current.device

@@ -1,4 +1,4 @@
-"""A serving searcher: beam search replayed from CUDA graphs (docs/design.md §12).
+"""A serving searcher: beam search replayed from CUDA graphs (docs/design.md §17).
 
 A host keeps one `Searcher` per (beams, mode) and calls `search(index, requests, scorer)` per batch,
 or `retrieve(...)` for the ranked eligible ads (search and post stage, `runtime.post`). On a GPU the
@@ -22,14 +22,17 @@ warning says it once). Replayed results are copies: the next replay does not cha
 
 Each step's top-k selects among a width the Searcher caps at `slack` x its beams' typical
 candidates (`runtime.search.capped_widths`): the worst case, the widest nodes of the depth together,
-can be twelve times as wide, and top-k's time grows with its width. After each search the Searcher
-reads the search's overflow flags (one small copy to the host); a batch whose candidates did not
-fit is searched again with twice the slack at the first step that overflowed (kept for later
-batches). So no candidate is ever cut: each step keeps the candidates the uncapped search would,
-ties included (`runtime.ops.order`: a width changes no candidate's place relative to another's).
-The same copy brings the search's record of steps at which the scorer gave a request no finite
-logit (`Beams.unscored`): such a batch is refused (`runtime.search.check_scored`, a ScorerError),
-with no wait per step, captured or not.
+can be twelve times as wide, and top-k's time grows with its width. The post stage holds as many
+(request, ad) pairs per request as warm-up requests reached, twice over (`fitted_pairs`), not the
+ads of the largest SIDs together. After each search the Searcher reads the search's overflow flags
+(one small copy to the host, with the post stage's counts). While warming, a batch whose candidates
+or pairs did not fit is searched again wider (kept for later batches); once warm (`frozen`), it is
+answered at once by the worst case's graph, captured beside each capped one at warm-up, and nothing
+is widened, captured or compiled on the serving thread. So no candidate is ever cut: each step
+keeps the candidates the uncapped search would, ties included (`runtime.ops.order`: a width changes
+no candidate's place relative to another's). The same copy brings the search's record of steps at
+which the scorer gave a request no finite logit (`Beams.unscored`): such a batch is refused
+(`runtime.search.check_scored`, a ScorerError), with no wait per step, captured or not.
 
 With a `SnapshotWatcher`, each request takes `watcher.current` once and passes it here: a graph
 belongs to the device arrays it was captured on, so a swapped-in snapshot is captured anew at its
@@ -42,6 +45,7 @@ the index it was given before the next one re-captures.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import warnings
 from dataclasses import dataclass
@@ -50,6 +54,9 @@ from typing import Protocol, TypeGuard
 import numpy as np
 import torch
 
+from runtime.ops.compiles import count_compiles
+from runtime.ops.expand import MAX_PAIRS, expand_host
+from runtime.ops.expand.layout import pow2
 from runtime.ops.gtm_mask.planes import stack_queries
 from runtime.ops.impl import Impl
 from runtime.post import DevicePost, Retrieved, check_rank, check_top_k, expand, on_device
@@ -93,6 +100,8 @@ class _Graph:
 
 
 SLACK = 2.0  # a step's compact layout: twice its beams' typical candidates (`search.capped_widths`)
+PAIR_SLACK = 2.0  # the post stage's pairs per request: twice the most a warm-up request reached
+MIN_PAIRS = 1024  # ... and at least this many
 
 
 class Searcher:
@@ -101,26 +110,35 @@ class Searcher:
 
     slack: each step's top-k selects among `slack` x the candidates its beams' nodes typically
     have (`runtime.search.capped_widths`) rather than its worst case, which can be twelve times as
-    many; a batch with more candidates than that at some step is searched again with twice that
-    step's slack (`step_slack`), which later batches keep (`widened` counts those searches), so
-    no candidate is cut (module doc). 0: every step's worst case, never a second search.
+    many. While warming, a batch with more candidates than that at some step is searched again
+    with twice that step's slack (`step_slack`; `widened` counts those searches), and a batch whose
+    requests reach more (request, ad) pairs than the post stage holds again with room for twice
+    as many (`pairs`); `settle` then fits the post stage to the most a request reached. Once
+    `frozen` (`runtime.Retriever` freezes it after warm-up), nothing widens: a batch that does not
+    fit is answered at once by the worst case's graph, captured beside the capped one (every step's
+    full width, the post stage's default room, and past that the host's post stage), and counted in
+    `overflows`. Either way no candidate is cut (module doc). 0: every step's worst case, never a
+    second search. `captures` counts the graphs captured.
     """
 
     def __init__(self, beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
                  impl: Impl | str = Impl.AUTO, value_weight: float = 0.0, slack: float = SLACK) -> None:
         self.beams, self.mode, self.impl, self.value_weight = beams, parse_mode(mode), impl, value_weight
         check_slack((slack,), 1)
-        self.slack, self.widened = slack, 0
+        self.slack, self.widened, self.overflows, self.captures = slack, 0, 0, 0
         self.step_slack: dict[int, float] = {}  # steps widened past `slack`
+        self.pairs: int | None = None  # the capped post stage's pairs per request (None: DevicePost's default)
+        self.most_reached = 0  # the most pairs a request reached, while warming
+        self.frozen = False
         self.eager_reason: str | None = None
         self._index: ServedIndex | None = None  # the graphs' index, held: they replay its tensors
-        self._graphs: dict[tuple[int, tuple | None], _Graph] = {}  # by (batch size, post stage)
+        self._graphs: dict[tuple[int, tuple | None, bool], _Graph] = {}  # by (batch size, post stage, worst case)
         self._lock = threading.RLock()  # held from a replay until its outputs are read
 
-    def _search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer) -> Beams:
-        """The eager search this Searcher captures and replays."""
+    def _search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, full: bool = False) -> Beams:
+        """The eager search this Searcher captures and replays; `full`: every step's worst case."""
         return beam_search(index, requests, scorer, self.beams, self.mode, self.impl, self.value_weight,
-                           widths=self.widths(index))
+                           widths=None if full else self.widths(index))
 
     def widths(self, index: ServedIndex) -> tuple[int | None, ...] | None:
         """The compact layout's width per step (None: the step's worst case) this Searcher's
@@ -133,32 +151,64 @@ class Searcher:
     def _eager(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, request_id) -> Beams:
         with self._lock:  # one search at a time, as with graphs: a batch that overflows widens once
             beams = self._search(index, requests, scorer)
-            while self._widen(beams, scorer, request_id):
+            while (step := self._overflowed(beams, scorer, request_id)) is not None:
+                if self.frozen:
+                    self.overflows += 1
+                    beams = self._search(index, requests, scorer, full=True)
+                    self._overflowed(beams, scorer, request_id)  # never overflows; a broken model is refused
+                    break
+                self._widen(step)
                 beams = self._search(index, requests, scorer)
             return dataclasses.replace(beams, overflow=None, unscored=None)  # as a replay's: its flags were read
 
-    def _widen(self, beams: Beams, scorer: Scorer, request_id) -> bool:
-        """Whether a search overflowed a capped width (`Beams.overflow`); if so the first step that
-        did gets twice the slack, and the graphs captured before are dropped. Else a search whose
-        scorer gave some request no finite logit at a step is refused (`check_scored`, a
-        ScorerError), on the search that stands: widths change no beam it keeps. Both flags come to
-        the host in one copy."""
+    def _overflowed(self, beams: Beams, scorer: Scorer, request_id) -> int | None:
+        """The first step at which a search overflowed a capped width (`Beams.overflow`), else
+        None, after refusing a search whose scorer gave some request no finite logit at a step
+        (`check_scored`, a ScorerError), on the search that stands: widths change no beam it keeps.
+        Both flags come to the host in one copy."""
         flags = [f.reshape(-1) for f in (beams.overflow, beams.unscored) if f is not None]
         if not flags:
-            return False
+            return None
         host = (torch.cat(flags) if len(flags) > 1 else flags[0]).cpu()
         L = beams.tokens.shape[2]
         over = host[:L] if beams.overflow is not None else None
-        if over is None or not over.any():
-            if beams.unscored is not None:
-                check_scored(host[-beams.unscored.numel():].view(beams.unscored.shape), scorer_name(scorer),
-                             request_id)
+        if over is not None and over.any():
+            return int(over.int().argmax())
+        if beams.unscored is not None:
+            check_scored(host[-beams.unscored.numel():].view(beams.unscored.shape), scorer_name(scorer), request_id)
+        return None
+
+    def _widen(self, step: int) -> None:
+        """Twice the slack at `step`; the capped graphs captured before are dropped (warming only)."""
+        self.step_slack[step] = 2 * self.step_slack.get(step, self.slack)
+        self.widened += 1
+        self._graphs = {k: g for k, g in self._graphs.items() if k[2]}
+
+    def _note_reached(self, post: DevicePost) -> None:
+        """While warming: the most pairs a request of the batch just answered reached."""
+        if not self.frozen and post.last_reached is not None and len(post.last_reached):
+            self.most_reached = max(self.most_reached, int(post.last_reached.max()))
+
+    def _grow_pairs(self, post: DevicePost) -> bool:
+        """While warming, a batch reached more pairs than the capped post stage holds: room for
+        twice the most it reached, capped graphs dropped. False where the worst case's post stage
+        holds no more (its default room): the batch is answered by the worst case."""
+        self._note_reached(post)
+        want = fitted_pairs(self.most_reached)
+        if post.layout.pairs >= post.bounds_pairs or want <= post.layout.pairs:
             return False
-        d = int(over.int().argmax())
-        with self._lock:
-            self.step_slack[d] = 2 * self.step_slack.get(d, self.slack)
-            self.widened, self._graphs = self.widened + 1, {}
+        self.pairs = want
+        self._graphs = {k: g for k, g in self._graphs.items() if k[2]}
         return True
+
+    def settle(self) -> None:
+        """At the end of a warm-up: the post stage fitted to the most pairs a warm-up request reached
+        (capped graphs of another room dropped: the next batch of each size captures them)."""
+        with self._lock:
+            pairs = fitted_pairs(self.most_reached) if self.most_reached else None
+            if pairs != self.pairs:
+                self.pairs = pairs
+                self._graphs = {k: g for k, g in self._graphs.items() if k[2]}
 
     def _why_eager(self, index: ServedIndex, scorer: Scorer) -> str | None:
         why = ("the index is on the CPU" if index.device.type != "cuda" else
@@ -168,6 +218,8 @@ class Searcher:
             self.eager_reason = why
             if index.device.type == "cuda":
                 warnings.warn(f"searching eagerly: {why}", stacklevel=3)
+        if why is None:
+            count_compiles()
         return why
 
     def search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, *,
@@ -183,10 +235,21 @@ class Searcher:
         with self._lock:  # the next replay overwrites the outputs
             while True:
                 g = self._replay(index, requests, scorer, None)
+                if g is None:  # a batch the frozen graphs cannot hold
+                    return self._eager(index, requests, scorer, request_id)
                 found = Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
                 # read after the copies are queued: one wait for both
-                if not self._widen(g.out, scorer, request_id):
+                step = self._overflowed(g.out, scorer, request_id)
+                if step is None:
                     return found
+                if not self.frozen:
+                    self._widen(step)
+                    continue
+                self.overflows += 1
+                g = self._replay(index, requests, scorer, None, full=True)
+                assert g is not None  # it held the batch's queries: so does the worst case's graph
+                self._overflowed(g.out, scorer, request_id)
+                return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
 
     def retrieve(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, *,
                  host: EncodedRequests | None = None, top_k: int | None = None, rank: str = "score",
@@ -202,28 +265,61 @@ class Searcher:
             beams = self._eager(index, requests, scorer, request_id)
             return expand(index, requests if host is None else host, beams, top_k, stages, rank)
         assert _capturable(scorer)  # as _why_eager found
+        post = (top_k, rank, stages)
         with self._lock:
             while True:
-                g = self._replay(index, requests, scorer, (top_k, rank, stages))
+                g = self._replay(index, requests, scorer, post)
+                if g is None:  # a batch the frozen graphs cannot hold
+                    self.overflows += 1
+                    beams = self._eager(index, requests, scorer, request_id)
+                    return expand(index, requests if host is None else host, beams, top_k, stages, rank)
                 assert g.post is not None and g.buffer is not None  # captured with the post stage
-                found = g.post.result(g.buffer)  # synchronised: the search's flags are ready too
-                if not self._widen(g.out, scorer, request_id):
+                found = g.post.result(g.buffer)  # synchronised: the search's flags are ready too; None: too many pairs
+                step = self._overflowed(g.out, scorer, request_id)
+                if step is None and found is not None:
+                    self._note_reached(g.post)
                     return found
+                if not self.frozen and (step is not None or self._grow_pairs(g.post)):
+                    if step is not None:
+                        self._widen(step)
+                    continue
+                self.overflows += 1
+                return self._worst_case(index, requests, scorer, post, host, request_id)
 
-    def _replay(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple | None
-                ) -> _Graph:
-        """The graph of this batch size (and post stage), captured if it is not yet, replayed with
-        the batch's inputs."""
+    def _worst_case(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple,
+                    host: EncodedRequests | None, request_id) -> Retrieved:
+        """A batch past the capped graph, answered by the worst case's graph (module doc), and by
+        the host's post stage where its requests reach more pairs than even that one holds."""
+        g = self._replay(index, requests, scorer, post, full=True)
+        assert g is not None and g.post is not None and g.buffer is not None  # as the capped graph held the batch
+        found = g.post.result(g.buffer)
+        self._overflowed(g.out, scorer, request_id)  # never overflows; a broken model is refused
+        if found is None:
+            top_k, rank, stages = post
+            found = Retrieved(**expand_host(index.snapshot, requests if host is None else host, g.out, top_k, stages,
+                                            rank))
+        return found
+
+    def _replay(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple | None,
+                full: bool = False) -> _Graph | None:
+        """The graph of this batch size (post stage, worst case), captured if it is not yet, replayed
+        with the batch's inputs; a batch a graph cannot hold is captured anew while warming, and is
+        None once frozen (no capture on the serving thread)."""
         with self._lock:
             if self._index is None or index.generation is not self._index.generation:
                 self._graphs = {}  # other device arrays (another snapshot, or one loaded again): new graphs
             self._index = index
-            key = (requests.batch, post)
+            key = (requests.batch, post, full)
             g = self._graphs.get(key)
             # an update of ad states shares the trie (the generation) but may bring new post arrays
             stale = g is not None and g.post is not None and not _same_tensors(g.post.arrays, index.post)
             if g is None or stale or not _fits(g, requests, scorer):
-                g = self._graphs[key] = self._capture(index, requests, scorer, post)
+                if self.frozen and g is not None and not stale:
+                    return None
+                g = self._graphs[key] = self._capture(index, requests, scorer, post, full)
+                worst = (requests.batch, post, True)
+                if not full and worst not in self._graphs:  # captured while warming, for when frozen
+                    self._graphs[worst] = self._capture(index, requests, scorer, post, True)
             else:
                 if g.post is not None:
                     g.post.check(requests)
@@ -231,19 +327,20 @@ class Searcher:
                 g.graph.replay()
             return g
 
-    def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple | None
-                 ) -> _Graph:
+    def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple | None,
+                 full: bool) -> _Graph:
         static = _static_requests(requests, with_exact=post is not None)
         stage: list[DevicePost] = []  # made once the first search shows the beams' shape
 
         def run():
-            beams = self._search(index, static, scorer)
+            beams = self._search(index, static, scorer, full)
             if post is None:
                 return beams, None
             if not stage:
                 top_k, rank, stages = post
                 stage.append(DevicePost(index, requests.batch, beams.score.shape[1], top_k=top_k, rank=rank,
-                                        stages=stages, pinned=True))  # read every replay
+                                        stages=stages, pinned=True,  # read every replay
+                                        pairs=None if full else self.pairs))
             return beams, stage[0].run(static, beams)
 
         run()  # checks, compiles kernels
@@ -258,7 +355,15 @@ class Searcher:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out, buffer = run()
         graph.replay()
+        self.captures += 1
         return _Graph(graph, static, scorer, out, stage[0] if stage else None, buffer)
+
+
+def fitted_pairs(most: int) -> int:
+    """The capped post stage's pairs per request for requests that reached at most `most`:
+    PAIR_SLACK x most, at least MIN_PAIRS, rounded up to a power of 2 (a few sizes of the stage's
+    buffers, which the graphs' memory pools hold), at most MAX_PAIRS."""
+    return min(MAX_PAIRS, pow2(max(MIN_PAIRS, math.ceil(PAIR_SLACK * most))))
 
 
 def _static_requests(requests: EncodedRequests, with_exact: bool = False) -> EncodedRequests:

@@ -67,6 +67,8 @@ def test_the_retriever_equals_search_then_post(root, requests_table, mode, devic
     assert got.column_names == ["request_id", "rank", "ad_id", "sid", "score", "value"]  # the sample has values
     c = retriever.counters
     assert c.batches == 3 and c.requests == 23 and c.warmed == 1 and c.widenings == 0
+    assert c.captures == c.compiles == 0  # all at warm-up: nothing on the serving thread
+    assert retriever._warmed[id(index)].searcher.frozen
     assert all(c.seconds[s] > 0 for s in ("validate", "encode", "search_post", "result"))
 
 

@@ -99,6 +99,33 @@ def test_a_batch_past_the_capped_widths_is_searched_again_wider():
             Searcher((1, 3, 4), Mode.CD, slack=bad)
 
 
+def test_once_frozen_a_batch_past_the_widths_is_answered_by_the_worst_case_and_nothing_widens():
+    """A warm searcher (`frozen`) with a slack far too small: every batch overflows, and is answered
+    at once by the worst case (on a GPU its graph, captured beside the capped one at the first
+    batch), equal to the uncapped search and post stage; no search is widened, and after the first
+    batch nothing is captured or compiled (the counters)."""
+    from runtime.ops.compiles import compiles
+
+    case = Case(scenario(ADS, SIDS, list(range(len(ADS)))), DEVICE)
+    model = ReferenceDecoder(case.sc.level_sizes, **SMALL).to(DEVICE).eval()
+    searcher = Searcher((1, 3, 4), Mode.CD, slack=0.1)
+    searcher.frozen = True
+    host = encode_requests(requests_of(case.sc), case.sc.spec)
+    dreq = to_device(host, DEVICE)
+    for i in range(3):
+        ctx = context_tokens([[i, r] for r in range(dreq.batch)], SMALL["context_length"], SMALL["context_vocab"],
+                             DEVICE)
+        want = beam_search(case.index, dreq, DecoderScorer(model, ctx), (1, 3, 4), Mode.CD)
+        before = (searcher.captures, compiles())
+        assert same(searcher.search(case.index, dreq, DecoderScorer(model, ctx)), want)
+        same_retrieved(searcher.retrieve(case.index, dreq, DecoderScorer(model, ctx), host=host),
+                       expand(case.index, host, want))
+        assert searcher.overflows == 2 * (i + 1) and searcher.widened == 0 and not searcher.step_slack
+        if i:  # the first batch captured the graphs (search, search + post: each capped and worst case)
+            assert (searcher.captures, compiles()) == before
+    assert searcher.captures == (4 if GPU else 0)
+
+
 def test_on_the_cpu_it_searches_eagerly_and_says_why():
     case = Case(scenario(ADS, SIDS, list(range(len(ADS)))), "cpu")
     model = ReferenceDecoder(case.sc.level_sizes, **SMALL).eval()
