@@ -309,9 +309,12 @@ def load(path: str | Path, device: str | torch.device | Sequence[str | torch.dev
     files and device tensors with (an update of it), see `open_snapshot` and `load_index`.
     On GPUs the copies run while the snapshot is hashed and checked: `load_info["while_checking"]`
     gives their bytes and phases (pin, stage, transfer), which are not in `load_info["seconds"]`.
-    `records`: a snapshot whose ROOT records that its build or update checked its structure has its
-    digests verified instead of its structure checked again (`open_snapshot(records=True)`); the
-    job checked exactly these bytes, so the load is as safe and 0.3 s shorter at 30M SIDs.
+    `records`: trust and keep the snapshot's check record in its ROOT (`open_snapshot(records=True)`,
+    `sidindex.snapshot.records`): a snapshot whose build or update checked its structure has its
+    digests verified instead of its structure checked again (0.3 s shorter at 30M SIDs), and a file
+    the record lists as verified and unchanged since (the same inode, size, mtime and ctime) is not
+    hashed again, unless `trust_key` is given; the load records what it verified. records=False
+    checks the structure and hashes every file, whatever ROOT records.
     `trust_key`: an Ed25519 public key (or a PEM file of one): a snapshot it did not sign is
     refused before anything else is read (`sidindex.signing`)."""
     trust = TrustKey.of(trust_key)

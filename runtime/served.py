@@ -15,7 +15,7 @@ import torch
 from runtime.ops.gtm_mask.planes import TableStack
 from runtime.ops.gtm_mask.shared_rows import SharedRows
 from schemas.artifacts import plane_arrays
-from sidindex.sid import Codebook
+from sidindex.sid.codebook import Codebook
 from sidindex.snapshot import Snapshot
 from sidindex.targeting import TargetingSpec
 from sidindex.trie.build import GTMIndex

@@ -44,6 +44,15 @@ class Contract:
         raise KeyError(name)
 
 
+# Embedding elements are refused beyond this absolute value. faiss k-means and the SID assignment compute
+# squared distances in float32: with |x| <= 1e6 a squared distance stays below 4e12 * D, finite for any
+# realistic D, while 1e19 squares to 1e38, at float32's limit (3.4e38): the sums overflow to inf and faiss
+# aborts the whole process (SIGABRT, no message) or trains on garbage.
+# Real embeddings are normalised or close to it; a value this large is a unit or export bug.
+
+MAX_ABS_EMBEDDING = 1e6  # every embedding element (catalog and requests) within +-this
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # an int64 column's values
+
 # Schema metadata key of a catalog export: the newest change file (its file name) whose changes
 # the export holds, which a full build re-applies the journal after (docs/design.md §15)
 CHANGES_THROUGH_KEY = "sidindex.changes_applied_through"

@@ -21,19 +21,11 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from schemas import CATALOG
+from schemas import CATALOG, INT64_MAX, INT64_MIN, MAX_ABS_EMBEDDING
 from schemas.artifacts import MAX_AD_VALUE
 from sidindex.artifact import regular_input
 from sidindex.errors import InputError
 from sidindex.targeting import TargetingSpec
-
-# Embedding elements are refused beyond this absolute value. faiss k-means and the SID assignment compute
-# squared distances in float32: with |x| <= 1e6 a squared distance stays below 4e12 * D, finite for any
-# realistic D, while 1e19 squares to 1e38, at float32's limit (3.4e38): the sums overflow to inf and faiss
-# aborts the whole process (SIGABRT, no message) or trains on garbage.
-# Real embeddings are normalised or close to it; a value this large is a unit or export bug.
-MAX_ABS_EMBEDDING = 1e6
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)

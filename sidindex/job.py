@@ -63,6 +63,7 @@ from sidindex.sid.quality import QualityReport
 from sidindex.signing import SigningKey, TrustKey
 from sidindex.snapshot import Manifest, open_snapshot, read_states, write_snapshot
 from sidindex.snapshot.manifest import Counts, Journal, Lineage
+from sidindex.snapshot.records import write_record
 from sidindex.snapshot.snapshot import check_to_publish, write_manifest
 from sidindex.targeting import TargetingSpec, load_targeting
 from sidindex.timing import StageClock
@@ -268,7 +269,7 @@ def _publish_on_ray(root: Root, published: str | None, catalog: Path, spec: Targ
     def check(directory: Path) -> None:
         clock.restart()
         check_on_ray(directory)  # every part's digests and structure
-        root.record_checks(snapshot_id, Manifest.read(directory).sha256(), ("structure",))
+        write_record(root, snapshot_id, Manifest.read(directory).sha256(), ("structure",))
         clock.lap("check on ray")
 
     path = root.publish(snapshot_id, write, check, keep, expected=published, retired=carry.retired, signer=signer,
@@ -440,7 +441,7 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
     Nothing read is trusted: every file of the published snapshot has its digest verified before it
     is used, since whatever it holds is written into the new snapshot under fresh digests; its
     structure and matchers' cover are checked too, unless ROOT's check record says that this very
-    manifest passed them (`Root.checks_recorded`: the digests tie each byte to it). A base checked
+    manifest passed them (`sidindex.snapshot.records`: the digests tie each byte to it). A base checked
     in full is recorded; so is the new snapshot once validated (its shared files are the base's,
     the files it wrote are checked), so a chain of updates checks each snapshot's structure once.
     The change file is read, digested and journaled from one copy; messages name the user's path."""
@@ -460,9 +461,7 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
             directory, trust, "an update cannot build on it. Restore it, or publish a new one with a full build"))
         if once and journals.holds(journal, Path(changes).name, source):
             return {"status": "already applied", "snapshot_id": None, "root": str(root), "seconds": _rounded(clock)}
-        base = open_snapshot(directory, verify=True, cover=True, records=True, trust=trust)
-        if not base.recorded:
-            layout.record_checks(published, base.manifest.sha256(), ("structure", "cover"))
+        base = open_snapshot(directory, verify=True, cover=True, records=True, trust=trust)  # records its checks
         cb = base.codebook
         if cb is None:
             raise ArtifactError(f"{base.path}: carries no codebook, so new ads cannot get SIDs; rebuild it")
@@ -503,7 +502,7 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
         # recorded so (a record of a snapshot that never publishes is pruned)
         def check(directory: Path) -> None:
             new = open_snapshot(directory, verify=False, cover=updated.new_sid_rows > 0, base=base)
-            layout.record_checks(snapshot_id, new.manifest.sha256(), ("structure", "cover"))
+            write_record(layout, snapshot_id, new.manifest.sha256(), ("structure", "cover"))
 
         path = layout.publish(snapshot_id, write, check, keep, expected=published, journal=(staged, source),
                               retired=journals.retired(layout, journal, journaled), signer=signer,

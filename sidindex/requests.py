@@ -11,18 +11,17 @@ refused with the same words.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas import REQUESTS
+from schemas import INT64_MAX, MAX_ABS_EMBEDDING, REQUESTS
 from sidindex.errors import InputError
-from sidindex.ingest import INT64_MAX, MAX_ABS_EMBEDDING, Validator, open_table
 from sidindex.targeting import TargetingSpec
 
 MAX_REQUEST_VALUES = 64
@@ -67,6 +66,8 @@ class Requests:
 def read_requests(path: str | Path, spec: TargetingSpec, *, max_values: int = MAX_REQUEST_VALUES,
                   dim: int | None = None) -> Requests:
     """Read and validate a request file (Parquet or Arrow IPC; contract `schemas.REQUESTS`)."""
+    from sidindex.ingest import open_table
+
     return requests_from(open_table(path, "request table"), spec, source=str(path), max_values=max_values, dim=dim)
 
 
@@ -103,7 +104,8 @@ def as_table(data: Any, source: str) -> pa.Table:
         return data
     if isinstance(data, pa.RecordBatch):
         return pa.Table.from_batches([data])
-    if isinstance(data, pl.DataFrame):
+    pl = sys.modules.get("polars")  # polars is imported by whoever made a polars frame; never here
+    if pl is not None and isinstance(data, pl.DataFrame):
         return data.to_arrow()
     if isinstance(data, list) and all(isinstance(r, dict) for r in data):
         # every row's keys (from_pylist would keep only the first row's): a key a row leaves out is null there
@@ -203,6 +205,10 @@ def _embedding(col: pa.ChunkedArray, dim: int | None) -> np.ndarray | None:
 
 def _refuse(table: pa.Table, spec: TargetingSpec, source: str, max_values: int, dim: int | None) -> NoReturn:
     """Raise the InputError the column validator gives the batch that failed a fast check."""
+    import polars as pl  # a refused batch only: the good path reads Arrow alone
+
+    from sidindex.ingest import Validator
+
     try:
         df = pl.from_arrow(table)
     except Exception as e:  # an Arrow type polars cannot hold (e.g. a union): name it

@@ -63,14 +63,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from schemas.artifacts import MANIFEST_FILE
-from sidindex import __version__
 from sidindex.artifact import (
     fsync_tree,
     read_bounded,
-    read_sealed,
     rename_synced,
     replace_file,
-    seal,
     temporary_file,
 )
 from sidindex.errors import ArtifactError
@@ -365,36 +362,6 @@ class Root:
                 return None
             raise
         return raw.decode("utf-8", "replace").strip() or None
-
-    # --- check records --------------------------------------------------------------------
-
-    def record_checks(self, snapshot_id: str, manifest_sha256: str, checks: Collection[str]) -> bool:
-        """Record that snapshot `snapshot_id`, whose manifest.json has sha256 `manifest_sha256`,
-        passed `checks` (of CHECKS) as well as its digests; whether it was recorded. A record is
-        only ever a saving: one that cannot be written (something else holds its name) leaves the
-        snapshot to be checked in full again, and fails no job."""
-        doc = {"format": CHECK_RECORD_FORMAT, "format_version": CHECK_RECORD_VERSION, "snapshot": snapshot_id,
-               "manifest_sha256": manifest_sha256, "checks": sorted(set(checks) & CHECKS),
-               "checker": f"sidindex {__version__}"}
-        try:
-            self.checked.mkdir(exist_ok=True)
-            replace_file(self.checked / snapshot_id, lambda tmp: tmp.write_bytes(seal(doc)))
-        except OSError:
-            return False
-        return True
-
-    def checks_recorded(self, snapshot_id: str, manifest_sha256: str, checks: Collection[str]) -> bool:
-        """Whether a record says snapshot `snapshot_id` with this manifest passed `checks` under
-        this sidindex; a record missing or unreadable is none (the snapshot is checked again)."""
-        try:
-            doc = read_sealed(self.checked / snapshot_id, CHECK_RECORD_FORMAT, CHECK_RECORD_VERSION, "check record")
-        except ArtifactError:
-            return False
-        held = doc.get("checks")
-        if not isinstance(held, list) or not all(isinstance(c, str) for c in held):
-            return False  # sealed, but not a record this sidindex wrote
-        return (doc.get("snapshot") == snapshot_id and doc.get("manifest_sha256") == manifest_sha256
-                and doc.get("checker") == f"sidindex {__version__}" and set(checks) <= set(held))
 
     @staticmethod
     def containing(directory: Path) -> Root | None:

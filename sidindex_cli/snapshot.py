@@ -37,7 +37,7 @@ def validate(snapshot: Path = SNAPSHOT_ARG, trust_key: Optional[Path] = TRUST_KE
 
     t0 = time.perf_counter()
     trust = TrustKey.of(trust_key)
-    snap = open_snapshot(snapshot, verify=True, strong=True, cover=True, trust=trust)
+    snap = open_snapshot(snapshot, verify=True, strong=True, cover=True, trust=trust, records=True)
     emit({"status": "ok", "snapshot_id": snap.id, "path": str(snap.path), "files": len(snap.manifest.files),
           "bytes": snap.manifest.total_bytes, **({"signed_by": trust.key_id} if trust else {}),
           "seconds": round(time.perf_counter() - t0, 2)}, as_json, "snapshot valid")

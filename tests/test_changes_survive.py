@@ -39,6 +39,7 @@ from sidindex.job import run_build, run_update
 from sidindex.matchers.exact import ExactIndex, ExactPlane, concat_exact
 from sidindex.root import Root
 from sidindex.snapshot import open_snapshot
+from sidindex.snapshot.records import read_record
 from sidindex.trie.cover import _restrictions_kept, unchanged_entries, uncovered
 from tests.conftest import run_cli
 from tests.test_snapshot import array_file, reseal, rewrite_array
@@ -172,7 +173,7 @@ def test_an_update_records_its_checks_and_the_next_verifies_the_digests_alone(bu
     assert sorted(p.name for p in layout.checked.iterdir()) == sorted(
         p.name for p in layout.snapshots.iterdir())  # retention took the build's record with it
     snap = open_snapshot(root)  # the record names the manifest as written
-    assert layout.checks_recorded(snap.id, snap.manifest.sha256(), ("structure", "cover"))
+    assert {"structure", "cover"} <= read_record(layout, snap.id, snap.manifest.sha256()).checks
     assert snap.manifest.sha256() == sha256_file(snap.path / MANIFEST_FILE)
     assert open_snapshot(root, verify=False, cover=True, records=True).recorded
     paused = {int(pool["catalog"]["ad_id"][i]) for i in (0, 1)}
@@ -231,7 +232,8 @@ def test_a_record_that_does_not_match_counts_as_none(built, pool, tmp_path, reco
         path.mkdir()
     second = run_update(root, _pause(pool, tmp_path, 1))
     assert second["base_checks"] == "full" and second["status"] == "published"
-    assert layout.checks_recorded(second["snapshot_id"], open_snapshot(root).manifest.sha256(), ("structure", "cover"))
+    assert {"structure", "cover"} <= read_record(layout, second["snapshot_id"],
+                                                 open_snapshot(root).manifest.sha256()).checks
 
 
 def test_a_serving_load_of_a_recorded_snapshot_verifies_its_digests_alone(built, pool, tmp_path):
@@ -239,8 +241,7 @@ def test_a_serving_load_of_a_recorded_snapshot_verifies_its_digests_alone(built,
     the structure again, and only then: without the record, outside its ROOT, or asked not to."""
     root = _root(built, tmp_path)
     snap = open_snapshot(root)
-    assert Root(root).checks_recorded(snap.id, snap.manifest.sha256(), ("structure",))
-    assert not Root(root).checks_recorded(snap.id, snap.manifest.sha256(), ("structure", "cover"))
+    assert read_record(Root(root), snap.id, snap.manifest.sha256()).checks == {"structure"}
     served = runtime.load(root, "cpu")
     assert served.snapshot.recorded and "checksums" in served.snapshot.open_seconds
     assert not any("structure" in k for k in served.snapshot.open_seconds)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import reprlib
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
-import polars as pl
 
 from sidindex.errors import InputError
 from sidindex.matchers.attribute import Attribute, MatcherKind
@@ -27,6 +27,9 @@ from sidindex.matchers.bits import (
     or_value_bits,
 )
 from sidindex.matchers.plane import PlaneQueries
+
+if TYPE_CHECKING:
+    import polars as pl
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,13 @@ row lives in word b // 64 at position b % 64."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numba
 import numpy as np
-import polars as pl
+
+if TYPE_CHECKING:
+    import polars as pl
 
 
 def empty_rows(n: int, words: int) -> np.ndarray:
@@ -66,6 +68,7 @@ def list_codes(s: pl.Series, categories: tuple[str, ...] | None = None) -> ListC
     categories: the values the column may hold (a bitmask attribute's declared values, already
     validated); `distinct` is then `categories` and codes index into it.
     """
+    import polars as pl
     import pyarrow as pa
     import pyarrow.compute as pc
 

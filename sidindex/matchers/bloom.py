@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import reprlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import mmh3
 import numpy as np
-import polars as pl
 
 from sidindex.errors import InputError
 from sidindex.matchers.attribute import Attribute, MatcherKind
 from sidindex.matchers.bits import ListCodes, empty_rows, list_codes, or_value_bits
 from sidindex.matchers.plane import PlaneQueries, group_passes
+
+if TYPE_CHECKING:
+    import polars as pl
 
 BLOOM_SEED = 0xB1005EED
 DEFAULT_BLOOM_BITS = 256
@@ -75,6 +77,8 @@ def bloom_layout(attrs: tuple[Attribute, ...]) -> BloomLayout:
 
 def value_positions(values: list[str], bits: int, hashes: int) -> np.ndarray:
     """(V, hashes) int64 bit positions of each value within its attribute's `bits`."""
+    import mmh3  # building: a reader of an index hashes nothing
+
     out = np.empty((len(values), hashes), dtype=np.int64)
     for i in range(hashes):
         out[:, i] = [mmh3.hash(v, BLOOM_SEED + i, signed=False) % bits for v in values]

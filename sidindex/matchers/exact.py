@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import mmh3
 import numba
 import numpy as np
-import polars as pl
 import pyarrow as pa
 
 from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, EXACT_FORM, EXACT_ROWS, MATCHER_PLANES, plane_arrays
@@ -32,6 +30,9 @@ from sidindex.matchers.plane import PARALLEL_PAIRS, PlaneQueries, pairs_pass
 from sidindex.parallel import sized
 from sidindex.targeting import TargetingSpec
 
+if TYPE_CHECKING:
+    import polars as pl
+
 EXACT_SEED = 0x5EED0E1
 ALL_STAGES = (1 << len(MATCHER_PLANES)) - 1  # `stage_flags` of an eligible pair: bit p for plane p
 assert len(MATCHER_PLANES) <= 8, "stage flags are uint8: one bit per plane"
@@ -39,6 +40,8 @@ assert len(MATCHER_PLANES) <= 8, "stage flags are uint8: one bit per plane"
 
 def value_hashes(values: list[str]) -> np.ndarray:
     """(V,) uint64 exact hashes of values."""
+    import mmh3  # building: a reader of an index hashes nothing
+
     return np.array([mmh3.hash64(v, EXACT_SEED, signed=False)[0] for v in values], dtype=np.uint64).reshape(-1)
 
 

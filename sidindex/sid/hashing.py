@@ -7,9 +7,12 @@ Changing HASH_SEED or the key text changes every SID: both are part of the codeb
 
 from __future__ import annotations
 
-import mmh3
+from typing import TYPE_CHECKING
+
 import numpy as np
-import polars as pl
+
+if TYPE_CHECKING:
+    import polars as pl
 
 HASH_SEED = 0x5EED51D
 KEY_SEPARATOR = "\x1f"
@@ -17,6 +20,8 @@ KEY_SEPARATOR = "\x1f"
 
 def hash_key_text(columns: pl.DataFrame, keys: tuple[str, ...]) -> pl.Series:
     """(N,) string Series: the key text of each row (see module docstring)."""
+    import polars as pl  # the hashed level is assigned when building; a codebook's reader needs neither
+
     return columns.select(
         pl.concat_str([pl.col(k).cast(pl.String) for k in keys], separator=KEY_SEPARATOR).alias("key")
     ).to_series()
@@ -24,6 +29,9 @@ def hash_key_text(columns: pl.DataFrame, keys: tuple[str, ...]) -> pl.Series:
 
 def hash_tokens(columns: pl.DataFrame, keys: tuple[str, ...], size: int) -> np.ndarray:
     """(N,) int16 final-level tokens in [0, size). Each distinct key is hashed once."""
+    import mmh3
+    import polars as pl
+
     text = hash_key_text(columns, keys)
     distinct = text.unique()
     tokens = [mmh3.hash(s, HASH_SEED, signed=False) % size for s in distinct.to_list()]

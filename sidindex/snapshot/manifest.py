@@ -296,7 +296,7 @@ class Manifest:
 
     def sha256(self) -> str:
         """The sha256 of manifest.json (a read one's file is exactly `to_bytes`), as check records
-        name it (`sidindex.root.Root.record_checks`)."""
+        name it (`sidindex.snapshot.records.write_record`)."""
         return hashlib.sha256(self.to_bytes()).hexdigest()
 
     def to_bytes(self) -> bytes:

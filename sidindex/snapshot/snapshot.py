@@ -11,9 +11,10 @@ read any bytes safely, so neither waits for the other; a digest that fails wins 
 structure check found (damage is named by its checksum). Mapping comes before hashing so that a
 GPU loader can copy the arrays' bytes while they are hashed and checked; a file that cannot be
 mapped is hashed first. With `records`, a snapshot whose checks are on record in its ROOT
-(`Root.checks_recorded`) has its digests verified alone: they tie every byte to the manifest the
-record names. The carried codebook is loaded into memory, so a served snapshot never reads its
-directory again. Nothing is unpickled.
+(`sidindex.snapshot.records`) has its digests verified alone: they tie every byte to the manifest
+the record names; and a file the record lists as verified, unchanged since (the same inode, size,
+mtime and ctime), is not hashed again. The carried codebook is loaded into memory, so a served
+snapshot never reads its directory again. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from sidindex.sid.codebook import Codebook, load_codebook, save_codebook
 from sidindex.signing import TrustKey
 from sidindex.snapshot.arrays import map_array, prefault_pages, same_memory, write_array
 from sidindex.snapshot.manifest import ArrayShape, Counts, FileEntry, Journal, Lineage, Manifest, ShardEntry
+from sidindex.snapshot.records import Record, read_record, settled, stat_files, write_record
 from sidindex.snapshot.validate import (
     Changed,
     check_counts,
@@ -260,7 +262,8 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
 
     verify:   also check every file's fast digest (reads every byte, in parallel chunks; a snapshot
               written before fast digests: its sha256). Structure is always validated
-    strong:   with verify, check every file's sha256 too (`sidindex validate`; several times slower)
+    strong:   with verify, check every file's sha256 too, and the structure, whatever a check record
+              says (`sidindex validate`; several times slower)
     cover:    also check that every matcher row covers what lies beneath it, and every SID's value
               bound its ads' values (`check_cover`: what digests resealed over damaged rows cannot
               show; `sidindex validate` and an update's base)
@@ -275,11 +278,14 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
               mapped, while they are hashed and validated: it may copy their bytes (a GPU loader
               stages them meanwhile), never read them as an index. The open waits for it, and
               raises its error only once the snapshot passed (a corrupt snapshot's error wins)
-    records:  trust its ROOT's check record (`Root.checks_recorded`: a serving host's load, an
-              update's base): when it says this very manifest passed the structure check (and with
-              `cover` the cover), every file's digest is verified (whatever `verify` says: they tie
-              the bytes to the manifest) and those checks are not made again. A snapshot outside a
-              ROOT, or without such a record, is checked. The result's `recorded` says which
+    records:  trust and keep its ROOT's check record (`sidindex.snapshot.records`: a serving host's
+              load, an update's base): when it says this very manifest passed the structure check
+              (and with `cover` the cover), every file's digest is verified (whatever `verify` says:
+              they tie the bytes to the manifest) and those checks are not made again; a file it
+              lists as verified with the stat the file has now (inode, size, mtime, ctime) is not
+              hashed again, unless `trust` is given. Once the snapshot passed, what this open
+              verified is recorded. A snapshot outside a ROOT, or without a record, is checked in
+              full. The result's `recorded` says whether its structure was on record
     trust:    refuse the snapshot unless its manifest carries this key's signature (`sidindex.signing`),
               before anything else is read; every file's digest is then verified, whatever `verify`
               says (they tie the bytes to the signed manifest)
@@ -291,8 +297,9 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
     path = Path(path)
     for attempt in range(2):
         directory = Root.resolve(path)
+        keep = Root.containing(directory) if records else None
         try:
-            return _open(directory, verify, strong, cover, prefault, base, while_checking, records, trust)
+            return _open(directory, verify, strong, cover, prefault, base, while_checking, keep, not strong, trust)
         except ArtifactError:
             if not _pruned(path, directory):
                 raise
@@ -303,10 +310,11 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
 
 def check_to_publish(directory: Path, root: Root, snapshot_id: str) -> Snapshot:
     """Open a snapshot written to be published into `root` as `snapshot_id` (`Root.publish`'s
-    check) verifying every digest and its structure, and record that check: a serving host's load
-    then verifies its digests alone (`open_snapshot(records=True)`)."""
-    checked = open_snapshot(directory, verify=True)
-    root.record_checks(snapshot_id, checked.manifest.sha256(), ("structure",))
+    check; the manifest names that id) verifying every digest and its structure, and record that
+    check and the files verified: a serving host's load then neither checks the structure again
+    nor hashes a file unchanged since (`open_snapshot(records=True)`)."""
+    checked = _open(directory, True, False, False, False, None, None, root, False, None)
+    assert checked.id == snapshot_id, "a snapshot is written under its own id"
     return checked
 
 
@@ -345,12 +353,15 @@ def _pruned(path: Path, directory: Path) -> bool:
 
 def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bool, base: Snapshot | None,
           while_checking: Callable[[dict[str, np.ndarray]], None] | None,
-          records: bool, trust: TrustKey | None) -> Snapshot:
+          keep: Root | None, trusting: bool, trust: TrustKey | None) -> Snapshot:
+    """`open_snapshot` of the snapshot `directory`; keep: the ROOT whose check record of it is
+    read (when `trusting`) and written once the snapshot passed (`sidindex.snapshot.records`)."""
     clock = StageClock()
     m, spec = _manifest(directory, trust)
-    root = Root.containing(directory) if records else None
-    on_record = root is not None and root.checks_recorded(m.id, m.sha256(), ("structure", "cover") if cover
-                                                          else ("structure",))
+    digest = m.sha256() if keep is not None else ""
+    record = read_record(keep, m.id, digest) if keep is not None and trusting else Record()
+    needs = ("structure", "cover") if cover else ("structure",)
+    on_record = record.checks.issuperset(needs)
     verify = verify or on_record or trust is not None  # a signature vouches for the manifest, digests for the rest
     clock.lap("manifest")
     entries = m.shard_list()
@@ -360,6 +371,12 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
                        and base.manifest.files.get(f) == m.files.get(f) and same_file(directory / f, base.path / f))
     listing = {n: f.listing() for n, f in m.files.items()}
     verify_files(directory, listing, UNLISTED, checksums=False)  # regular files of the listed sizes
+    # taken before anything is hashed: a file changed meanwhile is recorded as it was, so hashed next time
+    stats, taken = stat_files(directory, listing) if keep is not None and verify else ({}, 0)
+    unchanged = record.unchanged(stats)  # files as they were when their digests were verified
+    # with a trust key the record never stands in for a digest: whoever can rewrite ROOT can
+    # rewrite its records, and only the digests tie the bytes to the signed manifest
+    trusted = shared | unchanged if trust is None else shared
     clock.lap("files")
 
     def array(name: str, file: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -370,7 +387,7 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     stop = threading.Event()  # set when the open is interrupted: the digests beside it end early
 
     def checksums() -> None:
-        verify_checksums(directory, listing, strong=strong, trusted=shared, stop=stop)
+        verify_checksums(directory, listing, strong=strong, trusted=trusted, stop=stop)
 
     try:  # mapped before they are hashed, so that a GPU loader's copies run beside the hashing
         glob = {n: array(n, ARRAYS_BY_NAME[n].file, s.shape) for n, s in m.global_arrays.items()}
@@ -393,6 +410,9 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
             with _beside(checksums if side_by_side else None, wins=True, stop=stop):
                 codebook = _checked(directory, m, shards, exact, ad_id, shared, base, cover)
             clock.lap("checksums + structure" if side_by_side else "structure")
+    if keep is not None and verify:  # what this open verified, on record (a saving, never an error)
+        write_record(keep, m.id, digest, () if on_record or shared else needs,
+                     settled({n: st for n, st in stats.items() if n not in shared or n in unchanged}, taken))
     if while_checking is not None:
         clock.lap("copies")  # waiting for what the checks did not outlast
     if prefault:

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numba
 import numpy as np
-import polars as pl
 
 from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, ARRAYS_BY_NAME, MANIFEST_FILE, MAX_AD_VALUE, plane_arrays
 from sidindex.errors import ArtifactError
@@ -296,6 +295,8 @@ def _live(need: _Need, gtm: GTMIndex, exact: ExactIndex) -> None:
 
 def _ads(need: _Need, exact: ExactIndex, ad_id: np.ndarray) -> None:
     """Unique ad ids among rows not deleted: every output row names its ad by id."""
+    import polars as pl  # its hash-based count outruns a sort; a structure check is rare on a serving host
+
     ids = ad_id if exact.ad_state is None else ad_id[exact.ad_state != AD_DELETED]
     need(pl.Series(ids).n_unique() == len(ids), "ads", "ad_id values must be unique (among rows not deleted)")
 

@@ -20,7 +20,6 @@ import numpy as np
 
 from schemas.artifacts import MATCHER_PLANES, MAX_AD_VALUE, plane_arrays
 from sidindex.arraytypes import HostOrDevice
-from sidindex.sid.assign import key_tokens, run_starts, sid_keys
 from sidindex.trie.dedup import RowTable, insert_row
 from sidindex.trie.kway import KWayConfig, partition
 
@@ -151,6 +150,8 @@ def build_gtm(
     matcher_bits: meaningful bits of all planes' rows together, for k-way fill rates (default: all words)
     ad_value:     (N,) float64 each ad's value (finite, >= 0): adds the value bounds, or None
     """
+    from sidindex.sid.assign import key_tokens, run_starts, sid_keys  # building: a reader of an index needs none
+
     # --- 1. CHECK ARGUMENTS --- before any work, so a bad call fails fast and clearly
     check_arguments(sids, ad_index, level_sizes, ad_rows, ad_value)
     L = len(level_sizes)

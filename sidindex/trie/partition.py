@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sidindex.sid.assign import run_starts
 from sidindex.trie.build import GTMIndex, MatcherPlane, build_gtm, check_arguments, expand_runs
 from sidindex.trie.dedup import RowTable
 from sidindex.trie.kway import KWayConfig
@@ -76,6 +75,8 @@ def ad_runs(ad_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     each distinct ad first appears (ascending ad) and each row's ad among them. Rows in the catalog's
     (ad, path) order make each ad a run, found without a sort."""
     if np.all(ad_index[1:] >= ad_index[:-1]):
+        from sidindex.sid.assign import run_starts  # building: a reader of an index needs none
+
         first = run_starts(ad_index)
         return first, np.cumsum(np.concatenate([[False], ad_index[1:] != ad_index[:-1]]))
     _, first, local = np.unique(ad_index, return_index=True, return_inverse=True)

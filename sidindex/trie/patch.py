@@ -16,7 +16,6 @@ import numpy as np
 
 from schemas.artifacts import AD_LIVE
 from sidindex.parallel import sized
-from sidindex.sid.assign import sid_keys
 from sidindex.trie.build import GTMIndex, MatcherPlane, round_up_f32
 from sidindex.trie.dedup import RowTable
 
@@ -34,6 +33,8 @@ def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: di
     ad_value: (U,) float64 the new ads' values (required when the index has values)
     Unchanged arrays are returned as the same objects, so a writer can tell them apart.
     """
+    from sidindex.sid.assign import sid_keys  # an update's: a reader of an index needs none
+
     L = g.sid_length
     first = int(ad_index.min())
     local = ad_index - first
