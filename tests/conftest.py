@@ -84,3 +84,11 @@ def sampled_codebook(catalog: pl.DataFrame) -> Codebook:
         levels.append((emb[1::len(emb) // k][:k] - emb[::len(emb) // k][:k]).astype(np.float32))
     cfg = SIDConfig(levels=(8, 4, 4), hash_size=16, paths=2)
     return Codebook(tuple(levels), 16, cfg.hash_keys, cfg.paths, None, cfg)
+
+
+def interpreted(n: int) -> int:
+    """Hypothesis examples for a property test of Triton kernels: n on a GPU, where the real kernels
+    run (`bench/gpu_check.sh` runs these files there), and 40% of n (at least 2) under Triton's
+    interpreter on the CPU, where an example costs seconds: CI's time goes to every kernel's
+    cases, and each run draws new examples."""
+    return n if torch.cuda.is_available() else max(2, round(0.4 * n))

@@ -40,7 +40,7 @@ def test_every_answer_is_checked_through_updates_and_a_corrupt_snapshot(built, t
     cache, size = built
     out = tmp_path / "load.json"
     assert bl.main(["--ads", str(ADS), "--dim", str(DIM), "--beams", BEAMS, "--device", "cpu", "--rate", "40",
-                    "--clients", "4", "--procs", "2", "--seconds", "12", "--pool", "48", "--cache", str(cache),
+                    "--clients", "4", "--procs", "2", "--seconds", "8", "--pool", "48", "--cache", str(cache),
                     "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     res = json.loads(out.read_text())

@@ -32,6 +32,7 @@ from runtime.ops.order import TIE_LIMIT, ordered, top_k
 from runtime.post import RANKS, expand
 from runtime.search import beam_search
 from sidindex.modes import Mode
+from tests.conftest import interpreted
 from tests.test_gtm import scenarios
 from tests.test_post import IMPLS as POST_IMPLS
 from tests.test_post import device_result, same
@@ -114,7 +115,7 @@ def ranked(found, r: int) -> list:
             if alive[k]]
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=interpreted(20), deadline=None)
 @given(scenarios(max_ads=12), st.integers(0, 2**32 - 1), st.sampled_from(KINDS), st.integers(1, 3))
 def test_tied_logits_give_one_order_on_every_path(sc, seed, kind, cap):
     case = Case(sc, DEVICE)  # on a GPU: the Triton kernels themselves
@@ -136,7 +137,7 @@ def test_tied_logits_give_one_order_on_every_path(sc, seed, kind, cap):
             assert ranked(on_host, r) == ranked_brute_force(host, r, scorer, beams, mode), (mode, r)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=interpreted(10), deadline=None)
 @given(scenarios(max_ads=12), st.data(), st.integers(0, 2**32 - 1), st.sampled_from(KINDS),
        st.sampled_from([0.5, 1.0, 4.0]))
 def test_value_guided_ties_give_one_order_on_every_path(sc, data, seed, kind, weight):

@@ -37,6 +37,7 @@ from sidindex.matchers.plane import PlaneQueries
 from sidindex.modes import Mode
 from sidindex.request_encoding import encode_requests
 from sidindex.targeting import BITMASK, BLOOM, Attribute, TargetingSpec
+from tests.conftest import interpreted
 from tests.test_gtm import Scenario, draw_catalog, requests_of
 from tests.test_runtime import DEVICE, GPU, MODES, Case, TableScorer
 
@@ -66,7 +67,7 @@ def query_sets(draw):
     return planes
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=interpreted(20), deadline=None)
 @given(query_sets())
 def test_table_kernel_equals_reference(planes):
     _, stacked = stack_queries(planes, DEVICE, table_from=1)
@@ -116,7 +117,7 @@ def crowded(draw, max_ads: int = 14) -> Scenario:
     return Scenario(spec, ads, sids, sid_ads, level_sizes, requests, kway, values)
 
 
-@settings(max_examples=4, deadline=None)  # each runs tens of interpreted kernels: the suite's longest test
+@settings(max_examples=interpreted(4), deadline=None)  # each runs tens of interpreted kernels: the suite's longest test
 @given(crowded(), st.integers(0, 2**32 - 1))
 def test_tabled_mask_equals_query_by_query_and_reference(sc, seed):
     case = Case(sc)
@@ -159,7 +160,7 @@ def test_tabled_mask_equals_query_by_query_and_reference(sc, seed):
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.score, want.score), mode
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=interpreted(4), deadline=None)
 @given(crowded(), st.integers(0, 2**32 - 1))
 def test_packed_compact_mask_equals_reference(sc, seed):
     """The compact layout with dead beams and a width short of some requests' slots: the tabled

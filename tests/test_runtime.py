@@ -37,6 +37,7 @@ from sidindex.snapshot.snapshot import Snapshot
 from sidindex.trie.match import passing_tokens
 from sidindex.trie.patch import live_entries
 from sidindex.trie.shard import Shard
+from tests.conftest import interpreted
 from tests.test_gtm import MANIFEST, Scenario, build, eligible, scenarios
 
 GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -80,7 +81,7 @@ class Case:
 
 # --- the mask -------------------------------------------------------------------------------------
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=interpreted(25), deadline=None)
 @given(scenarios(), st.integers(0, 2**32 - 1), st.booleans())
 def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed, updated):
     state = np.random.default_rng(seed).choice(np.array([0, 0, 1, 2], dtype=np.uint8), len(sc.ads)) if updated \

@@ -39,6 +39,7 @@ from sidindex.config import KWayConfig
 from sidindex.modes import Mode
 from sidindex.targeting import BITMASK, BLOOM, Attribute, TargetingSpec
 from sidindex.trie.match import entries_pass
+from tests.conftest import interpreted
 from tests.test_gtm import Scenario, eligible, scenarios
 from tests.test_query_tables import VOCAB, crowded
 from tests.test_runtime import GPU, Case, TableScorer
@@ -125,13 +126,13 @@ def _check_pass(case: Case) -> None:
             assert np.array_equal(ok, want[b, local].all(0).numpy()), (d, b)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=interpreted(20), deadline=None)
 @given(scenarios())
 def test_shared_pass_equals_reference_and_matcher(sc):
     _check_pass(Case(sc))
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=interpreted(5), deadline=None)
 @given(crowded())
 def test_shared_pass_with_many_locations(sc):
     """Requests with tens to hundreds of locations: the Bloom groups go through query tables."""
@@ -158,7 +159,7 @@ def _same_beams(index, case: Case, seed: int) -> None:
             assert torch.equal(got.tokens, want.tokens) and torch.equal(got.score, want.score), mode
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=interpreted(6), deadline=None)
 @given(scenarios(max_ads=16), st.integers(0, 2**32 - 1))
 def test_searches_with_shared_rows_at_every_depth_equal_the_reference(sc, seed):
     case = Case(sc)

@@ -40,7 +40,7 @@ from sidindex.snapshot.validate import check_cover, check_structure
 from sidindex.trie.build import round_up_f32
 from sidindex.trie.match import entries_pass
 from sidindex.trie.shard import Shard
-from tests.conftest import run_cli
+from tests.conftest import interpreted, run_cli
 from tests.test_gtm import build, eligible, requests_of, scenario, scenarios
 from tests.test_runtime import DEVICE, GPU, MODES, Case, TableScorer, searched
 
@@ -115,7 +115,7 @@ def subtree_max(sc, prefix: tuple[int, ...]) -> float:
     return float(round_up_f32(np.array([top]))[0])
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=interpreted(6), deadline=None)
 @given(valued(), st.integers(0, 2**32 - 1))
 def test_every_mask_reports_one_bound_and_it_bounds_every_eligible_ad(sc, seed):
     for mode, r, child, b in candidates(sc, seed):
@@ -124,7 +124,7 @@ def test_every_mask_reports_one_bound_and_it_bounds_every_eligible_ad(sc, seed):
         assert b == subtree_max(sc, child) if not mode.kway else b <= subtree_max(sc, child), (mode, child)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=interpreted(4), deadline=None)
 @given(valued(unrestricted=True), st.integers(0, 2**32 - 1))
 def test_with_nothing_restricted_the_bound_is_the_subtree_max_in_every_mode(sc, seed):
     for mode, _, child, b in candidates(sc, seed):
