@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `runtime` importable
+if __package__ in (None, ""):  # run as a script: make `bench` and `runtime` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench.common import wall_ms
 from runtime.ops.order import TIE_LIMIT, ordered, top_k
 
 CUDA_SIZES = (32768, 131072, 524288)
@@ -59,22 +58,10 @@ def tied_scores(B: int, N: int, k: int, device: torch.device, seed: int = 0) -> 
     return score.to(device)
 
 
-def cpu_ms(fn, reps: int) -> float:
-    """Median wall-clock milliseconds of fn() after two warm-up calls."""
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
 def timers(device: torch.device, reps: int) -> dict:
     """name -> ms of fn(), by the device's timers (module doc)."""
     if device.type != "cuda":
-        return {"wall": lambda fn: cpu_ms(fn, reps)}
+        return {"wall": lambda fn: wall_ms(fn, reps)}
     from triton.testing import do_bench, do_bench_cudagraph
 
     def graph(fn):
