@@ -226,10 +226,7 @@ class Retriever:
         size = next(b for b in self.batch_sizes if b >= n)
         if size == n:
             return reqs
-        take = np.minimum(np.arange(size), n - 1)
-        emb = None if reqs.embedding is None else reqs.embedding[take]
-        return Requests(reqs.source, np.arange(size, dtype=np.int64), emb, reqs.columns.take(take),
-                        reqs.table.take(take))
+        return _taken(reqs, np.minimum(np.arange(size), n - 1))
 
     def _scorer(self, warmed: _Warmed, reqs: Requests, dev):
         """The batch's scorer: the user's factory's, or the codebook scorer of its embeddings."""
@@ -307,8 +304,8 @@ class Retriever:
             for lo in range(0, batches, most):
                 self._batch(warmed, arena, dummy.rows(lo, lo + most), False, seconds)
         if self._warmup is not None:
-            if not synthetic:
-                firsts = [self._warmup.head(min(b, len(self._warmup))) for b in self.batch_sizes]
+            if not synthetic:  # a batch of each size, its rows repeated where the warm-up has fewer
+                firsts = [_taken(self._warmup, np.arange(b) % len(self._warmup)) for b in self.batch_sizes]
                 for reqs in firsts:
                     self._batch(warmed, arena, reqs, False, seconds)
             for lo in range(0, len(self._warmup), most):
@@ -327,6 +324,13 @@ class Retriever:
         """Stop following the watcher (its swaps no longer warm this retriever)."""
         if self.watcher is not None and self._before_swap in self.watcher.before_swap:
             self.watcher.before_swap.remove(self._before_swap)
+
+
+def _taken(reqs: Requests, take: np.ndarray) -> Requests:
+    """The requests of rows `take` (int64, repeats allowed), numbered 0.. in that order."""
+    emb = None if reqs.embedding is None else reqs.embedding[take]
+    return Requests(reqs.source, np.arange(len(take), dtype=np.int64), emb, reqs.columns.take(take),
+                    reqs.table.take(take))
 
 
 WARM_BATCHES = 8  # batches of the largest size a warm-up searches to size the widths (module doc)

@@ -26,7 +26,7 @@ can be twelve times as wide, and top-k's time grows with its width. The post sta
 (request, ad) pairs per request as warm-up requests reached, twice over (`fitted_pairs`), not the
 ads of the largest SIDs together. After each search the Searcher reads the search's overflow flags
 (one small copy to the host, with the post stage's counts). While warming, a batch whose candidates
-or pairs did not fit is searched again wider (kept for later batches); once warm (`frozen`), it is
+did not fit is searched again wider (kept for later batches); once warm (`frozen`), it is
 answered at once by the worst case's graph, captured beside each capped one at warm-up, and nothing
 is widened, captured or compiled on the serving thread. So no candidate is ever cut: each step
 keeps the candidates the uncapped search would, ties included (`runtime.ops.order`: a width changes
@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from runtime.ops.compiles import count_compiles
-from runtime.ops.expand import MAX_PAIRS, expand_host
+from runtime.ops.expand import DEFAULT_PAIRS, MAX_PAIRS
 from runtime.ops.expand.layout import pow2
 from runtime.ops.gtm_mask.planes import stack_queries
 from runtime.ops.impl import Impl
@@ -111,13 +111,13 @@ class Searcher:
     slack: each step's top-k selects among `slack` x the candidates its beams' nodes typically
     have (`runtime.search.capped_widths`) rather than its worst case, which can be twelve times as
     many. While warming, a batch with more candidates than that at some step is searched again
-    with twice that step's slack (`step_slack`; `widened` counts those searches), and a batch whose
-    requests reach more (request, ad) pairs than the post stage holds again with room for twice
-    as many (`pairs`); `settle` then fits the post stage to the most a request reached. Once
+    with twice that step's slack (`step_slack`; `widened` counts those searches), and `settle`
+    then fits the post stage (`pairs`) to the most (request, ad) pairs a warm-up request reached. Once
     `frozen` (`runtime.Retriever` freezes it after warm-up), nothing widens: a batch that does not
     fit is answered at once by the worst case's graph, captured beside the capped one (every step's
-    full width, the post stage's default room, and past that the host's post stage), and counted in
-    `overflows`. Either way no candidate is cut (module doc). 0: every step's worst case, never a
+    full width, the post stage's default room or the fitted one past it, and past that a post stage
+    sized to the batch: `runtime.post.expand`), and counted in `overflows` (a batch past the pairs
+    while warming too). Either way no candidate is cut (module doc). 0: every step's worst case, never a
     second search. `captures` counts the graphs captured.
     """
 
@@ -148,12 +148,14 @@ class Searcher:
         return capped_widths(index, self.beams, tuple(self.step_slack.get(d, self.slack)
                                                        for d in range(index.sid_length)))
 
-    def _eager(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, request_id) -> Beams:
+    def _eager(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, request_id,
+               counted: bool = False) -> Beams:
+        """The search without graphs; `counted`: the batch is already an overflow (off its graph)."""
         with self._lock:  # one search at a time, as with graphs: a batch that overflows widens once
             beams = self._search(index, requests, scorer)
             while (step := self._overflowed(beams, scorer, request_id)) is not None:
                 if self.frozen:
-                    self.overflows += 1
+                    self.overflows += 0 if counted else 1
                     beams = self._search(index, requests, scorer, full=True)
                     self._overflowed(beams, scorer, request_id)  # never overflows; a broken model is refused
                     break
@@ -189,26 +191,16 @@ class Searcher:
         if not self.frozen and post.last_reached is not None and len(post.last_reached):
             self.most_reached = max(self.most_reached, int(post.last_reached.max()))
 
-    def _grow_pairs(self, post: DevicePost) -> bool:
-        """While warming, a batch reached more pairs than the capped post stage holds: room for
-        twice the most it reached, capped graphs dropped. False where the worst case's post stage
-        holds no more (its default room): the batch is answered by the worst case."""
-        self._note_reached(post)
-        want = fitted_pairs(self.most_reached)
-        if post.layout.pairs >= post.bounds_pairs or want <= post.layout.pairs:
-            return False
-        self.pairs = want
-        self._graphs = {k: g for k, g in self._graphs.items() if k[2]}
-        return True
-
     def settle(self) -> None:
         """At the end of a warm-up: the post stage fitted to the most pairs a warm-up request reached
-        (capped graphs of another room dropped: the next batch of each size captures them)."""
+        (graphs of another room dropped: the next batch of each size captures them; the worst
+        case's too where the fitted room passes its default one, which it then takes)."""
         with self._lock:
             pairs = fitted_pairs(self.most_reached) if self.most_reached else None
             if pairs != self.pairs:
                 self.pairs = pairs
-                self._graphs = {k: g for k, g in self._graphs.items() if k[2]}
+                wider = pairs is not None and pairs > DEFAULT_PAIRS
+                self._graphs = {k: g for k, g in self._graphs.items() if k[2] and not wider}
 
     def _why_eager(self, index: ServedIndex, scorer: Scorer) -> str | None:
         why = ("the index is on the CPU" if index.device.type != "cuda" else
@@ -236,7 +228,8 @@ class Searcher:
             while True:
                 g = self._replay(index, requests, scorer, None)
                 if g is None:  # a batch the frozen graphs cannot hold
-                    return self._eager(index, requests, scorer, request_id)
+                    self.overflows += 1
+                    return self._eager(index, requests, scorer, request_id, counted=True)
                 found = Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
                 # read after the copies are queued: one wait for both
                 step = self._overflowed(g.out, scorer, request_id)
@@ -247,7 +240,8 @@ class Searcher:
                     continue
                 self.overflows += 1
                 g = self._replay(index, requests, scorer, None, full=True)
-                assert g is not None  # it held the batch's queries: so does the worst case's graph
+                if g is None:  # captured for smaller batches (a user's scorer that warmed on fewer values)
+                    return self._eager(index, requests, scorer, request_id, counted=True)
                 self._overflowed(g.out, scorer, request_id)
                 return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
 
@@ -271,33 +265,35 @@ class Searcher:
                 g = self._replay(index, requests, scorer, post)
                 if g is None:  # a batch the frozen graphs cannot hold
                     self.overflows += 1
-                    beams = self._eager(index, requests, scorer, request_id)
+                    beams = self._eager(index, requests, scorer, request_id, counted=True)
                     return expand(index, requests if host is None else host, beams, top_k, stages, rank)
                 assert g.post is not None and g.buffer is not None  # captured with the post stage
                 found = g.post.result(g.buffer)  # synchronised: the search's flags are ready too; None: too many pairs
                 step = self._overflowed(g.out, scorer, request_id)
+                self._note_reached(g.post)  # while warming: what `settle` fits the pairs to
                 if step is None and found is not None:
-                    self._note_reached(g.post)
                     return found
-                if not self.frozen and (step is not None or self._grow_pairs(g.post)):
-                    if step is not None:
-                        self._widen(step)
+                if step is not None and not self.frozen:
+                    self._widen(step)
                     continue
-                self.overflows += 1
+                self.overflows += 1  # past the widths once frozen, or past the pairs (`settle` fits them)
                 return self._worst_case(index, requests, scorer, post, host, request_id)
 
     def _worst_case(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple,
                     host: EncodedRequests | None, request_id) -> Retrieved:
-        """A batch past the capped graph, answered by the worst case's graph (module doc), and by
-        the host's post stage where its requests reach more pairs than even that one holds."""
+        """A batch past the capped graph, answered by the worst case's graph (module doc); where its
+        requests reach more pairs than even that one's post stage holds, by `expand` (a stage sized
+        to them, or the host's); and without a graph that holds its queries, eagerly."""
+        top_k, rank, stages = post
         g = self._replay(index, requests, scorer, post, full=True)
-        assert g is not None and g.post is not None and g.buffer is not None  # as the capped graph held the batch
+        if g is None:  # captured for smaller batches (a user's scorer that warmed on fewer values)
+            beams = self._eager(index, requests, scorer, request_id, counted=True)
+            return expand(index, requests if host is None else host, beams, top_k, stages, rank)
+        assert g.post is not None and g.buffer is not None  # captured with the post stage
         found = g.post.result(g.buffer)
         self._overflowed(g.out, scorer, request_id)  # never overflows; a broken model is refused
         if found is None:
-            top_k, rank, stages = post
-            found = Retrieved(**expand_host(index.snapshot, requests if host is None else host, g.out, top_k, stages,
-                                            rank))
+            found = expand(index, requests if host is None else host, g.out, top_k, stages, rank)
         return found
 
     def _replay(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple | None,
@@ -311,14 +307,15 @@ class Searcher:
             self._index = index
             key = (requests.batch, post, full)
             g = self._graphs.get(key)
-            # an update of ad states shares the trie (the generation) but may bring new post arrays
-            stale = g is not None and g.post is not None and not _same_tensors(g.post.arrays, index.post)
+            stale = g is not None and _stale(g, index)
             if g is None or stale or not _fits(g, requests, scorer):
                 if self.frozen and g is not None and not stale:
                     return None
                 g = self._graphs[key] = self._capture(index, requests, scorer, post, full)
                 worst = (requests.batch, post, True)
-                if not full and worst not in self._graphs:  # captured while warming, for when frozen
+                w = self._graphs.get(worst)
+                # captured while warming, beside the capped graph, for when frozen: holding what it holds
+                if not full and (w is None or _stale(w, index) or not _fits(w, requests, scorer)):
                     self._graphs[worst] = self._capture(index, requests, scorer, post, True)
             else:
                 if g.post is not None:
@@ -326,6 +323,13 @@ class Searcher:
                 _load(g, requests, scorer)
                 g.graph.replay()
             return g
+
+    def _room(self, full: bool) -> int | None:
+        """The post stage's pairs per request: the capped graph's fitted room (None before `settle`:
+        DevicePost's default), the worst case's its default room, or the fitted one past it."""
+        if not full or self.pairs is None or self.pairs <= DEFAULT_PAIRS:
+            return None if full else self.pairs
+        return self.pairs
 
     def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple | None,
                  full: bool) -> _Graph:
@@ -340,7 +344,7 @@ class Searcher:
                 top_k, rank, stages = post
                 stage.append(DevicePost(index, requests.batch, beams.score.shape[1], top_k=top_k, rank=rank,
                                         stages=stages, pinned=True,  # read every replay
-                                        pairs=None if full else self.pairs))
+                                        pairs=self._room(full)))
             return beams, stage[0].run(static, beams)
 
         run()  # checks, compiles kernels
@@ -384,6 +388,11 @@ def _with_room(a: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(max(2 * len(a), 64), dtype=a.dtype, device=a.device)
     out[:len(a)].copy_(a)
     return out
+
+
+def _stale(g: _Graph, index: ServedIndex) -> bool:
+    """An update of ad states shares the trie (the generation) but may bring new post arrays."""
+    return g.post is not None and not _same_tensors(g.post.arrays, index.post)
 
 
 def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor] | None) -> bool:

@@ -120,7 +120,9 @@ def _canonical(doc: dict) -> bytes:
 def seal(doc: dict) -> bytes:
     """The manifest text of `doc` (which must not hold CHECKSUM_KEY), with its checksum added."""
     body = {k: v for k, v in doc.items() if k != CHECKSUM_KEY}
-    return _canonical({**body, CHECKSUM_KEY: hashlib.sha256(_canonical(body)).hexdigest()})
+    text = _canonical({**body, CHECKSUM_KEY: hashlib.sha256(_canonical(body)).hexdigest()})
+    _note_sealed(hashlib.sha256(text).digest())  # a reader of these bytes need not encode them again
+    return text
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -160,14 +162,31 @@ def read_sealed(path: Path, fmt: str, version: int | tuple[int, ...], what: str,
         if unsealed is None:
             raise ArtifactError(f"{path}: not a sealed sidindex {what} manifest (no '{CHECKSUM_KEY}')")
         return doc
-    try:
-        canonical = seal(doc)
-    except (TypeError, ValueError) as e:  # NaN or infinity, a checksum that is not a string
-        raise ArtifactError(f"{path}: not a sidindex {what} manifest ({e})") from None
-    if canonical != raw:
-        raise ArtifactError(f"{path}: the {what} manifest is corrupt (its checksum or its bytes do not match)")
+    digest = hashlib.sha256(raw).digest()
+    if digest not in _SEALED:  # the same bytes are sealed whoever reads them: json's indenting encoder is slow
+        try:
+            canonical = seal(doc)
+        except (TypeError, ValueError) as e:  # NaN or infinity, a checksum that is not a string
+            raise ArtifactError(f"{path}: not a sidindex {what} manifest ({e})") from None
+        if canonical != raw:
+            raise ArtifactError(f"{path}: the {what} manifest is corrupt (its checksum or its bytes do not match)")
+        _note_sealed(digest)
     check_format(path, doc, fmt, version, what, gone)
     return doc
+
+
+def _note_sealed(digest: bytes) -> None:
+    with _SEALED_LOCK:
+        if len(_SEALED) >= _SEALED_MOST:
+            _SEALED.clear()
+        _SEALED.add(digest)
+
+
+# sha256 of manifest texts found sealed (byte-for-byte canonical with the right checksum): a job or a
+# load reads one manifest several times, and re-encoding it is most of a read
+_SEALED: set[bytes] = set()
+_SEALED_LOCK = threading.Lock()
+_SEALED_MOST = 256
 
 
 def check_format(path: Path, doc: dict, fmt: str, version: int | tuple[int, ...], what: str,

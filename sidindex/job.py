@@ -461,7 +461,9 @@ def run_update(root: Path, changes: Path, *, keep: int = 3, waiting: Callable[[]
             directory, trust, "an update cannot build on it. Restore it, or publish a new one with a full build"))
         if once and journals.holds(journal, Path(changes).name, source):
             return {"status": "already applied", "snapshot_id": None, "root": str(root), "seconds": _rounded(clock)}
-        base = open_snapshot(directory, verify=True, cover=True, records=True, trust=trust)  # records its checks
+        # its checks on record are not made again, but every file is hashed: its bytes go into the
+        # new snapshot under fresh digests
+        base = open_snapshot(directory, verify=True, cover=True, records=True, rehash=True, trust=trust)
         cb = base.codebook
         if cb is None:
             raise ArtifactError(f"{base.path}: carries no codebook, so new ads cannot get SIDs; rebuild it")

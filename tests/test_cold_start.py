@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import runtime
@@ -112,6 +113,22 @@ def test_a_load_records_what_it_hashed_and_the_next_hashes_nothing(root, hashed)
     # asked not to trust records, or for every sha256, or given a trust key: every file
     assert _hashed_by(hashed, lambda: runtime.load(root, "cpu", records=False)) == files
     assert _hashed_by(hashed, lambda: open_snapshot(root, strong=True, records=True)) == files
+
+
+def test_an_update_hashes_every_file_of_its_base(root, hashed, tmp_path):
+    """Its checks on record are not made again, but its bytes go into the new snapshot under fresh
+    digests: damage no stat shows would be sealed in, so no record stands in for a digest."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sidindex.job import run_update
+
+    files = _files(_current(root))
+    runtime.load(root, "cpu")  # records every file
+    changes = tmp_path / "pause.parquet"
+    ad = int(np.asarray(open_snapshot(root, verify=False).arrays()["ads"])[0])
+    pq.write_table(pa.table({"ad_id": pa.array([ad], pa.int64()), "op": ["pause"]}), changes)
+    assert files <= _hashed_by(hashed, lambda: run_update(root, changes))
 
 
 def _flip_middle_byte(path: Path) -> None:

@@ -257,7 +257,7 @@ def _shape(a: np.ndarray) -> ArrayShape:
 def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False, cover: bool = False,
                   prefault: bool = False, base: Snapshot | None = None,
                   while_checking: Callable[[dict[str, np.ndarray]], None] | None = None,
-                  records: bool = False, trust: TrustKey | None = None) -> Snapshot:
+                  records: bool = False, rehash: bool = False, trust: TrustKey | None = None) -> Snapshot:
     """Open a ROOT's published snapshot (its CURRENT) or a snapshot directory.
 
     verify:   also check every file's fast digest (reads every byte, in parallel chunks; a snapshot
@@ -286,6 +286,9 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
               hashed again, unless `trust` is given. Once the snapshot passed, what this open
               verified is recorded. A snapshot outside a ROOT, or without a record, is checked in
               full. The result's `recorded` says whether its structure was on record
+    rehash:   with `records`, hash every file even where the record lists it unchanged (an update's
+              base, whose bytes are written into the new snapshot under fresh digests: damage below
+              the file system, which no stat shows, would be sealed into it)
     trust:    refuse the snapshot unless its manifest carries this key's signature (`sidindex.signing`),
               before anything else is read; every file's digest is then verified, whatever `verify`
               says (they tie the bytes to the signed manifest)
@@ -299,7 +302,8 @@ def open_snapshot(path: str | Path, *, verify: bool = True, strong: bool = False
         directory = Root.resolve(path)
         keep = Root.containing(directory) if records else None
         try:
-            return _open(directory, verify, strong, cover, prefault, base, while_checking, keep, not strong, trust)
+            return _open(directory, verify, strong, cover, prefault, base, while_checking, keep, not strong, trust,
+                         rehash)
         except ArtifactError:
             if not _pruned(path, directory):
                 raise
@@ -353,9 +357,10 @@ def _pruned(path: Path, directory: Path) -> bool:
 
 def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bool, base: Snapshot | None,
           while_checking: Callable[[dict[str, np.ndarray]], None] | None,
-          keep: Root | None, trusting: bool, trust: TrustKey | None) -> Snapshot:
+          keep: Root | None, trusting: bool, trust: TrustKey | None, rehash: bool = False) -> Snapshot:
     """`open_snapshot` of the snapshot `directory`; keep: the ROOT whose check record of it is
-    read (when `trusting`) and written once the snapshot passed (`sidindex.snapshot.records`)."""
+    read (when `trusting`) and written once the snapshot passed (`sidindex.snapshot.records`);
+    rehash: no file is taken as verified by the record."""
     clock = StageClock()
     m, spec = _manifest(directory, trust)
     digest = m.sha256() if keep is not None else ""
@@ -373,7 +378,7 @@ def _open(directory: Path, verify: bool, strong: bool, cover: bool, prefault: bo
     verify_files(directory, listing, UNLISTED, checksums=False)  # regular files of the listed sizes
     # taken before anything is hashed: a file changed meanwhile is recorded as it was, so hashed next time
     stats, taken = stat_files(directory, listing) if keep is not None and verify else ({}, 0)
-    unchanged = record.unchanged(stats)  # files as they were when their digests were verified
+    unchanged = frozenset() if rehash else record.unchanged(stats)  # files as they were when verified
     # with a trust key the record never stands in for a digest: whoever can rewrite ROOT can
     # rewrite its records, and only the digests tie the bytes to the signed manifest
     trusted = shared | unchanged if trust is None else shared
