@@ -92,9 +92,3 @@ def interpreted(n: int) -> int:
     interpreter on the CPU, where an example costs seconds: CI's time goes to every kernel's
     cases, and each run draws new examples."""
     return n if torch.cuda.is_available() else max(2, round(0.3 * n))
-
-
-def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: a worker per core and one more. A fifth of the suite's time is spent waiting (on
-    the CLI's subprocesses, a server's answers, a scheduled load), which one more worker fills."""
-    return (os.cpu_count() or 1) + 1
