@@ -155,7 +155,8 @@ class Searcher:
             beams = self._search(index, requests, scorer)
             while (step := self._overflowed(beams, scorer, request_id)) is not None:
                 if self.frozen:
-                    self.overflows += 0 if counted else 1
+                    if not counted:
+                        self.overflows += 1
                     beams = self._search(index, requests, scorer, full=True)
                     self._overflowed(beams, scorer, request_id)  # never overflows; a broken model is refused
                     break
@@ -327,9 +328,9 @@ class Searcher:
     def _room(self, full: bool) -> int | None:
         """The post stage's pairs per request: the capped graph's fitted room (None before `settle`:
         DevicePost's default), the worst case's its default room, or the fitted one past it."""
-        if not full or self.pairs is None or self.pairs <= DEFAULT_PAIRS:
-            return None if full else self.pairs
-        return self.pairs
+        if not full:
+            return self.pairs
+        return self.pairs if self.pairs is not None and self.pairs > DEFAULT_PAIRS else None
 
     def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple | None,
                  full: bool) -> _Graph:

@@ -17,6 +17,8 @@ _installed = False
 def count_compiles() -> None:
     """Count every Triton compile from now on (idempotent; imports triton)."""
     global _installed
+    if _installed:  # every batch of a serving path asks: no lock once it is
+        return
     with _lock:
         if _installed:
             return
