@@ -5,10 +5,18 @@
 # constraints.txt) are installed into .site/ first, which stays for later runs on the same host.
 #
 #   bash bench/gpu_check.sh install        # install the wheels that came along, nothing else
-#   bash bench/gpu_check.sh [PYTEST ARGS]  # install what came along, then the GPU tests
+#   bash bench/gpu_check.sh [PYTEST ARGS]  # install what came along, then the GPU tests (test files
+#                                          # named in the arguments replace the list below)
 #   bash bench/gpu_check.sh bench [ADS]    # then the serving benchmarks, into $OUT (or bench_out/):
 #                                          # bench_topk, bench_post, bench_stream both profiles at ADS
 #                                          # ads (default 2000000: about 4M SIDs)
+#   bash bench/gpu_check.sh all [ADS]      # the tests, then the benchmarks
+#
+# The tests build catalogs with the CLI, which trains codebooks: faiss must be among the wheels.
+# The wheels (polars, faiss and the rest) pass the 64 MiB a device call carries, so a bare host
+# takes two calls: `install` carrying .whl/, then the check carrying .whl2/ (.site/ stays between
+# them while the host is held). Each test's outcome and seconds, and each failure, reach
+# $OUT/tests.tsv and $OUT/failures.txt as they happen (bench/test_log.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 site="$PWD/.site"
@@ -30,21 +38,35 @@ chmod +x "$site/bin/sidindex"
 export PATH="$site/bin:$PATH"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-if [ "${1:-}" = "bench" ]; then
-    out="${OUT:-bench_out}"
-    mkdir -p "$out"
-    status=0
+mode="${1:-}"
+if [ "$mode" = "bench" ] || [ "$mode" = "all" ]; then
+    shift
+    ads="${1:-2000000}"
+    set --
+fi
+out="${OUT:-bench_out}"
+mkdir -p "$out"
+export OUT="$out"
+status=0
+if [ "$mode" != "bench" ]; then
+    # every test file with a CUDA case (each skips them without a GPU); files named in the
+    # arguments replace the list
+    TESTS=(tests/test_broken_scorer.py tests/test_serving.py tests/test_retriever.py tests/test_order.py
+           tests/test_swap.py tests/test_signing.py tests/test_shared_rows.py tests/test_impl.py tests/test_post.py
+           tests/test_runtime.py tests/test_query_tables.py tests/test_retrieve.py tests/test_update.py
+           tests/test_serving_errors.py tests/test_scorer_isolation.py tests/test_shards.py tests/test_cold_start.py
+           tests/test_value.py tests/test_exact_filter.py)
+    for a in "$@"; do
+        case "$a" in tests/*) TESTS=(); break ;; esac
+    done
+    python3 -m pytest -q -p no:cacheprovider -p bench.test_log -n 12 -o addopts="" -ra "${TESTS[@]}" "$@" \
+        || status=1
+fi
+if [ "$mode" = "bench" ] || [ "$mode" = "all" ]; then
     python3 -m bench.bench_topk --device cuda --json "$out/topk.json" || status=1
     python3 bench/bench_post.py --device cuda --json "$out/post.json" || status=1
-    python3 bench/bench_stream.py --device cuda --ads "${2:-2000000}" --profile both --cache "$out/cache" \
+    python3 bench/bench_stream.py --device cuda --ads "$ads" --profile both --cache "$out/cache" \
         --json "$out/stream.json" || status=1
     rm -rf "$out/cache"
-    exit $status
 fi
-# every test file with a CUDA case (each skips them without a GPU)
-TESTS=(tests/test_broken_scorer.py tests/test_serving.py tests/test_retriever.py tests/test_order.py
-       tests/test_swap.py tests/test_signing.py tests/test_shared_rows.py tests/test_impl.py tests/test_post.py
-       tests/test_runtime.py tests/test_query_tables.py tests/test_retrieve.py tests/test_update.py
-       tests/test_serving_errors.py tests/test_scorer_isolation.py tests/test_shards.py tests/test_cold_start.py
-       tests/test_value.py tests/test_exact_filter.py)
-python3 -m pytest -q -p no:cacheprovider -n 8 -o addopts="" -ra "${TESTS[@]}" "$@"
+exit $status

@@ -86,9 +86,12 @@ def sampled_codebook(catalog: pl.DataFrame) -> Codebook:
     return Codebook(tuple(levels), 16, cfg.hash_keys, cfg.paths, None, cfg)
 
 
-def interpreted(n: int) -> int:
-    """Hypothesis examples for a property test of Triton kernels: n on a GPU, where the real kernels
-    run (`bench/gpu_check.sh` runs these files there), and 30% of n (at least 2) under Triton's
-    interpreter on the CPU, where an example costs seconds: CI's time goes to every kernel's
-    cases, and each run draws new examples."""
-    return n if torch.cuda.is_available() else max(2, round(0.3 * n))
+def interpreted(n: int, gpu: int | None = None) -> int:
+    """Hypothesis examples for a property test of Triton kernels: on a GPU, where the real kernels
+    run (`bench/gpu_check.sh` runs these files there), n (or `gpu`, for a test whose examples each
+    compile new kernel variants: seconds each); under Triton's interpreter on the CPU, where an
+    example costs seconds, 30% of n (at least 2): CI's time goes to every kernel's cases, and each
+    run draws new examples."""
+    if torch.cuda.is_available():
+        return n if gpu is None else gpu
+    return max(2, round(0.3 * n))

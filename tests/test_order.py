@@ -115,7 +115,7 @@ def ranked(found, r: int) -> list:
             if alive[k]]
 
 
-@settings(max_examples=interpreted(20), deadline=None)
+@settings(max_examples=interpreted(20, gpu=8), deadline=None)
 @given(scenarios(max_ads=12), st.integers(0, 2**32 - 1), st.sampled_from(KINDS), st.integers(1, 3))
 def test_tied_logits_give_one_order_on_every_path(sc, seed, kind, cap):
     case = Case(sc, DEVICE)  # on a GPU: the Triton kernels themselves

@@ -67,7 +67,7 @@ def query_sets(draw):
     return planes
 
 
-@settings(max_examples=interpreted(20), deadline=None)
+@settings(max_examples=interpreted(20, gpu=8), deadline=None)
 @given(query_sets())
 def test_table_kernel_equals_reference(planes):
     _, stacked = stack_queries(planes, DEVICE, table_from=1)

@@ -81,7 +81,7 @@ class Case:
 
 # --- the mask -------------------------------------------------------------------------------------
 
-@settings(max_examples=interpreted(25), deadline=None)
+@settings(max_examples=interpreted(25, gpu=10), deadline=None)
 @given(scenarios(), st.integers(0, 2**32 - 1), st.booleans())
 def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed, updated):
     state = np.random.default_rng(seed).choice(np.array([0, 0, 1, 2], dtype=np.uint8), len(sc.ads)) if updated \

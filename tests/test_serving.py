@@ -50,7 +50,9 @@ def test_replayed_searches_equal_eager_ones():
             got = searcher.search(case.index, dreq, DecoderScorer(model, ctx))
             want = beam_search(case.index, dreq, DecoderScorer(model, ctx), (1, 3, 4), mode)
             assert same(got, want), (mode, i)
-        assert searcher.eager_reason is None and len(searcher._graphs) == 1  # one batch size, captured once
+        # one batch size: its capped graph and, beside it, its worst case, each captured once
+        assert searcher.eager_reason is None and searcher.captures == 2
+        assert sorted(full for (_, _, full) in searcher._graphs) == [False, True]
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")

@@ -132,7 +132,7 @@ def test_shared_pass_equals_reference_and_matcher(sc):
     _check_pass(Case(sc))
 
 
-@settings(max_examples=interpreted(5), deadline=None)
+@settings(max_examples=interpreted(5, gpu=3), deadline=None)
 @given(crowded())
 def test_shared_pass_with_many_locations(sc):
     """Requests with tens to hundreds of locations: the Bloom groups go through query tables."""
