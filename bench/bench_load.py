@@ -49,6 +49,11 @@ Scenarios (--scenarios), run in turn on the same server:
 Every publication keeps every snapshot (`sidindex update --keep` a million), so that each one an
 answer names can be loaded for its check.
 
+After the scenarios, on the same server, a closed-loop pass with a client we did not write: `wrk`
+(--wrk-connections connections for --seconds, the pool's bodies round robin; `bench/load_wrk.py`),
+its requests/s and latency percentiles in a table of their own. Skipped with a note when wrk is
+not on PATH (--wrk names another), or with --no-wrk.
+
 Checks, after the load (the server stopped, so that checking takes nothing from it): every 200
 answer's rows against `runtime.Retriever(snapshot, mode=..., beams=..., top_k=...,
 batch_sizes=(1,), warm=False).retrieve([the same request])` on the snapshot the answer names
@@ -93,6 +98,7 @@ import numpy as np
 from bench.load_check import Checker
 from bench.load_clients import JSON_HEADERS, child_clients, merged, schedule
 from bench.load_report import load_figures, report
+from bench.load_wrk import run_wrk, wrk_path
 
 # torch, runtime and the catalog helpers are imported where they are used: a client process
 # imports only numpy and httpx
@@ -491,6 +497,13 @@ def run(args) -> dict:
             res["served_first"] = server.get("/snapshot")["id"]
             results = asyncio.run(run_scenarios(server, root, args, res["warm_update_s"], bodies, bodies_path, ad_ids,
                                                 work))
+            wrk = None if args.no_wrk else wrk_path(args.wrk)
+            if wrk is not None:
+                log(f"wrk: {args.wrk_connections} connections for {args.seconds:g} s ...")
+                res["wrk"] = run_wrk(wrk, server.url, bodies, connections=args.wrk_connections,
+                                     threads=args.procs, seconds=args.seconds, work=work)
+            elif not args.no_wrk:
+                res["wrk"] = {"missing": args.wrk or "wrk"}
         finally:
             res["server_exit"] = server.stop()
             log_text = server.log_path.read_text(errors="replace")
@@ -545,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-device", help="device of the direct retrieves (default: --device)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take before it fails")
     ap.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds the server may take to be warm")
+    ap.add_argument("--wrk", help="the wrk to run after the scenarios, on the same server (default: wrk on PATH)")
+    ap.add_argument("--wrk-connections", type=int, default=16, help="wrk's connections (closed loop)")
+    ap.add_argument("--no-wrk", action="store_true", help="no wrk pass")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--cache", type=Path, help="keep the catalog and its ROOT here, and reuse them")
     ap.add_argument("--json", type=Path, help="write every figure as JSON here")

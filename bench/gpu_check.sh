@@ -10,11 +10,13 @@
 #   bash bench/gpu_check.sh bench [ADS]    # then the serving benchmarks, into $OUT (or bench_out/):
 #                                          # bench_topk, bench_post, bench_stream both profiles at ADS
 #                                          # ads (default 2000000: about 4M SIDs)
-#   bash bench/gpu_check.sh all [ADS]      # the tests, then the benchmarks
+#   bash bench/gpu_check.sh all [ADS]      # the tests, then the benchmarks (and bench_load's steady
+#                                          # scenario with its wrk pass, wrk from .deb/: apt-get download
+#                                          # wrk libluajit-5.1-2)
 #
 # The tests build catalogs with the CLI, which trains codebooks: faiss must be among the wheels.
 # The wheels (polars, faiss and the rest) pass the 64 MiB a device call carries, so a bare host
-# takes two calls: `install` carrying .whl/, then the check carrying .whl2/ (.site/ stays between
+# takes two calls: `install` carrying .whl/, then the check carrying .whl2/ and .deb/ (.site/ stays between
 # them while the host is held). Each test's outcome and seconds, and each failure, reach
 # $OUT/tests.tsv and $OUT/failures.txt as they happen (bench/test_log.py).
 set -uo pipefail
@@ -27,6 +29,12 @@ for d in .whl .whl2; do
             || exit 1
     fi
 done
+# .deb packages that came along (wrk and libluajit-5.1-2, for bench_load's wrk pass), unpacked beside
+if compgen -G ".deb/*.deb" > /dev/null; then
+    for f in .deb/*.deb; do dpkg -x "$f" "$site/deb" || exit 1; done
+fi
+export PATH="$site/deb/usr/bin:$PATH"
+export LD_LIBRARY_PATH="$site/deb/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${1:-}" = "install" ]; then
     exit 0
@@ -67,6 +75,9 @@ if [ "$mode" = "bench" ] || [ "$mode" = "all" ]; then
     python3 bench/bench_post.py --device cuda --json "$out/post.json" || status=1
     python3 bench/bench_stream.py --device cuda --ads "$ads" --profile both --cache "$out/cache" \
         --json "$out/stream.json" || status=1
+    # the server under load, the default profile's catalog from above, and wrk beside it
+    python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios steady --rate 5000 --clients 64 \
+        --max-batch 64 --seconds 10 --wrk-connections 64 --cache "$out/cache" --json "$out/load.json" || status=1
     rm -rf "$out/cache"
 fi
 exit $status

@@ -104,6 +104,18 @@ def report(res: dict, console=None) -> None:
         console.print(t)
         for line in scenario_notes(s):
             console.print("  " + line, highlight=False)
+    w = res.get("wrk")
+    if w is not None and "missing" in w:
+        console.print(f"wrk: {w['missing']} not found (the Debian package wrk); no closed-loop pass", highlight=False)
+    elif w is not None:
+        t = Table(title=f"wrk, a client we did not write: {w['connections']} connections, {w['threads']} threads, "
+                        f"{w['seconds']:g} s, closed loop, one request per JSON body ({w['command']})",
+                  title_justify="left")
+        for col in ("requests", "req/s", "p50", "p90", "p99", "non-2xx", "socket errors"):
+            t.add_column(col, justify="right")
+        t.add_row(f"{w['requests']:,}" if w["requests"] is not None else "-", f"{w['rps']:,.0f}", ms(w["p50_ms"]),
+                  ms(w["p90_ms"]), ms(w["p99_ms"]), str(w["non_2xx"]), str(w["socket_errors"]))
+        console.print(t)
     console.print(f"server: ready {res['server_ready_s']:.1f} s after start; exit code {res['server_exit']} on "
                   f"SIGTERM; {res['server_tracebacks']} tracebacks in its log; checks {res['check_s']:.1f} s",
                   highlight=False)

@@ -65,7 +65,7 @@ from runtime.served import ServedIndex
 from runtime.serving import Searcher
 from runtime.watcher import SnapshotWatcher
 from schemas import MAX_ABS_EMBEDDING
-from sidindex.errors import ArtifactError, ConfigError, InputError
+from sidindex.errors import ArtifactError, ConfigError, InputError, SidIndexError
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import encode_requests
 from sidindex.requests import MAX_REQUEST_VALUES, Requests
@@ -135,6 +135,7 @@ class Retriever:
         self._arena = _Arena()
         self._served: int | None = None
         self._warmup = None if warmup is None else self._validated(warmup, first, "warm-up requests")
+        self._closed = threading.Event()  # set by `close`: a warm-up in progress stops at its next batch
         self.warm = warm
         if warm:
             self.prepare(first)
@@ -293,6 +294,12 @@ class Retriever:
         size once more to capture the settled graphs, and the searcher frozen."""
         index, arena, most = warmed.index, _Arena(), self.batch_sizes[-1]
         seconds = dict.fromkeys(STAGES, 0.0)
+
+        def run(reqs: Requests) -> None:
+            if self._closed.is_set():
+                raise WarmupAbandoned("warm-up abandoned: the retriever was closed")
+            self._batch(warmed, arena, reqs, False, seconds)
+
         synthetic = self.factory is None and index.codebook is not None  # a user's scorer reads its own columns
         firsts: list[Requests] = []  # a batch of each size
         if synthetic:
@@ -300,19 +307,19 @@ class Retriever:
             dummy = self._validated(largest_requests(index, batches), index, "warm-up requests")
             firsts = [dummy.head(b) for b in self.batch_sizes]
             for reqs in firsts:
-                self._batch(warmed, arena, reqs, False, seconds)
+                run(reqs)
             for lo in range(0, batches, most):
-                self._batch(warmed, arena, dummy.rows(lo, lo + most), False, seconds)
+                run(dummy.rows(lo, lo + most))
         if self._warmup is not None:
             if not synthetic:  # a batch of each size, its rows repeated where the warm-up has fewer
                 firsts = [_taken(self._warmup, np.arange(b) % len(self._warmup)) for b in self.batch_sizes]
                 for reqs in firsts:
-                    self._batch(warmed, arena, reqs, False, seconds)
+                    run(reqs)
             for lo in range(0, len(self._warmup), most):
-                self._batch(warmed, arena, self._warmup.rows(lo, min(len(self._warmup), lo + most)), False, seconds)
+                run(self._warmup.rows(lo, min(len(self._warmup), lo + most)))
         warmed.searcher.settle()
         for reqs in firsts:
-            self._batch(warmed, arena, reqs, False, seconds)
+            run(reqs)
         warmed.searcher.frozen = True
 
     def _before_swap(self, indexes: tuple[ServedIndex, ...]) -> None:
@@ -321,9 +328,17 @@ class Retriever:
             self.prepare(indexes[0])
 
     def close(self) -> None:
-        """Stop following the watcher (its swaps no longer warm this retriever)."""
+        """Stop following the watcher (its swaps no longer warm this retriever), and abandon a
+        warm-up in progress at its next batch (`WarmupAbandoned`, which the watcher's poll reports
+        as a refused snapshot): a process stopping waits for one batch, not a whole warm-up, before
+        no thread of it runs native code."""
+        self._closed.set()
         if self.watcher is not None and self._before_swap in self.watcher.before_swap:
             self.watcher.before_swap.remove(self._before_swap)
+
+
+class WarmupAbandoned(SidIndexError):
+    """A warm-up stopped half way because its Retriever was closed."""
 
 
 def _taken(reqs: Requests, take: np.ndarray) -> Requests:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -197,15 +198,29 @@ def serve(
     mode: str = MODE_OPT,
     beams: str = BEAMS_OPT,
     scorer: Optional[str] = SCORER_OPT,
-    max_batch: int = typer.Option(16, "--max-batch", min=1, help="The most requests searched together."),
+    max_batch: int = typer.Option(16, "--max-batch", min=1, help="The most request rows searched together; a "
+                                  "request of more rows runs in pieces of this many, taking turns with the others."),
     max_wait_us: int = typer.Option(500, "--max-wait-us", min=0, help="How long a request waits for others to "
                                     "join its batch, in microseconds."),
     max_queue: int = typer.Option(1024, "--max-queue", min=1, help="The most requests waiting; one more gets 503 "
                                   "with Retry-After."),
+    max_body_bytes: int = typer.Option(16 << 20, "--max-body-bytes", min=1, help="The largest request body; a "
+                                       "larger one gets 413 before it is read whole."),
+    max_request_rows: int = typer.Option(4096, "--max-request-rows", min=1, help="The most requests in one body; "
+                                         "more get 413."),
+    timeout_ms: int = typer.Option(10_000, "--timeout-ms", min=0, help="How long a request may wait for its "
+                                   "answer; past it, 504 and its rows not yet run are dropped (0: no limit)."),
+    drain_seconds: float = typer.Option(30.0, "--drain-seconds", min=0.1, help="On SIGTERM or SIGINT, how long "
+                                        "the requests in flight may take; one still waiting then gets 503."),
+    unready_after: int = typer.Option(5, "--unready-after", min=1, help="/readyz answers 503 once this many "
+                                      "batches in a row failed (a scorer, the device), and 200 after one succeeds."),
     poll_seconds: float = typer.Option(1.0, "--poll-seconds", min=0.01, help="How often ROOT is checked for a newly "
                                        "published snapshot (warmed, then swapped in between batches)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port to listen on."),
+    flight_port: Optional[int] = typer.Option(None, "--flight-port", min=0, max=65535, help="Also serve Arrow "
+                                              "Flight on this port (do_exchange: record batches of requests in, "
+                                              "of ranked ads out), for callers that already batch."),
     value_weight: float = VALUE_WEIGHT_OPT,
     rank: str = RANK_OPT,
     top_k: Optional[int] = TOP_K_OPT,
@@ -217,7 +232,10 @@ def serve(
     Arrow IPC stream, and answers in the same form with the ranked eligible ads and the snapshot that served them.
 
     GET /healthz, /readyz, /snapshot and /metrics (Prometheus) report on it. A bad request gets 400 with one
-    line; a full queue 503 with Retry-After. SIGTERM finishes the requests in flight, then exits 0.
+    line; a body too large 413; a full queue 503 with Retry-After; a request past --timeout-ms 504.
+
+    SIGTERM or SIGINT, at any moment (warming, swapping, under load): no new requests, the ones in flight answered
+    within --drain-seconds (503 for one that cannot be), then exit 0.
 
     With --trust-key a snapshot that key did not sign is refused like a corrupt one: the one served goes on,
     and /snapshot's last_error says why.
@@ -225,13 +243,14 @@ def serve(
     Needs the extra: pip install 'sidindex\\[serve]'. Example: sidindex serve runs/sample --port 8000
     """
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 (the extra's check)
 
         from runtime.server import RetrievalServer
     except ImportError as e:
         raise ConfigError(f"sidindex serve needs the extra 'serve' ({e.name} is missing): "
                           "pip install 'sidindex[serve]'") from None
     import runtime
+    from sidindex.interrupts import Interrupted
 
     chosen = parse_mode(mode)
     factory = _factory(scorer, None)  # batches run off the main thread, where no alarm can stop a scorer
@@ -239,20 +258,37 @@ def serve(
     sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch} | {max_batch}))
     err.print(f"warming snapshot {watcher.current.id} on {watcher.device} (batch sizes {', '.join(map(str, sizes))})",
               highlight=False)
-    retriever = runtime.Retriever(watcher, mode=chosen, beams=beams, scorer=factory, batch_sizes=sizes,
-                                  value_weight=value_weight, rank=rank, top_k=top_k)
+    try:
+        retriever = runtime.Retriever(watcher, mode=chosen, beams=beams, scorer=factory, batch_sizes=sizes,
+                                      value_weight=value_weight, rank=rank, top_k=top_k)
+    except Interrupted as e:  # a stop before serving: nothing was in flight
+        err.print(f"stopped by {signal.Signals(e.signum).name} while warming; no request was taken", highlight=False)
+        return
     server = RetrievalServer(watcher, retriever, max_batch=max_batch, max_wait_us=max_wait_us, max_queue=max_queue,
-                             poll_seconds=poll_seconds)
+                             poll_seconds=poll_seconds, max_body_bytes=max_body_bytes,
+                             max_request_rows=max_request_rows, timeout_ms=timeout_ms or None,
+                             drain_seconds=drain_seconds, unready_after=unready_after)
+    endpoint = None
+    if flight_port is not None:
+        from runtime.flight import start_flight
+
+        endpoint = start_flight(retriever, host, flight_port, max_batch=max_batch, max_request_rows=max_request_rows)
+        err.print(f"serving Arrow Flight on grpc://{host}:{endpoint.port}", highlight=False)
     err.print(f"serving {root} on http://{host}:{port}", highlight=False)
-    # uvicorn drains on SIGTERM (no new connections, every request in flight answered), then raises
-    # the signal again for the handler it found: a drained stop is this command's success
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    # uvicorn drains on the signal, then raises it again for the handler it found: a drained stop
+    # is this command's success
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     # the batch thread gives up the GIL in every Arrow, numba and CUDA call; while the event loop
     # parses requests it would wait Python's default 5 ms to get it back, several times a batch
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
-        uvicorn.run(server.app, host=host, port=port, log_level="warning", access_log=False,
-                    timeout_graceful_shutdown=30)
+        server.serve(host, port)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    stopped = server.close(timeout=drain_seconds, flight=endpoint)
     err.print("stopped: every request in flight was answered", highlight=False)
+    if not stopped:  # a thread still in native code (a warm-up's batch) would abort the interpreter's exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -256,7 +256,10 @@ def test_the_console_script_serves_and_drains_on_sigterm(built, rows, tmp_path):
 
     port = _free_port()
     sidindex = Path(sys.executable).parent / "sidindex"
-    p = subprocess.Popen([str(sidindex), "serve", str(built), "--port", str(port), "--beams", "1,8,16,16"],
+    root = Path(shutil.copytree(built, tmp_path / "root"))
+    flight_port = _free_port()
+    p = subprocess.Popen([str(sidindex), "serve", str(root), "--port", str(port), "--beams", "1,8,16,16",
+                          "--poll-seconds", "0.1", "--flight-port", str(flight_port)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | {"COLUMNS": "200"})
     try:
         deadline = time.time() + 120
@@ -268,11 +271,33 @@ def test_the_console_script_serves_and_drains_on_sigterm(built, rows, tmp_path):
                 time.sleep(0.2)
         r = httpx.post(f"http://127.0.0.1:{port}/retrieve", json={"requests": rows[:2]}, timeout=60)
         assert r.status_code == 200 and r.json()["rows"]
+        from pyarrow import flight
+
+        from runtime.flight import RETRIEVE
+
+        client = flight.connect(f"grpc://127.0.0.1:{flight_port}")  # the same answer over Arrow Flight
+        writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(RETRIEVE))
+        table = pa.Table.from_pylist(rows[:2])
+        writer.begin(table.schema)
+        writer.write_table(table)
+        writer.done_writing()
+        assert same_rows(reader.read_all().to_pylist(), r.json()["rows"])
+        client.close()
+        with socket.create_connection(("127.0.0.1", port)) as s:  # a client gone half way through its body
+            s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"requests\": [")
+        time.sleep(0.5)
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'sidindex_requests_total{outcome="disconnected"} 1.0' in metrics
+        # a stop while a new snapshot warms (a rolling deploy's SIGTERM during a swap)
+        update = run_cli("update", root, "--changes", _pause_one(root), "--json")
+        assert update.returncode == 0, update.stderr
+        time.sleep(0.3)  # the poll (every 0.1 s) has started warming it
     finally:
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
-    assert "Traceback" not in err and "stopped: every request in flight was answered" in err
+    assert "Traceback" not in err and "terminate" not in err and "stopped: every request in flight was answered" in err
     bad = run_cli("serve", tmp_path / "nowhere", "--port", str(port), timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
 
@@ -293,3 +318,110 @@ def test_a_request_that_overflows_a_batch_starts_the_next(root, rows):
     assert all(same_rows(got[i], want[i]) for i in range(4))
     assert 'sidindex_batch_requests_bucket{le="2.0"} 0.0' in metrics  # never a batch of fewer than 3 rows
     assert "sidindex_batch_requests_count 4.0" in metrics
+
+
+def test_limits_answer_413_with_one_line_before_any_batch(root, rows):
+    server, retriever = serving(root, max_body_bytes=4096, max_request_rows=3)
+    with TestClient(server.app) as client:
+        big = client.post("/retrieve", json={"requests": rows[:1] * 40})  # past 4096 bytes
+        assert big.status_code == 413 and "4,096 bytes" in big.json()["error"] and "\n" not in big.json()["error"]
+        many = client.post("/retrieve", json={"requests": [{"request_id": i} for i in range(4)]})  # small, 4 rows
+        assert many.status_code == 413 and "4 requests; at most 3" in many.json()["error"]
+        assert same_rows(client.post("/retrieve", json={"requests": rows[:3]}).json()["rows"],
+                         direct(retriever.index, rows[:3]))
+        metrics = client.get("/metrics").text
+    assert 'sidindex_requests_total{outcome="too_large"} 2.0' in metrics
+    assert "sidindex_batch_requests_count 1.0" in metrics  # the refused ones never reached a batch
+
+
+def test_a_large_request_runs_in_pieces_that_small_ones_pass(root, rows):
+    """40 rows with batches of 4 run as 10 pieces; a 1-row request sent while they run is answered
+    long before them, and each answer equals the retriever's."""
+    index = runtime.load(root, "cpu")
+    server, retriever = serving(root, scorer=ScorerFactory(Slow(index.level_sizes, 0.0), "tests:slow"), max_batch=4)
+    server.retriever.factory.factory.seconds = 0.05  # after the warm-up: 10 pieces take 0.5 s or more
+    large = [r | {"request_id": 100 + i} for i, r in enumerate(rows * 4)][:40]
+    answered: dict[str, float] = {}
+    got: dict[str, list] = {}
+    with TestClient(server.app) as client:
+        def call(i: int) -> None:
+            name, body = [("large", large), ("small", rows[:1])][i]
+            got[name] = client.post("/retrieve", json={"requests": body}).json()["rows"]
+            answered[name] = time.perf_counter()
+
+        in_threads(call, 2, stagger=0.1)
+        metrics = client.get("/metrics").text
+    assert answered["small"] < answered["large"]
+    server.retriever.factory.factory.seconds = 0.0
+    assert same_rows(got["large"], direct_with(retriever, large))
+    assert same_rows(got["small"], direct_with(retriever, rows[:1]))
+    # 10 pieces of 4 and the small request: 11 batches, none of more than 4 rows
+    assert 'sidindex_batch_requests_bucket{le="4.0"} 11.0' in metrics
+    assert "sidindex_batch_requests_count 11.0" in metrics
+
+
+def direct_with(retriever: runtime.Retriever, rows: list[dict]) -> list[dict]:
+    """The rows `retriever` gives the requests on its own (its scorer, batches of its sizes)."""
+    return retriever.retrieve(rows).to_pylist()
+
+
+def test_a_request_past_its_deadline_gets_504_and_its_rows_are_dropped(root, rows):
+    index = runtime.load(root, "cpu")
+    server, retriever = serving(root, scorer=ScorerFactory(Slow(index.level_sizes, 0.0), "tests:slow"), max_batch=1,
+                                timeout_ms=300)
+    server.retriever.factory.factory.seconds = 0.2
+    with TestClient(server.app) as client:
+        late = client.post("/retrieve", json={"requests": rows[:6]})  # 6 pieces of 0.2 s: past 300 ms
+        assert late.status_code == 504 and "300 ms" in late.json()["error"]
+        time.sleep(0.5)  # the piece running at the deadline ends; the rest never run
+        ran = retriever.counters.batches
+        time.sleep(0.5)
+        assert retriever.counters.batches == ran
+        assert client.post("/retrieve", json={"requests": rows[:1]}).status_code == 200
+
+
+def test_readyz_fails_after_failed_batches_in_a_row_and_recovers(root, rows):
+    index = runtime.load(root, "cpu")
+    server, _ = serving(root, scorer=ScorerFactory(Boom(index.level_sizes), "tests:boom"), unready_after=2)
+    with TestClient(server.app) as client:
+        assert client.get("/readyz").status_code == 200
+        for i in range(2):
+            assert client.post("/retrieve", json={"requests": [rows[i] | {"boom": True}]}).status_code == 500
+        r = client.get("/readyz")
+        assert r.status_code == 503 and r.json()["why"] == "the last 2 batches failed"
+        assert client.post("/retrieve", json={"requests": [rows[0] | {"boom": False}]}).status_code == 200
+        assert client.get("/readyz").status_code == 200
+
+
+def test_close_abandons_a_warm_up_at_its_next_batch(root, rows, monkeypatch):
+    """A stop while a new snapshot warms: `close` returns once the batch in progress ends, the
+    warm-up never finishes, and the snapshot served stays (the poll reports why)."""
+    server, retriever = serving(root)
+    first = retriever.index.id
+    r = run_cli("update", root, "--changes", _pause_one(root), "--json")
+    assert r.returncode == 0, r.stderr
+    started = threading.Event()
+    batch = runtime.Retriever._batch
+
+    def slow(self, *a, **kw):
+        started.set()
+        time.sleep(0.3)
+        return batch(self, *a, **kw)
+
+    monkeypatch.setattr(runtime.Retriever, "_batch", slow)
+    poll = threading.Thread(target=server.watcher.poll)
+    poll.start()
+    assert started.wait(30)
+    t = time.perf_counter()
+    assert server.close(timeout=10)
+    poll.join(10)
+    assert time.perf_counter() - t < 2 and not poll.is_alive()
+    assert server.watcher.current.id == first and "warm-up abandoned" in server.watcher.last_error
+
+
+def _pause_one(root: Path) -> Path:
+    """A change file pausing the served snapshot's first ad, beside ROOT."""
+    ad = int(runtime.load(root, "cpu").snapshot.ad_id[0])
+    path = root.parent / "pause.parquet"
+    pq.write_table(pa.table({"ad_id": pa.array([ad], pa.int64()), "op": ["pause"]}), path)
+    return path
