@@ -27,7 +27,9 @@ Modules:
     post        SIDs -> ads, best score per ad, exact filter, ranking
     retrieve    a whole request table through a Retriever; the scorers of the studies
     simulate    pass rates and recall per mode (`sidindex simulate`)
-    server      `sidindex serve`: HTTP, dynamic batching, swaps, metrics (extra `sidindex[serve]`)
+    server      `sidindex serve`: HTTP, fair dynamic batching, limits, swaps, metrics, a clean stop
+                (extra `sidindex[serve]`)
+    flight      an Arrow Flight endpoint (do_exchange) over a Retriever, for callers that batch
 
 Layering (docs/design.md §2): `runtime` reads artifacts only through `sidindex`'s readers and never
 re-implements their formats; the `sidindex` library never imports `runtime` (only the CLI's
