@@ -75,6 +75,7 @@ if [ "$mode" = "bench" ] || [ "$mode" = "all" ]; then
     python3 bench/bench_post.py --device cuda --json "$out/post.json" || status=1
     python3 bench/bench_stream.py --device cuda --ads "$ads" --profile both --cache "$out/cache" \
         --json "$out/stream.json" || status=1
+    python3 bench/bench_host.py --device cuda --ads "$ads" --cache "$out/cache" --json "$out/host.json" || status=1
     # the server under load, the default profile's catalog from above, and wrk beside it
     python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios steady --rate 5000 --clients 64 \
         --max-batch 64 --seconds 10 --wrk-connections 64 --cache "$out/cache" --json "$out/load.json" || status=1

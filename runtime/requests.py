@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.ops.gtm_mask.planes import most_queries, stack_queries, stacked_views
+from runtime.ops.gtm_mask.planes import QueryStack, group_layout, most_queries, plane_ranges, stack_base, stack_queries
 from runtime.served import ServedIndex
 from sidindex.matchers.exact import ExactQueries
 from sidindex.request_encoding import EncodedRequests
@@ -50,48 +50,50 @@ def to_device(requests: EncodedRequests, device: str | torch.device) -> EncodedR
         return _copied(requests, device)
     arena = torch.from_numpy(requests.arena)
     flat = arena if device.type == "cpu" else arena.to(device, non_blocking=arena.is_pinned())
-    base = requests.arena.__array_interface__["data"][0]
+    base = arena.data_ptr()
 
-    def twin(a: np.ndarray) -> torch.Tensor:
-        return _twin(a, base, flat)
+    def twin(t: torch.Tensor) -> torch.Tensor:  # views of one storage (the Triton interpreter keys on it)
+        return _same_place(t, flat, base)
 
-    first = requests.planes[0].rows
-    words_lo = _offset(first, base) // 8
-    words_hi = words_lo + sum(q.rows.size for q in requests.planes)
-    starts, at = [], words_lo
-    for q in requests.planes:  # the encoder lays the planes' rows back to back
-        assert q.rows.size == 0 or _offset(q.rows, base) // 8 == at and q.rows.flags.c_contiguous, \
-            "planes' rows not back to back"
-        starts.append(at - words_lo)
-        at += q.rows.size
-    r0 = requests.planes[0].ranges  # a view of the (B, G, 2) ranges of every group
-    groups = sum(q.ranges.shape[1] for q in requests.planes)
-    host_ranges = np.lib.stride_tricks.as_strided(r0, (r0.shape[0], groups, 2), r0.strides)
-    ranges = torch.as_strided(flat, host_ranges.shape, [s // 8 for s in host_ranges.strides], _offset(r0, base) // 8)
-    planes = tuple(dataclasses.replace(q, rows=twin(q.rows), ranges=twin(q.ranges), most=q.max_queries)
-                   for q in requests.planes)
-    planes, stacked = stacked_views(planes, flat[words_lo:words_hi], starts, [p.rows for p in planes], ranges,
-                                    most_queries(host_ranges))
-    exact = tuple(None if e is None else ExactQueries(twin(e.hash_offsets), twin(e.hashes)) for e in requests.exact)
-    embedding = None if requests.embedding is None else twin(requests.embedding)
-    return dataclasses.replace(requests, planes=planes, exact=exact, stacked=stacked, embedding=embedding, arena=None)
-
-
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.uint64): torch.int64, np.dtype(np.float32): torch.float32}
-
-
-def _offset(a: np.ndarray, base: int) -> int:
-    return a.__array_interface__["data"][0] - base
+    # the encoder lays the planes' rows back to back: the stack's words
+    rows = [_host(q.rows) for q in requests.planes]
+    lo = at = (rows[0].data_ptr() - base) // 8
+    starts = []
+    for t in rows:
+        assert t.numel() == 0 or (t.data_ptr() - base) // 8 == at and t.is_contiguous(), "planes' rows not back to back"
+        starts.append(at - lo)
+        at += t.numel()
+    # the planes' ranges view one (B, G, 2) array of every group's: read on the host
+    r0 = requests.planes[0].ranges
+    shape = (r0.shape[0], sum(q.ranges.shape[1] for q in requests.planes), 2)
+    offset = _host(r0).data_ptr() - base
+    most = most_queries(np.ndarray(shape, np.int64, requests.arena, offset, r0.strides))
+    ranges = torch.as_strided(flat, shape, [s // 8 for s in r0.strides], offset // 8)
+    planes, g = [], 0
+    for q, v, r in zip(requests.planes, rows, plane_ranges(ranges, requests.planes)):
+        k = q.ranges.shape[1]
+        planes.append(dataclasses.replace(q, rows=twin(v), ranges=r, most=max(most[g:g + k], default=0)))
+        g += k
+    stacked = QueryStack(flat.narrow(0, lo, at - lo), stack_base(starts, device), ranges,
+                         group_layout(requests.planes, most))
+    exact = tuple(None if e is None else ExactQueries(twin(_host(e.hash_offsets)), twin(_host(e.hashes)))
+                  for e in requests.exact)
+    embedding = None if requests.embedding is None else twin(_host(requests.embedding))
+    return EncodedRequests(requests.source, tuple(planes), exact, embedding, stacked)
 
 
-def _twin(a: np.ndarray, base: int, flat: torch.Tensor) -> torch.Tensor:
-    """The view of `flat` (an int64 arena, or its copy) that `a` is of the host arena at address
-    `base`: same dtype (uint64 as int64), shape and strides."""
-    item = a.dtype.itemsize
-    typed = flat if item == 8 else flat.view(_TORCH[a.dtype])
-    if a.size == 0:  # an empty view may point anywhere
-        return typed.new_empty(a.shape)
-    return torch.as_strided(typed, a.shape, [s // item for s in a.strides], _offset(a, base) // item)
+def _host(a: np.ndarray) -> torch.Tensor:
+    """a as a tensor of its memory (uint64 bits as int64): its shape, strides and address."""
+    return torch.from_numpy(a.view(np.int64) if a.dtype == np.uint64 else a)
+
+
+def _same_place(t: torch.Tensor, flat: torch.Tensor, base: int) -> torch.Tensor:
+    """The view of `flat` (the host arena at address `base`, or its copy) that `t` is of the
+    arena: same dtype, shape and strides."""
+    if not t.numel():  # an empty view may point anywhere
+        return flat.new_empty(t.shape, dtype=t.dtype)
+    typed = flat if t.dtype == flat.dtype else flat.view(t.dtype)
+    return torch.as_strided(typed, t.shape, t.stride(), (t.data_ptr() - base) // t.element_size())
 
 
 def _copied(requests: EncodedRequests, device: torch.device) -> EncodedRequests:

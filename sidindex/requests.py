@@ -3,8 +3,9 @@
 
 Requests arrive in memory (an RPC's Arrow record batch, a polars frame, dicts) or in a file;
 `requests_from` takes any of them, and `read_requests` reads a file and calls it. Validation
-works on the Arrow columns as they are: a few vectorised checks decide that a batch is good, and
-only a batch that fails them is handed to the catalog's column validator (`sidindex.ingest`),
+works on the Arrow columns as they are: a few vectorised checks decide that a batch is good (its
+names and types are checked once per schema: a serving host's batches share one), and only a
+batch that fails them is handed to the catalog's column validator (`sidindex.ingest`),
 which names the column, the row and the value, so a request in memory and one in a file are
 refused with the same words.
 """
@@ -84,18 +85,14 @@ def requests_from(data: Any, spec: TargetingSpec, *, source: str = "requests", m
     An InputError names the column, the row and the value, as for a file.
     """
     table = as_table(data, source)
-    names = table.column_names
-    if len(set(names)) != len(names):
-        twice = next(n for n in names if names.count(n) > 1)
-        raise InputError(f"{source}: column {twice!r} appears {names.count(twice)} times; give each column once")
+    checks = _checks(table.schema, spec, max_values, dim, source)
     if table.num_rows == 0:
         raise InputError(f"{source}: the request table holds no rows")
-    fast = _fast_checks(table, spec, max_values, dim)
+    fast = checks.run(table)
     if fast is None:  # some check failed: the column validator finds which row and says so
         _refuse(table, spec, source, max_values, dim)
     request_id, embedding = fast
-    columns = pa.table({a.name: table.column(a.name) for a in spec.attributes}) if spec.attributes else pa.table({})
-    return Requests(source, request_id, embedding, columns, table)
+    return Requests(source, request_id, embedding, table.select(checks.attributes), table)
 
 
 def as_table(data: Any, source: str) -> pa.Table:
@@ -134,71 +131,163 @@ def _list_like(t: pa.DataType) -> bool:
         pa.types.is_list_view(t) or pa.types.is_large_list_view(t)
 
 
-def _fast_checks(table: pa.Table, spec: TargetingSpec, max_values: int, dim: int | None
-                 ) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """(request_id (B,) int64, embedding (B, D) float32 or None) when every check of
-    `ingest.Validator` would pass, else None. Vectorised: a few Arrow and numpy calls per column."""
-    names = set(table.column_names)
-    rid = REQUESTS.field("request_id").name
-    if rid not in names or not pa.types.is_integer(table.schema.field(rid).type):
-        return None
-    col = table.column(rid)
-    if col.null_count:
-        return None
-    ids = col.to_numpy()
-    if ids.dtype == np.uint64 and len(ids) and ids.max() > INT64_MAX:
-        return None
-    ids = ids.astype(np.int64, copy=False)
-    if len(np.unique(ids)) != len(ids):
-        return None
-    embedding = None
-    if "embedding" in names:
-        embedding = _embedding(table.column("embedding"), dim)
-        if embedding is None:
+@dataclass(frozen=True)
+class _Checks:
+    """The checks of `ingest.Validator` for batches of one schema, vectorised: the names and types
+    are checked once (`of`), and a batch's values with a few Arrow and numpy calls (`run`).
+
+    ids:        request_id's column; unsigned: its type is unsigned (its values are checked against
+                INT64_MAX)
+    embedding:  the embedding's column, or None; size: its length when its type fixes it
+    lists:      the columns of the bloom attributes whose lists are checked (length, null values)
+    attributes: the spec's attributes' columns, in spec order
+    typed:      every name and type is good (else every batch is refused, `_refuse` says why)
+    """
+
+    spec: TargetingSpec
+    schema: pa.Schema
+    max_values: int
+    dim: int | None
+    typed: bool
+    ids: int = 0
+    unsigned: bool = False
+    embedding: int | None = None
+    size: int | None = None
+    lists: tuple[int, ...] = ()
+    attributes: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, schema: pa.Schema, spec: TargetingSpec, max_values: int, dim: int | None) -> _Checks:
+        """The checks for `schema`, whose names are unique."""
+        refused = cls(spec, schema, max_values, dim, typed=False)
+        names = set(schema.names)
+        rid = REQUESTS.field("request_id").name
+        if rid not in names or not pa.types.is_integer(schema.field(rid).type):
+            return refused
+        embedding = size = None
+        if "embedding" in names:
+            t = schema.field("embedding").type
+            if not (_list_like(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
+                return refused
+            embedding = schema.get_field_index("embedding")
+            if pa.types.is_fixed_size_list(t):
+                size = t.list_size
+                if size == 0 or (dim is not None and size != dim):
+                    return refused
+        lists = []
+        for a in spec.attributes:
+            if a.name not in names:
+                return refused
+            t = schema.field(a.name).type
+            if null_like(t):
+                continue
+            if a.one_request_value:
+                if not _string_like(t):
+                    return refused
+                continue
+            if not (_list_like(t) and (_string_like(t.value_type) or null_like(t.value_type))):
+                return refused
+            lists.append(schema.get_field_index(a.name))
+        return cls(spec, schema, max_values, dim, True, schema.get_field_index(rid),
+                   pa.types.is_unsigned_integer(schema.field(rid).type), embedding, size, tuple(lists),
+                   tuple(schema.get_field_index(a.name) for a in spec.attributes))
+
+    def run(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """(request_id (B,) int64, embedding (B, D) float32 or None) when every check of
+        `ingest.Validator` would pass on `table` (of this schema, B >= 1 rows), else None."""
+        if not self.typed:
             return None
-    for a in spec.attributes:
-        if a.name not in names:
+        col = table.column(self.ids)
+        if col.null_count:
             return None
-        t, col = table.schema.field(a.name).type, table.column(a.name)
-        if null_like(t):
-            continue
-        if a.one_request_value:
-            if not _string_like(t):
-                return None
-            continue
-        if not (_list_like(t) and (_string_like(t.value_type) or null_like(t.value_type))):
+        ids = col.to_numpy()
+        if self.unsigned and ids.max() > INT64_MAX:
             return None
-        for chunk in col.chunks:
-            lengths = pc.list_value_length(chunk)
-            if len(chunk) and (pc.max(lengths).as_py() or 0) > max_values:
+        ids = ids.astype(np.int64, copy=False)
+        # a set for a serving batch (a few microseconds), a sort for a file's millions of rows
+        unique = len(set(ids.tolist())) if len(ids) <= 4096 else len(np.unique(ids))
+        if unique != len(ids):
+            return None
+        embedding = None
+        if self.embedding is not None:
+            embedding = _embedding(table.column(self.embedding), self.size, self.dim)
+            if embedding is None:
                 return None
-            if pc.list_flatten(chunk).null_count:  # a null inside a list (null lists flatten to nothing)
-                return None
-    return ids, embedding
+        for i in self.lists:
+            for chunk in table.column(i).chunks:  # never combined: a file's lists may be many
+                if _too_long(chunk, self.max_values):
+                    return None
+                # a null inside a list (null lists flatten to nothing); the child's nulls bound
+                # the lists' (a slice's child holds other rows too)
+                if chunk.values.null_count and pc.list_flatten(chunk).null_count:
+                    return None
+        return ids, embedding
 
 
-def _embedding(col: pa.ChunkedArray, dim: int | None) -> np.ndarray | None:
-    """(B, D) float32 of a good embedding column (`Validator.vector`'s checks), else None."""
-    t = col.type
-    if not (_list_like(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
+_CHECKS: list[_Checks] = []  # the latest first: a serving host's batches share a schema or a few
+_KEEP = 8
+
+
+def _checks(schema: pa.Schema, spec: TargetingSpec, max_values: int, dim: int | None, source: str) -> _Checks:
+    """The checks for batches of `schema` (made once while it comes back); a column given twice is
+    refused here."""
+    for c in _CHECKS:
+        if c.spec is spec and c.max_values == max_values and c.dim == dim and c.schema.equals(schema):
+            return c
+    names = schema.names
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise InputError(f"{source}: column {twice!r} appears {names.count(twice)} times; give each column once")
+    checks = _Checks.of(schema, spec, max_values, dim)
+    _CHECKS.insert(0, checks)
+    del _CHECKS[_KEEP:]
+    return checks
+
+
+# the offsets' dtype of list and large_list arrays, by type id
+_LIST_OFFSETS: dict[int, np.dtype] = {pa.list_(pa.null()).id: np.dtype(np.int32),
+                                      pa.large_list(pa.null()).id: np.dtype(np.int64)}
+
+
+def _list_offsets(arr: pa.Array) -> np.ndarray | None:
+    """(n+1,) the offsets of a list or large_list array (a view of its buffer), else None."""
+    width = _LIST_OFFSETS.get(arr.type.id)
+    if width is None:
         return None
+    return np.frombuffer(arr.buffers()[1], width, len(arr) + 1, arr.offset * width.itemsize)
+
+
+def _too_long(chunk: pa.Array, max_values: int) -> bool:
+    """Whether a list of `chunk` holds more than max_values values (a null list holds none)."""
+    if len(chunk) == 0:
+        return False
+    offsets = _list_offsets(chunk)
+    if offsets is not None and int((offsets[1:] - offsets[:-1]).max()) <= max_values:
+        return False  # no slot spans more, null or not
+    return (pc.max(pc.list_value_length(chunk)).as_py() or 0) > max_values
+
+
+def _embedding(col: pa.ChunkedArray, size: int | None, dim: int | None) -> np.ndarray | None:
+    """(B, D) float32 of a good embedding column (`Validator.vector`'s checks), else None; its
+    type was checked (`_Checks.of`), size: its length when the type fixes it."""
     if col.null_count:
         return None
     arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
-    if pa.types.is_fixed_size_list(t):
-        d = t.list_size
+    if size is not None:
+        d = size
+        values = arr.values.slice(arr.offset * d, len(arr) * d)  # what flatten gives, without its cost
     else:
-        lengths = pc.list_value_length(arr).to_numpy()
+        offsets = _list_offsets(arr)
+        lengths = pc.list_value_length(arr).to_numpy() if offsets is None else offsets[1:] - offsets[:-1]
         d = int(lengths[0])
-        if (lengths != d).any():
+        if (lengths != d).any() or d == 0 or (dim is not None and d != dim):
             return None
-    if d == 0 or (dim is not None and d != dim):
-        return None
-    values = arr.flatten()
+        values = arr.flatten()
     if values.null_count:
         return None
-    x = values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(len(arr), d)
-    if not (np.abs(x) <= MAX_ABS_EMBEDDING).all():  # NaN fails too
+    with np.errstate(over="ignore"):  # a float64 past float32's range becomes inf, refused just below
+        x = values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(len(arr), d)
+    if not np.abs(x).max() <= MAX_ABS_EMBEDDING:  # NaN fails too
         return None
     return x
 

@@ -425,3 +425,14 @@ def _pause_one(root: Path) -> Path:
     path = root.parent / "pause.parquet"
     pq.write_table(pa.table({"ad_id": pa.array([ad], pa.int64()), "op": ["pause"]}), path)
     return path
+
+
+def test_an_embedding_past_float32_gets_400_and_no_warning(root, rows):
+    import warnings
+
+    server, _ = serving(root)
+    bad = rows[0] | {"embedding": [1e39] + list(rows[0]["embedding"][1:])}
+    with TestClient(server.app) as client, warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow warning would be an error here
+        r = client.post("/retrieve", json={"requests": [bad]})
+    assert r.status_code == 400 and "column 'embedding', row 0: element 0 is 1e+39" in r.json()["error"]

@@ -106,7 +106,7 @@ def _murmur3_32(data: np.ndarray, start: int, end: int, seed: int | np.integer) 
     return np.uint32(h)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")  # inlined where a kernel hashes each value
 def murmur3_32(data: np.ndarray, start: int, end: int, seed: int | np.integer) -> np.uint32:
     """MurmurHash3 x86_32 of data[start:end] -> uint32, equal to mmh3.hash(bytes, seed, signed=False).
 
@@ -200,7 +200,7 @@ def _murmur3_x64_64(data: np.ndarray, start: int, end: int, seed: int | np.integ
     return h1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")  # inlined where a kernel hashes each value
 def murmur3_x64_64(data: np.ndarray, start: int, end: int, seed: int | np.integer) -> np.uint64:
     """The first 64 bits of MurmurHash3 x64_128 of data[start:end] -> uint64, equal to
     mmh3.hash64(bytes, seed, signed=False)[0].
@@ -256,6 +256,11 @@ def _is_view(t: pa.DataType) -> bool:
     return bool((is_sv and is_sv(t)) or (is_bv and is_bv(t)))
 
 
+# the offsets' dtype of each type read as it is, by type id (one look-up for a request batch's columns)
+_OFFSETS: dict[int, np.dtype] = {pa.string().id: np.dtype(np.int32), pa.binary().id: np.dtype(np.int32),
+            pa.large_string().id: np.dtype(np.int64), pa.large_binary().id: np.dtype(np.int64)}
+
+
 def string_buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, data) of a pyarrow string array, for hash32_all / hash64_all.
 
@@ -274,23 +279,20 @@ def string_buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
                         "pass each of its .chunks, or .combine_chunks()")
     if not isinstance(arr, pa.Array):
         raise TypeError(f"string_buffers takes a pyarrow.Array, got {type(arr).__name__}")
-    t = arr.type
-    if pa.types.is_dictionary(t):
-        arr = arr.dictionary_decode()
+    off_dtype = _OFFSETS.get(arr.type.id)
+    if off_dtype is None:
         t = arr.type
-    if _is_view(t):
-        target = pa.large_string() if pa.types.is_string_view(t) else pa.large_binary()
-        arr = pc.cast(arr, target)
-        t = arr.type
-    off_dtype: np.dtype
-    if pa.types.is_string(t) or pa.types.is_binary(t):
-        off_dtype = np.dtype(np.int32)
-    elif pa.types.is_large_string(t) or pa.types.is_large_binary(t):
-        off_dtype = np.dtype(np.int64)
-    else:
-        raise TypeError(f"string_buffers takes a string, large_string, string_view, binary, large_binary, "
-                        f"binary_view array or a dictionary of one, got {t}; cast it first "
-                        f"(pyarrow.compute.cast(arr, pyarrow.large_string()))")
+        if pa.types.is_dictionary(t):
+            arr = arr.dictionary_decode()
+            t = arr.type
+        if _is_view(t):
+            arr = pc.cast(arr, pa.large_string() if pa.types.is_string_view(t) else pa.large_binary())
+            t = arr.type
+        off_dtype = _OFFSETS.get(t.id)
+        if off_dtype is None:
+            raise TypeError(f"string_buffers takes a string, large_string, string_view, binary, large_binary, "
+                            f"binary_view array or a dictionary of one, got {t}; cast it first "
+                            f"(pyarrow.compute.cast(arr, pyarrow.large_string()))")
     _, off_buf, data_buf = arr.buffers()[:3]
     return _views(len(arr), arr.offset, off_buf, data_buf, off_dtype)
 
@@ -305,8 +307,8 @@ def _views(n: int, offset: int, off_buf: pa.Buffer | None, data_buf: pa.Buffer |
     if n == 0 or off_buf is None:
         offsets = np.zeros(1, dtype=off_dtype)
     else:
-        offsets = np.frombuffer(off_buf, dtype=off_dtype, count=n + 1, offset=offset * off_dtype.itemsize)
-    data = np.empty(0, dtype=np.uint8) if data_buf is None else np.frombuffer(data_buf, dtype=np.uint8)
+        offsets = np.frombuffer(off_buf, off_dtype, n + 1, offset * off_dtype.itemsize)
+    data = np.empty(0, dtype=np.uint8) if data_buf is None else np.frombuffer(data_buf, np.uint8)
     offsets.flags.writeable = False  # views of Arrow memory: never written through
     data.flags.writeable = False
     return offsets, data

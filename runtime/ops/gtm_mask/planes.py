@@ -8,6 +8,7 @@ Legend: P planes, G word groups of all planes, E child entries, T k-way partitio
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -169,7 +170,10 @@ def stack_queries(planes, device, rows: tuple[int, ...] | None = None, table_fro
     request has `table_from` (default TABLE_FROM) queries or more is tabled (`tables`)."""
     words, starts, views = _flat([q.rows for q in planes], device, rows)
     ranges = torch.cat([q.ranges for q in planes], dim=1)
-    return stacked_views(planes, words, starts, views, ranges, most_queries(ranges), table_from)
+    layout = group_layout(planes, most_queries(ranges), table_from)  # read where the ranges are
+    ranges = ranges.to(device)
+    planes = tuple(replace(q, rows=v, ranges=r) for q, v, r in zip(planes, views, plane_ranges(ranges, planes)))
+    return planes, QueryStack(words, stack_base(starts, device), ranges, layout)
 
 
 def most_queries(ranges) -> list[int]:
@@ -177,30 +181,54 @@ def most_queries(ranges) -> list[int]:
     host, from `runtime.to_device`)."""
     if not len(ranges):
         return [0] * ranges.shape[1]
-    return [int(n) for n in (ranges[..., 1] - ranges[..., 0]).max(0).tolist()] if isinstance(ranges, np.ndarray) \
+    return (ranges[..., 1] - ranges[..., 0]).max(0).tolist() if isinstance(ranges, np.ndarray) \
         else (ranges[..., 1] - ranges[..., 0]).amax(0).tolist()
 
 
-def stacked_views(planes, words: torch.Tensor, starts: list[int], views, ranges, most: list[int],
-                  table_from: int | None = None):
-    """`stack_queries`' result for planes whose rows already lie back to back in `words` (views:
-    each plane's rows as a view of it, from word starts[p]), and whose groups' ranges (B, G, 2)
-    int64 are `ranges` (moved to the words' device if they are not there); most: per group the
-    most queries a request has (`most_queries`, read on the host)."""
-    device = words.device
-    ranges = torch.as_tensor(ranges).to(device)
-    split = torch.split(ranges, [q.ranges.shape[1] for q in planes], dim=1)
-    woff = [[int(w) for w in q.word_offsets] for q in planes]
-    group_plane = tuple(p for p, w in enumerate(woff) for _ in w[:-1])
-    group_words = tuple(hi - lo for w in woff for lo, hi in zip(w[:-1], w[1:]))
+def plane_ranges(ranges: torch.Tensor, planes) -> list[torch.Tensor]:
+    """Each plane's (B, G_p, 2) view of the groups' ranges (B, G, 2), the planes' groups in order."""
+    out, g = [], 0
+    for q in planes:
+        k = q.ranges.shape[1]
+        out.append(ranges[:, g:g + k])
+        g += k
+    return out
+
+
+def group_layout(planes, most: list[int], table_from: int | None = None) -> GroupLayout:
+    """The `GroupLayout` of `planes` (`PlaneQueries`, word offsets on the host), whose groups have
+    at most most[g] queries per request (`most_queries`): a group of a plane with several queries
+    per request, `table_from` (default TABLE_FROM) of them or more, is tabled."""
     threshold = TABLE_FROM if table_from is None else table_from
-    tabled = [not planes[p].single and n >= threshold for p, n in zip(group_plane, most)]
-    table_of = np.cumsum(tabled) - 1
-    layout = GroupLayout(widths=tuple(int(q.rows.shape[1]) for q in planes),
-                         single=tuple(bool(q.single) for q in planes),
-                         group_plane=group_plane, group_lo=tuple(lo for w in woff for lo in w[:-1]),
-                         group_words=group_words,
-                         group_table=tuple(int(table_of[g]) if t else -1 for g, t in enumerate(tabled)),
-                         table_words=max([-(-n // 64) for n, t in zip(most, tabled) if t], default=0))
-    planes = tuple(replace(q, rows=v, ranges=r) for q, v, r in zip(planes, views, split))
-    return planes, QueryStack(words, torch.tensor(starts, dtype=torch.int64, device=device), ranges, layout)
+    group_plane: list[int] = []
+    group_lo: list[int] = []
+    group_words: list[int] = []
+    group_table: list[int] = []
+    tables = table_words = 0
+    for p, q in enumerate(planes):
+        woff = q.word_offsets.tolist()
+        for lo, hi in zip(woff[:-1], woff[1:]):
+            n = most[len(group_plane)]
+            group_plane.append(p)
+            group_lo.append(lo)
+            group_words.append(hi - lo)
+            if not q.single and n >= threshold:
+                group_table.append(tables)
+                tables += 1
+                table_words = max(table_words, -(-n // 64))
+            else:
+                group_table.append(-1)
+    return GroupLayout(widths=tuple(int(q.rows.shape[1]) for q in planes), single=tuple(bool(q.single) for q in planes),
+                       group_plane=tuple(group_plane), group_lo=tuple(group_lo), group_words=tuple(group_words),
+                       group_table=tuple(group_table), table_words=table_words)
+
+
+@functools.lru_cache(maxsize=64)
+def _stack_base(starts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(starts, dtype=torch.int64, device=device)
+
+
+def stack_base(starts: list[int], device: torch.device) -> torch.Tensor:
+    """(P,) int64 on `device`: `QueryStack.base` of planes starting at words `starts`. Made once per
+    starts and device (a batch size's), and never written: a batch does not wait on its copy."""
+    return _stack_base(tuple(starts), torch.device(device))

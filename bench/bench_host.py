@@ -1,0 +1,119 @@
+"""The serving host's work on a batch around the search, stage by stage, as `runtime.Retriever`
+runs it: validate (`runtime.requests_from`), encode (`sidindex.request_encoding.encode_requests`
+into one reused arena, pinned on a GPU) and copy (`runtime.requests.to_device`), on distinct
+Arrow record batches of B=16 requests.
+
+    python bench/bench_host.py                                   # a CPU run: 20k ads, 256 batches
+    python bench/bench_host.py --device cuda --cache /data/bench_stream
+    python bench/bench_host.py --cprofile 2                      # where the time goes, by own time
+
+Catalog, snapshot and requests: `bench_stream`'s (`catalog_root` under --cache, `request_batches`:
+0..64 locations a request, each batch an IPC message read back, all made before any timing). Every
+batch goes through the three stages in turn, each timed on the host (wall, perf_counter; on a GPU
+the copy is only issued, as a serving host issues it, and the device is synchronised after the
+batch, outside the timing); --passes passes over the batches, the first a warm-up. Reported per
+stage: p50 and mean ms per batch of the pass with the least total, and the sum of the means (the
+target: validate + encode + copy + result <= 0.3 ms for B=16). torch and numba run one thread
+each on the CPU (--threads), as in bench_stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+
+import runtime
+from bench.bench_stream import catalog_embeddings, catalog_root, distribution, request_batches, set_threads
+from runtime.requests import requests_from, to_device
+from sidindex.request_encoding import encode_requests
+
+STAGES = ("validate", "encode", "copy")
+
+
+def arena(device: torch.device):
+    """The encoder's arena as a serving host keeps one: reused by every batch, pinned on a GPU,
+    grown to twice a batch's need when it falls short (`runtime.retriever`)."""
+    held: list[torch.Tensor] = []
+
+    def words(need: int) -> np.ndarray:
+        if not held or len(held[0]) < need:
+            held[:] = [torch.empty(2 * need, dtype=torch.int64, pin_memory=device.type == "cuda")]
+        return held[0].numpy()
+
+    return words
+
+
+def one_pass(index, batches, device: torch.device, words) -> np.ndarray:
+    """(batches, 3) seconds of each batch's validate, encode and copy."""
+    out = np.zeros((len(batches), len(STAGES)))
+    for i, b in enumerate(batches):
+        t0 = time.perf_counter()
+        reqs = requests_from(b, index)
+        t1 = time.perf_counter()
+        host = encode_requests(reqs, index.spec, words)
+        t2 = time.perf_counter()
+        to_device(host, device)
+        t3 = time.perf_counter()
+        out[i] = (t1 - t0, t2 - t1, t3 - t2)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the arena is written again by the next batch
+    return out
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    set_threads(args.threads or (1 if device.type == "cpu" else None))
+    with tempfile.TemporaryDirectory() as tmp:
+        size = catalog_root(args.ads, args.dim, args.cache or Path(tmp), "default")
+        index = runtime.load(size["root"], device)
+        batches = request_batches(index, args.batches, catalog_embeddings(Path(size["catalog"])))
+        words = arena(device)
+        passes = [one_pass(index, batches, device, words) for _ in range(args.passes)][1:]
+        if args.cprofile:
+            prof = cProfile.Profile()
+            prof.runcall(lambda: [one_pass(index, batches, device, words) for _ in range(args.cprofile)])
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(30)
+    best = min(passes, key=lambda p: p.sum())
+    stages = {s: distribution((best[:, i] * 1e3).tolist()) for i, s in enumerate(STAGES)}
+    return {"device": str(device), "ads": args.ads, "batches": len(batches), "batch": batches[0].num_rows,
+            "stages": {s: {"p50_ms": d["p50_ms"], "mean_ms": d["mean_ms"]} for s, d in stages.items()},
+            "total_mean_ms": sum(d["mean_ms"] for d in stages.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ads", type=int, default=20_000)
+    ap.add_argument("--dim", type=int, default=32, help="embedding dimensions of the generated catalog")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batches", type=int, default=256, help="distinct batches of 16")
+    ap.add_argument("--passes", type=int, default=4, help="passes over the batches (the first a warm-up)")
+    ap.add_argument("--threads", type=int, help="torch's and numba's threads (default: 1 on the CPU)")
+    ap.add_argument("--cache", type=Path, help="keep the catalog and ROOT here, and reuse them (bench_stream's)")
+    ap.add_argument("--cprofile", type=int, default=0, help="then profile this many passes (stderr, by own time)")
+    ap.add_argument("--json", type=Path, help="write the figures as JSON here")
+    args = ap.parse_args(argv)
+    if args.passes < 2:
+        ap.error("--passes: at least 2 (the first is a warm-up)")
+    res = run(args)
+    for s, d in res["stages"].items():
+        print(f"{s:10s} p50 {d['p50_ms']:.3f} ms   mean {d['mean_ms']:.3f} ms")
+    print(f"{'total':10s} mean {res['total_mean_ms']:.3f} ms per batch of {res['batch']} ({res['device']})")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
