@@ -48,7 +48,7 @@ def _forge(pool, root: Path, update: str, rows: list[dict], tmp: Path, name: str
     made = _changes(pool, tmp / name, rows)
     digest = hashlib.sha256(made.read_bytes()).hexdigest()
     entry = Root(root).entry_dir(update, digest)
-    entry.mkdir()
+    entry.mkdir(exist_ok=True)  # the same rows forged twice under one update: one entry
     return Path(shutil.copy(made, entry / name))
 
 
