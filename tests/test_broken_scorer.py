@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from runtime.scorer import ScorerFactory
 from runtime.search import beam_search, check_scored, level_log_probs, scored_rows, scorer_name
 from sidindex.errors import ScorerError
 from tests.conftest import run_cli
+from tests.in_process import run_main
 from tests.test_retrieve import CONFIG, build_root
 
 BEAMS = (1, 4, 8, 8)
@@ -217,15 +219,19 @@ def nan_at_step_2(batch, device, level_sizes):
 '''
 
 
-def test_the_command_line_refuses_it_in_one_line(root, sample_dir, tmp_path):
+def test_the_command_line_refuses_it_in_one_line(root, sample_dir, tmp_path, monkeypatch, capsys):
+    """retrieve through the console script; simulate through its entry point in this process
+    (`run_main`: the same exit code and line)."""
     (tmp_path / "broken_model.py").write_text(SCORER_MODULE)
     table = pq.read_table(sample_dir / "requests.parquet").slice(0, 4)
     pq.write_table(table, tmp_path / "requests.parquet")
     third = table.column("request_id")[2].as_py()
     out = tmp_path / "out.parquet"
-    for command in (("retrieve", "--out", out), ("simulate", "--top-k", "5", "--modes", "cd+gtm")):
-        r = run_cli(command[0], root, "--requests", "requests.parquet", *command[1:], "--beams", "1,4,4,4",
-                    "--scorer", "broken_model:nan_at_step_2", cwd=tmp_path)
+    for command, run in ((("retrieve", "--out", out), run_cli),
+                         (("simulate", "--top-k", "5", "--modes", "cd+gtm"), functools.partial(run_main, monkeypatch,
+                                                                                                capsys))):
+        r = run(command[0], root, "--requests", "requests.parquet", *command[1:], "--beams", "1,4,4,4",
+                "--scorer", "broken_model:nan_at_step_2", cwd=tmp_path)
         assert r.returncode == 2, (command, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
         assert "'broken_model:nan_at_step_2' returned no finite logit" in r.stderr, r.stderr

@@ -42,6 +42,7 @@ from sidindex.snapshot import open_snapshot
 from sidindex.snapshot.records import read_record
 from sidindex.trie.cover import _restrictions_kept, unchanged_entries, uncovered
 from tests.conftest import run_cli
+from tests.in_process import run_entry, run_main
 from tests.test_snapshot import array_file, reseal, rewrite_array
 from tests.test_update import N_BASE, _changes, _upsert, built, pool  # noqa: F401 (fixtures)
 
@@ -130,27 +131,33 @@ def _flip_bytes(snap, rows):
 ], ids=["zeroed-bloom-resealed", "zeroed-bitmask-resealed", "bitmask-bit-resealed", "inner-bloom-resealed",
         "flipped-not-resealed"])
 @pytest.mark.parametrize("op", ["upsert", "pause"])
-def test_an_update_over_a_corrupt_base_publishes_nothing(built, pool, tmp_path, edit, seal, message, op):
+def test_an_update_over_a_corrupt_base_publishes_nothing(built, pool, tmp_path, edit, seal, message, op, monkeypatch,
+                                                         capsys):
+    """The flipped bytes under a pause through the console script; the other cases through its
+    entry point in this process (`run_main`: the same exit code and line)."""
+    run = run_cli if (edit, op) == (_flip_bytes, "pause") else functools.partial(run_main, monkeypatch, capsys)
     root = _root(built, tmp_path)
     current = Root(root).snapshot_dir(Root(root).current_id())
     _edit_table(current, "bloom" if "bloom" in message else "bitmask", edit, seal)
     before = _published(root)
     ad = int(pool["catalog"]["ad_id"][0])
     rows = [_upsert(pool, N_BASE, 10**9)] if op == "upsert" else [{"ad_id": ad, "op": "pause"}]
-    r = run_cli("update", root, "--changes", _changes(pool, tmp_path / "c.parquet", rows))
+    r = run("update", root, "--changes", _changes(pool, tmp_path / "c.parquet", rows))
     assert r.returncode == 2 and message in r.stderr and "corrupt" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert _published(root) == before
     if op == "pause":  # validate refuses the base as the update did
-        r = run_cli("validate", root)
+        r = run("validate", root)
         assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
-def test_a_refused_update_creates_nothing(pool, tmp_path):
+def test_a_refused_update_creates_nothing(pool, tmp_path, monkeypatch, capsys):
     path = _changes(pool, tmp_path / "c.parquet", [{"ad_id": 1, "op": "pause"}])
-    for root in (tmp_path / "missing" / "root", tmp_path / "empty"):
+    # the missing ROOT through the console script, the empty one through its entry point here
+    for root, run in ((tmp_path / "missing" / "root", run_cli),
+                      (tmp_path / "empty", functools.partial(run_main, monkeypatch, capsys))):
         (tmp_path / "empty").mkdir(exist_ok=True)
-        r = run_cli("update", root, "--changes", path)
+        r = run("update", root, "--changes", path)
         assert r.returncode == 2 and "no published snapshot to update" in r.stderr
     assert not (tmp_path / "missing").exists() and list((tmp_path / "empty").iterdir()) == []
 
@@ -399,14 +406,18 @@ def _export(pool, tmp_path: Path, ads: pl.DataFrame, name: str = "catalog.parque
     return path
 
 
-def _build(pool, root: Path, catalog: Path, *extra) -> dict:
-    r = run_cli("build", "--catalog", catalog, "--targeting", pool["targeting"], "--out", root, "--config",
+def _build(pool, root: Path, catalog: Path, *extra, run=run_cli) -> dict:
+    """`sidindex build --json` through `run` (the console script, or `run_main`'s entry point here)."""
+    r = run("build", "--catalog", catalog, "--targeting", pool["targeting"], "--out", root, "--config",
                 pool["dir"] / "build.toml", "--force", "--json", *extra)
     assert r.returncode == 0, r.stderr
     return {**json.loads(r.stdout), "stderr": r.stderr}
 
 
-def test_a_paused_ad_stays_paused_through_a_full_build(built, pool, tmp_path):
+def test_a_paused_ad_stays_paused_through_a_full_build(built, pool, tmp_path, monkeypatch, capsys):
+    """The first build through the console script (its note on stderr as a user sees it); the
+    other commands through its entry point in this process."""
+    here = functools.partial(run_main, monkeypatch, capsys)
     root = _root(built, tmp_path)
     ads = pool["catalog"].head(N_BASE)
     paused = ads["ad_id"].head(3).to_list()
@@ -418,15 +429,19 @@ def test_a_paused_ad_stays_paused_through_a_full_build(built, pool, tmp_path):
     assert snap.manifest.lineage is None and snap.manifest.version == SNAPSHOT_VERSION
     assert set(snap.ad_id[snap.row_states == AD_PAUSED].tolist()) == set(paused)
     assert _live(root) == set(ads["ad_id"].to_list()) - set(paused)
-    assert run_cli("validate", root).returncode == 0
-    assert json.loads(run_cli("inspect", root, "--json").stdout)["paused_ads"] == 3
+    assert here("validate", root).returncode == 0
+    assert json.loads(here("inspect", root, "--json").stdout)["paused_ads"] == 3
     # a resume ends the pause; the next build keeps it ended
     run_update(root, _changes(pool, tmp_path / "0002.parquet", [{"ad_id": paused[0], "op": "resume"}]))
-    _build(pool, root, _export(pool, tmp_path, ads))
+    _build(pool, root, _export(pool, tmp_path, ads), run=here)
     assert _live(root) == set(ads["ad_id"].to_list()) - set(paused[1:])
 
 
-def test_changes_after_the_export_are_applied_again_with_its_watermark(watermarked, pool, tmp_path):
+def test_changes_after_the_export_are_applied_again_with_its_watermark(watermarked, pool, tmp_path, monkeypatch,
+                                                                        capsys):
+    """The first build and the first refusal through the console script; the other commands
+    through its entry point in this process (`run_main`: the same report, exit code and line)."""
+    here = functools.partial(run_main, monkeypatch, capsys)
     root = _root(watermarked, tmp_path)
     ads = pool["catalog"].head(N_BASE)
     ids = ads["ad_id"].to_list()
@@ -440,7 +455,7 @@ def test_changes_after_the_export_are_applied_again_with_its_watermark(watermark
     assert _live(root) == want
     # an export holding 0001 (ids[0] gone from it): only 0002 is applied again, and 0001 leaves the journal
     newer = _export(pool, tmp_path, ads.filter(pl.col("ad_id") != ids[0]), "export-new.parquet")
-    report = _build(pool, root, newer, "--changes-applied-through", "0001.parquet")
+    report = _build(pool, root, newer, "--changes-applied-through", "0001.parquet", run=here)
     assert report["carried"]["replayed"] == ["0002.parquet"] and _live(root) == want
     journal = open_snapshot(root).manifest.journal
     assert journal is not None and journal.through == "0001.parquet"
@@ -455,24 +470,25 @@ def test_changes_after_the_export_are_applied_again_with_its_watermark(watermark
     table = pq.read_table(newer)
     pq.write_table(table.replace_schema_metadata({**(table.schema.metadata or {}),
                                                   CHANGES_THROUGH_KEY: "0001.parquet"}), newer)
-    report = _build(pool, root, newer)
+    report = _build(pool, root, newer, run=here)
     assert report["carried"]["replayed"] == ["0002.parquet"] and report["warnings"] == [] and _live(root) == want
-    r = run_cli("build", "--catalog", newer, "--targeting", pool["targeting"], "--out", root,
-                "--changes-applied-through", "0002.parquet")
+    r = here("build", "--catalog", newer, "--targeting", pool["targeting"], "--out", root,
+             "--changes-applied-through", "0002.parquet")
     assert r.returncode == 2 and "the build was told '0002.parquet'" in r.stderr, r.stderr
     entry = journal.entries[0]  # a journal file changed since its update published it
     journaled = Root(root).entry_dir(entry.update, entry.sha256) / entry.name
     os.chmod(journaled, 0o644)
     pl.read_parquet(journaled).with_columns(pl.lit("pause").alias("op")).write_parquet(journaled)
     before = _published(root)
-    r = run_cli("build", "--catalog", newer, "--targeting", pool["targeting"], "--out", root, "--config",
-                pool["dir"] / "build.toml", "--force", "--changes-applied-through", "0001.parquet")
+    r = here("build", "--catalog", newer, "--targeting", pool["targeting"], "--out", root, "--config",
+             pool["dir"] / "build.toml", "--force", "--changes-applied-through", "0001.parquet")
     assert r.returncode == 2 and "so the journal was changed" in r.stderr and _published(root) == before, r.stderr
 
 
-def test_the_ray_engine_carries_changes_forward_as_the_local_one_does(built, pool, tmp_path):
+def test_the_ray_engine_carries_changes_forward_as_the_local_one_does(built, pool, tmp_path, monkeypatch, capsys):
     """Pauses carried and change files re-applied over the snapshot the Ray tasks wrote: the local
-    engine's snapshot, file for file."""
+    engine's snapshot, file for file. The Ray build through the console script (its local Ray ends
+    with the process); the local one through its entry point in this process."""
     pytest.importorskip("ray")
     from tests.test_scaleout import _same_snapshot
 
@@ -484,7 +500,8 @@ def test_the_ray_engine_carries_changes_forward_as_the_local_one_does(built, poo
         run_update(root, _changes(pool, tmp_path / "0001.parquet", [{"ad_id": ids[0], "op": "pause"},
                                                                     {"ad_id": ids[1], "op": "delete"}]))
         run_update(root, _changes(pool, tmp_path / "0002.parquet", [_upsert(pool, N_BASE, 10**9)]))
-    local = _build(pool, roots[0], old, "--changes-applied-through", "0001.parquet")
+    local = _build(pool, roots[0], old, "--changes-applied-through", "0001.parquet",
+                   run=functools.partial(run_main, monkeypatch, capsys))
     ray = _build(pool, roots[1], old, "--changes-applied-through", "0001.parquet", "--engine", "ray", "--workers", "2")
     assert local["carried"] == ray["carried"] == {"paused": 1, "replayed": ["0002.parquet"]}
     _same_snapshot(roots[0], roots[1])
@@ -604,7 +621,11 @@ def test_a_build_that_waited_while_another_writer_published_refuses(built, pool,
     assert Root(root).current_id() == published  # the update stands
 
 
-def test_the_pipeline_archives_a_change_file_a_build_already_holds(built, pool, tmp_path):
+def test_the_pipeline_archives_a_change_file_a_build_already_holds(built, pool, tmp_path, monkeypatch, capsys):
+    """The first run through `python -m pipelines.rebuild`; the others through its main in this
+    process (`run_entry`: the same exit code and report)."""
+    from pipelines import rebuild
+
     root = _root(built, tmp_path)
     changes = tmp_path / "changes"
     changes.mkdir()
@@ -617,9 +638,14 @@ def test_the_pipeline_archives_a_change_file_a_build_already_holds(built, pool, 
                 "changes": changes, **extra}
         job.write_text("".join(f'{k} = "{v}"\n' for k, v in keys.items()))
 
+    runs = []
+
     def pipeline(*args):
-        return subprocess.run([sys.executable, "-m", "pipelines.rebuild", str(job), *args], capture_output=True,
-                              text=True, timeout=300)
+        runs.append(args)
+        if len(runs) == 1:
+            return subprocess.run([sys.executable, "-m", "pipelines.rebuild", str(job), *args], capture_output=True,
+                                  text=True, timeout=300)
+        return run_entry(monkeypatch, capsys, rebuild.main, ["rebuild", str(job), *args])
 
     # 0001 published by an update that was killed before it archived the file, then a full build
     _changes(pool, changes / "0001.parquet", [{"ad_id": ids[0], "op": "delete"}])
@@ -692,13 +718,14 @@ def test_a_later_change_file_with_an_earlier_ones_bytes_is_applied(built, pool, 
     assert run_update(root, first, once=True)["status"] == "already applied"
 
 
-def test_an_unreadable_current_is_refused_not_built_over(built, pool, tmp_path):
+def test_an_unreadable_current_is_refused_not_built_over(built, pool, tmp_path, monkeypatch, capsys):
     root = _root(built, tmp_path)
     (root / "CURRENT").write_bytes(b"\xff\xfe garbage")
     before = _published(root)
     r = run_cli("build", "--catalog", _export(pool, tmp_path, pool["catalog"].head(N_BASE)), "--targeting",
                 pool["targeting"], "--out", root, "--config", pool["dir"] / "build.toml", "--force")
     assert r.returncode == 2 and "does not name a snapshot" in r.stderr and "Restore CURRENT" in r.stderr, r.stderr
-    r = run_cli("update", root, "--changes", _changes(pool, tmp_path / "c.parquet", [{"ad_id": 1, "op": "pause"}]))
+    r = run_main(monkeypatch, capsys, "update", root, "--changes",  # the update through the entry point here
+                 _changes(pool, tmp_path / "c.parquet", [{"ad_id": 1, "op": "pause"}]))
     assert r.returncode == 2 and "does not name a snapshot" in r.stderr, r.stderr
     assert _published(root) == before

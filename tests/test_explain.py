@@ -3,6 +3,7 @@ names are exactly those the eligibility definition rejects (checked ad by ad aga
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 from pathlib import Path
@@ -22,6 +23,7 @@ from sidindex.trie.match import passing_tokens
 from sidindex.trie.shard import Shard
 from sidindex_cli.explain import parse_sid
 from tests.conftest import run_cli
+from tests.in_process import run_main
 from tests.test_gtm import BITMASK, MANIFEST, Scenario, build, eligible, requests_of, scenarios
 
 
@@ -103,7 +105,10 @@ def cli(*args) -> subprocess.CompletedProcess:
     return run_cli(*args, timeout=300)
 
 
-def test_explain_cli(sample_dir, tmp_path):
+def test_explain_cli(sample_dir, tmp_path, monkeypatch, capsys):
+    """The build and the first explanation through the console script; the others through its entry
+    point in this process (`run_main`: the same output, exit code and line)."""
+    here = functools.partial(run_main, monkeypatch, capsys)
     (tmp_path / "build.toml").write_text('[sid]\nlevels = [16, 8, 8]\nhash_size = 128\npaths = 2\n'
                                          'min_points_per_centroid = 10\n[kway]\nmode = "dynamic"\n')
     root = tmp_path / "root"
@@ -120,12 +125,12 @@ def test_explain_cli(sample_dir, tmp_path):
         assert [a["ad_id"] for a in e["ads"]] == [ad_id]
         assert set(e["reached"]) == {"cd", "cd+gtm", "cd+gtm+kway"} and e["reached"]["cd"]
     sid = ",".join(map(str, got["explanations"][0]["sid"]))
-    r = cli("explain", root, "--request", requests, "--request-id", 3, "--sid", sid)
+    r = here("explain", root, "--request", requests, "--request-id", 3, "--sid", sid)
     assert r.returncode == 0, r.stderr
     assert f"SID {sid}" in r.stdout and "exact filter" in r.stdout and "k-way partitions" in r.stdout
     for args, message in [(("--sid", sid), "choose one by its request_id"),
                           (("--request-id", 3), "exactly one of --sid S and --ad A"),
                           (("--request-id", 3, "--ad", -1), "ad -1 is not in snapshot"),
                           (("--request-id", 3, "--sid", "1,2"), "does not fit this snapshot")]:
-        r = cli("explain", root, "--request", requests, *args)
+        r = here("explain", root, "--request", requests, *args)
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import select
@@ -30,6 +31,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import run_cli
+from tests.in_process import run_main
 from tests.test_retrieve import build_root
 
 CONFIG = '[sid]\nlevels = [16, 8, 8]\nhash_size = 64\npaths = 1\nmin_points_per_centroid = 10\n'
@@ -150,7 +152,8 @@ SIGNALS = [(signal.SIGINT, "SIGINT"), (signal.SIGTERM, "SIGTERM")]
 
 @pytest.mark.parametrize("signum, name", SIGNALS)
 @pytest.mark.parametrize("command", ["build", "update"])
-def test_a_signal_while_waiting_for_the_root_publishes_nothing(root, work, sample_dir, command, signum, name):
+def test_a_signal_while_waiting_for_the_root_publishes_nothing(root, work, sample_dir, command, signum, name,
+                                                               monkeypatch, capsys):
     before = published(root)
     args = (("build", "--catalog", sample_dir / "catalog.parquet", "--targeting", sample_dir / "targeting.toml",
              "--out", root, "--config", root.parent / "build.toml", "--force") if command == "build" else
@@ -169,7 +172,7 @@ def test_a_signal_while_waiting_for_the_root_publishes_nothing(root, work, sampl
     assert lines[-1] == f"interrupted by {name}; nothing published"
     assert all(line.startswith("waiting for") for line in lines[:-1]), lines
     assert published(root) == before
-    r = run_cli("validate", root, timeout=120)
+    r = run_main(monkeypatch, capsys, "validate", root)  # `sidindex validate` in this process
     assert r.returncode == 0, r.stderr
 
 
@@ -209,11 +212,16 @@ FAILING = [  # factory, what the line says, the commands that reach the failure
 
 @pytest.mark.parametrize("factory, message, command",
                          [(f, m, c) for f, m, commands in FAILING for c in commands])
-def test_a_scorer_that_exits_or_raises_a_base_exception_is_one_line_exit_2(root, work, factory, message, command):
+def test_a_scorer_that_exits_or_raises_a_base_exception_is_one_line_exit_2(root, work, factory, message, command,
+                                                                             monkeypatch, capsys):
+    """The scorer that calls sys.exit(3) through the console script (its exit code must not become
+    the process's); the others through its entry point in this process (`run_main`)."""
     out = work / "failed.parquet"
     extra = ("--out", out) if command == "retrieve" else ("--top-k", "5")
-    r = run_cli(command, root, "--requests", "requests.parquet", "--device", "cpu", "--scorer", factory, *extra,
-                cwd=work, timeout=300)
+    run = run_cli if (factory, command) == ("models:exits_3", "retrieve") else functools.partial(
+        run_main, monkeypatch, capsys)
+    r = run(command, root, "--requests", "requests.parquet", "--device", "cpu", "--scorer", factory, *extra,
+            cwd=work, timeout=300)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.strip().splitlines() == [f"error: scorer {factory!r}: {message}"], r.stderr
     assert not out.exists()
@@ -261,12 +269,17 @@ def _main_exits(monkeypatch, app) -> int:
     ("models:slow", "the factory failed: no result within 0.5 s (the scorer timeout)"),
     ("models:spins", "failed at step 0: no result within 0.5 s (the scorer timeout)"),
 ])
-def test_a_scorer_that_outlives_its_timeout_is_one_line_exit_2(root, work, factory, message):
-    r = run_cli("retrieve", root, "--requests", "requests.parquet", "--device", "cpu", "--scorer", factory,
-                "--scorer-timeout", "0.5", "--out", work / "late.parquet", cwd=work, timeout=50)
+def test_a_scorer_that_outlives_its_timeout_is_one_line_exit_2(root, work, factory, message, monkeypatch, capsys):
+    """The factory that sleeps through the console script; the scorer that spins, and the option
+    without --scorer, through its entry point in this process (`run_main`; its alarm is the main
+    thread's there too)."""
+    here = functools.partial(run_main, monkeypatch, capsys)
+    r = (run_cli if factory == "models:slow" else here)(
+        "retrieve", root, "--requests", "requests.parquet", "--device", "cpu", "--scorer", factory,
+        "--scorer-timeout", "0.5", "--out", work / "late.parquet", cwd=work, timeout=50)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: scorer {factory!r}: {message}"], r.stderr
-    r = run_cli("retrieve", root, "--requests", "requests.parquet", "--scorer-timeout", "0.5", "--out",
-                work / "late.parquet", cwd=work)
+    r = here("retrieve", root, "--requests", "requests.parquet", "--scorer-timeout", "0.5", "--out",
+             work / "late.parquet", cwd=work)
     assert r.returncode == 2 and "--scorer-timeout limits a scorer given with --scorer" in r.stderr
 
 
@@ -300,7 +313,7 @@ main()
     ("build", "commit", *SIGNALS[0]), ("update", "retention", *SIGNALS[1]), ("build", "report", *SIGNALS[1]),
     ("update", "report", *SIGNALS[0]), ("update", "exit", *SIGNALS[1])])
 def test_a_signal_after_the_commit_leaves_a_success_that_says_so(root, work, sample_dir, tmp_path, command, phase,
-                                                                 signum, name):
+                                                                 signum, name, monkeypatch, capsys):
     """From the moment CURRENT names the new snapshot no signal turns the success into a failure:
     exit 0, the report printed, and a note of the signal (at interpreter exit, after the note's
     time, the exit code alone)."""
@@ -316,7 +329,7 @@ def test_a_signal_after_the_commit_leaves_a_success_that_says_so(root, work, sam
     notes = [line for line in p.stderr.splitlines() if line.startswith("note:")]
     want = [f"note: {name} arrived after snapshot {report['snapshot_id']} was published; the command finished"]
     assert notes == ([] if phase == "exit" else want), p.stderr
-    assert run_cli("validate", target, timeout=120).returncode == 0
+    assert run_main(monkeypatch, capsys, "validate", target).returncode == 0  # in this process
 
 
 def test_a_change_file_refused_leaves_the_root_as_it_was_and_names_the_users_path(root, work, tmp_path):

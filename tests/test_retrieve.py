@@ -4,6 +4,7 @@ scores are consistent, and bad options fail with one line."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -19,6 +20,7 @@ from runtime import SnapshotWatcher, beam_search, codebook_scorer, encode_reques
 from sidindex.root import Root
 from sidindex.targeting import load_targeting
 from tests.conftest import run_cli
+from tests.in_process import run_main
 from tests.test_gtm import eligible
 from tests.test_snapshot import array_file
 
@@ -87,7 +89,10 @@ def test_watcher_swaps_to_a_new_snapshot_and_refuses_a_corrupt_one(root, sample_
     assert watcher.current is good and "bloom_table.arrow" in watcher.last_error and good.id in watcher.last_error
 
 
-def test_retrieve_cli_returns_only_eligible_ads(root, sample_dir, tmp_path):
+def test_retrieve_cli_returns_only_eligible_ads(root, sample_dir, tmp_path, monkeypatch, capsys):
+    """The first run and the first bad option through the console script; the others through its
+    entry point in this process (`run_main`: the same exit code and lines, without the start-up)."""
+    here = functools.partial(run_main, monkeypatch, capsys)
     spec = load_targeting(sample_dir / "targeting.toml")
     catalog = pl.read_parquet(sample_dir / "catalog.parquet")
     columns = ["ad_id", "value"] + [a.name for a in spec.attributes]
@@ -95,10 +100,10 @@ def test_retrieve_cli_returns_only_eligible_ads(root, sample_dir, tmp_path):
     requests = {row["request_id"]: row for row in pl.read_parquet(sample_dir / "requests.parquet").to_dicts()}
     runs = [(mode, ()) for mode in ("cd", "cd+gtm", "cd+gtm+kway")] + [("cd+gtm+kway", ("--value-weight", 1, "--rank",
                                                                                        "value"))]
-    for mode, value_args in runs:
+    for i, (mode, value_args) in enumerate(runs):
         out = tmp_path / f"{mode}.parquet"
-        r = cli("retrieve", root, "--requests", sample_dir / "requests.parquet", "--out", out, "--mode", mode,
-                "--beams", "1,16,32,32", "--top-k", 5, "--json", *value_args)
+        r = (cli if i == 0 else here)("retrieve", root, "--requests", sample_dir / "requests.parquet", "--out", out,
+                                      "--mode", mode, "--beams", "1,16,32,32", "--top-k", 5, "--json", *value_args)
         assert r.returncode == 0, r.stderr
         summary = json.loads(r.stdout)
         got = pl.read_parquet(out)
@@ -116,11 +121,12 @@ def test_retrieve_cli_returns_only_eligible_ads(root, sample_dir, tmp_path):
                           (("--beams", "1,4"), "give 4 positive beam sizes"),
                           (("--rank", "price"), "expected one of score, value, fused"),
                           (("--value-weight", 1, "--mode", "none"), "use mode cd")]:
-        r = cli("retrieve", root, "--requests", sample_dir / "requests.parquet", "--out", tmp_path / "x.parquet", *args)
+        r = (cli if message == "mode must be one of" else here)(
+            "retrieve", root, "--requests", sample_dir / "requests.parquet", "--out", tmp_path / "x.parquet", *args)
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     if not torch.cuda.is_available():
-        r = cli("retrieve", root, "--requests", sample_dir / "requests.parquet", "--out", tmp_path / "x.parquet",
-                "--device", "cuda")
+        r = here("retrieve", root, "--requests", sample_dir / "requests.parquet", "--out", tmp_path / "x.parquet",
+                 "--device", "cuda")
         assert r.returncode == 2 and "no CUDA device" in r.stderr
 
 
@@ -151,9 +157,11 @@ def not_a_scorer(batch, device, level_sizes):
 '''
 
 
-def test_scorer_factory_from_the_command_line(root, sample_dir, tmp_path):
+def test_scorer_factory_from_the_command_line(root, sample_dir, tmp_path, monkeypatch, capsys):
     """--scorer MODULE:FACTORY: the factory gets the batch's rows with the file's extra columns; what
-    it favours is what the search returns; a broken module, factory or scorer is one line, exit 2."""
+    it favours is what the search returns; a broken module, factory or scorer is one line, exit 2.
+    The search and the first broken scorer through the console script, started in the module's
+    directory; the other failures through its entry point in this process (`run_main`)."""
     (tmp_path / "my_model.py").write_text(SCORER_MODULE)
     reqs = pl.read_parquet(sample_dir / "requests.parquet").head(20)
     reqs = reqs.with_columns(history=pl.Series([[i % 7, 1, 2] for i in range(reqs.height)]))
@@ -180,7 +188,9 @@ def test_scorer_factory_from_the_command_line(root, sample_dir, tmp_path):
         if factory in ("my_model:broken", "my_model:wrong_shape"):  # simulate's exhaustive pass calls it first
             commands.append(("simulate", "--top-k", "5"))
         for command in commands:
-            r = run_cli(command[0], root, "--requests", "requests.parquet", *command[1:], "--scorer", factory,
-                        cwd=tmp_path, timeout=600)
+            run = run_cli if factory == "my_model:broken" and command[0] == "retrieve" else functools.partial(
+                run_main, monkeypatch, capsys)
+            r = run(command[0], root, "--requests", "requests.parquet", *command[1:], "--scorer", factory,
+                    cwd=tmp_path, timeout=600)
             assert r.returncode == 2 and message in r.stderr and factory in r.stderr, (command, factory, r.stderr)
             assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1

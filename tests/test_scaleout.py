@@ -5,6 +5,7 @@ message, and a killed worker fails it; neither publishes anything."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -34,6 +35,7 @@ from sidindex.trie.build import build_gtm
 from sidindex.trie.kway import KWayConfig
 from sidindex.trie.partition import build_gtm_partitioned, token_ranges
 from tests.conftest import run_cli, sampled_codebook
+from tests.in_process import run_main
 
 pytestmark = pytest.mark.xdist_group("ray")  # the module's tests on one worker: one local Ray session
 
@@ -287,20 +289,23 @@ def test_a_bad_row_fails_the_ray_build_with_the_local_message(ray_session, spec,
     assert re.search(r"column '\w+'(, row \d+)?", messages[0]), messages[0]
 
 
-def test_ray_engine_cli_errors_are_one_line(sample_dir, tmp_path):
+def test_ray_engine_cli_errors_are_one_line(sample_dir, tmp_path, monkeypatch, capsys):
+    """The first through the console script; the others through its entry point in this process
+    (`run_main`: the same exit code and line; each is refused before a Ray starts)."""
+    here = functools.partial(run_main, monkeypatch, capsys)
     args = ("build", "--catalog", sample_dir / "catalog.parquet", "--targeting", sample_dir / "targeting.toml")
     r = run_cli(*args, "--out", tmp_path / "root", "--engine", "ray")
     assert r.returncode == 2 and "holds no frozen codebook" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     pl.read_parquet(sample_dir / "catalog.parquet").write_ipc(tmp_path / "catalog.arrow")
     save_codebook(sampled_codebook(pl.read_parquet(sample_dir / "catalog.parquet")), tmp_path / "root")
-    r = run_cli("build", "--catalog", tmp_path / "catalog.arrow", "--targeting", sample_dir / "targeting.toml",
-                "--out", tmp_path / "root", "--engine", "ray")
+    r = here("build", "--catalog", tmp_path / "catalog.arrow", "--targeting", sample_dir / "targeting.toml",
+             "--out", tmp_path / "root", "--engine", "ray")
     assert r.returncode == 2 and "reads Parquet catalogs" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = run_cli(*args, "--out", tmp_path / "root", "--engine", "spark")
+    r = here(*args, "--out", tmp_path / "root", "--engine", "spark")
     assert r.returncode == 2 and "unknown build engine 'spark'" in r.stderr
-    r = run_cli(*args, "--out", tmp_path / "root", "--ray-address", "auto")
+    r = here(*args, "--out", tmp_path / "root", "--ray-address", "auto")
     assert r.returncode == 2 and "applies to the ray engine only" in r.stderr
-    r = run_cli(*args, "--out", tmp_path / "root", "--engine", "ray", "--ray-address", "auto", "--workers", "2")
+    r = here(*args, "--out", tmp_path / "root", "--engine", "ray", "--ray-address", "auto", "--workers", "2")
     assert r.returncode == 2 and "brings its own CPUs" in r.stderr
     assert not (tmp_path / "root" / "CURRENT").exists()
 

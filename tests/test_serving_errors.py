@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex.root import Root
 from sidindex.trie.match import passing_tokens
 from tests.conftest import run_cli
+from tests.in_process import run_main
 from tests.test_retrieve import build_root
 
 # No [kway] section; the wide hash level (V = 32768) makes wide beams cost what they would at scale.
@@ -217,9 +219,13 @@ def test_a_poll_never_waits_for_another(root, tmp_path, monkeypatch):
     (("--device", "tpu"), "device 'tpu' is not supported; use cpu, cuda or cuda:N"),
     (("--beams", HUGE), f"beams {HUGE} need about"),
 ])
-def test_cli_errors_are_one_line(root, sample_dir, tmp_path, args, message):
-    r = run_cli("retrieve", root, "--requests", sample_dir / "requests.parquet", "--out", tmp_path / "x.parquet", *args,
-                timeout=300)
+def test_cli_errors_are_one_line(root, sample_dir, tmp_path, args, message, monkeypatch, capsys):
+    """The beams too wide for memory through the console script (were the refusal to go, the
+    allocation would hit that process alone); the others through its entry point in this process
+    (`run_main`: the same exit code and line)."""
+    run = run_cli if args[0] == "--beams" else functools.partial(run_main, monkeypatch, capsys)
+    r = run("retrieve", root, "--requests", sample_dir / "requests.parquet", "--out", tmp_path / "x.parquet", *args,
+            timeout=300)
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr + r.stdout and not (tmp_path / "x.parquet").exists()

@@ -19,6 +19,7 @@ from sidindex.ingest import read_catalog
 from sidindex.sid import assign_sids, hash_tokens, load_codebook
 from sidindex.targeting import BITMASK
 from tests.conftest import run_cli
+from tests.in_process import run_main
 from tests.test_gtm import eligible
 
 CONFIG = ('[sid]\nlevels = [16, 8, 8]\nhash_size = 64\npaths = 2\nmin_points_per_centroid = 10\n'
@@ -128,7 +129,9 @@ def test_recall_and_value_are_one_when_beams_exceed_the_catalog(study):
         assert m["value_at_10"] == pytest.approx(1.0) and m["value_by_weight"][0]["value_at_10"] == pytest.approx(1.0)
 
 
-def test_simulate_cli(study, sample_dir, tmp_path):
+def test_simulate_cli(study, sample_dir, tmp_path, monkeypatch, capsys):
+    """The study through the console script; the bad options through its entry point in this
+    process (`run_main`: the same exit code and line)."""
     base, *_ = study
     r = cli("simulate", base / "root", "--requests", sample_dir / "requests.parquet", "--beams", "1,8,16,16",
             "--top-k", 5, "--max-requests", 6, "--json", "--plot", tmp_path / "study.png", "--value-weights", "1,4")
@@ -139,7 +142,9 @@ def test_simulate_cli(study, sample_dir, tmp_path):
         assert [w["weight"] for w in m["value_by_weight"]] == [1.0, 4.0]
         assert all(0 <= v <= 1 for v in [m["value_at_5"]] + [w["value_at_5"] for w in m["value_by_weight"]])
     assert (tmp_path / "study.png").read_bytes()[:4] == b"\x89PNG"
-    r = cli("simulate", base / "root", "--requests", sample_dir / "requests.parquet", "--modes", "cd,bogus")
+    r = run_main(monkeypatch, capsys, "simulate", base / "root", "--requests", sample_dir / "requests.parquet",
+                 "--modes", "cd,bogus")
     assert r.returncode == 2 and "mode must be one of" in r.stderr
-    r = cli("simulate", base / "root", "--requests", sample_dir / "requests.parquet", "--value-weights", "1,x")
+    r = run_main(monkeypatch, capsys, "simulate", base / "root", "--requests", sample_dir / "requests.parquet",
+                 "--value-weights", "1,x")
     assert r.returncode == 2 and "--value-weights '1,x'" in r.stderr and len(r.stderr.strip().splitlines()) == 1

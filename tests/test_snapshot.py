@@ -34,6 +34,7 @@ from sidindex.snapshot import snapshot as snapshot_module
 from sidindex.snapshot.arrays import write_array, write_array_pieces
 from sidindex.targeting import load_targeting
 from tests.conftest import run_cli
+from tests.in_process import run_main
 
 CONFIG = "[sid]\nlevels = [16, 8, 8]\nhash_size = 128\npaths = 2\nmin_points_per_centroid = 10\n"
 KWAY_CONFIG = CONFIG + '[kway]\nmode = "static"\nk = [4, 4, 2, 2]\n'
@@ -451,18 +452,20 @@ def test_bad_catalog_through_cli_leaves_published_snapshot_untouched(built, samp
     assert after == before
 
 
-def test_validate_and_inspect_cli(built, snap_dir, tmp_path):
+def test_validate_and_inspect_cli(built, snap_dir, tmp_path, monkeypatch, capsys):
+    """validate through the console script; inspect through its entry point in this process
+    (`run_main`: the same report)."""
     base, report = built
     r = cli("validate", base / "root", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["snapshot_id"] == report["snapshot_id"]
-    r = cli("inspect", base / "root", "--json")
+    r = run_main(monkeypatch, capsys, "inspect", base / "root", "--json")
     info = json.loads(r.stdout)
     assert r.returncode == 0 and info["kway"] and len(info["positions"]) == 4
     assert sum(p["entries"] for p in info["positions"]) == info["nodes"] - 1
     (shard,) = info["shards"]  # a small catalog is one shard of every first-level token
     assert shard["tokens"] == [0, 16] and shard["sid_rows"] == info["sid_rows"] and shard["nodes"] == info["nodes"]
     assert shard["bytes"] == sum(f.stat().st_size for f in (Path(report["path"]) / shard_dir(0)).iterdir())
-    r = cli("inspect", base / "root", "--plot", tmp_path / "fill.png")
+    r = run_main(monkeypatch, capsys, "inspect", base / "root", "--plot", tmp_path / "fill.png")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "fill.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     leaf_ads = array_file(snap_dir, "leaf_ads")

@@ -24,15 +24,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import runtime
-from schemas.artifacts import AD_DELETED, ARRAYS_BY_NAME, shard_dir
+from schemas.artifacts import AD_DELETED, ARRAYS_BY_NAME, MANIFEST_FILE, UNLISTED, shard_dir
+from sidindex.artifact import list_files, seal
 from sidindex.errors import SidIndexError
 from sidindex.explain import Explainer
 from sidindex.matchers.exact import eligible_pairs
 from sidindex.request_encoding import encode_requests
 from sidindex.snapshot import Manifest, open_snapshot
+from sidindex.snapshot.arrays import write_array
 from sidindex.snapshot.snapshot import check_part
 from tests.conftest import run_cli
-from tests.test_snapshot import reseal, rewrite_array
+from tests.test_snapshot import array_file, listed_arrays, reseal
 
 SHARDS = 2  # every file of every shard is fuzzed
 
@@ -131,7 +133,7 @@ def judge(fuzz_root, name: str, mutate, parts: bool = True) -> str:
     """Apply `mutate(snap_dir)`, run everything a user runs, restore; returns "refused" or "served".
     parts: also hold the part-by-part check (a Ray build's) to the open's verdict."""
     snap_dir, requests, reference = fuzz_root
-    saved = {p: p.read_bytes() for p in snap_dir.rglob("*") if p.is_file()}
+    saved = _untouched(snap_dir)
     try:
         mutate(snap_dir)
         try:
@@ -150,11 +152,31 @@ def judge(fuzz_root, name: str, mutate, parts: bool = True) -> str:
             assert got == reference, f"a mutation of {name} changed the results without being refused"
         return "served"
     finally:
-        for p in [p for p in snap_dir.rglob("*") if p.is_file() and p not in saved]:
-            p.unlink()
-        for p, b in saved.items():
+        _restore(snap_dir, saved)
+
+
+_UNTOUCHED: dict[Path, dict[Path, bytes]] = {}
+
+
+def _untouched(snap_dir: Path) -> dict[Path, bytes]:
+    """Every file of the untouched snapshot and its bytes (read once: each case leaves it so)."""
+    if snap_dir not in _UNTOUCHED:
+        _UNTOUCHED[snap_dir] = {p: p.read_bytes() for p in snap_dir.rglob("*") if p.is_file()}
+    return _UNTOUCHED[snap_dir]
+
+
+def _restore(snap_dir: Path, saved: dict[Path, bytes]) -> None:
+    """Put `saved` back: files a case added removed, and those it removed or changed (by their
+    bytes, compared) written again; a file a case left as it was is not written."""
+    for p in [p for p in snap_dir.rglob("*") if p.is_file() and p not in saved]:
+        p.unlink()
+    for p, b in saved.items():
+        try:
+            if p.read_bytes() == b:
+                continue
+        except FileNotFoundError:
             p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_bytes(b)
+        p.write_bytes(b)
 
 
 def _accepted(check) -> bool:
@@ -179,6 +201,22 @@ def _set(name: str, shard: int, at: tuple[int, ...], values: tuple):
             flat[i] = np.array(v).astype(a.dtype)
         rewrite_array(snap_dir, name, a, shard=shard)
     return mutate
+
+
+def rewrite_array(snap_dir: Path, name: str, array: np.ndarray, rows: int | None = None, shard: int = 0) -> None:
+    """`tests.test_snapshot.rewrite_array` (the file replaced by `array`, the manifest's rows set,
+    every checksum recomputed and the manifest sealed again), with only the file it wrote hashed:
+    every other file is as the manifest lists it (each case starts from the untouched snapshot,
+    restored byte for byte, and each of its steps reseals), so its entry is the one hashing it again
+    gives. The sealed manifest is the same; hashing every file took a sixth of a case's time."""
+    path = array_file(snap_dir, name, shard)
+    path.unlink()
+    write_array(path.parent, ARRAYS[name], array)
+    m = json.loads((snap_dir / MANIFEST_FILE).read_text())
+    listed_arrays(m, name, shard)[name]["rows"] = len(array) if rows is None else rows
+    written = path.relative_to(snap_dir).as_posix()
+    m["files"] = list_files(snap_dir, UNLISTED, {n: e for n, e in m["files"].items() if n != written}, fast=True)
+    (snap_dir / MANIFEST_FILE).write_bytes(seal(m))
 
 
 def _positions(n: int) -> list[int]:
