@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -50,10 +49,8 @@ def test_the_script_deals_every_body_as_it_is():
 
 @pytest.mark.skipif(wrk_path(None) is None, reason="wrk is not installed (the Debian package wrk)")
 def test_wrk_gets_only_answers_from_the_console_script(sample_dir, tmp_path):
-    import httpx
-
     from tests.test_retrieve import CONFIG, build_root
-    from tests.test_server import _free_port
+    from tests.test_server import _free_port, _wait_ready
 
     root = build_root(sample_dir, tmp_path, CONFIG)
     rows = pq.read_table(sample_dir / "requests.parquet").slice(0, 8).to_pylist()
@@ -63,13 +60,7 @@ def test_wrk_gets_only_answers_from_the_console_script(sample_dir, tmp_path):
                           "--beams", "1,8,16,16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=os.environ | {"COLUMNS": "200"})
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        _wait_ready(port)
         got = run_wrk(shutil.which("wrk"), f"http://127.0.0.1:{port}", bodies, connections=4, threads=1, seconds=2,
                       work=tmp_path)
     finally:

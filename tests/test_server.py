@@ -251,6 +251,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_ready(port: int, timeout: float = 120) -> None:
+    """Until the server on `port` answers /readyz with 200 (or `timeout` seconds pass)."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 def test_the_console_script_serves_and_drains_on_sigterm(built, rows, tmp_path):
     import httpx
 
@@ -262,13 +275,7 @@ def test_the_console_script_serves_and_drains_on_sigterm(built, rows, tmp_path):
                           "--poll-seconds", "0.1", "--flight-port", str(flight_port)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | {"COLUMNS": "200"})
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        _wait_ready(port)
         r = httpx.post(f"http://127.0.0.1:{port}/retrieve", json={"requests": rows[:2]}, timeout=60)
         assert r.status_code == 200 and r.json()["rows"]
         from pyarrow import flight
