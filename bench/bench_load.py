@@ -49,6 +49,10 @@ Scenarios (--scenarios), run in turn on the same server:
 Every publication keeps every snapshot (`sidindex update --keep` a million), so that each one an
 answer names can be loaded for its check.
 
+Process models (--workers, the server's option): with several values (e.g. 1,8), the first server
+runs every scenario, then one server per other value runs the steady scenario and the wrk pass, and
+a table sets them side by side, wrk's requests/s as a ratio of the first's.
+
 After the scenarios, on the same server, a closed-loop pass with a client we did not write: `wrk`
 (--wrk-connections connections for --seconds, the pool's bodies round robin; `bench/load_wrk.py`),
 its requests/s and latency percentiles in a table of their own. Skipped with a note when wrk is
@@ -189,7 +193,7 @@ def free_port() -> int:
 class Server:
     """`sidindex serve ROOT` in a process of its own, its output in a log file."""
 
-    def __init__(self, root: Path, args, log_path: Path) -> None:
+    def __init__(self, root: Path, args, log_path: Path, workers: int | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "sidindex_cli", "serve", str(root), "--port", str(self.port),
@@ -198,6 +202,8 @@ class Server:
                "--max-queue", str(args.max_queue), "--poll-seconds", str(args.poll_seconds)]
         if args.top_k is not None:
             cmd += ["--top-k", str(args.top_k)]
+        if workers is not None:
+            cmd += ["--workers", str(workers)]
         env = dict(os.environ, COLUMNS="200")
         env.pop("TRITON_INTERPRET", None)  # a serving host runs the compiled kernels
         if args.threads:
@@ -462,6 +468,23 @@ async def run_scenarios(server: Server, root: Path, args, update_s: float, bodie
     return out
 
 
+def wrk_pass(server: Server, args, bodies: list[bytes], work: Path) -> dict | None:
+    """wrk's figures on `server` (module doc); {"missing": ...} without wrk, None with --no-wrk."""
+    wrk = None if args.no_wrk else wrk_path(args.wrk)
+    if wrk is None:
+        return None if args.no_wrk else {"missing": args.wrk or "wrk"}
+    log(f"wrk: {args.wrk_connections} connections for {args.seconds:g} s ...")
+    return run_wrk(wrk, server.url, bodies, connections=args.wrk_connections, threads=args.procs,
+                   seconds=args.seconds, work=work)
+
+
+def stopped(server: Server) -> dict:
+    """Stop `server` (SIGTERM): its exit code, its log's tail and its tracebacks."""
+    code = server.stop()
+    return {"server_exit": code, "server_log_tail": server.tail(10),
+            "server_tracebacks": server.log_path.read_text(errors="replace").count("Traceback")}
+
+
 def run(args) -> dict:
     import pyarrow.parquet as pq
     import torch
@@ -490,34 +513,42 @@ def run(args) -> dict:
         bodies_path.write_bytes(b"\n".join(bodies) + b"\n")
         ad_ids = pq.read_table(size["catalog"], columns=["ad_id"]).column(0).to_numpy()
         res["warm_update_s"] = warm_updates(Path(size["root"]), work, int(ad_ids[0]))
-        log(f"sidindex serve {root} on {args.device} ...")
-        server = Server(root, args, work / "serve.log")
+        first, *others = args.workers
+        log(f"sidindex serve {root} on {args.device}" + (f" --workers {first}" if first else "") + " ...")
+        server = Server(root, args, work / "serve.log", first)
         try:
             res["server_ready_s"] = server.wait_ready(args.ready_timeout)
             res["served_first"] = server.get("/snapshot")["id"]
             results = asyncio.run(run_scenarios(server, root, args, res["warm_update_s"], bodies, bodies_path, ad_ids,
                                                 work))
-            wrk = None if args.no_wrk else wrk_path(args.wrk)
-            if wrk is not None:
-                log(f"wrk: {args.wrk_connections} connections for {args.seconds:g} s ...")
-                res["wrk"] = run_wrk(wrk, server.url, bodies, connections=args.wrk_connections,
-                                     threads=args.procs, seconds=args.seconds, work=work)
-            elif not args.no_wrk:
-                res["wrk"] = {"missing": args.wrk or "wrk"}
+            res["wrk"] = wrk_pass(server, args, bodies, work)
         finally:
-            res["server_exit"] = server.stop()
-            log_text = server.log_path.read_text(errors="replace")
-            res["server_log_tail"] = server.tail(10)
-            res["server_tracebacks"] = log_text.count("Traceback")
+            res |= stopped(server)
+        compared = []  # (workers, its server's figures, its steady scenario's (figures, answers))
+        steady_only = argparse.Namespace(**vars(args) | {"scenarios": ["steady"]})
+        for w in others:
+            log(f"sidindex serve --workers {w}: the steady scenario and wrk, compared ...")
+            other = Server(root, args, work / f"serve-{w}.log", w)
+            figures: dict = {"workers": w}
+            try:
+                figures["server_ready_s"] = other.wait_ready(args.ready_timeout)
+                (steady,) = asyncio.run(run_scenarios(other, root, steady_only, res["warm_update_s"], bodies,
+                                                      bodies_path, ad_ids, work))
+                figures["wrk"] = wrk_pass(other, args, bodies, work)
+            finally:
+                figures |= stopped(other)
+            compared.append((figures, steady))
         if device.type == "cuda":  # CUDA is first initialised here, after the load: the checks run there
             res["device"] = torch.cuda.get_device_name(device)
         log("checking every answer against a direct retrieve ...")
         checker = Checker(root, args, bodies, log)
         t = time.perf_counter()
-        checker.prepare([a for _, a in results])
+        checker.prepare([a for _, a in results] + [a for _, (_, a) in compared])
         res["scenarios"] = []
         for figures, answers in results:
             res["scenarios"].append(figures | checker.check(answers))
+        res["compared"] = [figures | {"steady": steady | checker.check(answers)}
+                           for figures, (steady, answers) in compared]
         res["check_s"] = time.perf_counter() - t
         res["snapshots_published"] = len(list((root / "snapshots").iterdir()))
         if args.json:
@@ -554,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-wait-us", type=int, default=500, help="the server's --max-wait-us")
     ap.add_argument("--max-queue", type=int, default=1024, help="the server's --max-queue")
     ap.add_argument("--poll-seconds", type=float, default=0.1, help="the server's --poll-seconds")
+    ap.add_argument("--workers", type=lambda s: [int(w) for w in s.split(",")], default=[None],
+                    help="the server's --workers (default: its own); several, e.g. 1,14: the first runs every "
+                         "scenario, each other the steady scenario and wrk on a server of its own, in one table")
     ap.add_argument("--threads", type=int, help="the server's torch and numba threads (default: 1 on the CPU)")
     ap.add_argument("--check-device", help="device of the direct retrieves (default: --device)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take before it fails")

@@ -11,7 +11,8 @@
 #                                          # bench_topk, bench_post, bench_stream both profiles at ADS
 #                                          # ads (default 2000000: about 4M SIDs)
 #   bash bench/gpu_check.sh all [ADS]      # the tests, then the benchmarks (and bench_load's steady
-#                                          # scenario with its wrk pass, wrk from .deb/: apt-get download
+#                                          # scenario with its wrk pass, one server process against
+#                                          # front-end processes; wrk from .deb/: apt-get download
 #                                          # wrk libluajit-5.1-2)
 #
 # The tests build catalogs with the CLI, which trains codebooks: faiss must be among the wheels.
@@ -76,9 +77,11 @@ if [ "$mode" = "bench" ] || [ "$mode" = "all" ]; then
     python3 bench/bench_stream.py --device cuda --ads "$ads" --profile both --cache "$out/cache" \
         --json "$out/stream.json" || status=1
     python3 bench/bench_host.py --device cuda --ads "$ads" --cache "$out/cache" --json "$out/host.json" || status=1
-    # the server under load, the default profile's catalog from above, and wrk beside it
-    python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios steady --rate 5000 --clients 64 \
-        --max-batch 64 --seconds 10 --wrk-connections 64 --cache "$out/cache" --json "$out/load.json" || status=1
+    # the server under load, the default profile's catalog from above, and wrk beside it: one process,
+    # then front-end processes over the engine (the clients take the host's other cores)
+    python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios steady --rate 10000 --clients 64 --procs 4 \
+        --max-batch 64 --seconds 10 --wrk-connections 64 --workers 1,8 --cache "$out/cache" \
+        --json "$out/load.json" || status=1
     rm -rf "$out/cache"
 fi
 exit $status

@@ -116,12 +116,47 @@ def report(res: dict, console=None) -> None:
         t.add_row(f"{w['requests']:,}" if w["requests"] is not None else "-", f"{w['rps']:,.0f}", ms(w["p50_ms"]),
                   ms(w["p90_ms"]), ms(w["p99_ms"]), str(w["non_2xx"]), str(w["socket_errors"]))
         console.print(t)
+    if res.get("compared"):
+        console.print(compared_table(res))
     console.print(f"server: ready {res['server_ready_s']:.1f} s after start; exit code {res['server_exit']} on "
                   f"SIGTERM; {res['server_tracebacks']} tracebacks in its log; checks {res['check_s']:.1f} s",
                   highlight=False)
     for s in res["scenarios"]:
         for ok, line in verdicts(s):
             console.print(f"{'PASS' if ok else 'MISS'}  {s['scenario']}: {line}", highlight=False)
+    for f in res.get("compared", []):
+        name = f"steady, --workers {f['workers']}"
+        for ok, line in verdicts(f["steady"]) + [(f["server_exit"] == 0 and f["server_tracebacks"] == 0,
+                                                 f"exit code {f['server_exit']} on SIGTERM, "
+                                                 f"{f['server_tracebacks']} tracebacks")]:
+            console.print(f"{'PASS' if ok else 'MISS'}  {name}: {line}", highlight=False)
+
+
+def compared_table(res: dict):
+    """The steady scenario and wrk per server process model (`--workers`), the first run's as the
+    reference of the ratios."""
+    from rich.table import Table
+
+    c = res["config"]
+    first = next((s for s in res["scenarios"] if s["scenario"] == "steady"), None)
+    rows = [({"workers": c["workers"][0], "server_ready_s": res["server_ready_s"], "wrk": res.get("wrk"),
+              "server_exit": res["server_exit"], "server_tracebacks": res["server_tracebacks"]}, first)]
+    rows += [(f, f["steady"]) for f in res["compared"]]
+    t = Table(title=f"server processes (--workers): steady {c['rate']:g} req/s offered from {c['clients']} clients, "
+                    "and wrk's closed loop; ratios against the first row", title_justify="left")
+    for col in ("workers", "ready s", "req/s", "p50", "p99", "failed", "mismatches", "wrk req/s", "wrk p99",
+                "wrk / first", "exit", "tracebacks"):
+        t.add_column(col, justify="right")
+    base = (rows[0][0].get("wrk") or {}).get("rps")
+    for f, s in rows:
+        w = f.get("wrk") or {}
+        ratio = f"{w['rps'] / base:.2f}x" if base and w.get("rps") else "-"
+        t.add_row("default" if f["workers"] is None else str(f["workers"]), f"{f.get('server_ready_s', 0):.1f}",
+                  f"{s['throughput_rps']:,.0f}" if s else "-", ms(s["latency"]["p50_ms"]) if s else "-",
+                  ms(s["latency"]["p99_ms"]) if s else "-", str(s["failed"]) if s else "-",
+                  str(s["mismatches"]) if s else "-", f"{w['rps']:,.0f}" if w.get("rps") else "-",
+                  ms(w.get("p99_ms")), ratio, str(f.get("server_exit")), str(f.get("server_tracebacks")))
+    return t
 
 
 def scenario_notes(s: dict) -> list[str]:

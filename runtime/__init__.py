@@ -27,8 +27,10 @@ Modules:
     post        SIDs -> ads, best score per ad, exact filter, ranking
     retrieve    a whole request table through a Retriever; the scorers of the studies
     simulate    pass rates and recall per mode (`sidindex simulate`)
-    server      `sidindex serve`: HTTP, fair dynamic batching, limits, swaps, metrics, a clean stop
-                (extra `sidindex[serve]`)
+    server      `sidindex serve`'s HTTP front: limits, answers, health, a clean stop (extra `sidindex[serve]`)
+    engine      the server's engine: the Retriever, its fair batcher (batcher), the poller, metrics
+    engine_api  the engine as the HTTP front sees it; link: front-end processes <-> engine (ZeroMQ)
+    frontend    `serve --workers N`: N front-end processes over one engine process
     flight      an Arrow Flight endpoint (do_exchange) over a Retriever, for callers that batch
 
 Layering (docs/design.md §2): `runtime` reads artifacts only through `sidindex`'s readers and never
@@ -36,18 +38,44 @@ re-implements their formats; the `sidindex` library never imports `runtime` (onl
 serving commands do, when they run). Triton is imported only when a kernel first runs on CUDA.
 """
 
-from runtime.loader import load, load_index
-from runtime.requests import read_requests, requests_from, to_device
-from runtime.retrieve import RetrievalRun, codebook_scorer, factory_scorer, retrieve
-from runtime.retriever import Retriever
-from runtime.scorer import CodebookScorer
-from runtime.search import Beams, Scorer, beam_search, parse_beams
-from runtime.served import ServedIndex
-from runtime.serving import Searcher
-from runtime.sharded import ShardedBeams, load_sharded, sharded_beam_search
-from runtime.watcher import SnapshotWatcher
-from sidindex.modes import Mode, parse_mode
-from sidindex.request_encoding import EncodedRequests, encode_requests
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# public name -> the module that holds it, imported on first use: `import runtime` stays cheap, and a
+# process that needs one module (an HTTP front-end: no torch) loads only that one's imports
+_HOME = {
+    "load": "runtime.loader", "load_index": "runtime.loader",
+    "read_requests": "runtime.requests", "requests_from": "runtime.requests", "to_device": "runtime.requests",
+    "RetrievalRun": "runtime.retrieve", "codebook_scorer": "runtime.retrieve", "factory_scorer": "runtime.retrieve",
+    "retrieve": "runtime.retrieve",
+    "Retriever": "runtime.retriever",
+    "CodebookScorer": "runtime.scorer",
+    "Beams": "runtime.search", "Scorer": "runtime.search", "beam_search": "runtime.search",
+    "parse_beams": "runtime.search",
+    "ServedIndex": "runtime.served",
+    "Searcher": "runtime.serving",
+    "ShardedBeams": "runtime.sharded", "load_sharded": "runtime.sharded", "sharded_beam_search": "runtime.sharded",
+    "SnapshotWatcher": "runtime.watcher",
+    "Mode": "sidindex.modes", "parse_mode": "sidindex.modes",
+    "EncodedRequests": "sidindex.request_encoding", "encode_requests": "sidindex.request_encoding",
+}
+
+if TYPE_CHECKING:
+    from runtime.loader import load, load_index
+    from runtime.requests import read_requests, requests_from, to_device
+    from runtime.retrieve import RetrievalRun, codebook_scorer, factory_scorer, retrieve
+    from runtime.retriever import Retriever
+    from runtime.scorer import CodebookScorer
+    from runtime.search import Beams, Scorer, beam_search, parse_beams
+    from runtime.served import ServedIndex
+    from runtime.serving import Searcher
+    from runtime.sharded import ShardedBeams, load_sharded, sharded_beam_search
+    from runtime.watcher import SnapshotWatcher
+    from sidindex.modes import Mode, parse_mode
+    from sidindex.request_encoding import EncodedRequests, encode_requests
+
 
 __all__ = [
     "Beams",
@@ -76,3 +104,16 @@ __all__ = [
     "sharded_beam_search",
     "to_device",
 ]
+
+
+def __getattr__(name: str):
+    home = _HOME.get(name)
+    if home is None:  # a submodule (runtime.server) or a name that does not exist
+        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # once: later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -95,6 +95,32 @@ def requests_from(data: Any, spec: TargetingSpec, *, source: str = "requests", m
     return Requests(source, request_id, embedding, table.select(checks.attributes), table)
 
 
+def portable(requests: Requests) -> pa.Table:
+    """The batch as one Arrow table that `from_portable` turns back into it without validating it
+    again (in another process: an HTTP front-end validates, the engine runs): request_id as int64,
+    the embedding as fixed_size_list<float32>[D] of its validated values, every other column as
+    given."""
+    t = requests.table
+    t = t.set_column(t.schema.get_field_index("request_id"), "request_id", pa.array(requests.request_id))
+    if requests.embedding is not None:
+        emb = requests.embedding
+        vectors = pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1])
+        t = t.set_column(t.schema.get_field_index("embedding"), "embedding", vectors)
+    return t
+
+
+def from_portable(table: pa.Table, spec: TargetingSpec, source: str) -> Requests:
+    """The requests of a `portable` table validated against `spec`, as they were."""
+    request_id = table.column("request_id").to_numpy()
+    embedding = None
+    if "embedding" in table.column_names:
+        col = table.column("embedding")
+        arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+        d = arr.type.list_size
+        embedding = arr.values.slice(arr.offset * d, len(arr) * d).to_numpy().reshape(len(arr), d)
+    return Requests(source, request_id, embedding, table.select([a.name for a in spec.attributes]), table)
+
+
 def as_table(data: Any, source: str) -> pa.Table:
     """A pyarrow.Table of `data` (see `requests_from`)."""
     if isinstance(data, pa.Table):

@@ -216,6 +216,10 @@ def serve(
                                       "batches in a row failed (a scorer, the device), and 200 after one succeeds."),
     poll_seconds: float = typer.Option(1.0, "--poll-seconds", min=0.01, help="How often ROOT is checked for a newly "
                                        "published snapshot (warmed, then swapped in between batches)."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="HTTP front-end processes: each parses, "
+                                          "validates and answers requests, and one engine process batches them all "
+                                          "on the device. 1: one process does everything. Default: the host's cores "
+                                          "less two on a GPU (at least 1), 1 on the CPU."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port to listen on."),
     flight_port: Optional[int] = typer.Option(None, "--flight-port", min=0, max=65535, help="Also serve Arrow "
@@ -244,16 +248,23 @@ def serve(
     """
     try:
         import uvicorn  # noqa: F401 (the extra's check)
+        import zmq  # noqa: F401
 
         from runtime.server import RetrievalServer
     except ImportError as e:
         raise ConfigError(f"sidindex serve needs the extra 'serve' ({e.name} is missing): "
                           "pip install 'sidindex[serve]'") from None
     import runtime
+    from runtime.engine import Engine
+    from runtime.metrics import share_between_processes
     from sidindex.interrupts import Interrupted
 
     chosen = parse_mode(mode)
     factory = _factory(scorer, None)  # batches run off the main thread, where no alarm can stop a scorer
+    if workers is None:
+        workers = max(1, (os.cpu_count() or 1) - 2) if device.startswith("cuda") else 1
+    if workers > 1:  # before any metric is made: every process writes them to one place
+        share_between_processes()
     watcher = runtime.SnapshotWatcher(root, device, trust_key=trust_key)
     sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch} | {max_batch}))
     err.print(f"warming snapshot {watcher.current.id} on {watcher.device} (batch sizes {', '.join(map(str, sizes))})",
@@ -264,25 +275,32 @@ def serve(
     except Interrupted as e:  # a stop before serving: nothing was in flight
         err.print(f"stopped by {signal.Signals(e.signum).name} while warming; no request was taken", highlight=False)
         return
-    server = RetrievalServer(watcher, retriever, max_batch=max_batch, max_wait_us=max_wait_us, max_queue=max_queue,
-                             poll_seconds=poll_seconds, max_body_bytes=max_body_bytes,
-                             max_request_rows=max_request_rows, timeout_ms=timeout_ms or None,
-                             drain_seconds=drain_seconds, unready_after=unready_after)
+    engine = Engine(watcher, retriever, max_batch=max_batch, max_wait_us=max_wait_us, max_queue=max_queue,
+                    poll_seconds=poll_seconds, unready_after=unready_after)
+    http = {"max_body_bytes": max_body_bytes, "max_request_rows": max_request_rows, "timeout_ms": timeout_ms or None,
+            "drain_seconds": drain_seconds}
     endpoint = None
     if flight_port is not None:
         from runtime.flight import start_flight
 
         endpoint = start_flight(retriever, host, flight_port, max_batch=max_batch, max_request_rows=max_request_rows)
         err.print(f"serving Arrow Flight on grpc://{host}:{endpoint.port}", highlight=False)
-    err.print(f"serving {root} on http://{host}:{port}", highlight=False)
+    processes = f" ({workers} front-end processes)" if workers > 1 else ""
+    err.print(f"serving {root} on http://{host}:{port}{processes}", highlight=False)
     # uvicorn drains on the signal, then raises it again for the handler it found: a drained stop
     # is this command's success
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     # the batch thread gives up the GIL in every Arrow, numba and CUDA call; while the event loop
     # parses requests it would wait Python's default 5 ms to get it back, several times a batch
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    server = RetrievalServer(engine, **http)
     try:
-        server.serve(host, port)
+        if workers > 1:
+            from runtime.frontend import serve_processes
+
+            serve_processes(engine, host, port, workers, http, log=lambda line: err.print(line, highlight=False))
+        else:
+            server.serve(host, port)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -45,6 +45,18 @@ def test_import_runtime_leaves_the_offline_packages_out():
     assert r.stdout.strip() == "[]"
 
 
+def test_a_front_end_process_imports_no_torch():
+    """`serve --workers N`'s front-ends parse and validate: they start without torch (nor the
+    offline packages), which the engine process alone loads."""
+    pytest.importorskip("zmq")
+    pytest.importorskip("starlette")
+    code = ("import runtime.frontend, runtime.link, sys; "
+            f"print(sorted(m for m in ('torch', 'triton', *{OFFLINE!r}) if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
 @pytest.fixture(scope="module")
 def built(sample_dir, tmp_path_factory) -> Path:
     """A ROOT whose build recorded every file it checked (nothing counts as too recent to list)."""

@@ -27,6 +27,7 @@ pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
 import runtime  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
 from runtime.scorer import ScorerFactory  # noqa: E402
 from runtime.server import ARROW_STREAM, RetrievalServer  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
@@ -50,10 +51,72 @@ def rows(sample_dir) -> list[dict]:
     return pq.read_table(sample_dir / "requests.parquet").slice(0, 12).to_pylist()
 
 
-def serving(root: Path, scorer=None, **kw) -> tuple[RetrievalServer, runtime.Retriever]:
-    watcher = runtime.SnapshotWatcher(root, "cpu")
-    retriever = runtime.Retriever(watcher, beams=BEAMS, batch_sizes=(1, 4, 8), scorer=scorer)
-    return RetrievalServer(watcher, retriever, **{"max_batch": 8, "poll_seconds": 60.0} | kw), retriever
+HTTP_OPTIONS = ("max_body_bytes", "max_request_rows", "timeout_ms", "drain_seconds")
+
+
+class EngineThread:
+    """An engine process stood in for by a thread: the Engine and its link (`runtime.link`) on an
+    event loop of their own, as `runtime.frontend.serve_processes` runs them."""
+
+    def __init__(self, engine: Engine) -> None:
+        import asyncio
+        import tempfile
+
+        from runtime.link import EngineLink
+
+        self.engine, self.place = engine, tempfile.mkdtemp(prefix="sx-")  # short: a socket path's limit
+        self.address = f"ipc://{self.place}/engine"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def begin():
+            await engine.start()
+            self.task = asyncio.create_task(EngineLink(engine, self.address).run())
+
+        asyncio.run_coroutine_threadsafe(begin(), self.loop).result(30)
+
+    def stop(self) -> None:
+        import asyncio
+
+        async def end():
+            self.task.cancel()
+            self.engine.stop()
+
+        asyncio.run_coroutine_threadsafe(end(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        shutil.rmtree(self.place, ignore_errors=True)
+
+
+@pytest.fixture(params=[False, True], ids=["one-process", "front-end-and-engine"])
+def split(request) -> bool:
+    """The HTTP front over an engine in its own process, or over the link to an engine process."""
+    return request.param
+
+
+@pytest.fixture
+def serving():
+    """make(root, scorer=None, split=False, **options) -> (server, engine): a RetrievalServer over
+    an Engine on the CPU (options: both's), in this process or (split) over the engine's link,
+    the engine on a thread of its own."""
+    threads: list[EngineThread] = []
+
+    def make(root: Path, scorer=None, split: bool = False, **kw) -> tuple[RetrievalServer, Engine]:
+        from runtime.link import EngineClient
+
+        watcher = runtime.SnapshotWatcher(root, "cpu")
+        retriever = runtime.Retriever(watcher, beams=BEAMS, batch_sizes=(1, 4, 8), scorer=scorer)
+        http = {k: kw.pop(k) for k in HTTP_OPTIONS if k in kw}
+        engine = Engine(watcher, retriever, **{"max_batch": 8, "poll_seconds": 60.0} | kw)
+        if not split:
+            return RetrievalServer(engine, **http), engine
+        threads.append(EngineThread(engine))
+        return RetrievalServer(EngineClient(threads[-1].address), **http), engine
+
+    yield make
+    for t in threads:
+        t.stop()
 
 
 def same_rows(got: list[dict], want: list[dict]) -> bool:
@@ -62,6 +125,14 @@ def same_rows(got: list[dict], want: list[dict]) -> bool:
     key = ("request_id", "rank", "ad_id", "sid")
     return [tuple(g[k] for k in key) for g in got] == [tuple(w[k] for k in key) for w in want] and \
         np.allclose([g["score"] for g in got], [w["score"] for w in want], rtol=1e-5)
+
+
+def metrics_of(client, engine: Engine, split: bool) -> str:
+    """/metrics; split: and the engine's, which an engine process shares with the front-ends
+    through prometheus-client's files (the thread standing in for it here does not)."""
+    from prometheus_client import generate_latest
+
+    return client.get("/metrics").text + (generate_latest(engine.metrics.registry).decode() if split else "")
 
 
 def direct(index, rows: list[dict]) -> list[dict]:
@@ -79,14 +150,14 @@ def in_threads(call, n: int, stagger: float = 0.0) -> None:
         t.join()
 
 
-def test_json_and_arrow_answer_as_the_retriever_does(root, rows):
-    server, retriever = serving(root)
-    want = direct(retriever.index, rows[:5])
+def test_json_and_arrow_answer_as_the_retriever_does(root, rows, serving, split):
+    server, engine = serving(root, split=split)
+    want = direct(engine.retriever.index, rows[:5])
     with TestClient(server.app) as client:
         r = client.post("/retrieve", json={"requests": rows[:5]})
-        assert r.status_code == 200 and r.headers["X-Sidindex-Snapshot"] == retriever.index.id
+        assert r.status_code == 200 and r.headers["X-Sidindex-Snapshot"] == engine.retriever.index.id
         body = r.json()
-        assert body["snapshot"] == retriever.index.id
+        assert body["snapshot"] == engine.retriever.index.id
         got = body["rows"]
         assert same_rows(got, want)
         one = client.post("/retrieve", json={"requests": rows[0]})  # one request as an object
@@ -99,22 +170,22 @@ def test_json_and_arrow_answer_as_the_retriever_does(root, rows):
         r = client.post("/retrieve", content=sink.getvalue().to_pybytes(), headers={"content-type": ARROW_STREAM})
         assert r.status_code == 200 and r.headers["content-type"] == ARROW_STREAM
         result = pa.ipc.open_stream(r.content).read_all()
-        assert result.schema.metadata[b"snapshot"] == retriever.index.id.encode()
+        assert result.schema.metadata[b"snapshot"] == engine.retriever.index.id.encode()
         assert same_rows(result.to_pylist(), want)
 
 
-def test_concurrent_requests_are_batched_and_keep_their_own_rows(root, rows):
+def test_concurrent_requests_are_batched_and_keep_their_own_rows(root, rows, serving, split):
     """Eight clients at once, each request_id 1: the batch renumbers them inside and each answer
     holds only its own request's rows."""
-    server, retriever = serving(root, max_wait_us=300_000)
-    want = {i: direct(retriever.index, [rows[i]]) for i in range(8)}
+    server, engine = serving(root, split=split, max_wait_us=300_000)
+    want = {i: direct(engine.retriever.index, [rows[i]]) for i in range(8)}
     got: dict[int, dict] = {}
     with TestClient(server.app) as client:
         def call(i: int) -> None:
             got[i] = client.post("/retrieve", json={"requests": [rows[i] | {"request_id": 1}]}).json()
 
         in_threads(call, 8)
-        metrics = client.get("/metrics").text
+        metrics = metrics_of(client, engine, split)
     for i in range(8):
         assert same_rows(got[i]["rows"], [w | {"request_id": 1} for w in want[i]])
     batches = float(next(line.split()[1] for line in metrics.splitlines()
@@ -122,8 +193,8 @@ def test_concurrent_requests_are_batched_and_keep_their_own_rows(root, rows):
     assert batches < 8  # some requests shared a batch
 
 
-def test_a_bad_request_gets_400_naming_the_field_and_serving_goes_on(root, rows):
-    server, _ = serving(root)
+def test_a_bad_request_gets_400_naming_the_field_and_serving_goes_on(root, rows, serving, split):
+    server, _ = serving(root, split=split)
     with TestClient(server.app) as client:
         bad = [dict(r) for r in rows[:3]]
         bad[2]["embedding"] = [float("nan")] + bad[2]["embedding"][1:]
@@ -163,9 +234,9 @@ class Boom:
         return scorer
 
 
-def test_a_failing_scorer_gets_500_and_the_server_keeps_serving(root, rows):
+def test_a_failing_scorer_gets_500_and_the_server_keeps_serving(root, rows, serving, split):
     index = runtime.load(root, "cpu")
-    server, _ = serving(root, scorer=ScorerFactory(Boom(index.level_sizes), "tests:boom"))
+    server, _ = serving(root, split=split, scorer=ScorerFactory(Boom(index.level_sizes), "tests:boom"))
     with TestClient(server.app) as client:
         r = client.post("/retrieve", json={"requests": [rows[0] | {"boom": True}]})
         assert r.status_code == 500 and "out of cheese" in r.json()["error"] and "\n" not in r.json()["error"]
@@ -189,11 +260,11 @@ class Slow:
         return scorer
 
 
-def test_a_full_queue_answers_503_with_retry_after(root, rows):
+def test_a_full_queue_answers_503_with_retry_after(root, rows, serving, split):
     index = runtime.load(root, "cpu")
-    server, _ = serving(root, scorer=ScorerFactory(Slow(index.level_sizes, 0.0), "tests:slow"), max_queue=1,
-                        max_batch=1)
-    server.retriever.factory.factory.seconds = 0.5  # after the warm-up
+    server, engine = serving(root, split=split, scorer=ScorerFactory(Slow(index.level_sizes, 0.0), "tests:slow"),
+                             max_queue=1, max_batch=1)
+    engine.retriever.factory.factory.seconds = 0.5  # after the warm-up
     status: list[int] = []
     with TestClient(server.app) as client:
         def call(i: int) -> None:
@@ -204,8 +275,8 @@ def test_a_full_queue_answers_503_with_retry_after(root, rows):
     assert status.count(503) >= 1 and status.count(200) >= 2 and busy.status_code == 200
 
 
-def test_swaps_follow_root_between_batches_and_a_corrupt_snapshot_is_refused(root, rows, tmp_path):
-    server, retriever = serving(root, poll_seconds=0.05)
+def test_swaps_follow_root_between_batches_and_a_corrupt_snapshot_is_refused(root, rows, tmp_path, serving, split):
+    server, engine = serving(root, split=split, poll_seconds=0.05)
     with TestClient(server.app) as client:
         first = client.post("/retrieve", json={"requests": rows[:4]}).json()
         old = first["snapshot"]
@@ -219,11 +290,11 @@ def test_swaps_follow_root_between_batches_and_a_corrupt_snapshot_is_refused(roo
         assert snap["id"] != old and snap["last_error"] is None and snap["counters"]["warmed"] == 2
         second = client.post("/retrieve", json={"requests": rows[:4]}).json()
         assert second["snapshot"] == snap["id"] and paused not in [r["ad_id"] for r in second["rows"]]
-        metrics = client.get("/metrics").text
+        metrics = metrics_of(client, engine, split)
         assert "sidindex_swaps_total 1.0" in metrics
         assert f'sidindex_snapshot_info{{snapshot="{snap["id"]}"}} 1.0' in metrics
 
-        server.poll_seconds = 3600.0  # corrupt the next snapshot before anything polls it
+        engine.poll_seconds = 3600.0  # corrupt the next snapshot before anything polls it
         time.sleep(0.2)
         other = second["rows"][0]["ad_id"]
         pq.write_table(pa.table({"ad_id": pa.array([other], pa.int64()), "op": ["pause"]}), tmp_path / "d.parquet")
@@ -235,13 +306,13 @@ def test_swaps_follow_root_between_batches_and_a_corrupt_snapshot_is_refused(roo
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))
-        assert not server.watcher.poll()
+        assert not engine.watcher.poll()
         snap = client.get("/snapshot").json()
         assert snap["id"] == second["snapshot"] and newest in snap["last_error"]
         third = client.post("/retrieve", json={"requests": rows[:4]})
         assert third.status_code == 200 and third.json()["snapshot"] == second["snapshot"]
         assert same_rows(third.json()["rows"], second["rows"])
-        assert "sidindex_snapshot_refused 1.0" in client.get("/metrics").text
+        assert "sidindex_snapshot_refused 1.0" in metrics_of(client, engine, split)
         assert client.get("/healthz").json()["snapshot"] == second["snapshot"]
 
 
@@ -309,44 +380,131 @@ def test_the_console_script_serves_and_drains_on_sigterm(built, rows, tmp_path):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
 
 
-def test_a_request_that_overflows_a_batch_starts_the_next(root, rows):
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
+def test_front_end_processes_answer_as_one_does_and_stop_on_sigterm(built, rows, tmp_path):
+    """`serve --workers 2`: two front-end processes over the engine process answer as the
+    Retriever does (JSON, Arrow, concurrent clients), report every process's metrics, replace one
+    that dies, and on SIGTERM under load answer or refuse (503) every request and exit 0."""
+    import httpx
+
+    pytest.importorskip("zmq")
+    port = _free_port()
+    sidindex = Path(sys.executable).parent / "sidindex"
+    p = subprocess.Popen([str(sidindex), "serve", str(built), "--port", str(port), "--beams", "1,8,16,16",
+                          "--workers", "2", "--max-batch", "8", "--drain-seconds", "10"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | {"COLUMNS": "200"})
+    url = f"http://127.0.0.1:{port}"
+    statuses: list[int] = []
+    clients: list[threading.Thread] = []
+    try:
+        _wait_ready(port)
+        fronts = _children(p.pid)
+        assert len(fronts) == 2
+        want = direct(runtime.load(built, "cpu"), rows[:4])
+        assert same_rows(httpx.post(f"{url}/retrieve", json={"requests": rows[:4]}, timeout=60).json()["rows"], want)
+        table = pa.Table.from_pylist(rows[:4])
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+        r = httpx.post(f"{url}/retrieve", content=sink.getvalue().to_pybytes(),
+                       headers={"content-type": ARROW_STREAM}, timeout=60)
+        assert same_rows(pa.ipc.open_stream(r.content).read_all().to_pylist(), want)
+        got: dict[int, list] = {}
+
+        def call(i: int) -> None:  # request id 1 from every client: each answer holds its own rows
+            got[i] = httpx.post(f"{url}/retrieve", json={"requests": [rows[i] | {"request_id": 1}]},
+                                timeout=60).json()["rows"]
+
+        in_threads(call, 8)
+        for i in range(8):
+            assert same_rows(got[i], [w | {"request_id": 1} for w in direct(runtime.load(built, "cpu"), [rows[i]])])
+        bad = httpx.post(f"{url}/retrieve", json={"requests": [{"embedding": [0.0]}]}, timeout=60)
+        assert bad.status_code == 400 and "missing column 'request_id'" in bad.json()["error"]
+        metrics = httpx.get(f"{url}/metrics").text  # one front-end's answer: every process's values
+        assert 'sidindex_requests_total{outcome="ok"} 10.0' in metrics
+        assert 'sidindex_requests_total{outcome="bad_request"} 1.0' in metrics
+        assert float(next(line.split()[1] for line in metrics.splitlines()
+                          if line.startswith("sidindex_batch_requests_count"))) >= 3
+        os.kill(fronts[0], signal.SIGKILL)  # a front-end dies: another takes its place
+        deadline = time.time() + 60
+        while (fronts[0] in _children(p.pid) or len(_children(p.pid)) < 2) and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(_children(p.pid)) == 2 and fronts[0] not in _children(p.pid)
+
+        def load(i: int) -> None:
+            for _ in range(20):
+                try:
+                    r = httpx.post(f"{url}/retrieve", json={"requests": [rows[i]]}, timeout=60)
+                except httpx.TransportError:  # the front-ends stopped listening: nothing was accepted
+                    return
+                statuses.append(r.status_code)
+
+        clients += [threading.Thread(target=load, args=(i,)) for i in range(4)]
+        for t in clients:
+            t.start()
+        time.sleep(0.5)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    for t in clients:
+        t.join(60)
+    assert p.returncode == 0, err
+    assert "Traceback" not in err and "stopped: every request in flight was answered" in err
+    assert statuses and set(statuses) <= {200, 503}, statuses
+    assert not _children(p.pid)
+
+
+def test_a_request_that_overflows_a_batch_starts_the_next(root, rows, serving):
     """Requests of 3 rows with batches of at most 4: each batch takes one, the next waits for the
     following batch; every answer is its own."""
-    server, retriever = serving(root, max_batch=4, max_wait_us=200_000)
+    server, engine = serving(root, max_batch=4, max_wait_us=200_000)
     parts = [rows[i:i + 3] for i in range(0, 12, 3)]
-    want = [direct(retriever.index, p) for p in parts]
+    want = [direct(engine.retriever.index, p) for p in parts]
     got: dict[int, list] = {}
     with TestClient(server.app) as client:
         def call(i: int) -> None:
             got[i] = client.post("/retrieve", json={"requests": parts[i]}).json()["rows"]
 
         in_threads(call, 4)
-        metrics = client.get("/metrics").text
+        metrics = metrics_of(client, engine, split)
     assert all(same_rows(got[i], want[i]) for i in range(4))
     assert 'sidindex_batch_requests_bucket{le="2.0"} 0.0' in metrics  # never a batch of fewer than 3 rows
     assert "sidindex_batch_requests_count 4.0" in metrics
 
 
-def test_limits_answer_413_with_one_line_before_any_batch(root, rows):
-    server, retriever = serving(root, max_body_bytes=4096, max_request_rows=3)
+def test_limits_answer_413_with_one_line_before_any_batch(root, rows, serving, split):
+    server, engine = serving(root, split=split, max_body_bytes=4096, max_request_rows=3)
     with TestClient(server.app) as client:
         big = client.post("/retrieve", json={"requests": rows[:1] * 40})  # past 4096 bytes
         assert big.status_code == 413 and "4,096 bytes" in big.json()["error"] and "\n" not in big.json()["error"]
         many = client.post("/retrieve", json={"requests": [{"request_id": i} for i in range(4)]})  # small, 4 rows
         assert many.status_code == 413 and "4 requests; at most 3" in many.json()["error"]
         assert same_rows(client.post("/retrieve", json={"requests": rows[:3]}).json()["rows"],
-                         direct(retriever.index, rows[:3]))
-        metrics = client.get("/metrics").text
+                         direct(engine.retriever.index, rows[:3]))
+        metrics = metrics_of(client, engine, split)
     assert 'sidindex_requests_total{outcome="too_large"} 2.0' in metrics
     assert "sidindex_batch_requests_count 1.0" in metrics  # the refused ones never reached a batch
 
 
-def test_a_large_request_runs_in_pieces_that_small_ones_pass(root, rows):
+def test_a_large_request_runs_in_pieces_that_small_ones_pass(root, rows, serving):
     """40 rows with batches of 4 run as 10 pieces; a 1-row request sent while they run is answered
     long before them, and each answer equals the retriever's."""
     index = runtime.load(root, "cpu")
-    server, retriever = serving(root, scorer=ScorerFactory(Slow(index.level_sizes, 0.0), "tests:slow"), max_batch=4)
-    server.retriever.factory.factory.seconds = 0.05  # after the warm-up: 10 pieces take 0.5 s or more
+    server, engine = serving(root, scorer=ScorerFactory(Slow(index.level_sizes, 0.0), "tests:slow"), max_batch=4)
+    engine.retriever.factory.factory.seconds = 0.05  # after the warm-up: 10 pieces take 0.5 s or more
     large = [r | {"request_id": 100 + i} for i, r in enumerate(rows * 4)][:40]
     answered: dict[str, float] = {}
     got: dict[str, list] = {}
@@ -359,9 +517,9 @@ def test_a_large_request_runs_in_pieces_that_small_ones_pass(root, rows):
         in_threads(call, 2, stagger=0.1)
         metrics = client.get("/metrics").text
     assert answered["small"] < answered["large"]
-    server.retriever.factory.factory.seconds = 0.0
-    assert same_rows(got["large"], direct_with(retriever, large))
-    assert same_rows(got["small"], direct_with(retriever, rows[:1]))
+    engine.retriever.factory.factory.seconds = 0.0
+    assert same_rows(got["large"], direct_with(engine.retriever, large))
+    assert same_rows(got["small"], direct_with(engine.retriever, rows[:1]))
     # 10 pieces of 4 and the small request: 11 batches, none of more than 4 rows
     assert 'sidindex_batch_requests_bucket{le="4.0"} 11.0' in metrics
     assert "sidindex_batch_requests_count 11.0" in metrics
@@ -372,24 +530,24 @@ def direct_with(retriever: runtime.Retriever, rows: list[dict]) -> list[dict]:
     return retriever.retrieve(rows).to_pylist()
 
 
-def test_a_request_past_its_deadline_gets_504_and_its_rows_are_dropped(root, rows):
+def test_a_request_past_its_deadline_gets_504_and_its_rows_are_dropped(root, rows, serving, split):
     index = runtime.load(root, "cpu")
-    server, retriever = serving(root, scorer=ScorerFactory(Slow(index.level_sizes, 0.0), "tests:slow"), max_batch=1,
-                                timeout_ms=300)
-    server.retriever.factory.factory.seconds = 0.2
+    server, engine = serving(root, split=split, scorer=ScorerFactory(Slow(index.level_sizes, 0.0), "tests:slow"),
+                             max_batch=1, timeout_ms=300)
+    engine.retriever.factory.factory.seconds = 0.2
     with TestClient(server.app) as client:
         late = client.post("/retrieve", json={"requests": rows[:6]})  # 6 pieces of 0.2 s: past 300 ms
         assert late.status_code == 504 and "300 ms" in late.json()["error"]
         time.sleep(0.5)  # the piece running at the deadline ends; the rest never run
-        ran = retriever.counters.batches
+        ran = engine.retriever.counters.batches
         time.sleep(0.5)
-        assert retriever.counters.batches == ran
+        assert engine.retriever.counters.batches == ran
         assert client.post("/retrieve", json={"requests": rows[:1]}).status_code == 200
 
 
-def test_readyz_fails_after_failed_batches_in_a_row_and_recovers(root, rows):
+def test_readyz_fails_after_failed_batches_in_a_row_and_recovers(root, rows, serving, split):
     index = runtime.load(root, "cpu")
-    server, _ = serving(root, scorer=ScorerFactory(Boom(index.level_sizes), "tests:boom"), unready_after=2)
+    server, _ = serving(root, split=split, scorer=ScorerFactory(Boom(index.level_sizes), "tests:boom"), unready_after=2)
     with TestClient(server.app) as client:
         assert client.get("/readyz").status_code == 200
         for i in range(2):
@@ -400,11 +558,11 @@ def test_readyz_fails_after_failed_batches_in_a_row_and_recovers(root, rows):
         assert client.get("/readyz").status_code == 200
 
 
-def test_close_abandons_a_warm_up_at_its_next_batch(root, rows, monkeypatch):
+def test_close_abandons_a_warm_up_at_its_next_batch(root, rows, monkeypatch, serving):
     """A stop while a new snapshot warms: `close` returns once the batch in progress ends, the
     warm-up never finishes, and the snapshot served stays (the poll reports why)."""
-    server, retriever = serving(root)
-    first = retriever.index.id
+    server, engine = serving(root)
+    first = engine.retriever.index.id
     r = run_cli("update", root, "--changes", _pause_one(root), "--json")
     assert r.returncode == 0, r.stderr
     started = threading.Event()
@@ -416,14 +574,14 @@ def test_close_abandons_a_warm_up_at_its_next_batch(root, rows, monkeypatch):
         return batch(self, *a, **kw)
 
     monkeypatch.setattr(runtime.Retriever, "_batch", slow)
-    poll = threading.Thread(target=server.watcher.poll)
+    poll = threading.Thread(target=engine.watcher.poll)
     poll.start()
     assert started.wait(30)
     t = time.perf_counter()
     assert server.close(timeout=10)
     poll.join(10)
     assert time.perf_counter() - t < 2 and not poll.is_alive()
-    assert server.watcher.current.id == first and "warm-up abandoned" in server.watcher.last_error
+    assert engine.watcher.current.id == first and "warm-up abandoned" in engine.watcher.last_error
 
 
 def _pause_one(root: Path) -> Path:
@@ -434,7 +592,7 @@ def _pause_one(root: Path) -> Path:
     return path
 
 
-def test_an_embedding_past_float32_gets_400_and_no_warning(root, rows):
+def test_an_embedding_past_float32_gets_400_and_no_warning(root, rows, serving):
     import warnings
 
     server, _ = serving(root)

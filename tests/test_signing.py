@@ -158,7 +158,7 @@ def test_the_server_keeps_serving_and_says_why(root, keys):
 
     watcher = runtime.SnapshotWatcher(root, "cpu", trust_key=keys["ours"][1])
     retriever = runtime.Retriever(watcher, beams=(1, 8, 16, 16), batch_sizes=(1,))
-    server = RetrievalServer(watcher, retriever, max_batch=1, poll_seconds=0.05)
+    server = RetrievalServer.local(watcher, retriever, max_batch=1, poll_seconds=0.05)
     old = watcher.current.id
     _tampered_copy(root, _zero_exact_rows)
     with TestClient(server.app) as client:

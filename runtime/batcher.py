@@ -1,0 +1,251 @@
+"""Fair dynamic batching of validated requests over a `runtime.Retriever`: the heart of
+`sidindex serve`'s engine (docs/design.md §19).
+
+Requests are queued as they arrive; a worker gathers them until it holds `max_batch` rows or the
+first has waited `max_wait_us`, runs them as one batch on a thread of its own (the event loop
+goes on taking requests), and answers each once all its rows ran. A request of more than
+`max_batch` rows runs in pieces of at most that many, each taking its turn behind the requests
+queued meanwhile, so a large request delays a small one by a batch, not by itself. All the rows
+of an answer come from one snapshot: a request a swap interrupts runs again on the new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from runtime.engine_api import Refused
+from runtime.metrics import EngineMetrics
+from runtime.post import Retrieved
+from runtime.requests import requests_from
+from runtime.retriever import Retriever, concat, requests_part, table_of
+from sidindex.errors import InputError, ScorerError
+from sidindex.requests import Requests
+from sidindex.targeting import TargetingSpec
+
+
+@dataclass(eq=False)
+class Pending:
+    """One request's validated rows, answered (`future`) once they all ran on one snapshot."""
+
+    requests: Requests
+    spec: TargetingSpec | None  # the spec it was validated against (None: validate again before it runs)
+    future: asyncio.Future
+    queued: float = field(default_factory=time.perf_counter)
+    done: int = 0  # its first rows that ran, on `snapshot`
+    parts: list[tuple[int, Retrieved]] = field(default_factory=list)  # (first row, its rows' result)
+    snapshot: str | None = None
+
+    @property
+    def left(self) -> int:
+        return len(self.requests) - self.done
+
+
+class Batcher:
+    """The queue and the worker that batches it (module doc); `start` in the event loop that
+    calls `answer`, `close` to stop.
+
+    retriever: a warmed Retriever; max_batch: the most rows a batch gathers; max_wait_us: how
+    long the first request of a batch waits for others; max_queue: the most requests waiting
+    (one more is refused, 503); metrics: where queue waits, batch sizes and times, and failed
+    batches are counted.
+    """
+
+    def __init__(self, retriever: Retriever, metrics: EngineMetrics, *, max_batch: int = 16, max_wait_us: int = 500,
+                 max_queue: int = 1024) -> None:
+        self.retriever, self.metrics = retriever, metrics
+        self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait_us / 1e6, max_queue
+        self.failed_batches = 0  # in a row
+        self._queue: asyncio.Queue | None = None
+        self._worker: asyncio.Task | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sidindex-batch")  # one batch at a time
+        self._running: Future | None = None  # the batch last handed to it
+
+    @property
+    def started(self) -> bool:
+        return self._worker is not None and not self._worker.done()
+
+    def start(self) -> None:
+        """Start the worker, in the running event loop."""
+        self._queue = asyncio.Queue()
+        self._worker = asyncio.create_task(self._batches())
+
+    async def answer(self, requests: Requests, spec: TargetingSpec | None, timeout: float | None) -> tuple[pa.Table,
+                                                                                                          str]:
+        """The result table of validated requests (`runtime.retriever.table_of`, the client's
+        request ids) and the snapshot that served them; Refused when the queue is full (503) or
+        no answer came within `timeout` seconds (504: its rows not yet run are dropped); the
+        batch's error when it failed (an InputError for a request a new snapshot's spec refuses,
+        a ScorerError naming the request's id)."""
+        if self._queue is None or self._queue.qsize() >= self.max_queue:
+            raise Refused(503, "busy", f"the queue holds {self.max_queue} requests; retry after 1 s", retry_after=1)
+        pending = Pending(requests, spec, asyncio.get_running_loop().create_future())
+        self._queue.put_nowait(pending)
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending.future), timeout)
+        except asyncio.TimeoutError:
+            assert timeout is not None  # no timeout without one
+            raise Refused(504, "timeout", f"no answer within {timeout * 1e3:,.0f} ms; the server is overloaded or the "
+                          "request too large") from None
+        finally:
+            pending.future.cancel()  # its rows not yet run are dropped (a future done stays as it is)
+
+    def stop(self) -> None:
+        """Stop the worker (in its event loop): no batch starts after the one running."""
+        if self._worker is not None:
+            self._worker.cancel()
+
+    def close(self, timeout: float) -> bool:
+        """Take no more batches and wait up to `timeout` seconds for the one running: True once it
+        ended."""
+        self._pool.shutdown(wait=False, cancel_futures=True)  # its thread ends once its batch has
+        if self._running is not None:
+            try:
+                self._running.exception(timeout=timeout)
+            except Exception:  # its outcome went to its requests; a batch still running says so below
+                pass
+        return self._running is None or self._running.done()
+
+    async def _batches(self) -> None:
+        """Run the queued requests' rows in batches of at most max_batch rows, each request in
+        turn (module doc): `active` holds the requests with rows left, in the order they take
+        their next piece."""
+        queue = self._queue
+        assert queue is not None  # made by `start`
+        active: deque[Pending] = deque()
+        while True:
+            if not active:
+                active.append(await queue.get())
+            while not queue.empty():  # every request that arrived takes its turn, however full the batch
+                active.append(queue.get_nowait())
+            deadline = active[0].queued + self.max_wait
+            while sum(min(p.left, self.max_batch) for p in active) < self.max_batch:
+                left = deadline - time.perf_counter()
+                try:
+                    active.append(queue.get_nowait() if left <= 0 else await asyncio.wait_for(queue.get(), left))
+                except (asyncio.QueueEmpty, asyncio.TimeoutError):
+                    break
+            pieces = _pieces(active, self.max_batch)
+            if not pieces:  # every request gathered was answered meanwhile (past its deadline)
+                continue
+            start = time.perf_counter()
+            for p, lo, _ in pieces:
+                if lo == 0:
+                    self.metrics.queue_wait.observe(start - p.queued)
+            self.metrics.batch_size.observe(sum(hi - lo for _, lo, hi in pieces))
+            try:
+                self._running = self._pool.submit(self._run, pieces)
+                answers = await asyncio.wrap_future(self._running)
+            except BaseException as e:  # every request of the batch gets the error; the server goes on
+                self.failed_batches += 1
+                self.metrics.failed.set(self.failed_batches)
+                for p, _, _ in pieces:
+                    if not p.future.done():
+                        p.future.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                continue
+            self.failed_batches = 0
+            self.metrics.failed.set(0)
+            self.metrics.batch.observe(time.perf_counter() - start)
+            for (p, _, _), answer in zip(pieces, answers):
+                if p.future.done():
+                    continue
+                if isinstance(answer, Exception):
+                    p.future.set_exception(answer)
+                elif answer is not None:
+                    p.future.set_result(answer)
+            active.extend(p for p, _, _ in pieces if p.left and not p.future.done())
+
+    def _run(self, pieces: list[tuple[Pending, int, int]]) -> list[tuple[pa.Table, str] | InputError | None]:
+        """The requests' pieces (rows lo..hi-1 of each) as one batch on the snapshot served now,
+        on the batch thread. Per piece: its request's table and snapshot once all its rows ran
+        (None while some are left), or the InputError of a request the snapshot's targeting spec
+        refuses (a snapshot with another spec was swapped in since it arrived). A request whose
+        earlier pieces ran on another snapshot starts again on this one."""
+        index = self.retriever.index
+        answers: list = [None] * len(pieces)
+        parts: list[tuple[int, Requests]] = []
+        for i, (p, lo, hi) in enumerate(pieces):
+            if p.snapshot not in (None, index.id):  # a swap since its last piece: all of it again, here
+                p.done, p.parts, p.snapshot = 0, [], None
+                lo, hi = 0, hi - lo
+                pieces[i] = (p, lo, hi)
+            if p.spec != index.spec:
+                try:
+                    p.requests, p.spec = requests_from(p.requests.table, index, source="request body"), index.spec
+                except InputError as e:
+                    answers[i] = e
+                    continue
+            parts.append((i, p.requests.rows(lo, hi)))
+        joined = _joined([r for _, r in parts]) if parts else None
+        if joined is None and len(parts) > 1:  # columns of types that do not concatenate: one batch each
+            found = [self.retriever.run(_renumbered(reqs), index)[0] for _, reqs in parts]
+        elif parts:
+            assert joined is not None  # one part always joins
+            bounds = np.cumsum([0] + [len(r) for _, r in parts]).tolist()
+            try:
+                whole, _ = self.retriever.run(joined, index)
+            except ScorerError as e:  # named by its client's request id, not the batch's renumbering
+                if e.row is None or e.request_id is None:
+                    raise
+                k = int(np.searchsorted(bounds, e.row, side="right")) - 1
+                raise e.renamed(parts[k][1].request_id[e.row - bounds[k]]) from None
+            found = [requests_part(whole, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        for (i, _), result in zip(parts, found if parts else []):
+            p, lo, hi = pieces[i]
+            p.parts.append((lo, result))
+            p.done, p.snapshot = hi, index.id
+            if not p.left:
+                answers[i] = (table_of(concat(p.parts), p.requests.request_id), index.id)
+        return answers
+
+
+def _pieces(active: deque[Pending], most: int) -> list[tuple[Pending, int, int]]:
+    """The next batch from `active` (taken out of it): each request in turn gives rows, up to
+    `most` in all; one of more than `most` rows gives a piece of what room is left, one of fewer
+    only all of them (else it waits, first, for the next batch). Requests answered meanwhile (past
+    their deadline) leave `active`."""
+    pieces, rows, waiting = [], 0, []
+    while active:
+        p = active.popleft()
+        if p.future.done():
+            continue
+        n = min(p.left, most - rows)
+        if n == 0 or (n < p.left <= most):
+            waiting.append(p)
+            continue
+        pieces.append((p, p.done, p.done + n))
+        rows += n
+    active.extend(waiting)
+    return pieces
+
+
+def _renumbered(p: Requests) -> Requests:
+    """One part's rows as a batch, request ids renumbered 0..n-1 (as `_joined`'s)."""
+    return Requests(p.source, np.arange(len(p), dtype=np.int64), p.embedding, p.columns, p.table)
+
+
+def _joined(parts: list[Requests]) -> Requests | None:
+    """The parts' rows as one validated batch, request ids renumbered (two clients may send the
+    same id); None when their columns' types do not concatenate."""
+    if len(parts) == 1:
+        return _renumbered(parts[0])
+    try:
+        columns = pa.concat_tables([p.columns for p in parts], promote_options="permissive")
+        table = pa.concat_tables([p.table for p in parts], promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return None
+    embedding = None
+    if all(p.embedding is not None for p in parts):
+        embedding = np.concatenate([p.embedding for p in parts])
+    elif any(p.embedding is not None for p in parts):
+        return None
+    n = sum(len(p) for p in parts)
+    return Requests("request body", np.arange(n, dtype=np.int64), embedding, columns, table)

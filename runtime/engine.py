@@ -1,0 +1,120 @@
+"""The engine of `sidindex serve`: the process that owns the device (docs/design.md §19).
+
+It holds a warmed `runtime.Retriever` over a `SnapshotWatcher`, the fair batcher that feeds it
+(`runtime.batcher`), a poller thread that follows ROOT, and the engine's metrics. The HTTP front
+(`runtime.server`) calls it in its own process, or from front-end processes over ZeroMQ
+(`runtime.link`); both see the interface `runtime.engine_api.EngineApi`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pyarrow as pa
+import torch
+
+from runtime.batcher import Batcher
+from runtime.engine_api import Target
+from runtime.metrics import EngineMetrics
+from runtime.retriever import Retriever, codebook_of
+from runtime.watcher import SnapshotWatcher
+from sidindex.requests import Requests
+
+UNREADY_AFTER = 5  # failed batches in a row after which /readyz answers 503
+
+
+class Engine:
+    """The retriever, its batcher and its poller (module doc); `start` in the event loop that
+    calls `answer`, `close` to stop.
+
+    watcher: the ROOT's watcher; retriever: a warmed Retriever over it; max_batch, max_wait_us,
+    max_queue: the batcher's (`runtime.batcher.Batcher`); poll_seconds: how often ROOT is
+    polled; unready_after: failed batches in a row after which the engine reports itself not
+    ready (and ready again after one succeeds).
+    """
+
+    def __init__(self, watcher: SnapshotWatcher, retriever: Retriever, *, max_batch: int = 16,
+                 max_wait_us: int = 500, max_queue: int = 1024, poll_seconds: float = 1.0,
+                 unready_after: int = UNREADY_AFTER) -> None:
+        self.watcher, self.retriever = watcher, retriever
+        self.poll_seconds, self.unready_after = poll_seconds, unready_after
+        self.metrics = EngineMetrics(max_batch)
+        self.batcher = Batcher(retriever, self.metrics, max_batch=max_batch, max_wait_us=max_wait_us,
+                               max_queue=max_queue)
+        self.since = time.time()
+        self.served = watcher.current.id
+        self.metrics.snapshot.labels(self.served).set(1)
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+
+    async def start(self) -> None:
+        """Start the batcher (in the running event loop) and the poller thread."""
+        self.batcher.start()
+        self._poller = threading.Thread(target=self._poll, name="sidindex-poll", daemon=True)
+        self._poller.start()
+
+    async def target(self) -> Target:
+        index = self.retriever.index
+        cb = codebook_of(index)
+        return Target(index.id, index.spec, None if cb is None else cb.dim)
+
+    async def answer(self, requests: Requests, target: Target, timeout: float | None) -> tuple[pa.Table, str]:
+        """`runtime.batcher.Batcher.answer` of requests validated against `target`."""
+        return await self.batcher.answer(requests, target.spec, timeout)
+
+    async def status(self) -> dict:
+        """ready (warm, batching, and fewer than unready_after failed batches in a row), why not,
+        and the snapshot served: id, format, counts, since when, why the last new one was
+        refused, the retriever's counters. Refreshes the metrics read from the retriever."""
+        failing = self.batcher.failed_batches >= self.unready_after
+        snap = self.watcher.current.snapshot
+        m = snap.manifest
+        self._refresh()
+        return {"ready": self.retriever.warm and self.batcher.started and not failing,
+                "why": f"the last {self.batcher.failed_batches} batches failed" if failing else None,
+                "id": snap.id, "format": m.version, "counts": m.counts.to_dict(),
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since)),
+                "age_seconds": round(time.time() - self.since, 3), "last_error": self.watcher.last_error,
+                "counters": self.retriever.counters.to_dict()}
+
+    def _refresh(self) -> None:
+        m, c = self.metrics, self.retriever.counters
+        m.widenings.set(c.widenings)
+        m.stalls.labels("capture").set(c.captures)
+        m.stalls.labels("compile").set(c.compiles)
+        m.overflows.set(c.overflows)
+        m.age.set(time.time() - self.since)
+        m.refused.set(0 if self.watcher.last_error is None else 1)
+        device = self.watcher.current.device
+        m.gpu_memory.set(torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)
+
+    def stop(self) -> None:
+        """Stop polling and taking batches, and abandon a warm-up in progress at its next batch
+        (`close` waits for them)."""
+        self._stop.set()
+        self.retriever.close()
+        self.batcher.stop()
+
+    def close(self, timeout: float) -> bool:
+        """Stop the poller, abandon a warm-up in progress at its next batch, stop the batcher, and
+        wait up to `timeout` seconds in all for the batch and poll threads: True when both ended.
+        A thread left in native code when the interpreter exits can abort the process, so a
+        caller that gets False should leave with os._exit."""
+        self._stop.set()
+        self.retriever.close()
+        end = time.monotonic() + timeout
+        stopped = self.batcher.close(timeout)
+        if self._poller is not None:
+            self._poller.join(max(0.0, end - time.monotonic()))
+        return stopped and not (self._poller is not None and self._poller.is_alive())
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            t = time.perf_counter()
+            if self.watcher.poll():
+                self.metrics.swap_seconds.observe(time.perf_counter() - t)
+                self.metrics.swaps.inc()
+                self.metrics.snapshot.labels(self.served).set(0)
+                self.served, self.since = self.watcher.current.id, time.time()
+                self.metrics.snapshot.labels(self.served).set(1)

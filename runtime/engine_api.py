@@ -1,0 +1,54 @@
+"""The engine of `sidindex serve` as its HTTP front sees it (docs/design.md §19): `EngineApi`, which
+the engine in the front's own process (`runtime.engine.Engine`) and the link to an engine process
+(`runtime.link.EngineClient`) both provide, and what crosses it. Nothing here imports torch: a
+front-end process needs only this, the link and the request validator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import pyarrow as pa
+
+from sidindex.requests import Requests
+from sidindex.targeting import TargetingSpec
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request is validated against: the snapshot served, its targeting spec and its
+    codebook's embedding length (None: no codebook)."""
+
+    snapshot: str
+    spec: TargetingSpec
+    dim: int | None
+
+
+class Refused(Exception):
+    """A request answered with an HTTP `status` and one line, counted as `outcome`; no batch ran
+    it (or ran all of it). retry_after: seconds, for a 503 a client may retry."""
+
+    def __init__(self, status: int, outcome: str, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.outcome, self.retry_after = status, outcome, retry_after
+
+
+class EngineApi(Protocol):
+    async def start(self) -> None:
+        """Start serving, in the running event loop of the HTTP front."""
+
+    async def target(self) -> Target:
+        """What the next request is validated against."""
+
+    async def answer(self, requests: Requests, target: Target, timeout: float | None) -> tuple[pa.Table, str]:
+        """The result table of requests validated against `target` (request_id, rank, ad_id, sid,
+        score[, value]: the client's ids) and the id of the snapshot that served every row of it.
+        Refused: a full queue (503), no answer within `timeout` seconds (504). InputError: a
+        request the snapshot swapped in since refuses; SidIndexError: a batch that failed."""
+
+    async def status(self) -> dict:
+        """ready, why (when not), and the snapshot served: id, format, counts, since,
+        age_seconds, last_error, counters."""
+
+    def stop(self) -> None:
+        """Stop serving (the HTTP front's lifespan ends)."""

@@ -1,0 +1,120 @@
+"""`sidindex serve --workers N`: N HTTP front-end processes over one engine process that owns the
+device (docs/design.md §19).
+
+    clients ──HTTP──▶ front-end 1 ┐   parse, validate,        ┌──────────── engine ─────────────┐
+            (one port,   ...      ├── answer (JSON, Arrow) ──▶│ fair batches across front-ends, │
+             the kernel front-end N┘  ZeroMQ ipc://, Arrow IPC │ the Retriever on the GPU        │
+             spreads them)                                     └─────────────────────────────────┘
+
+The engine process (the one `sidindex serve` runs in) loads and warms the snapshot, binds the
+HTTP port, serves its `runtime.engine.Engine` over `runtime.link`, and starts the front-ends
+(`python -m runtime.frontend`), each handed the listening socket: parsing, validation and the
+answer's JSON, the work per request that one Python process can only do on one core, run in N.
+A front-end that exits unexpectedly is started again. On SIGTERM or SIGINT the engine passes the
+signal on; each front-end drains as a single-process server does (`RetrievalServer.drain`), and
+the engine, which answers their requests meanwhile, stops once they have exited. A front-end
+whose engine is gone stops too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from runtime.metrics import process_gone
+from runtime.server import RetrievalServer
+
+RESTART_PAUSE_S = 1.0  # between a front-end's unexpected exit and its replacement
+
+
+def serve_processes(engine, host: str, port: int, workers: int, http: dict, *, log=print) -> None:
+    """Serve `engine` (a `runtime.engine.Engine`, not started) through `workers` front-end
+    processes on host:port until SIGTERM or SIGINT (module doc), then stop it (`Engine.close`
+    waits for its threads); `http`: the options of `RetrievalServer` (its drain_seconds bounds
+    the stop); log: one line per event."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    listening = socket.create_server((host, port), family=family, backlog=2048)
+    listening.set_inheritable(True)
+    place = tempfile.mkdtemp(prefix="sidindex-engine-")
+    try:
+        asyncio.run(_supervise(engine, listening, f"ipc://{place}/engine", workers, http, log))
+    finally:
+        listening.close()
+        shutil.rmtree(place, ignore_errors=True)
+
+
+async def _supervise(engine, listening: socket.socket, address: str, workers: int, http: dict, log) -> None:
+    from runtime.link import EngineLink
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(s, stop.set)
+    link = EngineLink(engine, address)
+    await engine.start()
+    linked = asyncio.create_task(link.run())
+    config = {"engine": address, "fd": listening.fileno(), "parent": os.getpid(), "http": http}
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "runtime.frontend", json.dumps(config)],
+                                pass_fds=(listening.fileno(),))
+
+    fronts = [start() for _ in range(workers)]
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), RESTART_PAUSE_S)
+            for i, p in enumerate(fronts):
+                if p.poll() is not None and not stop.is_set():
+                    log(f"front-end process {p.pid} exited with status {p.returncode}; starting another")
+                    process_gone(p.pid)
+                    fronts[i] = start()
+        for p in fronts:  # each drains: the engine answers its requests in flight meanwhile
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        end = time.monotonic() + http.get("drain_seconds", 30.0) + 2.0
+        while any(p.poll() is None for p in fronts) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+    finally:
+        for p in fronts:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            process_gone(p.pid)
+        linked.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await linked
+        engine.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A front-end process: `python -m runtime.frontend CONFIG` (JSON, from `serve_processes`)."""
+    from runtime.link import EngineClient
+
+    config = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    listening = socket.socket(fileno=config["fd"])
+    server = RetrievalServer(EngineClient(config["engine"]), **config["http"])
+    parent = config["parent"]
+
+    def orphaned() -> None:  # the engine went away without a word: stop as on SIGTERM
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=orphaned, name="sidindex-orphaned", daemon=True).start()
+    host, port = listening.getsockname()[:2]
+    server.serve(host, port, sockets=[listening])
+
+
+if __name__ == "__main__":
+    main()

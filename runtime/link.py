@@ -1,0 +1,199 @@
+"""The link between `sidindex serve`'s HTTP front-end processes and its engine (docs/design.md §19):
+ZeroMQ (pyzmq), a ROUTER socket in the engine and a DEALER in each front-end, over an ipc:// path.
+
+ZeroMQ rather than a shared-memory ring: one engine answers many front-ends out of order (a large
+request's pieces interleave with small ones) and the ROUTER socket routes each answer back to
+its sender with no bookkeeping of ours; messages of a few kilobytes cost microseconds over ipc://,
+small beside a batch; and a front-end that dies loses only its own messages. This is how vLLM's
+API servers talk to its engine core.
+
+Messages (frames; the ROUTER adds the sender's identity in front):
+
+    front-end -> engine   b"run", id, snapshot validated against, timeout (f64, NaN: none), requests
+    engine -> front-end   b"run", id, outcome, snapshot that served, result (outcome b"ok") or one line
+    front-end -> engine   b"status", id
+    engine -> front-end   b"status", id, JSON (`Engine.status` and the target)
+
+`requests` is an Arrow IPC stream of the validated batch in its portable form
+(`sidindex.requests.portable`): the engine rebuilds it without validating it again, unless a new
+snapshot was swapped in since (then it validates it against that one). `result` is an Arrow IPC
+stream of the result table. outcome: ok, bad_request, error, busy, timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+from typing import Any
+
+import orjson
+import pyarrow as pa
+
+from runtime.engine_api import Refused, Target
+from sidindex.errors import InputError, SidIndexError
+from sidindex.requests import Requests, from_portable, portable
+from sidindex.targeting import spec_from_dict
+
+RUN, STATUS = b"run", b"status"
+PATIENCE_S = 5.0  # how long a front-end waits for the engine's status, and past a request's deadline
+
+
+def arrow_stream(table: pa.Table) -> pa.Buffer:
+    """`table` as one Arrow IPC stream."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue()
+
+
+def _read(buffer) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(buffer)).read_all()
+
+
+class EngineLink:
+    """Serves an `runtime.engine.Engine` to front-ends: binds a ROUTER socket at `address` at
+    construction; `run` (a task of the engine's event loop) answers until cancelled."""
+
+    def __init__(self, engine, address: str) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.engine = engine
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(address)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                frames = await self._socket.recv_multipart(copy=False)
+                peer, kind, mid = (f.bytes for f in frames[:3])
+                job = self._run(peer, mid, frames[3:]) if kind == RUN else self._status(peer, mid)
+                task = asyncio.create_task(job)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            self._socket.close()
+            self._context.term()
+
+    async def _run(self, peer: bytes, mid: bytes, frames) -> None:
+        snapshot = b""
+        try:
+            validated_for = frames[0].bytes.decode()
+            (timeout,) = struct.unpack("<d", frames[1].bytes)
+            table = _read(frames[2].buffer)
+            index = self.engine.retriever.index
+            if validated_for == index.id:
+                reqs = from_portable(table, index.spec, "request body")
+            else:  # a new snapshot since the front-end validated it: against this one
+                from runtime.requests import requests_from
+
+                reqs = requests_from(table, index, source="request body")
+            found, served = await self.engine.answer(reqs, Target(index.id, index.spec, None),
+                                                     None if math.isnan(timeout) else timeout)
+            outcome, snapshot, payload = b"ok", served.encode(), arrow_stream(found)
+        except Refused as e:
+            outcome, payload = e.outcome.encode(), str(e).encode()
+        except InputError as e:
+            outcome, payload = b"bad_request", str(e).encode()
+        except SidIndexError as e:  # a scorer that failed or gave no finite logit, a batch the index refused
+            outcome, payload = b"error", str(e).encode()
+        except Exception as e:  # a bug must not take the engine down
+            outcome, payload = b"error", f"{type(e).__name__}: {e}".encode()
+        await self._socket.send_multipart([peer, RUN, mid, outcome, snapshot, payload], copy=False)
+
+    async def _status(self, peer: bytes, mid: bytes) -> None:
+        doc = await self.engine.status()
+        target = await self.engine.target()
+        doc["target"] = {"snapshot": target.snapshot, "spec": target.spec.to_dict(), "dim": target.dim}
+        await self._socket.send_multipart([peer, STATUS, mid, orjson.dumps(doc)])
+
+
+class EngineClient:
+    """The engine as a front-end sees it, with the interface of `runtime.engine.Engine`: `start`
+    in the front-end's event loop (it waits for the engine's first status), then `target`,
+    `answer` and `status` over the link."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._socket: Any = None  # a zmq.asyncio socket, made in the loop that uses it
+        self._receiver: asyncio.Task | None = None
+        self._replies: dict[bytes, asyncio.Future] = {}
+        self._sent = 0
+        self._target: Target | None = None
+
+    async def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(self.address)
+        self._receiver = asyncio.create_task(self._receive())
+        await self.status()
+
+    def stop(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+        if self._socket is not None:
+            self._socket.close()
+
+    async def target(self) -> Target:
+        assert self._target is not None  # `start` fetched it
+        return self._target
+
+    async def answer(self, requests: Requests, target: Target, timeout: float | None) -> tuple[pa.Table, str]:
+        """As `Engine.answer`; the engine's refusals and errors raised here as there."""
+        frames = await self._call([RUN, target.snapshot.encode(), struct.pack("<d", math.nan if timeout is None
+                                                                               else timeout),
+                                   arrow_stream(portable(requests))],
+                                  None if timeout is None else timeout + PATIENCE_S)
+        outcome, snapshot, payload = frames[1].bytes, frames[2].bytes.decode(), frames[3]
+        if outcome == b"ok":
+            if snapshot != target.snapshot:  # a swap: validate the next requests against the new one
+                await self.status()
+            return _read(payload.buffer), snapshot
+        message = payload.bytes.decode()
+        if outcome == b"bad_request":
+            raise InputError(message)
+        if outcome == b"busy":
+            raise Refused(503, "busy", message, retry_after=1)
+        if outcome == b"timeout":
+            raise Refused(504, "timeout", message)
+        raise SidIndexError(message)
+
+    async def status(self) -> dict:
+        """`Engine.status`, and the target it reports becomes this front-end's."""
+        frames = await self._call([STATUS], PATIENCE_S)
+        doc = orjson.loads(frames[1].bytes)
+        t = doc.pop("target")
+        self._target = Target(t["snapshot"], spec_from_dict(t["spec"], "the engine's targeting spec"), t["dim"])
+        return doc
+
+    async def _call(self, frames: list, timeout: float | None) -> list:
+        """Send a message and wait for its answer (its frames after the id)."""
+        assert self._socket is not None  # `start` made it
+        mid = struct.pack("<Q", self._sent)
+        self._sent += 1
+        reply = self._replies[mid] = asyncio.get_running_loop().create_future()
+        try:
+            await self._socket.send_multipart([frames[0], mid, *frames[1:]], copy=False)
+            return await asyncio.wait_for(reply, timeout)
+        except asyncio.TimeoutError:
+            raise Refused(503, "error", f"the engine did not answer within {timeout:,.1f} s; retry later",
+                          retry_after=1) from None
+        finally:
+            self._replies.pop(mid, None)
+
+    async def _receive(self) -> None:
+        assert self._socket is not None
+        while True:
+            frames = await self._socket.recv_multipart(copy=False)
+            reply = self._replies.get(frames[1].bytes)
+            if reply is not None and not reply.done():
+                reply.set_result([frames[0], *frames[2:]])
