@@ -25,7 +25,7 @@ Modules:
     decoder     a reference transformer decoder with a KV cache: the worked example of a model
     hf          SidLogitsProcessor: the same mask inside Hugging Face `generate` (extra `sidindex[hf]`)
     post        SIDs -> ads, best score per ad, exact filter, ranking
-    retrieve    a whole request table through a Retriever; the scorers of the studies
+    retrieval   retrieve(): a whole request table through a Retriever; the scorers of the studies
     simulate    pass rates and recall per mode (`sidindex simulate`)
     server      `sidindex serve`'s HTTP front: limits, answers, health, a clean stop (extra `sidindex[serve]`)
     engine      the server's engine: the Retriever, its fair batcher (batcher), the poller, metrics
@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING
 _HOME = {
     "load": "runtime.loader", "load_index": "runtime.loader",
     "read_requests": "runtime.requests", "requests_from": "runtime.requests", "to_device": "runtime.requests",
-    "RetrievalRun": "runtime.retrieve", "codebook_scorer": "runtime.retrieve", "factory_scorer": "runtime.retrieve",
-    "retrieve": "runtime.retrieve",
+    "RetrievalRun": "runtime.retrieval", "codebook_scorer": "runtime.retrieval", "factory_scorer": "runtime.retrieval",
+    "retrieve": "runtime.retrieval",
     "Retriever": "runtime.retriever",
     "CodebookScorer": "runtime.scorer",
     "Beams": "runtime.search", "Scorer": "runtime.search", "beam_search": "runtime.search",
@@ -65,7 +65,7 @@ _HOME = {
 if TYPE_CHECKING:
     from runtime.loader import load, load_index
     from runtime.requests import read_requests, requests_from, to_device
-    from runtime.retrieve import RetrievalRun, codebook_scorer, factory_scorer, retrieve
+    from runtime.retrieval import RetrievalRun, codebook_scorer, factory_scorer, retrieve
     from runtime.retriever import Retriever
     from runtime.scorer import CodebookScorer
     from runtime.search import Beams, Scorer, beam_search, parse_beams

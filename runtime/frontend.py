@@ -37,29 +37,33 @@ from runtime.server import RetrievalServer
 RESTART_PAUSE_S = 1.0  # between a front-end's unexpected exit and its replacement
 
 
-def serve_processes(engine, host: str, port: int, workers: int, http: dict, *, log=print) -> None:
+def serve_processes(engine, host: str, port: int, workers: int, http: dict, *, arrived: list[int] | None = None,
+                    log=print) -> None:
     """Serve `engine` (a `runtime.engine.Engine`, not started) through `workers` front-end
     processes on host:port until SIGTERM or SIGINT (module doc), then stop it (`Engine.close`
     waits for its threads); `http`: the options of `RetrievalServer` (its drain_seconds bounds
-    the stop); log: one line per event."""
+    the stop); arrived: signals noted before this ran (they stop it at once); log: one line per event."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     listening = socket.create_server((host, port), family=family, backlog=2048)
     listening.set_inheritable(True)
     place = tempfile.mkdtemp(prefix="sidindex-engine-")
     try:
-        asyncio.run(_supervise(engine, listening, f"ipc://{place}/engine", workers, http, log))
+        asyncio.run(_supervise(engine, listening, f"ipc://{place}/engine", workers, http, arrived or [], log))
     finally:
         listening.close()
         shutil.rmtree(place, ignore_errors=True)
 
 
-async def _supervise(engine, listening: socket.socket, address: str, workers: int, http: dict, log) -> None:
+async def _supervise(engine, listening: socket.socket, address: str, workers: int, http: dict, arrived: list[int],
+                     log) -> None:
     from runtime.link import EngineLink
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for s in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(s, stop.set)
+    if arrived:  # before these handlers
+        stop.set()
     link = EngineLink(engine, address)
     await engine.start()
     linked = asyncio.create_task(link.run())
@@ -79,6 +83,7 @@ async def _supervise(engine, listening: socket.socket, address: str, workers: in
                     log(f"front-end process {p.pid} exited with status {p.returncode}; starting another")
                     process_gone(p.pid)
                     fronts[i] = start()
+        listening.close()  # this process's hold on the port: once the front-ends let go, no one listens
         for p in fronts:  # each drains: the engine answers its requests in flight meanwhile
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

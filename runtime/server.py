@@ -45,6 +45,7 @@ MAX_BODY_BYTES = 16 << 20  # the largest request body
 MAX_REQUEST_ROWS = 4096  # the most requests (rows) in one body
 TIMEOUT_MS = 10_000  # how long a request may wait for its answer
 DRAIN_SECONDS = 30.0  # how long a stop waits for the requests in flight
+KEEPALIVE_GRACE_S = 1.0  # on a stop, how long kept-alive connections may bring a last request (503)
 
 
 class RetrievalServer:
@@ -160,7 +161,9 @@ class RetrievalServer:
         from starlette.responses import JSONResponse
 
         self.metrics.outcomes.labels(outcome).inc()
-        headers = None if retry_after is None else {"Retry-After": str(retry_after)}
+        headers = {} if retry_after is None else {"Retry-After": str(retry_after)}
+        if outcome == "stopping":  # the client's next request goes to a new connection: another replica
+            headers["Connection"] = "close"
         return JSONResponse({"error": message.splitlines()[0] if message else "error"}, status_code=status,
                             headers=headers)
 
@@ -237,17 +240,39 @@ class RetrievalServer:
         finally:  # uvicorn let every request in flight finish first (or `_drained` answered it)
             self.engine.stop()
 
-    def serve(self, host: str, port: int, sockets: list | None = None) -> None:
+    def serve(self, host: str, port: int, sockets: list | None = None, arrived: list[int] | None = None) -> None:
         """Serve on host:port (or on `sockets`, listening already: a front-end process's) until
-        SIGTERM or SIGINT, then drain (module doc)."""
+        SIGTERM or SIGINT, then drain (module doc); arrived: signals noted before this listened
+        (they stop it at once)."""
         import uvicorn
 
         server = self
 
         class _Server(uvicorn.Server):
-            def handle_exit(self, sig, frame) -> None:  # in the loop's thread, between its callbacks
+            @contextlib.contextmanager
+            def capture_signals(self):
+                with super().capture_signals():
+                    for sig in arrived or ():  # came before these handlers were in place
+                        self.handle_exit(sig, None)
+                    yield
+
+            def handle_exit(self, sig, frame) -> None:  # in the main thread, the loop's
+                if server.draining or server._loop is None:  # a second signal, or no loop yet: uvicorn's way
+                    super().handle_exit(sig, frame)
+                    return
                 server.drain()
-                super().handle_exit(sig, frame)
+                # no new connection from now (a client connects to another replica); a client on a
+                # kept-alive one gets 503 and Connection: close for its next request before uvicorn
+                # closes the idle ones, which would lose a request sent as it closes
+                loop = server._loop
+
+                def stop_listening() -> None:
+                    for listening in self.servers:
+                        listening.close()
+
+                loop.call_soon_threadsafe(stop_listening)
+                grace = min(KEEPALIVE_GRACE_S, server.drain_seconds / 4)
+                loop.call_soon_threadsafe(loop.call_later, grace, uvicorn.Server.handle_exit, self, sig, frame)
 
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=max(1, math.ceil(self.drain_seconds)))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from runtime.requests import to_device
-from runtime.retrieve import codebook_scorer, factory_scorer, retrieve
+from runtime.retrieval import codebook_scorer, factory_scorer, retrieve
 from runtime.scorer import ScorerFactory
 from runtime.search import Scorer, check_value_weight, level_log_probs, logits_of, parse_beams
 from runtime.served import ServedIndex

@@ -1,3 +1,3 @@
-from sidindex_cli.app import main
+from sidindex_cli.launch import main
 
 main()

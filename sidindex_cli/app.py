@@ -43,6 +43,8 @@ class _Outcome:
     # the heaviest library it loads, for the address space that needs (`sidindex.resources.check_limit`);
     # numpy stands for numpy, polars, pyarrow and numba, which every command loads
     loads: str | None = None
+    # a server stopped before it served has done what it was asked: exit 0
+    stop_before_serving: bool = False
 
 
 # The commands that write files write each under a temporary name and rename it into place,
@@ -54,7 +56,7 @@ OUTCOMES = {
     "update": _Outcome(loads="numpy"),
     "retrieve": _Outcome("nothing written", "fewer requests per file, or per search (--batch-size)", "torch"),
     "simulate": _Outcome("nothing written", "fewer requests (--max-requests)", "torch"),
-    "serve": _Outcome("nothing written", "smaller --beams or --max-batch", "torch"),
+    "serve": _Outcome("nothing written", "smaller --beams or --max-batch", "torch", stop_before_serving=True),
     **{c: _Outcome("nothing written", loads="numpy") for c in ("explain", "inspect", "validate")},
 }
 
@@ -87,7 +89,8 @@ def _fail(message: str, code: int, label: str = "error: ") -> NoReturn:
     sys.exit(code)
 
 
-def main() -> None:
+def main(early: list[int] | tuple[int, ...] = ()) -> None:
+    """The command line; early: SIGINT or SIGTERM that came while it loaded (`sidindex_cli.launch`)."""
     fit_to_limit()  # before numpy, polars, pyarrow and numba load: they size their pools as they do
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     outcome = OUTCOMES.get(command, _Outcome())
@@ -96,8 +99,14 @@ def main() -> None:
         # SIGINT and SIGTERM unwind the command (`Interrupted`) until it publishes; after that they are
         # noted until the process has exited, and the success stands
         with interrupts_raise(keep=True):
+            if early:
+                raise Interrupted(early[0])
             code = app(standalone_mode=False)
     except Interrupted as e:
+        if outcome.stop_before_serving:
+            err.print(f"stopped by {signal.Signals(e.signum).name} before serving; no request was taken",
+                      highlight=False)
+            return
         _fail(e.describe(outcome.left), e.exit_code, label="")
     except SidIndexError as e:  # one raised on a failed allocation (a file that "cannot be read") is out of memory
         line = _memory_line(e, command, outcome)

@@ -257,7 +257,6 @@ def serve(
     import runtime
     from runtime.engine import Engine
     from runtime.metrics import share_between_processes
-    from sidindex.interrupts import Interrupted
 
     chosen = parse_mode(mode)
     factory = _factory(scorer, None)  # batches run off the main thread, where no alarm can stop a scorer
@@ -269,12 +268,9 @@ def serve(
     sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch} | {max_batch}))
     err.print(f"warming snapshot {watcher.current.id} on {watcher.device} (batch sizes {', '.join(map(str, sizes))})",
               highlight=False)
-    try:
-        retriever = runtime.Retriever(watcher, mode=chosen, beams=beams, scorer=factory, batch_sizes=sizes,
-                                      value_weight=value_weight, rank=rank, top_k=top_k)
-    except Interrupted as e:  # a stop before serving: nothing was in flight
-        err.print(f"stopped by {signal.Signals(e.signum).name} while warming; no request was taken", highlight=False)
-        return
+    # a SIGTERM until serving starts raises Interrupted: `sidindex_cli.app.main` stops with exit 0
+    retriever = runtime.Retriever(watcher, mode=chosen, beams=beams, scorer=factory, batch_sizes=sizes,
+                                  value_weight=value_weight, rank=rank, top_k=top_k)
     engine = Engine(watcher, retriever, max_batch=max_batch, max_wait_us=max_wait_us, max_queue=max_queue,
                     poll_seconds=poll_seconds, unready_after=unready_after)
     http = {"max_body_bytes": max_body_bytes, "max_request_rows": max_request_rows, "timeout_ms": timeout_ms or None,
@@ -287,9 +283,11 @@ def serve(
         err.print(f"serving Arrow Flight on grpc://{host}:{endpoint.port}", highlight=False)
     processes = f" ({workers} front-end processes)" if workers > 1 else ""
     err.print(f"serving {root} on http://{host}:{port}{processes}", highlight=False)
-    # uvicorn drains on the signal, then raises it again for the handler it found: a drained stop
-    # is this command's success
-    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    # from here a signal is noted for the server to act on once it listens (it drains then), and
+    # uvicorn, which drains on one, raises it again for the handler it found: a drained stop is
+    # this command's success
+    arrived: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _: arrived.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
     # the batch thread gives up the GIL in every Arrow, numba and CUDA call; while the event loop
     # parses requests it would wait Python's default 5 ms to get it back, several times a batch
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -298,9 +296,10 @@ def serve(
         if workers > 1:
             from runtime.frontend import serve_processes
 
-            serve_processes(engine, host, port, workers, http, log=lambda line: err.print(line, highlight=False))
+            serve_processes(engine, host, port, workers, http, arrived=arrived,
+                            log=lambda line: err.print(line, highlight=False))
         else:
-            server.serve(host, port)
+            server.serve(host, port, arrived=arrived)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

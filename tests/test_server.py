@@ -380,6 +380,22 @@ def test_the_console_script_serves_and_drains_on_sigterm(built, rows, tmp_path):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
 
 
+@pytest.mark.parametrize("delay", [0.4, 1.5], ids=["while-its-modules-load", "while-it-warms"])
+def test_sigterm_while_the_server_starts_exits_0(built, delay):
+    """A rolling deploy may stop a replica it just started: before it serves, SIGTERM is a clean
+    stop (exit 0, one line), whether it comes while the command's modules load or the snapshot
+    loads and warms."""
+    sidindex = Path(sys.executable).parent / "sidindex"
+    p = subprocess.Popen([str(sidindex), "serve", str(built), "--port", str(_free_port()), "--beams", "1,8,16,16"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "Traceback" not in err and ("before serving; no request was taken" in err or
+                                       "stopped: every request in flight was answered" in err), err
+
+
 def _children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (Linux /proc)."""
     found = []
