@@ -32,7 +32,7 @@ or its previous answer's) to when it did (p99 reported), should stay well below 
 and sends that found their client still waiting (too few --clients) are counted. Answers are
 parsed after the clock stops.
 
-Scenarios (--scenarios), run in turn on the same server:
+Scenarios (--scenarios; default steady,publisher,corrupt), run in turn on the same server:
   steady     the load alone
   publisher  the load, and every --publish-every seconds `sidindex update WORK_ROOT --changes FILE`
              (the update path warmed first by one update of a scratch copy: numba's kernels compiled;
@@ -46,6 +46,10 @@ Scenarios (--scenarios), run in turn on the same server:
              and corrupt. The server must keep serving the old snapshot and say why in /snapshot's
              last_error. At two thirds an intact copy of the served snapshot is published; the
              server must swap to it (and clear last_error).
+  large      the load; at a third of the scenario one body of --large-rows requests (default 4,096,
+             the server's most), which the server runs in pieces that take turns with the load's:
+             the requests in flight meanwhile ("in swaps" in the table: its window) against the
+             others, and the server's mean batch time, say what it cost them
 Every publication keeps every snapshot (`sidindex update --keep` a million), so that each one an
 answer names can be loaded for its check.
 
@@ -107,7 +111,8 @@ from bench.load_wrk import run_wrk, wrk_path
 # torch, runtime and the catalog helpers are imported where they are used: a client process
 # imports only numpy and httpx
 
-SCENARIOS = ("steady", "publisher", "corrupt")
+SCENARIOS = ("steady", "publisher", "corrupt")  # the default
+CHOICES = (*SCENARIOS, "large")
 CPU_BEAMS, CUDA_BEAMS = "1,16,32,32", "1,512,1024,1024"
 PROC_RATE = 1000  # requests/s a client process is given by default
 KEEP = 1_000_000  # retention of the working ROOT: every snapshot an answer may name stays
@@ -263,6 +268,7 @@ def server_counts(m: dict[str, float]) -> dict:
     """What a scenario reports of the server's metrics (differences of two of these)."""
     out = {"swaps": m.get("sidindex_swaps_total", 0.0), "batches": m.get("sidindex_batch_requests_count", 0.0),
            "batch_rows": m.get("sidindex_batch_requests_sum", 0.0),
+           "batch_seconds": m.get("sidindex_batch_seconds_sum", 0.0),
            "swap_seconds": m.get("sidindex_swap_seconds_sum", 0.0)}
     for k, v in m.items():
         if k.startswith("sidindex_requests_total{"):
@@ -361,6 +367,27 @@ async def corrupter(root: Path, start: float, seconds: float, events: list) -> N
                        "started_s": t0 - start, "finished_s": time.monotonic() - start})
 
 
+def large_body(bodies: list[bytes], rows: int) -> bytes:
+    """One JSON body of `rows` requests, the pool's in turn, request ids 0..rows-1."""
+    pool = [json.loads(b)["requests"][0] for b in bodies]
+    return json.dumps({"requests": [pool[i % len(pool)] | {"request_id": i} for i in range(rows)]},
+                      separators=(",", ":")).encode()
+
+
+async def large_request(url: str, start: float, seconds: float, body: bytes, rows: int, events: list) -> None:
+    """The large scenario's body of `rows` requests, posted at a third of the scenario (module
+    doc): when it was sent and answered, its status, and how many of its requests the answer holds
+    rows of."""
+    await asyncio.sleep(max(0.0, start + seconds / 3 - time.monotonic()))
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=600) as http:
+        r = await http.post(url + "/retrieve", content=body, headers=JSON_HEADERS)
+    t1 = time.monotonic()
+    answered = len({row["request_id"] for row in r.json()["rows"]}) if r.status_code == 200 else 0
+    events.append({"kind": "large request", "rows": rows, "status": r.status_code, "requests_answered": answered,
+                   "started_s": t0 - start, "finished_s": t1 - start})
+
+
 async def monitor(root: Path, url: str, start: float, stop: asyncio.Event, samples: list) -> None:
     """Every MONITOR_S: (seconds from the start, CURRENT's id, the id /snapshot serves, its
     last_error)."""
@@ -425,6 +452,9 @@ async def scenario(name: str, server: Server, root: Path, args, seconds: float, 
                                                bodies, ad_ids, seed, work, events))
     elif name == "corrupt":
         action = asyncio.create_task(corrupter(root, start, seconds, events))
+    elif name == "large":
+        action = asyncio.create_task(large_request(server.url, start, seconds, large_body(bodies, args.large_rows),
+                                                   args.large_rows, events))
     for proc, _ in children:
         if await proc.wait() != 0:
             raise RuntimeError(f"a client process of scenario {name} exited with {proc.returncode}")
@@ -436,7 +466,11 @@ async def scenario(name: str, server: Server, root: Path, args, seconds: float, 
     answers = merged([dict(np.load(out)) for _, out in children])
     end = float(answers["done"].max()) if len(answers["done"]) else seconds
     after = server_counts(server.get("/metrics"))
-    res = {"scenario": name, "seconds": seconds, "events": events, "windows": swap_windows(samples, end),
+    windows = swap_windows(samples, end) + [
+        {"snapshot": "a large request", "from_s": e["started_s"], "until_s": e["finished_s"],
+         "outcome": "answered" if e["status"] == 200 else f"status {e['status']}"}
+        for e in events if e["kind"] == "large request"]
+    res = {"scenario": name, "seconds": seconds, "events": events, "windows": windows,
            "server": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
            "snapshot_after": server.get("/snapshot")}
     res["last_errors_seen"] = sorted({s[3] for s in samples if s[3]})
@@ -577,9 +611,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--procs", type=int, help=f"client processes (default: one per {PROC_RATE:,} requests/s, at most "
                                               "half the cores)")
     ap.add_argument("--scenarios", type=lambda s: s.split(","), default=list(SCENARIOS),
-                    help="comma-separated, of " + ", ".join(SCENARIOS))
+                    help="comma-separated, of " + ", ".join(CHOICES) + " (default: " + ",".join(SCENARIOS) + ")")
     ap.add_argument("--pool", type=int, default=1024, help="distinct requests sent")
     ap.add_argument("--pause", type=int, default=4, help="ads each update of the publisher scenario pauses")
+    ap.add_argument("--large-rows", type=int, default=4096, help="requests in the large scenario's body")
     ap.add_argument("--publish-every", type=float, default=1.0, help="seconds between the publisher's updates")
     ap.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch")
     ap.add_argument("--max-wait-us", type=int, default=500, help="the server's --max-wait-us")
@@ -599,9 +634,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, help="keep the catalog and its ROOT here, and reuse them")
     ap.add_argument("--json", type=Path, help="write every figure as JSON here")
     args = ap.parse_args(argv)
-    unknown = [s for s in args.scenarios if s not in SCENARIOS]
+    unknown = [s for s in args.scenarios if s not in CHOICES]
     if unknown or not args.scenarios:
-        ap.error(f"--scenarios {','.join(args.scenarios)}: choose from {', '.join(SCENARIOS)}")
+        ap.error(f"--scenarios {','.join(args.scenarios)}: choose from {', '.join(CHOICES)}")
     if args.procs is None:
         args.procs = max(1, min(-(-int(args.rate) // PROC_RATE), (os.cpu_count() or 2) // 2))
     if min(args.rate, args.seconds) <= 0 or min(args.clients, args.procs, args.pool) < 1 or args.top_k < 0:

@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 import httpx
 
-from bench.bench_load import Server, log, publish_copy, request_pool, working_root
+from bench.bench_load import Server, large_body, log, publish_copy, request_pool, working_root
 
 MOMENTS = ("warm-up", "load", "swap", "large")
 
@@ -78,12 +78,6 @@ class Load:
         self._stop.set()
         for t in self.threads:
             t.join(300)
-
-
-def large_body(bodies: list[bytes], rows: int) -> bytes:
-    """One body of `rows` requests from the pool's, request ids 0..rows-1."""
-    pool = [json.loads(b)["requests"][0] for b in bodies]
-    return json.dumps({"requests": [pool[i % len(pool)] | {"request_id": i} for i in range(rows)]}).encode()
 
 
 def one_run(root: Path, args, workers: int | None, moment: str, rng: random.Random, bodies: list[bytes],

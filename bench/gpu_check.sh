@@ -10,6 +10,8 @@
 #   bash bench/gpu_check.sh bench [ADS]    # then the serving benchmarks, into $OUT (or bench_out/):
 #                                          # bench_topk, bench_post, bench_stream both profiles at ADS
 #                                          # ads (default 2000000: about 4M SIDs)
+#   bash bench/gpu_check.sh serve [ADS]    # the server's benchmarks alone (bench_load: process models
+#                                          # and wrk, the large request) and profile_serving
 #   bash bench/gpu_check.sh all [ADS]      # the tests, then the benchmarks (and bench_load's steady
 #                                          # scenario with its wrk pass, one server process against
 #                                          # front-end processes; wrk from .deb/: apt-get download
@@ -48,7 +50,7 @@ export PATH="$site/bin:$PATH"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 mode="${1:-}"
-if [ "$mode" = "bench" ] || [ "$mode" = "all" ]; then
+if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ]; then
     shift
     ads="${1:-2000000}"
     set --
@@ -57,7 +59,7 @@ out="${OUT:-bench_out}"
 mkdir -p "$out"
 export OUT="$out"
 status=0
-if [ "$mode" != "bench" ]; then
+if [ "$mode" != "bench" ] && [ "$mode" != "serve" ]; then
     # every test file with a CUDA case (each skips them without a GPU); files named in the
     # arguments replace the list
     TESTS=(tests/test_broken_scorer.py tests/test_serving.py tests/test_retriever.py tests/test_order.py
@@ -77,11 +79,18 @@ if [ "$mode" = "bench" ] || [ "$mode" = "all" ]; then
     python3 bench/bench_stream.py --device cuda --ads "$ads" --profile both --cache "$out/cache" \
         --json "$out/stream.json" || status=1
     python3 bench/bench_host.py --device cuda --ads "$ads" --cache "$out/cache" --json "$out/host.json" || status=1
+fi
+if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ]; then
     # the server under load, the default profile's catalog from above, and wrk beside it: one process,
     # then front-end processes over the engine (the clients take the host's other cores)
     python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios steady --rate 10000 --clients 64 --procs 4 \
         --max-batch 64 --seconds 10 --wrk-connections 64 --workers 1,8 --cache "$out/cache" \
         --json "$out/load.json" || status=1
+    # fairness: a 4,096-request body beside a load the server sustains
+    python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios large --rate 1000 --clients 64 --procs 2 \
+        --max-batch 64 --seconds 10 --workers 8 --no-wrk --cache "$out/cache" --json "$out/load_large.json" \
+        || status=1
+    python3 bench/profile_serving.py --ads "$ads" --cache "$out/cache" || status=1
     rm -rf "$out/cache"
 fi
 exit $status

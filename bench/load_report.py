@@ -170,7 +170,8 @@ def scenario_notes(s: dict) -> list[str]:
                    f"{sum(e['paused_returned'] for e in updates)} of them just returned by a probe"
                    + (f"; {len(failed)} failed: {failed[0]['error'].splitlines()[-1]}" if failed else ""))
     for w in s["windows"]:
-        out.append(f"{w['snapshot']}: published at {w['from_s']:.2f} s, {w['outcome']} at {w['until_s']:.2f} s")
+        sent = "sent" if w["snapshot"] == "a large request" else "published"
+        out.append(f"{w['snapshot']}: {sent} at {w['from_s']:.2f} s, {w['outcome']} at {w['until_s']:.2f} s")
     srv = s["server"]
     if srv["swaps"]:
         out.append(f"server: {srv['swaps']:.0f} swaps, {srv['swap_seconds'] / srv['swaps']:.2f} s each to load and "
@@ -199,6 +200,19 @@ def verdicts(s: dict) -> list[tuple[bool, str]]:
            (s["failed"] == 0, f"{s['failed']} of {s['sent']} requests failed")]
     if s["scenario"] == "publisher":
         out.append((s["swaps_seen"] >= 1, f"{s['swaps_seen']} swaps seen in the answers"))
+    if s["scenario"] == "large":
+        large = [e for e in s["events"] if e["kind"] == "large request"]
+        srv = s["server"]
+        batch_ms = 1e3 * srv["batch_seconds"] / srv["batches"] if srv.get("batches") else None
+        for e in large:
+            out.append((e["status"] == 200 and e["requests_answered"] == e["rows"],
+                        f"the large body of {e['rows']:,} requests: status {e['status']}, rows for "
+                        f"{e['requests_answered']:,} of them, in {e['finished_s'] - e['started_s']:.2f} s"))
+        during, other = s["p99_during_swaps_ms"], s["p99_other_ms"]
+        if large and during is not None and other is not None and batch_ms is not None:
+            out.append((during <= other + 2 * batch_ms,
+                        f"requests in flight beside it: p99 {during:.1f} ms against {other:.1f} ms for the others; "
+                        f"within two batches ({2 * batch_ms:.1f} ms) of them"))
     if s["scenario"] == "corrupt":
         corrupt = {e["snapshot"] for e in s["events"] if e["kind"] == "corrupt"}
         refused = [w for w in s["windows"] if w["snapshot"] in corrupt and w["outcome"] == "refused"]
