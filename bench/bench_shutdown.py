@@ -114,8 +114,10 @@ def one_run(root: Path, args, workers: int | None, moment: str, rng: random.Rand
             load.stop()
     text = server.log_path.read_text(errors="replace")
     shutil.rmtree(run_root, ignore_errors=True)
+    first = text.find("Traceback")
     return {"workers": workers, "moment": moment_seen, "delay_s": delay, "exit": code, "stop_s": stop_s,
             "tracebacks": text.count("Traceback") + text.count("terminate called"),
+            "first_traceback": text[first:first + 3000] if first >= 0 else None,
             "statuses": {} if load is None else load.statuses, "unanswered": 0 if load is None else load.unanswered,
             "refused_at_connect": 0 if load is None else load.refused}
 
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="cd+gtm")
     ap.add_argument("--beams", default="1,4,8,8")
     ap.add_argument("--runs", type=int, default=20, help="stops per process model")
+    ap.add_argument("--moments", type=lambda s: s.split(","), default=list(MOMENTS),
+                    help="comma-separated, of " + ", ".join(MOMENTS) + ", taken in turn")
     ap.add_argument("--workers", type=lambda s: [int(w) for w in s.split(",")], default=[1, 2],
                     help="the server's --workers, one set of runs each")
     ap.add_argument("--clients", type=int, default=4)
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for workers in args.workers:
         for i in range(args.runs):
-            moment = MOMENTS[i % len(MOMENTS)]
+            moment = args.moments[i % len(args.moments)]
             log(f"--workers {workers}, run {i + 1}/{args.runs}: SIGTERM during {moment} ...")
             work = Path(tempfile.mkdtemp(prefix="run_", dir=cache))
             try:
@@ -190,6 +194,10 @@ def report(runs: list[dict], args) -> None:
         t.add_row(str(r["workers"]), r["moment"], f"{r['delay_s']:.2f}", str(r["exit"]), f"{r['stop_s']:.2f}",
                   str(r["tracebacks"]), answers, str(r["unanswered"]), str(r["refused_at_connect"]))
     console.print(t)
+    for r in runs:
+        if r["first_traceback"]:
+            console.print(f"--workers {r['workers']}, {r['moment']}: the first traceback of the server's output:\n"
+                          f"{r['first_traceback']}", highlight=False, markup=False)
     for workers in args.workers:
         mine = [r for r in runs if r["workers"] == workers]
         clean = [r for r in mine if r["exit"] == 0 and r["tracebacks"] == 0]

@@ -32,7 +32,7 @@ import threading
 import time
 
 from runtime.metrics import process_gone
-from runtime.server import RetrievalServer
+from runtime.server import SWITCH_INTERVAL_S, RetrievalServer
 
 RESTART_PAUSE_S = 1.0  # between a front-end's unexpected exit and its replacement
 
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=orphaned, name="sidindex-orphaned", daemon=True).start()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # a large body parsed on a thread gives the loop its turns
     host, port = listening.getsockname()[:2]
     server.serve(host, port, sockets=[listening])
 

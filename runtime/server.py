@@ -46,6 +46,10 @@ MAX_REQUEST_ROWS = 4096  # the most requests (rows) in one body
 TIMEOUT_MS = 10_000  # how long a request may wait for its answer
 DRAIN_SECONDS = 30.0  # how long a stop waits for the requests in flight
 KEEPALIVE_GRACE_S = 1.0  # on a stop, how long kept-alive connections may bring a last request (503)
+# a body or an answer past these is parsed or written on a thread: the event loop goes on taking
+# and answering the other requests meanwhile (it gets the GIL back every SWITCH_INTERVAL_S)
+OFF_LOOP_BYTES, OFF_LOOP_ROWS = 1 << 18, 10_000
+SWITCH_INTERVAL_S = 2e-4  # how long a thread waiting for the GIL waits at most while a server runs
 
 
 class RetrievalServer:
@@ -104,7 +108,11 @@ class RetrievalServer:
             if self.draining:
                 raise Refused(503, "stopping", "the server is stopping; send the request to another replica")
             target = await self.engine.target()  # once: what the body is validated against
-            reqs = self._parse(await self._body(request), arrow, target)
+            body = await self._body(request)
+            if len(body) > OFF_LOOP_BYTES:
+                reqs = await asyncio.to_thread(self._parse, body, arrow, target)
+            else:
+                reqs = self._parse(body, arrow, target)
             table, snapshot = await self._answer(reqs, target)
         except ClientDisconnect:  # the client went away mid-body: nobody to answer
             self.metrics.outcomes.labels("disconnected").inc()
@@ -120,12 +128,10 @@ class RetrievalServer:
         self.metrics.outcomes.labels("ok").inc()
         self.metrics.end_to_end.observe(time.perf_counter() - t0)
         headers = {"X-Sidindex-Snapshot": snapshot}
-        if arrow:
-            body = arrow_stream(table.replace_schema_metadata({"snapshot": snapshot}))
-            return Response(body.to_pybytes(), media_type=ARROW_STREAM, headers=headers)
-        # orjson writes the scores of ads no beam reached (-inf) as null
-        return Response(orjson.dumps({"snapshot": snapshot, "rows": table.to_pylist()}), media_type="application/json",
-                        headers=headers)
+        write = _arrow_body if arrow else _json_body
+        out = await asyncio.to_thread(write, table, snapshot) if table.num_rows > OFF_LOOP_ROWS else \
+            write(table, snapshot)
+        return Response(out, media_type=ARROW_STREAM if arrow else "application/json", headers=headers)
 
     async def _body(self, request) -> bytes:
         """The request's body, refused (413) as soon as it passes max_body_bytes: by its declared
@@ -257,22 +263,25 @@ class RetrievalServer:
                     yield
 
             def handle_exit(self, sig, frame) -> None:  # in the main thread, the loop's
-                if server.draining or server._loop is None:  # a second signal, or no loop yet: uvicorn's way
+                if server.draining or server._loop is None or not self.started:
+                    # a second signal, or before the server listens (no kept-alive connection to
+                    # answer): uvicorn's way, at once
+                    server.drain()
                     super().handle_exit(sig, frame)
                     return
-                server.drain()
-                # no new connection from now (a client connects to another replica); a client on a
-                # kept-alive one gets 503 and Connection: close for its next request before uvicorn
-                # closes the idle ones, which would lose a request sent as it closes
                 loop = server._loop
 
-                def stop_listening() -> None:
+                def begin() -> None:  # in the loop: the port closes before the first 503 goes out
+                    # no new connection from now (a client connects to another replica); a client on
+                    # a kept-alive one gets 503 and Connection: close for its next request before
+                    # uvicorn closes the idle ones, which would lose a request sent as it closes
                     for listening in self.servers:
                         listening.close()
+                    server.drain()
+                    grace = min(KEEPALIVE_GRACE_S, server.drain_seconds / 4)
+                    loop.call_later(grace, uvicorn.Server.handle_exit, self, sig, frame)
 
-                loop.call_soon_threadsafe(stop_listening)
-                grace = min(KEEPALIVE_GRACE_S, server.drain_seconds / 4)
-                loop.call_soon_threadsafe(loop.call_later, grace, uvicorn.Server.handle_exit, self, sig, frame)
+                loop.call_soon_threadsafe(begin)
 
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=max(1, math.ceil(self.drain_seconds)))
@@ -311,6 +320,15 @@ class RetrievalServer:
         if stopping is not None:
             stopping.join(max(0.0, end - time.monotonic()))
         return stopped and not (stopping is not None and stopping.is_alive())
+
+
+def _arrow_body(table: pa.Table, snapshot: str) -> bytes:
+    return arrow_stream(table.replace_schema_metadata({"snapshot": snapshot})).to_pybytes()
+
+
+def _json_body(table: pa.Table, snapshot: str) -> bytes:
+    # orjson writes the scores of ads no beam reached (-inf) as null
+    return orjson.dumps({"snapshot": snapshot, "rows": table.to_pylist()})
 
 
 def _settle(answer: asyncio.Future, task: asyncio.Future) -> None:

@@ -25,7 +25,6 @@ from sidindex_cli.options import (
 )
 from sidindex_cli.render import emit, err, print_study
 
-SWITCH_INTERVAL_S = 2e-4  # how long a thread waiting for the GIL waits at most while `serve` runs
 SCORER_OPT = typer.Option(
     None, "--scorer", metavar="MODULE:FACTORY",
     help="Your model as the scorer: FACTORY(batch: pyarrow.Table, device, level_sizes) -> scorer(step, tokens, "
@@ -290,6 +289,8 @@ def serve(
     previous = {s: signal.signal(s, lambda signum, _: arrived.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
     # the batch thread gives up the GIL in every Arrow, numba and CUDA call; while the event loop
     # parses requests it would wait Python's default 5 ms to get it back, several times a batch
+    from runtime.server import SWITCH_INTERVAL_S
+
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = RetrievalServer(engine, **http)
     try:

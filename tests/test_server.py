@@ -471,10 +471,24 @@ def test_front_end_processes_answer_as_one_does_and_stop_on_sigterm(built, rows,
         clients += [threading.Thread(target=load, args=(i,)) for i in range(4)]
         for t in clients:
             t.start()
+        kept = httpx.Client(timeout=60)  # a kept-alive connection, idle when the stop comes
+        assert kept.post(f"{url}/retrieve", json={"requests": rows[:1]}).status_code == 200
         time.sleep(0.5)
     finally:
         p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=60)
+    # its next requests: answered (200) until the stop reaches its front-end, then one 503 saying
+    # Connection: close; the one after finds the port closed
+    seen = []
+    for _ in range(200):
+        try:
+            r = kept.post(f"{url}/retrieve", json={"requests": rows[:1]})
+        except httpx.TransportError as e:
+            seen.append(type(e).__name__)
+            break
+        seen.append((r.status_code, r.headers.get("connection")))
+        time.sleep(0.01)
+    out, err = p.communicate(timeout=60)
+    assert (503, "close") in seen and seen[-1] == "ConnectError", seen
     for t in clients:
         t.join(60)
     assert p.returncode == 0, err
@@ -606,6 +620,27 @@ def _pause_one(root: Path) -> Path:
     path = root.parent / "pause.parquet"
     pq.write_table(pa.table({"ad_id": pa.array([ad], pa.int64()), "op": ["pause"]}), path)
     return path
+
+
+def test_large_bodies_and_answers_are_handled_off_the_event_loop_alike(root, rows, serving, monkeypatch):
+    """A body or an answer past the server's thresholds is parsed or written on a thread: the same
+    answers, JSON and Arrow."""
+    import runtime.server as server_module
+
+    monkeypatch.setattr(server_module, "OFF_LOOP_BYTES", 0)
+    monkeypatch.setattr(server_module, "OFF_LOOP_ROWS", 0)
+    server, engine = serving(root)
+    want = direct(engine.retriever.index, rows[:5])
+    with TestClient(server.app) as client:
+        assert same_rows(client.post("/retrieve", json={"requests": rows[:5]}).json()["rows"], want)
+        table = pa.Table.from_pylist(rows[:5])
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+        r = client.post("/retrieve", content=sink.getvalue().to_pybytes(), headers={"content-type": ARROW_STREAM})
+        assert same_rows(pa.ipc.open_stream(r.content).read_all().to_pylist(), want)
+        bad = client.post("/retrieve", json={"requests": [{"embedding": [0.0]}]})
+        assert bad.status_code == 400 and "missing column 'request_id'" in bad.json()["error"]
 
 
 def test_an_embedding_past_float32_gets_400_and_no_warning(root, rows, serving):
