@@ -15,13 +15,16 @@ MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's own variable
 SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
-def share_between_processes() -> str:
-    """Make this process and the processes it starts write their metrics to one new directory
-    (returned); call it before any metric is made."""
+def share_between_processes() -> str | None:
+    """Make this process and the processes it starts write their metrics to one directory: the
+    environment's PROMETHEUS_MULTIPROC_DIR, else a new one, returned for the caller to remove
+    when they have all ended (None: the environment's). Call it before any metric is made."""
     if "prometheus_client" in sys.modules and MULTIPROC_DIR not in os.environ:
         raise RuntimeError("share_between_processes: prometheus_client was imported first; call it before")
-    os.environ[MULTIPROC_DIR] = os.environ.get(MULTIPROC_DIR) or tempfile.mkdtemp(prefix="sidindex-metrics-")
-    return os.environ[MULTIPROC_DIR]
+    if os.environ.get(MULTIPROC_DIR):
+        return None
+    os.environ[MULTIPROC_DIR] = made = tempfile.mkdtemp(prefix="sidindex-metrics-")
+    return made
 
 
 def shared() -> bool:

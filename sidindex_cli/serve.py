@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -261,8 +262,9 @@ def serve(
     factory = _factory(scorer, None)  # batches run off the main thread, where no alarm can stop a scorer
     if workers is None:
         workers = max(1, (os.cpu_count() or 1) - 2) if device.startswith("cuda") else 1
+    metrics_dir = None
     if workers > 1:  # before any metric is made: every process writes them to one place
-        share_between_processes()
+        metrics_dir = share_between_processes()
     watcher = runtime.SnapshotWatcher(root, device, trust_key=trust_key)
     sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch} | {max_batch}))
     err.print(f"warming snapshot {watcher.current.id} on {watcher.device} (batch sizes {', '.join(map(str, sizes))})",
@@ -305,6 +307,8 @@ def serve(
         for s, handler in previous.items():
             signal.signal(s, handler)
     stopped = server.close(timeout=drain_seconds, flight=endpoint)
+    if metrics_dir is not None:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     err.print("stopped: every request in flight was answered", highlight=False)
     if not stopped:  # a thread still in native code (a warm-up's batch) would abort the interpreter's exit
         sys.stdout.flush()
