@@ -115,15 +115,35 @@ def ranked(found, r: int) -> list:
             if alive[k]]
 
 
-@settings(max_examples=interpreted(20, gpu=8), deadline=None)
-@given(scenarios(max_ads=12), st.integers(0, 2**32 - 1), st.sampled_from(KINDS), st.integers(1, 3))
-def test_tied_logits_give_one_order_on_every_path(sc, seed, kind, cap):
+TIED_SEARCHES = st.tuples(scenarios(max_ads=12), st.integers(0, 2**32 - 1), st.sampled_from(KINDS), st.integers(1, 3))
+
+
+@settings(max_examples=20, deadline=None)
+@given(TIED_SEARCHES)
+def test_tied_logits_give_one_order_on_every_path(drawn):
+    """The torch (and on the CPU numba) masks' paths."""
+    _one_order(*drawn, kernels=False)
+
+
+@settings(max_examples=interpreted(10, gpu=8), deadline=None)  # apart: under the interpreter an example costs seconds
+@given(TIED_SEARCHES)
+def test_tied_logits_give_the_kernels_one_order(drawn):
+    """The Triton masks' paths, against the torch mask's compact path and the brute force."""
+    _one_order(*drawn, kernels=True)
+
+
+def _one_order(sc, seed, kind, cap, kernels: bool) -> None:
     case = Case(sc, DEVICE)  # on a GPU: the Triton kernels themselves
     host = case if DEVICE == "cpu" else Case(sc, "cpu")  # the brute force's float32 sums are the CPU's
     scorer, beams = TiedScorer(sc.level_sizes, seed, kind), beams_of(case)
     for mode in Mode:
+        chosen = [(impl, layout) for impl, layout in paths(mode) if (impl == "triton") == kernels]
+        if kernels:
+            if not chosen:
+                continue
+            chosen.insert(0, ("torch", "compact"))  # what the kernels' beams must equal
         first = None
-        for impl, layout in paths(mode):
+        for impl, layout in chosen:
             found = beam_search(case.index, case.dreq, scorer, beams, mode, impl, layout=layout)
             first = found if first is None else first
             assert_same(found, first, (mode, impl, layout))
@@ -152,9 +172,23 @@ def test_value_guided_ties_give_one_order_on_every_path(sc, data, seed, kind, we
             assert_same(found, first, (mode, impl, layout))
 
 
+POST_DRAWS = st.tuples(scenarios(max_ads=12), st.data(), st.integers(0, 2**32 - 1), st.sampled_from(KINDS))
+
+
 @settings(max_examples=10, deadline=None)
-@given(scenarios(max_ads=12), st.data(), st.integers(0, 2**32 - 1), st.sampled_from(KINDS))
-def test_the_post_stage_ranks_tied_beams_alike_on_host_and_device(sc, data, seed, kind):
+@given(POST_DRAWS)
+def test_the_post_stage_ranks_tied_beams_alike_on_host_and_device(drawn):
+    """The device path's torch reference."""
+    _post_ranks_alike(*drawn, impls=tuple(i for i in POST_IMPLS if i != "triton"))
+
+
+@settings(max_examples=interpreted(10), deadline=None)  # apart: under the interpreter an example costs seconds
+@given(POST_DRAWS)
+def test_the_post_kernels_rank_tied_beams_alike_on_host_and_device(drawn):
+    _post_ranks_alike(*drawn, impls=("triton",))
+
+
+def _post_ranks_alike(sc, data, seed, kind, impls: tuple[str, ...]) -> None:
     if data.draw(st.booleans()):
         sc = dataclasses.replace(sc, values=data.draw(st.lists(VALUES, min_size=len(sc.ads), max_size=len(sc.ads))))
     case = Case(sc, "cpu")  # the host path's beams; `device_post` moves them to the kernels' device
@@ -163,7 +197,7 @@ def test_the_post_stage_ranks_tied_beams_alike_on_host_and_device(sc, data, seed
         found = beam_search(case.index, case.dreq, scorer, beams_of(case), mode, "torch")
         for rank in RANKS if sc.values is not None else ("score",):
             host = expand(case.index, case.req, found, None, False, rank)
-            for impl in POST_IMPLS:
+            for impl in impls:
                 same(host, device_result(case, found, impl, rank=rank))
 
 

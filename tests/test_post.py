@@ -28,6 +28,7 @@ from runtime.search import Beams
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import ConfigError
 from sidindex.targeting import BITMASK, BLOOM
+from tests.conftest import interpreted
 from tests.test_gtm import eligible, scenarios
 from tests.test_runtime import DEVICE, GPU, Case
 from tests.test_value import VALUES
@@ -143,18 +144,33 @@ def same(a: Retrieved, b: Retrieved) -> None:
             assert (x is None and y is None) or (x.dtype == y.dtype and np.array_equal(x, y)), f.name
 
 
+POSTS = st.tuples(cases(), st.sampled_from([None, 1, 2, 5]), st.booleans(), st.sampled_from([None, None, 1, 2, 4, 9]),
+                  st.data())
+
+
 @settings(max_examples=60, deadline=None)
-@given(cases(), st.sampled_from([None, 1, 2, 5]), st.booleans(), st.sampled_from([None, None, 1, 2, 4, 9]), st.data())
-def test_host_and_device_paths_equal_the_brute_force(case_beams, top_k, stages, pairs, data):
+@given(POSTS)
+def test_host_and_device_paths_equal_the_brute_force(drawn):
     """Every path, and the device path at any capacity: a batch in which a request reached more
-    pairs than the capacity is reported (None, and its reached pairs), never answered wrongly."""
+    pairs than the capacity is reported (None, and its reached pairs), never answered wrongly.
+    Here the device path's torch reference; its kernels in the next test."""
+    _paths_equal_the_brute_force(*drawn, impls=tuple(i for i in IMPLS if i != "triton"))
+
+
+@settings(max_examples=interpreted(60), deadline=None)  # apart: under the interpreter an example costs seconds
+@given(POSTS)
+def test_the_device_kernels_equal_the_brute_force(drawn):
+    _paths_equal_the_brute_force(*drawn, impls=("triton",))
+
+
+def _paths_equal_the_brute_force(case_beams, top_k, stages, pairs, data, impls: tuple[str, ...]) -> None:
     case, beams = case_beams
     rank = data.draw(st.sampled_from(RANKS if case.sc.values is not None else ("score",)))
     want = brute_force(case, beams, top_k, rank)
     host = expand(case.index, case.req, beams, top_k, stages, rank)
     check(host, want, stages)
     overflow = pairs is not None and max(want["reached"]) > pairs
-    for impl in IMPLS:
+    for impl in impls:
         post, device = device_post(case, beams, impl, top_k=top_k, rank=rank, stages=stages, pairs=pairs)
         assert post.last_reached is not None and post.last_reached.tolist() == want["reached"]
         if overflow:

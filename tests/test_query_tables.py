@@ -52,7 +52,9 @@ def query_sets(draw):
     for _ in range(draw(st.integers(1, 2))):
         groups = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
         offsets = np.concatenate([[0], np.cumsum(groups)]).astype(np.int64)
-        counts = np.array([[draw(st.integers(1, 140)) for _ in groups] for _ in range(B)], dtype=np.int64)
+        # under the interpreter up to 80 queries, two mask words (each word's 64 queries an unrolled loop there)
+        counts = np.array([[draw(st.integers(1, 140 if GPU else 80)) for _ in groups] for _ in range(B)],
+                          dtype=np.int64)
         n = int(counts.sum())
         seed = draw(st.integers(0, 2**32 - 1))
         rng = np.random.default_rng(seed)
@@ -95,8 +97,10 @@ VOCAB = [f"place{i}" for i in range(300)]
 
 
 @st.composite
-def crowded(draw, max_ads: int = 14) -> Scenario:
-    """Catalogs whose requests bring many locations (0..150, past one table's 64-query mask word)."""
+def crowded(draw, max_ads: int = 14, max_requests: int = 3 if GPU else 2) -> Scenario:
+    """Catalogs whose requests bring many locations (0..150, past one table's 64-query mask word);
+    under the interpreter two requests at most (one tabled beside one not: each request's tables
+    cost seconds there)."""
     attrs = [Attribute("country", BITMASK, values=("US", "GB", "CA"))]
     attrs += [Attribute(f"l{i}", BLOOM, bits=draw(st.sampled_from([64, 128, 256])), hashes=draw(st.integers(1, 3)))
               for i in range(draw(st.integers(1, 2)))]
@@ -111,7 +115,7 @@ def crowded(draw, max_ads: int = 14) -> Scenario:
         n = draw(st.sampled_from([0, 3, TABLE_FROM, 64, 65, 150]))
         return draw(st.permutations(VOCAB))[:n]
 
-    requests = [{a.name: request_value(a) for a in attrs} for _ in range(draw(st.integers(1, 3)))]
+    requests = [{a.name: request_value(a) for a in attrs} for _ in range(draw(st.integers(1, max_requests)))]
     kway = KWayConfig(mode="dynamic", k_max=draw(st.integers(1, 3)), target_fill=0.5)
     values = draw(st.lists(st.floats(0, 100, width=32), min_size=len(ads), max_size=len(ads)))
     return Scenario(spec, ads, sids, sid_ads, level_sizes, requests, kway, values)
@@ -142,7 +146,9 @@ def test_tabled_mask_equals_query_by_query_and_reference(sc, seed):
             ref = gtm_mask(case.index, case.dreq, *rest, impl="torch")
             args = (case.index, ready, *rest)
             assert torch.equal(gtm_mask_triton(*args), ref), (mode, d)
-            if d == g.sid_length - 1:  # requests without tables: the mask makes them, per call
+            # requests without tables: the mask makes them, per call (the same tables in every mode: under
+            # the interpreter in one, as each making costs seconds there)
+            if d == g.sid_length - 1 and (GPU or mode is MODES[-1]):
                 assert torch.equal(gtm_mask_triton(case.index, case.dreq, *rest), ref), (mode, d)
             assert torch.equal(gtm_mask_triton(*args, tabled=False), ref), (mode, d)
             assert torch.equal(gtm_mask_triton(*args, leads=(3, 5)), ref), (mode, d)  # streamed, then looked up

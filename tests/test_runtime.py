@@ -81,9 +81,24 @@ class Case:
 
 # --- the mask -------------------------------------------------------------------------------------
 
-@settings(max_examples=interpreted(25, gpu=10), deadline=None)
-@given(scenarios(), st.integers(0, 2**32 - 1), st.booleans())
-def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed, updated):
+MASKS = st.tuples(scenarios(), st.integers(0, 2**32 - 1), st.booleans())
+
+
+@settings(max_examples=25, deadline=None)
+@given(MASKS)
+def test_mask_reference_equals_numba_and_cpu_matcher(drawn):
+    """The torch reference and the numba path, dense and compact."""
+    _mask_equals_reference(*drawn, kernels=False)
+
+
+@settings(max_examples=interpreted(15, gpu=10), deadline=None)  # apart: under the interpreter an example costs seconds
+@given(MASKS)
+def test_mask_kernel_equals_reference_and_cpu_matcher(drawn):
+    """The Triton kernel, dense and compact, with and without shared rows."""
+    _mask_equals_reference(*drawn, kernels=True)
+
+
+def _mask_equals_reference(sc, seed, updated, kernels: bool) -> None:
     state = np.random.default_rng(seed).choice(np.array([0, 0, 1, 2], dtype=np.uint8), len(sc.ads)) if updated \
         else None
     case = Case(sc, ad_state=state)
@@ -103,11 +118,13 @@ def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed, updated):
         for mode in MODES:
             args = (case.index, case.dreq, d, req.to(DEVICE), node.to(DEVICE), score.to(DEVICE), logp.to(DEVICE), mode)
             ref = gtm_mask(*args, impl="torch").cpu()
-            ker = gtm_mask(*args, impl="triton").cpu()
-            assert torch.equal(ref, ker), mode
-            if mode.gtm:  # the depth's distinct union rows tested once per request, then looked up
-                assert torch.equal(ref, gtm_mask_triton(*args, shared=True).cpu()), mode
-            assert torch.equal(ref, gtm_mask(cpu.index, cpu.dreq, d, req, node, score, logp, mode, impl="numba")), mode
+            if kernels:
+                assert torch.equal(ref, gtm_mask(*args, impl="triton").cpu()), mode
+                if mode.gtm:  # the depth's distinct union rows tested once per request, then looked up
+                    assert torch.equal(ref, gtm_mask_triton(*args, shared=True).cpu()), mode
+            else:
+                assert torch.equal(ref, gtm_mask(cpu.index, cpu.dreq, d, req, node, score, logp, mode, impl="numba")), \
+                    mode
             # the compact layout: slot start[b, k] + c holds child c of beam k, then -inf
             want = torch.full((B, width), float("-inf"))
             for i in range(len(node)):
@@ -119,7 +136,7 @@ def test_mask_kernel_equals_reference_and_cpu_matcher(sc, seed, updated):
                 if score[i] > float("-inf"):
                     for c in range(hi - lo):
                         want[b, first + c] = ref[i, int(g.csr_tokens[lo + c])]
-            for impl, cs in (("torch", case), ("triton", case), ("numba", cpu)):
+            for impl, cs in (("triton", case),) if kernels else (("torch", case), ("numba", cpu)):
                 on = cs.index.device
                 slots = slots_of(cs.index, node.reshape(B, K).to(on), score.reshape(B, K).to(on), width)
                 got = gtm_candidates(cs.index, cs.dreq, d, slots, node.to(on), score.to(on), logp.to(on), mode, impl)
@@ -219,17 +236,30 @@ def searched(case: Case, found, r: int) -> dict:
             for k in torch.nonzero(alive).flatten().tolist()}
 
 
+BEAM_SEARCHES = st.tuples(scenarios(max_ads=12), st.integers(0, 2**32 - 1),
+                          st.lists(st.integers(1, 6), min_size=3, max_size=3), st.sampled_from([0.0, 0.3]))
+
+
 @settings(max_examples=25, deadline=None)
-@given(scenarios(max_ads=12), st.integers(0, 2**32 - 1), st.lists(st.integers(1, 6), min_size=3, max_size=3),
-       st.sampled_from([0.0, 0.3]))
-def test_beam_search_equals_brute_force(sc, seed, widths, nan_share):
+@given(BEAM_SEARCHES)
+def test_beam_search_equals_brute_force(drawn):
+    """The torch (and on the CPU numba) masks, compact and dense."""
+    _beam_search_equals_brute_force(*drawn, lambda mode: ["torch"] + ([] if GPU or not mode.constrained else ["numba"]))
+
+
+@settings(max_examples=interpreted(25), deadline=None)  # apart: under the interpreter an example costs seconds
+@given(BEAM_SEARCHES)
+def test_triton_beam_search_equals_brute_force(drawn):
+    _beam_search_equals_brute_force(*drawn, lambda mode: ["triton"] if mode.constrained else [], dense=False)
+
+
+def _beam_search_equals_brute_force(sc, seed, widths, nan_share, impls_of, dense: bool = True) -> None:
     case = Case(sc)
     L = case.gtm.sid_length
     beams = (1, *widths)[:L] + (widths[-1],) * max(0, L - 4)
     scorer = TableScorer(case.gtm.vocab_size, seed, nan_share)
     for mode in Mode:
-        impls = ["torch"] if not mode.constrained else ["torch", "triton"] + ([] if GPU else ["numba"])
-        for impl, layout in [(i, "compact") for i in impls] + [("torch", "dense")]:
+        for impl, layout in [(i, "compact") for i in impls_of(mode)] + ([("torch", "dense")] if dense else []):
             found = beam_search(case.index, case.dreq, scorer, beams, mode, impl, layout=layout)
             for r in range(len(sc.requests)):
                 got, want = searched(case, found, r), brute_force_search(case, r, scorer, beams, mode)
@@ -240,33 +270,45 @@ def test_beam_search_equals_brute_force(sc, seed, widths, nan_share):
                     assert all(case.node(sid) is not None for sid in got)
 
 
+CAPPED = st.tuples(scenarios(max_ads=12), st.integers(0, 2**32 - 1),
+                   st.lists(st.one_of(st.none(), st.integers(-2, 2)), min_size=4, max_size=4))
+
+
 @settings(max_examples=12, deadline=None)
-@given(scenarios(max_ads=12), st.integers(0, 2**32 - 1),
-       st.lists(st.one_of(st.none(), st.integers(-2, 2)), min_size=4, max_size=4))
-def test_capped_widths_overflow_exactly_when_a_step_needs_more(sc, seed, offsets):
+@given(CAPPED)
+def test_capped_widths_overflow_exactly_when_a_step_needs_more(drawn):
     """A search with capped widths is flagged at the first step where the uncapped search had a
     request with more child entries than the capped step's slots, and equals it when not flagged.
-    Caps: the uncapped search's most child entries per request at each step, give or take two."""
+    Caps: the uncapped search's most child entries per request at each step, give or take two.
+    The torch mask here, the Triton one in the next test."""
+    _capped_widths(*drawn, "torch")
+
+
+@settings(max_examples=interpreted(12), deadline=None)  # apart: under the interpreter an example costs seconds
+@given(CAPPED)
+def test_capped_kernel_widths_overflow_exactly_when_a_step_needs_more(drawn):
+    _capped_widths(*drawn, "triton")
+
+
+def _capped_widths(sc, seed, offsets, impl: str) -> None:
     case = Case(sc)
     L = case.gtm.sid_length
     beams = (1, 3, 5, 5)[:L]
     scorer = TableScorer(case.gtm.vocab_size, seed)
-    for impl in ("torch", "triton"):
-        seen = {}
-        exact = _laid_out(seen, "exact",
-                          lambda impl=impl: beam_search(case.index, case.dreq, scorer, beams, Mode.CD_GTM, impl))
-        widths = tuple(None if o is None else max(1, int(e.total.max()) + o) for o, e in zip(offsets, seen["exact"]))
-        capped = _laid_out(seen, "capped", lambda impl=impl, widths=widths: beam_search(
-            case.index, case.dreq, scorer, beams, Mode.CD_GTM, impl, widths=widths))
-        needs = [int(e.total.max()) > c.width for e, c in zip(seen["exact"], seen["capped"])]
-        shrunk = any(c.width < e.width for e, c in zip(seen["exact"], seen["capped"]))
-        assert (capped.overflow is not None) == shrunk, impl
-        flags = [False] * L if capped.overflow is None else capped.overflow.tolist()
-        assert any(flags) == any(needs), impl
-        if any(needs):  # the first step that overflowed (the later ones searched from inexact beams)
-            assert flags.index(True) == needs.index(True), impl
-        else:
-            assert all(torch.equal(getattr(capped, f), getattr(exact, f)) for f in ("tokens", "score", "leaf")), impl
+    seen = {}
+    exact = _laid_out(seen, "exact", lambda: beam_search(case.index, case.dreq, scorer, beams, Mode.CD_GTM, impl))
+    widths = tuple(None if o is None else max(1, int(e.total.max()) + o) for o, e in zip(offsets, seen["exact"]))
+    capped = _laid_out(seen, "capped", lambda: beam_search(case.index, case.dreq, scorer, beams, Mode.CD_GTM, impl,
+                                                           widths=widths))
+    needs = [int(e.total.max()) > c.width for e, c in zip(seen["exact"], seen["capped"])]
+    shrunk = any(c.width < e.width for e, c in zip(seen["exact"], seen["capped"]))
+    assert (capped.overflow is not None) == shrunk, impl
+    flags = [False] * L if capped.overflow is None else capped.overflow.tolist()
+    assert any(flags) == any(needs), impl
+    if any(needs):  # the first step that overflowed (the later ones searched from inexact beams)
+        assert flags.index(True) == needs.index(True), impl
+    else:
+        assert all(torch.equal(getattr(capped, f), getattr(exact, f)) for f in ("tokens", "score", "leaf")), impl
     with pytest.raises(ConfigError, match="one per step"):
         beam_search(case.index, case.dreq, scorer, beams, Mode.CD_GTM, widths=(0,) * L)
 

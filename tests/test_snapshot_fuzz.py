@@ -220,7 +220,9 @@ def rewrite_array(snap_dir: Path, name: str, array: np.ndarray, rows: int | None
 
 
 def _positions(n: int) -> list[int]:
-    return sorted({p % n for p in (0, 1, 2, n // 4, n // 2, n - 2, n - 1)}) if n else []
+    """Both ends, where offsets and bounds are checked, and the middle (each case costs a full open
+    and retrieve: more interior positions would test the same checks again)."""
+    return sorted({p % n for p in (0, 1, n // 2, n - 2, n - 1)}) if n else []
 
 
 def _files():
@@ -261,7 +263,7 @@ def test_value_fuzzer_every_array_and_relation(fuzz_root):
         verdict = judge(fuzz_root, name, mutate, parts=i % 3 == 0)  # a third of them, spread over every file
         outcomes[verdict] += 1
         by_file.setdefault(label.split("[")[0].split(":")[0], set()).add(verdict)
-    assert sum(outcomes.values()) > 2000, outcomes
+    assert sum(outcomes.values()) > 1500, outcomes
     for name, k in _files():  # a structure array whose every extreme value is served would check nothing
         assert "refused" in by_file[f"{name}@{k}"], (name, k)
 
