@@ -32,7 +32,7 @@ import threading
 import time
 
 from runtime.metrics import process_gone
-from runtime.server import SWITCH_INTERVAL_S, RetrievalServer
+from runtime.server import DRAIN_SECONDS, SWITCH_INTERVAL_S, RetrievalServer
 
 RESTART_PAUSE_S = 1.0  # between a front-end's unexpected exit and its replacement
 
@@ -73,7 +73,7 @@ async def _supervise(engine, listening: socket.socket, address: str, workers: in
         return subprocess.Popen([sys.executable, "-m", "runtime.frontend", json.dumps(config)],
                                 pass_fds=(listening.fileno(),))
 
-    fronts = [start() for _ in range(workers)]
+    fronts = [] if stop.is_set() else [start() for _ in range(workers)]  # a stop already: none to start
     try:
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -87,7 +87,7 @@ async def _supervise(engine, listening: socket.socket, address: str, workers: in
         for p in fronts:  # each drains: the engine answers its requests in flight meanwhile
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        end = time.monotonic() + http.get("drain_seconds", 30.0) + 2.0
+        end = time.monotonic() + http.get("drain_seconds", DRAIN_SECONDS) + 2.0
         while any(p.poll() is None for p in fronts) and time.monotonic() < end:
             await asyncio.sleep(0.05)
     finally:
