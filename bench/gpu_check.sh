@@ -66,7 +66,7 @@ if [ "$mode" != "bench" ] && [ "$mode" != "serve" ]; then
            tests/test_swap.py tests/test_signing.py tests/test_shared_rows.py tests/test_impl.py tests/test_post.py
            tests/test_runtime.py tests/test_query_tables.py tests/test_retrieve.py tests/test_update.py
            tests/test_serving_errors.py tests/test_scorer_isolation.py tests/test_shards.py tests/test_cold_start.py
-           tests/test_value.py tests/test_exact_filter.py)
+           tests/test_value.py tests/test_exact_filter.py tests/test_codebook.py)
     for a in "$@"; do
         case "$a" in tests/*) TESTS=(); break ;; esac
     done

@@ -8,12 +8,17 @@ The catalog is `bench_stream.catalog_root`'s (reused under --cache); the batch i
 `bench_stream.request_batches`. A wall time well above the kernels' sum is host work (Python,
 launches, the result's copy and synchronisation); kernels named after topk, the mask and the
 codebook's matrix product are the search's; the post stage's are named in runtime/ops/expand.
+
+Each mode runs twice: as served (the codebook scorer's fused step, `runtime.ops.codebook`), and
+with the reference of that step measured in the same run (the scorer's logits, then the search's
+log-softmax: what a scorer without its own `log_probs` costs), so the ratio holds on a shared card.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 import tempfile
 import time
@@ -27,6 +32,8 @@ import torch
 import runtime
 from bench.bench_stream import catalog_embeddings, catalog_root, request_batches
 from bench.common import profile_kernels
+from runtime.ops.distribution import level_log_probs
+from runtime.scorer import CodebookScorer
 from sidindex.modes import Mode
 
 MODES = (Mode.NONE, Mode.CD_GTM)
@@ -38,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--beams", default="1,512,1024,1024")
     ap.add_argument("--reps", type=int, default=100, help="timed calls per mode")
-    ap.add_argument("--top", type=int, default=15, help="kernels listed per mode")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per mode")
     ap.add_argument("--cache", type=Path, help="keep the catalog and its ROOT here, and reuse them")
+    ap.add_argument("--json", type=Path, help="also write every figure and every kernel here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_serving needs a CUDA device", file=sys.stderr)
@@ -50,24 +58,96 @@ def main(argv: list[str] | None = None) -> int:
     reqs = runtime.requests_from(batch, index)
     print(f"{torch.cuda.get_device_name()}: {args.ads:,} ads, {size['sids']:,} SIDs, B={batch.num_rows}, "
           f"beams {args.beams}; Retriever.run of one batch (search + post stage, replayed)")
+    fused_step = CodebookScorer.log_probs
+
+    def unfused(scorer, step, tokens, parent, size):  # the search's own path for a scorer's logits
+        return level_log_probs(scorer(step, tokens, parent), size)
+
+    rows = []
     for mode in MODES:
-        retriever = runtime.Retriever(index, mode=mode, beams=args.beams, batch_sizes=(batch.num_rows,))
-        retriever.run(reqs)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(args.reps):
-            retriever.run(reqs)  # ends with the result's copy to the host: synchronised
-        wall = (time.perf_counter() - t) / args.reps * 1e3
-        kernels = profile_kernels(functools.partial(retriever.run, reqs))
-        gpu = sum(k["us"] for k in kernels) / 1e3
-        print(f"\n{mode.value}: wall {wall:.3f} ms per batch, kernels {gpu:.3f} ms (GPU busy {gpu / wall:.0%})")
-        print("| kernel | us | calls | share |\n|---|---|---|---|")
-        for k in kernels[:args.top]:
-            print(f"| {k['kernel']} | {k['us']:.1f} | {k['calls']:.0f} | {k['us'] / 1e3 / gpu:.0%} |")
-        del retriever
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        for step in ("fused", "reference"):
+            # the reference: the search log-softmaxes the scorer's logits (`runtime.search.log_probs_of`)
+            CodebookScorer.log_probs = fused_step if step == "fused" else unfused
+            rows.append(profile_one(index, reqs, mode, step, args))
+    CodebookScorer.log_probs = fused_step
+    print("\n| mode | codebook step | wall ms | kernels ms | launches | GPU busy |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['step']} | {r['wall']:.3f} | {r['gpu']:.3f} | {r['launches']:.0f} | "
+              f"{r['gpu'] / r['wall']:.0%} |")
+    print("\nOne batch's wall time, from the profiler's timeline (ms, mean; the profiler adds to the host's):\n"
+          "| mode | codebook step | wall | host before the first kernel | first to last kernel | "
+          "of which gaps | host after the last | encode | copy | search+post |\n" + "|---" * 10 + "|")
+    for r in rows:
+        t, st = r["timeline"], r["stages"]
+        print(f"| {r['mode']} | {r['step']} | {t['wall']:.3f} | {t['before']:.3f} | {t['span']:.3f} | "
+              f"{t['span'] - t['busy']:.3f} | {t['after']:.3f} | {st['encode']:.3f} | {st['copy']:.3f} | "
+              f"{st['search_post']:.3f} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def timeline(fn, runs: int = 20) -> dict:
+    """Mean ms per call of fn (synchronous): its wall time, the host's time before its first device
+    activity and after its last, the span from the first to the last, and the time within the span
+    some kernel or copy ran (the rest are gaps: launches, dependencies, the host feeding the GPU)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            with record_function("one batch"):
+                fn()
+    events = prof.events()
+    calls = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "one batch")
+    device = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    out = dict.fromkeys(("wall", "before", "span", "busy", "after"), 0.0)
+    for i, (lo, hi) in enumerate(calls):
+        nxt = calls[i + 1][0] if i + 1 < len(calls) else float("inf")
+        mine = [(a, b) for a, b in device if lo <= a < nxt]
+        if not mine:
+            continue
+        first, last = mine[0][0], max(b for _, b in mine)
+        busy, reach = 0.0, first
+        for a, b in mine:  # the union of the intervals
+            busy += max(0.0, b - max(a, reach))
+            reach = max(reach, b)
+        for k, v in (("wall", hi - lo), ("before", first - lo), ("span", last - first), ("busy", busy),
+                     ("after", max(0.0, hi - last))):
+            out[k] += v / len(calls) / 1e3
+    return out
+
+
+def profile_one(index, reqs, mode: Mode, step: str, args) -> dict:
+    """One mode's wall time per batch, its kernels' time and launches, and its largest kernels (printed)."""
+    retriever = runtime.Retriever(index, mode=mode, beams=args.beams, batch_sizes=(len(reqs),))
+    retriever.run(reqs)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(args.reps):
+        retriever.run(reqs)  # ends with the result's copy to the host: synchronised
+    wall = (time.perf_counter() - t) / args.reps * 1e3
+    kernels = profile_kernels(functools.partial(retriever.run, reqs))
+    gpu = sum(k["us"] for k in kernels) / 1e3
+    launches = sum(k["calls"] for k in kernels)
+    stages = dict.fromkeys(("encode", "copy", "search_post"), 0.0)
+    for _ in range(args.reps):
+        for k, v in retriever.run(reqs)[1].items():
+            if k in stages:
+                stages[k] += v * 1e3 / args.reps
+    print(f"\n{mode.value}, codebook step {step}: wall {wall:.3f} ms per batch, kernels {gpu:.3f} ms in "
+          f"{launches:.0f} launches (GPU busy {gpu / wall:.0%})")
+    print("| kernel | us | calls | share |\n|---|---|---|---|")
+    for k in kernels[:args.top]:
+        print(f"| {k['kernel']} | {k['us']:.1f} | {k['calls']:.0f} | {k['us'] / 1e3 / gpu:.0%} |")
+    spans = timeline(functools.partial(retriever.run, reqs))
+    del retriever
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return {"mode": mode.value, "step": step, "wall": wall, "gpu": gpu, "launches": launches, "stages": stages,
+            "timeline": spans, "kernels": kernels}
 
 
 if __name__ == "__main__":

@@ -1,15 +1,10 @@
 """Scorers: the built-in codebook scorer, and users' scorers named MODULE:FACTORY (docs/design.md §8, §12).
 
-The codebook scorer gives logits without a trained model.
-
-At a semantic level l the logit of token j is -||r - C_l[j]||^2 / temperature, with r the request
-embedding's residual after the beam's prefix (r = x - sum_{p<l} C_p[t_p]): the same residual
-quantisation that assigned the catalog's SIDs, so the best-scoring SIDs are the request's nearest
-ones. The hash level carries no meaning: every token in range gets logit 0. Tokens beyond a
-level's size get -inf. Computed as 2 r.C - ||C||^2 (the ||r||^2 term is the same for every token
-and cancels in the softmax), in float64 and rounded once to float32: a float32 product's rounding
-depends on the blocking the matrix library picks for the batch's shape, so a request's scores, and
-the order of its near-tied ads, would change with the requests that share its batch.
+The codebook scorer gives logits without a trained model: at a semantic level the logit of token j
+is -||r - C_l[j]||^2 / temperature, r the request embedding's residual after the beam's prefix
+(r = x - sum_{p<l} C_p[t_p]), the same residual quantisation that assigned the catalog's SIDs, so
+the best-scoring SIDs are the request's nearest ones; every token of the hash level gets 0
+(`runtime.ops.codebook`, which also computes a step's log-probabilities in one fused kernel).
 """
 
 from __future__ import annotations
@@ -25,6 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
+from runtime.ops.codebook import CodebookTables, codebook_log_probs, codebook_logits
 from sidindex.errors import ScorerError
 from sidindex.interrupts import from_signal
 from sidindex.sid.codebook import Codebook
@@ -32,15 +28,16 @@ from sidindex.sid.codebook import Codebook
 
 class CodebookScorer:
     """scorer(step, tokens (B, K, step) int64, parent) -> (B, K, V) float32 logits, for request
-    embeddings `embedding` (B, D) float32 (`runtime.search.Scorer`; stateless, so `parent` is unused)."""
+    embeddings `embedding` (B, D) float32 (`runtime.search.Scorer`; stateless, so `parent` is
+    unused). `log_probs` gives a step's log-probabilities directly (`runtime.search.log_probs_of`)."""
 
     def __init__(self, codebook: Codebook, embedding: torch.Tensor, temperature: float = 1.0) -> None:
         dev = embedding.device
         self.x = embedding.float().clone()  # its own: a captured search refreshes it in place
-        self.centroids = [torch.from_numpy(c).to(dev) for c in codebook.centroids]
-        self.centroids64 = [c.double() for c in self.centroids]
-        self.sq_norms = [(c * c).sum(dim=1) for c in self.centroids64]
-        self.sizes, self.V, self.temperature = codebook.level_sizes, codebook.vocab_size, temperature
+        self.tables = CodebookTables.of([torch.from_numpy(c).to(dev) for c in codebook.centroids],
+                                        codebook.level_sizes, codebook.vocab_size)
+        self.temperature = temperature
+        self.temperature_t = torch.tensor([temperature], dtype=torch.float64, device=dev)  # the kernel reads it
         self.inputs = {"embedding": self.x}  # what a captured search copies each batch into (runtime.Searcher)
 
     def for_embedding(self, embedding: torch.Tensor) -> CodebookScorer:
@@ -54,20 +51,17 @@ class CodebookScorer:
     def prefix_independent(self, step: int) -> bool:
         """True when the logits of `step` do not depend on the prefix (the hash level): an
         exhaustive scan asks once instead of once per trie node."""
-        return step >= len(self.centroids)
+        return step >= len(self.tables.centroids)
 
     def __call__(self, step: int, prefix: torch.Tensor, parent: torch.Tensor | None = None) -> torch.Tensor:
-        B, K, _ = prefix.shape
-        out = torch.full((B, K, self.V), float("-inf"), device=self.x.device)
-        if step >= len(self.centroids):  # the hash level
-            out[..., :self.sizes[step]] = 0.0
-            return out
-        r = self.x[:, None, :].expand(B, K, -1)
-        for p in range(step):
-            r = r - self.centroids[p][prefix[..., p]]
-        c = self.centroids64[step]
-        out[..., :len(c)] = ((2 * r.double() @ c.T - self.sq_norms[step]) / self.temperature).float()
-        return out
+        return codebook_logits(self.tables, self.x, self.temperature, step, prefix)
+
+    def log_probs(self, step: int, prefix: torch.Tensor, parent: torch.Tensor | None, size: int) -> torch.Tensor:
+        """(B, K, V) float32 `level_log_probs(self(step, prefix, parent), size)`, in one kernel on
+        CUDA (`runtime.ops.codebook`): equal where the level is uniform, within float32 rounding
+        elsewhere. Reads prefix without writing it."""
+        return codebook_log_probs(self.tables, self.x, self.temperature, step, prefix, size,
+                                  temperature_t=self.temperature_t)
 
 
 def load_factory(spec: str, timeout: float | None = None) -> ScorerFactory:

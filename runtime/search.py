@@ -50,8 +50,10 @@ import numpy as np
 import torch
 
 from runtime.constraint import Constraint
+from runtime.ops.distribution import level_log_probs, scored_rows
 from runtime.ops.impl import Impl
 from runtime.ops.order import top_k
+from runtime.scorer import CodebookScorer
 from runtime.served import ServedIndex
 from sidindex.errors import ConfigError, ScorerError
 from sidindex.modes import Mode, parse_mode
@@ -244,7 +246,7 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     unscored = []  # per step, (B,) bool on the device: read once, by `check_scored`
     for d in range(L):
         K = node.shape[1]
-        logp = level_log_probs(logits_of(scorer, d, tokens, parent), index.level_sizes[d]).reshape(B * K, V)
+        logp = log_probs_of(scorer, d, tokens, parent, index.level_sizes[d]).reshape(B * K, V)
         unscored.append(_unscored(logp.reshape(B, K, V), score))
         k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
         key = None
@@ -280,29 +282,6 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     alive = score > NEG_INF
     leaf = torch.where(alive & (node >= 0), node - index.leaf_start, -1)
     return Beams(torch.where(alive[..., None], tokens, 0), score, leaf, overflow, torch.stack(unscored, dim=1))
-
-
-def level_log_probs(logits: torch.Tensor, size: int) -> torch.Tensor:
-    """(..., V) float32 log-probabilities of a level of `size` tokens from logits (..., V): the
-    log-softmax over the first `size` logits, -inf beyond them whatever the logits are there. Only
-    finite logits count: a NaN or infinite one is taken as -inf, so its token is never chosen and
-    the rest of its row keeps its distribution (no NaN); a row with no finite logit among the
-    level's is NaN throughout (never chosen either; `scored_rows` tells them apart). The one
-    distribution of the search, `runtime.hf.SidLogitsProcessor` and `runtime.simulate`. `size` is a
-    host int: a slice, no host synchronisation."""
-    logits = logits.float()
-    V = logits.shape[-1]
-    level = (logits if size >= V else logits[..., :size]).nan_to_num(nan=NEG_INF, posinf=NEG_INF, neginf=NEG_INF)
-    if size >= V:
-        return torch.log_softmax(level, dim=-1)
-    return torch.nn.functional.pad(torch.log_softmax(level, dim=-1), (0, V - size), value=NEG_INF)
-
-
-def scored_rows(logp: torch.Tensor) -> torch.Tensor:
-    """(...) bool: which rows of log-probabilities logp (..., V) (`level_log_probs`) had a finite
-    logit. Such a row holds no NaN, and a row without one is NaN throughout, so its first entry
-    tells: no pass over the row, no synchronisation."""
-    return ~logp[..., 0].isnan()
 
 
 def _unscored(logp: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
@@ -357,6 +336,16 @@ def logits_of(scorer: Scorer, step: int, tokens: torch.Tensor, parent: torch.Ten
     must not change. Device copies, so neither a host wait nor a break in a captured graph; at
     most B x K x (step + 1) x 8 bytes a step."""
     return scorer(step, tokens.clone(), None if parent is None else parent.clone())
+
+
+def log_probs_of(scorer: Scorer, step: int, tokens: torch.Tensor, parent: torch.Tensor | None,
+                 size: int) -> torch.Tensor:
+    """(B, K, V) float32 the step's log-probabilities over the level's first `size` tokens:
+    `level_log_probs` of the scorer's logits (`logits_of`); the built-in `runtime.CodebookScorer`
+    computes the same distribution in one fused kernel (`CodebookScorer.log_probs`)."""
+    if isinstance(scorer, CodebookScorer):
+        return scorer.log_probs(step, tokens, parent, size)
+    return level_log_probs(logits_of(scorer, step, tokens, parent), size)
 
 
 def capped_widths(index: ServedIndex, beams: tuple[int, ...] | str,

@@ -34,8 +34,7 @@ from runtime.search import (
     Beams,
     Scorer,
     check_value_weight,
-    level_log_probs,
-    logits_of,
+    log_probs_of,
     parse_beams,
     scored_rows,
 )
@@ -134,7 +133,7 @@ def sharded_beam_search(indexes: Sequence[ServedIndex], requests: Sequence[Encod
         local, keys = [], []
         live = scored = torch.zeros(B, dtype=torch.bool, device=home)  # over every device's beams
         for ix, con, scorer, (node, score, rank, tokens, parent) in zip(indexes, cons, scorers, state):
-            logp = level_log_probs(logits_of(scorer, d, tokens, parent), ix.level_sizes[d]).reshape(B * K, V)
+            logp = log_probs_of(scorer, d, tokens, parent, ix.level_sizes[d]).reshape(B * K, V)
             mine = score > NEG_INF
             live = live | mine.any(dim=1).to(home)
             scored = scored | (mine & scored_rows(logp).reshape(B, K)).any(dim=1).to(home)

@@ -29,7 +29,7 @@ import torch
 from runtime.requests import to_device
 from runtime.retrieval import codebook_scorer, factory_scorer, retrieve
 from runtime.scorer import ScorerFactory
-from runtime.search import Scorer, check_value_weight, level_log_probs, logits_of, parse_beams
+from runtime.search import Scorer, check_value_weight, log_probs_of, parse_beams
 from runtime.served import ServedIndex
 from sidindex.matchers.exact import eligible_mask
 from sidindex.modes import Mode, parse_mode
@@ -73,7 +73,7 @@ def trie_levels(index: ServedIndex) -> list[TrieLevel]:
 def node_scores(index: ServedIndex, scorer: Scorer, levels: list[TrieLevel], chunk: int = 16384) -> torch.Tensor:
     """(num_nodes,) float32 accumulated log-probability of every trie node's prefix for one request
     (a scorer for a batch of one), each level's distribution over its `level_sizes[d]` tokens as
-    the search's (`runtime.search.level_log_probs`); the root scores 0. Leaves are SIDs. levels:
+    the search's (`runtime.search.log_probs_of`); the root scores 0. Leaves are SIDs. levels:
     `trie_levels`."""
     g = index.snapshot.gtm  # the host index: offsets read as Python ints
     tokens = index.gtm.csr_tokens.long()
@@ -84,7 +84,7 @@ def node_scores(index: ServedIndex, scorer: Scorer, levels: list[TrieLevel], chu
             e = min(lv.hi, s + chunk)
             ask = lv.paths[:1] if constant else lv.paths[s - lv.lo:e - lv.lo]
             # no previous beams to reuse: the chunks of a depth are not one call's beams
-            logp = level_log_probs(logits_of(scorer, d, ask[None], None)[0], index.level_sizes[d])  # (n or 1, V)
+            logp = log_probs_of(scorer, d, ask[None], None, index.level_sizes[d])[0]  # (n or 1, V)
             e_lo, e_hi = int(g.node_offsets[s]), int(g.node_offsets[e])
             parent = lv.parent[e_lo - lv.e_lo:e_hi - lv.e_lo]
             row = torch.zeros_like(parent) if constant else parent - s
