@@ -40,7 +40,8 @@ from __future__ import annotations
 import torch
 
 from runtime.constraint import Constraint
-from runtime.search import check_scored, level_log_probs, scored_rows
+from runtime.ops.distribution import level_log_probs, scored_rows
+from runtime.search import check_scored
 from runtime.served import ServedIndex
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode

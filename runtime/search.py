@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 from runtime.constraint import Constraint
-from runtime.ops.distribution import level_log_probs, scored_rows
+from runtime.ops.distribution import level_log_probs
+from runtime.ops.distribution import unscored as unscored_of
 from runtime.ops.impl import Impl
 from runtime.ops.order import top_k
 from runtime.scorer import CodebookScorer
@@ -247,7 +248,7 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     for d in range(L):
         K = node.shape[1]
         logp = log_probs_of(scorer, d, tokens, parent, index.level_sizes[d]).reshape(B * K, V)
-        unscored.append(_unscored(logp.reshape(B, K, V), score))
+        unscored.append(unscored_of(logp.reshape(B, K, V), score))
         k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
         key = None
         if compact:  # slots of the beams' child entries; padded so top-k always has k_next of them
@@ -282,13 +283,6 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     alive = score > NEG_INF
     leaf = torch.where(alive & (node >= 0), node - index.leaf_start, -1)
     return Beams(torch.where(alive[..., None], tokens, 0), score, leaf, overflow, torch.stack(unscored, dim=1))
-
-
-def _unscored(logp: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-    """(B,) bool: the request has live beams (score (B, K) > -inf) and none of them has a finite
-    logit (`scored_rows` of logp (B, K, V)). On the device: a captured search records it too."""
-    live = score > NEG_INF
-    return live.any(dim=1) & ~(live & scored_rows(logp)).any(dim=1)
 
 
 def check_scored(unscored: torch.Tensor | None, what: str, request_id=None) -> None:

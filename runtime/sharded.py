@@ -26,6 +26,7 @@ import torch
 
 from runtime.constraint import Constraint
 from runtime.loader import load_index
+from runtime.ops.distribution import scored_rows
 from runtime.ops.impl import Impl
 from runtime.ops.order import TIE_LIMIT, ordered, top_k
 from runtime.search import (
@@ -36,7 +37,6 @@ from runtime.search import (
     check_value_weight,
     log_probs_of,
     parse_beams,
-    scored_rows,
 )
 from runtime.served import ServedIndex
 from sidindex.errors import ConfigError

@@ -19,15 +19,19 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import runtime
 from runtime.hf import SidLogitsProcessor
+from runtime.ops.distribution import level_log_probs, scored_rows, unscored
 from runtime.scorer import ScorerFactory
-from runtime.search import beam_search, check_scored, level_log_probs, scored_rows, scorer_name
+from runtime.search import beam_search, check_scored, scorer_name
 from sidindex.errors import ScorerError
 from tests.conftest import run_cli
 from tests.in_process import run_main
 from tests.test_retrieve import CONFIG, build_root
+from tests.test_runtime import DEVICE
 
 BEAMS = (1, 4, 8, 8)
 NAN, INF = float("nan"), float("inf")
@@ -172,6 +176,22 @@ def test_a_row_with_no_finite_logit_is_nan_throughout_and_no_other_row_holds_one
             assert torch.equal(logp[:, :size].isnan().all(dim=1), no_finite)
             assert not logp[~no_finite].isnan().any() and no_finite.sum() == (4 if size == 3 else 1)
             assert torch.equal(scored_rows(logp), ~no_finite)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 6), st.integers(1, 70), st.integers(1, 9), st.integers(0, 2**32 - 1))
+def test_the_scored_check_kernel_is_its_reference(B, K, V, seed):
+    """`unscored` as one Triton kernel (on a GPU, else under TRITON_INTERPRET=1) equals its torch ops:
+    requests whose beams are all dead, all live and NaN, mixed, and beams dead with NaN rows (which
+    do not count)."""
+    rng = np.random.default_rng(seed)
+    score = rng.choice(np.array([-INF, 0.0, -1.5, 3.0], np.float32), (B, K), p=rng.dirichlet(np.ones(4)))
+    logp = rng.standard_normal((B, K, V)).astype(np.float32)
+    logp[rng.random((B, K)) < rng.random()] = NAN  # rows without a finite logit: NaN throughout
+    score, logp = torch.from_numpy(score), torch.from_numpy(logp)
+    want = unscored(logp, score, impl="torch")
+    got = unscored(logp.to(DEVICE), score.to(DEVICE), impl="triton")
+    assert got.dtype == torch.bool and torch.equal(got.cpu(), want)
 
 
 def test_the_sharded_search_records_it(index, reqs):

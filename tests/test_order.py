@@ -28,7 +28,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.ops.order import TIE_LIMIT, ordered, top_k
+from runtime.ops.order import TIE_LIMIT, ordered, position_keys, top_k
 from runtime.post import RANKS, expand
 from runtime.search import beam_search
 from sidindex.modes import Mode
@@ -333,3 +333,23 @@ def test_cpu_and_cuda_keep_the_same_tied_beams(sc, seed, kind, cap):
         device = expand(gpu.index, gpu.dreq, beam_search(gpu.index, gpu.dreq, scorer, beams, mode))
         for f in ("request", "rank", "ad_row", "sid"):
             assert np.array_equal(getattr(host, f), getattr(device, f)), (mode, f)
+
+
+@settings(max_examples=40, deadline=None)
+@given(scores(), st.booleans(), st.integers(0, 2**32 - 1), st.data())
+def test_the_keys_kernel_is_the_torch_keys_bit_for_bit(values, with_pos, seed, data):
+    """`position_keys` as one Triton kernel (on a GPU, else under TRITON_INTERPRET=1) equals its torch
+    ops on adversarial floats (±0.0 one key, ±inf, subnormals, the float32 extremes), at each
+    column's index or at given positions (anywhere below 2^32), on a strided view too, and rows
+    longer than a program's block."""
+    rng = np.random.default_rng(seed)
+    if data.draw(st.booleans()):  # past one block of the kernel: the palette's values tiled
+        values = np.resize(values, (values.shape[0], 2_500)).astype(np.float32)
+    score = torch.from_numpy(values)
+    pos = torch.from_numpy(rng.integers(0, 2**32, values.shape, dtype=np.int64)) if with_pos else None
+    want = position_keys(score, pos, impl="torch")
+    dev = score.to(DEVICE)
+    got = position_keys(dev, None if pos is None else pos.to(DEVICE), impl="triton")
+    assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)
+    strided = torch.from_numpy(np.ascontiguousarray(values.T)).to(DEVICE).T  # (B, N) with strides (1, B)
+    assert torch.equal(position_keys(strided, None if pos is None else pos.to(DEVICE), impl="triton").cpu(), want)

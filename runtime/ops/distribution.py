@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.ops.impl import Impl, resolve_impl
+
 NEG_INF = float("-inf")
 
 
@@ -29,3 +31,16 @@ def scored_rows(logp: torch.Tensor) -> torch.Tensor:
     logit. Such a row holds no NaN, and a row without one is NaN throughout, so its first entry
     tells: no pass over the row, no synchronisation."""
     return ~logp[..., 0].isnan()
+
+
+def unscored(logp: torch.Tensor, score: torch.Tensor, impl: Impl | str = Impl.AUTO) -> torch.Tensor:
+    """(B,) bool: the request has live beams (score (B, K) float32 > -inf) and none of them has a
+    finite logit (`scored_rows` of logp (B, K, V) float32, its rows contiguous). On the device, no
+    synchronisation: a captured search records it too. impl: "auto" (one Triton kernel on CUDA,
+    `runtime.ops.unscored_kernel`; these torch ops elsewhere), "triton" or "torch"."""
+    if resolve_impl(impl, score.device, op="the scored check") is Impl.TRITON and logp.stride(2) == 1:
+        from runtime.ops.unscored_kernel import unscored_triton  # triton only where it runs
+
+        return unscored_triton(logp, score)
+    live = score > NEG_INF
+    return live.any(dim=1) & ~(live & scored_rows(logp)).any(dim=1)

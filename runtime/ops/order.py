@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.ops.impl import Impl, resolve_impl
+
 TIE_LIMIT = 1 << 32  # the positions a row's key holds below the score's 32 bits
 
 
@@ -39,6 +41,20 @@ def score_key(x: torch.Tensor) -> torch.Tensor:
     return descending(x) + 2 ** 31
 
 
+def position_keys(score: torch.Tensor, pos: torch.Tensor | None = None, impl: Impl | str = Impl.AUTO) -> torch.Tensor:
+    """(B, N) int64 ranking keys of float32 scores score (B, N) (no NaN) at positions pos (B, N)
+    int64 (None: each column's index), below 2^32: `ordered(score)` x 2^32 - pos, so a higher score
+    ranks first and, among equal scores, the lower position; no two positions of a row share a key.
+    impl: "auto" (one Triton kernel on CUDA, `order_kernel`; these torch ops elsewhere), "triton" or
+    "torch"."""
+    if resolve_impl(impl, score.device, op="the ranking keys") is Impl.TRITON and score.shape[0] < 1 << 16:
+        from runtime.ops.order_kernel import position_keys_triton  # triton only where it runs
+
+        return position_keys_triton(score, pos)
+    key = ordered(score).mul_(TIE_LIMIT)  # |ordered| < 2^31: no overflow
+    return key.sub_(torch.arange(score.shape[1], device=score.device) if pos is None else pos)
+
+
 FLOAT_FIRST = 1 << 16  # from this many candidates a row, `top_k` selects by the float score first (H100,
 # B=16, k=1,024, in a CUDA graph: 1.85x the all-keys top-k at 2^19, equal at 2^16, 0.9x at 2^15)
 
@@ -57,9 +73,7 @@ def top_k(score: torch.Tensor, k: int, float_first: bool | None = None) -> torch
     if N > TIE_LIMIT:
         raise ValueError(f"{N:,} candidates a row: at most {TIE_LIMIT:,} have distinct keys")
     if not (N >= FLOAT_FIRST if float_first is None else float_first):
-        key = ordered(score).mul_(TIE_LIMIT)  # |ordered| < 2^31: no overflow
-        key -= torch.arange(N, device=score.device)  # the lower position first
-        return key.topk(k, dim=1, sorted=True).indices
+        return position_keys(score).topk(k, dim=1, sorted=True).indices
     # --- 1. THE K-TH BEST SCORE --- a float top-k, unordered: (B, k) scores and positions that hold
     # every score above the k-th (fewer than k of them) and some of those equal to it, whichever the
     # device met first. Values are compared, never bits: -0.0 == 0.0 (as `ordered` has them),
@@ -82,5 +96,5 @@ def top_k(score: torch.Tensor, k: int, float_first: bool | None = None) -> torch
     # k - above lowest positions equal to kth: a gather, so no data-dependent shape.
     pos = torch.where(tied, nth_tie.gather(1, tied.cumsum(dim=1)), at)  # (B, k) int64; the c-th tied slot: column c
     # --- 4. RANK THE K BY THE KEY --- a tied slot's score is kth by value, so `ordered` keys it alike.
-    key = ordered(best).mul_(TIE_LIMIT).sub_(pos)  # > -2^63: ordered(-inf) > -2^31 + 2^23, pos < 2^32
+    key = position_keys(best, pos)  # > -2^63: ordered(-inf) > -2^31 + 2^23, pos < 2^32
     return pos.gather(1, key.sort(dim=1, descending=True).indices)
