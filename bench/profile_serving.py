@@ -101,8 +101,10 @@ def timeline(fn, runs: int = 20) -> dict:
             with record_function("one batch"):
                 fn()
     events = prof.events()
-    calls = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "one batch")
-    device = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    calls = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.name == "one batch" and e.device_type == DeviceType.CPU)
+    device = sorted((e.time_range.start, e.time_range.end) for e in events
+                    if e.device_type == DeviceType.CUDA and e.name != "one batch")  # not the range's GPU twin
     out = dict.fromkeys(("wall", "before", "span", "busy", "after"), 0.0)
     for i, (lo, hi) in enumerate(calls):
         nxt = calls[i + 1][0] if i + 1 < len(calls) else float("inf")

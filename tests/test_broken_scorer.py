@@ -288,7 +288,8 @@ def test_the_server_answers_500_and_goes_on_serving(root, sample_dir):
     watcher = runtime.SnapshotWatcher(root, "cpu")
     factory = ScorerFactory(NanWhen(watcher.current.vocab_size), "tests:nan_when")
     retriever = runtime.Retriever(watcher, beams=BEAMS, batch_sizes=(1, 4), scorer=factory)
-    server = RetrievalServer.local(watcher, retriever, max_batch=4, poll_seconds=60.0)
+    # no deadline: a cold first search compiles the host path's kernels, slow on a loaded test host
+    server = RetrievalServer.local(watcher, retriever, max_batch=4, poll_seconds=60.0, timeout_ms=None)
     with TestClient(server.app) as client:
         r = client.post("/retrieve", json={"requests": [rows[1] | {"nan": False}, rows[0] | {"nan": True}]})
         error = r.json()["error"]
