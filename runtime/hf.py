@@ -14,7 +14,7 @@ same `runtime.constraint.Constraint` as `runtime.beam_search` (a binary search o
 entry keys per level, for all rows at once: no Python loop over beams, no host synchronisation;
 Triton on CUDA, the CPU path otherwise).
 What it returns is the model's distribution over the level's `level_sizes[d]` tokens (log-softmax
-over their ids, `runtime.search.level_log_probs`: the distribution `runtime.beam_search` uses),
+over their ids, `runtime.ops.distribution.level_log_probs`: the distribution `runtime.beam_search` uses),
 -inf at every token the mode does not allow and at every id that is not one of the level's tokens,
 EOS and special tokens included. With the same model, `generate` beam search at a fixed width
 returns the SIDs of `runtime.beam_search` at that width, whose scorer gives the model's logits at

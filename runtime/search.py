@@ -337,7 +337,7 @@ def log_probs_of(scorer: Scorer, step: int, tokens: torch.Tensor, parent: torch.
     """(B, K, V) float32 the step's log-probabilities over the level's first `size` tokens:
     `level_log_probs` of the scorer's logits (`logits_of`); the built-in `runtime.CodebookScorer`
     computes the same distribution in one fused kernel (`CodebookScorer.log_probs`)."""
-    if isinstance(scorer, CodebookScorer):
+    if type(scorer) is CodebookScorer:  # a subclass may give logits of its own
         return scorer.log_probs(step, tokens, parent, size)
     return level_log_probs(logits_of(scorer, step, tokens, parent), size)
 

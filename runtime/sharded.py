@@ -17,6 +17,7 @@ V tokens per level, L SID length.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,22 +134,23 @@ def sharded_beam_search(indexes: Sequence[ServedIndex], requests: Sequence[Encod
         local, keys = [], []
         live = scored = torch.zeros(B, dtype=torch.bool, device=home)  # over every device's beams
         for ix, con, scorer, (node, score, rank, tokens, parent) in zip(indexes, cons, scorers, state):
-            logp = log_probs_of(scorer, d, tokens, parent, ix.level_sizes[d]).reshape(B * K, V)
-            mine = score > NEG_INF
-            live = live | mine.any(dim=1).to(home)
-            scored = scored | (mine & scored_rows(logp).reshape(B, K)).any(dim=1).to(home)
-            req = torch.arange(B, device=ix.device).repeat_interleave(K)
-            cand = con.mask(d, req, node.reshape(-1), score.reshape(-1), logp, value_weight)
-            by = None
-            if value_weight > 0:  # ranked by the value-guided key (`ops.gtm_mask.reference.value_key`)
-                cand, by = cand
-            cand = cand.reshape(B, K * V)
-            by = cand if by is None else by.reshape(B, K * V)
-            flat = top_k(by, k)  # this device's k best, in the one order
-            position = rank.gather(1, flat // V) * V + flat % V  # in the one-device layout
-            key = ordered(by.gather(1, flat)) * TIE_LIMIT + (TIE_LIMIT - 1 - position)
-            local.append((flat, cand.gather(1, flat)))
-            keys.append(key.to(home))
+            with _on(ix.device):  # a Triton kernel launches on the current device
+                logp = log_probs_of(scorer, d, tokens, parent, ix.level_sizes[d]).reshape(B * K, V)
+                mine = score > NEG_INF
+                live = live | mine.any(dim=1).to(home)
+                scored = scored | (mine & scored_rows(logp).reshape(B, K)).any(dim=1).to(home)
+                req = torch.arange(B, device=ix.device).repeat_interleave(K)
+                cand = con.mask(d, req, node.reshape(-1), score.reshape(-1), logp, value_weight)
+                by = None
+                if value_weight > 0:  # ranked by the value-guided key (`ops.gtm_mask.reference.value_key`)
+                    cand, by = cand
+                cand = cand.reshape(B, K * V)
+                by = cand if by is None else by.reshape(B, K * V)
+                flat = top_k(by, k)  # this device's k best, in the one order
+                position = rank.gather(1, flat // V) * V + flat % V  # in the one-device layout
+                key = ordered(by.gather(1, flat)) * TIE_LIMIT + (TIE_LIMIT - 1 - position)
+                local.append((flat, cand.gather(1, flat)))
+                keys.append(key.to(home))
         # --- the merge: every device's k best, the k best of them ---
         won = torch.cat(keys, dim=1).topk(k, dim=1, sorted=True).indices  # (B, k) device x k + slot
         nxt: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
@@ -173,3 +175,8 @@ def sharded_beam_search(indexes: Sequence[ServedIndex], requests: Sequence[Encod
         out.append(Beams(torch.where(alive[..., None], tokens, 0), score, leaf))
         ranks.append(torch.where(alive, rank, rank.shape[1]))
     return ShardedBeams(tuple(out), tuple(ranks), torch.stack(unscored, dim=1))
+
+
+def _on(device: torch.device):
+    """A context making `device` the current CUDA device (where Triton launches), else nothing."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -477,7 +477,9 @@ def test_front_end_processes_answer_as_one_does_and_stop_on_sigterm(built, rows,
     finally:
         p.send_signal(signal.SIGTERM)
     # its next requests: answered (200) until the stop reaches its front-end, then one 503 saying
-    # Connection: close; the one after finds the port closed
+    # Connection: close; the one after finds the port closed, or closing: a connection the kernel
+    # queued for a front-end that stopped listening before accepting it is reset (no request of it
+    # was read)
     seen = []
     for _ in range(200):
         try:
@@ -488,7 +490,7 @@ def test_front_end_processes_answer_as_one_does_and_stop_on_sigterm(built, rows,
         seen.append((r.status_code, r.headers.get("connection")))
         time.sleep(0.01)
     out, err = p.communicate(timeout=60)
-    assert (503, "close") in seen and seen[-1] == "ConnectError", seen
+    assert (503, "close") in seen and seen[-1] in ("ConnectError", "ReadError", "RemoteProtocolError"), seen
     for t in clients:
         t.join(60)
     assert p.returncode == 0, err

@@ -35,10 +35,11 @@ def scored_rows(logp: torch.Tensor) -> torch.Tensor:
 
 def unscored(logp: torch.Tensor, score: torch.Tensor, impl: Impl | str = Impl.AUTO) -> torch.Tensor:
     """(B,) bool: the request has live beams (score (B, K) float32 > -inf) and none of them has a
-    finite logit (`scored_rows` of logp (B, K, V) float32, its rows contiguous). On the device, no
+    finite logit (`scored_rows` of logp (B, K, V) float32). On the device, no
     synchronisation: a captured search records it too. impl: "auto" (one Triton kernel on CUDA,
     `runtime.ops.unscored_kernel`; these torch ops elsewhere), "triton" or "torch"."""
-    if resolve_impl(impl, score.device, op="the scored check") is Impl.TRITON and logp.stride(2) == 1:
+    if resolve_impl(impl, score.device, op="the scored check") is Impl.TRITON and logp.is_contiguous() \
+            and logp.shape[1] > 0:
         from runtime.ops.unscored_kernel import unscored_triton  # triton only where it runs
 
         return unscored_triton(logp, score)

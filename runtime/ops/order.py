@@ -47,7 +47,8 @@ def position_keys(score: torch.Tensor, pos: torch.Tensor | None = None, impl: Im
     ranks first and, among equal scores, the lower position; no two positions of a row share a key.
     impl: "auto" (one Triton kernel on CUDA, `order_kernel`; these torch ops elsewhere), "triton" or
     "torch"."""
-    if resolve_impl(impl, score.device, op="the ranking keys") is Impl.TRITON and score.shape[0] < 1 << 16:
+    if resolve_impl(impl, score.device, op="the ranking keys") is Impl.TRITON and score.shape[0] < 1 << 16 \
+            and score.dtype == torch.float32:
         from runtime.ops.order_kernel import position_keys_triton  # triton only where it runs
 
         return position_keys_triton(score, pos)

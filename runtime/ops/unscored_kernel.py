@@ -24,7 +24,7 @@ def _unscored_kernel(out, score, logp, K, s_row, BK: tl.constexpr):
 
 
 def unscored_triton(logp: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-    """(B,) bool for logp (B, K, V) float32 (rows of V contiguous) and score (B, K) float32."""
+    """(B,) bool for logp (B, K, V) float32 (contiguous, K >= 1) and score (B, K) float32."""
     B, K, _ = logp.shape
     out = torch.empty(B, dtype=torch.uint8, device=score.device)
     if B:

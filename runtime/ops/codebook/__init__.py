@@ -22,7 +22,7 @@ def codebook_log_probs(tables: CodebookTables, x: torch.Tensor, temperature: flo
     temperature as a (1,) float64 tensor on x's device (the kernel reads it there; made here
     when None). The hash level is one uniform row, computed once and copied to every beam."""
     B, K, _ = prefix.shape
-    if B * K == 0:
+    if B * K == 0 or x.shape[0] != B:  # (the reference broadcasts a single embedding)
         return codebook_log_probs_reference(tables, x, temperature, step, prefix, size)
     if step >= len(tables.centroids):
         row = codebook_log_probs_reference(tables, x[:1], temperature, step, prefix[:1, :1], size)
@@ -32,7 +32,7 @@ def codebook_log_probs(tables: CodebookTables, x: torch.Tensor, temperature: flo
 
         if fits(tables):
             if temperature_t is None:
-                temperature_t = torch.tensor([temperature], dtype=torch.float64, device=x.device)
+                temperature_t = torch.full((1,), temperature, dtype=torch.float64, device=x.device)
             return codebook_log_probs_triton(tables, x, temperature_t, step, prefix, size)
     return codebook_log_probs_reference(tables, x, temperature, step, prefix, size)
 
