@@ -9,6 +9,7 @@ batch independence needs (a check that bites on a GPU: the interpreter runs a pr
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -63,6 +64,27 @@ def test_the_kernel_gives_the_references_distribution(case):
     b, k = B - 1, K // 2
     alone = codebook_log_probs(tables, x[b:], temperature, step, prefix[b:, k:k + 1], size, impl="triton").cpu()
     assert torch.equal(alone[0, 0].nan_to_num(), got[b, k].nan_to_num())
+
+
+@pytest.mark.parametrize("hash_size", [5, 9_000])
+def test_wide_levels_take_fewer_beams_a_program_or_the_reference(hash_size):
+    """A level of 700 tokens holds 8 beams a program (a row of 1,024 lanes), not 16; past 8,192
+    tokens a row does not fit a program and the reference runs: either way the distribution."""
+    from runtime.ops.codebook.kernel import fits
+
+    rng = np.random.default_rng(5)
+    cents = [torch.from_numpy(rng.standard_normal((n, 5)).astype(np.float32)).to(DEVICE) for n in (700, 3)]
+    V = max(700, hash_size)
+    tables = CodebookTables.of(cents, (700, 3, hash_size), V)
+    assert fits(tables) == (hash_size < 8_192)
+    x = torch.from_numpy(rng.standard_normal((2, 5)).astype(np.float32)).to(DEVICE)
+    prefix = torch.from_numpy(rng.integers(0, 3, (2, 11, 1))).to(DEVICE)  # 22 beams: a partly filled block
+    for step, p in ((0, prefix[..., :0]), (1, prefix)):
+        size = (700, 3)[step]
+        got = codebook_log_probs(tables, x, 1.0, step, p, size, impl="triton").cpu()
+        want = codebook_log_probs_reference(tables, x, 1.0, step, p, size).cpu()
+        assert torch.equal(got == -np.inf, want == -np.inf)
+        torch.testing.assert_close(got[want.isfinite()], want[want.isfinite()], rtol=1e-6, atol=1e-5)
 
 
 def test_the_search_takes_the_codebook_scorers_own_log_probs(monkeypatch):
