@@ -535,9 +535,9 @@ def run(args) -> dict:
     res = {"device": "cpu", "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     work = None
     try:
-        log(f"{args.ads:,} ads: catalog and ROOT ...")
-        size = catalog_root(args.ads, args.dim, cache)
-        res["catalog"] = {k: size[k] for k in ("ads", "dim", "sids", "nodes", "cached")}
+        log(f"{args.ads:,} ads ({args.profile}): catalog and ROOT ...")
+        size = catalog_root(args.ads, args.dim, cache, args.profile)
+        res["catalog"] = {k: size[k] for k in ("ads", "dim", "profile", "sids", "nodes", "cached")}
         work = Path(tempfile.mkdtemp(prefix="bench_load_work_", dir=cache))
         root = working_root(Path(size["root"]), work)
         index = runtime.load(root, "cpu", verify=False)
@@ -596,9 +596,13 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sidindex.sample import PROFILES  # here: the client processes import this script with numpy and httpx
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ads", type=int, default=20_000, help="catalog size (about 2 SIDs per ad)")
     ap.add_argument("--dim", type=int, default=32, help="embedding dimensions of the generated catalog")
+    ap.add_argument("--profile", choices=PROFILES, default="default",
+                    help="the catalog's profile (`sidindex sample --profile`): skewed puts bulk advertisers' "
+                         "near-duplicate creatives under a few SIDs")
     ap.add_argument("--device", default=None, help="the server's device (default: cuda when there is one)")
     ap.add_argument("--mode", default="cd+gtm")
     ap.add_argument("--beams", help=f"beam sizes (default {CUDA_BEAMS} on CUDA, {CPU_BEAMS} on the CPU)")

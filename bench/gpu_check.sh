@@ -90,6 +90,10 @@ if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ]; then
     python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios large --rate 1000 --clients 64 --procs 2 \
         --max-batch 64 --seconds 10 --workers 8 --no-wrk --cache "$out/cache" --json "$out/load_large.json" \
         || status=1
+    # the skewed catalog (bulk advertisers' near-duplicates under a few SIDs) under the same load
+    python3 bench/bench_load.py --device cuda --ads "$ads" --profile skewed --scenarios steady --rate 10000 \
+        --clients 64 --procs 4 --max-batch 64 --seconds 10 --workers 8 --no-wrk --cache "$out/cache" \
+        --json "$out/load_skewed.json" || status=1
     python3 bench/profile_serving.py --ads "$ads" --cache "$out/cache" --json "$out/profile.json" || status=1
     rm -rf "$out/cache"
 fi

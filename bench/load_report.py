@@ -85,7 +85,8 @@ def report(res: dict, console=None) -> None:
     console = console or Console(width=None if sys.stdout.isatty() else 220)
     c, cat = res["config"], res["catalog"]
     for s in res["scenarios"]:
-        t = Table(title=f"{s['scenario']}: {cat['ads']:,} ads ({res['device']}), {c['mode']}, beams {c['beams']}, "
+        t = Table(title=f"{s['scenario']}: {cat['ads']:,} ads ({cat.get('profile', 'default')}, {res['device']}), "
+                        f"{c['mode']}, beams {c['beams']}, "
                         f"{c['rate']:g} req/s offered ({c['arrivals']}) from {c['clients']} clients for "
                         f"{s['seconds']:g} s, max batch {c['max_batch']}; ms from the scheduled send",
                   title_justify="left")
