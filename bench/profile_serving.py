@@ -34,6 +34,7 @@ from bench.bench_stream import catalog_embeddings, catalog_root, request_batches
 from bench.common import profile_kernels
 from runtime.ops.distribution import level_log_probs
 from runtime.scorer import CodebookScorer
+from runtime.search import logits_of
 from sidindex.modes import Mode
 
 MODES = (Mode.NONE, Mode.CD_GTM)
@@ -60,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
           f"beams {args.beams}; Retriever.run of one batch (search + post stage, replayed)")
     fused_step = CodebookScorer.log_probs
 
-    def unfused(scorer, step, tokens, parent, size):  # the search's own path for a scorer's logits
-        return level_log_probs(scorer(step, tokens, parent), size)
+    def unfused(scorer, step, tokens, parent, size):  # the search's path for any other scorer's logits
+        return level_log_probs(logits_of(scorer, step, tokens, parent), size)
 
     rows = []
     for mode in MODES:
@@ -127,18 +128,16 @@ def profile_one(index, reqs, mode: Mode, step: str, args) -> dict:
     retriever = runtime.Retriever(index, mode=mode, beams=args.beams, batch_sizes=(len(reqs),))
     retriever.run(reqs)
     torch.cuda.synchronize()
+    stages = dict.fromkeys(("encode", "copy", "search_post"), 0.0)
     t = time.perf_counter()
     for _ in range(args.reps):
-        retriever.run(reqs)  # ends with the result's copy to the host: synchronised
+        _, seconds = retriever.run(reqs)  # ends with the result's copy to the host: synchronised
+        for k in stages:
+            stages[k] += seconds[k] * 1e3 / args.reps
     wall = (time.perf_counter() - t) / args.reps * 1e3
     kernels = profile_kernels(functools.partial(retriever.run, reqs))
     gpu = sum(k["us"] for k in kernels) / 1e3
     launches = sum(k["calls"] for k in kernels)
-    stages = dict.fromkeys(("encode", "copy", "search_post"), 0.0)
-    for _ in range(args.reps):
-        for k, v in retriever.run(reqs)[1].items():
-            if k in stages:
-                stages[k] += v * 1e3 / args.reps
     print(f"\n{mode.value}, codebook step {step}: wall {wall:.3f} ms per batch, kernels {gpu:.3f} ms in "
           f"{launches:.0f} launches (GPU busy {gpu / wall:.0%})")
     print("| kernel | us | calls | share |\n|---|---|---|---|")

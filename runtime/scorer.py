@@ -51,15 +51,15 @@ class CodebookScorer:
     def prefix_independent(self, step: int) -> bool:
         """True when the logits of `step` do not depend on the prefix (the hash level): an
         exhaustive scan asks once instead of once per trie node."""
-        return step >= len(self.tables.centroids)
+        return step >= self.tables.semantic
 
     def __call__(self, step: int, prefix: torch.Tensor, parent: torch.Tensor | None = None) -> torch.Tensor:
         return codebook_logits(self.tables, self.x, self.temperature, step, prefix)
 
     def log_probs(self, step: int, prefix: torch.Tensor, parent: torch.Tensor | None, size: int) -> torch.Tensor:
         """(B, K, V) float32 `level_log_probs(self(step, prefix, parent), size)`, in one kernel on
-        CUDA (`runtime.ops.codebook`): equal where the level is uniform, within float32 rounding
-        elsewhere. Reads prefix without writing it."""
+        CUDA (`runtime.ops.codebook`): equal where the level is uniform, to a few units in float32's
+        last place elsewhere. Reads prefix without writing it."""
         return codebook_log_probs(self.tables, self.x, self.temperature, step, prefix, size,
                                   temperature_t=self.temperature_t)
 

@@ -50,8 +50,7 @@ import numpy as np
 import torch
 
 from runtime.constraint import Constraint
-from runtime.ops.distribution import level_log_probs
-from runtime.ops.distribution import unscored as unscored_of
+from runtime.ops.distribution import level_log_probs, unscored
 from runtime.ops.impl import Impl
 from runtime.ops.order import top_k
 from runtime.scorer import CodebookScorer
@@ -244,11 +243,11 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     tokens = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)
     req = torch.arange(B, device=dev)
     parent = overflow = None
-    unscored = []  # per step, (B,) bool on the device: read once, by `check_scored`
+    unscored_steps = []  # per step, (B,) bool on the device: read once, by `check_scored`
     for d in range(L):
         K = node.shape[1]
         logp = log_probs_of(scorer, d, tokens, parent, index.level_sizes[d]).reshape(B * K, V)
-        unscored.append(unscored_of(logp.reshape(B, K, V), score))
+        unscored_steps.append(unscored(logp.reshape(B, K, V), score))
         k_next = min(beams[d + 1] if d + 1 < L else beams[-1], K * V)
         key = None
         if compact:  # slots of the beams' child entries; padded so top-k always has k_next of them
@@ -282,7 +281,7 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
         node = constraint.child(node.gather(1, parent), tok, alive)
     alive = score > NEG_INF
     leaf = torch.where(alive & (node >= 0), node - index.leaf_start, -1)
-    return Beams(torch.where(alive[..., None], tokens, 0), score, leaf, overflow, torch.stack(unscored, dim=1))
+    return Beams(torch.where(alive[..., None], tokens, 0), score, leaf, overflow, torch.stack(unscored_steps, dim=1))
 
 
 def check_scored(unscored: torch.Tensor | None, what: str, request_id=None) -> None:

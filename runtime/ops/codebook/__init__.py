@@ -2,7 +2,8 @@
 a batch's beams. `codebook_log_probs` runs the fused Triton kernel on CUDA tensors and the plain
 torch reference elsewhere; both give the distribution `runtime.ops.distribution.level_log_probs`
 gives of the scorer's logits (tests compare them, the kernel under TRITON_INTERPRET=1), to the
-last bit where the level is uniform (the hash level) and within float32 rounding elsewhere.
+last bit where the level is uniform (the hash level) and to a few units in float32's last place
+elsewhere.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def codebook_log_probs(tables: CodebookTables, x: torch.Tensor, temperature: flo
     B, K, _ = prefix.shape
     if B * K == 0 or x.shape[0] != B:  # (the reference broadcasts a single embedding)
         return codebook_log_probs_reference(tables, x, temperature, step, prefix, size)
-    if step >= len(tables.centroids):
+    if step >= tables.semantic:
         row = codebook_log_probs_reference(tables, x[:1], temperature, step, prefix[:1, :1], size)
         return row.expand(B, K, -1).contiguous()
     if resolve_impl(impl, x.device, op="the codebook scorer") is Impl.TRITON:

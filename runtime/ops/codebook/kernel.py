@@ -85,6 +85,6 @@ def codebook_log_probs_triton(tables: CodebookTables, x: torch.Tensor, temperatu
     residual = torch.empty(M, D, dtype=torch.float32, device=x.device)
     _log_probs_kernel[(triton.cdiv(M, BM),)](
         out, residual, x.contiguous(), prefix, tables.stack, tables.stack64_t, tables.sq64, temperature, M, K, D,
-        s_pb, s_pk, s_pp, VS=VS, STEP=step, N=len(tables.centroids[step]), SIZE=min(size, V), V=V, BV=BV, BM=BM,
+        s_pb, s_pk, s_pp, VS=VS, STEP=step, N=len(tables.centroids64[step]), SIZE=min(size, V), V=V, BV=BV, BM=BM,
         BD=min(64, triton.next_power_of_2(D)), num_warps=4)
     return out

@@ -22,15 +22,13 @@ NEG_INF = float("-inf")
 
 @dataclass(frozen=True)
 class CodebookTables:
-    """A codebook on a device. centroids: per semantic level (V_l, D) float32; centroids64: the
-    same in float64; sq_norms: per level (V_l,) float64 their squared norms; sizes: every level's
-    tokens, the hash level's last; V: the logit width (the largest level). The fused kernel's
-    forms: stack (S, Vs, D) float32 the S semantic levels' centroids padded with zeros to the
-    largest, Vs tokens; stack64_t (S, D, Vs) float64 transposed; sq64 (S, Vs) float64."""
+    """A codebook on a device. centroids64: per semantic level (V_l, D) float64 (the reference's
+    product); sizes: every level's tokens, the hash level's last; V: the logit width (the largest
+    level); stack (S, Vs, D) float32 the S semantic levels' centroids padded with zeros to the
+    largest, Vs tokens (the residuals); stack64_t (S, D, Vs) float64 transposed (the kernel's
+    product); sq64 (S, Vs) float64 their squared norms."""
 
-    centroids: list[torch.Tensor]
     centroids64: list[torch.Tensor]
-    sq_norms: list[torch.Tensor]
     sizes: tuple[int, ...]
     V: int
     stack: torch.Tensor
@@ -41,15 +39,19 @@ class CodebookTables:
     def of(cls, centroids: list[torch.Tensor], sizes: tuple[int, ...], V: int) -> CodebookTables:
         """The tables of semantic levels' centroids (V_l, D) float32 on one device."""
         c64 = [c.double() for c in centroids]
-        sq = [(c * c).sum(dim=1) for c in c64]
         S, D, dev = len(centroids), centroids[0].shape[1], centroids[0].device
         Vs = max(len(c) for c in centroids)
         stack = torch.zeros(S, Vs, D, dtype=torch.float32, device=dev)
         sq64 = torch.zeros(S, Vs, dtype=torch.float64, device=dev)
-        for s, (c, n) in enumerate(zip(centroids, sq)):
-            stack[s, :len(c)] = c
-            sq64[s, :len(c)] = n
-        return cls(list(centroids), c64, sq, tuple(sizes), V, stack, stack.double().transpose(1, 2).contiguous(), sq64)
+        for s, c in enumerate(c64):
+            stack[s, :len(c)] = centroids[s]
+            sq64[s, :len(c)] = (c * c).sum(dim=1)
+        return cls(c64, tuple(sizes), V, stack, stack.double().transpose(1, 2).contiguous(), sq64)
+
+    @property
+    def semantic(self) -> int:
+        """The semantic levels (the steps before the hash level)."""
+        return len(self.centroids64)
 
 
 def codebook_logits(tables: CodebookTables, x: torch.Tensor, temperature: float, step: int,
@@ -58,14 +60,14 @@ def codebook_logits(tables: CodebookTables, x: torch.Tensor, temperature: float,
     prefix (B, K, step) int64."""
     B, K, _ = prefix.shape
     out = torch.full((B, K, tables.V), NEG_INF, device=x.device)
-    if step >= len(tables.centroids):  # the hash level
+    if step >= tables.semantic:  # the hash level
         out[..., :tables.sizes[step]] = 0.0
         return out
     r = x[:, None, :].expand(B, K, -1)
     for p in range(step):
-        r = r - tables.centroids[p][prefix[..., p]]
+        r = r - tables.stack[p][prefix[..., p]]  # a token's row: its centroid (the padding is never read)
     c = tables.centroids64[step]
-    out[..., :len(c)] = ((2 * r.double() @ c.T - tables.sq_norms[step]) / temperature).float()
+    out[..., :len(c)] = ((2 * r.double() @ c.T - tables.sq64[step, :len(c)]) / temperature).float()
     return out
 
 
