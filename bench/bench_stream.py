@@ -485,7 +485,7 @@ def report(res: dict, console=None) -> None:
         t = Table(title=f"{n:,} ads ({res['device']}): {res['batches']} distinct batches of {res['batch']}, beams "
                         f"{beams}; ms per batch, Arrow in -> Arrow on the host", title_justify="left")
         for c in ("profile", "mode", "p50", "p90", "p99", "max", "/ none", "widen", "stalls", "validate", "encode",
-                  "copy", "search+post", "result", "req/s", "req/s 2 callers", "p99 2 callers", "ads/req", "= retrieve",
+                  "search+post", "result", "req/s", "req/s 2 callers", "p99 2 callers", "ads/req", "= retrieve",
                   "warm-up s"):
             t.add_column(c, justify="left" if c in ("profile", "mode") else "right")
         for size in sizes:
@@ -496,7 +496,7 @@ def report(res: dict, console=None) -> None:
                 t.add_row(size["profile"], mode, *(f"{r[k]:.3f}" for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")),
                           f"{r['p50_ms'] / none:.2f}", str(r["widenings"]),
                           "/".join(str(r["stalls"][k]) for k in ("captures", "compiles", "overflows")),
-                          *(f"{s[k]:.3f}" for k in ("validate", "encode", "copy", "search_post", "result")),
+                          *(f"{s[k]:.3f}" for k in ("validate", "encode", "search_post", "result")),
                           f"{r['qps']['1']:,.0f}", "-" if two is None else f"{two['qps']:,.0f}",
                           "-" if two is None else f"{two['p99_ms']:.3f}", f"{r['rows_per_request']:.1f}",
                           str(r.get("same_as_retrieve", "-")), f"{r['warm_s']:.3f}")

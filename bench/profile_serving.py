@@ -77,11 +77,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['gpu'] / r['wall']:.0%} |")
     print("\nOne batch's wall time, from the profiler's timeline (ms, mean; the profiler adds to the host's):\n"
           "| mode | codebook step | wall | host before the first kernel | first to last kernel | "
-          "of which gaps | host after the last | encode | copy | search+post |\n" + "|---" * 10 + "|")
+          "of which gaps | host after the last | encode | search+post |\n" + "|---" * 9 + "|")
     for r in rows:
         t, st = r["timeline"], r["stages"]
         print(f"| {r['mode']} | {r['step']} | {t['wall']:.3f} | {t['before']:.3f} | {t['span']:.3f} | "
-              f"{t['span'] - t['busy']:.3f} | {t['after']:.3f} | {st['encode']:.3f} | {st['copy']:.3f} | "
+              f"{t['span'] - t['busy']:.3f} | {t['after']:.3f} | {st['encode']:.3f} | "
               f"{st['search_post']:.3f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
@@ -128,7 +128,7 @@ def profile_one(index, reqs, mode: Mode, step: str, args) -> dict:
     retriever = runtime.Retriever(index, mode=mode, beams=args.beams, batch_sizes=(len(reqs),))
     retriever.run(reqs)
     torch.cuda.synchronize()
-    stages = dict.fromkeys(("encode", "copy", "search_post"), 0.0)
+    stages = dict.fromkeys(("encode", "search_post"), 0.0)
     t = time.perf_counter()
     for _ in range(args.reps):
         _, seconds = retriever.run(reqs)  # ends with the result's copy to the host: synchronised

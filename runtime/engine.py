@@ -17,7 +17,8 @@ import torch
 from runtime.batcher import Batcher
 from runtime.engine_api import Target
 from runtime.metrics import EngineMetrics
-from runtime.retriever import Retriever, codebook_of
+from runtime.retriever import Retriever
+from runtime.served import codebook_of
 from runtime.watcher import SnapshotWatcher
 from sidindex.requests import Requests
 
@@ -84,6 +85,7 @@ class Engine:
         m.stalls.labels("capture").set(c.captures)
         m.stalls.labels("compile").set(c.compiles)
         m.overflows.set(c.overflows)
+        m.rewarms.set(c.rewarms)
         m.age.set(time.time() - self.since)
         m.refused.set(0 if self.watcher.last_error is None else 1)
         device = self.watcher.current.device
@@ -98,7 +100,7 @@ class Engine:
 
     def close(self, timeout: float) -> bool:
         """Stop the poller, abandon a warm-up in progress at its next batch, stop the batcher, and
-        wait up to `timeout` seconds in all for the batch and poll threads: True when both ended.
+        wait up to `timeout` seconds in all for the batch, poll and re-warm threads: True when all ended.
         A thread left in native code when the interpreter exits can abort the process, so a
         caller that gets False should leave with os._exit."""
         self._stop.set()
@@ -107,7 +109,8 @@ class Engine:
         stopped = self.batcher.close(timeout)
         if self._poller is not None:
             self._poller.join(max(0.0, end - time.monotonic()))
-        return stopped and not (self._poller is not None and self._poller.is_alive())
+        rewarmed = self.retriever.join_warmups(max(0.0, end - time.monotonic()))
+        return stopped and rewarmed and not (self._poller is not None and self._poller.is_alive())
 
     def _poll(self) -> None:
         while not self._stop.wait(self.poll_seconds):

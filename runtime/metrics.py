@@ -71,6 +71,8 @@ class EngineMetrics:
                             "(0 once warm)", ("kind",))
         self.overflows = gauge("sidindex_overflows", "Batches answered by the worst case's graph (past the widths "
                                "warm-up measured)")
+        self.rewarms = gauge("sidindex_rewarms", "Searchers warmed again, wider, beside serving after batches they "
+                             "could not hold")
         self.snapshot = gauge("sidindex_snapshot_info", "The snapshot served", ("snapshot",))
         self.age = gauge("sidindex_snapshot_age_seconds", "Seconds since the snapshot served was swapped in")
         self.refused = gauge("sidindex_snapshot_refused", "1 while the newest published snapshot was refused")

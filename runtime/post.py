@@ -47,6 +47,9 @@ from sidindex.requests import MAX_REQUEST_VALUES
 
 # the device path packs a catalog row into 31 bits of its sort keys: larger catalogs run on the host
 DEVICE_ROWS = 1 << 31
+# `DevicePost.send` copies a result's counts and at most this many words of its first rows (256 KiB,
+# about 10 us over PCIe) behind the graph; a result with more rows copies the rest when read
+SENT_WORDS = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,7 @@ class DevicePost:
                                  index.sid_length, rank, stages, "ad_value" in self.arrays)
         self.pinned = pinned
         self._host: torch.Tensor | None = None  # with `pinned`: `result`'s copies land here
+        self._sent = 0  # words of the last `run`'s buffer `send` queued to `_host` (0: none)
         # (B,) int64 each request's reached pairs in the last `result`'s batch (None before one)
         self.last_reached: np.ndarray | None = None
 
@@ -233,16 +237,35 @@ class DevicePost:
         return expand_beams(self.layout, self.arrays, self.bounds.ad_order, self.bounds.steps, requests, beams,
                             self.max_values, self.impl)
 
+    def send(self, buffer: torch.Tensor) -> None:
+        """Queue the copy of a `run`'s counts and first result rows (at most SENT_WORDS words of them)
+        to the stage's pinned memory, behind the run on its stream, with no wait: `result` then waits
+        once and reads them there, copying only rows past them (with `pinned`, on a GPU)."""
+        if not (buffer.is_cuda and self.pinned):
+            return
+        lay = self.layout
+        head = len(lay.counts) * lay.batch
+        n = min(len(buffer), head + min(lay.batch * lay.kept * lay.row_words, SENT_WORDS))
+        host = self._pinned(len(buffer))
+        host[:n].copy_(buffer[:n], non_blocking=True)
+        self._sent = n
+
+    def _pinned(self, n: int) -> torch.Tensor:
+        if self._host is None or len(self._host) < n:
+            self._host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        return self._host
+
     def _fetch(self, buffer: torch.Tensor, lo: int, hi: int) -> np.ndarray:
         """buffer[lo:hi] on the host: with `pinned`, from a GPU through the stage's pinned memory
-        (overwritten by the next call)."""
+        (overwritten by the next call), the part `send` queued copied already."""
         if not (buffer.is_cuda and self.pinned):
             return buffer[lo:hi].cpu().numpy()
-        if self._host is None or len(self._host) < len(buffer):
-            self._host = torch.empty(len(buffer), dtype=torch.int64, pin_memory=True)
-        self._host[lo:hi].copy_(buffer[lo:hi], non_blocking=True)
+        host = self._pinned(len(buffer))
+        if hi > self._sent:
+            start = max(lo, self._sent)
+            host[start:hi].copy_(buffer[start:hi], non_blocking=True)
         torch.cuda.current_stream(buffer.device).synchronize()
-        return self._host[lo:hi].numpy()
+        return host[lo:hi].numpy()
 
     def result(self, buffer: torch.Tensor) -> Retrieved | None:
         """The `Retrieved` of a `run`'s buffer: its counts, then the rows in use, to the host; None
@@ -254,12 +277,14 @@ class DevicePost:
         counts = dict(zip(lay.counts, self._fetch(buffer, 0, head).reshape(-1, B).copy()))
         self.last_reached = counts["reached"]
         if (counts["reached"] > lay.pairs).any():
+            self._sent = 0
             return None
         n = np.minimum(counts["eligible"], T)  # rows per request
         total = int(n.sum())
         # one copy (the pinned buffer serves the next call); the fields are views of it: copying
         # each strided column on its own costs five times as much
         rows = self._fetch(buffer, head, head + total * F).reshape(total, F).copy()
+        self._sent = 0  # the next run's buffer is another's
         parts, at = {}, 0
         for name, width in lay.fields:
             parts[name] = rows[:, at:at + width] if name == "sid" else rows[:, at]

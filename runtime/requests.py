@@ -1,6 +1,6 @@
-"""Requests for serving: validate a batch against an index (in memory or from a file), and move a
+"""Requests for serving: validate a batch against an index (in memory or from a file), move a
 batch's encoding (`sidindex.request_encoding.EncodedRequests`) to the device the kernels run on in one
-copy (docs/design.md §8)."""
+copy, or stage it at the fixed places a captured search reads (`Staged`) (docs/design.md §8)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.ops.gtm_mask.planes import QueryStack, group_layout, most_queries, plane_ranges, stack_base, stack_queries
+from runtime.ops.gtm_mask.planes import (
+    TABLE_FROM,
+    GroupLayout,
+    QueryStack,
+    group_layout,
+    most_queries,
+    plane_ranges,
+    stack_base,
+    stack_queries,
+)
 from runtime.served import ServedIndex
 from sidindex.matchers.exact import ExactQueries
 from sidindex.request_encoding import EncodedRequests
@@ -109,3 +118,159 @@ def _copied(requests: EncodedRequests, device: torch.device) -> EncodedRequests:
                   for e in requests.exact)
     embedding = None if requests.embedding is None else torch.as_tensor(requests.embedding, device=device)
     return dataclasses.replace(requests, planes=planes, exact=exact, stacked=stacked, embedding=embedding)
+
+
+def device_form(requests: EncodedRequests, device: str | torch.device) -> EncodedRequests:
+    """requests on `device` as the kernels read them: itself when it is already there (stacked),
+    else `to_device`."""
+    return requests if requests.stacked is not None else to_device(requests, device)
+
+
+def query_layout(requests: EncodedRequests) -> GroupLayout:
+    """The batch's `GroupLayout` (which groups its queries table), read on the host: the stack's
+    on a device, else from the host ranges."""
+    if requests.stacked is not None:
+        return requests.stacked.layout
+    most = [m for q in requests.planes for m in most_queries(np.asarray(q.ranges))]
+    return group_layout(requests.planes, most)
+
+
+def _words(a) -> int:
+    """int64 words an array (numpy or torch) of 4- or 8-byte items takes, rounded up."""
+    return -(-a.numel() * a.element_size() // 8) if isinstance(a, torch.Tensor) else -(-a.nbytes // 8)
+
+
+class Staged:
+    """A batch's inputs at fixed places with room, as a captured search reads them: one int64
+    buffer in pinned host memory and its twin on the device, and the device views of the twin (an
+    `EncodedRequests`), made once. A batch goes in by `load` (host arrays copied on the host, device
+    tensors copied into the pinned buffer behind the stream's earlier work), then `send` (one
+    asynchronous copy of the buffer to its twin, queued before the search that reads it): no view is
+    made per batch, and nothing waits.
+
+    Laid out like `sidindex.request_encoding.encode_requests`' arena, each part with room: the planes'
+    query rows back to back (the stack's words; plane p with room for rows[p] rows), the groups'
+    ranges (B, G, 2), per `values` plane its exact hash offsets (A, B+1) and hashes (room for
+    hashes[p]), the embedding (B, D) float32. Row numbers and hash offsets count from their part, so
+    a batch's values go in as they are.
+
+    like:   a batch (host or device form) giving the shapes; its query layout (which groups are
+            tabled: `query_layout`) and query bounds (`PlaneQueries.max_queries`) are the staged
+            requests', which batches must not pass (`fits`)
+    rows:   per plane, the query rows it holds; hashes: per plane, the exact hashes (None for a plane
+            without exact queries)
+    """
+
+    def __init__(self, like: EncodedRequests, rows: tuple[int, ...], hashes: tuple[int | None, ...],
+                 device: torch.device) -> None:
+        B = like.batch
+        parts: list[tuple[str, int]] = []  # (name, words), in buffer order
+        widths = [int(q.rows.shape[1]) for q in like.planes]
+        parts += [(f"rows{p}", r * w) for p, (r, w) in enumerate(zip(rows, widths))]
+        G = sum(q.ranges.shape[1] for q in like.planes)
+        parts.append(("ranges", B * G * 2))
+        for p, (e, h) in enumerate(zip(like.exact, hashes)):
+            if e is not None:
+                parts += [(f"offsets{p}", _words(e.hash_offsets)), (f"hashes{p}", h or 0)]
+        D = 0 if like.embedding is None else int(like.embedding.shape[1])
+        parts.append(("embedding", -(-B * D // 2)))
+        at, self._at = 0, {}
+        for name, n in parts:
+            self._at[name] = (at, at + n)
+            at += n
+        self.host = torch.zeros(max(at, 1), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.device = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+        self._host_np = self.host.numpy()
+        self.layout = query_layout(like)
+        self.most = tuple(q.max_queries for q in like.planes)
+        self._rows, self._hashes, self._shapes = rows, hashes, _shapes(like)
+        self._tabled = np.array([t >= 0 for t in self.layout.group_table], dtype=bool)  # per group
+        self._single = np.repeat([q.single for q in like.planes], [q.ranges.shape[1] for q in like.planes])
+
+        def part(buf: torch.Tensor, name: str) -> torch.Tensor:
+            lo, hi = self._at[name]
+            return buf[lo:hi]
+
+        def views(buf: torch.Tensor):
+            ranges = part(buf, "ranges").view(B, G, 2)
+            planes = tuple(dataclasses.replace(q, rows=part(buf, f"rows{p}").view(rows[p], widths[p]), ranges=r,
+                                               most=m)
+                           for p, (q, r, m) in enumerate(zip(like.planes, plane_ranges(ranges, like.planes),
+                                                             self.most)))
+            exact = tuple(None if e is None else
+                          ExactQueries(part(buf, f"offsets{p}").view(e.hash_offsets.shape), part(buf, f"hashes{p}"))
+                          for p, e in enumerate(like.exact))
+            embedding = None if like.embedding is None else \
+                part(buf, "embedding").view(torch.float32)[:B * D].view(B, D)
+            return ranges, planes, exact, embedding
+
+        # where `load` puts a batch's parts (`_parts`' order), as tensors and as numpy arrays
+        self._rooms = [(t, t.numpy()) for t in _parts(EncodedRequests(like.source, *views(self.host)[1:]))]
+        ranges, planes, exact, embedding = views(self.device)
+        starts = [self._at[f"rows{p}"][0] for p in range(len(planes))]
+        stacked = QueryStack(self.device[:self._at[f"rows{len(planes) - 1}"][1]], stack_base(starts, device), ranges,
+                             self.layout)
+        # what the captured search reads: views of the device twin, with room
+        self.requests = EncodedRequests(like.source, planes, exact, embedding, stacked)
+
+    @classmethod
+    def room_for(cls, requests: EncodedRequests, device: torch.device) -> Staged:
+        """Staging for batches like `requests`, with room for twice its query rows per plane (at
+        least 8 per request) and twice its exact hashes (at least 64)."""
+        rows = tuple(max(2 * len(q.rows), 8 * requests.batch) for q in requests.planes)
+        hashes = tuple(None if e is None else max(2 * len(e.hashes), 64) for e in requests.exact)
+        return cls(requests, rows, hashes, torch.device(device))
+
+    def fits(self, requests: EncodedRequests) -> bool:
+        """The batch goes in: the same batch size, groups, embedding width and exact attributes; no
+        more query rows, hashes or queries per request than the room; its tabled groups are the
+        staged ones' or fewer, in as few words (a batch that would not table a group searches as
+        well with its table)."""
+        if _shapes(requests) != self._shapes:
+            return False
+        if any(len(q.rows) > r for q, r in zip(requests.planes, self._rows)) or any(
+                e is not None and len(e.hashes) > (h or 0) for e, h in zip(requests.exact, self._hashes)):
+            return False
+        if requests.stacked is not None:  # on a device: the bounds the host kept
+            theirs = requests.stacked.layout
+            return all(q.max_queries <= m for q, m in zip(requests.planes, self.most)) \
+                and all(t < 0 or m >= 0 for t, m in zip(theirs.group_table, self.layout.group_table)) \
+                and theirs.table_words <= self.layout.table_words
+        # on the host: each group's most queries a request has, read from the ranges
+        most = [(np.asarray(q.ranges)[..., 1] - np.asarray(q.ranges)[..., 0]).max(0) for q in requests.planes]
+        if any(len(m) and m.max() > bound for m, bound in zip(most, self.most)):
+            return False
+        every = np.concatenate(most)
+        tabled = ~self._single & (every >= TABLE_FROM)  # the groups the batch's own layout tables
+        return bool(self._tabled[tabled].all()) and (-(-every[tabled] // 64)).max(initial=0) <= self.layout.table_words
+
+    def load(self, requests: EncodedRequests) -> None:
+        """Put a batch that `fits` in the pinned buffer: host arrays now, device tensors by copies
+        queued on the current stream (the `send` after them reads what they wrote)."""
+        for room, part in zip(self._rooms, _parts(requests)):
+            if isinstance(part, np.ndarray):
+                host = room[1][:len(part)]
+                np.copyto(host, part.view(host.dtype) if part.dtype != host.dtype else part, casting="no")
+            else:
+                room[0][:len(part)].copy_(part, non_blocking=True)
+
+    def send(self) -> None:
+        """Queue the buffer's copy to the device twin on the current stream (nothing on the CPU)."""
+        if self.device is not self.host:
+            self.device.copy_(self.host, non_blocking=True)
+
+
+def _shapes(requests: EncodedRequests) -> tuple:
+    """What a staging fixes of a batch: its planes' ranges shapes and row widths, its exact
+    attributes, its embedding's shape."""
+    return (tuple((tuple(q.ranges.shape), q.rows.shape[1]) for q in requests.planes),
+            tuple(None if e is None else tuple(e.hash_offsets.shape) for e in requests.exact),
+            None if requests.embedding is None else tuple(requests.embedding.shape))
+
+
+def _parts(requests: EncodedRequests) -> list:
+    """A batch's arrays `Staged.load` copies, in one order: each plane's rows and ranges, each
+    exact plane's offsets and hashes, the embedding."""
+    out = [a for q in requests.planes for a in (q.rows, q.ranges)]
+    out += [a for e in requests.exact if e is not None for a in (e.hash_offsets, e.hashes)]
+    return out + ([] if requests.embedding is None else [requests.embedding])

@@ -10,10 +10,10 @@ import pyarrow as pa
 import torch
 
 from runtime.post import Retrieved
-from runtime.retriever import Retriever, codebook_of, table_of
+from runtime.retriever import Retriever, table_of
 from runtime.scorer import CodebookScorer, ScorerFactory, as_factory
 from runtime.search import DEFAULT_BEAMS, Scorer
-from runtime.served import ServedIndex
+from runtime.served import ServedIndex, codebook_of
 from sidindex.errors import InputError
 from sidindex.modes import Mode
 from sidindex.request_encoding import EncodedRequests
@@ -23,7 +23,7 @@ from sidindex.requests import Requests
 @dataclass
 class RetrievalRun:
     """The result rows (`Retrieved`, request rows of the whole table) and where the time went:
-    seconds per stage of `runtime.Retriever` (encode, copy, search_post)."""
+    seconds per stage of `runtime.Retriever` (encode, search_post)."""
 
     result: Retrieved
     seconds: dict[str, float] = field(default_factory=dict)
@@ -83,4 +83,4 @@ def retrieve(index: ServedIndex, requests: Requests, *, mode: Mode | str = Mode.
     retriever = Retriever(index, mode=mode, beams=beams, scorer=scorer, batch_sizes=(batch_size,),
                           value_weight=value_weight, rank=rank, top_k=top_k, impl=impl, warm=False)
     result, seconds = retriever.run(requests, stages=stages, progress=progress)
-    return RetrievalRun(result, {k: seconds[k] for k in ("encode", "copy", "search_post")})
+    return RetrievalRun(result, {k: seconds[k] for k in ("encode", "search_post")})

@@ -8,13 +8,13 @@
 A batch goes through these stages, each once:
   1. validate: `sidindex.requests.requests_from` (a few vectorised checks; a bad batch is refused
      naming its column, row and value);
-  2. encode: `sidindex.request_encoding.encode_requests` into the retriever's arena, pinned on a GPU and
-     reused by every batch;
-  3. copy: the arena to the device in one copy (`runtime.requests.to_device`);
-  4. search and post stage: `runtime.Searcher.retrieve`, one CUDA graph per batch size replayed
-     with the batch's inputs refreshed in place, ending with the result's copy to the host: the
-     batch's one synchronisation;
-  5. the Arrow result.
+  2. encode: `sidindex.request_encoding.encode_requests` into the retriever's arena, reused by
+     every batch;
+  3. search and post stage: `runtime.Searcher.retrieve`, one CUDA graph per batch size: the
+     encoding is copied on the host into the graph's pinned staging and to the device in one copy,
+     the graph replayed, and its flags, counts and first result rows copied back behind it: the
+     batch's one wait;
+  4. the Arrow result.
 A batch larger than the largest configured size is cut into batches of that size; on a GPU a
 batch is padded to the nearest configured size with copies of its last request (whose rows are
 dropped), so every batch replays a graph captured at warm-up. Over a `SnapshotWatcher`, each
@@ -45,6 +45,7 @@ graphs, buffers and arena for little overlap.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -58,19 +59,19 @@ import torch
 
 from runtime.ops.compiles import compiles
 from runtime.post import Retrieved, check_rank, check_top_k
-from runtime.requests import requests_from, to_device
-from runtime.scorer import CodebookScorer, ScorerFactory, as_factory
-from runtime.search import DEFAULT_BEAMS, check_value_weight, parse_beams
+from runtime.requests import requests_from
+from runtime.scorer import ScorerFactory, as_factory
+from runtime.search import DEFAULT_BEAMS, check_slack, check_value_weight, parse_beams
 from runtime.served import ServedIndex
-from runtime.serving import Searcher
+from runtime.serving import SLACK, Searcher
 from runtime.watcher import SnapshotWatcher
 from schemas import MAX_ABS_EMBEDDING
-from sidindex.errors import ArtifactError, ConfigError, InputError, SidIndexError
+from sidindex.errors import ConfigError, SidIndexError
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import encode_requests
 from sidindex.requests import MAX_REQUEST_VALUES, Requests
 
-STAGES = ("validate", "encode", "copy", "search_post", "result")
+STAGES = ("validate", "encode", "search_post", "result")
 
 
 @dataclass
@@ -89,12 +90,14 @@ class Counters:
     overflows: int = 0
     warmed: int = 0
     swaps: int = 0
+    rewarms: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
     def to_dict(self) -> dict:
         return {"batches": self.batches, "requests": self.requests, "widenings": self.widenings,
                 "captures": self.captures, "compiles": self.compiles, "overflows": self.overflows,
-                "warmed": self.warmed, "swaps": self.swaps, "seconds": dict(self.seconds)}
+                "warmed": self.warmed, "swaps": self.swaps, "rewarms": self.rewarms,
+                "seconds": dict(self.seconds)}
 
 
 class Retriever:
@@ -110,12 +113,14 @@ class Retriever:
                   ads are ranked (`runtime.post.RANKS`); top_k: the most ads per request (None: all)
     warmup:       requests (anything `retrieve` takes) to warm up with, beside the synthetic ones;
                   warm: False to skip warming (the first batch of each size then pays for it)
+    slack:        each step's width, in its beams' typical candidates (`runtime.Searcher`)
     """
 
     def __init__(self, index: ServedIndex | SnapshotWatcher, *, mode: Mode | str = Mode.CD_GTM,
                  beams: tuple[int, ...] | str = DEFAULT_BEAMS, scorer: str | ScorerFactory | None = None,
                  batch_sizes: tuple[int, ...] = (16,), value_weight: float = 0.0, rank: str = "score",
-                 top_k: int | None = None, impl: str = "auto", warmup=None, warm: bool = True) -> None:
+                 top_k: int | None = None, impl: str = "auto", warmup=None, warm: bool = True,
+                 slack: float = SLACK) -> None:
         self.watcher = index if isinstance(index, SnapshotWatcher) else None
         self._index = None if isinstance(index, SnapshotWatcher) else index
         first = self.index
@@ -128,6 +133,8 @@ class Retriever:
         if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
             raise ConfigError(f"batch sizes {batch_sizes!r}: give one or more positive numbers of requests")
         self.batch_sizes, self.value_weight, self.rank, self.top_k, self.impl = sizes, value_weight, rank, top_k, impl
+        check_slack((slack,), 1)
+        self.slack = slack
         self.factory = as_factory(scorer)
         self.counters = Counters()
         self._lock = threading.RLock()  # serving: one batch at a time (module doc)
@@ -136,6 +143,12 @@ class Retriever:
         self._served: int | None = None
         self._warmup = None if warmup is None else self._validated(warmup, first, "warm-up requests")
         self._closed = threading.Event()  # set by `close`: a warm-up in progress stops at its next batch
+        # batches served lately that a warm-up replays: each one a frozen searcher could not hold,
+        # and one in TRAFFIC_EVERY of the others (`_batch`)
+        self._traffic: collections.deque[Requests] = collections.deque(maxlen=WARM_BATCHES)
+        self._frozen_batches = 0  # batches served by frozen searchers
+        self._rewarm: threading.Thread | None = None  # a wider searcher warming (`_rewarm_index`)
+        self.rewarm_error: str | None = None  # why the last re-warm failed, if it did
         self.warm = warm
         if warm:
             self.prepare(first)
@@ -193,6 +206,8 @@ class Retriever:
             widened, captured, overflowed, compiled = (a - b for a, b in zip(after, before))
             c.widenings, c.captures = c.widenings + widened, c.captures + captured
             c.overflows, c.compiles = c.overflows + overflowed, c.compiles + compiled
+            if overflowed and searcher.frozen and self.warm:
+                self._start_rewarm(index)
             c.batches, c.requests = c.batches + len(parts), c.requests + n
             for k, v in seconds.items():
                 c.seconds[k] += v
@@ -201,21 +216,26 @@ class Retriever:
     def _batch(self, warmed: _Warmed, arena: _Arena, reqs: Requests, stages: bool,
                seconds: dict[str, float]) -> Retrieved:
         """One batch of at most the largest batch size, padded on a GPU to a configured size,
-        encoded into `arena`, on `warmed`'s index and searcher."""
+        encoded into `arena`, on `warmed`'s index and searcher (which copies it to the device)."""
         index, n = warmed.index, len(reqs)
         t = time.perf_counter()
         padded = self._padded(reqs, index)
-        host = encode_requests(padded, index.spec, lambda words: arena.words(words, index.device))
+        host = encode_requests(padded, index.spec, arena.words)
         t1 = time.perf_counter()
-        dev = to_device(host, index.device)
-        t2 = time.perf_counter()
         # a scorer that gives some request no finite logit is refused naming its request_id
-        found = warmed.searcher.retrieve(index, dev, self._scorer(warmed, padded, dev), host=host, top_k=self.top_k,
-                                         rank=self.rank, stages=stages, request_id=reqs.request_id)
-        t3 = time.perf_counter()
+        scorer = None if self.factory is None else self.factory.for_batch(padded.table, index.device,
+                                                                          index.level_sizes)
+        searcher = warmed.searcher
+        overflows = searcher.overflows
+        found = searcher.retrieve(index, host, scorer, top_k=self.top_k, rank=self.rank, stages=stages,
+                                  request_id=reqs.request_id)
+        if searcher.frozen:
+            self._frozen_batches += 1
+            if searcher.overflows > overflows or self._frozen_batches % TRAFFIC_EVERY == 0:
+                self._traffic.append(padded)  # what the next warm-up replays
+        t2 = time.perf_counter()
         seconds["encode"] += t1 - t
-        seconds["copy"] += t2 - t1
-        seconds["search_post"] += t3 - t2
+        seconds["search_post"] += t2 - t1
         return found if len(padded) == n else requests_part(found, 0, n)  # the padding's rows dropped
 
     def _padded(self, reqs: Requests, index: ServedIndex) -> Requests:
@@ -228,18 +248,6 @@ class Retriever:
         if size == n:
             return reqs
         return _taken(reqs, np.minimum(np.arange(size), n - 1))
-
-    def _scorer(self, warmed: _Warmed, reqs: Requests, dev):
-        """The batch's scorer: the user's factory's, or the codebook scorer of its embeddings."""
-        index = warmed.index
-        if self.factory is not None:
-            return self.factory.for_batch(reqs.table, index.device, index.level_sizes)
-        if warmed.codebook is None:
-            cb = codebook_of(index)
-            warmed.codebook = CodebookScorer(cb, torch.zeros(0, cb.dim, device=index.device))
-        if dev.embedding is None:
-            raise InputError(f"{reqs.source}: the codebook scorer needs an `embedding` column in the requests")
-        return warmed.codebook.for_embedding(dev.embedding)
 
     def _validated(self, data, index: ServedIndex, source: str) -> Requests:
         return data if isinstance(data, Requests) else requests_from(data, index, source=source)
@@ -262,7 +270,7 @@ class Retriever:
 
     def _new(self, index: ServedIndex) -> _Warmed:
         """A searcher for `index`, starting from the widths the served snapshot's traffic needed."""
-        searcher = Searcher(self.beams, self.mode, self.impl, self.value_weight)
+        searcher = Searcher(self.beams, self.mode, self.impl, self.value_weight, self.slack)
         served = None if self._served is None else self._warmed.get(self._served)
         if served is not None:
             searcher.step_slack = dict(served.searcher.step_slack)
@@ -317,10 +325,56 @@ class Retriever:
                     run(reqs)
             for lo in range(0, len(self._warmup), most):
                 run(self._warmup.rows(lo, min(len(self._warmup), lo + most)))
+        with self._lock:
+            traffic = list(self._traffic)
+        for reqs in traffic:  # batches served lately (`_traffic`): the widths and pairs they needed
+            if len(reqs) in self.batch_sizes:
+                run(reqs)
         warmed.searcher.settle()
         for reqs in firsts:
             run(reqs)
         warmed.searcher.frozen = True
+
+    def _start_rewarm(self, index: ServedIndex) -> None:
+        """After a batch the frozen searcher could not hold (answered by its worst case): warm a
+        searcher for `index` again on a thread of its own, unless one is warming (`_rewarm`)."""
+        if self._closed.is_set() or (self._rewarm is not None and self._rewarm.is_alive()):
+            return
+        self._rewarm = threading.Thread(target=self._rewarm_index, args=(index,), name="sidindex-rewarm",
+                                        daemon=True)
+        self._rewarm.start()
+
+    def _rewarm_index(self, index: ServedIndex) -> None:
+        """A searcher for the served `index`, from its widths, warmed as a new snapshot is (`prepare`:
+        its own arena and CUDA stream, outside the serving lock), with the batches served lately,
+        those it could not hold among them, so that it widens where they needed it; then it takes
+        the served one's place between batches. The old one serves meanwhile: the serving thread
+        never widens, captures or compiles. A failure leaves the old one serving (`rewarm_error`)."""
+        with self._lock:
+            if self._served != id(index):
+                return  # swapped away meanwhile
+            wider = self._new(index)
+        try:
+            with _side_stream(index.device):
+                self._warm(wider)
+        except WarmupAbandoned:
+            return
+        except SidIndexError as e:
+            self.rewarm_error = str(e)
+            return
+        with self._lock:
+            if self._served == id(index):
+                self._warmed[id(index)] = wider
+                self.counters.rewarms += 1
+                self.rewarm_error = None
+
+    def join_warmups(self, timeout: float | None = None) -> bool:
+        """Wait for a re-warm in progress (`_rewarm_index`) up to `timeout` seconds: True when none
+        runs."""
+        thread = self._rewarm
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
 
     def _before_swap(self, indexes: tuple[ServedIndex, ...]) -> None:
         """The watcher's hook: warm its new snapshot before it is swapped in."""
@@ -330,8 +384,8 @@ class Retriever:
     def close(self) -> None:
         """Stop following the watcher (its swaps no longer warm this retriever), and abandon a
         warm-up in progress at its next batch (`WarmupAbandoned`, which the watcher's poll reports
-        as a refused snapshot): a process stopping waits for one batch, not a whole warm-up, before
-        no thread of it runs native code."""
+        as a refused snapshot), a re-warm's too (`join_warmups` waits for it): a process stopping
+        waits for one batch, not a whole warm-up, before no thread of it runs native code."""
         self._closed.set()
         if self.watcher is not None and self._before_swap in self.watcher.before_swap:
             self.watcher.before_swap.remove(self._before_swap)
@@ -349,29 +403,29 @@ def _taken(reqs: Requests, take: np.ndarray) -> Requests:
 
 
 WARM_BATCHES = 8  # batches of the largest size a warm-up searches to size the widths (module doc)
+TRAFFIC_EVERY = 64  # besides every batch a frozen searcher could not hold, one in this many is kept to warm with
 
 
 @dataclass
 class _Warmed:
-    """What serves one ServedIndex: its searcher (graphs, widths) and its codebook scorer."""
+    """What serves one ServedIndex: its searcher (graphs, widths, its codebook scorer)."""
 
     index: ServedIndex
     searcher: Searcher
-    codebook: CodebookScorer | None = None
 
 
 class _Arena:
-    """A reused int64 arena for batches' encodings, pinned on a GPU, grown (to twice the need)
-    when a batch needs more. Reusing it is safe: a batch's copy from it has finished once its
-    result was read."""
+    """A reused int64 arena for batches' encodings, grown (to twice the need) when a batch needs
+    more. Reusing it is safe: a searcher copies a batch out of it (`runtime.requests.Staged`) before
+    it returns the batch's result."""
 
     def __init__(self) -> None:
-        self._t: torch.Tensor | None = None
+        self._a: np.ndarray | None = None
 
-    def words(self, need: int, device: torch.device) -> np.ndarray:
-        if self._t is None or len(self._t) < need:
-            self._t = torch.empty(2 * need, dtype=torch.int64, pin_memory=device.type == "cuda")
-        return self._t.numpy()
+    def words(self, need: int) -> np.ndarray:
+        if self._a is None or len(self._a) < need:
+            self._a = np.empty(2 * need, dtype=np.int64)
+        return self._a
 
 
 def _side_stream(device: torch.device):
@@ -389,15 +443,6 @@ def _side_stream(device: torch.device):
         stream.synchronize()
 
     return on_it()
-
-
-def codebook_of(index: ServedIndex):
-    """The codebook the index loaded with its snapshot, which the codebook scorer reads; an
-    ArtifactError when the snapshot carries none."""
-    if index.codebook is None:
-        raise ArtifactError(f"snapshot {index.id} carries no codebook; the codebook scorer needs one (serve a "
-                            "snapshot built with a codebook, or bring your own scorer)")
-    return index.codebook
 
 
 def largest_requests(index: ServedIndex, n: int, seed: int = 0) -> pa.Table:

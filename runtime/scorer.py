@@ -41,10 +41,15 @@ class CodebookScorer:
         self.inputs = {"embedding": self.x}  # what a captured search copies each batch into (runtime.Searcher)
 
     def for_embedding(self, embedding: torch.Tensor) -> CodebookScorer:
-        """The same scorer for other requests' embeddings (B', D): the codebook's device copy is
-        shared, so a batch costs no host-to-device copy of the centroids."""
+        """The same scorer for other requests' embeddings (B', D), a copy of its own: the codebook's
+        device copy is shared, so a batch costs no host-to-device copy of the centroids."""
+        return self.reading(embedding.float().clone())
+
+    def reading(self, embedding: torch.Tensor) -> CodebookScorer:
+        """The same scorer reading `embedding` (B', D) float32 on its device where it lies, not a
+        copy: a captured search's, whose staged embedding each batch refreshes (`runtime.Searcher`)."""
         other = copy.copy(self)
-        other.x = embedding.float().clone()
+        other.x = embedding
         other.inputs = {"embedding": other.x}
         return other
 

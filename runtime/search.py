@@ -284,20 +284,20 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     return Beams(torch.where(alive[..., None], tokens, 0), score, leaf, overflow, torch.stack(unscored_steps, dim=1))
 
 
-def check_scored(unscored: torch.Tensor | None, what: str, request_id=None) -> None:
+def check_scored(unscored: torch.Tensor | np.ndarray | None, what: str, request_id=None) -> None:
     """Refuse a search in which the scorer gave some request's live beams no finite logit at a
     step: a ScorerError naming the scorer, the request and the step (the earliest step, then the
     first request). A broken model (NaN weights, an overflow) would otherwise pass for requests
     without eligible ads.
 
-    unscored: `Beams.unscored` (B, L) bool on any device, copied to the host here: call it where
-    the batch's results come back anyway (None: nothing to check); what: the scorer as the message
+    unscored: `Beams.unscored` (B, L) bool on any device (or its numpy copy), copied to the host
+    here: call it where the batch's results come back anyway (None: nothing to check); what: the scorer as the message
     names it (`scorer_name`); request_id: (n,) the batch's first n requests' ids, which the message
     names (rows beyond n, a padded batch's copies, are not checked); None: rows are named by their
     place in the batch."""
     if unscored is None:
         return
-    bad = unscored.cpu().numpy()
+    bad = unscored if isinstance(unscored, np.ndarray) else unscored.cpu().numpy()
     if request_id is not None:
         bad = bad[:len(request_id)]
     if not bad.any():

@@ -15,6 +15,7 @@ import torch
 from runtime.ops.gtm_mask.planes import TableStack
 from runtime.ops.gtm_mask.shared_rows import SharedRows
 from schemas.artifacts import plane_arrays
+from sidindex.errors import ArtifactError
 from sidindex.sid.codebook import Codebook
 from sidindex.snapshot import Snapshot
 from sidindex.targeting import TargetingSpec
@@ -174,3 +175,12 @@ def largest_sum(counts: np.ndarray, k: int) -> int:
     of its members equal c (a histogram: no sort of the members)."""
     take = np.minimum(np.cumsum(counts[::-1]), k)  # members taken from the largest value down
     return int(np.dot(np.diff(take, prepend=0), np.arange(len(counts))[::-1]))
+
+
+def codebook_of(index: ServedIndex) -> Codebook:
+    """The codebook the index loaded with its snapshot, which the codebook scorer reads; an
+    ArtifactError when the snapshot carries none."""
+    if index.codebook is None:
+        raise ArtifactError(f"snapshot {index.id} carries no codebook; the codebook scorer needs one (serve a "
+                            "snapshot built with a codebook, or bring your own scorer)")
+    return index.codebook

@@ -3,19 +3,21 @@
 A host keeps one `Searcher` per (beams, mode) and calls `search(index, requests, scorer)` per batch,
 or `retrieve(...)` for the ranked eligible ads (search and post stage, `runtime.post`). On a GPU the
 first batch of each size is searched once to warm up, then the whole search (every step's scorer
-call, mask, top-k and child lookup) is captured as a CUDA graph; later batches of that size copy
-their inputs into the graph's buffers and replay it, paying neither Python nor launch overhead. The
-graph's inputs are
-  - the requests' queries: each plane's rows into a buffer with room for the largest batch seen
-    (a batch that needs more re-captures), the ranges into a (B, G, 2) buffer; the graph folds
-    them into query tables (`ops.gtm_mask.tables`) with room for as many queries per request as
-    the batch it was captured for had, rounded up to 64 (a batch with more re-captures);
-  - the scorer's `inputs`: a dict of tensors the scorer reads each step (the codebook scorer's
-    embeddings, the reference decoder's context), copied into the captured scorer's.
-  - with `retrieve`, the exact filter's queries too (hash offsets, and hashes into a buffer with
-    room for twice the batch's), and the post stage (`runtime.post.DevicePost`) is captured in the
-    same graph, right after the search: the ranked ads in use come to the host, with no
-    round trip between search and post.
+call, mask, top-k and child lookup) is captured as a CUDA graph; later batches of that size are
+put in the graph's inputs and replay it, paying neither Python nor launch overhead. The graph's
+inputs are
+  - the batch's encoding, staged (`runtime.requests.Staged`): each part at a fixed place of one
+    pinned host buffer, with room for twice the query rows and exact hashes of the batch it was
+    captured for (a batch that needs more, or tables more of its queries, re-captures), copied to
+    the device in one copy; the graph reads the device views made at capture. A batch comes as its
+    host encoding (copied on the host) or already on the device (copied behind the stream's work);
+  - the scorer's `inputs`: a dict of tensors the scorer reads each step (the reference decoder's
+    context), copied into the captured scorer's; the built-in codebook scorer (`scorer` None)
+    reads the staged embedding itself.
+  - with `retrieve`, the post stage (`runtime.post.DevicePost`) is captured in the same graph,
+    right after the search.
+After a replay the search's flags and the post stage's counts and first result rows are copied to
+pinned memory behind it, and the host waits once.
 A scorer without `inputs` cannot be refreshed inside a graph, and the CPU has no graphs: those
 searches run eagerly (and `retrieve` runs the host post stage), and `eager_reason` says why (a
 warning says it once). Replayed results are copies: the next replay does not change them.
@@ -57,9 +59,10 @@ import torch
 from runtime.ops.compiles import count_compiles
 from runtime.ops.expand import DEFAULT_PAIRS, MAX_PAIRS
 from runtime.ops.expand.layout import pow2
-from runtime.ops.gtm_mask.planes import stack_queries
 from runtime.ops.impl import Impl
 from runtime.post import DevicePost, Retrieved, check_rank, check_top_k, expand, on_device
+from runtime.requests import Staged, device_form
+from runtime.scorer import CodebookScorer
 from runtime.search import (
     DEFAULT_BEAMS,
     Beams,
@@ -70,8 +73,8 @@ from runtime.search import (
     check_slack,
     scorer_name,
 )
-from runtime.served import ServedIndex
-from sidindex.matchers.exact import ExactQueries
+from runtime.served import ServedIndex, codebook_of
+from sidindex.errors import InputError
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import EncodedRequests
 
@@ -88,13 +91,15 @@ def _capturable(scorer: Scorer) -> TypeGuard[_Capturable]:
 
 @dataclass
 class _Graph:
-    """One captured search: the graph, its input buffers and its outputs."""
+    """One captured search: the graph, its inputs (the staged batch, the scorer's) and its outputs."""
 
     graph: torch.cuda.CUDAGraph
-    # static: the stacked form, the planes' rows (each plane's capacity) and ranges views of it
-    requests: EncodedRequests
+    staged: Staged  # the batch's queries and embedding, at the places the graph reads
     scorer: _Capturable  # the captured scorer; its `inputs` are the graph's
+    bound: bool  # the scorer is the built-in one reading the staged embedding (`scorer` None)
     out: Beams
+    flags: torch.Tensor | None  # the search's overflow and unscored flags, one bool tensor (or None)
+    flags_host: torch.Tensor | None  # ... their pinned host copy, queued after each replay
     post: DevicePost | None = None  # with `retrieve`: the captured post stage, and its output buffer
     buffer: torch.Tensor | None = None
 
@@ -133,6 +138,7 @@ class Searcher:
         self.eager_reason: str | None = None
         self._index: ServedIndex | None = None  # the graphs' index, held: they replay its tensors
         self._graphs: dict[tuple[int, tuple | None, bool], _Graph] = {}  # by (batch size, post stage, worst case)
+        self._codebook_scorer: tuple | None = None  # (codebook, its scorer on the device): `_codebook`
         self._lock = threading.RLock()  # held from a replay until its outputs are read
 
     def _search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, full: bool = False) -> Beams:
@@ -148,9 +154,23 @@ class Searcher:
         return capped_widths(index, self.beams, tuple(self.step_slack.get(d, self.slack)
                                                        for d in range(index.sid_length)))
 
-    def _eager(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, request_id,
+    def _codebook(self, index: ServedIndex) -> CodebookScorer:
+        """The built-in scorer of `index`'s codebook (its centroids on the device, once per codebook),
+        for no requests yet: `reading` or `for_embedding` gives a batch's."""
+        cb = codebook_of(index)
+        if self._codebook_scorer is None or self._codebook_scorer[0] is not cb:
+            self._codebook_scorer = (cb, CodebookScorer(cb, torch.zeros(0, cb.dim, device=index.device)))
+        return self._codebook_scorer[1]
+
+    def _eager(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, request_id,
                counted: bool = False) -> Beams:
-        """The search without graphs; `counted`: the batch is already an overflow (off its graph)."""
+        """The search without graphs (requests in either form, scorer None: the built-in one of their
+        embedding); `counted`: the batch is already an overflow (off its graph)."""
+        requests = device_form(requests, index.device)
+        if scorer is None:
+            if requests.embedding is None:
+                raise InputError(f"{requests.source}: the codebook scorer needs an `embedding` column in the requests")
+            scorer = self._codebook(index).for_embedding(requests.embedding)
         with self._lock:  # one search at a time, as with graphs: a batch that overflows widens once
             beams = self._search(index, requests, scorer)
             while (step := self._overflowed(beams, scorer, request_id)) is not None:
@@ -164,21 +184,23 @@ class Searcher:
                 beams = self._search(index, requests, scorer)
             return dataclasses.replace(beams, overflow=None, unscored=None)  # as a replay's: its flags were read
 
-    def _overflowed(self, beams: Beams, scorer: Scorer, request_id) -> int | None:
+    def _overflowed(self, beams: Beams, scorer: Scorer | None, request_id,
+                    host: np.ndarray | None = None) -> int | None:
         """The first step at which a search overflowed a capped width (`Beams.overflow`), else
         None, after refusing a search whose scorer gave some request no finite logit at a step
         (`check_scored`, a ScorerError), on the search that stands: widths change no beam it keeps.
-        Both flags come to the host in one copy."""
-        flags = [f.reshape(-1) for f in (beams.overflow, beams.unscored) if f is not None]
-        if not flags:
-            return None
-        host = (torch.cat(flags) if len(flags) > 1 else flags[0]).cpu()
+        Both flags come to the host in one copy, or are there already (`host`: a replay's, `_flags`)."""
+        if host is None:
+            flags = _flags(beams)
+            if flags is None:
+                return None
+            host = flags.cpu().numpy()
         L = beams.tokens.shape[2]
-        over = host[:L] if beams.overflow is not None else None
-        if over is not None and over.any():
-            return int(over.int().argmax())
+        if beams.overflow is not None and host[:L].any():
+            return int(host[:L].argmax())
         if beams.unscored is not None:
-            check_scored(host[-beams.unscored.numel():].view(beams.unscored.shape), scorer_name(scorer), request_id)
+            check_scored(host[-beams.unscored.numel():].reshape(beams.unscored.shape),
+                         scorer_name(CodebookScorer if scorer is None else scorer), request_id)
         return None
 
     def _widen(self, step: int) -> None:
@@ -203,9 +225,9 @@ class Searcher:
                 wider = pairs is not None and pairs > DEFAULT_PAIRS
                 self._graphs = {k: g for k, g in self._graphs.items() if k[2] and not wider}
 
-    def _why_eager(self, index: ServedIndex, scorer: Scorer) -> str | None:
+    def _why_eager(self, index: ServedIndex, scorer: Scorer | None) -> str | None:
         why = ("the index is on the CPU" if index.device.type != "cuda" else
-               None if _capturable(scorer) else
+               None if scorer is None or _capturable(scorer) else
                f"the scorer ({type(scorer).__name__}) has no `inputs` to refresh in a captured graph")
         if why is not None and self.eager_reason != why:
             self.eager_reason = why
@@ -215,16 +237,17 @@ class Searcher:
             count_compiles()
         return why
 
-    def search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, *,
+    def search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None = None, *,
                request_id: np.ndarray | None = None) -> Beams:
         """`runtime.beam_search(index, requests, scorer, beams, mode)`, replayed when it can be.
-        requests: on the index's device (`runtime.to_device`). A search in which the scorer gave
-        some request no finite logit at a step is a ScorerError (`runtime.search.check_scored`),
-        naming the request by its `request_id` (the batch's first len(request_id) rows; rows
-        beyond, a padded batch's copies, are not checked) or by its row."""
+        requests: the batch's encoding, on the host (`sidindex.request_encoding.encode_requests`,
+        best: a replay copies it as it is) or on the index's device (`runtime.to_device`); scorer:
+        None for the built-in codebook scorer of the requests' embedding. A search in which the
+        scorer gave some request no finite logit at a step is a ScorerError
+        (`runtime.search.check_scored`), naming the request by its `request_id` (the batch's first
+        len(request_id) rows; rows beyond, a padded batch's copies, are not checked) or by its row."""
         if self._why_eager(index, scorer) is not None:
             return self._eager(index, requests, scorer, request_id)
-        assert _capturable(scorer)  # as _why_eager found
         with self._lock:  # the next replay overwrites the outputs
             while True:
                 g = self._replay(index, requests, scorer, None)
@@ -232,8 +255,7 @@ class Searcher:
                     self.overflows += 1
                     return self._eager(index, requests, scorer, request_id, counted=True)
                 found = Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
-                # read after the copies are queued: one wait for both
-                step = self._overflowed(g.out, scorer, request_id)
+                step = self._overflowed(g.out, scorer, request_id, _wait(g))  # one wait, the copies queued
                 if step is None:
                     return found
                 if not self.frozen:
@@ -243,23 +265,22 @@ class Searcher:
                 g = self._replay(index, requests, scorer, None, full=True)
                 if g is None:  # captured for smaller batches (a user's scorer that warmed on fewer values)
                     return self._eager(index, requests, scorer, request_id, counted=True)
-                self._overflowed(g.out, scorer, request_id)
+                self._overflowed(g.out, scorer, request_id, _wait(g))
                 return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
 
-    def retrieve(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, *,
-                 host: EncodedRequests | None = None, top_k: int | None = None, rank: str = "score",
-                 stages: bool = False, request_id: np.ndarray | None = None) -> Retrieved:
+    def retrieve(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None = None, *,
+                 top_k: int | None = None, rank: str = "score", stages: bool = False,
+                 request_id: np.ndarray | None = None) -> Retrieved:
         """The ranked eligible ads of one batch (`runtime.post.expand` of `search`): on a GPU
         holding the index's post arrays (`runtime.post.on_device`), search and post stage replayed
-        as one graph, the result brought to the host (its counts, then the rows in use). requests:
-        on the index's device (`runtime.to_device`); host: the batch's host encoding, which the host
-        post stage reads (the CPU, or an eager search); request_id: as `search`'s."""
+        as one graph, its flags, counts and first rows brought to the host behind it, one wait.
+        requests, scorer, request_id: as `search`'s (the host post stage, on the CPU or past every
+        device stage, needs the host encoding)."""
         check_rank(index, rank)
         check_top_k(top_k)
         if self._why_eager(index, scorer) is not None or not on_device(index):
             beams = self._eager(index, requests, scorer, request_id)
-            return expand(index, requests if host is None else host, beams, top_k, stages, rank)
-        assert _capturable(scorer)  # as _why_eager found
+            return expand(index, requests, beams, top_k, stages, rank)
         post = (top_k, rank, stages)
         with self._lock:
             while True:
@@ -267,10 +288,10 @@ class Searcher:
                 if g is None:  # a batch the frozen graphs cannot hold
                     self.overflows += 1
                     beams = self._eager(index, requests, scorer, request_id, counted=True)
-                    return expand(index, requests if host is None else host, beams, top_k, stages, rank)
+                    return expand(index, requests, beams, top_k, stages, rank)
                 assert g.post is not None and g.buffer is not None  # captured with the post stage
-                found = g.post.result(g.buffer)  # synchronised: the search's flags are ready too; None: too many pairs
-                step = self._overflowed(g.out, scorer, request_id)
+                step = self._overflowed(g.out, scorer, request_id, _wait(g))
+                found = g.post.result(g.buffer)  # read where `_wait` left it; None: too many pairs
                 self._note_reached(g.post)  # while warming: what `settle` fits the pairs to
                 if step is None and found is not None:
                     return found
@@ -278,10 +299,10 @@ class Searcher:
                     self._widen(step)
                     continue
                 self.overflows += 1  # past the widths once frozen, or past the pairs (`settle` fits them)
-                return self._worst_case(index, requests, scorer, post, host, request_id)
+                return self._worst_case(index, requests, scorer, post, request_id)
 
-    def _worst_case(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple,
-                    host: EncodedRequests | None, request_id) -> Retrieved:
+    def _worst_case(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple,
+                    request_id) -> Retrieved:
         """A batch past the capped graph, answered by the worst case's graph (module doc); where its
         requests reach more pairs than even that one's post stage holds, by `expand` (a stage sized
         to them, or the host's); and without a graph that holds its queries, eagerly."""
@@ -289,19 +310,20 @@ class Searcher:
         g = self._replay(index, requests, scorer, post, full=True)
         if g is None:  # captured for smaller batches (a user's scorer that warmed on fewer values)
             beams = self._eager(index, requests, scorer, request_id, counted=True)
-            return expand(index, requests if host is None else host, beams, top_k, stages, rank)
+            return expand(index, requests, beams, top_k, stages, rank)
         assert g.post is not None and g.buffer is not None  # captured with the post stage
+        self._overflowed(g.out, scorer, request_id, _wait(g))  # never overflows; a broken model is refused
         found = g.post.result(g.buffer)
-        self._overflowed(g.out, scorer, request_id)  # never overflows; a broken model is refused
         if found is None:
-            found = expand(index, requests if host is None else host, g.out, top_k, stages, rank)
+            found = expand(index, requests, g.out, top_k, stages, rank)
         return found
 
-    def _replay(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple | None,
+    def _replay(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple | None,
                 full: bool = False) -> _Graph | None:
         """The graph of this batch size (post stage, worst case), captured if it is not yet, replayed
-        with the batch's inputs; a batch a graph cannot hold is captured anew while warming, and is
-        None once frozen (no capture on the serving thread)."""
+        with the batch's inputs, its outputs' copies to the host queued (`_wait` waits for them); a
+        batch a graph cannot hold is captured anew while warming, and is None once frozen (no capture
+        on the serving thread)."""
         with self._lock:
             if self._index is None or index.generation is not self._index.generation:
                 self._graphs = {}  # other device arrays (another snapshot, or one loaded again): new graphs
@@ -323,6 +345,10 @@ class Searcher:
                     g.post.check(requests)
                 _load(g, requests, scorer)
                 g.graph.replay()
+            if g.flags is not None and g.flags_host is not None:
+                g.flags_host.copy_(g.flags, non_blocking=True)
+            if g.post is not None and g.buffer is not None:
+                g.post.send(g.buffer)
             return g
 
     def _room(self, full: bool) -> int | None:
@@ -332,21 +358,34 @@ class Searcher:
             return self.pairs
         return self.pairs if self.pairs is not None and self.pairs > DEFAULT_PAIRS else None
 
-    def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: _Capturable, post: tuple | None,
+    def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple | None,
                  full: bool) -> _Graph:
-        static = _static_requests(requests, with_exact=post is not None)
+        """The graph of one batch's search (and post stage), with room for batches a little larger
+        (`runtime.requests.Staged.room_for`), replayed once on it."""
+        staged = Staged.room_for(requests, index.device)
+        staged.load(requests)
+        staged.send()
+        static = staged.requests
+        if scorer is None:
+            if static.embedding is None:
+                raise InputError(f"{requests.source}: the codebook scorer needs an `embedding` column in the requests")
+            captured: Scorer = self._codebook(index).reading(static.embedding)
+        else:
+            captured = scorer
+        assert _capturable(captured)  # as _why_eager found
         stage: list[DevicePost] = []  # made once the first search shows the beams' shape
 
         def run():
-            beams = self._search(index, static, scorer, full)
+            beams = self._search(index, static, captured, full)
+            flags = _flags(beams)
             if post is None:
-                return beams, None
+                return beams, flags, None
             if not stage:
                 top_k, rank, stages = post
                 stage.append(DevicePost(index, requests.batch, beams.score.shape[1], top_k=top_k, rank=rank,
                                         stages=stages, pinned=True,  # read every replay
                                         pairs=self._room(full)))
-            return beams, stage[0].run(static, beams)
+            return beams, flags, stage[0].run(static, beams)
 
         run()  # checks, compiles kernels
         side = torch.cuda.Stream(index.device)
@@ -358,10 +397,12 @@ class Searcher:
         # thread_local: a snapshot warmed on the poller's thread captures while batches are served
         # on another (`Retriever.prepare`); the global mode would fail the serving thread's calls
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out, buffer = run()
+            out, flags, buffer = run()
         graph.replay()
         self.captures += 1
-        return _Graph(graph, static, scorer, out, stage[0] if stage else None, buffer)
+        flags_host = None if flags is None else torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        return _Graph(graph, staged, captured, scorer is None, out, flags, flags_host, stage[0] if stage else None,
+                      buffer)
 
 
 def fitted_pairs(most: int) -> int:
@@ -371,24 +412,16 @@ def fitted_pairs(most: int) -> int:
     return min(MAX_PAIRS, pow2(max(MIN_PAIRS, math.ceil(PAIR_SLACK * most))))
 
 
-def _static_requests(requests: EncodedRequests, with_exact: bool = False) -> EncodedRequests:
-    """Buffers with room for twice each plane's query rows (at least 8 per request), holding
-    `requests`, each plane's rows at a fixed offset of the stack; `with_exact`: the exact filter's
-    queries too, their hashes with room for twice as many."""
-    capacity = tuple(max(2 * len(p.rows), 8 * requests.batch) for p in requests.planes)
-    planes, stacked = stack_queries(requests.planes, requests.stacked.words.device, capacity)
-    exact = requests.exact
-    if with_exact:
-        exact = tuple(None if e is None else ExactQueries(e.hash_offsets.clone(), _with_room(e.hashes))
-                      for e in requests.exact)
-    return dataclasses.replace(requests, planes=planes, stacked=stacked, exact=exact)
+def _flags(beams: Beams) -> torch.Tensor | None:
+    """The search's overflow (L,) and unscored (B, L) flags in one bool tensor (None: neither)."""
+    flags = [f.reshape(-1) for f in (beams.overflow, beams.unscored) if f is not None]
+    return None if not flags else torch.cat(flags) if len(flags) > 1 else flags[0]
 
 
-def _with_room(a: torch.Tensor) -> torch.Tensor:
-    """A buffer of twice a's length (at least 64) holding `a` first."""
-    out = torch.zeros(max(2 * len(a), 64), dtype=a.dtype, device=a.device)
-    out[:len(a)].copy_(a)
-    return out
+def _wait(g: _Graph) -> np.ndarray | None:
+    """Wait for a replay and the copies `_replay` queued behind it; the flags' host copy."""
+    torch.cuda.current_stream(g.out.score.device).synchronize()
+    return None if g.flags_host is None else g.flags_host.numpy()
 
 
 def _stale(g: _Graph, index: ServedIndex) -> bool:
@@ -401,36 +434,27 @@ def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor] | None)
     return b is not None and a.keys() == b.keys() and all(a[n] is b[n] for n in a)
 
 
-def _fits(g: _Graph, requests: EncodedRequests, scorer: _Capturable) -> bool:
-    """The batch's queries fit the buffers and the scorer is of the captured one's type with inputs
-    of the same shapes (a graph replays the scorer it captured, with the batch's inputs)."""
-    if type(scorer) is not type(g.scorer):
+def _fits(g: _Graph, requests: EncodedRequests, scorer: Scorer | None) -> bool:
+    """The batch fits the graph's staging (`Staged.fits`) and its scorer is the captured one's
+    kind: the built-in one (None), or one of the captured one's type with inputs of the same
+    shapes (a graph replays the scorer it captured, with the batch's inputs)."""
+    if not g.staged.fits(requests):
         return False
-    if any(len(p.rows) > len(mine.rows) for p, mine in zip(requests.planes, g.requests.planes)):
-        return False
-    # the graph's query tables hold 64 queries per mask word; a graph without tables is captured
-    # anew for a batch that would have them (a batch that would not replays one that has them)
-    if requests.stacked.layout.table_words > g.requests.stacked.layout.table_words:
-        return False
-    if g.post is not None and any(e is not None and mine is not None and (len(e.hashes) > len(mine.hashes)
-                                                     or e.hash_offsets.shape != mine.hash_offsets.shape)
-                                  for e, mine in zip(requests.exact, g.requests.exact)):
+    if scorer is None or g.bound:
+        return scorer is None and g.bound
+    if type(scorer) is not type(g.scorer) or not _capturable(scorer):
         return False
     mine, theirs = g.scorer.inputs, scorer.inputs
     return mine.keys() == theirs.keys() and all(
         mine[k].shape == theirs[k].shape and mine[k].dtype == theirs[k].dtype for k in mine)
 
 
-def _load(g: _Graph, requests: EncodedRequests, scorer: _Capturable) -> None:
-    """Copy a batch's queries and scorer inputs into the graph's buffers."""
-    for mine, theirs in zip(g.requests.planes, requests.planes):
-        mine.rows[:len(theirs.rows)].copy_(theirs.rows)
-    g.requests.stacked.ranges.copy_(requests.stacked.ranges)  # the planes' ranges are views of it
-    if g.post is not None:
-        for buffer, given in zip(g.requests.exact, requests.exact):
-            if buffer is not None and given is not None:  # (None for the same planes)
-                buffer.hash_offsets.copy_(given.hash_offsets)
-                buffer.hashes[:len(given.hashes)].copy_(given.hashes)
-    if scorer is not g.scorer:
+def _load(g: _Graph, requests: EncodedRequests, scorer: Scorer | None) -> None:
+    """A batch into the graph's inputs: its encoding staged and sent (one copy to the device), and
+    a scorer's inputs copied into the captured scorer's (the built-in one reads the staged embedding)."""
+    g.staged.load(requests)
+    g.staged.send()
+    if scorer is not None and scorer is not g.scorer:
+        assert _capturable(scorer)  # as `_fits` found
         for k, t in scorer.inputs.items():
             g.scorer.inputs[k].copy_(t)

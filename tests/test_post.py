@@ -494,7 +494,7 @@ def test_searcher_retrieve_is_search_then_post(sc, seed, top_k, rank):
     scorer.inputs = {}  # reads nothing per batch: capturable
     searcher = Searcher(beams, "cd+gtm")
     for _ in range(2):  # capture, then replay
-        got = searcher.retrieve(case.index, case.dreq, scorer, host=case.req, top_k=top_k, rank=rank)
+        got = searcher.retrieve(case.index, case.req, scorer, top_k=top_k, rank=rank)
         same(got, expand(case.index, case.req, searcher.search(case.index, case.dreq, scorer), top_k, rank=rank))
 
 

@@ -213,3 +213,25 @@ def test_batches_are_served_while_a_new_snapshot_warms(root, requests_table, tmp
     assert paused not in after.column("ad_id").to_pylist()
     assert retriever.counters.warmed == 2 and retriever.counters.swaps == 1
     assert after.equals(reference(watcher.current, requests_table, "cd+gtm", 8))
+
+
+def test_after_batches_past_its_widths_a_wider_searcher_warms_beside_serving(root, requests_table):
+    """A frozen searcher whose widths fall short of the traffic (shrunk here after its warm-up)
+    answers each batch exactly through the worst case, counted as an overflow, and nothing widens on
+    the serving thread; a searcher warmed again beside serving, with those batches among its
+    warm-up, then takes over (`rewarms`), and the same batches fit it."""
+    index = runtime.load(root, "cpu")
+    retriever = runtime.Retriever(index, mode="cd", beams=BEAMS, batch_sizes=(8,))
+    served = retriever._warmed[id(index)].searcher
+    served.step_slack = dict.fromkeys(range(index.sid_length), 0.01)  # far below any batch's candidates
+    want = reference(index, requests_table, "cd", 8)
+    assert retriever.retrieve(requests_table).equals(want)
+    c = retriever.counters
+    assert c.overflows == 3 and c.widenings == 0 and served.widened == 0
+    assert retriever.join_warmups(120) and retriever.rewarm_error is None and c.rewarms == 1
+    wider = retriever._warmed[id(index)].searcher
+    assert wider is not served and wider.frozen and all(s > 0.01 for s in wider.step_slack.values())
+    assert retriever.retrieve(requests_table).equals(want)
+    assert c.overflows == 3 and c.widenings == 0 and c.rewarms == 1  # they fit now: no second re-warm
+    retriever.close()
+    assert retriever.join_warmups(0)

@@ -89,12 +89,12 @@ def test_a_batch_past_the_capped_widths_is_searched_again_wider():
     assert same(searcher.search(case.index, dreq, DecoderScorer(model, ctx)), want)
     widened = searcher.widened
     assert widened >= 1 and sum(math.log2(s / 0.1) for s in searcher.step_slack.values()) == widened
-    got = searcher.retrieve(case.index, dreq, DecoderScorer(model, ctx), host=host)
+    got = searcher.retrieve(case.index, host, DecoderScorer(model, ctx))
     same_retrieved(got, expand(case.index, host, want))
     assert searcher.widened == widened  # the slack it reached is kept
     assert same(searcher.search(case.index, dreq, DecoderScorer(model, ctx)), want)
     fresh = Searcher((1, 3, 4), Mode.CD, slack=0.1)  # widened by search + post first
-    same_retrieved(fresh.retrieve(case.index, dreq, DecoderScorer(model, ctx), host=host), got)
+    same_retrieved(fresh.retrieve(case.index, host, DecoderScorer(model, ctx)), got)
     assert fresh.widened == widened and fresh.step_slack == searcher.step_slack
     for bad in (float("nan"), -1.0, float("inf")):
         with pytest.raises(ConfigError, match="slack"):
@@ -120,7 +120,7 @@ def test_once_frozen_a_batch_past_the_widths_is_answered_by_the_worst_case_and_n
         want = beam_search(case.index, dreq, DecoderScorer(model, ctx), (1, 3, 4), Mode.CD)
         before = (searcher.captures, compiles())
         assert same(searcher.search(case.index, dreq, DecoderScorer(model, ctx)), want)
-        same_retrieved(searcher.retrieve(case.index, dreq, DecoderScorer(model, ctx), host=host),
+        same_retrieved(searcher.retrieve(case.index, host, DecoderScorer(model, ctx)),
                        expand(case.index, host, want))
         assert searcher.overflows == 2 * (i + 1) and searcher.widened == 0 and not searcher.step_slack
         if i:  # the first batch captured the graphs (search, search + post: each capped and worst case)
