@@ -34,10 +34,11 @@ seconds it took are reported), then:
                host out), one caller, batches back to back: p50, p90, p99, max (ms per batch);
                the cd+gtm p50 over the none p50 of the same run (target: <= 1, the same path)
   stages       mean ms per batch of each stage from `retriever.counters.seconds` (validate,
-               encode, copy, search + post, result); widen, and stalls (captures/compiles/overflows):
+               encode, search + post, result); widen, and stalls (captures/compiles/overflows/rewarms):
                the searches widened, graphs captured and Triton kernels compiled while serving the
-               stream (each a stall of its batch; 0 after warm-up), and the batches answered by the
-               worst case's graph (`retriever.counters`)
+               stream (each a stall of its batch; 0 after warm-up), the batches answered by the
+               worst case's graph, and the searchers warmed again, wider, beside serving after them
+               (`retriever.counters`)
   throughput   requests per second with 1 caller (the latency stream) and with 2 caller
                threads, each sending its own half of the batches to the same Retriever (which
                serialises batches: its lock), and the p99 a caller then sees
@@ -245,6 +246,9 @@ def same_tables(a: pa.Table, b: pa.Table) -> bool:
     return a.schema == b.schema and a.equals(b)
 
 
+STALLS = ("captures", "compiles", "overflows", "rewarms")  # a mode's stalls column, in this order
+
+
 def measure_mode(index, mode: Mode, beams: tuple[int, ...], batches: list[pa.RecordBatch], *,
                  threads: tuple[int, ...] = (2,), warmup: pa.Table | None = None, scorer=None,
                  check: bool = True) -> tuple[dict, pa.Table]:
@@ -255,7 +259,7 @@ def measure_mode(index, mode: Mode, beams: tuple[int, ...], batches: list[pa.Rec
     ms, first, wall = stream(retriever, batches)
     c = retriever.counters
     row = {"mode": mode.value, "warm_s": warm_s, **distribution(ms), "widenings": int(c.widenings),
-           "stalls": {"captures": c.captures, "compiles": c.compiles, "overflows": c.overflows},
+           "stalls": {"captures": c.captures, "compiles": c.compiles, "overflows": c.overflows, "rewarms": c.rewarms},
            "stages_ms": stage_ms(c), "rows_per_request": first.num_rows / batches[0].num_rows,
            "qps": {"1": sum(b.num_rows for b in batches) / wall}, "latencies_ms": ms, "counters": c.to_dict()}
     for n in threads:
@@ -268,6 +272,8 @@ def measure_mode(index, mode: Mode, beams: tuple[int, ...], batches: list[pa.Rec
         want = runtime.retrieve(index, reqs, mode=mode, beams=beams, batch_size=BATCH,
                                 scorer=scorer).table(reqs.request_id)
         row["same_as_retrieve"] = same_tables(first, want)
+    retriever.close()
+    retriever.join_warmups()
     del retriever
     free(index.device)
     return row, first
@@ -495,7 +501,7 @@ def report(res: dict, console=None) -> None:
                 two = r.get("callers_2")
                 t.add_row(size["profile"], mode, *(f"{r[k]:.3f}" for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")),
                           f"{r['p50_ms'] / none:.2f}", str(r["widenings"]),
-                          "/".join(str(r["stalls"][k]) for k in ("captures", "compiles", "overflows")),
+                          "/".join(str(r["stalls"].get(k, 0)) for k in STALLS),
                           *(f"{s[k]:.3f}" for k in ("validate", "encode", "search_post", "result")),
                           f"{r['qps']['1']:,.0f}", "-" if two is None else f"{two['qps']:,.0f}",
                           "-" if two is None else f"{two['p99_ms']:.3f}", f"{r['rows_per_request']:.1f}",

