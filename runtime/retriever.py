@@ -36,11 +36,12 @@ worst case's graph captured at warm-up, so nothing compiles, captures or widens 
 compiled kernels in its cache directory (TRITON_CACHE_DIR, default ~/.triton/cache): point it at a
 persistent volume for a restarted host to find them.
 
-Thread safety: `retrieve` may be called from several threads; batches run one at a time (a
-searcher's graphs share their input buffers, and the arena is reused), so concurrent callers
-queue on a lock rather than run on several CUDA streams: one batch keeps the GPU busy for its
-whole search, which is a chain of dependent steps, and a second stream would need its own
-graphs, buffers and arena for little overlap.
+Thread safety: `retrieve` may be called from several threads. Each caller validates and encodes
+its batches itself (an arena per thread), and the searches run one at a time (a searcher's graphs
+share their staging and outputs), so concurrent callers queue on a lock for the device part only,
+rather than run on several CUDA streams: one batch keeps the GPU busy for its whole search, which
+is a chain of dependent steps, and a second stream would need its own graphs and buffers for little
+overlap. Another caller's batch is validated and encoded while one is on the device.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class Retriever:
         self.counters = Counters()
         self._lock = threading.RLock()  # serving: one batch at a time (module doc)
         self._warmed: dict[int, _Warmed] = {}  # by id of the ServedIndex: the served one and one being warmed
-        self._arena = _Arena()
+        self._arenas = threading.local()  # each calling thread's encoding arena
         self._served: int | None = None
         self._warmup = None if warmup is None else self._validated(warmup, first, "warm-up requests")
         self._closed = threading.Event()  # set by `close`: a warm-up in progress stops at its next batch
@@ -187,52 +188,61 @@ class Retriever:
     def run(self, requests: Requests, index: ServedIndex | None = None, *, stages: bool = False,
             progress: Callable | None = None) -> tuple[Retrieved, dict[str, float]]:
         """The `Retrieved` rows of validated requests (their rows numbered within `requests`), and
-        the seconds per stage; stages: with each ad's stage flags (`runtime.post.expand`)."""
+        the seconds per stage; stages: with each ad's stage flags (`runtime.post.expand`). Each
+        batch is encoded outside the serving lock, in the calling thread's arena, so that another
+        caller's batch is encoded while this one's is on the device."""
         index = index or self.index
         seconds = dict.fromkeys(STAGES, 0.0)
         parts = []
         n, most = len(requests), self.batch_sizes[-1]
         with self._lock:
             warmed = self._serving(index)
-            searcher = warmed.searcher
-            before = (searcher.widened, searcher.captures, searcher.overflows, compiles())
-            for lo in range(0, n, most):
-                hi = min(n, lo + most)
-                parts.append((lo, self._batch(warmed, self._arena, requests.rows(lo, hi), stages, seconds)))
-                if progress:
-                    progress("retrieve", hi, n)
+        arena = self._arenas.__dict__.setdefault("arena", _Arena())  # this thread's
+        for lo in range(0, n, most):
+            hi = min(n, lo + most)
+            parts.append((lo, self._batch(warmed, arena, requests.rows(lo, hi), stages, seconds, self.counters)))
+            if progress:
+                progress("retrieve", hi, n)
+        with self._lock:
             c = self.counters
-            after = (searcher.widened, searcher.captures, searcher.overflows, compiles())
-            widened, captured, overflowed, compiled = (a - b for a, b in zip(after, before))
-            c.widenings, c.captures = c.widenings + widened, c.captures + captured
-            c.overflows, c.compiles = c.overflows + overflowed, c.compiles + compiled
-            if overflowed and searcher.frozen and self.warm:
-                self._start_rewarm(index)
             c.batches, c.requests = c.batches + len(parts), c.requests + n
             for k, v in seconds.items():
                 c.seconds[k] += v
         return concat(parts), seconds
 
-    def _batch(self, warmed: _Warmed, arena: _Arena, reqs: Requests, stages: bool,
-               seconds: dict[str, float]) -> Retrieved:
+    def _batch(self, warmed: _Warmed, arena: _Arena, reqs: Requests, stages: bool, seconds: dict[str, float],
+               counters: Counters | None = None) -> Retrieved:
         """One batch of at most the largest batch size, padded on a GPU to a configured size,
-        encoded into `arena`, on `warmed`'s index and searcher (which copies it to the device)."""
+        encoded into `arena`, on `warmed`'s index and searcher (which copies it to the device).
+        counters: a served batch's: searched under the serving lock, on the searcher serving its
+        index now (a re-warm may have replaced `warmed`'s), its stalls counted there; None: a
+        warm-up's, on `warmed`'s own searcher, holding no lock that served batches take."""
         index, n = warmed.index, len(reqs)
         t = time.perf_counter()
         padded = self._padded(reqs, index)
         host = encode_requests(padded, index.spec, arena.words)
         t1 = time.perf_counter()
-        # a scorer that gives some request no finite logit is refused naming its request_id
-        scorer = None if self.factory is None else self.factory.for_batch(padded.table, index.device,
-                                                                          index.level_sizes)
-        searcher = warmed.searcher
-        overflows = searcher.overflows
-        found = searcher.retrieve(index, host, scorer, top_k=self.top_k, rank=self.rank, stages=stages,
-                                  request_id=reqs.request_id)
-        if searcher.frozen:
-            self._frozen_batches += 1
-            if searcher.overflows > overflows or self._frozen_batches % TRAFFIC_EVERY == 0:
-                self._traffic.append(padded)  # what the next warm-up replays
+        with self._lock if counters is not None else contextlib.nullcontext():
+            if counters is not None:
+                warmed = self._warmed.get(id(index), warmed)
+            searcher = warmed.searcher
+            before = (searcher.widened, searcher.captures, searcher.overflows, compiles())
+            # a scorer that gives some request no finite logit is refused naming its request_id
+            scorer = None if self.factory is None else self.factory.for_batch(padded.table, index.device,
+                                                                              index.level_sizes)
+            found = searcher.retrieve(index, host, scorer, top_k=self.top_k, rank=self.rank, stages=stages,
+                                      request_id=reqs.request_id)
+            if counters is not None:
+                widened, captured, overflowed, compiled = (a - b for a, b in zip(
+                    (searcher.widened, searcher.captures, searcher.overflows, compiles()), before))
+                counters.widenings, counters.captures = counters.widenings + widened, counters.captures + captured
+                counters.overflows, counters.compiles = counters.overflows + overflowed, counters.compiles + compiled
+                if searcher.frozen:
+                    self._frozen_batches += 1
+                    if overflowed or self._frozen_batches % TRAFFIC_EVERY == 0:
+                        self._traffic.append(padded)  # what the next warm-up replays
+                    if overflowed and self.warm:
+                        self._start_rewarm(index)
         t2 = time.perf_counter()
         seconds["encode"] += t1 - t
         seconds["search_post"] += t2 - t1
@@ -415,9 +425,9 @@ class _Warmed:
 
 
 class _Arena:
-    """A reused int64 arena for batches' encodings, grown (to twice the need) when a batch needs
-    more. Reusing it is safe: a searcher copies a batch out of it (`runtime.requests.Staged`) before
-    it returns the batch's result."""
+    """A reused int64 arena for one thread's batches' encodings, grown (to twice the need) when a
+    batch needs more. Reusing it is safe: a searcher copies a batch out of it
+    (`runtime.requests.Staged`) before it returns the batch's result."""
 
     def __init__(self) -> None:
         self._a: np.ndarray | None = None
