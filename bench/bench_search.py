@@ -348,9 +348,9 @@ def one_size(n: int, profile: str, args, beams: tuple[int, ...], dev) -> dict:
                     res["post"] = time_post(index, host_req, dreq, fast, reps=args.reps)  # as bench_post
                     # search + post through the public API, captured together: ranked ads on the host
                     r["retrieve_ms"] = cuda_ms(
-                        lambda searcher=searcher: searcher.retrieve(index, dreq, Fixed(), host=host_req), args.reps)
+                        lambda searcher=searcher: searcher.retrieve(index, host_req, Fixed()), args.reps)
                     res["post"]["retrieve_identical"] = same_rows(
-                        searcher.retrieve(index, dreq, Fixed(), host=host_req), expand(index, host_req, fast))
+                        searcher.retrieve(index, host_req, Fixed()), expand(index, host_req, fast))
                 except Exception as e:
                     res["post"] = {"error": f"{type(e).__name__}: {e}"}
         res["modes"] = rows

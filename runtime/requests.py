@@ -12,8 +12,6 @@ import numpy as np
 import torch
 
 from runtime.ops.gtm_mask.planes import (
-    TABLE_FROM,
-    GroupLayout,
     QueryStack,
     group_layout,
     most_queries,
@@ -24,7 +22,7 @@ from runtime.ops.gtm_mask.planes import (
 from runtime.served import ServedIndex
 from sidindex.matchers.exact import ExactQueries
 from sidindex.request_encoding import EncodedRequests
-from sidindex.requests import Requests
+from sidindex.requests import MAX_REQUEST_VALUES, Requests
 from sidindex.requests import read_requests as read_request_file
 from sidindex.requests import requests_from as validated
 
@@ -126,15 +124,6 @@ def device_form(requests: EncodedRequests, device: str | torch.device) -> Encode
     return requests if requests.stacked is not None else to_device(requests, device)
 
 
-def query_layout(requests: EncodedRequests) -> GroupLayout:
-    """The batch's `GroupLayout` (which groups its queries table), read on the host: the stack's
-    on a device, else from the host ranges."""
-    if requests.stacked is not None:
-        return requests.stacked.layout
-    most = [m for q in requests.planes for m in most_queries(np.asarray(q.ranges))]
-    return group_layout(requests.planes, most)
-
-
 def _words(a) -> int:
     """int64 words an array (numpy or torch) of 4- or 8-byte items takes, rounded up."""
     return -(-a.numel() * a.element_size() // 8) if isinstance(a, torch.Tensor) else -(-a.nbytes // 8)
@@ -154,15 +143,18 @@ class Staged:
     hashes[p]), the embedding (B, D) float32. Row numbers and hash offsets count from their part, so
     a batch's values go in as they are.
 
-    like:   a batch (host or device form) giving the shapes; its query layout (which groups are
-            tabled: `query_layout`) and query bounds (`PlaneQueries.max_queries`) are the staged
-            requests', which batches must not pass (`fits`)
+    like:   a batch (host or device form) giving the shapes
     rows:   per plane, the query rows it holds; hashes: per plane, the exact hashes (None for a plane
             without exact queries)
+    most:   per plane, the most queries a request may have for one of its groups (default like's,
+            `PlaneQueries.max_queries`): the staged requests' bound, and their query layout (which
+            groups are tabled, `group_layout`) is the one of requests that many queries long, which
+            serves any batch within it (a batch that would not table a group searches as well with
+            its table); batches must not pass it (`fits`)
     """
 
     def __init__(self, like: EncodedRequests, rows: tuple[int, ...], hashes: tuple[int | None, ...],
-                 device: torch.device) -> None:
+                 device: torch.device, most: tuple[int, ...] | None = None) -> None:
         B = like.batch
         parts: list[tuple[str, int]] = []  # (name, words), in buffer order
         widths = [int(q.rows.shape[1]) for q in like.planes]
@@ -180,12 +172,10 @@ class Staged:
             at += n
         self.host = torch.zeros(max(at, 1), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.device = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
-        self._host_np = self.host.numpy()
-        self.layout = query_layout(like)
-        self.most = tuple(q.max_queries for q in like.planes)
+        self.most = tuple(q.max_queries for q in like.planes) if most is None else most
+        self.layout = group_layout(like.planes, [m for q, m in zip(like.planes, self.most)
+                                                 for _ in range(q.ranges.shape[1])])
         self._rows, self._hashes, self._shapes = rows, hashes, _shapes(like)
-        self._tabled = np.array([t >= 0 for t in self.layout.group_table], dtype=bool)  # per group
-        self._single = np.repeat([q.single for q in like.planes], [q.ranges.shape[1] for q in like.planes])
 
         def part(buf: torch.Tensor, name: str) -> torch.Tensor:
             lo, hi = self._at[name]
@@ -204,9 +194,13 @@ class Staged:
                 part(buf, "embedding").view(torch.float32)[:B * D].view(B, D)
             return ranges, planes, exact, embedding
 
-        # where `load` puts a batch's parts (`_parts`' order), as tensors and as numpy arrays
-        self._rooms = [(t, t.numpy()) for t in _parts(EncodedRequests(like.source, *views(self.host)[1:]))]
         ranges, planes, exact, embedding = views(self.device)
+        # where `load` puts a batch's parts (`_parts`' order): in the pinned buffer, as a tensor and
+        # as a numpy array, and in the device twin
+        staging = _parts(EncodedRequests(like.source, *views(self.host)[1:]))
+        self._rooms = [(t, t.numpy(), d) for t, d in zip(staging, _parts(EncodedRequests(like.source, planes, exact,
+                                                                                         embedding)))]
+        self._device_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         starts = [self._at[f"rows{p}"][0] for p in range(len(planes))]
         stacked = QueryStack(self.device[:self._at[f"rows{len(planes) - 1}"][1]], stack_base(starts, device), ranges,
                              self.layout)
@@ -216,48 +210,52 @@ class Staged:
     @classmethod
     def room_for(cls, requests: EncodedRequests, device: torch.device) -> Staged:
         """Staging for batches like `requests`, with room for twice its query rows per plane (at
-        least 8 per request) and twice its exact hashes (at least 64)."""
+        least 8 per request) and twice its exact hashes (at least 64), and for as many values per
+        attribute as a request may have (`sidindex.requests.MAX_REQUEST_VALUES`, or more where
+        `requests` has more)."""
         rows = tuple(max(2 * len(q.rows), 8 * requests.batch) for q in requests.planes)
         hashes = tuple(None if e is None else max(2 * len(e.hashes), 64) for e in requests.exact)
-        return cls(requests, rows, hashes, torch.device(device))
+        most = tuple(q.max_queries if q.single else max(q.max_queries, MAX_REQUEST_VALUES) for q in requests.planes)
+        return cls(requests, rows, hashes, torch.device(device), most)
 
     def fits(self, requests: EncodedRequests) -> bool:
-        """The batch goes in: the same batch size, groups, embedding width and exact attributes; no
-        more query rows, hashes or queries per request than the room; its tabled groups are the
-        staged ones' or fewer, in as few words (a batch that would not table a group searches as
-        well with its table)."""
+        """The batch goes in: the same batch size, groups, embedding width and exact attributes, and
+        no more query rows, hashes or queries per request for a group than the room and `most`
+        (its query layout is then within the staged one)."""
         if _shapes(requests) != self._shapes:
             return False
         if any(len(q.rows) > r for q, r in zip(requests.planes, self._rows)) or any(
                 e is not None and len(e.hashes) > (h or 0) for e, h in zip(requests.exact, self._hashes)):
             return False
         if requests.stacked is not None:  # on a device: the bounds the host kept
-            theirs = requests.stacked.layout
-            return all(q.max_queries <= m for q, m in zip(requests.planes, self.most)) \
-                and all(t < 0 or m >= 0 for t, m in zip(theirs.group_table, self.layout.group_table)) \
-                and theirs.table_words <= self.layout.table_words
-        # on the host: each group's most queries a request has, read from the ranges
-        most = [(np.asarray(q.ranges)[..., 1] - np.asarray(q.ranges)[..., 0]).max(0) for q in requests.planes]
-        if any(len(m) and m.max() > bound for m, bound in zip(most, self.most)):
-            return False
-        every = np.concatenate(most)
-        tabled = ~self._single & (every >= TABLE_FROM)  # the groups the batch's own layout tables
-        return bool(self._tabled[tabled].all()) and (-(-every[tabled] // 64)).max(initial=0) <= self.layout.table_words
+            return all(q.max_queries <= m for q, m in zip(requests.planes, self.most))
+        # on the host: the most queries a request has for one group, read from the ranges
+        for q, m in zip(requests.planes, self.most):
+            counts = np.asarray(q.ranges)[..., 1] - np.asarray(q.ranges)[..., 0]
+            if counts.size and counts.max() > m:
+                return False
+        return True
 
     def load(self, requests: EncodedRequests) -> None:
-        """Put a batch that `fits` in the pinned buffer: host arrays now, device tensors by copies
-        queued on the current stream (the `send` after them reads what they wrote)."""
-        for room, part in zip(self._rooms, _parts(requests)):
+        """Put a batch that `fits` in: host arrays into the pinned buffer now, device tensors kept
+        for `send` to copy into the device twin's views."""
+        self._device_parts = []
+        for (room, host, twin), part in zip(self._rooms, _parts(requests)):
             if isinstance(part, np.ndarray):
-                host = room[1][:len(part)]
+                host = host[:len(part)]
                 np.copyto(host, part.view(host.dtype) if part.dtype != host.dtype else part, casting="no")
+            elif part.device == self.device.device:
+                self._device_parts.append((twin, part))
             else:
-                room[0][:len(part)].copy_(part, non_blocking=True)
+                room[:len(part)].copy_(part)
 
     def send(self) -> None:
-        """Queue the buffer's copy to the device twin on the current stream (nothing on the CPU)."""
+        """Queue the buffer's copy to the device twin on the current stream, then the loaded
+        batch's device tensors' copies into their places (after it: theirs stand); nothing waits."""
         if self.device is not self.host:
             self.device.copy_(self.host, non_blocking=True)
+        for twin, part in self._device_parts:
+            twin[:len(part)].copy_(part)
 
 
 def _shapes(requests: EncodedRequests) -> tuple:

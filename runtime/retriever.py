@@ -67,7 +67,7 @@ from runtime.served import ServedIndex
 from runtime.serving import SLACK, Searcher
 from runtime.watcher import SnapshotWatcher
 from schemas import MAX_ABS_EMBEDDING
-from sidindex.errors import ConfigError, SidIndexError
+from sidindex.errors import ConfigError, InputError, SidIndexError
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import encode_requests
 from sidindex.requests import MAX_REQUEST_VALUES, Requests
@@ -147,8 +147,12 @@ class Retriever:
         # batches served lately that a warm-up replays: each one a frozen searcher could not hold,
         # and one in TRAFFIC_EVERY of the others (`_batch`)
         self._traffic: collections.deque[Requests] = collections.deque(maxlen=WARM_BATCHES)
+        self._traffic_lock = threading.Lock()
         self._frozen_batches = 0  # batches served by frozen searchers
+        self._rewarm_after = 0  # ... before which no re-warm starts (`_start_rewarm`)
+        self._rewarms: dict[int, int] = {}  # re-warms started, by id of the ServedIndex
         self._rewarm: threading.Thread | None = None  # a wider searcher warming (`_rewarm_index`)
+        self._warming = threading.Lock()  # one warm-up at a time (a swap's, a re-warm's): one extra set of graphs
         self.rewarm_error: str | None = None  # why the last re-warm failed, if it did
         self.warm = warm
         if warm:
@@ -223,6 +227,8 @@ class Retriever:
         host = encode_requests(padded, index.spec, arena.words)
         t1 = time.perf_counter()
         with self._lock if counters is not None else contextlib.nullcontext():
+            seconds["encode"] += t1 - t
+            t1 = time.perf_counter()  # search_post: from the lock on (not the wait for another caller's batch)
             if counters is not None:
                 warmed = self._warmed.get(id(index), warmed)
             searcher = warmed.searcher
@@ -240,12 +246,11 @@ class Retriever:
                 if searcher.frozen:
                     self._frozen_batches += 1
                     if overflowed or self._frozen_batches % TRAFFIC_EVERY == 0:
-                        self._traffic.append(padded)  # what the next warm-up replays
-                    if overflowed and self.warm:
+                        with self._traffic_lock:
+                            self._traffic.append(padded)  # what the next warm-up replays
+                    if overflowed and self.warm and self._frozen_batches >= self._rewarm_after:
                         self._start_rewarm(index)
-        t2 = time.perf_counter()
-        seconds["encode"] += t1 - t
-        seconds["search_post"] += t2 - t1
+        seconds["search_post"] += time.perf_counter() - t1
         return found if len(padded) == n else requests_part(found, 0, n)  # the padding's rows dropped
 
     def _padded(self, reqs: Requests, index: ServedIndex) -> Requests:
@@ -300,7 +305,7 @@ class Retriever:
             serving = warmed is not None and self._served == id(index)
             if warmed is None:
                 warmed = self._new(index)
-        with self._lock if serving else contextlib.nullcontext(), _side_stream(index.device):
+        with self._lock if serving else contextlib.nullcontext(), self._warming, _side_stream(index.device):
             self._warm(warmed)
         with self._lock:
             self._warmed[id(index)] = warmed
@@ -335,11 +340,17 @@ class Retriever:
                     run(reqs)
             for lo in range(0, len(self._warmup), most):
                 run(self._warmup.rows(lo, min(len(self._warmup), lo + most)))
-        with self._lock:
+        with self._traffic_lock:  # not the serving lock: a warm-up holds `_warming`, which a batch may wait on
             traffic = list(self._traffic)
         for reqs in traffic:  # batches served lately (`_traffic`): the widths and pairs they needed
-            if len(reqs) in self.batch_sizes:
-                run(reqs)
+            try:  # validated against the snapshot they were served on: a new one may have another spec
+                again = self._validated(reqs.table, index, "served requests")
+            except InputError:
+                continue
+            if len(again) in self.batch_sizes:
+                run(again)
+                if not any(len(f) == len(again) for f in firsts):
+                    firsts.append(again)  # a size the warm-up had none of captures its settled graphs on it
         warmed.searcher.settle()
         for reqs in firsts:
             run(reqs)
@@ -347,9 +358,16 @@ class Retriever:
 
     def _start_rewarm(self, index: ServedIndex) -> None:
         """After a batch the frozen searcher could not hold (answered by its worst case): warm a
-        searcher for `index` again on a thread of its own, unless one is warming (`_rewarm`)."""
+        searcher for `index` again on a thread of its own (`_rewarm_index`), unless one is warming,
+        REWARM_GAP frozen batches have not passed since the last one started, or `index` had
+        MAX_REWARMS already (an overflow widths cannot cure, a user's scorer whose inputs change
+        shape, stays the worst case's)."""
         if self._closed.is_set() or (self._rewarm is not None and self._rewarm.is_alive()):
             return
+        if self._rewarms.get(id(index), 0) >= MAX_REWARMS:
+            return
+        self._rewarms = {id(index): self._rewarms.get(id(index), 0) + 1}  # the served index's count only
+        self._rewarm_after = self._frozen_batches + REWARM_GAP
         self._rewarm = threading.Thread(target=self._rewarm_index, args=(index,), name="sidindex-rewarm",
                                         daemon=True)
         self._rewarm.start()
@@ -365,12 +383,12 @@ class Retriever:
                 return  # swapped away meanwhile
             wider = self._new(index)
         try:
-            with _side_stream(index.device):
+            with self._warming, _side_stream(index.device):
                 self._warm(wider)
         except WarmupAbandoned:
             return
-        except SidIndexError as e:
-            self.rewarm_error = str(e)
+        except Exception as e:  # a device error (out of memory beside the served graphs) too: serving goes on
+            self.rewarm_error = f"{type(e).__name__}: {e}"
             return
         with self._lock:
             if self._served == id(index):
@@ -414,6 +432,8 @@ def _taken(reqs: Requests, take: np.ndarray) -> Requests:
 
 WARM_BATCHES = 8  # batches of the largest size a warm-up searches to size the widths (module doc)
 TRAFFIC_EVERY = 64  # besides every batch a frozen searcher could not hold, one in this many is kept to warm with
+REWARM_GAP = 64  # frozen batches between the starts of two re-warms
+MAX_REWARMS = 4  # re-warms of one served snapshot (each doubles the widths its batches overflowed)
 
 
 @dataclass

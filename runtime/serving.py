@@ -8,9 +8,10 @@ put in the graph's inputs and replay it, paying neither Python nor launch overhe
 inputs are
   - the batch's encoding, staged (`runtime.requests.Staged`): each part at a fixed place of one
     pinned host buffer, with room for twice the query rows and exact hashes of the batch it was
-    captured for (a batch that needs more, or tables more of its queries, re-captures), copied to
-    the device in one copy; the graph reads the device views made at capture. A batch comes as its
-    host encoding (copied on the host) or already on the device (copied behind the stream's work);
+    captured for and for as many values per attribute as a request may have (a batch past the
+    room is captured anew while warming, and answered eagerly once frozen), copied to the device in
+    one copy; the graph reads the device views made at capture. A batch comes as its host encoding
+    (copied on the host) or already on the device (its tensors copied into place after that copy);
   - the scorer's `inputs`: a dict of tensors the scorer reads each step (the reference decoder's
     context), copied into the captured scorer's; the built-in codebook scorer (`scorer` None)
     reads the staged embedding itself.

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from runtime.ops.gtm_mask.planes import TABLE_FROM
 from runtime.post import DevicePost, post_tensors
 from runtime.requests import Staged, to_device
 from runtime.search import beam_search
@@ -40,12 +41,19 @@ def fewer_values(sc, draw):
 
 
 @settings(max_examples=20, deadline=None)
-@given(scenarios(max_ads=12), st.integers(0, 2**32 - 1), st.booleans(), st.data())
-def test_a_staged_batch_searches_and_filters_as_its_own_encoding(sc, seed, on_device, data):
+@given(scenarios(max_ads=12), st.integers(0, 2**32 - 1), st.booleans(), st.sampled_from([None, TABLE_FROM, 64]),
+       st.data())
+def test_a_staged_batch_searches_and_filters_as_its_own_encoding(sc, seed, on_device, bound, data):
+    """bound: the staging's queries per request for a group of several (None: the first batch's);
+    from TABLE_FROM on, the staged layout tables those groups, which the batches' own does not."""
     case = Case(sc, "cpu")
     rows = tuple(2 * len(q.rows) + 1 for q in case.req.planes)
     hashes = tuple(None if e is None else 2 * len(e.hashes) + 1 for e in case.req.exact)
-    staged = Staged(case.req, rows, hashes, torch.device("cpu"))
+    most = None if bound is None else tuple(q.max_queries if q.single else max(bound, q.max_queries)
+                                            for q in case.req.planes)
+    staged = Staged(case.req, rows, hashes, torch.device("cpu"), most)
+    if bound is not None and any(not q.single and q.ranges.shape[1] for q in case.req.planes):
+        assert staged.layout.table_words > 0 and to_device(case.req, "cpu").stacked.layout.table_words == 0
     assert staged.fits(case.req)
     staged.load(case.req)  # a batch of more values first: its rows and hashes stay past the next one's
     later = encode_requests(requests_of(fewer_values(sc, data.draw)), sc.spec)
@@ -89,3 +97,9 @@ def test_staging_refuses_a_batch_it_cannot_hold(sc):
     assert not staged.fits(twice)  # another batch size
     with_embedding = dataclasses.replace(case.req, embedding=np.zeros((case.req.batch, 3), np.float32))
     assert not staged.fits(with_embedding)
+    for p, q in enumerate(case.req.planes):  # one query per request fewer than the batch's most
+        if q.max_queries:
+            most = tuple(x.max_queries - (i == p) for i, x in enumerate(case.req.planes))
+            tight = Staged(case.req, rows, hashes, torch.device("cpu"), most)
+            assert not tight.fits(case.req) and not tight.fits(to_device(case.req, "cpu"))
+    assert staged.fits(to_device(case.req, "cpu"))
