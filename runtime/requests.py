@@ -132,10 +132,10 @@ def _words(a) -> int:
 class Staged:
     """A batch's inputs at fixed places with room, as a captured search reads them: one int64
     buffer in pinned host memory and its twin on the device, and the device views of the twin (an
-    `EncodedRequests`), made once. A batch goes in by `load` (host arrays copied on the host, device
-    tensors copied into the pinned buffer behind the stream's earlier work), then `send` (one
-    asynchronous copy of the buffer to its twin, queued before the search that reads it): no view is
-    made per batch, and nothing waits.
+    `EncodedRequests`), made once. A batch goes in by `load` (host arrays copied into the pinned
+    buffer on the host), then `send` (one asynchronous copy of the buffer to its twin, queued before
+    the search that reads it, then, for a batch that came on the device, its tensors copied into
+    their places there): the views a search reads are not made again, and nothing waits.
 
     Laid out like `sidindex.request_encoding.encode_requests`' arena, each part with room: the planes'
     query rows back to back (the stack's words; plane p with room for rows[p] rows), the groups'
@@ -237,16 +237,17 @@ class Staged:
         return True
 
     def load(self, requests: EncodedRequests) -> None:
-        """Put a batch that `fits` in: host arrays into the pinned buffer now, device tensors kept
-        for `send` to copy into the device twin's views."""
+        """Put a batch that `fits` in: host arrays (and CPU tensors, and views of the twin itself)
+        into the pinned buffer now, other tensors on the twin's device kept for `send`."""
         self._device_parts = []
+        base = self.device.untyped_storage().data_ptr()
         for (room, host, twin), part in zip(self._rooms, _parts(requests)):
             if isinstance(part, np.ndarray):
                 host = host[:len(part)]
                 np.copyto(host, part.view(host.dtype) if part.dtype != host.dtype else part, casting="no")
-            elif part.device == self.device.device:
+            elif part.device == self.device.device and part.untyped_storage().data_ptr() != base:
                 self._device_parts.append((twin, part))
-            else:
+            else:  # on the host, or the staged requests given back: `send` would overwrite them first
                 room[:len(part)].copy_(part)
 
     def send(self) -> None:

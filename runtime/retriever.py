@@ -20,8 +20,9 @@ batch is padded to the nearest configured size with copies of its last request (
 dropped), so every batch replays a graph captured at warm-up. Over a `SnapshotWatcher`, each
 batch runs on the snapshot current when it starts, and a new snapshot is warmed (its graphs
 captured, with the old one's widths) before the watcher swaps it in, on the poller's thread and
-a CUDA stream of its own, holding no lock that batches take: the old snapshot goes on serving
-while the new one's kernels compile.
+a CUDA stream of its own, outside the serving lock: the old snapshot goes on serving while the new
+one's kernels compile. Warm-ups (a swap's, a re-warm's) run one at a time; a batch waits for one
+only when its snapshot was never warmed.
 
 Warm start: at construction and for each new snapshot, every configured batch size is searched
 once with requests shaped like the largest a batch can be (every bloom attribute at its most
@@ -146,7 +147,8 @@ class Retriever:
         self._closed = threading.Event()  # set by `close`: a warm-up in progress stops at its next batch
         # batches served lately that a warm-up replays: each one a frozen searcher could not hold,
         # and one in TRAFFIC_EVERY of the others (`_batch`)
-        self._traffic: collections.deque[Requests] = collections.deque(maxlen=WARM_BATCHES)
+        # (the spec and embedding width they were validated for, the batch); not the index: its arrays
+        self._traffic: collections.deque[tuple[tuple, Requests]] = collections.deque(maxlen=WARM_BATCHES)
         self._traffic_lock = threading.Lock()
         self._frozen_batches = 0  # batches served by frozen searchers
         self._rewarm_after = 0  # ... before which no re-warm starts (`_start_rewarm`)
@@ -220,7 +222,7 @@ class Retriever:
         encoded into `arena`, on `warmed`'s index and searcher (which copies it to the device).
         counters: a served batch's: searched under the serving lock, on the searcher serving its
         index now (a re-warm may have replaced `warmed`'s), its stalls counted there; None: a
-        warm-up's, on `warmed`'s own searcher, holding no lock that served batches take."""
+        warm-up's, on `warmed`'s own searcher, outside the serving lock."""
         index, n = warmed.index, len(reqs)
         t = time.perf_counter()
         padded = self._padded(reqs, index)
@@ -247,7 +249,7 @@ class Retriever:
                     self._frozen_batches += 1
                     if overflowed or self._frozen_batches % TRAFFIC_EVERY == 0:
                         with self._traffic_lock:
-                            self._traffic.append(padded)  # what the next warm-up replays
+                            self._traffic.append((_target(index), padded))  # what the next warm-up replays
                     if overflowed and self.warm and self._frozen_batches >= self._rewarm_after:
                         self._start_rewarm(index)
         seconds["search_post"] += time.perf_counter() - t1
@@ -342,12 +344,9 @@ class Retriever:
                 run(self._warmup.rows(lo, min(len(self._warmup), lo + most)))
         with self._traffic_lock:  # not the serving lock: a warm-up holds `_warming`, which a batch may wait on
             traffic = list(self._traffic)
-        for reqs in traffic:  # batches served lately (`_traffic`): the widths and pairs they needed
-            try:  # validated against the snapshot they were served on: a new one may have another spec
-                again = self._validated(reqs.table, index, "served requests")
-            except InputError:
-                continue
-            if len(again) in self.batch_sizes:
+        for served_on, reqs in traffic:  # batches served lately (`_traffic`): the widths and pairs they needed
+            again = _for_index(reqs, served_on, index)
+            if again is not None and len(again) in self.batch_sizes:
                 run(again)
                 if not any(len(f) == len(again) for f in firsts):
                     firsts.append(again)  # a size the warm-up had none of captures its settled graphs on it
@@ -384,6 +383,8 @@ class Retriever:
             wider = self._new(index)
         try:
             with self._warming, _side_stream(index.device):
+                if self._served != id(index):
+                    return  # swapped away while another warm-up ran
                 self._warm(wider)
         except WarmupAbandoned:
             return
@@ -421,6 +422,25 @@ class Retriever:
 
 class WarmupAbandoned(SidIndexError):
     """A warm-up stopped half way because its Retriever was closed."""
+
+
+def _target(index: ServedIndex) -> tuple:
+    """What a batch is validated for on `index`: its targeting spec and embedding width."""
+    return index.spec, None if index.codebook is None else index.codebook.dim
+
+
+def _for_index(reqs: Requests, served_for: tuple, index: ServedIndex) -> Requests | None:
+    """A batch served as validated for `served_for` (`_target`), for a warm-up of `index`: itself
+    when that is `index`'s too, else validated again (its rows numbered anew: a padded batch repeats
+    its last request), or None when `index` refuses it."""
+    if served_for == _target(index):
+        return reqs
+    table = reqs.table.set_column(reqs.table.column_names.index("request_id"), "request_id",
+                                  pa.array(np.arange(len(reqs), dtype=np.int64)))
+    try:
+        return requests_from(table, index, source="served requests")
+    except InputError:
+        return None
 
 
 def _taken(reqs: Requests, take: np.ndarray) -> Requests:

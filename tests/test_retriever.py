@@ -11,12 +11,14 @@ import shutil
 import threading
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import runtime
+import sidindex.requests
 from runtime.post import expand
 from runtime.retriever import requests_part, table_of
 from sidindex.errors import InputError
@@ -235,3 +237,24 @@ def test_after_batches_past_its_widths_a_wider_searcher_warms_beside_serving(roo
     assert c.overflows == 3 and c.widenings == 0 and c.rewarms == 1  # they fit now: no second re-warm
     retriever.close()
     assert retriever.join_warmups(0)
+
+
+def test_a_warm_up_takes_served_batches_validated_for_its_own_snapshot(root, requests_table):
+    """The batches a re-warm or a swap's warm-up replays: as they are under the same spec and
+    embedding width; validated again under others, a padded batch (its last request repeated, ids
+    included) too; refused ones left out."""
+    from runtime.retriever import _for_index, _taken, _target
+
+    index = runtime.load(root, "cpu")
+    reqs = runtime.requests_from(requests_table.slice(0, 3), index)
+    padded = _taken(reqs, np.array([0, 1, 2, 2]))
+    assert _for_index(padded, _target(index), index) is padded
+    again = _for_index(padded, ("another spec", None), index)
+    assert again is not None and len(again) == 4 and again.request_id.tolist() == [0, 1, 2, 3]
+    assert again.table.drop_columns(["request_id"]).equals(padded.table.drop_columns(["request_id"]))
+    table = requests_table.slice(0, 3)
+    wider = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(3 * (index.codebook.dim + 1), np.float32)),
+                                              index.codebook.dim + 1)
+    table = table.set_column(table.column_names.index("embedding"), "embedding", wider)
+    other = sidindex.requests.requests_from(table, index.spec)  # valid for a codebook one dimension wider
+    assert _for_index(other, (index.spec, index.codebook.dim + 1), index) is None
