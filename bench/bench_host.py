@@ -76,8 +76,7 @@ def one_pass(index, batches, staged: Staged, words) -> np.ndarray:
         t2 = time.perf_counter()
         if not staged.fits(host):
             raise AssertionError("the staging holds every batch (`staging`)")
-        staged.load(host)
-        staged.send()
+        staged.put(host)
         t3 = time.perf_counter()
         out[i] = (t1 - t0, t2 - t1, t3 - t2)
         if staged.device.is_cuda:

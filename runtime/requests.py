@@ -31,15 +31,16 @@ def requests_from(data: Any, index: ServedIndex, *, source: str = "requests") ->
     """A request batch held in memory (a pyarrow Table or RecordBatch, a polars DataFrame, or a
     list of dicts), validated against the index's targeting spec and codebook with the rules and
     messages of a request file (`sidindex.requests.requests_from`); `source` names it in them."""
-    return validated(data, index.spec, source=source, dim=_dim(index))
+    return validated(data, index.spec, source=source, dim=embedding_dim(index))
 
 
 def read_requests(path: str | Path, index: ServedIndex) -> Requests:
     """The request file at `path` (Parquet or Arrow IPC), validated as `requests_from` does."""
-    return read_request_file(path, index.spec, dim=_dim(index))
+    return read_request_file(path, index.spec, dim=embedding_dim(index))
 
 
-def _dim(index: ServedIndex) -> int | None:
+def embedding_dim(index: ServedIndex) -> int | None:
+    """The embedding width requests for `index` must have (its codebook's), or None without one."""
     cb = index.codebook
     return None if cb is None else cb.dim
 
@@ -132,10 +133,10 @@ def _words(a) -> int:
 class Staged:
     """A batch's inputs at fixed places with room, as a captured search reads them: one int64
     buffer in pinned host memory and its twin on the device, and the device views of the twin (an
-    `EncodedRequests`), made once. A batch goes in by `load` (host arrays copied into the pinned
-    buffer on the host), then `send` (one asynchronous copy of the buffer to its twin, queued before
-    the search that reads it, then, for a batch that came on the device, its tensors copied into
-    their places there): the views a search reads are not made again, and nothing waits.
+    `EncodedRequests`), made once. A batch goes in by `put`: its host arrays copied into the pinned
+    buffer on the host, one asynchronous copy of the buffer to its twin queued before the search
+    that reads it (then, for a batch that came on the device, its tensors copied into their places
+    there): the views a search reads are not made again, and nothing waits.
 
     Laid out like `sidindex.request_encoding.encode_requests`' arena, each part with room: the planes'
     query rows back to back (the stack's words; plane p with room for rows[p] rows), the groups'
@@ -195,12 +196,11 @@ class Staged:
             return ranges, planes, exact, embedding
 
         ranges, planes, exact, embedding = views(self.device)
-        # where `load` puts a batch's parts (`_parts`' order): in the pinned buffer, as a tensor and
+        # where `put` puts a batch's parts (`_parts`' order): in the pinned buffer, as a tensor and
         # as a numpy array, and in the device twin
         staging = _parts(EncodedRequests(like.source, *views(self.host)[1:]))
         self._rooms = [(t, t.numpy(), d) for t, d in zip(staging, _parts(EncodedRequests(like.source, planes, exact,
                                                                                          embedding)))]
-        self._device_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         starts = [self._at[f"rows{p}"][0] for p in range(len(planes))]
         stacked = QueryStack(self.device[:self._at[f"rows{len(planes) - 1}"][1]], stack_base(starts, device), ranges,
                              self.layout)
@@ -230,32 +230,26 @@ class Staged:
         if requests.stacked is not None:  # on a device: the bounds the host kept
             return all(q.max_queries <= m for q, m in zip(requests.planes, self.most))
         # on the host: the most queries a request has for one group, read from the ranges
-        for q, m in zip(requests.planes, self.most):
-            counts = np.asarray(q.ranges)[..., 1] - np.asarray(q.ranges)[..., 0]
-            if counts.size and counts.max() > m:
-                return False
-        return True
+        return all(max(most_queries(q.ranges), default=0) <= m for q, m in zip(requests.planes, self.most))
 
-    def load(self, requests: EncodedRequests) -> None:
-        """Put a batch that `fits` in: host arrays (and CPU tensors, and views of the twin itself)
-        into the pinned buffer now, other tensors on the twin's device kept for `send`."""
-        self._device_parts = []
+    def put(self, requests: EncodedRequests) -> None:
+        """Put a batch that `fits` in, queued on the current stream before the search that reads it:
+        its host arrays (and CPU tensors, and views of the twin itself) into the pinned buffer, the
+        buffer's one copy to the twin, then its tensors on the twin's device into their places there
+        (after that copy: theirs stand). Nothing waits."""
         base = self.device.untyped_storage().data_ptr()
+        on_device = []
         for (room, host, twin), part in zip(self._rooms, _parts(requests)):
             if isinstance(part, np.ndarray):
                 host = host[:len(part)]
                 np.copyto(host, part.view(host.dtype) if part.dtype != host.dtype else part, casting="no")
             elif part.device == self.device.device and part.untyped_storage().data_ptr() != base:
-                self._device_parts.append((twin, part))
-            else:  # on the host, or the staged requests given back: `send` would overwrite them first
+                on_device.append((twin, part))
+            else:  # on the host, or the staged requests given back: the buffer's copy would overwrite them
                 room[:len(part)].copy_(part)
-
-    def send(self) -> None:
-        """Queue the buffer's copy to the device twin on the current stream, then the loaded
-        batch's device tensors' copies into their places (after it: theirs stand); nothing waits."""
         if self.device is not self.host:
             self.device.copy_(self.host, non_blocking=True)
-        for twin, part in self._device_parts:
+        for twin, part in on_device:
             twin[:len(part)].copy_(part)
 
 
@@ -268,7 +262,7 @@ def _shapes(requests: EncodedRequests) -> tuple:
 
 
 def _parts(requests: EncodedRequests) -> list:
-    """A batch's arrays `Staged.load` copies, in one order: each plane's rows and ranges, each
+    """A batch's arrays `Staged.put` copies, in one order: each plane's rows and ranges, each
     exact plane's offsets and hashes, the embedding."""
     out = [a for q in requests.planes for a in (q.rows, q.ranges)]
     out += [a for e in requests.exact if e is not None for a in (e.hash_offsets, e.hashes)]

@@ -11,7 +11,7 @@ import torch
 
 from runtime.post import Retrieved
 from runtime.retriever import Retriever, table_of
-from runtime.scorer import CodebookScorer, ScorerFactory, as_factory
+from runtime.scorer import CodebookScorer, ScorerFactory, as_factory, embedding_of
 from runtime.search import DEFAULT_BEAMS, Scorer
 from runtime.served import ServedIndex, codebook_of
 from sidindex.errors import InputError
@@ -38,12 +38,10 @@ def codebook_scorer(index: ServedIndex, requests: EncodedRequests, temperature: 
     snapshot (nothing is read from disk). requests: the encoding whose `embedding` to score, best
     on the index's device (`runtime.requests.to_device`)."""
     cb = codebook_of(index)
-    if requests.embedding is None:
-        raise InputError(f"{requests.source}: the codebook scorer needs an `embedding` column in the requests")
-    if requests.embedding.shape[1] != cb.dim:
-        raise InputError(f"{requests.source}: embedding has {requests.embedding.shape[1]} dimensions, the codebook "
-                         f"{cb.dim}")
-    emb = torch.as_tensor(requests.embedding, dtype=torch.float32, device=index.device)
+    given = embedding_of(requests)
+    if given.shape[1] != cb.dim:
+        raise InputError(f"{requests.source}: embedding has {given.shape[1]} dimensions, the codebook {cb.dim}")
+    emb = torch.as_tensor(given, dtype=torch.float32, device=index.device)
     shared = CodebookScorer(cb, emb[:0], temperature)  # the centroids on the device, once
 
     def for_rows(rows: slice) -> Scorer:

@@ -61,7 +61,7 @@ import torch
 
 from runtime.ops.compiles import compiles
 from runtime.post import Retrieved, check_rank, check_top_k
-from runtime.requests import requests_from
+from runtime.requests import embedding_dim, requests_from
 from runtime.scorer import ScorerFactory, as_factory
 from runtime.search import DEFAULT_BEAMS, check_slack, check_value_weight, parse_beams
 from runtime.served import ServedIndex
@@ -426,7 +426,7 @@ class WarmupAbandoned(SidIndexError):
 
 def _target(index: ServedIndex) -> tuple:
     """What a batch is validated for on `index`: its targeting spec and embedding width."""
-    return index.spec, None if index.codebook is None else index.codebook.dim
+    return index.spec, embedding_dim(index)
 
 
 def _for_index(reqs: Requests, served_for: tuple, index: ServedIndex) -> Requests | None:

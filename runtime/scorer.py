@@ -17,13 +17,17 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.ops.codebook import CodebookTables, codebook_log_probs, codebook_logits
-from sidindex.errors import ScorerError
+from sidindex.errors import InputError, ScorerError
 from sidindex.interrupts import from_signal
 from sidindex.sid.codebook import Codebook
+
+if TYPE_CHECKING:
+    from sidindex.request_encoding import EncodedRequests
 
 
 class CodebookScorer:
@@ -67,6 +71,14 @@ class CodebookScorer:
         last place elsewhere. Reads prefix without writing it."""
         return codebook_log_probs(self.tables, self.x, self.temperature, step, prefix, size,
                                   temperature_t=self.temperature_t)
+
+
+def embedding_of(requests: EncodedRequests) -> torch.Tensor:
+    """The requests' (B, D) embedding, which the codebook scorer scores; an InputError naming the
+    requests when they have none."""
+    if requests.embedding is None:
+        raise InputError(f"{requests.source}: the codebook scorer needs an `embedding` column in the requests")
+    return requests.embedding
 
 
 def load_factory(spec: str, timeout: float | None = None) -> ScorerFactory:

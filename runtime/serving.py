@@ -63,7 +63,7 @@ from runtime.ops.expand.layout import pow2
 from runtime.ops.impl import Impl
 from runtime.post import DevicePost, Retrieved, check_rank, check_top_k, expand, on_device
 from runtime.requests import Staged, device_form
-from runtime.scorer import CodebookScorer
+from runtime.scorer import CodebookScorer, embedding_of
 from runtime.search import (
     DEFAULT_BEAMS,
     Beams,
@@ -75,7 +75,6 @@ from runtime.search import (
     scorer_name,
 )
 from runtime.served import ServedIndex, codebook_of
-from sidindex.errors import InputError
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import EncodedRequests
 
@@ -169,9 +168,7 @@ class Searcher:
         embedding); `counted`: the batch is already an overflow (off its graph)."""
         requests = device_form(requests, index.device)
         if scorer is None:
-            if requests.embedding is None:
-                raise InputError(f"{requests.source}: the codebook scorer needs an `embedding` column in the requests")
-            scorer = self._codebook(index).for_embedding(requests.embedding)
+            scorer = self._codebook(index).for_embedding(embedding_of(requests))
         with self._lock:  # one search at a time, as with graphs: a batch that overflows widens once
             beams = self._search(index, requests, scorer)
             while (step := self._overflowed(beams, scorer, request_id)) is not None:
@@ -364,15 +361,9 @@ class Searcher:
         """The graph of one batch's search (and post stage), with room for batches a little larger
         (`runtime.requests.Staged.room_for`), replayed once on it."""
         staged = Staged.room_for(requests, index.device)
-        staged.load(requests)
-        staged.send()
+        staged.put(requests)
         static = staged.requests
-        if scorer is None:
-            if static.embedding is None:
-                raise InputError(f"{requests.source}: the codebook scorer needs an `embedding` column in the requests")
-            captured: Scorer = self._codebook(index).reading(static.embedding)
-        else:
-            captured = scorer
+        captured = self._codebook(index).reading(embedding_of(static)) if scorer is None else scorer
         assert _capturable(captured)  # as _why_eager found
         stage: list[DevicePost] = []  # made once the first search shows the beams' shape
 
@@ -453,8 +444,7 @@ def _fits(g: _Graph, requests: EncodedRequests, scorer: Scorer | None) -> bool:
 def _load(g: _Graph, requests: EncodedRequests, scorer: Scorer | None) -> None:
     """A batch into the graph's inputs: its encoding staged and sent (one copy to the device), and
     a scorer's inputs copied into the captured scorer's (the built-in one reads the staged embedding)."""
-    g.staged.load(requests)
-    g.staged.send()
+    g.staged.put(requests)
     if scorer is not None and scorer is not g.scorer:
         assert _capturable(scorer)  # as `_fits` found
         for k, t in scorer.inputs.items():

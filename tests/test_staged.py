@@ -55,11 +55,10 @@ def test_a_staged_batch_searches_and_filters_as_its_own_encoding(sc, seed, on_de
     if bound is not None and any(not q.single and q.ranges.shape[1] for q in case.req.planes):
         assert staged.layout.table_words > 0 and to_device(case.req, "cpu").stacked.layout.table_words == 0
     assert staged.fits(case.req)
-    staged.load(case.req)  # a batch of more values first: its rows and hashes stay past the next one's
+    staged.put(case.req)  # a batch of more values first: its rows and hashes stay past the next one's
     later = encode_requests(requests_of(fewer_values(sc, data.draw)), sc.spec)
     assert staged.fits(later)
-    staged.load(to_device(later, "cpu") if on_device else later)
-    staged.send()
+    staged.put(to_device(later, "cpu") if on_device else later)
     beams = (1,) + (3,) * (case.gtm.sid_length - 1)
     scorer = TableScorer(case.gtm.vocab_size, seed)
     own = to_device(later, "cpu")
