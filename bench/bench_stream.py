@@ -41,7 +41,10 @@ seconds it took are reported), then:
                (`retriever.counters`)
   throughput   requests per second with 1 caller (the latency stream) and with 2 caller
                threads, each sending its own half of the batches to the same Retriever (which
-               serialises batches: its lock), and the p99 a caller then sees
+               replays a batch on one of a graph's two slots while the other's is read), the p99 a
+               caller then sees, and with one caller sending 64 requests (4 batches) per call (the
+               Retriever submits each batch before reading the one before it); on CUDA, cd+gtm again
+               with one slot per graph (`slots=1`), the reference for the second slot, same run
   check        the first batch's table equals `runtime.retrieve` of the same requests
 Beams 1,512,1024,1024 on CUDA, 1,16,32,32 on the CPU (--beams). On the CPU torch and numba run one
 thread each (--threads): their thread teams spin at each barrier, and a core the machine gives to
@@ -95,6 +98,7 @@ from sidindex.sample import PROFILES as CATALOG_PROFILES
 from sidindex.sample import check_profile, sample_requests
 
 BATCH = 16
+CALL_BATCHES = 4  # batches of BATCH per call in the per-call throughput (64 requests)
 MODES = (Mode.NONE, Mode.CD, Mode.CD_GTM, Mode.CD_GTM_KWAY)
 KWAY_TOML = '[kway]\nmode = "dynamic"\nk_max = 16\ntarget_fill = 0.5\n'  # bench_search's partitions
 # Qwen3-1.7B's shape (its config.json); the weights are random
@@ -237,6 +241,18 @@ def callers(retriever, batches: list[pa.RecordBatch], threads: int) -> dict:
             "p50_ms": seen["p50_ms"], "p99_ms": seen["p99_ms"]}
 
 
+def per_call(retriever, batches: list[pa.RecordBatch], batches_per_call: int = CALL_BATCHES) -> float:
+    """One caller sending `batches_per_call` batches in each call (one table, made before timing):
+    requests per second. The Retriever submits each batch of a call before reading the one
+    before it."""
+    tables = [pa.Table.from_batches(batches[lo:lo + batches_per_call])
+              for lo in range(0, len(batches), batches_per_call)]
+    start = time.perf_counter()
+    for t in tables:
+        retriever.retrieve(t)
+    return sum(t.num_rows for t in tables) / (time.perf_counter() - start)
+
+
 def stage_ms(counters) -> dict:
     """Mean ms per batch of each stage (`runtime.retriever.STAGES`) from a Retriever's counters."""
     return {k: v / counters.batches * 1e3 for k, v in counters.seconds.items()}
@@ -251,10 +267,11 @@ STALLS = ("captures", "compiles", "overflows", "rewarms")  # a mode's stalls col
 
 def measure_mode(index, mode: Mode, beams: tuple[int, ...], batches: list[pa.RecordBatch], *,
                  threads: tuple[int, ...] = (2,), warmup: pa.Table | None = None, scorer=None,
-                 check: bool = True) -> tuple[dict, pa.Table]:
+                 check: bool = True, slots: int = 2) -> tuple[dict, pa.Table]:
     """One mode (module doc): its figures, and the first batch's table."""
     t = time.perf_counter()
-    retriever = runtime.Retriever(index, mode=mode, beams=beams, batch_sizes=(BATCH,), warmup=warmup, scorer=scorer)
+    retriever = runtime.Retriever(index, mode=mode, beams=beams, batch_sizes=(BATCH,), warmup=warmup, scorer=scorer,
+                                  slots=slots)
     warm_s = time.perf_counter() - t
     ms, first, wall = stream(retriever, batches)
     c = retriever.counters
@@ -266,6 +283,7 @@ def measure_mode(index, mode: Mode, beams: tuple[int, ...], batches: list[pa.Rec
         got = callers(retriever, batches, n)
         row["qps"][str(n)] = got["qps"]
         row[f"callers_{n}"] = got
+    row["qps"]["per_call"] = per_call(retriever, batches)
     row["widenings_total"] = int(retriever.counters.widenings)
     if check:  # the same requests through runtime.retrieve
         reqs = runtime.requests_from(batches[0], index)
@@ -412,6 +430,10 @@ def one_size(n: int, profile: str, args, beams: tuple[int, ...], device: torch.d
         size["modes"][mode.value], _ = measure_mode(index, mode, beams, batches, warmup=warmup)
     m = size["modes"]
     size["cd+gtm_over_none_p50"] = m["cd+gtm"]["p50_ms"] / m["none"]["p50_ms"]
+    if device.type == "cuda":  # the reference for the graphs' second slot, in the same run
+        print(f"{name}, cd+gtm with one slot ...", file=sys.stderr, flush=True)
+        one, _ = measure_mode(index, Mode.CD_GTM, beams, batches, warmup=warmup, check=False, slots=1)
+        size["one_slot"] = {k: one[k] for k in ("p50_ms", "p99_ms", "qps")}
     print(f"{name}: cold start ...", file=sys.stderr, flush=True)
     size["cold_start"] = kept("cold start", lambda: cold_starts(size["root"], device, beams, batches[0], args.threads))
     if decoder_config is not None:
@@ -491,7 +513,8 @@ def report(res: dict, console=None) -> None:
         t = Table(title=f"{n:,} ads ({res['device']}): {res['batches']} distinct batches of {res['batch']}, beams "
                         f"{beams}; ms per batch, Arrow in -> Arrow on the host", title_justify="left")
         for c in ("profile", "mode", "p50", "p90", "p99", "max", "/ none", "widen", "stalls", "validate", "encode",
-                  "search+post", "result", "req/s", "req/s 2 callers", "p99 2 callers", "ads/req", "= retrieve",
+                  "search+post", "result", "req/s", "req/s 2 callers", "p99 2 callers",
+                  f"req/s {CALL_BATCHES * BATCH}/call", "ads/req", "= retrieve",
                   "warm-up s"):
             t.add_column(c, justify="left" if c in ("profile", "mode") else "right")
         for size in sizes:
@@ -504,11 +527,19 @@ def report(res: dict, console=None) -> None:
                           "/".join(str(r["stalls"].get(k, 0)) for k in STALLS),
                           *(f"{s[k]:.3f}" for k in ("validate", "encode", "search_post", "result")),
                           f"{r['qps']['1']:,.0f}", "-" if two is None else f"{two['qps']:,.0f}",
-                          "-" if two is None else f"{two['p99_ms']:.3f}", f"{r['rows_per_request']:.1f}",
+                          "-" if two is None else f"{two['p99_ms']:.3f}", f"{r['qps']['per_call']:,.0f}",
+                          f"{r['rows_per_request']:.1f}",
                           str(r.get("same_as_retrieve", "-")), f"{r['warm_s']:.3f}")
         console.print(t)
         for size in sizes:
             console.print("  " + skew_line(size), highlight=False)
+            if "one_slot" in size:
+                one, two = size["one_slot"], size["modes"]["cd+gtm"]
+                console.print(f"  {size['profile']}, cd+gtm, two slots over one (same run): p50 {two['p50_ms']:.3f} vs "
+                              f"{one['p50_ms']:.3f} ms; 2 callers {two['qps']['2']:,.0f} vs {one['qps']['2']:,.0f} "
+                              f"req/s ({two['qps']['2'] / one['qps']['2']:.2f}x); {CALL_BATCHES * BATCH} per call "
+                              f"{two['qps']['per_call']:,.0f} vs {one['qps']['per_call']:,.0f} req/s "
+                              f"({two['qps']['per_call'] / one['qps']['per_call']:.2f}x)", highlight=False)
         cold = Table(title=f"{n:,} ads: cold start (a fresh process, cd+gtm; snapshot load in this one: "
                      + ", ".join(f"{z['profile']} {z['load_s']:.2f} s" for z in sizes) + ")", title_justify="left")
         cold.add_column("profile", justify="left")

@@ -215,6 +215,7 @@ class DevicePost:
         self.pinned = pinned
         self._host: torch.Tensor | None = None  # with `pinned`: `result`'s copies land here
         self._sent = 0  # words of the last `run`'s buffer `send` queued to `_host` (0: none)
+        self._stream: torch.cuda.Stream | None = None  # `result`'s copies behind an event
         # (B,) int64 each request's reached pairs in the last `result`'s batch (None before one)
         self.last_reached: np.ndarray | None = None
 
@@ -255,26 +256,40 @@ class DevicePost:
             self._host = torch.empty(n, dtype=torch.int64, pin_memory=True)
         return self._host
 
-    def _fetch(self, buffer: torch.Tensor, lo: int, hi: int) -> np.ndarray:
+    def _fetch(self, buffer: torch.Tensor, lo: int, hi: int, ready: torch.cuda.Event | None) -> np.ndarray:
         """buffer[lo:hi] on the host: with `pinned`, from a GPU through the stage's pinned memory
-        (overwritten by the next call), the part `send` queued copied already."""
+        (overwritten by the next call), the part `send` queued copied already; the rest copied on
+        the current stream, or with `ready` on a stream of the stage's own behind that event."""
         if not (buffer.is_cuda and self.pinned):
             return buffer[lo:hi].cpu().numpy()
         host = self._pinned(len(buffer))
+        stream = torch.cuda.current_stream(buffer.device)
         if hi > self._sent:
+            if ready is not None:
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(buffer.device)
+                stream = self._stream
+                stream.wait_event(ready)
             start = max(lo, self._sent)
-            host[start:hi].copy_(buffer[start:hi], non_blocking=True)
-        torch.cuda.current_stream(buffer.device).synchronize()
+            with torch.cuda.stream(stream):
+                host[start:hi].copy_(buffer[start:hi], non_blocking=True)
+            stream.synchronize()
+        elif ready is not None:
+            ready.synchronize()
+        else:
+            stream.synchronize()
         return host[lo:hi].numpy()
 
-    def result(self, buffer: torch.Tensor) -> Retrieved | None:
+    def result(self, buffer: torch.Tensor, ready: torch.cuda.Event | None = None) -> Retrieved | None:
         """The `Retrieved` of a `run`'s buffer: its counts, then the rows in use, to the host; None
         when a request overflowed (reached more than `layout.pairs` pairs: its rows were not
-        computed). Either way `last_reached` holds the batch's reached pairs per request."""
+        computed). Either way `last_reached` holds the batch's reached pairs per request.
+        ready: an event recorded behind the run and `send` (its stream may hold later work, another
+        batch's): `result` waits for it alone, not for the stream."""
         lay = self.layout
         B, T, F = lay.batch, lay.kept, lay.row_words
         head = len(lay.counts) * B
-        counts = dict(zip(lay.counts, self._fetch(buffer, 0, head).reshape(-1, B).copy()))
+        counts = dict(zip(lay.counts, self._fetch(buffer, 0, head, ready).reshape(-1, B).copy()))
         self.last_reached = counts["reached"]
         if (counts["reached"] > lay.pairs).any():
             self._sent = 0
@@ -283,7 +298,7 @@ class DevicePost:
         total = int(n.sum())
         # one copy (the pinned buffer serves the next call); the fields are views of it: copying
         # each strided column on its own costs five times as much
-        rows = self._fetch(buffer, head, head + total * F).reshape(total, F).copy()
+        rows = self._fetch(buffer, head, head + total * F, ready).reshape(total, F).copy()
         self._sent = 0  # the next run's buffer is another's
         parts, at = {}, 0
         for name, width in lay.fields:

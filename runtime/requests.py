@@ -218,6 +218,10 @@ class Staged:
         most = tuple(q.max_queries if q.single else max(q.max_queries, MAX_REQUEST_VALUES) for q in requests.planes)
         return cls(requests, rows, hashes, torch.device(device), most)
 
+    def another(self) -> Staged:
+        """A staging with the same room and bounds, on the same device, of its own buffers."""
+        return Staged(self.requests, self._rows, self._hashes, self.device.device, self.most)
+
     def fits(self, requests: EncodedRequests) -> bool:
         """The batch goes in: the same batch size, groups, embedding width and exact attributes, and
         no more query rows, hashes or queries per request for a group than the room and `most`

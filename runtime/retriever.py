@@ -65,12 +65,12 @@ from runtime.requests import embedding_dim, requests_from
 from runtime.scorer import ScorerFactory, as_factory
 from runtime.search import DEFAULT_BEAMS, check_slack, check_value_weight, parse_beams
 from runtime.served import ServedIndex
-from runtime.serving import SLACK, Searcher
+from runtime.serving import SLACK, Searcher, Submitted, check_slots
 from runtime.watcher import SnapshotWatcher
 from schemas import MAX_ABS_EMBEDDING
 from sidindex.errors import ConfigError, InputError, SidIndexError
 from sidindex.modes import Mode, parse_mode
-from sidindex.request_encoding import encode_requests
+from sidindex.request_encoding import EncodedRequests, encode_requests
 from sidindex.requests import MAX_REQUEST_VALUES, Requests
 
 STAGES = ("validate", "encode", "search_post", "result")
@@ -116,13 +116,15 @@ class Retriever:
     warmup:       requests (anything `retrieve` takes) to warm up with, beside the synthetic ones;
                   warm: False to skip warming (the first batch of each size then pays for it)
     slack:        each step's width, in its beams' typical candidates (`runtime.Searcher`)
+    slots:        graphs per batch size (`runtime.Searcher`): 2 replays a batch while the one before
+                  it is read (a caller's next batch, another caller's), 1 saves their GPU memory
     """
 
     def __init__(self, index: ServedIndex | SnapshotWatcher, *, mode: Mode | str = Mode.CD_GTM,
                  beams: tuple[int, ...] | str = DEFAULT_BEAMS, scorer: str | ScorerFactory | None = None,
                  batch_sizes: tuple[int, ...] = (16,), value_weight: float = 0.0, rank: str = "score",
                  top_k: int | None = None, impl: str = "auto", warmup=None, warm: bool = True,
-                 slack: float = SLACK) -> None:
+                 slack: float = SLACK, slots: int = 2) -> None:
         self.watcher = index if isinstance(index, SnapshotWatcher) else None
         self._index = None if isinstance(index, SnapshotWatcher) else index
         first = self.index
@@ -136,12 +138,13 @@ class Retriever:
             raise ConfigError(f"batch sizes {batch_sizes!r}: give one or more positive numbers of requests")
         self.batch_sizes, self.value_weight, self.rank, self.top_k, self.impl = sizes, value_weight, rank, top_k, impl
         check_slack((slack,), 1)
-        self.slack = slack
+        self.slack, self.slots = slack, check_slots(slots)
         self.factory = as_factory(scorer)
         self.counters = Counters()
         self._lock = threading.RLock()  # serving: one batch at a time (module doc)
         self._warmed: dict[int, _Warmed] = {}  # by id of the ServedIndex: the served one and one being warmed
-        self._arenas = threading.local()  # each calling thread's encoding arena
+        self._arenas = threading.local()  # each calling thread's encoding arenas (`run`)
+        self._factory_lock = threading.Lock()  # a user's scorer factory is called by one thread at a time
         self._served: int | None = None
         self._warmup = None if warmup is None else self._validated(warmup, first, "warm-up requests")
         self._closed = threading.Event()  # set by `close`: a warm-up in progress stops at its next batch
@@ -195,20 +198,41 @@ class Retriever:
             progress: Callable | None = None) -> tuple[Retrieved, dict[str, float]]:
         """The `Retrieved` rows of validated requests (their rows numbered within `requests`), and
         the seconds per stage; stages: with each ad's stage flags (`runtime.post.expand`). Each
-        batch is encoded outside the serving lock, in the calling thread's arena, so that another
-        caller's batch is encoded while this one's is on the device."""
+        batch is encoded outside the serving lock, in the calling thread's arenas, and submitted
+        (`runtime.Searcher.submit`) before the one before it is read: the next batch is encoded
+        and staged while one is on the device, for this caller and for others."""
         index = index or self.index
         seconds = dict.fromkeys(STAGES, 0.0)
         parts = []
         n, most = len(requests), self.batch_sizes[-1]
         with self._lock:
             warmed = self._serving(index)
-        arena = self._arenas.__dict__.setdefault("arena", _Arena())  # this thread's
-        for lo in range(0, n, most):
-            hi = min(n, lo + most)
-            parts.append((lo, self._batch(warmed, arena, requests.rows(lo, hi), stages, seconds, self.counters)))
+        # this thread's two arenas: a batch in flight keeps its encoding (a batch past its graph is
+        # answered from it) while the next is encoded in the other
+        arenas = self._arenas.__dict__.setdefault("arenas", (_Arena(), _Arena()))
+        in_flight: list[_Flight] = []  # submitted, not yet read: at most two
+
+        def read_first() -> None:
+            done = in_flight.pop(0)
+            parts.append((done.lo, self._read(done, seconds, self.counters)))
             if progress:
-                progress("retrieve", hi, n)
+                progress("retrieve", done.lo + done.n, n)
+
+        try:
+            for i, lo in enumerate(range(0, n, most)):
+                flight = self._encoded(warmed, arenas[i % 2], requests.rows(lo, min(n, lo + most)), lo, seconds)
+                # holding a batch not yet read, never wait for a slot (another caller holding one
+                # could be waiting for ours): read it first
+                while not self._submit(flight, stages, self.counters, wait=not in_flight):
+                    read_first()
+                in_flight.append(flight)
+                while len(in_flight) > (1 if lo + most < n else 0):  # the last batch: read them all
+                    read_first()
+        finally:
+            for f in in_flight:  # a batch after them failed: their slots freed, their answers dropped
+                with contextlib.suppress(Exception):
+                    if f.submitted is not None:
+                        f.submitted.read()
         with self._lock:
             c = self.counters
             c.batches, c.requests = c.batches + len(parts), c.requests + n
@@ -216,44 +240,67 @@ class Retriever:
                 c.seconds[k] += v
         return concat(parts), seconds
 
-    def _batch(self, warmed: _Warmed, arena: _Arena, reqs: Requests, stages: bool, seconds: dict[str, float],
-               counters: Counters | None = None) -> Retrieved:
+    def _batch(self, warmed: _Warmed, arena: _Arena, reqs: Requests, stages: bool, seconds: dict[str, float]
+               ) -> Retrieved:
+        """One batch of a warm-up, on `warmed`'s own searcher: encoded, submitted and read."""
+        flight = self._encoded(warmed, arena, reqs, 0, seconds)
+        self._submit(flight, stages, None)
+        return self._read(flight, seconds, None)
+
+    def _encoded(self, warmed: _Warmed, arena: _Arena, reqs: Requests, lo: int, seconds: dict[str, float]
+                 ) -> _Flight:
         """One batch of at most the largest batch size, padded on a GPU to a configured size,
-        encoded into `arena`, on `warmed`'s index and searcher (which copies it to the device).
-        counters: a served batch's: searched under the serving lock, on the searcher serving its
-        index now (a re-warm may have replaced `warmed`'s), its stalls counted there; None: a
-        warm-up's, on `warmed`'s own searcher, outside the serving lock."""
-        index, n = warmed.index, len(reqs)
+        encoded into `arena`, for `warmed`'s index."""
+        index = warmed.index
         t = time.perf_counter()
         padded = self._padded(reqs, index)
         host = encode_requests(padded, index.spec, arena.words)
-        t1 = time.perf_counter()
-        with self._lock if counters is not None else contextlib.nullcontext():
-            seconds["encode"] += t1 - t
-            t1 = time.perf_counter()  # search_post: from the lock on (not the wait for another caller's batch)
-            if counters is not None:
-                warmed = self._warmed.get(id(index), warmed)
-            searcher = warmed.searcher
-            before = (searcher.widened, searcher.captures, searcher.overflows, compiles())
+        seconds["encode"] += time.perf_counter() - t
+        return _Flight(warmed, padded, host, reqs.request_id, len(reqs), lo)
+
+    def _submit(self, flight: _Flight, stages: bool, counters: Counters | None, wait: bool = True) -> bool:
+        """Submit an encoded batch (`runtime.Searcher.submit`); False: no slot was free and `wait`
+        was False. counters: a served batch's, on the searcher serving its index now (a re-warm
+        may have replaced `flight`'s); None: a warm-up's, on its own searcher."""
+        index = flight.warmed.index
+        began, compiled = time.perf_counter(), compiles()
+        if counters is not None:
+            flight.warmed = self._warmed.get(id(index), flight.warmed)
+        with self._factory_lock if self.factory is not None else contextlib.nullcontext():
             # a scorer that gives some request no finite logit is refused naming its request_id
-            scorer = None if self.factory is None else self.factory.for_batch(padded.table, index.device,
+            scorer = None if self.factory is None else self.factory.for_batch(flight.padded.table, index.device,
                                                                               index.level_sizes)
-            found = searcher.retrieve(index, host, scorer, top_k=self.top_k, rank=self.rank, stages=stages,
-                                      request_id=reqs.request_id)
-            if counters is not None:
-                widened, captured, overflowed, compiled = (a - b for a, b in zip(
-                    (searcher.widened, searcher.captures, searcher.overflows, compiles()), before))
-                counters.widenings, counters.captures = counters.widenings + widened, counters.captures + captured
-                counters.overflows, counters.compiles = counters.overflows + overflowed, counters.compiles + compiled
+        flight.submitted = flight.warmed.searcher.submit(index, flight.host, scorer, top_k=self.top_k, rank=self.rank,
+                                                         stages=stages, request_id=flight.request_id, wait=wait)
+        flight.began, flight.compiled = began, compiles() - compiled
+        return flight.submitted is not None
+
+    def _read(self, flight: _Flight, seconds: dict[str, float], counters: Counters | None) -> Retrieved:
+        """A submitted batch's rows, read; a batch past its frozen graph answered by the worst
+        case's. A served batch's stalls counted (`counters`); one that overflowed kept for the
+        next warm-up, which it starts."""
+        submitted, searcher = flight.submitted, flight.warmed.searcher
+        assert submitted is not None  # submitted by `_submit`
+        found = submitted.read()
+        if found is None:
+            compiled = compiles()
+            found = submitted.worst_case()
+            flight.compiled += compiles() - compiled
+        seconds["search_post"] += time.perf_counter() - flight.began
+        if counters is not None:
+            widened, captured, overflowed = submitted.stalls
+            with self._lock:
+                c = counters
+                c.widenings, c.captures = c.widenings + widened, c.captures + captured
+                c.overflows, c.compiles = c.overflows + overflowed, c.compiles + flight.compiled
                 if searcher.frozen:
                     self._frozen_batches += 1
                     if overflowed or self._frozen_batches % TRAFFIC_EVERY == 0:
-                        with self._traffic_lock:
-                            self._traffic.append((_target(index), padded))  # what the next warm-up replays
+                        with self._traffic_lock:  # what the next warm-up replays
+                            self._traffic.append((_target(flight.warmed.index), flight.padded))
                     if overflowed and self.warm and self._frozen_batches >= self._rewarm_after:
-                        self._start_rewarm(index)
-        seconds["search_post"] += time.perf_counter() - t1
-        return found if len(padded) == n else requests_part(found, 0, n)  # the padding's rows dropped
+                        self._start_rewarm(flight.warmed.index)
+        return found if len(flight.padded) == flight.n else requests_part(found, 0, flight.n)  # padding dropped
 
     def _padded(self, reqs: Requests, index: ServedIndex) -> Requests:
         """reqs, on a GPU grown to the smallest configured batch size holding them by repeating
@@ -287,7 +334,7 @@ class Retriever:
 
     def _new(self, index: ServedIndex) -> _Warmed:
         """A searcher for `index`, starting from the widths the served snapshot's traffic needed."""
-        searcher = Searcher(self.beams, self.mode, self.impl, self.value_weight, self.slack)
+        searcher = Searcher(self.beams, self.mode, self.impl, self.value_weight, self.slack, self.slots)
         served = None if self._served is None else self._warmed.get(self._served)
         if served is not None:
             searcher.step_slack = dict(served.searcher.step_slack)
@@ -353,7 +400,7 @@ class Retriever:
         warmed.searcher.settle()
         for reqs in firsts:
             run(reqs)
-        warmed.searcher.frozen = True
+        warmed.searcher.freeze()
 
     def _start_rewarm(self, index: ServedIndex) -> None:
         """After a batch the frozen searcher could not hold (answered by its worst case): warm a
@@ -464,10 +511,25 @@ class _Warmed:
     searcher: Searcher
 
 
+@dataclass(eq=False)
+class _Flight:
+    """One batch from its encoding until it is read (`Retriever.run`)."""
+
+    warmed: _Warmed  # the index and searcher it is served on
+    padded: Requests  # as searched: padded to a configured batch size
+    host: EncodedRequests  # its encoding, in an arena of the calling thread's
+    request_id: np.ndarray  # its own requests' ids
+    n: int  # its own requests (the first n rows)
+    lo: int  # its first row within the requests `run` was given
+    submitted: Submitted | None = None
+    began: float = 0.0  # perf_counter when it was submitted
+    compiled: int = 0  # Triton kernels the calling thread compiled for it
+
+
 class _Arena:
     """A reused int64 arena for one thread's batches' encodings, grown (to twice the need) when a
-    batch needs more. Reusing it is safe: a searcher copies a batch out of it
-    (`runtime.requests.Staged`) before it returns the batch's result."""
+    batch needs more. Reusing it is safe once the batch encoded in it was read: a searcher stages
+    a batch out of it (`runtime.requests.Staged`), but answers a batch past its graph from it."""
 
     def __init__(self) -> None:
         self._a: np.ndarray | None = None

@@ -47,6 +47,7 @@ the index it was given before the next one re-captures.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -75,6 +76,7 @@ from runtime.search import (
     scorer_name,
 )
 from runtime.served import ServedIndex, codebook_of
+from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import EncodedRequests
 
@@ -102,6 +104,11 @@ class _Graph:
     flags_host: torch.Tensor | None  # ... their pinned host copy, queued after each replay
     post: DevicePost | None = None  # with `retrieve`: the captured post stage, and its output buffer
     buffer: torch.Tensor | None = None
+    # recorded behind each replay's copies to the host: its reader waits for that batch alone, not
+    # for one replayed after it on another slot
+    done: torch.cuda.Event = dataclasses.field(default_factory=torch.cuda.Event)
+    twin: _Graph | None = None  # once frozen: a second slot for the same batches (`Searcher.submit`)
+    holder: int | None = None  # the thread that replayed it and has not read it yet (None: free)
 
 
 SLACK = 2.0  # a step's compact layout: twice its beams' typical candidates (`search.capped_widths`)
@@ -124,13 +131,18 @@ class Searcher:
     sized to the batch: `runtime.post.expand`), and counted in `overflows` (a batch past the pairs
     while warming too). Either way no candidate is cut (module doc). 0: every step's worst case, never a
     second search. `captures` counts the graphs captured.
+
+    slots: the graphs of a batch size the built-in scorer's `retrieve` replays once frozen (`submit`):
+    2 (the default) lets a batch be staged and replayed while the one before it is read, for the
+    GPU memory of a second capped graph; 1 serves one batch at a time.
     """
 
     def __init__(self, beams: tuple[int, ...] | str = DEFAULT_BEAMS, mode: Mode | str = Mode.CD_GTM,
-                 impl: Impl | str = Impl.AUTO, value_weight: float = 0.0, slack: float = SLACK) -> None:
+                 impl: Impl | str = Impl.AUTO, value_weight: float = 0.0, slack: float = SLACK, slots: int = 2) -> None:
         self.beams, self.mode, self.impl, self.value_weight = beams, parse_mode(mode), impl, value_weight
         check_slack((slack,), 1)
         self.slack, self.widened, self.overflows, self.captures = slack, 0, 0, 0
+        self.slots = check_slots(slots)
         self.step_slack: dict[int, float] = {}  # steps widened past `slack`
         self.pairs: int | None = None  # the capped post stage's pairs per request (None: DevicePost's default)
         self.most_reached = 0  # the most pairs a request reached, while warming
@@ -139,7 +151,8 @@ class Searcher:
         self._index: ServedIndex | None = None  # the graphs' index, held: they replay its tensors
         self._graphs: dict[tuple[int, tuple | None, bool], _Graph] = {}  # by (batch size, post stage, worst case)
         self._codebook_scorer: tuple | None = None  # (codebook, its scorer on the device): `_codebook`
-        self._lock = threading.RLock()  # held from a replay until its outputs are read
+        self._lock = threading.RLock()  # a batch's staging and replay; while warming, until it is read
+        self._free = threading.Condition(self._lock)  # a slot was read (`_slot` waits for one)
 
     def _search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, full: bool = False) -> Beams:
         """The eager search this Searcher captures and replays; `full`: every step's worst case."""
@@ -252,8 +265,9 @@ class Searcher:
                 if g is None:  # a batch the frozen graphs cannot hold
                     self.overflows += 1
                     return self._eager(index, requests, scorer, request_id, counted=True)
-                found = Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
-                step = self._overflowed(g.out, scorer, request_id, _wait(g))  # one wait, the copies queued
+                with self._reading(g):
+                    found = Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+                    step = self._overflowed(g.out, scorer, request_id, _wait(g))  # one wait, the copies queued
                 if step is None:
                     return found
                 if not self.frozen:
@@ -263,8 +277,9 @@ class Searcher:
                 g = self._replay(index, requests, scorer, None, full=True)
                 if g is None:  # captured for smaller batches (a user's scorer that warmed on fewer values)
                     return self._eager(index, requests, scorer, request_id, counted=True)
-                self._overflowed(g.out, scorer, request_id, _wait(g))
-                return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+                with self._reading(g):
+                    self._overflowed(g.out, scorer, request_id, _wait(g))
+                    return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
 
     def retrieve(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None = None, *,
                  top_k: int | None = None, rank: str = "score", stages: bool = False,
@@ -273,31 +288,74 @@ class Searcher:
         holding the index's post arrays (`runtime.post.on_device`), search and post stage replayed
         as one graph, its flags, counts and first rows brought to the host behind it, one wait.
         requests, scorer, request_id: as `search`'s (the host post stage, on the CPU or past every
-        device stage, needs the host encoding)."""
+        device stage, needs the host encoding). `submit`, then `Submitted.read`."""
+        submitted = self.submit(index, requests, scorer, top_k=top_k, rank=rank, stages=stages,
+                                request_id=request_id)
+        assert submitted is not None  # it waits for a slot
+        found = submitted.read()
+        return found if found is not None else submitted.worst_case()
+
+    def submit(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None = None, *,
+               top_k: int | None = None, rank: str = "score", stages: bool = False,
+               request_id: np.ndarray | None = None, wait: bool = True) -> Submitted | None:
+        """`retrieve` in two halves: here the batch is staged and its graph replayed, with no wait;
+        `Submitted.read` then waits for that batch alone and reads it. Once frozen, a capped graph
+        of the built-in scorer has two slots (`freeze`), each with its own staging and outputs: a
+        batch is replayed on a free one while the batch before it is on the device or being read,
+        so a caller that submits its next batch before reading this one (`runtime.Retriever` does),
+        or two callers, keep the GPU busy. A batch holds its slot until it is read, and a batch
+        finding none free waits for one; wait False: None instead (nothing done). A caller holding
+        a batch it has not read must not wait: it could wait for another caller doing the same (a
+        ConfigError when this thread holds every slot). While warming, eagerly and on the CPU, the
+        batch is answered here, and `read` returns it. `Submitted.stalls` counts what it cost."""
         check_rank(index, rank)
         check_top_k(top_k)
+        post = (top_k, rank, stages)
+        with self._lock:  # every change of the counters is made under it: the stalls are this batch's
+            before = self._stalls()
+            try:
+                submitted = self._submitted(index, requests, scorer, post, request_id, wait)
+            except _Busy:
+                return None
+            submitted.stalls = tuple(a - b for a, b in zip(self._stalls(), before))
+            return submitted
+
+    def _submitted(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple,
+                   request_id, wait: bool) -> Submitted:
+        top_k, rank, stages = post
         if self._why_eager(index, scorer) is not None or not on_device(index):
             beams = self._eager(index, requests, scorer, request_id)
-            return expand(index, requests, beams, top_k, stages, rank)
-        post = (top_k, rank, stages)
-        with self._lock:
-            while True:
-                g = self._replay(index, requests, scorer, post)
-                if g is None:  # a batch the frozen graphs cannot hold
-                    self.overflows += 1
-                    beams = self._eager(index, requests, scorer, request_id, counted=True)
-                    return expand(index, requests, beams, top_k, stages, rank)
-                assert g.post is not None and g.buffer is not None  # captured with the post stage
+            return Submitted(self, found=expand(index, requests, beams, top_k, stages, rank))
+        if not self.frozen:
+            return Submitted(self, found=self._warming(index, requests, scorer, post, request_id))
+        g = self._replay(index, requests, scorer, post, wait=wait)
+        if g is None:  # a batch the frozen graphs cannot hold
+            self.overflows += 1
+            beams = self._eager(index, requests, scorer, request_id, counted=True)
+            return Submitted(self, found=expand(index, requests, beams, top_k, stages, rank))
+        return Submitted(self, index, requests, scorer, post, request_id, g)
+
+    def _stalls(self) -> tuple[int, int, int]:
+        return self.widened, self.captures, self.overflows
+
+    def _warming(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple,
+                 request_id) -> Retrieved:
+        """A batch retrieved while warming (under the lock): searched again wider past a capped
+        width, the pairs its requests reached noted for `settle`; past the pairs, the worst case's."""
+        while True:
+            g = self._replay(index, requests, scorer, post)
+            assert g is not None and g.post is not None and g.buffer is not None  # captured while warming
+            with self._reading(g):
                 step = self._overflowed(g.out, scorer, request_id, _wait(g))
-                found = g.post.result(g.buffer)  # read where `_wait` left it; None: too many pairs
-                self._note_reached(g.post)  # while warming: what `settle` fits the pairs to
-                if step is None and found is not None:
-                    return found
-                if step is not None and not self.frozen:
-                    self._widen(step)
-                    continue
-                self.overflows += 1  # past the widths once frozen, or past the pairs (`settle` fits them)
-                return self._worst_case(index, requests, scorer, post, request_id)
+                found = g.post.result(g.buffer, g.done)  # read where `_wait` left it; None: too many pairs
+                self._note_reached(g.post)
+            if step is None and found is not None:
+                return found
+            if step is not None:
+                self._widen(step)
+                continue
+            self.overflows += 1  # past the pairs (`settle` fits them)
+            return self._worst_case(index, requests, scorer, post, request_id)
 
     def _worst_case(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple,
                     request_id) -> Retrieved:
@@ -309,19 +367,29 @@ class Searcher:
         if g is None:  # captured for smaller batches (a user's scorer that warmed on fewer values)
             beams = self._eager(index, requests, scorer, request_id, counted=True)
             return expand(index, requests, beams, top_k, stages, rank)
-        assert g.post is not None and g.buffer is not None  # captured with the post stage
-        self._overflowed(g.out, scorer, request_id, _wait(g))  # never overflows; a broken model is refused
-        found = g.post.result(g.buffer)
-        if found is None:
-            found = expand(index, requests, g.out, top_k, stages, rank)
-        return found
+        with self._reading(g):
+            assert g.post is not None and g.buffer is not None  # captured with the post stage
+            self._overflowed(g.out, scorer, request_id, _wait(g))  # never overflows; a broken model is refused
+            found = g.post.result(g.buffer, g.done)
+            return found if found is not None else expand(index, requests, g.out, top_k, stages, rank)
+
+    def freeze(self) -> None:
+        """The end of a warm-up (`runtime.Retriever` freezes its searchers): from now on nothing
+        widens, captures or compiles (class doc), and each capped graph of the built-in scorer's
+        `retrieve` gets a second slot (`submit`), captured now."""
+        with self._lock:
+            if self._index is not None:
+                for key, g in list(self._graphs.items()):
+                    self._twin(self._index, key, g)
+            self.frozen = True
 
     def _replay(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple | None,
-                full: bool = False) -> _Graph | None:
-        """The graph of this batch size (post stage, worst case), captured if it is not yet, replayed
-        with the batch's inputs, its outputs' copies to the host queued (`_wait` waits for them); a
-        batch a graph cannot hold is captured anew while warming, and is None once frozen (no capture
-        on the serving thread)."""
+                full: bool = False, wait: bool = True) -> _Graph | None:
+        """The graph of this batch size (post stage, worst case), captured if it is not yet, or a
+        free slot of it (`_slot`), replayed with the batch's inputs, its outputs' copies to the host
+        queued and its event recorded behind them (`_wait` waits for it), held by this thread until
+        read (`_reading`); a batch a graph cannot hold is captured anew while warming, and is None
+        once frozen (no capture on the serving thread). wait False: `_Busy` when no slot is free."""
         with self._lock:
             if self._index is None or index.generation is not self._index.generation:
                 self._graphs = {}  # other device arrays (another snapshot, or one loaded again): new graphs
@@ -333,21 +401,67 @@ class Searcher:
                 if self.frozen and g is not None and not stale:
                     return None
                 g = self._graphs[key] = self._capture(index, requests, scorer, post, full)
+                if self.frozen:  # new post arrays (an update of ad states): both slots again
+                    self._twin(index, key, g)
                 worst = (requests.batch, post, True)
                 w = self._graphs.get(worst)
                 # captured while warming, beside the capped graph, for when frozen: holding what it holds
                 if not full and (w is None or _stale(w, index) or not _fits(w, requests, scorer)):
                     self._graphs[worst] = self._capture(index, requests, scorer, post, True)
+                g.holder = threading.get_ident()
             else:
                 if g.post is not None:
                     g.post.check(requests)
-                _load(g, requests, scorer)
-                g.graph.replay()
+                g = self._slot(g, wait)
+                try:
+                    _load(g, requests, scorer)
+                    g.graph.replay()
+                except BaseException:
+                    self._give(g)
+                    raise
             if g.flags is not None and g.flags_host is not None:
                 g.flags_host.copy_(g.flags, non_blocking=True)
             if g.post is not None and g.buffer is not None:
                 g.post.send(g.buffer)
+            g.done.record(torch.cuda.current_stream(index.device))
             return g
+
+    def _slot(self, g: _Graph, wait: bool = True) -> _Graph:
+        """A free one of g and its twin, now held by this thread (under the lock: waits for one;
+        wait False: `_Busy` instead)."""
+        me = threading.get_ident()
+        slots = (g,) if g.twin is None else (g, g.twin)
+        while True:
+            free = next((s for s in slots if s.holder is None), None)
+            if free is not None:
+                free.holder = me
+                return free
+            if not wait:
+                raise _Busy
+            if all(s.holder == me for s in slots):
+                raise ConfigError(f"this thread submitted {len(slots)} batches of {g.staged.requests.batch} "
+                                  "requests and read none: read one (`Submitted.read`) before submitting another")
+            self._free.wait()
+
+    def _give(self, g: _Graph) -> None:
+        with self._lock:
+            g.holder = None
+            self._free.notify_all()
+
+    @contextlib.contextmanager
+    def _reading(self, g: _Graph):
+        """Read a replay's outputs, then free its slot for the next batch."""
+        try:
+            yield
+        finally:
+            self._give(g)
+
+    def _twin(self, index: ServedIndex, key: tuple[int, tuple | None, bool], g: _Graph) -> None:
+        """A second slot for a capped graph of the built-in scorer's `retrieve` (`submit`): the same
+        search and post stage captured on a staging like g's."""
+        _, post, full = key
+        if self.slots > 1 and post is not None and not full and g.bound and g.twin is None:
+            g.twin = self._capture(index, g.staged.requests, None, post, False, g.staged.another())
 
     def _room(self, full: bool) -> int | None:
         """The post stage's pairs per request: the capped graph's fitted room (None before `settle`:
@@ -357,10 +471,10 @@ class Searcher:
         return self.pairs if self.pairs is not None and self.pairs > DEFAULT_PAIRS else None
 
     def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple | None,
-                 full: bool) -> _Graph:
+                 full: bool, staged: Staged | None = None) -> _Graph:
         """The graph of one batch's search (and post stage), with room for batches a little larger
-        (`runtime.requests.Staged.room_for`), replayed once on it."""
-        staged = Staged.room_for(requests, index.device)
+        (`runtime.requests.Staged.room_for`, or `staged`), replayed once on it."""
+        staged = Staged.room_for(requests, index.device) if staged is None else staged
         staged.put(requests)
         static = staged.requests
         captured = self._codebook(index).reading(embedding_of(static)) if scorer is None else scorer
@@ -397,6 +511,60 @@ class Searcher:
                       buffer)
 
 
+@dataclass(eq=False)
+class Submitted:
+    """A batch given to `Searcher.submit`: answered there already (`found`), or replayed on a slot
+    of its graph (`graph`), not yet read."""
+
+    searcher: Searcher
+    index: ServedIndex | None = None
+    requests: EncodedRequests | None = None
+    scorer: Scorer | None = None
+    post: tuple | None = None  # (top_k, rank, stages)
+    request_id: np.ndarray | None = None
+    graph: _Graph | None = None
+    found: Retrieved | None = None
+    stalls: tuple[int, ...] = (0, 0, 0)  # the searcher's widenings, captures and overflows this batch made
+
+    def read(self) -> Retrieved | None:
+        """The batch's ranked eligible ads: waits for its replay alone, reads its flags, counts and
+        rows, and frees its slot. None: the batch passed the frozen graph's widths or pairs, and
+        `worst_case` answers it. A ScorerError as `Searcher.search`'s."""
+        g, self.graph = self.graph, None
+        if g is not None:
+            s = self.searcher
+            with s._reading(g):
+                assert g.post is not None and g.buffer is not None  # captured with the post stage
+                step = s._overflowed(g.out, self.scorer, self.request_id, _wait(g))
+                found = g.post.result(g.buffer, g.done)
+            self.found = found if step is None else None
+        return self.found
+
+    def worst_case(self) -> Retrieved:
+        """A batch `read` found past the frozen graph, answered by the worst case's graph
+        (`Searcher.overflows` counts it)."""
+        s = self.searcher
+        assert self.found is None and self.graph is None and self.index is not None and self.requests is not None
+        assert self.post is not None  # a replayed batch's
+        with s._lock:
+            before = s._stalls()
+            s.overflows += 1
+            self.found = s._worst_case(self.index, self.requests, self.scorer, self.post, self.request_id)
+            self.stalls = tuple(a + b - c for a, b, c in zip(self.stalls, s._stalls(), before))
+        return self.found
+
+
+class _Busy(Exception):
+    """No slot of a graph is free, and the caller would not wait (`Searcher.submit`)."""
+
+
+def check_slots(slots: int) -> int:
+    if isinstance(slots, bool) or slots not in (1, 2):
+        raise ConfigError(f"slots {slots!r}: expected 1 (one batch at a time) or 2 (a batch replayed while the one "
+                          "before it is read)")
+    return slots
+
+
 def fitted_pairs(most: int) -> int:
     """The capped post stage's pairs per request for requests that reached at most `most`:
     PAIR_SLACK x most, at least MIN_PAIRS, rounded up to a power of 2 (a few sizes of the stage's
@@ -411,8 +579,9 @@ def _flags(beams: Beams) -> torch.Tensor | None:
 
 
 def _wait(g: _Graph) -> np.ndarray | None:
-    """Wait for a replay and the copies `_replay` queued behind it; the flags' host copy."""
-    torch.cuda.current_stream(g.out.score.device).synchronize()
+    """Wait for a replay and the copies `_replay` queued behind it (not for a replay queued after
+    them on another slot); the flags' host copy."""
+    g.done.synchronize()
     return None if g.flags_host is None else g.flags_host.numpy()
 
 

@@ -21,7 +21,7 @@ import runtime
 import sidindex.requests
 from runtime.post import expand
 from runtime.retriever import requests_part, table_of
-from sidindex.errors import InputError
+from sidindex.errors import ConfigError, InputError
 from tests.conftest import run_cli
 from tests.test_post import same as same_retrieved
 from tests.test_retrieve import CONFIG, build_root
@@ -135,21 +135,78 @@ def test_a_padded_batch_keeps_its_own_requests_rows(root, requests_table):
     same_retrieved(requests_part(post(11), 0, 5), post(5))
 
 
-def test_concurrent_callers_get_what_serial_callers_get(root, requests_table):
-    retriever = runtime.Retriever(runtime.load(root, "cpu"), beams=BEAMS, batch_sizes=(4,))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not GPU, reason="needs a CUDA device"))])
+def test_concurrent_callers_get_what_serial_callers_get(root, requests_table, device):
+    """Three callers, each request of two batches (the second padded): on a GPU each caller
+    submits its second batch before reading its first, and the callers share a graph's two slots."""
+    retriever = runtime.Retriever(runtime.load(root, device), beams=BEAMS, batch_sizes=(4,))
     parts = [requests_table.slice(lo, 6) for lo in range(0, 18, 6)]
     want = [retriever.retrieve(p) for p in parts]
     got: dict[int, list] = {}
 
     def call(i: int) -> None:
-        got[i] = [retriever.retrieve(p) for p in parts]
+        got[i] = [retriever.retrieve(parts[j % len(parts)]) for j in range(i, i + 2 * len(parts))]
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(3)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    assert all(all(g.equals(w) for g, w in zip(got[i], want)) for i in range(3))
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)  # no caller waits for a slot another waiting caller holds
+    assert all(g.equals(want[j % len(parts)]) for i in range(3) for g, j in zip(got[i], range(i, i + 2 * len(parts))))
+    assert retriever.counters.overflows == retriever.counters.captures == 0
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+def test_a_frozen_searcher_replays_a_batch_while_the_one_before_it_is_unread(root, requests_table, monkeypatch):
+    """Frozen, a capped graph of the built-in scorer has two slots: two batches submitted back to
+    back run on both, are read in either order, and each equals its batch searched eagerly (the
+    rows past what comes back with the counts fetched behind that batch's own event); a third
+    batch from a thread that read neither is refused, and both slots serve again once read."""
+    from runtime.serving import Searcher
+
+    monkeypatch.setattr(runtime.post, "SENT_WORDS", 8)  # every batch's rows pass it
+    index = runtime.load(root, "cuda")
+    reqs = runtime.requests_from(requests_table, index)
+    hosts = [runtime.encode_requests(reqs.rows(lo, lo + 8), index.spec) for lo in (0, 8, 15)]
+
+    def eager(host):
+        dev = runtime.to_device(host, index.device)
+        scorer = runtime.codebook_scorer(index, dev)(slice(0, dev.batch))
+        return expand(index, host, runtime.beam_search(index, dev, scorer, BEAMS, "cd+gtm"))
+
+    want = [eager(h) for h in hosts]
+    searcher = Searcher(BEAMS, "cd+gtm")
+    for h, w in zip(hosts, want):  # warming: widened and captured here
+        same_retrieved(searcher.retrieve(index, h), w)
+    captures = searcher.captures
+    searcher.freeze()
+    assert searcher.captures == captures + 1  # the capped graph's twin (one batch size)
+    for order in ((0, 1), (1, 2), (2, 0)):
+        first, second = (searcher.submit(index, hosts[i]) for i in order)
+        assert first.graph is not None and second.graph is not None and first.graph is not second.graph
+        assert searcher.submit(index, hosts[0], wait=False) is None  # no slot free: nothing done
+        with pytest.raises(ConfigError, match="read one"):
+            searcher.submit(index, hosts[0])
+        same_retrieved(second.read(), want[order[1]])
+        same_retrieved(first.read(), want[order[0]])
+    assert searcher.overflows == 0 and searcher.captures == captures + 1
+    one = Searcher(BEAMS, "cd+gtm", slots=1)
+    for h, w in zip(hosts, want):
+        same_retrieved(one.retrieve(index, h), w)
+    one.freeze()
+    first = one.submit(index, hosts[1])
+    assert first is not None and one.submit(index, hosts[2], wait=False) is None
+    same_retrieved(first.read(), want[1])
+    same_retrieved(one.retrieve(index, hosts[2]), want[2])
+
+
+def test_slots_are_one_or_two(root):
+    index = runtime.load(root, "cpu")
+    for bad in (0, 3, True, 1.5):
+        with pytest.raises(ConfigError, match="slots"):
+            runtime.Retriever(index, beams=BEAMS, slots=bad, warm=False)
 
 
 def paused_update(root: Path, requests_table: pa.Table, tmp_path: Path):

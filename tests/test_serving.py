@@ -111,7 +111,7 @@ def test_once_frozen_a_batch_past_the_widths_is_answered_by_the_worst_case_and_n
     case = Case(scenario(ADS, SIDS, list(range(len(ADS)))), DEVICE)
     model = ReferenceDecoder(case.sc.level_sizes, **SMALL).to(DEVICE).eval()
     searcher = Searcher((1, 3, 4), Mode.CD, slack=0.1)
-    searcher.frozen = True
+    searcher.freeze()
     host = encode_requests(requests_of(case.sc), case.sc.spec)
     dreq = to_device(host, DEVICE)
     for i in range(3):
