@@ -3,8 +3,10 @@
 
 Requests are queued as they arrive; a worker gathers them until it holds `max_batch` rows or the
 first has waited `max_wait_us`, runs them as one batch on a thread of its own (the event loop
-goes on taking requests), and answers each once all its rows ran. A request of more than
-`max_batch` rows runs in pieces of at most that many, each taking its turn behind the requests
+goes on taking requests), and answers each once all its rows ran. Two batches run at a time
+(IN_FLIGHT), on two threads: while one is on the device the other is staged or read
+(`runtime.Searcher.submit`), and the next gathers meanwhile. A request of more than `max_batch`
+rows runs in pieces of at most that many, one at a time, each taking its turn behind the requests
 queued meanwhile, so a large request delays a small one by a batch, not by itself. All the rows
 of an answer come from one snapshot: a request a swap interrupts runs again on the new one.
 """
@@ -12,6 +14,7 @@ of an answer come from one snapshot: a request a swap interrupts runs again on t
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +50,9 @@ class Pending:
         return len(self.requests) - self.done
 
 
+IN_FLIGHT = 2  # batches running at a time: one on the device while the other is staged or read
+
+
 class Batcher:
     """The queue and the worker that batches it (module doc); `start` in the event loop that
     calls `answer`, `close` to stop.
@@ -64,8 +70,9 @@ class Batcher:
         self.failed_batches = 0  # in a row
         self._queue: asyncio.Queue | None = None
         self._worker: asyncio.Task | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sidindex-batch")  # one batch at a time
-        self._running: Future | None = None  # the batch last handed to it
+        self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="sidindex-batch")
+        self._running: set[Future] = set()  # the batches handed to it and not yet done
+        self._slots: asyncio.Semaphore | None = None  # IN_FLIGHT batches at a time
 
     @property
     def started(self) -> bool:
@@ -74,6 +81,7 @@ class Batcher:
     def start(self) -> None:
         """Start the worker, in the running event loop."""
         self._queue = asyncio.Queue()
+        self._slots = asyncio.Semaphore(IN_FLIGHT)
         self._worker = asyncio.create_task(self._batches())
 
     async def answer(self, requests: Requests, spec: TargetingSpec | None, timeout: float | None) -> tuple[pa.Table,
@@ -102,24 +110,27 @@ class Batcher:
             self._worker.cancel()
 
     def close(self, timeout: float) -> bool:
-        """Take no more batches and wait up to `timeout` seconds for the one running: True once it
+        """Take no more batches and wait up to `timeout` seconds for those running: True once they
         ended."""
-        self._pool.shutdown(wait=False, cancel_futures=True)  # its thread ends once its batch has
-        if self._running is not None:
+        self._pool.shutdown(wait=False, cancel_futures=True)  # its threads end once their batches have
+        end = time.monotonic() + timeout
+        for running in list(self._running):
             try:
-                self._running.exception(timeout=timeout)
-            except Exception:  # its outcome went to its requests; a batch still running says so below
+                running.exception(timeout=max(0.0, end - time.monotonic()))
+            except BaseException:  # its outcome went to its requests; a batch still running says so below
                 pass
-        return self._running is None or self._running.done()
+        return all(r.done() for r in list(self._running))
 
     async def _batches(self) -> None:
         """Run the queued requests' rows in batches of at most max_batch rows, each request in
         turn (module doc): `active` holds the requests with rows left, in the order they take
-        their next piece."""
-        queue = self._queue
-        assert queue is not None  # made by `start`
+        their next piece; a request with a piece running comes back through the queue once it ran
+        (`_ran`)."""
+        queue, slots = self._queue, self._slots
+        assert queue is not None and slots is not None  # made by `start`
         active: deque[Pending] = deque()
         while True:
+            await slots.acquire()  # released by `_ran`: requests gather while two batches run
             if not active:
                 active.append(await queue.get())
             while not queue.empty():  # every request that arrived takes its turn, however full the batch
@@ -133,6 +144,7 @@ class Batcher:
                     break
             pieces = _pieces(active, self.max_batch)
             if not pieces:  # every request gathered was answered meanwhile (past its deadline)
+                slots.release()
                 continue
             start = time.perf_counter()
             for p, lo, _ in pieces:
@@ -140,28 +152,47 @@ class Batcher:
                     self.metrics.queue_wait.observe(start - p.queued)
             self.metrics.batch_size.observe(sum(hi - lo for _, lo, hi in pieces))
             try:
-                self._running = self._pool.submit(self._run, pieces)
-                answers = await asyncio.wrap_future(self._running)
-            except BaseException as e:  # every request of the batch gets the error; the server goes on
-                self.failed_batches += 1
-                self.metrics.failed.set(self.failed_batches)
-                for p, _, _ in pieces:
-                    if not p.future.done():
-                        p.future.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
-                if isinstance(e, asyncio.CancelledError):
-                    raise
+                running = self._pool.submit(self._run, pieces)
+            except RuntimeError as e:  # the pool was shut down (`close`): no batch starts
+                slots.release()
+                self._failed(pieces, e)
+                return
+            self._running.add(running)
+            asyncio.wrap_future(running).add_done_callback(functools.partial(self._ran, pieces, start, running))
+
+    def _ran(self, pieces: list[tuple[Pending, int, int]], start: float, running: Future,
+             done: asyncio.Future) -> None:
+        """A batch ended (in the event loop): its requests answered, or failed with its error
+        (the server goes on); those with rows left queued again for their next piece."""
+        assert self._slots is not None and self._queue is not None  # made by `start`
+        self._slots.release()
+        self._running.discard(running)
+        error = done.exception() if not done.cancelled() else RuntimeError("the batch was cancelled: the server "
+                                                                            "is stopping")
+        if error is not None:
+            self._failed(pieces, error)
+            return
+        self.failed_batches = 0
+        self.metrics.failed.set(0)
+        self.metrics.batch.observe(time.perf_counter() - start)
+        for (p, _, _), answer in zip(pieces, done.result()):
+            if p.future.done():
                 continue
-            self.failed_batches = 0
-            self.metrics.failed.set(0)
-            self.metrics.batch.observe(time.perf_counter() - start)
-            for (p, _, _), answer in zip(pieces, answers):
-                if p.future.done():
-                    continue
-                if isinstance(answer, Exception):
-                    p.future.set_exception(answer)
-                elif answer is not None:
-                    p.future.set_result(answer)
-            active.extend(p for p, _, _ in pieces if p.left and not p.future.done())
+            if isinstance(answer, Exception):
+                p.future.set_exception(answer)
+            elif answer is not None:
+                p.future.set_result(answer)
+        for p, _, _ in pieces:
+            if p.left and not p.future.done():
+                self._queue.put_nowait(p)
+
+    def _failed(self, pieces: list[tuple[Pending, int, int]], error: BaseException) -> None:
+        """Every request of a batch gets its error (a device's, a scorer's); the server goes on."""
+        self.failed_batches += 1
+        self.metrics.failed.set(self.failed_batches)
+        for p, _, _ in pieces:
+            if not p.future.done():
+                p.future.set_exception(error if isinstance(error, Exception) else RuntimeError(str(error)))
 
     def _run(self, pieces: list[tuple[Pending, int, int]]) -> list[tuple[pa.Table, str] | InputError | None]:
         """The requests' pieces (rows lo..hi-1 of each) as one batch on the snapshot served now,

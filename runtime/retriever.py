@@ -8,12 +8,12 @@
 A batch goes through these stages, each once:
   1. validate: `sidindex.requests.requests_from` (a few vectorised checks; a bad batch is refused
      naming its column, row and value);
-  2. encode: `sidindex.request_encoding.encode_requests` into the retriever's arena, reused by
-     every batch;
-  3. search and post stage: `runtime.Searcher.retrieve`, one CUDA graph per batch size: the
-     encoding is copied on the host into the graph's pinned staging and to the device in one copy,
-     the graph replayed, and its flags, counts and first result rows copied back behind it: the
-     batch's one wait;
+  2. encode: `sidindex.request_encoding.encode_requests` into the calling thread's arena, reused
+     by its batches;
+  3. search and post stage: `runtime.Searcher.submit`, then `read`, one CUDA graph per batch size
+     (two slots of it): the encoding is copied on the host into the slot's pinned staging and to
+     the device in one copy, the graph replayed, and its flags, counts and first result rows
+     copied back behind it: the batch's one wait, on its own event;
   4. the Arrow result.
 A batch larger than the largest configured size is cut into batches of that size; on a GPU a
 batch is padded to the nearest configured size with copies of its last request (whose rows are
@@ -38,11 +38,15 @@ compiled kernels in its cache directory (TRITON_CACHE_DIR, default ~/.triton/cac
 persistent volume for a restarted host to find them.
 
 Thread safety: `retrieve` may be called from several threads. Each caller validates and encodes
-its batches itself (an arena per thread), and the searches run one at a time (a searcher's graphs
-share their staging and outputs), so concurrent callers queue on a lock for the device part only,
-rather than run on several CUDA streams: one batch keeps the GPU busy for its whole search, which
-is a chain of dependent steps, and a second stream would need its own graphs and buffers for little
-overlap. Another caller's batch is validated and encoded while one is on the device.
+its batches itself (two arenas per thread), and submits each to the searcher
+(`runtime.Searcher.submit`), which stages and replays it on a free one of its graph's two slots
+and returns; the caller then waits for that batch alone and reads it. A call of several batches
+submits each before reading the one before it, so the next batch is encoded and staged while one
+is on the device, and two callers do the same for each other. The batches run one after another
+on one CUDA stream, rather than on several: each is a chain of dependent steps that keeps the
+GPU busy, and what overlaps is the host's work with the device's. A caller holding a batch it
+has not read never waits for a slot (it reads its own first): two callers each waiting for the
+other's slot would wait forever.
 """
 
 from __future__ import annotations

@@ -18,7 +18,11 @@ inputs are
   - with `retrieve`, the post stage (`runtime.post.DevicePost`) is captured in the same graph,
     right after the search.
 After a replay the search's flags and the post stage's counts and first result rows are copied to
-pinned memory behind it, and the host waits once.
+pinned memory behind it, an event is recorded behind them, and the host waits once, for that event.
+Once frozen, `retrieve`'s capped graph of each batch size (the built-in scorer's) has two slots,
+each its own graph, staging and outputs: `submit` stages and replays a batch on a free slot and
+returns, `Submitted.read` waits for its event and reads it, so the next batch is staged and
+replayed while one is on the device or being read.
 A scorer without `inputs` cannot be refreshed inside a graph, and the CPU has no graphs: those
 searches run eagerly (and `retrieve` runs the host post stage), and `eager_reason` says why (a
 warning says it once). Replayed results are copies: the next replay does not change them.
@@ -41,8 +45,9 @@ With a `SnapshotWatcher`, each request takes `watcher.current` once and passes i
 belongs to the device arrays it was captured on, so a swapped-in snapshot is captured anew at its
 first batch and the old graphs are dropped (they read the old index's tensors); an update that
 changed only ad states shares the device arrays (`ServedIndex.generation`), and its graphs replay.
-Searches through one Searcher are serialised (its graphs' buffers are shared), so a batch in flight finishes on
-the index it was given before the next one re-captures.
+Stagings and replays through one Searcher are serialised (under its lock, which a batch being read
+does not hold; a slot is held until its batch is read), so a batch in flight finishes on the index
+it was given before the next one re-captures.
 """
 
 from __future__ import annotations
