@@ -193,6 +193,37 @@ def test_concurrent_requests_are_batched_and_keep_their_own_rows(root, rows, ser
     assert batches < 8  # some requests shared a batch
 
 
+def test_two_batches_run_at_a_time_and_keep_their_own_rows(root, rows, serving, monkeypatch):
+    """Eight clients of 4 rows with batches of 4: the engine runs two batches at a time (one on
+    the device while the other is staged or read), never more, and each answer is its own."""
+    server, engine = serving(root, max_batch=4)
+    want = {i: direct(engine.retriever.index, [r | {"request_id": j} for j, r in enumerate(rows[i:i + 4])])
+            for i in range(8)}
+    run, lock, running, most = engine.retriever.run, threading.Lock(), [0], [0]
+
+    def counted(*args, **kw):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            time.sleep(0.05)
+            return run(*args, **kw)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(engine.retriever, "run", counted)
+    got: dict[int, list] = {}
+    with TestClient(server.app) as client:
+        def call(i: int) -> None:
+            body = [r | {"request_id": j} for j, r in enumerate(rows[i:i + 4])]
+            got[i] = client.post("/retrieve", json={"requests": body}).json()["rows"]
+
+        in_threads(call, 8)
+    assert most[0] == 2
+    assert all(same_rows(got[i], want[i]) for i in range(8))
+
+
 def test_a_bad_request_gets_400_naming_the_field_and_serving_goes_on(root, rows, serving, split):
     server, _ = serving(root, split=split)
     with TestClient(server.app) as client:
