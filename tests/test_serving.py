@@ -128,6 +128,43 @@ def test_once_frozen_a_batch_past_the_widths_is_answered_by_the_worst_case_and_n
     assert searcher.captures == (4 if GPU else 0)
 
 
+def test_a_graphs_two_slots_are_held_until_read_and_a_waiting_caller_takes_the_first_freed():
+    """The slots `Searcher.submit` replays on (on a GPU), on stand-in graphs: two batches take
+    both; a third is refused without waiting (wait False), or told to read one when this thread
+    holds both; another thread's waits, and takes the first slot read."""
+    import threading
+    from types import SimpleNamespace
+
+    from runtime.serving import _Busy, _Graph
+
+    searcher = Searcher((1, 3, 4), Mode.CD_GTM)
+    staged = SimpleNamespace(requests=SimpleNamespace(batch=4))
+    g = _Graph(None, staged, None, True, None, None, None, done=None)
+    g.twin = _Graph(None, staged, None, True, None, None, None, done=None)
+    with searcher._lock:
+        first, second = searcher._slot(g), searcher._slot(g)
+        assert {id(first), id(second)} == {id(g), id(g.twin)}
+        with pytest.raises(_Busy):
+            searcher._slot(g, wait=False)
+        with pytest.raises(ConfigError, match="read one"):
+            searcher._slot(g)
+    got = []
+
+    def take() -> None:
+        with searcher._lock:
+            got.append(searcher._slot(g))
+
+    waiting = threading.Thread(target=take, daemon=True)
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive() and not got  # both slots held
+    with searcher._reading(second):  # read: its slot freed
+        pass
+    waiting.join(10)
+    assert not waiting.is_alive() and got == [second] and second.holder == waiting.ident
+    assert first.holder == threading.get_ident()
+
+
 def test_on_the_cpu_it_searches_eagerly_and_says_why():
     case = Case(scenario(ADS, SIDS, list(range(len(ADS)))), "cpu")
     model = ReferenceDecoder(case.sc.level_sizes, **SMALL).eval()

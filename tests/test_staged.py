@@ -63,10 +63,14 @@ def test_a_staged_batch_searches_and_filters_as_its_own_encoding(sc, seed, on_de
     scorer = TableScorer(case.gtm.vocab_size, seed)
     own = to_device(later, "cpu")
     arrays = post_tensors(case.index, "cpu")
+    twin = staged.another()  # a graph's second slot: the same room, its own buffers, given the staged batch
+    twin.put(staged.requests)
+    assert twin.fits(later) and twin.layout == staged.layout and twin.host.data_ptr() != staged.host.data_ptr()
     for mode in (Mode.CD, Mode.CD_GTM):
         got = beam_search(case.index, staged.requests, scorer, beams, mode)
         want = beam_search(case.index, own, scorer, beams, mode)
         assert same_beams(got, want)
+        assert same_beams(beam_search(case.index, twin.requests, scorer, beams, mode), want)
         post = DevicePost(case.index, *want.score.shape, arrays=arrays, impl="torch", stages=True)
         found, expected = post.result(post.run(staged.requests, got)), post.result(post.run(own, want))
         assert found is not None and expected is not None
