@@ -151,6 +151,7 @@ class Retriever:
         self._factory_lock = threading.Lock()  # a user's scorer factory is called by one thread at a time
         self._served: int | None = None
         self._warmup = None if warmup is None else self._validated(warmup, first, "warm-up requests")
+        self._warmup_for = _target(first)  # ... the spec and embedding width they were validated for
         self._closed = threading.Event()  # set by `close`: a warm-up in progress stops at its next batch
         # batches served lately that a warm-up replays: each one a frozen searcher could not hold,
         # and one in TRAFFIC_EVERY of the others (`_batch`)
@@ -386,13 +387,15 @@ class Retriever:
                 run(reqs)
             for lo in range(0, batches, most):
                 run(dummy.rows(lo, lo + most))
-        if self._warmup is not None:
+        # the warm-up requests, validated again for a snapshot of another spec (None: it refuses them)
+        warmup = None if self._warmup is None else _for_index(self._warmup, self._warmup_for, index)
+        if warmup is not None:
             if not synthetic:  # a batch of each size, its rows repeated where the warm-up has fewer
-                firsts = [_taken(self._warmup, np.arange(b) % len(self._warmup)) for b in self.batch_sizes]
+                firsts = [_taken(warmup, np.arange(b) % len(warmup)) for b in self.batch_sizes]
                 for reqs in firsts:
                     run(reqs)
-            for lo in range(0, len(self._warmup), most):
-                run(self._warmup.rows(lo, min(len(self._warmup), lo + most)))
+            for lo in range(0, len(warmup), most):
+                run(warmup.rows(lo, min(len(warmup), lo + most)))
         with self._traffic_lock:  # not the serving lock: a warm-up holds `_warming`, which a batch may wait on
             traffic = list(self._traffic)
         for served_on, reqs in traffic:  # batches served lately (`_traffic`): the widths and pairs they needed

@@ -225,6 +225,11 @@ def serve(
     flight_port: Optional[int] = typer.Option(None, "--flight-port", min=0, max=65535, help="Also serve Arrow "
                                               "Flight on this port (do_exchange: record batches of requests in, "
                                               "of ranked ads out), for callers that already batch."),
+    warmup: Optional[Path] = typer.Option(None, "--warmup", help="A request table (Parquet or Arrow IPC, as "
+                                          "`sidindex retrieve --requests` reads) of real requests, a few hundred "
+                                          "from traffic, to warm up with besides the generated ones: the search's "
+                                          "widths and the post stage's room then fit real requests before the first "
+                                          "arrives, and each new snapshot warms with them too."),
     value_weight: float = VALUE_WEIGHT_OPT,
     rank: str = RANK_OPT,
     top_k: Optional[int] = TOP_K_OPT,
@@ -267,11 +272,13 @@ def serve(
         metrics_dir = share_between_processes()
     watcher = runtime.SnapshotWatcher(root, device, trust_key=trust_key)
     sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch} | {max_batch}))
-    err.print(f"warming snapshot {watcher.current.id} on {watcher.device} (batch sizes {', '.join(map(str, sizes))})",
+    warm_with = None if warmup is None else runtime.read_requests(warmup, watcher.current)
+    err.print(f"warming snapshot {watcher.current.id} on {watcher.device} (batch sizes {', '.join(map(str, sizes))}"
+              + ("" if warm_with is None else f"; with {len(warm_with):,} requests from {warmup}") + ")",
               highlight=False)
     # a SIGTERM until serving starts raises Interrupted: `sidindex_cli.app.main` stops with exit 0
     retriever = runtime.Retriever(watcher, mode=chosen, beams=beams, scorer=factory, batch_sizes=sizes,
-                                  value_weight=value_weight, rank=rank, top_k=top_k)
+                                  value_weight=value_weight, rank=rank, top_k=top_k, warmup=warm_with)
     engine = Engine(watcher, retriever, max_batch=max_batch, max_wait_us=max_wait_us, max_queue=max_queue,
                     poll_seconds=poll_seconds, unready_after=unready_after)
     http = {"max_body_bytes": max_body_bytes, "max_request_rows": max_request_rows, "timeout_ms": timeout_ms or None,

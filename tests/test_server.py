@@ -373,8 +373,10 @@ def test_the_console_script_serves_and_drains_on_sigterm(built, rows, tmp_path):
     sidindex = Path(sys.executable).parent / "sidindex"
     root = Path(shutil.copytree(built, tmp_path / "root"))
     flight_port = _free_port()
+    warmup = tmp_path / "warmup.parquet"  # real requests to warm up with
+    pq.write_table(pa.Table.from_pylist(rows), warmup)
     p = subprocess.Popen([str(sidindex), "serve", str(root), "--port", str(port), "--beams", "1,8,16,16",
-                          "--poll-seconds", "0.1", "--flight-port", str(flight_port)],
+                          "--poll-seconds", "0.1", "--flight-port", str(flight_port), "--warmup", str(warmup)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | {"COLUMNS": "200"})
     try:
         _wait_ready(port)
@@ -407,8 +409,23 @@ def test_the_console_script_serves_and_drains_on_sigterm(built, rows, tmp_path):
         out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert "Traceback" not in err and "terminate" not in err and "stopped: every request in flight was answered" in err
+    assert f"with {len(rows)} requests from {warmup}" in err
     bad = run_cli("serve", tmp_path / "nowhere", "--port", str(port), timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+def test_a_warm_up_file_it_cannot_read_stops_the_server_before_it_serves(built, rows, tmp_path):
+    """--warmup: a file that is missing, or holds a bad request, is one line naming it (the
+    column and row too), exit 2, before anything is served."""
+    table = pa.Table.from_pylist(rows)
+    short = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(3 * len(rows), np.float32)), 3)
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table.set_column(table.column_names.index("embedding"), "embedding", short), bad)
+    for path, says in ((tmp_path / "missing.parquet", "missing.parquet"), (bad, "column 'embedding', row 0")):
+        r = run_cli("serve", built, "--port", str(_free_port()), "--warmup", path, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        line = r.stderr.strip().splitlines()[-1]
+        assert says in line and str(path.name) in line and "serving" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("delay", [0.4, 1.5], ids=["while-its-modules-load", "while-it-warms"])
