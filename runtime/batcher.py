@@ -4,8 +4,9 @@
 Requests are queued as they arrive; a worker gathers them until it holds `max_batch` rows or the
 first has waited `max_wait_us`, runs them as one batch on a thread of its own (the event loop
 goes on taking requests), and answers each once all its rows ran. Two batches run at a time
-(IN_FLIGHT), on two threads: while one is on the device the other is staged or read
-(`runtime.Searcher.submit`), and the next gathers meanwhile. A request of more than `max_batch`
+(IN_FLIGHT), on two threads: while one is on the device the other is staged or read (the
+graphs' two slots, `runtime.Searcher.submit`; a user's scorer has one, and its batches take
+turns), and the next gathers meanwhile. A request of more than `max_batch`
 rows runs in pieces of at most that many, one at a time, each taking its turn behind the requests
 queued meanwhile, so a large request delays a small one by a batch, not by itself. All the rows
 of an answer come from one snapshot: a request a swap interrupts runs again on the new one.
@@ -182,6 +183,8 @@ class Batcher:
                 p.future.set_exception(answer)
             elif answer is not None:
                 p.future.set_result(answer)
+        if not self.started:  # stopped: no batch takes them (the server's drain answers them)
+            return
         for p, _, _ in pieces:
             if p.left and not p.future.done():
                 self._queue.put_nowait(p)

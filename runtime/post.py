@@ -250,6 +250,8 @@ class DevicePost:
         host = self._pinned(len(buffer))
         host[:n].copy_(buffer[:n], non_blocking=True)
         self._sent = n
+        if self._stream is None:  # `result`'s, made with the pinned memory rather than at a batch
+            self._stream = torch.cuda.Stream(buffer.device)
 
     def _pinned(self, n: int) -> torch.Tensor:
         if self._host is None or len(self._host) < n:

@@ -67,7 +67,7 @@ from runtime.ops.compiles import compiles
 from runtime.post import Retrieved, check_rank, check_top_k
 from runtime.requests import embedding_dim, requests_from
 from runtime.scorer import ScorerFactory, as_factory
-from runtime.search import DEFAULT_BEAMS, check_slack, check_value_weight, parse_beams
+from runtime.search import DEFAULT_BEAMS, Scorer, check_slack, check_value_weight, parse_beams
 from runtime.served import ServedIndex
 from runtime.serving import SLACK, Searcher, Submitted, check_slots
 from runtime.watcher import SnapshotWatcher
@@ -145,11 +145,13 @@ class Retriever:
         self.slack, self.slots = slack, check_slots(slots)
         self.factory = as_factory(scorer)
         self.counters = Counters()
-        self._lock = threading.RLock()  # serving: one batch at a time (module doc)
+        self._lock = threading.RLock()  # the served index, warm-ups and swaps, the counters (module doc)
         self._warmed: dict[int, _Warmed] = {}  # by id of the ServedIndex: the served one and one being warmed
         self._arenas = threading.local()  # each calling thread's encoding arenas (`run`)
         self._factory_lock = threading.Lock()  # a user's scorer factory is called by one thread at a time
         self._served: int | None = None
+        self._in_use: collections.Counter[int] = collections.Counter()  # calls running, by id of their index
+        self._retired: set[int] = set()  # indexes served before, still warmed for a call running on them
         self._warmup = None if warmup is None else self._validated(warmup, first, "warm-up requests")
         self._warmup_for = _target(first)  # ... the spec and embedding width they were validated for
         self._closed = threading.Event()  # set by `close`: a warm-up in progress stops at its next batch
@@ -207,11 +209,27 @@ class Retriever:
         (`runtime.Searcher.submit`) before the one before it is read: the next batch is encoded
         and staged while one is on the device, for this caller and for others."""
         index = index or self.index
+        key = id(index)
+        with self._lock:
+            warmed = self._serving(index)
+            self._in_use[key] += 1
+        try:
+            return self._run(warmed, requests, stages, progress)
+        finally:
+            with self._lock:
+                self._in_use[key] -= 1
+                if not self._in_use[key]:
+                    del self._in_use[key]
+                    if key in self._retired and key != self._served:  # its last call on an index no longer served
+                        self._retired.discard(key)
+                        self._warmed.pop(key, None)
+
+    def _run(self, warmed: _Warmed, requests: Requests, stages: bool, progress: Callable | None
+             ) -> tuple[Retrieved, dict[str, float]]:
+        """`run` on `warmed`'s index: its batches, each submitted before the one before it is read."""
         seconds = dict.fromkeys(STAGES, 0.0)
         parts = []
         n, most = len(requests), self.batch_sizes[-1]
-        with self._lock:
-            warmed = self._serving(index)
         # this thread's two arenas: a batch in flight keeps its encoding (a batch past its graph is
         # answered from it) while the next is encoded in the other
         arenas = self._arenas.__dict__.setdefault("arenas", (_Arena(), _Arena()))
@@ -228,7 +246,7 @@ class Retriever:
                 flight = self._encoded(warmed, arenas[i % 2], requests.rows(lo, min(n, lo + most)), lo, seconds)
                 # holding a batch not yet read, never wait for a slot (another caller holding one
                 # could be waiting for ours): read it first
-                while not self._submit(flight, stages, self.counters, wait=not in_flight):
+                while not self._submit(flight, stages, seconds, self.counters, wait=not in_flight):
                     read_first()
                 in_flight.append(flight)
                 while len(in_flight) > (1 if lo + most < n else 0):  # the last batch: read them all
@@ -249,7 +267,7 @@ class Retriever:
                ) -> Retrieved:
         """One batch of a warm-up, on `warmed`'s own searcher: encoded, submitted and read."""
         flight = self._encoded(warmed, arena, reqs, 0, seconds)
-        self._submit(flight, stages, None)
+        self._submit(flight, stages, seconds, None)
         return self._read(flight, seconds, None)
 
     def _encoded(self, warmed: _Warmed, arena: _Arena, reqs: Requests, lo: int, seconds: dict[str, float]
@@ -263,7 +281,8 @@ class Retriever:
         seconds["encode"] += time.perf_counter() - t
         return _Flight(warmed, padded, host, reqs.request_id, len(reqs), lo)
 
-    def _submit(self, flight: _Flight, stages: bool, counters: Counters | None, wait: bool = True) -> bool:
+    def _submit(self, flight: _Flight, stages: bool, seconds: dict[str, float], counters: Counters | None,
+                wait: bool = True) -> bool:
         """Submit an encoded batch (`runtime.Searcher.submit`); False: no slot was free and `wait`
         was False. counters: a served batch's, on the searcher serving its index now (a re-warm
         may have replaced `flight`'s); None: a warm-up's, on its own searcher."""
@@ -271,27 +290,29 @@ class Retriever:
         began, compiled = time.perf_counter(), compiles()
         if counters is not None:
             flight.warmed = self._warmed.get(id(index), flight.warmed)
-        with self._factory_lock if self.factory is not None else contextlib.nullcontext():
-            # a scorer that gives some request no finite logit is refused naming its request_id
-            scorer = None if self.factory is None else self.factory.for_batch(flight.padded.table, index.device,
-                                                                              index.level_sizes)
-        flight.submitted = flight.warmed.searcher.submit(index, flight.host, scorer, top_k=self.top_k, rank=self.rank,
-                                                         stages=stages, request_id=flight.request_id, wait=wait)
-        flight.began, flight.compiled = began, compiles() - compiled
+        if self.factory is not None and flight.scorer is None:  # once a batch, though it waits for a slot
+            with self._factory_lock:
+                # a scorer that gives some request no finite logit is refused naming its request_id
+                flight.scorer = self.factory.for_batch(flight.padded.table, index.device, index.level_sizes)
+        flight.submitted = flight.warmed.searcher.submit(index, flight.host, flight.scorer, top_k=self.top_k,
+                                                         rank=self.rank, stages=stages, request_id=flight.request_id,
+                                                         wait=wait)
+        flight.compiled += compiles() - compiled
+        seconds["search_post"] += time.perf_counter() - began
         return flight.submitted is not None
 
     def _read(self, flight: _Flight, seconds: dict[str, float], counters: Counters | None) -> Retrieved:
         """A submitted batch's rows, read; a batch past its frozen graph answered by the worst
         case's. A served batch's stalls counted (`counters`); one that overflowed kept for the
         next warm-up, which it starts."""
-        submitted, searcher = flight.submitted, flight.warmed.searcher
+        submitted, searcher, began = flight.submitted, flight.warmed.searcher, time.perf_counter()
         assert submitted is not None  # submitted by `_submit`
         found = submitted.read()
         if found is None:
             compiled = compiles()
             found = submitted.worst_case()
             flight.compiled += compiles() - compiled
-        seconds["search_post"] += time.perf_counter() - flight.began
+        seconds["search_post"] += time.perf_counter() - began  # with its submit's: not what ran between
         if counters is not None:
             widened, captured, overflowed = submitted.stalls
             with self._lock:
@@ -325,16 +346,26 @@ class Retriever:
 
     def _serving(self, index: ServedIndex) -> _Warmed:
         """`index`'s searcher, to serve a batch (under the lock): warmed by a swap's hook, or now at
-        its first batch; what was warmed for indexes no longer served is dropped."""
+        its first batch. The current index becomes the served one; what was warmed for indexes
+        no longer served is dropped, but for a call still running on one (a call that took the
+        index before a swap: a batch thread of the server's), which keeps it until it ends."""
         key = id(index)
+        current = index is self.index
         if key not in self._warmed:
-            self.prepare(index) if self.warm else self._warmed.setdefault(key, self._new(index))
-        if self._served != key:
+            if self.warm and current:
+                self.prepare(index)
+            else:  # a call that took an index before a swap: not warmed again (batches wait on no
+                self._warmed[key] = self._new(index)  # warm-up of a retired snapshot), dropped after it
+                if not current:
+                    self._retired.add(key)
+        if self._served != key and current:
             if self._served is not None:
                 self.counters.swaps += 1
+                self._retired.add(self._served)
             self._served = key
-            keep = {key} | ({id(self.watcher.current)} if self.watcher else set())
+            keep = {key, *self._in_use}
             self._warmed = {k: v for k, v in self._warmed.items() if k in keep}
+            self._retired = {k for k in self._retired if k in self._warmed and k != key}
         return self._warmed[key]
 
     def _new(self, index: ServedIndex) -> _Warmed:
@@ -529,7 +560,7 @@ class _Flight:
     n: int  # its own requests (the first n rows)
     lo: int  # its first row within the requests `run` was given
     submitted: Submitted | None = None
-    began: float = 0.0  # perf_counter when it was submitted
+    scorer: Scorer | None = None  # a user's factory's for it (None: the built-in one)
     compiled: int = 0  # Triton kernels the calling thread compiled for it
 
 

@@ -158,6 +158,7 @@ class Searcher:
         self._codebook_scorer: tuple | None = None  # (codebook, its scorer on the device): `_codebook`
         self._lock = threading.RLock()  # a batch's staging and replay; while warming, until it is read
         self._free = threading.Condition(self._lock)  # a slot was read (`_slot` waits for one)
+        self._mine = threading.local()  # each thread's stalls (`_stall`)
 
     def _search(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer, full: bool = False) -> Beams:
         """The eager search this Searcher captures and replays; `full`: every step's worst case."""
@@ -192,7 +193,7 @@ class Searcher:
             while (step := self._overflowed(beams, scorer, request_id)) is not None:
                 if self.frozen:
                     if not counted:
-                        self.overflows += 1
+                        self._stall("overflows")
                     beams = self._search(index, requests, scorer, full=True)
                     self._overflowed(beams, scorer, request_id)  # never overflows; a broken model is refused
                     break
@@ -222,7 +223,7 @@ class Searcher:
     def _widen(self, step: int) -> None:
         """Twice the slack at `step`; the capped graphs captured before are dropped (warming only)."""
         self.step_slack[step] = 2 * self.step_slack.get(step, self.slack)
-        self.widened += 1
+        self._stall("widened")
         self._graphs = {k: g for k, g in self._graphs.items() if k[2]}
 
     def _note_reached(self, post: DevicePost) -> None:
@@ -268,23 +269,26 @@ class Searcher:
             while True:
                 g = self._replay(index, requests, scorer, None)
                 if g is None:  # a batch the frozen graphs cannot hold
-                    self.overflows += 1
+                    self._stall("overflows")
                     return self._eager(index, requests, scorer, request_id, counted=True)
                 with self._reading(g):
                     found = Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+                    g.done.record(torch.cuda.current_stream(index.device))  # the copies too, before the slot is freed
                     step = self._overflowed(g.out, scorer, request_id, _wait(g))  # one wait, the copies queued
                 if step is None:
                     return found
                 if not self.frozen:
                     self._widen(step)
                     continue
-                self.overflows += 1
+                self._stall("overflows")
                 g = self._replay(index, requests, scorer, None, full=True)
                 if g is None:  # captured for smaller batches (a user's scorer that warmed on fewer values)
                     return self._eager(index, requests, scorer, request_id, counted=True)
                 with self._reading(g):
+                    found = Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+                    g.done.record(torch.cuda.current_stream(index.device))
                     self._overflowed(g.out, scorer, request_id, _wait(g))
-                    return Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+                    return found
 
     def retrieve(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None = None, *,
                  top_k: int | None = None, rank: str = "score", stages: bool = False,
@@ -316,7 +320,7 @@ class Searcher:
         check_rank(index, rank)
         check_top_k(top_k)
         post = (top_k, rank, stages)
-        with self._lock:  # every change of the counters is made under it: the stalls are this batch's
+        with self._lock:
             before = self._stalls()
             try:
                 submitted = self._submitted(index, requests, scorer, post, request_id, wait)
@@ -335,13 +339,23 @@ class Searcher:
             return Submitted(self, found=self._warming(index, requests, scorer, post, request_id))
         g = self._replay(index, requests, scorer, post, wait=wait)
         if g is None:  # a batch the frozen graphs cannot hold
-            self.overflows += 1
+            self._stall("overflows")
             beams = self._eager(index, requests, scorer, request_id, counted=True)
             return Submitted(self, found=expand(index, requests, beams, top_k, stages, rank))
         return Submitted(self, index, requests, scorer, post, request_id, g)
 
+    def _stall(self, what: str) -> None:
+        """Count a widening, capture or overflow: in the searcher's total and in this thread's,
+        whose differences are a batch's `Submitted.stalls` (a batch waiting for a slot lets
+        others count meanwhile)."""
+        setattr(self, what, getattr(self, what) + 1)
+        mine = self._mine.__dict__
+        mine[what] = mine.get(what, 0) + 1
+
     def _stalls(self) -> tuple[int, int, int]:
-        return self.widened, self.captures, self.overflows
+        """This thread's widenings, captures and overflows so far."""
+        mine = self._mine.__dict__
+        return mine.get("widened", 0), mine.get("captures", 0), mine.get("overflows", 0)
 
     def _warming(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple,
                  request_id) -> Retrieved:
@@ -359,7 +373,7 @@ class Searcher:
             if step is not None:
                 self._widen(step)
                 continue
-            self.overflows += 1  # past the pairs (`settle` fits them)
+            self._stall("overflows")  # past the pairs (`settle` fits them)
             return self._worst_case(index, requests, scorer, post, request_id)
 
     def _worst_case(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple,
@@ -413,22 +427,23 @@ class Searcher:
                 # captured while warming, beside the capped graph, for when frozen: holding what it holds
                 if not full and (w is None or _stale(w, index) or not _fits(w, requests, scorer)):
                     self._graphs[worst] = self._capture(index, requests, scorer, post, True)
-                g.holder = threading.get_ident()
+                g.holder, replay = threading.get_ident(), False  # replayed by its capture
             else:
                 if g.post is not None:
                     g.post.check(requests)
-                g = self._slot(g, wait)
-                try:
+                g, replay = self._slot(g, wait), True
+            try:  # the slot is this thread's until read: freed here if anything fails before
+                if replay:
                     _load(g, requests, scorer)
                     g.graph.replay()
-                except BaseException:
-                    self._give(g)
-                    raise
-            if g.flags is not None and g.flags_host is not None:
-                g.flags_host.copy_(g.flags, non_blocking=True)
-            if g.post is not None and g.buffer is not None:
-                g.post.send(g.buffer)
-            g.done.record(torch.cuda.current_stream(index.device))
+                if g.flags is not None and g.flags_host is not None:
+                    g.flags_host.copy_(g.flags, non_blocking=True)
+                if g.post is not None and g.buffer is not None:
+                    g.post.send(g.buffer)
+                g.done.record(torch.cuda.current_stream(index.device))
+            except BaseException:
+                self._give(g)
+                raise
             return g
 
     def _slot(self, g: _Graph, wait: bool = True) -> _Graph:
@@ -463,10 +478,16 @@ class Searcher:
 
     def _twin(self, index: ServedIndex, key: tuple[int, tuple | None, bool], g: _Graph) -> None:
         """A second slot for a capped graph of the built-in scorer's `retrieve` (`submit`): the same
-        search and post stage captured on a staging like g's."""
+        search and post stage captured on a staging like g's. Where the device has no memory for
+        it, g serves alone (a warning says so)."""
         _, post, full = key
-        if self.slots > 1 and post is not None and not full and g.bound and g.twin is None:
+        if self.slots < 2 or post is None or full or not g.bound or g.twin is not None or _stale(g, index):
+            return
+        try:
             g.twin = self._capture(index, g.staged.requests, None, post, False, g.staged.another())
+        except torch.cuda.OutOfMemoryError:
+            warnings.warn(f"no device memory for a second graph of batches of {key[0]}: they are served one at a "
+                          "time", stacklevel=2)
 
     def _room(self, full: bool) -> int | None:
         """The post stage's pairs per request: the capped graph's fitted room (None before `settle`:
@@ -510,7 +531,9 @@ class Searcher:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out, flags, buffer = run()
         graph.replay()
-        self.captures += 1
+        if stage and not full:  # its pinned memory made now, not at the first batch served (the worst
+            stage[0].send(buffer)  # case's, larger and rarely read, at its first)
+        self._stall("captures")
         flags_host = None if flags is None else torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         return _Graph(graph, staged, captured, scorer is None, out, flags, flags_host, stage[0] if stage else None,
                       buffer)
@@ -553,7 +576,7 @@ class Submitted:
         assert self.post is not None  # a replayed batch's
         with s._lock:
             before = s._stalls()
-            s.overflows += 1
+            s._stall("overflows")
             self.found = s._worst_case(self.index, self.requests, self.scorer, self.post, self.request_id)
             self.stalls = tuple(a + b - c for a, b, c in zip(self.stalls, s._stalls(), before))
         return self.found
@@ -564,7 +587,7 @@ class _Busy(Exception):
 
 
 def check_slots(slots: int) -> int:
-    if isinstance(slots, bool) or slots not in (1, 2):
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots not in (1, 2):
         raise ConfigError(f"slots {slots!r}: expected 1 (one batch at a time) or 2 (a batch replayed while the one "
                           "before it is read)")
     return slots

@@ -204,7 +204,7 @@ def test_a_frozen_searcher_replays_a_batch_while_the_one_before_it_is_unread(roo
 
 def test_slots_are_one_or_two(root):
     index = runtime.load(root, "cpu")
-    for bad in (0, 3, True, 1.5):
+    for bad in (0, 3, True, 1.5, 2.0):
         with pytest.raises(ConfigError, match="slots"):
             runtime.Retriever(index, beams=BEAMS, slots=bad, warm=False)
 
@@ -245,6 +245,41 @@ def test_a_watchers_new_snapshot_is_warmed_before_it_serves(root, requests_table
     assert retriever.retrieve(requests_table).equals(after)
     retriever.close()
     assert retriever._before_swap not in watcher.before_swap
+
+
+def test_a_call_on_a_snapshot_swapped_out_is_answered_on_it_without_warming_it_again(root, requests_table,
+                                                                                      tmp_path):
+    """A call that took the index before a swap (a batch thread of the server's) runs on it after
+    the new one served: answered as that snapshot answers, with no warm-up of it on the serving
+    path, and what served it dropped once the call ends; a call running on it when the swap came
+    keeps its searcher until then."""
+    work, watcher, retriever, before, paused = paused_update(root, requests_table, tmp_path)
+    old = retriever.index
+    reqs = runtime.requests_from(requests_table, old)
+    assert watcher.poll() and retriever.counters.warmed == 2
+    assert retriever.retrieve(requests_table).column("ad_id").to_pylist() != before.column("ad_id").to_pylist()
+    assert id(old) not in retriever._warmed  # dropped at the swap: no call was running on it
+    found, _ = retriever.run(reqs, old)
+    assert table_of(found, reqs.request_id).equals(before)
+    assert retriever.counters.warmed == 2 and retriever.counters.swaps == 1 and retriever.index is watcher.current
+    assert set(retriever._warmed) == {id(watcher.current)}
+    # a call running on the served snapshot when the next swap comes keeps its searcher until it ends
+    served = retriever.index
+    searcher = retriever._warmed[id(served)].searcher
+    with retriever._lock:
+        retriever._in_use[id(served)] += 1  # as `run` holds it for a call
+    other = int(retriever.retrieve(requests_table).column("ad_id")[0].as_py())
+    pq.write_table(pa.table({"ad_id": pa.array([other], pa.int64()), "op": ["pause"]}), tmp_path / "more.parquet")
+    assert run_cli("update", work, "--changes", tmp_path / "more.parquet", "--json", timeout=600).returncode == 0
+    assert watcher.poll()
+    retriever.retrieve(requests_table)  # the newest serves: the one before stays for its call
+    assert retriever._warmed[id(served)].searcher is searcher
+    found, _ = retriever.run(reqs, served)
+    assert retriever._warmed[id(served)].searcher is searcher and retriever.counters.warmed == 3
+    with retriever._lock:
+        retriever._in_use[id(served)] -= 1
+    retriever.run(reqs, served)  # its last call: dropped after it
+    assert id(served) not in retriever._warmed and retriever.counters.warmed == 3
 
 
 def test_batches_are_served_while_a_new_snapshot_warms(root, requests_table, tmp_path, monkeypatch):

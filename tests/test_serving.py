@@ -163,6 +163,11 @@ def test_a_graphs_two_slots_are_held_until_read_and_a_waiting_caller_takes_the_f
     waiting.join(10)
     assert not waiting.is_alive() and got == [second] and second.holder == waiting.ident
     assert first.holder == threading.get_ident()
+    # an overflow another thread counts while this one waits is not this thread's batch's
+    other = threading.Thread(target=searcher._stall, args=("overflows",))
+    other.start()
+    other.join()
+    assert searcher.overflows == 1 and searcher._stalls() == (0, 0, 0)
 
 
 def test_on_the_cpu_it_searches_eagerly_and_says_why():
