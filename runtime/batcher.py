@@ -3,10 +3,10 @@
 
 Requests are queued as they arrive; a worker gathers them until it holds `max_batch` rows or the
 first has waited `max_wait_us`, runs them as one batch on a thread of its own (the event loop
-goes on taking requests), and answers each once all its rows ran. Two batches run at a time
-(IN_FLIGHT), on two threads: while one is on the device the other is staged or read (the
-graphs' two slots, `runtime.Searcher.submit`; a user's scorer has one, and its batches take
-turns), and the next gathers meanwhile. A request of more than `max_batch`
+goes on taking requests), and answers each once all its rows ran. On a GPU two batches run at a
+time, on two threads (`Retriever.in_flight`): while one is on the device the other is staged or
+read (the graphs' two slots, `runtime.Searcher.submit`), and the next gathers meanwhile; on the
+CPU, and with a user's scorer (one slot), one. A request of more than `max_batch`
 rows runs in pieces of at most that many, one at a time, each taking its turn behind the requests
 queued meanwhile, so a large request delays a small one by a batch, not by itself. All the rows
 of an answer come from one snapshot: a request a swap interrupts runs again on the new one.
@@ -51,9 +51,6 @@ class Pending:
         return len(self.requests) - self.done
 
 
-IN_FLIGHT = 2  # batches running at a time: one on the device while the other is staged or read
-
-
 class Batcher:
     """The queue and the worker that batches it (module doc); `start` in the event loop that
     calls `answer`, `close` to stop.
@@ -71,9 +68,10 @@ class Batcher:
         self.failed_batches = 0  # in a row
         self._queue: asyncio.Queue | None = None
         self._worker: asyncio.Task | None = None
-        self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="sidindex-batch")
+        self.in_flight = retriever.in_flight  # batches running at a time
+        self._pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="sidindex-batch")
         self._running: set[Future] = set()  # the batches handed to it and not yet done
-        self._slots: asyncio.Semaphore | None = None  # IN_FLIGHT batches at a time
+        self._slots: asyncio.Semaphore | None = None  # in_flight batches at a time
 
     @property
     def started(self) -> bool:
@@ -82,7 +80,7 @@ class Batcher:
     def start(self) -> None:
         """Start the worker, in the running event loop."""
         self._queue = asyncio.Queue()
-        self._slots = asyncio.Semaphore(IN_FLIGHT)
+        self._slots = asyncio.Semaphore(self.in_flight)
         self._worker = asyncio.create_task(self._batches())
 
     async def answer(self, requests: Requests, spec: TargetingSpec | None, timeout: float | None) -> tuple[pa.Table,
@@ -131,7 +129,7 @@ class Batcher:
         assert queue is not None and slots is not None  # made by `start`
         active: deque[Pending] = deque()
         while True:
-            await slots.acquire()  # released by `_ran`: requests gather while two batches run
+            await slots.acquire()  # released by `_ran`: requests gather while the batches run
             if not active:
                 active.append(await queue.get())
             while not queue.empty():  # every request that arrived takes its turn, however full the batch

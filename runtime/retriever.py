@@ -194,6 +194,14 @@ class Retriever:
         return out
 
     @property
+    def in_flight(self) -> int:
+        """Batches worth running at a time from several threads (`runtime.batcher.Batcher`): on a
+        GPU with the built-in scorer, the graphs' slots (one batch on the device while another
+        is staged or read); elsewhere 1 (on the CPU a second batch only contends with the first
+        for the interpreter: measured, it halved a server's throughput)."""
+        return self.slots if self.index.device.type == "cuda" and self.factory is None else 1
+
+    @property
     def index(self) -> ServedIndex:
         """The index the next batch runs on: the watcher's current one, or the one given."""
         if self.watcher is not None:

@@ -194,8 +194,12 @@ def test_concurrent_requests_are_batched_and_keep_their_own_rows(root, rows, ser
 
 
 def test_two_batches_run_at_a_time_and_keep_their_own_rows(root, rows, serving, monkeypatch):
-    """Eight clients of 4 rows with batches of 4: the engine runs two batches at a time (one on
-    the device while the other is staged or read), never more, and each answer is its own."""
+    """Eight clients of 4 rows with batches of 4: with a retriever whose graphs have two slots (on a
+    GPU) the engine runs two batches at a time (one on the device while the other is staged or
+    read), never more, and each answer is its own; on the CPU, one."""
+    _, cpu = serving(root, max_batch=4)
+    assert cpu.retriever.in_flight == cpu.batcher.in_flight == 1
+    monkeypatch.setattr(runtime.Retriever, "in_flight", property(lambda self: 2))
     server, engine = serving(root, max_batch=4)
     want = {i: direct(engine.retriever.index, [r | {"request_id": j} for j, r in enumerate(rows[i:i + 4])])
             for i in range(8)}
