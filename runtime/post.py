@@ -250,8 +250,13 @@ class DevicePost:
         host = self._pinned(len(buffer))
         host[:n].copy_(buffer[:n], non_blocking=True)
         self._sent = n
-        if self._stream is None:  # `result`'s, made with the pinned memory rather than at a batch
-            self._stream = torch.cuda.Stream(buffer.device)
+        self._copies(buffer.device)  # made with the pinned memory rather than at a batch
+
+    def _copies(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream `result` copies rows on behind a batch's event (made once)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
 
     def _pinned(self, n: int) -> torch.Tensor:
         if self._host is None or len(self._host) < n:
@@ -268,9 +273,7 @@ class DevicePost:
         stream = torch.cuda.current_stream(buffer.device)
         if hi > self._sent:
             if ready is not None:
-                if self._stream is None:
-                    self._stream = torch.cuda.Stream(buffer.device)
-                stream = self._stream
+                stream = self._copies(buffer.device)
                 stream.wait_event(ready)
             start = max(lo, self._sent)
             with torch.cuda.stream(stream):

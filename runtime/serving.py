@@ -226,6 +226,13 @@ class Searcher:
         self._stall("widened")
         self._graphs = {k: g for k, g in self._graphs.items() if k[2]}
 
+    def _outcome(self, g: _Graph, scorer: Scorer | None, request_id) -> tuple[int | None, Retrieved | None]:
+        """A replay of search and post stage, read after its one wait: the step it overflowed at
+        (`_overflowed`: a ScorerError for a broken model) and the post stage's result (None: past
+        its pairs)."""
+        assert g.post is not None and g.buffer is not None  # captured with the post stage
+        return self._overflowed(g.out, scorer, request_id, _wait(g)), g.post.result(g.buffer, g.done)
+
     def _note_reached(self, post: DevicePost) -> None:
         """While warming: the most pairs a request of the batch just answered reached."""
         if not self.frozen and post.last_reached is not None and len(post.last_reached):
@@ -363,10 +370,9 @@ class Searcher:
         width, the pairs its requests reached noted for `settle`; past the pairs, the worst case's."""
         while True:
             g = self._replay(index, requests, scorer, post)
-            assert g is not None and g.post is not None and g.buffer is not None  # captured while warming
+            assert g is not None and g.post is not None  # captured while warming, with the post stage
             with self._reading(g):
-                step = self._overflowed(g.out, scorer, request_id, _wait(g))
-                found = g.post.result(g.buffer, g.done)  # read where `_wait` left it; None: too many pairs
+                step, found = self._outcome(g, scorer, request_id)  # found None: too many pairs
                 self._note_reached(g.post)
             if step is None and found is not None:
                 return found
@@ -387,9 +393,7 @@ class Searcher:
             beams = self._eager(index, requests, scorer, request_id, counted=True)
             return expand(index, requests, beams, top_k, stages, rank)
         with self._reading(g):
-            assert g.post is not None and g.buffer is not None  # captured with the post stage
-            self._overflowed(g.out, scorer, request_id, _wait(g))  # never overflows; a broken model is refused
-            found = g.post.result(g.buffer, g.done)
+            _, found = self._outcome(g, scorer, request_id)  # never overflows; a broken model is refused
             return found if found is not None else expand(index, requests, g.out, top_k, stages, rank)
 
     def freeze(self) -> None:
@@ -562,9 +566,7 @@ class Submitted:
         if g is not None:
             s = self.searcher
             with s._reading(g):
-                assert g.post is not None and g.buffer is not None  # captured with the post stage
-                step = s._overflowed(g.out, self.scorer, self.request_id, _wait(g))
-                found = g.post.result(g.buffer, g.done)
+                step, found = s._outcome(g, self.scorer, self.request_id)
             self.found = found if step is None else None
         return self.found
 
