@@ -27,10 +27,11 @@ only when its snapshot was never warmed.
 Warm start: at construction and for each new snapshot, every configured batch size is searched
 once with requests shaped like the largest a batch can be (every bloom attribute at its most
 values), which compiles the kernels and captures the graphs with room for any batch. Their
-embeddings are rebuilt from random paths of the codebook, so their beams go where the catalog's
-ads are and a few more such batches widen each step's compact width, and size the post stage's
-pairs, as real traffic would; with `warmup` requests (real ones: a few hundred from traffic; what a
-user's scorer needs, whose factory reads its own columns) the widths fit those too. Then the
+embeddings are rebuilt from paths of the codebook (in mode cd the SIDs of ads drawn at random:
+`largest_requests`), so their beams go where the catalog's ads are and a few more such batches
+widen each step's compact width, and size the post stage's pairs, as real traffic would; with
+`warmup` requests (real ones: a few hundred from traffic; what a user's scorer needs, whose
+factory reads its own columns) the widths fit those too. Then the
 searcher is settled and frozen (`runtime.Searcher`): a batch past the widths is answered by the
 worst case's graph captured at warm-up, so nothing compiles, captures or widens while serving
 (`Counters`: compiles, captures, overflows, each 0 in a steady state but overflows). Triton keeps
@@ -420,7 +421,12 @@ class Retriever:
         firsts: list[Requests] = []  # a batch of each size
         if synthetic:
             batches = WARM_BATCHES * most
-            dummy = self._validated(largest_requests(index, batches), index, "warm-up requests")
+            # cd's widths follow the beams alone, and traffic's beams crowd where the ads do (at 1M
+            # ads, random paths left 4 of 64 batches past the widths, requests near ads none);
+            # under gtm the warm-up's targeting, which no ad matches, already widens them: near
+            # ads it doubled step 3's width past what traffic needed
+            near = not self.mode.gtm
+            dummy = self._validated(largest_requests(index, batches, near_ads=near), index, "warm-up requests")
             firsts = [dummy.head(b) for b in self.batch_sizes]
             for reqs in firsts:
                 run(reqs)
@@ -603,11 +609,12 @@ def _side_stream(device: torch.device):
     return on_it()
 
 
-def largest_requests(index: ServedIndex, n: int, seed: int = 0) -> pa.Table:
+def largest_requests(index: ServedIndex, n: int, seed: int = 0, near_ads: bool = False) -> pa.Table:
     """n requests as large as a batch can hold: every bloom attribute at MAX_REQUEST_VALUES
-    distinct values, bitmask attributes unknown; with a codebook, embeddings rebuilt from random
-    paths of it (a centroid per level, summed), which lead the beams where the catalog's ads
-    are, as real requests' do."""
+    distinct values, bitmask attributes unknown; with a codebook, embeddings rebuilt from paths
+    of it (a centroid per level, summed), which lead the beams where the catalog's ads are, as
+    real requests' do: random paths, or with `near_ads` the paths of the SIDs of ads drawn at
+    random ((leaf, ad) rows, each as likely), which crowd where the catalog's ads crowd."""
     cols: dict[str, pa.Array] = {"request_id": pa.array(np.arange(n, dtype=np.int64))}
     for a in index.spec.attributes:
         if a.one_request_value:  # one value, unknown here
@@ -618,7 +625,13 @@ def largest_requests(index: ServedIndex, n: int, seed: int = 0) -> pa.Table:
     cb = index.codebook
     if cb is not None:
         rng = np.random.default_rng(seed)
-        emb = np.asarray(sum(c[rng.integers(0, len(c), n)] for c in cb.centroids)).astype(np.float32)
+        g = index.snapshot.gtm
+        if near_ads and g.leaf_ad_offsets[-1] > 0:
+            leaves = np.searchsorted(g.leaf_ad_offsets, rng.integers(0, g.leaf_ad_offsets[-1], n), side="right") - 1
+            paths = g.leaf_sids(leaves).astype(np.int64).T  # (L, n): the codebook's levels first
+        else:
+            paths = np.stack([rng.integers(0, len(c), n) for c in cb.centroids])
+        emb = np.asarray(sum(c[p] for c, p in zip(cb.centroids, paths))).astype(np.float32)
         emb = np.clip(emb, -MAX_ABS_EMBEDDING, MAX_ABS_EMBEDDING)
         cols["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), cb.dim)
     return pa.table(cols)
