@@ -75,13 +75,13 @@ class EncodedRequests:
                        embedding=None if self.embedding is None else self.embedding[lo:hi])
 
 
-def _arrays(table: pa.Table, names: tuple[str, ...]) -> list[pa.Array]:
-    """The named columns of `table` as arrays: views where the table is one record batch (a batch
-    served from memory), each column's chunks combined otherwise."""
+def _arrays(table: pa.Table, *names: tuple[str, ...]) -> list[list[pa.Array]]:
+    """Each group of `names`' columns of `table` as arrays: views where the table is one record
+    batch (a batch served from memory), each column's chunks combined otherwise."""
     batches = table.to_batches()
     if len(batches) == 1:
-        return [batches[0].column(name) for name in names]
-    return [table.column(name).combine_chunks() for name in names]
+        return [[batches[0].column(name) for name in group] for group in names]
+    return [[table.column(name).combine_chunks() for name in group] for group in names]
 
 
 def _fixed(a: np.ndarray, dtype: DTypeLike) -> np.ndarray:
@@ -204,14 +204,20 @@ def _sort(a: np.ndarray, lo: int, hi: int) -> None:
 
 
 @numba.njit(cache=True, nogil=True)
-def _list_values(valid: np.ndarray, bit: int, list_offsets: np.ndarray) -> np.ndarray:
-    """(B,) int64 the values of each list (0 for a null one)."""
-    n = len(list_offsets) - 1
-    out = np.zeros(n, dtype=np.int64)
-    for b in range(n):
-        if _is_valid(valid, bit, b):
-            out[b] = list_offsets[b + 1] - list_offsets[b]
-    return out
+def _query_rows(valid: np.ndarray, bit: int, list_offsets: np.ndarray) -> int:
+    """The query rows of a bloom attribute's lists: one per value, one for a list without values
+    (empty or null)."""
+    rows = 0
+    for b in range(len(list_offsets) - 1):
+        values = list_offsets[b + 1] - list_offsets[b] if _is_valid(valid, bit, b) else 0
+        rows += max(values, 1)
+    return rows
+
+
+@functools.lru_cache(maxsize=64)
+def _word_offsets(offsets: tuple[int, ...]) -> np.ndarray:
+    """A plane's word offsets as the read-only int64 array its queries carry, made once per layout."""
+    return _fixed(np.array(offsets, dtype=np.int64), np.int64)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -294,9 +300,9 @@ def encode_requests(requests: Requests, spec: TargetingSpec,
     n = len(requests)
     bm, bl = spec.bitmask_layout, spec.bloom_layout
     A, G = len(bl.names), 1 + len(bl.names)
-    lists = [_lists(arr, n) for arr in _arrays(requests.columns, bl.names)]
-    # a query row per value, or one for a request without values
-    q_bloom = sum(int(np.maximum(_list_values(v, b, o), 1).sum()) for v, b, o, _, _ in lists)
+    bm_columns, bl_columns = _arrays(requests.columns, bm.names, bl.names)
+    lists = [_lists(arr, n) for arr in bl_columns]
+    q_bloom = sum(_query_rows(v, b, o) for v, b, o, _, _ in lists)
     d = 0 if requests.embedding is None else requests.embedding.shape[1]
     # the arena's words: the planes' query rows back to back (the query stack's words), the
     # groups' ranges, the exact hashes' offsets, the hashes, the embedding
@@ -317,7 +323,7 @@ def encode_requests(requests: Requests, spec: TargetingSpec,
     hashes = arena[offsets_end:hashes_end].view(np.uint64)
     # 1. bitmask: each request's user row, one bit per attribute (its value's, or "unknown")
     if bm.names:
-        _bitmask_attribute(bm_rows, *_strings(_arrays(requests.columns, bm.names)), *_declared(bm))
+        _bitmask_attribute(bm_rows, *_strings(bm_columns), *_declared(bm))
     ranges[:, 0] = _one_each(n)
     # 2. bloom: a query row per value (attribute-major), and the exact hashes, in one pass per attribute
     r = e = 0
@@ -329,8 +335,7 @@ def encode_requests(requests: Requests, spec: TargetingSpec,
     if requests.embedding is not None:
         embedding = arena[hashes_end:need].view(np.float32)[:n * d].reshape(n, d)
         embedding[:] = requests.embedding
-    planes = (PlaneQueries(bm_rows.view(np.uint64), ranges[:, :1], np.array([0, bm.words], dtype=np.int64),
-                           single=True),
-              PlaneQueries(bl_rows.view(np.uint64), ranges[:, 1:], np.array(bl.word_offsets, dtype=np.int64)))
+    planes = (PlaneQueries(bm_rows.view(np.uint64), ranges[:, :1], _word_offsets((0, bm.words)), single=True),
+              PlaneQueries(bl_rows.view(np.uint64), ranges[:, 1:], _word_offsets(tuple(bl.word_offsets))))
     exact = (None, ExactQueries(offsets, hashes[:e]))
     return EncodedRequests(requests.source, planes, exact, embedding, arena=arena)

@@ -277,7 +277,7 @@ def test_dicts_keep_every_rows_keys(spec):
 def test_every_form_runs_one_compiled_kernel():
     """The encoder's kernels see one type whatever form a batch comes in, so a warm-up compiles
     every kernel a batch will run (a new form would otherwise compile for seconds mid-stream)."""
-    from sidindex.request_encoding import _bitmask_attribute, _bloom_attribute, _list_values
+    from sidindex.request_encoding import _bitmask_attribute, _bloom_attribute, _query_rows
 
     rows = [{"country": "US", "age": None, "locations": ["a", "b"], "apps": None},
             {"country": None, "age": "a1", "locations": None, "apps": ["x"]}]
@@ -287,4 +287,4 @@ def test_every_form_runs_one_compiled_kernel():
     all_null = pa.table({"request_id": [1, 2], "country": pa.nulls(2), "age": pa.nulls(2), "locations": pa.nulls(2),
                          "apps": pa.nulls(2, pa.list_(pa.null()))})
     encode_requests(requests_from(all_null, SPEC), SPEC)  # what a warm-up's columns look like
-    assert [len(k.signatures) for k in (_bitmask_attribute, _bloom_attribute, _list_values)] == [1, 1, 1]
+    assert [len(k.signatures) for k in (_bitmask_attribute, _bloom_attribute, _query_rows)] == [1, 1, 1]
