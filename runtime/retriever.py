@@ -378,9 +378,10 @@ class Retriever:
         return self._warmed[key]
 
     def _new(self, index: ServedIndex) -> _Warmed:
-        """A searcher for `index`, starting from the widths the served snapshot's traffic needed."""
+        """A searcher for `index`, starting from the widths its own searcher, else the served
+        snapshot's, needed."""
         searcher = Searcher(self.beams, self.mode, self.impl, self.value_weight, self.slack, self.slots)
-        served = None if self._served is None else self._warmed.get(self._served)
+        served = self._warmed.get(id(index)) or (None if self._served is None else self._warmed.get(self._served))
         if served is not None:
             searcher.step_slack = dict(served.searcher.step_slack)
             searcher.most_reached = served.searcher.most_reached
@@ -391,15 +392,14 @@ class Retriever:
         then WARM_BATCHES batches of the largest size (with a codebook) and the warm-up requests,
         so that no batch it serves compiles, captures or (mostly) widens.
 
-        A snapshot not yet served is warmed on a searcher, arena and CUDA stream of its own,
-        outside the serving lock: batches go on being served on the current snapshot meanwhile,
-        however long the kernels of the new one's shapes take to compile."""
+        It is warmed on a new searcher, arena and CUDA stream of its own, outside the serving
+        lock: batches go on being served meanwhile, however long the kernels of the new one's
+        shapes take to compile, and the searcher takes its place between batches. The served
+        snapshot too: its batches go on being served by the searcher they hold (warming that one
+        under the serving lock would wait for a slot that a caller waiting for the lock holds)."""
         with self._lock:
-            warmed = self._warmed.get(id(index))
-            serving = warmed is not None and self._served == id(index)
-            if warmed is None:
-                warmed = self._new(index)
-        with self._lock if serving else contextlib.nullcontext(), self._warming, _side_stream(index.device):
+            warmed = self._new(index)
+        with self._warming, _side_stream(index.device):
             self._warm(warmed)
         with self._lock:
             self._warmed[id(index)] = warmed

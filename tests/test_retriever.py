@@ -247,6 +247,33 @@ def test_a_watchers_new_snapshot_is_warmed_before_it_serves(root, requests_table
     assert retriever._before_swap not in watcher.before_swap
 
 
+def test_warming_the_served_snapshot_again_holds_no_lock_its_batches_take(root, requests_table, monkeypatch):
+    """`prepare` of the snapshot being served warms a new searcher beside serving: a caller's
+    batch is answered while the warm-up runs (here the warm-up waits for that answer, so holding
+    the serving lock through it would stall both), and the new searcher, from the served one's
+    widths, then serves the next batch with the same rows."""
+    index = runtime.load(root, "cpu")
+    retriever = runtime.Retriever(index, mode="cd+gtm", beams=BEAMS, batch_sizes=(4, 8))
+    want = retriever.retrieve(requests_table)
+    old = retriever._warmed[id(index)].searcher
+    answered, warm = threading.Event(), retriever._warm
+
+    def waits_for_a_batch(warmed):
+        assert answered.wait(120), "no batch was answered while the served snapshot warmed again"
+        warm(warmed)
+
+    monkeypatch.setattr(retriever, "_warm", waits_for_a_batch)
+    warming = threading.Thread(target=retriever.prepare, args=(index,))
+    warming.start()
+    got = retriever.retrieve(requests_table)
+    answered.set()
+    warming.join(300)
+    assert not warming.is_alive() and got.equals(want)
+    new = retriever._warmed[id(index)].searcher
+    assert new is not old and new.frozen and new.step_slack == old.step_slack
+    assert retriever.counters.warmed == 2 and retriever.retrieve(requests_table).equals(want)
+
+
 def test_a_call_on_a_snapshot_swapped_out_is_answered_on_it_without_warming_it_again(root, requests_table,
                                                                                       tmp_path):
     """A call that took the index before a swap (a batch thread of the server's) runs on it after
