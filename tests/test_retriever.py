@@ -336,33 +336,54 @@ def test_batches_are_served_while_a_new_snapshot_warms(root, requests_table, tmp
     assert after.equals(reference(watcher.current, requests_table, "cd+gtm", 8))
 
 
+def _embedding(t: pa.Table) -> np.ndarray:
+    return t.column("embedding").combine_chunks().flatten().to_numpy().reshape(t.num_rows, -1)
+
+
 def test_warm_up_requests_near_ads_are_their_sids_codebook_paths(root):
     """The warm-up's requests near ads (cd's): each embedding is the sum of the codebook centroids
-    of some catalog SID's path, drawn as the ads are (a SID's share is its ads'); random paths
-    otherwise. The same seed, the same requests."""
+    of some catalog SID's path; random paths otherwise. The same seed, the same requests."""
     from runtime.retriever import largest_requests
 
     index = runtime.load(root, "cpu")
     g, cb = index.snapshot.gtm, index.codebook
     paths = g.leaf_sids().astype(np.int64)
     rebuilt = np.asarray(sum(c[paths[:, d]] for d, c in enumerate(cb.centroids))).astype(np.float32)
-    per_leaf = np.diff(g.leaf_ad_offsets)
-
-    def embedding(t: pa.Table) -> np.ndarray:
-        return t.column("embedding").combine_chunks().flatten().to_numpy().reshape(t.num_rows, -1)
-
-    near = embedding(largest_requests(index, 400, seed=3, near_ads=True))
-    assert np.array_equal(near, embedding(largest_requests(index, 400, seed=3, near_ads=True)))
-    match = (near[:, None, :] == rebuilt[None, :, :]).all(axis=2)  # (400, leaves)
-    assert match.any(axis=1).all()  # every one a catalog SID's path
-    hit = match.argmax(axis=1)
-    assert (per_leaf[hit] > 0).all()  # ... of a SID holding ads
-    drawn = np.bincount(hit, minlength=len(per_leaf))
-    # a SID with more ads is drawn more: chi-square-free check on the few largest SIDs together
-    top = np.argsort(-per_leaf, kind="stable")[:max(1, len(per_leaf) // 10)]
-    assert abs(drawn[top].sum() / 400 - per_leaf[top].sum() / per_leaf.sum()) < 0.1
-    wide = embedding(largest_requests(index, 400, seed=3))
+    near = _embedding(largest_requests(index, 400, seed=3, near_ads=True))
+    assert np.array_equal(near, _embedding(largest_requests(index, 400, seed=3, near_ads=True)))
+    assert (near[:, None, :] == rebuilt[None, :, :]).all(axis=2).any(axis=1).all()
+    wide = _embedding(largest_requests(index, 400, seed=3))
     assert not (wide[:, None, :] == rebuilt[None, :, :]).all(axis=2).any(axis=1).all()
+
+
+def test_warm_up_requests_near_ads_are_drawn_as_the_ads_are(root):
+    """A SID's share of the warm-up's requests near ads is its share of the ads, not of the SIDs:
+    on a trie whose first SID holds 900 of 1,000 ads (the other 100 one each), about 90% of the
+    requests are that SID's path (drawn by SID, about 1%)."""
+    from types import SimpleNamespace
+
+    from runtime.retriever import largest_requests
+
+    index = runtime.load(root, "cpu")
+    cb = index.codebook
+    sizes = [len(c) for c in cb.centroids]
+    leaves = 101
+
+    def leaf_sids(which: np.ndarray) -> np.ndarray:  # leaf i's path: i in mixed radix, distinct per leaf
+        digits, i = [], np.asarray(which, np.int64)
+        for k in sizes:
+            digits.append(i % k)
+            i = i // k
+        return np.stack(digits + [np.zeros_like(i)], axis=1).astype(np.int16)
+
+    assert np.prod(sizes) >= leaves
+    gtm = SimpleNamespace(leaf_ad_offsets=np.concatenate([[0], 900 + np.arange(leaves)]), leaf_sids=leaf_sids)
+    lopsided = SimpleNamespace(snapshot=SimpleNamespace(gtm=gtm), codebook=cb, spec=index.spec)
+    got = _embedding(largest_requests(lopsided, 2000, seed=5, near_ads=True))
+    first = np.asarray(sum(c[t] for c, t in zip(cb.centroids, leaf_sids(np.zeros(1, np.int64))[0].astype(np.int64))),
+                       np.float32)
+    share = (got == first).all(axis=1).mean()
+    assert 0.85 < share < 0.95, share
 
 
 def test_after_batches_past_its_widths_a_wider_searcher_warms_beside_serving(root, requests_table):
