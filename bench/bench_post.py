@@ -50,8 +50,9 @@ from runtime.loader import load_index
 from runtime.ops.expand import RRF_K
 from runtime.ops.expand.host import exact_pairs
 from runtime.ops.expand.layout import pow2
-from runtime.post import DevicePost, Retrieved, expand
+from runtime.post import DevicePost, expand
 from runtime.requests import to_device
+from runtime.result import Retrieved
 from runtime.search import Beams, beam_search
 from sidindex.modes import Mode
 from sidindex.request_encoding import encode_requests

@@ -136,7 +136,7 @@ def build_profile(n: int, profile: str, out: Path) -> dict:
 
 
 def same_rows(a, b) -> bool:
-    """Two post-stage results (`runtime.post.Retrieved`) hold the same rows."""
+    """Two post-stage results (`runtime.result.Retrieved`) hold the same rows."""
     return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("request", "rank", "ad_id", "sid", "score",
                                                                          "sids", "ads_generated", "ads_eligible"))
 

@@ -25,6 +25,7 @@ Modules:
     decoder     a reference transformer decoder with a KV cache: the worked example of a model
     hf          SidLogitsProcessor: the same mask inside Hugging Face `generate` (extra `sidindex[hf]`)
     post        SIDs -> ads, best score per ad, exact filter, ranking
+    result      Retrieved, the ranked rows; their Arrow table, cut per request and concatenation
     retrieval   retrieve(): a whole request table through a Retriever; the scorers of the studies
     simulate    pass rates and recall per mode (`sidindex simulate`)
     server      `sidindex serve`'s HTTP front: limits, answers, health, a clean stop (extra `sidindex[serve]`)

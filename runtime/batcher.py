@@ -26,9 +26,9 @@ import pyarrow as pa
 
 from runtime.engine_api import Refused
 from runtime.metrics import EngineMetrics
-from runtime.post import Retrieved
 from runtime.requests import requests_from
-from runtime.retriever import Retriever, concat, requests_part, table_of
+from runtime.result import Retrieved, concat, requests_part, table_of
+from runtime.retriever import Retriever
 from sidindex.errors import InputError, ScorerError
 from sidindex.requests import Requests
 from sidindex.targeting import TargetingSpec
@@ -85,7 +85,7 @@ class Batcher:
 
     async def answer(self, requests: Requests, spec: TargetingSpec | None, timeout: float | None) -> tuple[pa.Table,
                                                                                                           str]:
-        """The result table of validated requests (`runtime.retriever.table_of`, the client's
+        """The result table of validated requests (`runtime.result.table_of`, the client's
         request ids) and the snapshot that served them; Refused when the queue is full (503) or
         no answer came within `timeout` seconds (504: its rows not yet run are dropped); the
         batch's error when it failed (an InputError for a request a new snapshot's spec refuses,

@@ -21,7 +21,8 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from runtime.requests import requests_from
-from runtime.retriever import Retriever, concat, table_of
+from runtime.result import concat, table_of
+from runtime.retriever import Retriever
 from sidindex.errors import ConfigError, InputError, SidIndexError
 
 RETRIEVE = b"retrieve"  # the command of the descriptor `do_exchange` answers

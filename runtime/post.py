@@ -31,13 +31,12 @@ has for one attribute.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from runtime.ops.expand import DEFAULT_PAIRS, MAX_PAIRS, RANKS, PostLayout, expand_beams, expand_host
 from runtime.requests import to_device
+from runtime.result import Retrieved
 from runtime.search import Beams
 from runtime.served import POST_ARRAYS, ServedIndex, post_bounds
 from schemas.artifacts import MATCHER_PLANES
@@ -50,33 +49,6 @@ DEVICE_ROWS = 1 << 31
 # `DevicePost.send` copies a result's counts and at most this many words of its first rows (256 KiB,
 # about 10 us over PCIe) behind the graph; a result with more rows copies the rest when read
 SENT_WORDS = 1 << 15
-
-
-@dataclass(frozen=True)
-class Retrieved:
-    """Rows of the result, ordered by (request, rank).
-
-    request: (n,) int64 request row; rank: (n,) int64 1-based; ad_row: (n,) int64 catalog row;
-    ad_id: (n,) int64; sid: (n, L) int64 the SID that reached the ad with the best score;
-    score: (n,) float32; value: (n,) float64 the ad's value, or None when the snapshot has none.
-    Per request (B,) int64: sids (live SIDs the search returned),
-    ads_generated (ads under them, counted once per ad), ads_eligible (after the exact filter);
-    with `stages`, ads_per_stage: per matcher plane (by name), the generated ads passing its
-    attributes exactly (each stage on its own), else None.
-    The device path's rows are strided views of one (n, F) block, as numpy's column views are.
-    """
-
-    request: np.ndarray
-    rank: np.ndarray
-    ad_row: np.ndarray
-    ad_id: np.ndarray
-    sid: np.ndarray
-    score: np.ndarray
-    sids: np.ndarray
-    ads_generated: np.ndarray
-    ads_eligible: np.ndarray
-    ads_per_stage: dict[str, np.ndarray] | None = None
-    value: np.ndarray | None = None
 
 
 def check_rank(index: ServedIndex, rank: str) -> None:

@@ -9,8 +9,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from runtime.post import Retrieved
-from runtime.retriever import Retriever, table_of
+from runtime.result import Retrieved, table_of
+from runtime.retriever import Retriever
 from runtime.scorer import CodebookScorer, ScorerFactory, as_factory, embedding_of
 from runtime.search import DEFAULT_BEAMS, Scorer
 from runtime.served import ServedIndex, codebook_of
@@ -29,7 +29,7 @@ class RetrievalRun:
     seconds: dict[str, float] = field(default_factory=dict)
 
     def table(self, request_id: np.ndarray) -> pa.Table:
-        """`runtime.retriever.table_of` the result, for the requests' ids (B,) int64."""
+        """`runtime.result.table_of` the result, for the requests' ids (B,) int64."""
         return table_of(self.result, request_id)
 
 

@@ -58,15 +58,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from runtime.ops.compiles import compiles
-from runtime.post import Retrieved, check_rank, check_top_k
+from runtime.post import check_rank, check_top_k
 from runtime.requests import embedding_dim, requests_from
+from runtime.result import Retrieved, concat, requests_part, table_of
 from runtime.scorer import ScorerFactory, as_factory
 from runtime.search import DEFAULT_BEAMS, Scorer, check_slack, check_value_weight, parse_beams
 from runtime.served import ServedIndex
@@ -635,47 +635,3 @@ def largest_requests(index: ServedIndex, n: int, seed: int = 0, near_ads: bool =
         emb = np.clip(emb, -MAX_ABS_EMBEDDING, MAX_ABS_EMBEDDING)
         cols["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), cb.dim)
     return pa.table(cols)
-
-
-PER_REQUEST = ("sids", "ads_generated", "ads_eligible", "ads_per_stage")  # `Retrieved`'s (B,) fields
-
-
-def requests_part(r: Retrieved, lo: int, hi: int) -> Retrieved:
-    """The rows of requests lo..hi-1 of a result (rows ranked by request), renumbered from 0."""
-    r0, r1 = np.searchsorted(r.request, [lo, hi])
-
-    def cut(name: str, v):
-        if v is None:
-            return None
-        if isinstance(v, dict):
-            return {k: cut(name, x) for k, x in v.items()}
-        return v[lo:hi] if name in PER_REQUEST else v[r0:r1]
-
-    out = {name: cut(name, v) for name, v in vars(r).items()}
-    return Retrieved(**out | {"request": out["request"] - lo})
-
-
-def concat(parts: list[tuple[int, Retrieved]]) -> Retrieved:
-    """Batches -> one result; request rows shifted to the whole table's."""
-    out: dict[str, Any] = {}
-    for name in vars(parts[0][1]):
-        vals = [getattr(p, name) for _, p in parts]
-        if name == "request":
-            vals = [v + lo for v, (lo, _) in zip(vals, parts)]
-        if vals[0] is None:
-            out[name] = None
-        elif isinstance(vals[0], dict):  # per stage
-            out[name] = {k: np.concatenate([v[k] for v in vals]) for k in vals[0]}
-        else:
-            out[name] = np.concatenate(vals)
-    return Retrieved(**out)
-
-
-def table_of(r: Retrieved, request_id: np.ndarray) -> pa.Table:
-    """request_id, rank, ad_id, sid (fixed_size_list<int16> of L tokens), score, and value when the
-    snapshot has ad values."""
-    L = r.sid.shape[1] if r.sid.ndim == 2 else 0
-    sid = pa.FixedSizeListArray.from_arrays(pa.array(r.sid.reshape(-1).astype(np.int16)), L)
-    value = {} if r.value is None else {"value": pa.array(r.value)}
-    return pa.table({"request_id": pa.array(request_id[r.request]), "rank": pa.array(r.rank),
-                     "ad_id": pa.array(r.ad_id), "sid": sid, "score": pa.array(r.score)} | value)

@@ -67,8 +67,9 @@ from runtime.ops.compiles import count_compiles
 from runtime.ops.expand import DEFAULT_PAIRS, MAX_PAIRS
 from runtime.ops.expand.layout import pow2
 from runtime.ops.impl import Impl
-from runtime.post import DevicePost, Retrieved, check_rank, check_top_k, expand, on_device
+from runtime.post import DevicePost, check_rank, check_top_k, expand, on_device
 from runtime.requests import Staged, device_form
+from runtime.result import Retrieved
 from runtime.scorer import CodebookScorer, embedding_of
 from runtime.search import (
     DEFAULT_BEAMS,

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from runtime.loader import load_index
 from runtime.ops.expand import DEFAULT_PAIRS, RRF_K, PostLayout
-from runtime.post import RANKS, DevicePost, Retrieved, expand, post_tensors
+from runtime.post import RANKS, DevicePost, expand, post_tensors
 from runtime.requests import to_device
+from runtime.result import Retrieved
 from runtime.search import Beams
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import ConfigError

@@ -20,7 +20,7 @@ import pytest
 import runtime
 import sidindex.requests
 from runtime.post import expand
-from runtime.retriever import requests_part, table_of
+from runtime.result import requests_part, table_of
 from sidindex.errors import ConfigError, InputError
 from tests.conftest import run_cli
 from tests.test_post import same as same_retrieved

@@ -2,7 +2,7 @@
 pairs, each ad's best score, the exact filter, and the ranked rows.
 
 On the host (`expand_host`, `host`): numba passes over the snapshot's memory maps, to the fields of
-`runtime.post.Retrieved`. On the device (`runtime.post.DevicePost`, `expand_beams`): the rows
+`runtime.result.Retrieved`. On the device (`runtime.post.DevicePost`, `expand_beams`): the rows
 packed into one int64 buffer (`PostLayout`), with no host synchronisation (a CUDA graph captures
 it), every request holding at most C pairs (the capacity the caller chose; a request whose beams
 reach more overflows, and its `reached` count says so); two implementations of that one contract,

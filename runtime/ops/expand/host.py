@@ -1,6 +1,6 @@
 """The post stage on the host (`runtime.post.expand` where the beams are on the CPU, or the index
 has no `ServedIndex.post`): numba passes over the snapshot's memory maps, to the rows of
-`runtime.post.Retrieved`. Expand + dedupe with a hash table per request, the exact filter of
+`runtime.result.Retrieved`. Expand + dedupe with a hash table per request, the exact filter of
 `sidindex.matchers.exact`, a merge sort per request; the device path (`expand_beams`) gives the
 same rows.
 
@@ -24,7 +24,7 @@ from sidindex.snapshot import Snapshot
 
 def expand_host(snap: Snapshot, requests: EncodedRequests, beams, top_k: int | None, stages: bool,
                 rank: str) -> dict:
-    """The fields of `runtime.post.Retrieved`, by name: the eligible ads under the beams' SIDs,
+    """The fields of `runtime.result.Retrieved`, by name: the eligible ads under the beams' SIDs,
     ranked per request by `rank` (RANKS), the first `top_k` (None: all), with `stages` each
     stage's passes counted on its own.
 
@@ -54,7 +54,7 @@ def exact_pairs(exact, requests: EncodedRequests, req: np.ndarray, ad: np.ndarra
                 stages: bool) -> tuple[np.ndarray, dict]:
     """(n,) bool: does ad ad[i] (catalog row) pass request req[i] exactly (`sidindex.matchers.exact`),
     and with `stages` {"ads_per_stage": per matcher plane (B,) int64 the pairs passing its attributes,
-    each plane on its own} (else {}), as `runtime.post.Retrieved` takes it. req, ad: (n,) int64;
+    each plane on its own} (else {}), as `runtime.result.Retrieved` takes it. req, ad: (n,) int64;
     exact: an ExactIndex."""
     if not stages:
         return eligible_pairs(exact, requests, req, ad), {}
