@@ -218,7 +218,7 @@ class Batcher:
             parts.append((i, p.requests.rows(lo, hi)))
         joined = _joined([r for _, r in parts]) if parts else None
         if joined is None and len(parts) > 1:  # columns of types that do not concatenate: one batch each
-            found = [self.retriever.run(_renumbered(reqs), index)[0] for _, reqs in parts]
+            found = [self.retriever.run(reqs.renumbered(), index)[0] for _, reqs in parts]
         elif parts:
             assert joined is not None  # one part always joins
             bounds = np.cumsum([0] + [len(r) for _, r in parts]).tolist()
@@ -259,16 +259,11 @@ def _pieces(active: deque[Pending], most: int) -> list[tuple[Pending, int, int]]
     return pieces
 
 
-def _renumbered(p: Requests) -> Requests:
-    """One part's rows as a batch, request ids renumbered 0..n-1 (as `_joined`'s)."""
-    return Requests(p.source, np.arange(len(p), dtype=np.int64), p.embedding, p.columns, p.table)
-
-
 def _joined(parts: list[Requests]) -> Requests | None:
     """The parts' rows as one validated batch, request ids renumbered (two clients may send the
     same id); None when their columns' types do not concatenate."""
     if len(parts) == 1:
-        return _renumbered(parts[0])
+        return parts[0].renumbered()
     try:
         columns = pa.concat_tables([p.columns for p in parts], promote_options="permissive")
         table = pa.concat_tables([p.table for p in parts], promote_options="permissive")

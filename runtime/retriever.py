@@ -346,7 +346,7 @@ class Retriever:
         size = next(b for b in self.batch_sizes if b >= n)
         if size == n:
             return reqs
-        return _taken(reqs, np.minimum(np.arange(size), n - 1))
+        return reqs.taken(np.minimum(np.arange(size), n - 1))
 
     def _validated(self, data, index: ServedIndex, source: str) -> Requests:
         return data if isinstance(data, Requests) else requests_from(data, index, source=source)
@@ -436,7 +436,7 @@ class Retriever:
         warmup = None if self._warmup is None else _for_index(self._warmup, self._warmup_for, index)
         if warmup is not None:
             if not synthetic:  # a batch of each size, its rows repeated where the warm-up has fewer
-                firsts = [_taken(warmup, np.arange(b) % len(warmup)) for b in self.batch_sizes]
+                firsts = [warmup.taken(np.arange(b) % len(warmup)) for b in self.batch_sizes]
                 for reqs in firsts:
                     run(reqs)
             for lo in range(0, len(warmup), most):
@@ -540,13 +540,6 @@ def _for_index(reqs: Requests, served_for: tuple, index: ServedIndex) -> Request
         return requests_from(table, index, source="served requests")
     except InputError:
         return None
-
-
-def _taken(reqs: Requests, take: np.ndarray) -> Requests:
-    """The requests of rows `take` (int64, repeats allowed), numbered 0.. in that order."""
-    emb = None if reqs.embedding is None else reqs.embedding[take]
-    return Requests(reqs.source, np.arange(len(take), dtype=np.int64), emb, reqs.columns.take(take),
-                    reqs.table.take(take))
 
 
 WARM_BATCHES = 8  # batches of the largest size a warm-up searches to size the widths (module doc)

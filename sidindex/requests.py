@@ -13,7 +13,7 @@ refused with the same words.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -62,6 +62,17 @@ class Requests:
         """Requests lo..hi-1 (zero-copy)."""
         return Requests(self.source, self.request_id[lo:hi], None if self.embedding is None else self.embedding[lo:hi],
                         self.columns.slice(lo, hi - lo), self.table.slice(lo, hi - lo))
+
+    def taken(self, rows: np.ndarray) -> Requests:
+        """The requests of `rows` (int64, repeats allowed), numbered 0.. in that order (a padded
+        batch's copies of its last request need ids of their own)."""
+        emb = None if self.embedding is None else self.embedding[rows]
+        return Requests(self.source, np.arange(len(rows), dtype=np.int64), emb, self.columns.take(rows),
+                        self.table.take(rows))
+
+    def renumbered(self) -> Requests:
+        """The same requests numbered 0..B-1 (a batch of several clients' requests, whose ids may clash)."""
+        return replace(self, request_id=np.arange(len(self), dtype=np.int64))
 
 
 def read_requests(path: str | Path, spec: TargetingSpec, *, max_values: int = MAX_REQUEST_VALUES,
