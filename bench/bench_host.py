@@ -1,8 +1,9 @@
 """The serving host's work on a batch around the search, stage by stage, as `runtime.Retriever`
 runs it: validate (`runtime.requests_from`), encode (`sidindex.request_encoding.encode_requests`
-into one reused arena) and stage (`runtime.requests.Staged`: the encoding copied into a captured
-graph's pinned staging, and the copy of that to the device issued), on distinct Arrow record
-batches of B=16 requests.
+into one reused arena), stage (`runtime.requests.Staged`: the encoding copied into a captured
+graph's pinned staging, and the copy of that to the device issued) and result (the Arrow table of
+the batch's ranked ads, `runtime.result.table_of`), on distinct Arrow record batches of B=16
+requests.
 
     python bench/bench_host.py                                   # a CPU run: 20k ads, 256 batches
     python bench/bench_host.py --device cuda --cache /data/bench_stream
@@ -10,13 +11,14 @@ batches of B=16 requests.
 
 Catalog, snapshot and requests: `bench_stream`'s (`catalog_root` under --cache, `request_batches`:
 0..64 locations a request, each batch an IPC message read back, all made before any timing). Every
-batch goes through the three stages in turn, each timed on the host (wall, perf_counter; on a GPU
+batch goes through the four stages in turn, each timed on the host (wall, perf_counter; on a GPU
 the copy is only issued, as a serving host issues it, and the device is synchronised after the
 batch, outside the timing); --passes passes over the batches, the first a warm-up. The staging
 is made once, from the batch with the most query rows, as a warm-up makes a graph's. Reported per
 stage: p50 and mean ms per batch of the pass with the least total, and the sum of the means (the
-target: validate + encode + stage + result <= 0.3 ms for B=16). torch and numba run one thread
-each on the CPU (--threads), as in bench_stream.
+target: validate + encode + stage + result <= 0.3 ms for B=16). Each batch's ranked ads (cd+gtm,
+--beams; all of them) are retrieved once before any timing, for the result stage to table. torch
+and numba run one thread each on the CPU (--threads), as in bench_stream.
 """
 
 from __future__ import annotations
@@ -37,11 +39,20 @@ import numpy as np
 import torch
 
 import runtime
-from bench.bench_stream import catalog_embeddings, catalog_root, distribution, request_batches, set_threads
+from bench.bench_stream import (
+    CPU_BEAMS,
+    CUDA_BEAMS,
+    catalog_embeddings,
+    catalog_root,
+    distribution,
+    request_batches,
+    set_threads,
+)
 from runtime.requests import Staged, requests_from
+from runtime.result import Retrieved, table_of
 from sidindex.request_encoding import encode_requests
 
-STAGES = ("validate", "encode", "stage")
+STAGES = ("validate", "encode", "stage", "result")
 
 
 def arena():
@@ -65,8 +76,8 @@ def staging(index, batches, device: torch.device) -> Staged:
     return staged
 
 
-def one_pass(index, batches, staged: Staged, words) -> np.ndarray:
-    """(batches, 3) seconds of each batch's validate, encode and stage."""
+def one_pass(index, batches, staged: Staged, words, found: list[Retrieved]) -> np.ndarray:
+    """(batches, 4) seconds of each batch's validate, encode, stage and result (`found`: its rows)."""
     out = np.zeros((len(batches), len(STAGES)))
     for i, b in enumerate(batches):
         t0 = time.perf_counter()
@@ -78,7 +89,8 @@ def one_pass(index, batches, staged: Staged, words) -> np.ndarray:
             raise AssertionError("the staging holds every batch (`staging`)")
         staged.put(host)
         t3 = time.perf_counter()
-        out[i] = (t1 - t0, t2 - t1, t3 - t2)
+        table_of(found[i], reqs.request_id)
+        out[i] = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         if staged.device.is_cuda:
             torch.cuda.synchronize(staged.device.device)  # the staging is written again by the next batch
     return out
@@ -92,14 +104,18 @@ def run(args) -> dict:
         index = runtime.load(size["root"], device)
         batches = request_batches(index, args.batches, catalog_embeddings(Path(size["catalog"])))
         words, staged = arena(), staging(index, batches, device)
-        passes = [one_pass(index, batches, staged, words) for _ in range(args.passes)][1:]
+        beams = tuple(int(b) for b in (args.beams or (CUDA_BEAMS if device.type == "cuda" else CPU_BEAMS)).split(","))
+        retriever = runtime.Retriever(index, mode="cd+gtm", beams=beams, batch_sizes=(16,), warm=False)
+        found = [retriever.run(requests_from(b, index), index)[0] for b in batches]
+        passes = [one_pass(index, batches, staged, words, found) for _ in range(args.passes)][1:]
         if args.cprofile:
             prof = cProfile.Profile()
-            prof.runcall(lambda: [one_pass(index, batches, staged, words) for _ in range(args.cprofile)])
+            prof.runcall(lambda: [one_pass(index, batches, staged, words, found) for _ in range(args.cprofile)])
             pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(30)
     best = min(passes, key=lambda p: p.sum())
     stages = {s: distribution((best[:, i] * 1e3).tolist()) for i, s in enumerate(STAGES)}
     return {"device": str(device), "ads": args.ads, "batches": len(batches), "batch": batches[0].num_rows,
+            "rows_per_batch": float(np.mean([len(f.request) for f in found])),
             "stages": {s: {"p50_ms": d["p50_ms"], "mean_ms": d["mean_ms"]} for s, d in stages.items()},
             "total_mean_ms": sum(d["mean_ms"] for d in stages.values())}
 
@@ -109,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ads", type=int, default=20_000)
     ap.add_argument("--dim", type=int, default=32, help="embedding dimensions of the generated catalog")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--beams", help=f"beam sizes of the searches whose rows are tabled (default {CUDA_BEAMS} on "
+                    f"CUDA, {CPU_BEAMS} on the CPU)")
     ap.add_argument("--batches", type=int, default=256, help="distinct batches of 16")
     ap.add_argument("--passes", type=int, default=4, help="passes over the batches (the first a warm-up)")
     ap.add_argument("--threads", type=int, help="torch's and numba's threads (default: 1 on the CPU)")
@@ -121,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     for s, d in res["stages"].items():
         print(f"{s:10s} p50 {d['p50_ms']:.3f} ms   mean {d['mean_ms']:.3f} ms")
-    print(f"{'total':10s} mean {res['total_mean_ms']:.3f} ms per batch of {res['batch']} ({res['device']})")
+    print(f"{'total':10s} mean {res['total_mean_ms']:.3f} ms per batch of {res['batch']} ({res['device']}; "
+          f"{res['rows_per_batch']:,.0f} result rows a batch)")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     return 0
