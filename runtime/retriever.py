@@ -203,6 +203,16 @@ class Retriever:
         return self.slots if self.index.device.type == "cuda" and self.factory is None else 1
 
     @property
+    def widths(self) -> tuple[int | None, ...] | None:
+        """Each search step's compact width on the index served now: the candidates its top-k
+        selects among (`runtime.search.capped_widths`; None: the step's worst case), as warm-up
+        and re-warms settled them. None in mode none, or before the index is warmed."""
+        index = self.index
+        with self._lock:
+            warmed = self._warmed.get(id(index))
+        return None if warmed is None else warmed.searcher.widths(index)
+
+    @property
     def index(self) -> ServedIndex:
         """The index the next batch runs on: the watcher's current one, or the one given."""
         if self.watcher is not None:

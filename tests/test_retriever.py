@@ -395,6 +395,8 @@ def test_after_batches_past_its_widths_a_wider_searcher_warms_beside_serving(roo
     retriever = runtime.Retriever(index, mode="cd", beams=BEAMS, batch_sizes=(8,))
     served = retriever._warmed[id(index)].searcher
     served.step_slack = dict.fromkeys(range(index.sid_length), 0.01)  # far below any batch's candidates
+    shrunk = retriever.widths
+    assert shrunk is not None and len(shrunk) == index.sid_length and shrunk == served.widths(index)
     want = reference(index, requests_table, "cd", 8)
     assert retriever.retrieve(requests_table).equals(want)
     c = retriever.counters
@@ -402,6 +404,10 @@ def test_after_batches_past_its_widths_a_wider_searcher_warms_beside_serving(roo
     assert retriever.join_warmups(120) and retriever.rewarm_error is None and c.rewarms == 1
     wider = retriever._warmed[id(index)].searcher
     assert wider is not served and wider.frozen and all(s > 0.01 for s in wider.step_slack.values())
+    # what the served searcher uses now: no step narrower, some wider (None: the step's worst case)
+    now = retriever.widths
+    assert now is not None and now != shrunk
+    assert all(b is None or (a is not None and a <= b) for a, b in zip(shrunk, now))
     assert retriever.retrieve(requests_table).equals(want)
     assert c.overflows == 3 and c.widenings == 0 and c.rewarms == 1  # they fit now: no second re-warm
     retriever.close()
