@@ -227,6 +227,14 @@ class Searcher:
         self._stall("widened")
         self._graphs = {k: g for k, g in self._graphs.items() if k[2]}
 
+    def _searched(self, g: _Graph, index: ServedIndex, scorer: Scorer | None, request_id) -> tuple[int | None, Beams]:
+        """A replay of the search alone, read after its one wait: the step it overflowed at
+        (`_overflowed`: a ScorerError for a broken model) and its beams, copied out of the graph's
+        outputs (the copies recorded before the slot is freed)."""
+        found = Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
+        g.done.record(torch.cuda.current_stream(index.device))
+        return self._overflowed(g.out, scorer, request_id, _wait(g)), found
+
     def _outcome(self, g: _Graph, scorer: Scorer | None, request_id) -> tuple[int | None, Retrieved | None]:
         """A replay of search and post stage, read after its one wait: the step it overflowed at
         (`_overflowed`: a ScorerError for a broken model) and the post stage's result (None: past
@@ -280,9 +288,7 @@ class Searcher:
                     self._stall("overflows")
                     return self._eager(index, requests, scorer, request_id, counted=True)
                 with self._reading(g):
-                    found = Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
-                    g.done.record(torch.cuda.current_stream(index.device))  # the copies too, before the slot is freed
-                    step = self._overflowed(g.out, scorer, request_id, _wait(g))  # one wait, the copies queued
+                    step, found = self._searched(g, index, scorer, request_id)
                 if step is None:
                     return found
                 if not self.frozen:
@@ -293,10 +299,7 @@ class Searcher:
                 if g is None:  # captured for smaller batches (a user's scorer that warmed on fewer values)
                     return self._eager(index, requests, scorer, request_id, counted=True)
                 with self._reading(g):
-                    found = Beams(g.out.tokens.clone(), g.out.score.clone(), g.out.leaf.clone())
-                    g.done.record(torch.cuda.current_stream(index.device))
-                    self._overflowed(g.out, scorer, request_id, _wait(g))
-                    return found
+                    return self._searched(g, index, scorer, request_id)[1]  # never overflows; a broken model is refused
 
     def retrieve(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None = None, *,
                  top_k: int | None = None, rank: str = "score", stages: bool = False,
