@@ -42,6 +42,7 @@ import runtime
 from bench.bench_stream import (
     CPU_BEAMS,
     CUDA_BEAMS,
+    beams_for,
     catalog_embeddings,
     catalog_root,
     distribution,
@@ -104,7 +105,7 @@ def run(args) -> dict:
         index = runtime.load(size["root"], device)
         batches = request_batches(index, args.batches, catalog_embeddings(Path(size["catalog"])))
         words, staged = arena(), staging(index, batches, device)
-        beams = tuple(int(b) for b in (args.beams or (CUDA_BEAMS if device.type == "cuda" else CPU_BEAMS)).split(","))
+        beams = beams_for(args.beams, device)
         retriever = runtime.Retriever(index, mode="cd+gtm", beams=beams, batch_sizes=(16,), warm=False)
         found = [retriever.run(requests_from(b, index), index)[0] for b in batches]
         passes = [one_pass(index, batches, staged, words, found) for _ in range(args.passes)][1:]

@@ -455,9 +455,14 @@ def kept(what: str, fn):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def beams_for(text: str | None, device: torch.device) -> tuple[int, ...]:
+    """--beams as a tuple (None: CUDA_BEAMS on CUDA, CPU_BEAMS elsewhere), for the serving benchmarks."""
+    return tuple(int(b) for b in (text or (CUDA_BEAMS if device.type == "cuda" else CPU_BEAMS)).split(","))
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
-    beams = tuple(int(b) for b in (args.beams or (CUDA_BEAMS if device.type == "cuda" else CPU_BEAMS)).split(","))
+    beams = beams_for(args.beams, device)
     if args.threads is None and device.type == "cpu":
         args.threads = 1
     set_threads(args.threads)

@@ -38,6 +38,7 @@ from bench.bench_stream import (
     CPU_BEAMS,
     CUDA_BEAMS,
     PROFILES,
+    beams_for,
     catalog_embeddings,
     catalog_root,
     free,
@@ -68,7 +69,7 @@ def served(index, mode: Mode, beams: tuple[int, ...], batches: list[pa.RecordBat
 
 def run(args) -> dict:
     device = torch.device(args.device)
-    beams = tuple(int(b) for b in (args.beams or (CUDA_BEAMS if device.type == "cuda" else CPU_BEAMS)).split(","))
+    beams = beams_for(args.beams, device)
     set_threads(args.threads or (1 if device.type == "cpu" else None))
     profiles = PROFILES if args.profile == "both" else (args.profile,)
     rows = []
