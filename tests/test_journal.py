@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import shutil
 from pathlib import Path
 
@@ -148,6 +149,7 @@ def test_tampering_never_loses_or_invents_a_change(watermarked, pool, tmp_path_f
     paused: set[int] = set()
     damaged: dict[str, Path] = {}  # change file name -> a copy of its journal entry, moved or deleted
     through = 0  # the newest export a build was told
+    saves = itertools.count()
 
     def check() -> None:
         assert _live(root) == set(catalog[-1]["ad_id"].to_list()) - paused
@@ -178,7 +180,8 @@ def test_tampering_never_loses_or_invents_a_change(watermarked, pool, tmp_path_f
             if a == "forge":
                 _forge(pool, root, r.update, forged, tmp, f"forged-{b}.parquet")
             elif r.name not in damaged:
-                damaged[r.name] = Path(shutil.copytree(entry, tmp / f"saved-{r.name}-{b}"))
+                # a fresh name: an entry restored earlier may be damaged again with the same b
+                damaged[r.name] = Path(shutil.copytree(entry, tmp / f"saved-{r.name}-{next(saves)}"))
                 if a == "delete":
                     shutil.rmtree(entry)
                 else:  # edited, then renamed to its new sha256
