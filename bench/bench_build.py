@@ -53,9 +53,9 @@ def ads_per_sid(snapshot, beams: int = PAIR_BEAMS) -> dict:
     """How many ads the SIDs of a snapshot (a `Snapshot`, or a ROOT or snapshot directory, opened
     without checksums) hold, read on the host from each shard's leaf_ad_offsets: the SIDs, p50,
     p99 and max ads per SID, and `most_pairs`, the most (request, ad) pairs `beams` distinct SIDs
-    reach, the sum of the `beams` largest SIDs' ads (`runtime.served.largest_sum`: what the post
+    reach, the sum of the `beams` largest SIDs' ads (`runtime.index.served.largest_sum`: what the post
     stage sizes its work by, `PostBounds.most_pairs`)."""
-    from runtime.served import largest_sum
+    from runtime.index.served import largest_sum
     from sidindex import histogram
     from sidindex.snapshot import Snapshot, open_snapshot
 

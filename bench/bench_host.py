@@ -58,7 +58,7 @@ STAGES = ("validate", "encode", "stage", "result")
 
 def arena():
     """The encoder's arena as a serving host keeps one: reused by every batch, grown to twice a
-    batch's need when it falls short (`runtime.retriever`)."""
+    batch's need when it falls short (`runtime.serving.retriever`)."""
     held: list[np.ndarray] = []
 
     def words(need: int) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Post-stage benchmark: SIDs -> ads, best score per ad, exact filter and ranking for one batch,
 host numba path next to the numpy implementation it replaced, measured in the same run, and on a
-GPU the device path (`runtime.post.DevicePost`), eager and captured in a CUDA graph, next to the
+GPU the device path (`runtime.serving.post.DevicePost`), eager and captured in a CUDA graph, next to the
 op's torch reference at the same capacity, in the same run.
 
     python bench/bench_post.py                  # 5M ads; on a CUDA host it also times the device path
@@ -14,8 +14,8 @@ creatives of big advertisers). Beams: a cd+gtm search with beams 1,512,1024,1024
 (fixed per step), so the beams are the ones a search returns: about 1,024 live SIDs per request;
 the skewed case puts those hot SIDs among every request's beams (in the first beams' places).
 Per run the median over --reps runs of one batch:
-  numpy         the former `runtime.post.expand` (lexsort passes), kept here as the reference
-  numba         `runtime.post.expand` on the host (beams already on the host)
+  numpy         the former `runtime.serving.post.expand` (lexsort passes), kept here as the reference
+  numba         `runtime.serving.post.expand` on the host (beams already on the host)
   device        `DevicePost.run` timed with CUDA events, eager and replayed as a CUDA graph, at two
                 capacities C: the default (`pairs` None: the bound, at most 65,536 pairs a
                 request) and one fitted to the batch (twice the most pairs a request reached,
@@ -46,14 +46,14 @@ import torch
 from bench.bench_gtm import generate
 from bench.bench_snapshot import write
 from bench.common import KWAY, bench_requests, captured, cuda_ms, print_profile, profile_kernels, wall_ms
-from runtime.loader import load_index
+from runtime.index.loader import load_index
 from runtime.ops.expand import RRF_K
 from runtime.ops.expand.host import exact_pairs
 from runtime.ops.expand.layout import pow2
-from runtime.post import DevicePost, expand
 from runtime.requests import to_device
 from runtime.result import Retrieved
-from runtime.search import Beams, beam_search
+from runtime.search.beam import Beams, beam_search
+from runtime.serving.post import DevicePost, expand
 from sidindex.modes import Mode
 from sidindex.request_encoding import encode_requests
 from sidindex.snapshot import open_snapshot
@@ -64,7 +64,7 @@ SKEW = "20000,10000,5000,2000"  # ads of the hot SIDs
 
 
 def numpy_expand(index, requests, beams: Beams, top_k=None, stages=False, rank="score") -> Retrieved:
-    """The post stage as `runtime.post.expand` computed it before the numba path (the reference):
+    """The post stage as `runtime.serving.post.expand` computed it before the numba path (the reference):
     vectorised numpy passes over all (request, ad) pairs, lexsort for dedupe and ranking."""
     snap, g = index.snapshot, index.gtm
     tokens, score, leaf = (t.cpu().numpy() for t in (beams.tokens, beams.score, beams.leaf))

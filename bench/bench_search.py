@@ -22,7 +22,7 @@ Beams 1,512,1024,1024. Medians over --reps (CUDA events). Per mode:
 
   graph       the whole search (log-softmax, mask, top-k, reorder, child lookup, 4 steps) captured
               as a CUDA graph and replayed, each step's compact layout capped to the widths the
-              Searcher settled on at its first batch (`runtime.search.capped_widths`; printed):
+              Searcher settled on at its first batch (`runtime.search.beam.capped_widths`; printed):
               what a serving loop pays; the mask, profile and floor figures use them too
   Searcher    `runtime.Searcher.search`, the public API's captured search (outputs copied out,
               its overflow flag read)
@@ -89,14 +89,14 @@ from bench.common import (
     profile_kernels,
     same_beams,
 )
-from runtime import constraint
-from runtime.loader import load_index
+from runtime.index.loader import load_index
 from runtime.ops.gtm_mask import gtm_candidates
 from runtime.ops.gtm_mask.slots import every_entry
-from runtime.post import expand
 from runtime.requests import to_device
-from runtime.search import beam_search
-from runtime.serving import Searcher
+from runtime.search import constraint
+from runtime.search.beam import beam_search
+from runtime.serving.post import expand
+from runtime.serving.searcher import Searcher
 from sidindex.modes import Mode
 from sidindex.request_encoding import encode_requests
 from sidindex.sample import PROFILES, bulk_ads, sample_catalog

@@ -19,12 +19,12 @@ random embeddings, two batches; beams 1,512,1024,1024. Each figure is a median o
              Searcher  `runtime.Searcher.search`, batches alternating (inputs refreshed, outputs copied)
              eager     `runtime.beam_search`
              target: cd+gtm Searcher <= 1.1x graph
-  decoder    `runtime.decoder.ReferenceDecoder` (4 layers, d_model 256, 64 context tokens, KV cache
+  decoder    `runtime.studies.decoder.ReferenceDecoder` (4 layers, d_model 256, 64 context tokens, KV cache
              reordered by `parent`), eager and through the Searcher (model included in the graph);
              target: cd+gtm <= 1.1x none
   generate   a randomly initialised Llama (4 layers, hidden 256) from `transformers`, 64-token prompts,
              `generate(num_beams=64, num_return_sequences=64, max_new_tokens=4)` without the processor
-             and with `runtime.hf.SidLogitsProcessor` (cd, cd+gtm); target: cd+gtm <= 1.2x without.
+             and with `runtime.search.hf.SidLogitsProcessor` (cd, cd+gtm); target: cd+gtm <= 1.2x without.
              Skipped, saying so, when transformers is not installed.
 Every replayed search must equal the eager one ("same"); the decoder's cached scores must equal the
 model's whole-sequence log-probabilities; every SID generate returns with the processor must be a
@@ -50,7 +50,7 @@ import torch
 from bench.bench_gtm import LEVELS, bench_spec
 from bench.common import bench_requests, build_snapshot, cuda_ms, graph_search_ms, same_beams, wall_ms
 from runtime import Searcher, beam_search, codebook_scorer, load_index, to_device
-from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
+from runtime.studies.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from sidindex.config import SIDConfig
 from sidindex.modes import Mode
 from sidindex.request_encoding import encode_requests
@@ -159,7 +159,7 @@ def generate_rows(index, dreq, B: int, reps: int, num_beams: int) -> list[dict]:
     except ImportError:
         print("transformers is not installed: generate rows skipped (pip install 'sidindex[hf]')", file=sys.stderr)
         return []
-    from runtime.hf import SidLogitsProcessor
+    from runtime.search.hf import SidLogitsProcessor
 
     dev, ms = index.device, timer(index.device)
     L, V = index.sid_length, index.vocab_size

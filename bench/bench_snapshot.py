@@ -12,7 +12,7 @@ the page cache (posix_fadvise DONTNEED), so every open starts cold (median of 3)
   cold      open (verify off), then the first query faults its pages in from disk
   prefault  open with prefault on (every page read at open), then the first query
   verify    open with checksums on (the default: every byte hashed)
-  load      open (verify off), then load the index onto the device (`runtime.loader.load_index`;
+  load      open (verify off), then load the index onto the device (`runtime.index.loader.load_index`;
             cuda when there is one, else cpu)
 A query walks 1,000 random catalog SIDs down the trie for one request, reading each entry's matcher
 rows and the exact rows of the SID's ads (the pages one request's search and post stage touch).
@@ -128,7 +128,7 @@ def measure(snapshot: Path, how: str, repeats: int = 3) -> dict:
         if how == "load":
             import torch
 
-            from runtime.loader import load_index
+            from runtime.index.loader import load_index
 
             load_index(snap, "cuda" if torch.cuda.is_available() else "cpu")
             run["load_s"] = time.perf_counter() - t

@@ -92,7 +92,7 @@ import torch
 import runtime
 from bench.bench_build import ads_per_sid
 from bench.qwen3_scorer import CONTEXT, Qwen3Decoder
-from runtime.scorer import ScorerFactory
+from runtime.scorers.factory import ScorerFactory
 from sidindex.modes import Mode
 from sidindex.sample import PROFILES as CATALOG_PROFILES
 from sidindex.sample import check_profile, sample_requests
@@ -254,7 +254,7 @@ def per_call(retriever, batches: list[pa.RecordBatch], batches_per_call: int = C
 
 
 def stage_ms(counters) -> dict:
-    """Mean ms per batch of each stage (`runtime.retriever.STAGES`) from a Retriever's counters."""
+    """Mean ms per batch of each stage (`runtime.serving.retriever.STAGES`) from a Retriever's counters."""
     return {k: v / counters.batches * 1e3 for k, v in counters.seconds.items()}
 
 

@@ -54,12 +54,12 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 import torch
 
-import runtime.staging as staging
+import runtime.index.staging as staging
 import sidindex.snapshot.snapshot as snapshot_module
 from bench.bench_snapshot import evict
 from bench.common import bench_requests, build_snapshot
 from runtime import Searcher, load, load_index, to_device
-from runtime.served import ServedIndex
+from runtime.index.served import ServedIndex
 from schemas.artifacts import MANIFEST_FILE
 from sidindex.artifact import THREADS, verify_files
 from sidindex.request_encoding import encode_requests

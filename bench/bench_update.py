@@ -48,7 +48,7 @@ import polars as pl
 
 import runtime
 from bench.bench_swap import PHASES, median_swap, swap, sync
-from runtime.post import expand
+from runtime.serving.post import expand
 from sidindex.config import load_config
 from sidindex.job import run_build, run_update
 from sidindex.root import Root

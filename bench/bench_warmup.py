@@ -1,5 +1,5 @@
 """Whether a warm-up's widths fit the traffic that follows: per profile and mode, a
-`runtime.Retriever` warmed as it warms by itself (synthetic requests: `runtime.retriever`'s
+`runtime.Retriever` warmed as it warms by itself (synthetic requests: `runtime.serving.retriever`'s
 `largest_requests`), then the same with `warmup=` real requests (the reference: widths measured on
 traffic like the served one), each serving the same distinct batches; reported per warm-up: the
 batches past its widths (overflows, answered by the worst case's graph), re-warms started, the

@@ -16,7 +16,7 @@ import torch
 
 from bench.bench_gtm import bench_spec, generate
 from bench.bench_snapshot import write
-from runtime.search import beam_search
+from runtime.search.beam import beam_search
 from sidindex.config import KWayConfig
 from sidindex.modes import Mode
 from sidindex.requests import Requests, requests_from

@@ -33,8 +33,8 @@ import runtime
 from bench.bench_stream import catalog_embeddings, catalog_root, request_batches
 from bench.common import profile_kernels
 from runtime.ops.distribution import level_log_probs
-from runtime.scorer import CodebookScorer
-from runtime.search import logits_of
+from runtime.scorers.codebook import CodebookScorer
+from runtime.search.beam import logits_of
 from sidindex.modes import Mode
 
 MODES = (Mode.NONE, Mode.CD_GTM)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mode in MODES:
         for step in ("fused", "reference"):
-            # the reference: the search log-softmaxes the scorer's logits (`runtime.search.log_probs_of`)
+            # the reference: the search log-softmaxes the scorer's logits (`runtime.search.beam.log_probs_of`)
             CodebookScorer.log_probs = fused_step if step == "fused" else unfused
             rows.append(profile_one(index, reqs, mode, step, args))
     CodebookScorer.log_probs = fused_step

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
-from runtime.decoder import context_tokens
+from runtime.studies.decoder import context_tokens
 
 CONTEXT = 64  # the decoder's context tokens per request (its `history`)
 
@@ -21,17 +21,17 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 class Qwen3Scorer:
-    """A `runtime.search.Scorer` over a Hugging Face causal LM of the Qwen3 layout
+    """A `runtime.search.beam.Scorer` over a Hugging Face causal LM of the Qwen3 layout
     (`transformers.Qwen3ForCausalLM`: pre-norm layers, q/k RMS norms, rotary positions, grouped
     KV heads) for one batch. A request's sequence is its C context tokens, then the SID's tokens:
     SID token t of level d is the model id head_ids[d, t], and the logits of level d come from the
     hidden state before it through the LM head's rows of those ids alone (the search's
-    distribution is over them: `runtime.search.level_log_probs`).
+    distribution is over them: `runtime.search.beam.level_log_probs`).
 
     KV cache: the context's keys and values are computed once per request (step 0) and shared by
     all of its beams; a beam holds only its SID tokens' (gathered by `parent` each step), and a
     new position attends to both in one softmax (the shared scores and its own side by side). A
-    copy of the context per beam, as `generate` or `runtime.decoder.DecoderScorer` keeps, would
+    copy of the context per beam, as `generate` or `runtime.studies.decoder.DecoderScorer` keeps, would
     hold about 120 GB at 16 requests x 1024 beams x 64 tokens for Qwen3-1.7B (bf16).
 
     model: the LM (eval); head: (L, V, D) the LM head's rows of head_ids; head_ids: (L, V) int64;

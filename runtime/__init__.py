@@ -1,5 +1,5 @@
 """The serving runtime (torch; Triton on CUDA): load snapshots onto a device, constrained beam search,
-SID -> ad expansion (docs/design.md §8, §12).
+SID -> ad expansion (docs/design.md §8, §17).
 
 A serving host needs only this namespace:
 
@@ -8,31 +8,17 @@ A serving host needs only this namespace:
     retriever = runtime.Retriever(index, mode="cd+gtm", beams=(1, 512, 1024, 1024), batch_sizes=(1, 16))
     table = retriever.retrieve(arrow_batch)      # or a polars frame, or a list of dicts
 
-Modules:
-    served      ServedIndex: a snapshot's arrays on one device, and the post stage's bounds
-    staging     pinned host staging of a snapshot's arrays on their way to a device
-    loader      snapshot -> ServedIndex on a device, built complete in one go
-    watcher     SnapshotWatcher: swaps to newly published snapshots, warmed first
-    requests    requests in memory or from a file, validated; a batch's encoding onto the device in one copy
-    retriever   Retriever: the serving object (validate, encode, search and post in one graph, Arrow out)
-    ops/        the kernels beside their references: the fused CD+GTM mask, the exact filter, the post
-                stage (expand); impl, the one choice of implementation
-    constraint  Constraint: one batch's trie walk and mask per step, for the search and the HF processor
-    search      beam search in every Mode (`sidindex.modes`); the Scorer protocol
-    serving     Searcher: the search captured as CUDA graphs per batch size, replayed
-    sharded     one catalog over several devices: shards in groups, the search merged per step
-    scorer      the built-in codebook scorer; users' scorers named MODULE:FACTORY
-    decoder     a reference transformer decoder with a KV cache: the worked example of a model
-    hf          SidLogitsProcessor: the same mask inside Hugging Face `generate` (extra `sidindex[hf]`)
-    post        SIDs -> ads, best score per ad, exact filter, ranking
-    result      Retrieved, the ranked rows; their Arrow table, cut per request and concatenation
-    retrieval   retrieve(): a whole request table through a Retriever; the scorers of the studies
-    simulate    pass rates and recall per mode (`sidindex simulate`)
-    server      `sidindex serve`'s HTTP front: limits, answers, health, a clean stop (extra `sidindex[serve]`)
-    engine      the server's engine: the Retriever, its fair batcher (batcher), the poller, metrics
-    engine_api  the engine as the HTTP front sees it; link: front-end processes <-> engine (ZeroMQ)
-    frontend    `serve --workers N`: N front-end processes over one engine process
-    flight      an Arrow Flight endpoint (do_exchange) over a Retriever, for callers that batch
+Rooms, lowest first (each imports only the rooms above it in this list):
+    ops/        the kernels beside their torch references and numba paths (the fused CD+GTM mask, the
+                exact filter, the post stage's expand, the codebook scorer's, the order)
+    index/      an index on a device: served (ServedIndex), staging, loader, watcher
+    result      the rows out: Retrieved, its Arrow table, its cut per request and concatenation
+    requests    the batch in: validated requests, their encoding onto the device in one copy
+    scorers/    the codebook scorer; users' factories named MODULE:FACTORY
+    search/     beam (the search in every mode, the decoder seam), constraint, sharded, hf
+    serving/    post (SIDs -> ranked eligible ads), searcher (CUDA graphs), retriever, retrieval
+    server/     `sidindex serve`: http, engine, batcher, frontend, link, flight, metrics
+    studies/    simulate (pass rates and recall per mode), decoder (a reference model)
 
 Layering (docs/design.md §2): `runtime` reads artifacts only through `sidindex`'s readers and never
 re-implements their formats; the `sidindex` library never imports `runtime` (only the CLI's
@@ -47,33 +33,35 @@ from typing import TYPE_CHECKING
 # public name -> the module that holds it, imported on first use: `import runtime` stays cheap, and a
 # process that needs one module (an HTTP front-end: no torch) loads only that one's imports
 _HOME = {
-    "load": "runtime.loader", "load_index": "runtime.loader",
+    "load": "runtime.index.loader", "load_index": "runtime.index.loader",
     "read_requests": "runtime.requests", "requests_from": "runtime.requests", "to_device": "runtime.requests",
-    "RetrievalRun": "runtime.retrieval", "codebook_scorer": "runtime.retrieval", "factory_scorer": "runtime.retrieval",
-    "retrieve": "runtime.retrieval",
-    "Retriever": "runtime.retriever",
-    "CodebookScorer": "runtime.scorer",
-    "Beams": "runtime.search", "Scorer": "runtime.search", "beam_search": "runtime.search",
-    "parse_beams": "runtime.search",
-    "ServedIndex": "runtime.served",
-    "Searcher": "runtime.serving",
-    "ShardedBeams": "runtime.sharded", "load_sharded": "runtime.sharded", "sharded_beam_search": "runtime.sharded",
-    "SnapshotWatcher": "runtime.watcher",
+    "RetrievalRun": "runtime.serving.retrieval", "retrieve": "runtime.serving.retrieval",
+    "codebook_scorer": "runtime.scorers.codebook", "factory_scorer": "runtime.scorers.factory",
+    "Retriever": "runtime.serving.retriever",
+    "CodebookScorer": "runtime.scorers.codebook",
+    "Beams": "runtime.search.beam", "Scorer": "runtime.search.beam", "beam_search": "runtime.search.beam",
+    "parse_beams": "runtime.search.beam",
+    "ServedIndex": "runtime.index.served",
+    "Searcher": "runtime.serving.searcher",
+    "ShardedBeams": "runtime.search.sharded", "load_sharded": "runtime.search.sharded",
+    "sharded_beam_search": "runtime.search.sharded",
+    "SnapshotWatcher": "runtime.index.watcher",
     "Mode": "sidindex.modes", "parse_mode": "sidindex.modes",
     "EncodedRequests": "sidindex.request_encoding", "encode_requests": "sidindex.request_encoding",
 }
 
 if TYPE_CHECKING:
-    from runtime.loader import load, load_index
+    from runtime.index.loader import load, load_index
+    from runtime.index.served import ServedIndex
+    from runtime.index.watcher import SnapshotWatcher
     from runtime.requests import read_requests, requests_from, to_device
-    from runtime.retrieval import RetrievalRun, codebook_scorer, factory_scorer, retrieve
-    from runtime.retriever import Retriever
-    from runtime.scorer import CodebookScorer
-    from runtime.search import Beams, Scorer, beam_search, parse_beams
-    from runtime.served import ServedIndex
-    from runtime.serving import Searcher
-    from runtime.sharded import ShardedBeams, load_sharded, sharded_beam_search
-    from runtime.watcher import SnapshotWatcher
+    from runtime.scorers.codebook import CodebookScorer, codebook_scorer
+    from runtime.scorers.factory import factory_scorer
+    from runtime.search.beam import Beams, Scorer, beam_search, parse_beams
+    from runtime.search.sharded import ShardedBeams, load_sharded, sharded_beam_search
+    from runtime.serving.retrieval import RetrievalRun, retrieve
+    from runtime.serving.retriever import Retriever
+    from runtime.serving.searcher import Searcher
     from sidindex.modes import Mode, parse_mode
     from sidindex.request_encoding import EncodedRequests, encode_requests
 
@@ -109,7 +97,7 @@ __all__ = [
 
 def __getattr__(name: str):
     home = _HOME.get(name)
-    if home is None:  # a submodule (runtime.server) or a name that does not exist
+    if home is None:  # a submodule (runtime.server.http) or a name that does not exist
         raise AttributeError(f"module 'runtime' has no attribute {name!r}")
     value = getattr(importlib.import_module(home), name)
     globals()[name] = value  # once: later lookups skip this function

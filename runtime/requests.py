@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.index.served import ServedIndex
 from runtime.ops.gtm_mask.planes import (
     QueryStack,
     group_layout,
@@ -19,7 +20,6 @@ from runtime.ops.gtm_mask.planes import (
     stack_base,
     stack_queries,
 )
-from runtime.served import ServedIndex
 from sidindex.matchers.exact import ExactQueries
 from sidindex.request_encoding import EncodedRequests
 from sidindex.requests import MAX_REQUEST_VALUES, Requests

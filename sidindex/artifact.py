@@ -44,7 +44,7 @@ from sidindex.errors import ArtifactError, ConfigError, InputError
 MAX_MANIFEST_BYTES = 4 << 20
 CHECKSUM_KEY = "checksum"
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-# Threads that hash (and, in `runtime.staging`, stage) an artifact: memory bandwidth is shared, so
+# Threads that hash (and, in `runtime.index.staging`, stage) an artifact: memory bandwidth is shared, so
 # more than 16 add little, and a serving host keeps cores for the index it is still serving
 THREADS = min(16, os.cpu_count() or 1)
 MAPPED_BYTES = 1 << 29  # the digests map a next file only while under 512 MB are mapped

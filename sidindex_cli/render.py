@@ -147,7 +147,7 @@ def print_shards(shards: list[dict]) -> None:
 
 
 def print_study(report: dict, top_k: int) -> None:
-    """The per-mode and per-bucket tables of `simulate` (`runtime.simulate.simulate`'s report)."""
+    """The per-mode and per-bucket tables of `simulate` (`runtime.studies.simulate.simulate`'s report)."""
     t = Table(title=f"per mode ({report['requests']} requests): ads generated and their pass rates per stage, "
               f"eligible ads per request, requests short of {top_k}, recall, ms per request", title_justify="left")
     cols = ["mode", "generated", *MATCHER_PLANES, "final", "eligible/req", "p10", f"<{top_k}", f"recall@{top_k}",

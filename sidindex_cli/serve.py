@@ -134,7 +134,7 @@ def simulate(
     (--value-weights; --plot then also draws value@K against the weight).
     """
     import runtime
-    from runtime.simulate import simulate as run_study
+    from runtime.studies.simulate import simulate as run_study
 
     named = tuple(parse_mode(m.strip()) for m in modes.split(",")) if modes else None  # typos fail before loading
     weights = _weights(value_weights)
@@ -184,7 +184,7 @@ def _kway_label(snap) -> str | None:
 def _factory(scorer: str | None, timeout: float | None):
     """The user's scorer factory named by --scorer (imported now: a module that cannot be imported
     fails before any work), or None for the codebook scorer."""
-    from runtime.scorer import load_factory
+    from runtime.scorers.factory import load_factory
 
     if timeout is not None and not scorer:
         raise ConfigError("--scorer-timeout limits a scorer given with --scorer; give one, or drop the timeout")
@@ -255,13 +255,13 @@ def serve(
         import uvicorn  # noqa: F401 (the extra's check)
         import zmq  # noqa: F401
 
-        from runtime.server import RetrievalServer
+        from runtime.server.http import RetrievalServer
     except ImportError as e:
         raise ConfigError(f"sidindex serve needs the extra 'serve' ({e.name} is missing): "
                           "pip install 'sidindex[serve]'") from None
     import runtime
-    from runtime.engine import Engine
-    from runtime.metrics import share_between_processes
+    from runtime.server.engine import Engine
+    from runtime.server.metrics import share_between_processes
 
     chosen = parse_mode(mode)
     factory = _factory(scorer, None)  # batches run off the main thread, where no alarm can stop a scorer
@@ -285,7 +285,7 @@ def serve(
             "drain_seconds": drain_seconds}
     endpoint = None
     if flight_port is not None:
-        from runtime.flight import start_flight
+        from runtime.server.flight import start_flight
 
         endpoint = start_flight(retriever, host, flight_port, max_batch=max_batch, max_request_rows=max_request_rows)
         err.print(f"serving Arrow Flight on grpc://{host}:{endpoint.port}", highlight=False)
@@ -298,13 +298,13 @@ def serve(
     previous = {s: signal.signal(s, lambda signum, _: arrived.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
     # the batch thread gives up the GIL in every Arrow, numba and CUDA call; while the event loop
     # parses requests it would wait Python's default 5 ms to get it back, several times a batch
-    from runtime.server import SWITCH_INTERVAL_S
+    from runtime.server.http import SWITCH_INTERVAL_S
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = RetrievalServer(engine, **http)
     try:
         if workers > 1:
-            from runtime.frontend import serve_processes
+            from runtime.server.frontend import serve_processes
 
             serve_processes(engine, host, port, workers, http, arrived=arrived,
                             log=lambda line: err.print(line, highlight=False))

@@ -38,7 +38,7 @@ def run_entry(monkeypatch, capsys, entry: Callable[[], int | None], argv: list[s
         if here is not None:
             m.chdir(here)
         m.setattr(sys, "argv", argv)
-        m.setattr(sys, "path", list(sys.path))  # `runtime.scorer.load_factory` adds the working directory
+        m.setattr(sys, "path", list(sys.path))  # `runtime.scorers.factory.load_factory` adds the working directory
         importlib.invalidate_caches()  # a module written since the last import is found
         capsys.readouterr()
         try:

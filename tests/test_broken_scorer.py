@@ -23,10 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import runtime
-from runtime.hf import SidLogitsProcessor
 from runtime.ops.distribution import level_log_probs, scored_rows, unscored
-from runtime.scorer import ScorerFactory
-from runtime.search import beam_search, check_scored, scorer_name
+from runtime.scorers.factory import ScorerFactory
+from runtime.search.beam import beam_search, check_scored, scorer_name
+from runtime.search.hf import SidLogitsProcessor
 from sidindex.errors import ScorerError
 from tests.conftest import run_cli
 from tests.in_process import run_main
@@ -282,7 +282,7 @@ def test_the_server_answers_500_and_goes_on_serving(root, sample_dir):
     pytest.importorskip("httpx")
     from starlette.testclient import TestClient
 
-    from runtime.server import RetrievalServer
+    from runtime.server.http import RetrievalServer
 
     rows = pq.read_table(sample_dir / "requests.parquet").slice(0, 2).to_pylist()
     watcher = runtime.SnapshotWatcher(root, "cpu")

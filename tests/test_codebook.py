@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from runtime.ops.codebook import CodebookTables, codebook_log_probs, codebook_log_probs_reference
 from runtime.ops.distribution import level_log_probs
-from runtime.scorer import CodebookScorer
-from runtime.search import log_probs_of
+from runtime.scorers.codebook import CodebookScorer
+from runtime.search.beam import log_probs_of
 from tests.test_runtime import DEVICE, GPU
 
 EXAMPLES = 40 if GPU else 12  # each draws a few launches; the interpreter runs a program in numpy

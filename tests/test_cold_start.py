@@ -50,7 +50,7 @@ def test_a_front_end_process_imports_no_torch():
     offline packages), which the engine process alone loads."""
     pytest.importorskip("zmq")
     pytest.importorskip("starlette")
-    code = ("import runtime.frontend, runtime.link, sys; "
+    code = ("import runtime.server.frontend, runtime.server.link, sys; "
             f"print(sorted(m for m in ('torch', 'triton', *{OFFLINE!r}) if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
-from runtime.search import beam_search
+from runtime.search.beam import beam_search
+from runtime.studies.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from sidindex.modes import Mode
 from tests.test_gtm import scenarios
 from tests.test_runtime import Case

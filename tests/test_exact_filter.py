@@ -20,10 +20,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from runtime.index.served import post_bounds
 from runtime.ops.exact_filter import exact_filter
-from runtime.post import post_tensors
 from runtime.requests import to_device
-from runtime.served import post_bounds
+from runtime.serving.post import post_tensors
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import ConfigError
 from sidindex.matchers.exact import ExactQueries, stage_flags

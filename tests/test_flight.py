@@ -1,4 +1,4 @@
-"""The Arrow Flight endpoint (`runtime.flight`) answers each request batch of an exchange exactly as
+"""The Arrow Flight endpoint (`runtime.server.flight`) answers each request batch of an exchange exactly as
 `Retriever.retrieve` does (in pieces of max_batch rows, with the client's request ids), names the
 snapshot that served it, refuses a bad batch, too many rows and a failing scorer with one line,
 goes on serving after them, and starts a batch again on a snapshot swapped in meanwhile."""
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import runtime
-from runtime.flight import BAD_REQUEST, ERROR, RETRIEVE, FlightEndpoint, start_flight
-from runtime.scorer import ScorerFactory
+from runtime.scorers.factory import ScorerFactory
+from runtime.server.flight import BAD_REQUEST, ERROR, RETRIEVE, FlightEndpoint, start_flight
 from tests.test_retrieve import CONFIG, build_root
 
 BEAMS = (1, 4, 8, 8)

@@ -1,11 +1,11 @@
-"""`runtime.hf.SidLogitsProcessor` with Hugging Face `generate` (docs/design.md §13), on a small randomly
+"""`runtime.search.hf.SidLogitsProcessor` with Hugging Face `generate` (docs/design.md §13), on a small randomly
 initialised GPT-2 built from a config (nothing is downloaded).
 
 - Beam search with the processor returns the SIDs of sidindex's own beam search at the same width,
   whose scorer is the same model, in every mode; every SID it returns is in the catalog.
 - Both normalise over a level's own tokens: on levels smaller than the vocabulary, with a scorer
   whose logits past a level's size are the model's (finite), generate and sidindex's search return
-  the same SIDs with the same scores, and the exhaustive scan of `runtime.simulate` scores them so.
+  the same SIDs with the same scores, and the exhaustive scan of `runtime.studies.simulate` scores them so.
 - Greedy decoding with the processor is sidindex's search at width 1.
 """
 
@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
-from runtime.hf import SidLogitsProcessor  # noqa: E402
-from runtime.search import beam_search  # noqa: E402
-from runtime.simulate import node_scores, trie_levels  # noqa: E402
+from runtime.search.beam import beam_search  # noqa: E402
+from runtime.search.hf import SidLogitsProcessor  # noqa: E402
+from runtime.studies.simulate import node_scores, trie_levels  # noqa: E402
 from sidindex.config import KWayConfig  # noqa: E402
 from sidindex.errors import ConfigError  # noqa: E402
 from sidindex.modes import Mode  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 
 from runtime.ops.impl import Impl, resolve_impl
-from runtime.search import beam_search
+from runtime.search.beam import beam_search
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode
 from tests.test_gtm import scenarios

@@ -15,6 +15,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = {"schemas": 0, "sidindex": 1, "runtime": 2, "pipelines": 3, "sidindex_cli": 3, "bench": 3}
+# runtime's rooms, lowest first (runtime/__init__.py): a room imports only rooms of a lower rank
+ROOMS = {"runtime.ops": 0, "runtime.index": 1, "runtime.result": 1, "runtime.requests": 2, "runtime.scorers": 2,
+         "runtime.search": 3, "runtime.serving": 4, "runtime.server": 5, "runtime.studies": 5}
 
 
 def project_modules() -> dict[str, Path]:
@@ -104,6 +107,20 @@ def test_no_package_imports_one_above_it():
     upward = sorted(f"{m} imports {d}" for m, deps in import_graph().items() for d in deps if rank[d] > rank[m])
     assert not upward, "a package imports one above it (schemas <- sidindex <- runtime <- pipelines, " \
                        "sidindex_cli, bench):\n" + "\n".join(upward)
+
+
+def room(module: str) -> str | None:
+    """The runtime room `module` is in (runtime.search.beam -> runtime.search); None outside them."""
+    return next((r for r in ROOMS if module == r or module.startswith(r + ".")), None)
+
+
+def test_no_runtime_room_imports_one_above_it():
+    rooms = {m: room(m) for m in project_modules() if m.startswith("runtime.")}
+    assert None not in rooms.values(), "a runtime module outside every room: " + \
+        ", ".join(m for m, r in rooms.items() if r is None)
+    upward = sorted(f"{m} imports {d}" for m, deps in import_graph().items() if m in rooms for d in deps
+                    if d in rooms and rooms[m] != rooms[d] and ROOMS[rooms[d]] >= ROOMS[rooms[m]])
+    assert not upward, "a runtime room imports one at or above its rank (runtime/__init__.py):\n" + "\n".join(upward)
 
 
 def test_no_import_cycle():

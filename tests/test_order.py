@@ -29,8 +29,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.ops.order import TIE_LIMIT, ordered, position_keys, top_k
-from runtime.post import RANKS, expand
-from runtime.search import beam_search
+from runtime.search.beam import beam_search
+from runtime.serving.post import RANKS, expand
 from sidindex.modes import Mode
 from tests.conftest import interpreted
 from tests.test_gtm import scenarios

@@ -1,5 +1,5 @@
 """The post stage against an independent brute force (docs/design.md §3, §8, §16): the host numba path
-and the device path (`runtime.post.DevicePost`, here on CPU tensors: its Triton kernels under
+and the device path (`runtime.serving.post.DevicePost`, here on CPU tensors: its Triton kernels under
 TRITON_INTERPRET=1 and its torch reference) return exactly the result derived from the raw ad and
 request lists.
 
@@ -20,12 +20,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.loader import load_index
+from runtime.index.loader import load_index
 from runtime.ops.expand import DEFAULT_PAIRS, RRF_K, PostLayout
-from runtime.post import RANKS, DevicePost, expand, post_tensors
 from runtime.requests import to_device
 from runtime.result import Retrieved
-from runtime.search import Beams
+from runtime.search.beam import Beams
+from runtime.serving.post import RANKS, DevicePost, expand, post_tensors
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import ConfigError
 from sidindex.targeting import BITMASK, BLOOM
@@ -337,7 +337,7 @@ def test_auto_runs_the_kernels_on_every_cuda_tensor(monkeypatch):
 def test_the_capacity_is_the_callers_and_defaults_to_the_bound(monkeypatch):
     """`pairs` is the caller's; without it the bound (the ads of the K largest SIDs together), at
     most DEFAULT_PAIRS; T is at most the capacity; a capacity below 1 is refused."""
-    import runtime.post
+    import runtime.serving.post
     from tests.test_gtm import scenario
 
     sizes = (5, 3, 2)  # ads per SID
@@ -349,7 +349,7 @@ def test_the_capacity_is_the_callers_and_defaults_to_the_bound(monkeypatch):
     assert DevicePost(case.index, 2, 5, arrays=arrays, pairs=4, top_k=9).layout.kept == 4
     assert DevicePost(case.index, 2, 5, arrays=arrays, pairs=40, top_k=9).layout.kept == 9
     assert DEFAULT_PAIRS == 1 << 16
-    monkeypatch.setattr(runtime.post, "DEFAULT_PAIRS", 6)
+    monkeypatch.setattr(runtime.serving.post, "DEFAULT_PAIRS", 6)
     assert DevicePost(case.index, 2, 5, arrays=arrays).layout.pairs == 6
     for bad in (0, -3):
         with pytest.raises(ConfigError, match="a capacity of 1 to"):
@@ -484,7 +484,7 @@ def test_the_kernels_on_a_gpu_take_a_sid_of_100000_ads(sizes):
 def test_searcher_retrieve_is_search_then_post(sc, seed, top_k, rank):
     """`runtime.Searcher.retrieve` (on a GPU: search and device post stage captured in one graph,
     replayed for a second batch) returns what the search followed by `expand` returns."""
-    from runtime.serving import Searcher
+    from runtime.serving.searcher import Searcher
     from tests.test_runtime import TableScorer
 
     if rank != "score":

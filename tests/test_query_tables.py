@@ -30,8 +30,8 @@ from runtime.ops.gtm_mask.prepare import prepared, query_tables
 from runtime.ops.gtm_mask.slots import compact, slots_of
 from runtime.ops.gtm_mask.tables import query_tables_reference
 from runtime.requests import to_device
-from runtime.search import beam_search
-from runtime.serving import Searcher
+from runtime.search.beam import beam_search
+from runtime.serving.searcher import Searcher
 from sidindex.config import KWayConfig
 from sidindex.matchers.plane import PlaneQueries
 from sidindex.modes import Mode

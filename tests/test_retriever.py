@@ -19,8 +19,8 @@ import pytest
 
 import runtime
 import sidindex.requests
-from runtime.post import expand
 from runtime.result import requests_part, table_of
+from runtime.serving.post import expand
 from sidindex.errors import ConfigError, InputError
 from tests.conftest import run_cli
 from tests.test_post import same as same_retrieved
@@ -164,9 +164,9 @@ def test_a_frozen_searcher_replays_a_batch_while_the_one_before_it_is_unread(roo
     back run on both, are read in either order, and each equals its batch searched eagerly (the
     rows past what comes back with the counts fetched behind that batch's own event); a third
     batch from a thread that read neither is refused, and both slots serve again once read."""
-    from runtime.serving import Searcher
+    from runtime.serving.searcher import Searcher
 
-    monkeypatch.setattr(runtime.post, "SENT_WORDS", 8)  # every batch's rows pass it
+    monkeypatch.setattr(runtime.serving.post, "SENT_WORDS", 8)  # every batch's rows pass it
     index = runtime.load(root, "cuda")
     reqs = runtime.requests_from(requests_table, index)
     hosts = [runtime.encode_requests(reqs.rows(lo, lo + 8), index.spec) for lo in (0, 8, 15)]
@@ -343,7 +343,7 @@ def _embedding(t: pa.Table) -> np.ndarray:
 def test_warm_up_requests_near_ads_are_their_sids_codebook_paths(root):
     """The warm-up's requests near ads (cd's): each embedding is the sum of the codebook centroids
     of some catalog SID's path; random paths otherwise. The same seed, the same requests."""
-    from runtime.retriever import largest_requests
+    from runtime.serving.retriever import largest_requests
 
     index = runtime.load(root, "cpu")
     g, cb = index.snapshot.gtm, index.codebook
@@ -362,7 +362,7 @@ def test_warm_up_requests_near_ads_are_drawn_as_the_ads_are(root):
     requests are that SID's path (drawn by SID, about 1%)."""
     from types import SimpleNamespace
 
-    from runtime.retriever import largest_requests
+    from runtime.serving.retriever import largest_requests
 
     index = runtime.load(root, "cpu")
     cb = index.codebook
@@ -418,7 +418,7 @@ def test_a_warm_up_takes_served_batches_validated_for_its_own_snapshot(root, req
     """The batches a re-warm or a swap's warm-up replays: as they are under the same spec and
     embedding width; validated again under others, a padded batch (its last request repeated, ids
     included) too; refused ones left out."""
-    from runtime.retriever import _for_index, _target
+    from runtime.serving.retriever import _for_index, _target
 
     index = runtime.load(root, "cpu")
     reqs = runtime.requests_from(requests_table.slice(0, 3), index)

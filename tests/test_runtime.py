@@ -23,14 +23,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.loader import load_index
+from runtime.index.loader import load_index
 from runtime.ops.gtm_mask import gtm_candidates, gtm_mask
 from runtime.ops.gtm_mask.kernel import gtm_mask_triton
 from runtime.ops.gtm_mask.planes import order_by_first_use, stack_tables
 from runtime.ops.gtm_mask.slots import slots_of
-from runtime.post import expand
 from runtime.requests import to_device
-from runtime.search import beam_search, parse_beams
+from runtime.search.beam import beam_search, parse_beams
+from runtime.serving.post import expand
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode
 from sidindex.snapshot.snapshot import Snapshot
@@ -315,7 +315,7 @@ def _capped_widths(sc, seed, offsets, impl: str) -> None:
 
 def _laid_out(seen: dict, name: str, search):
     """search(), recording under seen[name] the compact layout (`slots.Slots`) of each step."""
-    import runtime.constraint as constraint
+    import runtime.search.constraint as constraint
 
     real, seen[name] = constraint.slots_of, []
 
@@ -403,7 +403,7 @@ def test_parse_beams():
 
 
 def test_codebook_scorer_is_the_residual_distance():
-    from runtime.scorer import CodebookScorer
+    from runtime.scorers.codebook import CodebookScorer
     from sidindex.config import SIDConfig
     from sidindex.sid.codebook import Codebook
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import runtime
-from runtime.simulate import node_scores, trie_levels
+from runtime.scorers.factory import ScorerFactory
+from runtime.studies.simulate import node_scores, trie_levels
+from sidindex.errors import ScorerError
 from tests.conftest import run_cli
 from tests.test_retrieve import build_root
 
@@ -92,7 +94,7 @@ def scorers(work):
 
 def _scorer(scorers, kind: str, index, reqs):
     """rows -> a scorer of `kind` ('plain' or one of KINDS) for those requests."""
-    return runtime.factory_scorer(runtime.scorer.ScorerFactory(getattr(scorers, kind), kind), index, reqs)
+    return runtime.factory_scorer(ScorerFactory(getattr(scorers, kind), kind), index, reqs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -124,7 +126,7 @@ def test_retrieve_and_the_exhaustive_scan_are_unchanged(work, scorers):
     def results(kind):
         levels = trie_levels(index)
         make = _scorer(scorers, kind, index, reqs)
-        factory = runtime.scorer.ScorerFactory(getattr(scorers, kind), kind)
+        factory = ScorerFactory(getattr(scorers, kind), kind)
         r = runtime.retrieve(index, reqs, beams=BEAMS, batch_size=4, scorer=factory).result
         # two requests' scans read the same trie paths
         return (r.request, r.ad_id, r.sid, r.score, r.rank), [node_scores(index, make(slice(q, q + 1)), levels)
@@ -158,11 +160,11 @@ def test_a_plain_factory_function_is_a_scorer(work, scorers):
     neither is refused with one line."""
     index = runtime.load(work / "root", "cpu")
     reqs = runtime.read_requests(work / "requests.parquet", index)
-    factory = runtime.scorer.ScorerFactory(scorers.plain, "plain")
+    factory = ScorerFactory(scorers.plain, "plain")
     want = runtime.retrieve(index, reqs, beams=BEAMS, batch_size=4, scorer=factory).result
     got = runtime.retrieve(index, reqs, beams=BEAMS, batch_size=4, scorer=scorers.plain).result
     for name in ("request", "ad_id", "sid", "score", "rank"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
-    with pytest.raises(runtime.scorer.ScorerError, match="scorer: expected 'MODULE:FACTORY', a factory function or "
-                                                         "a ScorerFactory, got int"):
+    with pytest.raises(ScorerError, match="scorer: expected 'MODULE:FACTORY', a factory function or "
+                                          "a ScorerFactory, got int"):
         runtime.Retriever(index, beams=BEAMS, scorer=3)

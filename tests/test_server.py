@@ -27,9 +27,9 @@ pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
 import runtime  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.scorer import ScorerFactory  # noqa: E402
-from runtime.server import ARROW_STREAM, RetrievalServer  # noqa: E402
+from runtime.scorers.factory import ScorerFactory  # noqa: E402
+from runtime.server.engine import Engine  # noqa: E402
+from runtime.server.http import ARROW_STREAM, RetrievalServer  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 from tests.test_retrieve import CONFIG, build_root  # noqa: E402
 
@@ -55,14 +55,14 @@ HTTP_OPTIONS = ("max_body_bytes", "max_request_rows", "timeout_ms", "drain_secon
 
 
 class EngineThread:
-    """An engine process stood in for by a thread: the Engine and its link (`runtime.link`) on an
-    event loop of their own, as `runtime.frontend.serve_processes` runs them."""
+    """An engine process stood in for by a thread: the Engine and its link (`runtime.server.link`) on an
+    event loop of their own, as `runtime.server.frontend.serve_processes` runs them."""
 
     def __init__(self, engine: Engine) -> None:
         import asyncio
         import tempfile
 
-        from runtime.link import EngineLink
+        from runtime.server.link import EngineLink
 
         self.engine, self.place = engine, tempfile.mkdtemp(prefix="sx-")  # short: a socket path's limit
         self.address = f"ipc://{self.place}/engine"
@@ -103,7 +103,7 @@ def serving():
     threads: list[EngineThread] = []
 
     def make(root: Path, scorer=None, split: bool = False, **kw) -> tuple[RetrievalServer, Engine]:
-        from runtime.link import EngineClient
+        from runtime.server.link import EngineClient
 
         watcher = runtime.SnapshotWatcher(root, "cpu")
         retriever = runtime.Retriever(watcher, beams=BEAMS, batch_sizes=(1, 4, 8), scorer=scorer)
@@ -388,7 +388,7 @@ def test_the_console_script_serves_and_drains_on_sigterm(built, rows, tmp_path):
         assert r.status_code == 200 and r.json()["rows"]
         from pyarrow import flight
 
-        from runtime.flight import RETRIEVE
+        from runtime.server.flight import RETRIEVE
 
         client = flight.connect(f"grpc://127.0.0.1:{flight_port}")  # the same answer over Arrow Flight
         writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(RETRIEVE))
@@ -679,7 +679,7 @@ def _pause_one(root: Path) -> Path:
 def test_large_bodies_and_answers_are_handled_off_the_event_loop_alike(root, rows, serving, monkeypatch):
     """A body or an answer past the server's thresholds is parsed or written on a thread: the same
     answers, JSON and Arrow."""
-    import runtime.server as server_module
+    import runtime.server.http as server_module
 
     monkeypatch.setattr(server_module, "OFF_LOOP_BYTES", 0)
     monkeypatch.setattr(server_module, "OFF_LOOP_ROWS", 0)

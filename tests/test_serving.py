@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from runtime.decoder import DecoderScorer, ReferenceDecoder, context_tokens
-from runtime.post import expand
 from runtime.requests import to_device
-from runtime.search import beam_search
-from runtime.serving import Searcher
+from runtime.search.beam import beam_search
+from runtime.serving.post import expand
+from runtime.serving.searcher import Searcher
+from runtime.studies.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode
 from sidindex.request_encoding import encode_requests
@@ -135,7 +135,7 @@ def test_a_graphs_two_slots_are_held_until_read_and_a_waiting_caller_takes_the_f
     import threading
     from types import SimpleNamespace
 
-    from runtime.serving import _Busy, _Graph
+    from runtime.serving.searcher import _Busy, _Graph
 
     searcher = Searcher((1, 3, 4), Mode.CD_GTM)
     staged = SimpleNamespace(requests=SimpleNamespace(batch=4))

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import runtime
-from runtime import loader
-from runtime.search import check_fits
+from runtime.index import loader
+from runtime.search.beam import check_fits
 from sidindex.errors import ArtifactError, ConfigError
 from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex.root import Root

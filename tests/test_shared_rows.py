@@ -33,8 +33,8 @@ from runtime.ops.gtm_mask.reference import shared_pass_reference
 from runtime.ops.gtm_mask.shared_rows import FEW, MOST_ROWS, shared_rows
 from runtime.ops.gtm_mask.slots import slots_of
 from runtime.ops.gtm_mask.tables import query_tables_reference
-from runtime.search import beam_search
-from runtime.serving import Searcher
+from runtime.search.beam import beam_search
+from runtime.serving.searcher import Searcher
 from sidindex.config import KWayConfig
 from sidindex.modes import Mode
 from sidindex.targeting import BITMASK, BLOOM, Attribute, TargetingSpec

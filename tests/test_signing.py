@@ -154,7 +154,7 @@ def test_the_server_keeps_serving_and_says_why(root, keys):
     pytest.importorskip("starlette")
     from starlette.testclient import TestClient
 
-    from runtime.server import RetrievalServer
+    from runtime.server.http import RetrievalServer
 
     watcher = runtime.SnapshotWatcher(root, "cpu", trust_key=keys["ours"][1])
     retriever = runtime.Retriever(watcher, beams=(1, 8, 16, 16), batch_sizes=(1,))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runtime import Searcher, codebook_scorer, encode_requests, load, read_requests, to_device
-from runtime.simulate import exhaustive_top_k, simulate
+from runtime.studies.simulate import exhaustive_top_k, simulate
 from sidindex.ingest import read_catalog
 from sidindex.sid import assign_sids, hash_tokens, load_codebook
 from sidindex.targeting import BITMASK

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.ops.gtm_mask.planes import TABLE_FROM
-from runtime.post import DevicePost, post_tensors
 from runtime.requests import Staged, to_device
-from runtime.search import beam_search
+from runtime.search.beam import beam_search
+from runtime.serving.post import DevicePost, post_tensors
 from sidindex.modes import Mode
 from sidindex.request_encoding import encode_requests
 from sidindex.targeting import BLOOM

@@ -18,8 +18,8 @@ import torch
 import xxhash
 
 import runtime
-import runtime.loader
-import runtime.staging as staging
+import runtime.index.loader
+import runtime.index.staging as staging
 import sidindex.artifact as artifact
 import sidindex.snapshot.snapshot as snapshot_module
 from schemas.artifacts import (
@@ -325,13 +325,13 @@ def test_copies_made_while_checking_get_every_array_and_are_waited_for(snap_dir,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="copies to a GPU")
 def test_a_gpu_load_copies_while_checking_and_gives_the_arrays_of_a_load_after_it(root, monkeypatch):
     staged: list[set[str]] = []
-    stage = runtime.loader.stage_arrays
+    stage = runtime.index.loader.stage_arrays
 
     def recorded(arrays, *args, **kw):
         staged.append(set(arrays))
         return stage(arrays, *args, **kw)
 
-    monkeypatch.setattr(runtime.loader, "stage_arrays", recorded)
+    monkeypatch.setattr(runtime.index.loader, "stage_arrays", recorded)
     overlapped = runtime.load(root, "cuda")
     assert staged[0] == set(overlapped.snapshot.arrays()) - {"depth_offsets"}  # every array but the host's own
     assert staged[1:] == [set()]  # nothing left to stage once the snapshot passed

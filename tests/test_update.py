@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 import runtime
-from runtime.post import expand
+from runtime.serving.post import expand
 from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, MATCHER_PLANES, shard_dir
 from sidindex.artifact import same_file
 from sidindex.errors import InputError

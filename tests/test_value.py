@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from runtime.ops.expand import RRF_K
 from runtime.ops.gtm_mask import gtm_mask
 from runtime.ops.gtm_mask.reference import VALUE_FLOOR, value_key
-from runtime.post import expand
-from runtime.search import beam_search
+from runtime.search.beam import beam_search
+from runtime.serving.post import expand
 from schemas.artifacts import MAX_AD_VALUE
 from sidindex.errors import ArtifactError, ConfigError, InputError
 from sidindex.explain import Explainer

@@ -1,6 +1,6 @@
 """The one distribution of a search step: a level's log-probabilities from a scorer's logits
-(`runtime.search`, `runtime.hf`, `runtime.simulate`, `runtime.sharded`, and the reference of the
-codebook scorer's fused kernel, `runtime.ops.codebook`)."""
+(`runtime.search.beam`, `runtime.search.hf`, `runtime.studies.simulate`, `runtime.search.sharded`,
+and the reference of the codebook scorer's fused kernel, `runtime.ops.codebook`)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ layouts, and different widths kept different ones. `top_k` ranks as one int64 pe
 would, the score's order-preserving bits above its position below (it selects by the float score
 first and keys only the k it keeps), so no two keys are equal and every device, layout and width
 that lays candidates out in the same relative order picks and ranks the same ones
-(`runtime.search.beam_search` lays them out by beam, then token). -0.0 and 0.0 are one score; NaN
+(`runtime.search.beam.beam_search` lays them out by beam, then token). -0.0 and 0.0 are one score; NaN
 has no place (callers turn it into -inf first).
 """
 

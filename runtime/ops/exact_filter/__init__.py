@@ -1,4 +1,4 @@
-"""The exact ad-level filter of the device post stage (`runtime.post.DevicePost`, docs/design.md §3):
+"""The exact ad-level filter of the device post stage (`runtime.serving.post.DevicePost`, docs/design.md §3):
 per matcher plane, does each (request, slot) pair's ad pass the plane's attributes for its request
 exactly (`sidindex.matchers.exact`, the same tests as its numba passes; Bloom false positives stop
 here). `exact_filter` runs the Triton kernels on CUDA tensors (one launch per plane) and the plain
@@ -22,14 +22,14 @@ def exact_filter(arrays: dict[str, torch.Tensor], requests, ad: torch.Tensor, st
     is among its hashes. Slots holding no real pair may return anything, but read nothing out of
     bounds (ads are clamped into the catalog).
 
-    arrays: the post arrays (`ServedIndex.post` or `runtime.post.post_tensors`): per rows plane
+    arrays: the post arrays (`ServedIndex.post` or `runtime.serving.post.post_tensors`): per rows plane
       `exact_<p>_rows` (N, W) int64; per values plane `exact_<p>_hash_offsets` (A*(N+1),) int64 and
       `exact_<p>_hashes` (H,) int64, uint64 bits sorted as unsigned within each ad.
     requests: the batch's device form (`runtime.requests.to_device`): `planes` (per plane
       `PlaneQueries`, rows (Q, W) int64, ranges (B, G, 2) int64, word_offsets on the host) and
       `exact` (per values plane `ExactQueries`, hash_offsets (A, B+1) int64, hashes (R,) int64).
     ad: (B, C) int64 catalog rows. steps: per values plane its binary-search steps per attribute
-    (`runtime.served.PostBounds.steps`). max_values: the most queries or values a request has for one
+    (`runtime.index.served.PostBounds.steps`). max_values: the most queries or values a request has for one
     group or attribute (the reference's static shape; the kernels loop to the actual counts).
     impl: an `Impl` other than numba ("auto": triton on CUDA tensors, torch elsewhere).
     live: None, or (B,) int64: only request b's first live[b] slots hold pairs; the others are

@@ -8,7 +8,7 @@ catalog (a slot that is not valid reads a real row; the caller masks it).
           registers while the request's queries stream past, until every live lane has a hit
   values  attribute by attribute, the request's values stream past (a scalar loop to the request's
           own count); each lane binary-searches the value in its ad's sorted hashes in the
-          attribute's fixed number of steps (`runtime.served.PostBounds.steps`), compared as uint64, until every
+          attribute's fixed number of steps (`runtime.index.served.PostBounds.steps`), compared as uint64, until every
           live lane found one; an ad with no values passes, a lane that failed an attribute loads
           nothing more
 With `live` counts (HAS_LIVE), a request's slots past its count are False and load nothing: a block

@@ -52,7 +52,7 @@ def values_pass(hash_offsets: torch.Tensor, hashes: torch.Tensor, ad: torch.Tens
                 max_values: int) -> torch.Tensor:
     """(B, C) bool: for every attribute of a `values` plane, ad `ad` (B, C) int64 is unrestricted
     or ANY request value is among its sorted hashes (a binary search of `steps[a]` steps for
-    attribute a, `runtime.served.PostBounds.steps`). hash_offsets: (A*(N+1),) int64; hashes: (H,) int64,
+    attribute a, `runtime.index.served.PostBounds.steps`). hash_offsets: (A*(N+1),) int64; hashes: (H,) int64,
     uint64 bits sorted as unsigned within each ad; ex: the batch's `ExactQueries` on the device."""
     ok = torch.ones(ad.shape, dtype=torch.bool, device=ad.device)
     if len(hashes) == 0:  # no ad restricted on any attribute (a static shape, not data)

@@ -1,8 +1,8 @@
-"""The post stage's op (`runtime.post`, docs/design.md §3, §8): a batch's beams -> its (request, ad)
+"""The post stage's op (`runtime.serving.post`, docs/design.md §3, §8): a batch's beams -> its (request, ad)
 pairs, each ad's best score, the exact filter, and the ranked rows.
 
 On the host (`expand_host`, `host`): numba passes over the snapshot's memory maps, to the fields of
-`runtime.result.Retrieved`. On the device (`runtime.post.DevicePost`, `expand_beams`): the rows
+`runtime.result.Retrieved`. On the device (`runtime.serving.post.DevicePost`, `expand_beams`): the rows
 packed into one int64 buffer (`PostLayout`), with no host synchronisation (a CUDA graph captures
 it), every request holding at most C pairs (the capacity the caller chose; a request whose beams
 reach more overflows, and its `reached` count says so); two implementations of that one contract,
@@ -34,12 +34,12 @@ def expand_beams(layout: PostLayout, arrays: dict[str, torch.Tensor], ad_order: 
                  impl: Impl | str = Impl.AUTO) -> torch.Tensor:
     """The post stage of one batch: (layout.size,) int64, the buffer `PostLayout` describes.
 
-    arrays: the post arrays by contract name (`ServedIndex.post` or `runtime.post.post_tensors`):
+    arrays: the post arrays by contract name (`ServedIndex.post` or `runtime.serving.post.post_tensors`):
       leaf_ad_offsets (S+1,) int64, leaf_ads (P,) int32/int64 catalog rows, ads (N,) int64 ad ids,
       ad_value (N,) float64 when the layout has values, ad_state (N,) uint8 when updates wrote it,
       and the exact filter's (`runtime.ops.exact_filter`).
     ad_order: (N,) int64 each row's place in ascending ad_id order. steps: per values plane its
-    binary-search steps (`runtime.served.PostBounds`). requests: the batch's device form
+    binary-search steps (`runtime.index.served.PostBounds`). requests: the batch's device form
     (`runtime.requests.to_device`). beams: tokens (B, K, L) int64, score (B, K) float32, leaf (B, K)
     int64. max_values: the reference's static query bound. impl: "triton", "torch" or "auto"
     (triton on CUDA tensors, torch elsewhere).

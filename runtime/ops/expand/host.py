@@ -1,4 +1,4 @@
-"""The post stage on the host (`runtime.post.expand` where the beams are on the CPU, or the index
+"""The post stage on the host (`runtime.serving.post.expand` where the beams are on the CPU, or the index
 has no `ServedIndex.post`): numba passes over the snapshot's memory maps, to the rows of
 `runtime.result.Retrieved`. Expand + dedupe with a hash table per request, the exact filter of
 `sidindex.matchers.exact`, a merge sort per request; the device path (`expand_beams`) gives the

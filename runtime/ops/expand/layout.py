@@ -1,5 +1,5 @@
 """The device post stage's buffer: its shapes and layout (`PostLayout`), shared by the two
-implementations of `runtime.ops.expand` and by `runtime.post.DevicePost.result`, which reads it."""
+implementations of `runtime.ops.expand` and by `runtime.serving.post.DevicePost.result`, which reads it."""
 
 from __future__ import annotations
 

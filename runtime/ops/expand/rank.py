@@ -14,7 +14,7 @@ from runtime.ops.expand.layout import RRF_K
 from runtime.ops.order import descending
 
 INT64_MAX = torch.iinfo(torch.int64).max
-ORDER_BITS = 31  # an ad's place in ad_id order, below the score key in `packed` (`runtime.post.DEVICE_ROWS`)
+ORDER_BITS = 31  # an ad's place in ad_id order, below the score key in `packed` (`runtime.serving.post.DEVICE_ROWS`)
 TOPK_MOST = 1024  # a score ranking keeping at most this many rows selects them (`topk`) rather than sorting C
 
 

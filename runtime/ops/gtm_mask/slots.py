@@ -7,7 +7,7 @@ search's top-k breaks ties by, `runtime.ops.order.top_k`), and slots past `total
 The width is fixed on the host, so shapes never depend on the data and the step can be captured
 in a CUDA graph: by default the bound `ServedIndex.most_children` (the K widest nodes of the
 depth), or a cap below it, where a request with more child entries keeps only its first `width`
-(`runtime.search.beam_search`'s widths: the search flags it). Top-k then selects among `width`
+(`runtime.search.beam.beam_search`'s widths: the search flags it). Top-k then selects among `width`
 slots instead of K x V, and a selected slot names its child entry directly: no search for the
 (node, token) pair.
 

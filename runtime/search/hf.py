@@ -1,7 +1,7 @@
 """Constrained SID generation with Hugging Face `generate` (docs/design.md §13).
 
     from transformers import LogitsProcessorList
-    from runtime.hf import SidLogitsProcessor
+    from runtime.search.hf import SidLogitsProcessor
     proc = SidLogitsProcessor(index, requests, mode="cd+gtm", prompt_length=P, num_beams=K, token_offset=o)
     out = model.generate(input_ids, num_beams=K, num_return_sequences=K, max_new_tokens=L,
                          do_sample=False, logits_processor=LogitsProcessorList([proc]))
@@ -10,7 +10,7 @@ Row n of a step's input_ids belongs to request n // (N / B) (generate keeps a re
 its samples, together). The model's vocabulary id of token t at SID level d is
 token_offset + d * V + t, or token_ids[d, t] for any other mapping. Per step the processor reads
 the tokens generated so far, walks them down the trie on the device and masks them, through the
-same `runtime.constraint.Constraint` as `runtime.beam_search` (a binary search of the index's
+same `runtime.search.constraint.Constraint` as `runtime.beam_search` (a binary search of the index's
 entry keys per level, for all rows at once: no Python loop over beams, no host synchronisation;
 Triton on CUDA, the CPU path otherwise).
 What it returns is the model's distribution over the level's `level_sizes[d]` tokens (log-softmax
@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import torch
 
-from runtime.constraint import Constraint
+from runtime.index.served import ServedIndex
 from runtime.ops.distribution import level_log_probs, scored_rows
-from runtime.search import check_scored
-from runtime.served import ServedIndex
+from runtime.search.beam import check_scored
+from runtime.search.constraint import Constraint
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import EncodedRequests, encode_requests
@@ -139,7 +139,7 @@ class SidLogitsProcessor:
     def check(self, request_id=None) -> None:
         """Refuse the last generate if at some step the model gave none of a request's live rows a
         finite logit at the level's ids (a ScorerError naming the request, by `request_id` (B,) or
-        its place, and the step; `runtime.search.check_scored`). One copy to the host: call it once
+        its place, and the step; `runtime.search.beam.check_scored`). One copy to the host: call it once
         generate has returned."""
         if self.unscored:
             steps = [self.unscored[d] for d in sorted(self.unscored)]

@@ -1,5 +1,5 @@
 """`SnapshotWatcher`: serves the snapshot a ROOT publishes, swapping to a newer one when it appears
-(docs/design.md §8). Each snapshot is loaded through `runtime.loader.load`, so a swap accepts exactly what
+(docs/design.md §8). Each snapshot is loaded through `runtime.index.loader.load`, so a swap accepts exactly what
 a load of the ROOT accepts.
 """
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from runtime import loader
-from runtime.served import ServedIndex
+from runtime.index import loader
+from runtime.index.served import ServedIndex
 from sidindex.errors import SidIndexError
 from sidindex.root import Root
 from sidindex.signing import TrustKey

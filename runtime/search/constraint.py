@@ -2,7 +2,7 @@
 (docs/design.md §8, §13).
 
 `beam_search` (and through it `runtime.Searcher` and `runtime.Retriever`) and the Hugging Face
-processor (`runtime.hf`) ask one `Constraint` the same two things at each step: where a beam is
+processor (`runtime.search.hf`) ask one `Constraint` the same two things at each step: where a beam is
 in the trie (the walk from the root by its tokens, or one step down from its parent's node), and
 which of its children the mode lets through, scored (the CD+GTM mask of `ops.gtm_mask`, per token
 or in the compact layout of `ops.gtm_mask.slots`). The batch's device form and the preparation
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from runtime.index.served import ServedIndex
 from runtime.ops.gtm_mask import gtm_candidates, gtm_mask, mask_impl
 from runtime.ops.gtm_mask.prepare import planned, prepared
 from runtime.ops.gtm_mask.slots import Slots, decode, slots_of
 from runtime.ops.impl import Impl
 from runtime.requests import to_device
-from runtime.served import ServedIndex
 from sidindex.modes import Mode
 from sidindex.request_encoding import EncodedRequests
 

@@ -1,5 +1,5 @@
 """Pinned staging: a snapshot's memory maps copied into pinned host memory by several threads, for
-DMA to one GPU or several (`runtime.loader` copies from here), and the memory maps themselves as
+DMA to one GPU or several (`runtime.index.loader` copies from here), and the memory maps themselves as
 CPU tensors, which the CPU serves.
 
 Arrays keep their dtypes, but uint64 (the matcher rows' bits) becomes int64: torch kernels handle

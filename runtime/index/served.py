@@ -1,5 +1,5 @@
 """A snapshot as served on one device (`ServedIndex`), and the bounds its post stage needs
-(`PostBounds`), docs/design.md §8. `runtime.loader` makes them; the search, the post stage and the
+(`PostBounds`), docs/design.md §8. `runtime.index.loader` makes them; the search, the post stage and the
 serving objects read them.
 
 Legend: N catalog rows, S SIDs, E trie entries (child edges), V vocabulary.
@@ -15,7 +15,6 @@ import torch
 from runtime.ops.gtm_mask.planes import TableStack
 from runtime.ops.gtm_mask.shared_rows import SharedRows
 from schemas.artifacts import plane_arrays
-from sidindex.errors import ArtifactError
 from sidindex.sid.codebook import Codebook
 from sidindex.snapshot import Snapshot
 from sidindex.targeting import TargetingSpec
@@ -30,7 +29,7 @@ POST_ARRAYS = ("leaf_ad_offsets", "leaf_ads", "ad_value", "ads")
 
 @dataclass(frozen=True)
 class PostBounds:
-    """What the device post stage (`runtime.post.DevicePost`) needs of an index beyond its arrays,
+    """What the device post stage (`runtime.serving.post.DevicePost`) needs of an index beyond its arrays,
     made from the post arrays where they are (`post_bounds`; the loader does it once per load).
 
     leaf_counts: (A + 1,) int64 on the host, how many leaves hold a ads (the most ads k distinct
@@ -176,11 +175,3 @@ def largest_sum(counts: np.ndarray, k: int) -> int:
     take = np.minimum(np.cumsum(counts[::-1]), k)  # members taken from the largest value down
     return int(np.dot(np.diff(take, prepend=0), np.arange(len(counts))[::-1]))
 
-
-def codebook_of(index: ServedIndex) -> Codebook:
-    """The codebook the index loaded with its snapshot, which the codebook scorer reads; an
-    ArtifactError when the snapshot carries none."""
-    if index.codebook is None:
-        raise ArtifactError(f"snapshot {index.id} carries no codebook; the codebook scorer needs one (serve a "
-                            "snapshot built with a codebook, or bring your own scorer)")
-    return index.codebook

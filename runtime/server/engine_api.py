@@ -1,6 +1,6 @@
 """The engine of `sidindex serve` as its HTTP front sees it (docs/design.md §19): `EngineApi`, which
-the engine in the front's own process (`runtime.engine.Engine`) and the link to an engine process
-(`runtime.link.EngineClient`) both provide, and what crosses it. Nothing here imports torch: a
+the engine in the front's own process (`runtime.server.engine.Engine`) and the link to an engine process
+(`runtime.server.link.EngineClient`) both provide, and what crosses it. Nothing here imports torch: a
 front-end process needs only this, the link and the request validator."""
 
 from __future__ import annotations

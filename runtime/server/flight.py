@@ -22,7 +22,7 @@ import pyarrow.flight as flight
 
 from runtime.requests import requests_from
 from runtime.result import concat, table_of
-from runtime.retriever import Retriever
+from runtime.serving.retriever import Retriever
 from sidindex.errors import ConfigError, InputError, SidIndexError
 
 RETRIEVE = b"retrieve"  # the command of the descriptor `do_exchange` answers

@@ -26,11 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.index.served import ServedIndex
 from runtime.requests import to_device
-from runtime.retrieval import codebook_scorer, factory_scorer, retrieve
-from runtime.scorer import ScorerFactory
-from runtime.search import Scorer, check_value_weight, log_probs_of, parse_beams
-from runtime.served import ServedIndex
+from runtime.scorers.codebook import codebook_scorer
+from runtime.scorers.factory import ScorerFactory, factory_scorer
+from runtime.search.beam import Scorer, check_value_weight, log_probs_of, parse_beams
+from runtime.serving.retrieval import retrieve
 from sidindex.matchers.exact import eligible_mask
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import encode_requests
@@ -73,7 +74,7 @@ def trie_levels(index: ServedIndex) -> list[TrieLevel]:
 def node_scores(index: ServedIndex, scorer: Scorer, levels: list[TrieLevel], chunk: int = 16384) -> torch.Tensor:
     """(num_nodes,) float32 accumulated log-probability of every trie node's prefix for one request
     (a scorer for a batch of one), each level's distribution over its `level_sizes[d]` tokens as
-    the search's (`runtime.search.log_probs_of`); the root scores 0. Leaves are SIDs. levels:
+    the search's (`runtime.search.beam.log_probs_of`); the root scores 0. Leaves are SIDs. levels:
     `trie_levels`."""
     g = index.snapshot.gtm  # the host index: offsets read as Python ints
     tokens = index.gtm.csr_tokens.long()

@@ -3,7 +3,7 @@
 Step d (0..L-1) starts from the beams of the previous step (one root beam per request at step 0):
 the scorer gives logits for every beam, a log-softmax over the level's tokens turns them into
 log-probabilities (`level_log_probs`: the first `level_sizes[d]` of the V logits are the
-distribution, whatever the scorer gives beyond them; `runtime.hf` and `runtime.simulate` use the
+distribution, whatever the scorer gives beyond them; `runtime.search.hf` and `runtime.studies.simulate` use the
 same), the mask keeps beam_score + logp only at the tokens the mode allows, and top-k over each
 request's (beams x V) candidates picks the next beams. Everything stays on the device and every
 shape is fixed by the beam sizes, so the loop never waits on the host and can be captured in a
@@ -49,12 +49,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from runtime.constraint import Constraint
+from runtime.index.served import ServedIndex
 from runtime.ops.distribution import level_log_probs, unscored
 from runtime.ops.impl import Impl
 from runtime.ops.order import top_k
-from runtime.scorer import CodebookScorer
-from runtime.served import ServedIndex
+from runtime.scorers.codebook import CodebookScorer
+from runtime.search.constraint import Constraint
 from sidindex.errors import ConfigError, ScorerError
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import EncodedRequests
@@ -76,7 +76,7 @@ class Scorer(Protocol):
     step: 0..L-1; tokens: (B, K, step) int64 the tokens of each request's K beams so far (K = 1 at
     step 0); parent: (B, K) int64, the beam of the previous call (an index into request b's
     previous K beams) that beam k extends, or None when there are no previous beams to reuse (step
-    0, and every call of the exhaustive scan in `runtime.simulate`): a decoder with a KV cache
+    0, and every call of the exhaustive scan in `runtime.studies.simulate`): a decoder with a KV cache
     reorders its cache with `parent` and runs only the new token, and computes from `tokens` when
     `parent` is None. Both are the scorer's own copies (`logits_of`): writing into them changes
     nothing the search keeps. Returns (B, K, V) float logits, of which the level's first
@@ -85,7 +85,7 @@ class Scorer(Protocol):
     other value), and dead beams may get any logits. A NaN or infinite logit counts as -inf (its
     token is never chosen); a step at which none of a request's live beams gets a finite logit is
     a broken model, refused (`check_scored`). `runtime.CodebookScorer` is the built-in
-    one, `runtime.decoder.DecoderScorer` a transformer with a KV cache. A scorer that also exposes
+    one, `runtime.studies.decoder.DecoderScorer` a transformer with a KV cache. A scorer that also exposes
     `inputs`, a dict of the tensors it reads (refreshed in place per batch), can be captured with
     the whole search in a CUDA graph (`runtime.Searcher`). A scorer may be asked for a batch's
     search more than once (a `Searcher` searches a batch again wider when it overflows), each
@@ -314,7 +314,7 @@ def check_scored(unscored: torch.Tensor | np.ndarray | None, what: str, request_
 
 
 def scorer_name(scorer: object) -> str:
-    """"scorer 'MODULE:FACTORY'" for a user's factory's scorer (`runtime.scorer`'s checked scorers
+    """"scorer 'MODULE:FACTORY'" for a user's factory's scorer (`runtime.scorers.codebook`'s checked scorers
     carry it as `spec`), else the scorer's qualified name or type, as messages name it."""
     spec = getattr(scorer, "spec", None)
     if not isinstance(spec, str):

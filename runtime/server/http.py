@@ -1,5 +1,5 @@
 """`sidindex serve`'s HTTP front: Starlette on uvicorn with httptools and uvloop, orjson (extra
-`sidindex[serve]`), over an engine (`runtime.engine_api.EngineApi`) that batches and searches.
+`sidindex[serve]`), over an engine (`runtime.server.engine_api.EngineApi`) that batches and searches.
 
     POST /retrieve   JSON {"requests": [{"request_id": 1, "embedding": [...], "country": "US", ...}]}
                      -> {"snapshot": id, "rows": [{"request_id", "rank", "ad_id", "sid", "score"[, "value"]}]};
@@ -8,14 +8,14 @@
                      the X-Sidindex-Snapshot header
     GET  /healthz    live and serving a snapshot          GET /readyz    warm (every batch size captured)
     GET  /snapshot   id, format, counts, since when, why the last new one was refused
-    GET  /metrics    Prometheus text (`runtime.metrics`)
+    GET  /metrics    Prometheus text (`runtime.server.metrics`)
 
 Each HTTP request's rows are validated on arrival against the snapshot served (a bad one gets 400
 with the validator's one line), then handed to the engine, whose batcher runs them in fair
-batches with other clients' (`runtime.batcher`). The engine lives in this process
+batches with other clients' (`runtime.server.batcher`). The engine lives in this process
 (`RetrievalServer.local`), or in the process that owns the GPU, this one being one of several
-front-end processes that parse, validate and answer in parallel (`runtime.frontend`,
-`runtime.link`). Limits, each refused with one line: a body past `max_body_bytes` (413, before
+front-end processes that parse, validate and answer in parallel (`runtime.server.frontend`,
+`runtime.server.link`). Limits, each refused with one line: a body past `max_body_bytes` (413, before
 it is read whole), more than `max_request_rows` rows (413), a full queue (503 with Retry-After),
 a request not answered within `timeout_ms` (504; its rows not yet run are dropped). /readyz
 answers 503 while the engine is not ready (not warm; `unready_after` batches in a row failed).
@@ -34,9 +34,9 @@ import time
 import orjson
 import pyarrow as pa
 
-from runtime.engine_api import EngineApi, Refused, Target
-from runtime.link import arrow_stream
-from runtime.metrics import HttpMetrics, exposition
+from runtime.server.engine_api import EngineApi, Refused, Target
+from runtime.server.link import arrow_stream
+from runtime.server.metrics import HttpMetrics, exposition
 from sidindex.errors import InputError, SidIndexError
 from sidindex.requests import Requests, requests_from
 
@@ -78,10 +78,10 @@ class RetrievalServer:
     @classmethod
     def local(cls, watcher, retriever, *, max_batch: int = 16, max_wait_us: int = 500, max_queue: int = 1024,
               poll_seconds: float = 1.0, unready_after: int | None = None, **http) -> RetrievalServer:
-        """A server whose engine (`runtime.engine.Engine`: the batcher, the poller) runs in this
+        """A server whose engine (`runtime.server.engine.Engine`: the batcher, the poller) runs in this
         process, over a SnapshotWatcher and a warmed Retriever over it; `http`: the options of
         `RetrievalServer`."""
-        from runtime.engine import UNREADY_AFTER, Engine
+        from runtime.server.engine import UNREADY_AFTER, Engine
 
         engine = Engine(watcher, retriever, max_batch=max_batch, max_wait_us=max_wait_us, max_queue=max_queue,
                         poll_seconds=poll_seconds, unready_after=unready_after or UNREADY_AFTER)
@@ -305,7 +305,7 @@ class RetrievalServer:
                                              "answered; send it to another replica"))
 
     def close(self, timeout: float | None = None, flight=None) -> bool:
-        """Stop the engine in this process (`runtime.engine.Engine.close`) and the Flight endpoint
+        """Stop the engine in this process (`runtime.server.engine.Engine.close`) and the Flight endpoint
         `flight` (if any) once its exchanges in flight end, waiting up to `timeout` seconds (else
         `drain_seconds`) in all: True when every thread ended. A thread left in native code when
         the interpreter exits can abort the process, so a caller that gets False should leave with

@@ -1,9 +1,9 @@
 """The engine of `sidindex serve`: the process that owns the device (docs/design.md §19).
 
 It holds a warmed `runtime.Retriever` over a `SnapshotWatcher`, the fair batcher that feeds it
-(`runtime.batcher`), a poller thread that follows ROOT, and the engine's metrics. The HTTP front
-(`runtime.server`) calls it in its own process, or from front-end processes over ZeroMQ
-(`runtime.link`); both see the interface `runtime.engine_api.EngineApi`.
+(`runtime.server.batcher`), a poller thread that follows ROOT, and the engine's metrics. The HTTP front
+(`runtime.server.http`) calls it in its own process, or from front-end processes over ZeroMQ
+(`runtime.server.link`); both see the interface `runtime.server.engine_api.EngineApi`.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import time
 import pyarrow as pa
 import torch
 
-from runtime.batcher import Batcher
-from runtime.engine_api import Target
-from runtime.metrics import EngineMetrics
-from runtime.retriever import Retriever
-from runtime.served import codebook_of
-from runtime.watcher import SnapshotWatcher
+from runtime.index.watcher import SnapshotWatcher
+from runtime.scorers.codebook import codebook_of
+from runtime.server.batcher import Batcher
+from runtime.server.engine_api import Target
+from runtime.server.metrics import EngineMetrics
+from runtime.serving.retriever import Retriever
 from sidindex.requests import Requests
 
 UNREADY_AFTER = 5  # failed batches in a row after which /readyz answers 503
@@ -30,7 +30,7 @@ class Engine:
     calls `answer`, `close` to stop.
 
     watcher: the ROOT's watcher; retriever: a warmed Retriever over it; max_batch, max_wait_us,
-    max_queue: the batcher's (`runtime.batcher.Batcher`); poll_seconds: how often ROOT is
+    max_queue: the batcher's (`runtime.server.batcher.Batcher`); poll_seconds: how often ROOT is
     polled; unready_after: failed batches in a row after which the engine reports itself not
     ready (and ready again after one succeeds).
     """
@@ -61,7 +61,7 @@ class Engine:
         return Target(index.id, index.spec, None if cb is None else cb.dim)
 
     async def answer(self, requests: Requests, target: Target, timeout: float | None) -> tuple[pa.Table, str]:
-        """`runtime.batcher.Batcher.answer` of requests validated against `target`."""
+        """`runtime.server.batcher.Batcher.answer` of requests validated against `target`."""
         return await self.batcher.answer(requests, target.spec, timeout)
 
     async def status(self) -> dict:

@@ -2,14 +2,14 @@
 
 `load_index` moves the arrays the search reads (the GTM trie and matcher tables) and, on a GPU,
 those the post stage reads (SID -> ads, exact filter) from the snapshot's memory maps through pinned
-host memory (`runtime.staging`), filled by several threads, to the device, or to several devices
+host memory (`runtime.index.staging`), filled by several threads, to the device, or to several devices
 from one pinned copy; the CPU serves the memory maps themselves. The snapshot was validated when it
 was opened (`sidindex.snapshot.open_snapshot`), which also loaded its codebook into memory, so
 nothing unchecked reaches a kernel and nothing reads the snapshot's files by path after `load`.
 `load` (by path) onto GPUs copies the arrays' bytes there while the snapshot is hashed and
 validated (the arrays of its one shard and the global ones; with several shards the global ones,
 the join being made after the checks), and makes the index from them once it passed.
-The result is a `runtime.served.ServedIndex` per device; `runtime.watcher.SnapshotWatcher` loads
+The result is a `runtime.index.served.ServedIndex` per device; `runtime.index.watcher.SnapshotWatcher` loads
 each snapshot a ROOT publishes through `load`.
 """
 
@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.index.served import HOST_ARRAYS, POST_ARRAYS, ServedIndex, bound_names, post_bounds
+from runtime.index.staging import ARENA, mapped, stage_arrays
 from runtime.ops.gtm_mask.planes import TableStack, order_by_first_use, stack_tables
 from runtime.ops.gtm_mask.shared_rows import SharedRows, shared_rows
-from runtime.served import HOST_ARRAYS, POST_ARRAYS, ServedIndex, bound_names, post_bounds
-from runtime.staging import ARENA, mapped, stage_arrays
 from schemas.artifacts import MATCHER_PLANES, plane_arrays
 from sidindex.errors import ConfigError
 from sidindex.signing import TrustKey

@@ -1,84 +1,25 @@
-"""Scorers: the built-in codebook scorer, and users' scorers named MODULE:FACTORY (docs/design.md §8, §12).
-
-The codebook scorer gives logits without a trained model: at a semantic level the logit of token j
-is -||r - C_l[j]||^2 / temperature, r the request embedding's residual after the beam's prefix
-(r = x - sum_{p<l} C_p[t_p]), the same residual quantisation that assigned the catalog's SIDs, so
-the best-scoring SIDs are the request's nearest ones; every token of the hash level gets 0
-(`runtime.ops.codebook`, which also computes a step's log-probabilities in one fused kernel).
-"""
+"""Users' scorers named MODULE:FACTORY (docs/design.md §12): loaded, called under a timeout, and
+checked, every failure a ScorerError of one line that names the scorer."""
 
 from __future__ import annotations
 
-import copy
 import importlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.ops.codebook import CodebookTables, codebook_log_probs, codebook_logits
-from sidindex.errors import InputError, ScorerError
+from sidindex.errors import ScorerError
 from sidindex.interrupts import from_signal
-from sidindex.sid.codebook import Codebook
 
 if TYPE_CHECKING:
-    from sidindex.request_encoding import EncodedRequests
-
-
-class CodebookScorer:
-    """scorer(step, tokens (B, K, step) int64, parent) -> (B, K, V) float32 logits, for request
-    embeddings `embedding` (B, D) float32 (`runtime.search.Scorer`; stateless, so `parent` is
-    unused). `log_probs` gives a step's log-probabilities directly (`runtime.search.log_probs_of`)."""
-
-    def __init__(self, codebook: Codebook, embedding: torch.Tensor, temperature: float = 1.0) -> None:
-        dev = embedding.device
-        self.x = embedding.float().clone()  # its own: a captured search refreshes it in place
-        self.tables = CodebookTables.of([torch.from_numpy(c).to(dev) for c in codebook.centroids],
-                                        codebook.level_sizes, codebook.vocab_size)
-        self.temperature = temperature
-        self.temperature_t = torch.tensor([temperature], dtype=torch.float64, device=dev)  # the kernel reads it
-        self.inputs = {"embedding": self.x}  # what a captured search copies each batch into (runtime.Searcher)
-
-    def for_embedding(self, embedding: torch.Tensor) -> CodebookScorer:
-        """The same scorer for other requests' embeddings (B', D), a copy of its own: the codebook's
-        device copy is shared, so a batch costs no host-to-device copy of the centroids."""
-        return self.reading(embedding.float().clone())
-
-    def reading(self, embedding: torch.Tensor) -> CodebookScorer:
-        """The same scorer reading `embedding` (B', D) float32 on its device where it lies, not a
-        copy: a captured search's, whose staged embedding each batch refreshes (`runtime.Searcher`)."""
-        other = copy.copy(self)
-        other.x = embedding
-        other.inputs = {"embedding": other.x}
-        return other
-
-    def prefix_independent(self, step: int) -> bool:
-        """True when the logits of `step` do not depend on the prefix (the hash level): an
-        exhaustive scan asks once instead of once per trie node."""
-        return step >= self.tables.semantic
-
-    def __call__(self, step: int, prefix: torch.Tensor, parent: torch.Tensor | None = None) -> torch.Tensor:
-        return codebook_logits(self.tables, self.x, self.temperature, step, prefix)
-
-    def log_probs(self, step: int, prefix: torch.Tensor, parent: torch.Tensor | None, size: int) -> torch.Tensor:
-        """(B, K, V) float32 `level_log_probs(self(step, prefix, parent), size)`, in one kernel on
-        CUDA (`runtime.ops.codebook`): equal where the level is uniform, to a few units in float32's
-        last place elsewhere. Reads prefix without writing it."""
-        return codebook_log_probs(self.tables, self.x, self.temperature, step, prefix, size,
-                                  temperature_t=self.temperature_t)
-
-
-def embedding_of(requests: EncodedRequests) -> torch.Tensor:
-    """The requests' (B, D) embedding, which the codebook scorer scores; an InputError naming the
-    requests when they have none."""
-    if requests.embedding is None:
-        raise InputError(f"{requests.source}: the codebook scorer needs an `embedding` column in the requests")
-    return requests.embedding
+    from runtime.index.served import ServedIndex
+    from sidindex.requests import Requests
 
 
 def load_factory(spec: str, timeout: float | None = None) -> ScorerFactory:
@@ -210,3 +151,18 @@ class _Checked:
             raise ScorerError(f"scorer {self.spec!r} returned {got} at step {step}; expected float logits of shape "
                               f"{want} on {tokens.device}")
         return out
+
+
+def factory_scorer(factory: str | ScorerFactory, index: ServedIndex,
+                   requests: Requests) -> Callable[[slice], _Checked]:
+    """rows -> the scorer that the user's factory 'MODULE:FACTORY' (`load_factory`)
+    makes for requests[rows], given those rows with every column of the request file as a
+    pyarrow.Table, the index's device and level sizes. Errors name the factory (ScorerError)."""
+    named = as_factory(factory)
+    assert named is not None  # a factory given (None is the codebook scorer's)
+
+    def for_rows(rows: slice) -> _Checked:
+        batch = requests.table.slice(rows.start, rows.stop - rows.start)
+        return named.for_batch(batch, index.device, index.level_sizes)
+
+    return for_rows

@@ -1,7 +1,7 @@
 """A serving searcher: beam search replayed from CUDA graphs (docs/design.md §17).
 
 A host keeps one `Searcher` per (beams, mode) and calls `search(index, requests, scorer)` per batch,
-or `retrieve(...)` for the ranked eligible ads (search and post stage, `runtime.post`). On a GPU the
+or `retrieve(...)` for the ranked eligible ads (search and post stage, `runtime.serving.post`). On a GPU the
 first batch of each size is searched once to warm up, then the whole search (every step's scorer
 call, mask, top-k and child lookup) is captured as a CUDA graph; later batches of that size are
 put in the graph's inputs and replay it, paying neither Python nor launch overhead. The graph's
@@ -15,7 +15,7 @@ inputs are
   - the scorer's `inputs`: a dict of tensors the scorer reads each step (the reference decoder's
     context), copied into the captured scorer's; the built-in codebook scorer (`scorer` None)
     reads the staged embedding itself.
-  - with `retrieve`, the post stage (`runtime.post.DevicePost`) is captured in the same graph,
+  - with `retrieve`, the post stage (`runtime.serving.post.DevicePost`) is captured in the same graph,
     right after the search.
 After a replay the search's flags and the post stage's counts and first result rows are copied to
 pinned memory behind it, an event is recorded behind them, and the host waits once, for that event.
@@ -28,7 +28,7 @@ searches run eagerly (and `retrieve` runs the host post stage), and `eager_reaso
 warning says it once). Replayed results are copies: the next replay does not change them.
 
 Each step's top-k selects among a width the Searcher caps at `slack` x its beams' typical
-candidates (`runtime.search.capped_widths`): the worst case, the widest nodes of the depth together,
+candidates (`runtime.search.beam.capped_widths`): the worst case, the widest nodes of the depth together,
 can be twelve times as wide, and top-k's time grows with its width. The post stage holds as many
 (request, ad) pairs per request as warm-up requests reached, twice over (`fitted_pairs`), not the
 ads of the largest SIDs together. After each search the Searcher reads the search's overflow flags
@@ -39,7 +39,7 @@ is widened, captured or compiled on the serving thread. So no candidate is ever 
 keeps the candidates the uncapped search would, ties included (`runtime.ops.order`: a width changes
 no candidate's place relative to another's). The same copy brings the search's record of steps at
 which the scorer gave a request no finite logit (`Beams.unscored`): such a batch is refused
-(`runtime.search.check_scored`, a ScorerError), with no wait per step, captured or not.
+(`runtime.search.beam.check_scored`, a ScorerError), with no wait per step, captured or not.
 
 With a `SnapshotWatcher`, each request takes `watcher.current` once and passes it here: a graph
 belongs to the device arrays it was captured on, so a swapped-in snapshot is captured anew at its
@@ -63,15 +63,15 @@ from typing import Protocol, TypeGuard
 import numpy as np
 import torch
 
+from runtime.index.served import ServedIndex
 from runtime.ops.compiles import count_compiles
 from runtime.ops.expand import DEFAULT_PAIRS, MAX_PAIRS
 from runtime.ops.expand.layout import pow2
 from runtime.ops.impl import Impl
-from runtime.post import DevicePost, check_rank, check_top_k, expand, on_device
 from runtime.requests import Staged, device_form
 from runtime.result import Retrieved
-from runtime.scorer import CodebookScorer, embedding_of
-from runtime.search import (
+from runtime.scorers.codebook import CodebookScorer, codebook_of, embedding_of
+from runtime.search.beam import (
     DEFAULT_BEAMS,
     Beams,
     Scorer,
@@ -81,7 +81,7 @@ from runtime.search import (
     check_slack,
     scorer_name,
 )
-from runtime.served import ServedIndex, codebook_of
+from runtime.serving.post import DevicePost, check_rank, check_top_k, expand, on_device
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import EncodedRequests
@@ -127,14 +127,14 @@ class Searcher:
     module doc).
 
     slack: each step's top-k selects among `slack` x the candidates its beams' nodes typically
-    have (`runtime.search.capped_widths`) rather than its worst case, which can be twelve times as
+    have (`runtime.search.beam.capped_widths`) rather than its worst case, which can be twelve times as
     many. While warming, a batch with more candidates than that at some step is searched again
     with twice that step's slack (`step_slack`; `widened` counts those searches), and `settle`
     then fits the post stage (`pairs`) to the most (request, ad) pairs a warm-up request reached. Once
     `frozen` (`runtime.Retriever` freezes it after warm-up), nothing widens: a batch that does not
     fit is answered at once by the worst case's graph, captured beside the capped one (every step's
     full width, the post stage's default room or the fitted one past it, and past that a post stage
-    sized to the batch: `runtime.post.expand`), and counted in `overflows` (a batch past the pairs
+    sized to the batch: `runtime.serving.post.expand`), and counted in `overflows` (a batch past the pairs
     while warming too). Either way no candidate is cut (module doc). 0: every step's worst case, never a
     second search. `captures` counts the graphs captured.
 
@@ -168,7 +168,7 @@ class Searcher:
 
     def widths(self, index: ServedIndex) -> tuple[int | None, ...] | None:
         """The compact layout's width per step (None: the step's worst case) this Searcher's
-        searches of `index` use now (`runtime.search.capped_widths`)."""
+        searches of `index` use now (`runtime.search.beam.capped_widths`)."""
         if not self.mode.constrained:
             return None
         return capped_widths(index, self.beams, tuple(self.step_slack.get(d, self.slack)
@@ -277,7 +277,7 @@ class Searcher:
         best: a replay copies it as it is) or on the index's device (`runtime.to_device`); scorer:
         None for the built-in codebook scorer of the requests' embedding. A search in which the
         scorer gave some request no finite logit at a step is a ScorerError
-        (`runtime.search.check_scored`), naming the request by its `request_id` (the batch's first
+        (`runtime.search.beam.check_scored`), naming the request by its `request_id` (the batch's first
         len(request_id) rows; rows beyond, a padded batch's copies, are not checked) or by its row."""
         if self._why_eager(index, scorer) is not None:
             return self._eager(index, requests, scorer, request_id)
@@ -304,8 +304,8 @@ class Searcher:
     def retrieve(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None = None, *,
                  top_k: int | None = None, rank: str = "score", stages: bool = False,
                  request_id: np.ndarray | None = None) -> Retrieved:
-        """The ranked eligible ads of one batch (`runtime.post.expand` of `search`): on a GPU
-        holding the index's post arrays (`runtime.post.on_device`), search and post stage replayed
+        """The ranked eligible ads of one batch (`runtime.serving.post.expand` of `search`): on a GPU
+        holding the index's post arrays (`runtime.serving.post.on_device`), search and post stage replayed
         as one graph, its flags, counts and first rows brought to the host behind it, one wait.
         requests, scorer, request_id: as `search`'s (the host post stage, on the CPU or past every
         device stage, needs the host encoding). `submit`, then `Submitted.read`."""

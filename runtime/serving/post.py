@@ -2,7 +2,7 @@
 
 The SID -> ad CSR expands every live beam into its ads (dropping rows an update paused or
 deleted), an ad reached through several SIDs keeps its best score and that SID (on equal scores
-the first beam's: the search ranks its beams in one order on every device, `runtime.search`), and
+the first beam's: the search ranks its beams in one order on every device, `runtime.search.beam`), and
 the exact ad-level filter drops every ineligible ad (Bloom false positives stop here). Ranked per
 request by one of RANKS:
   score  the ad's best log-probability (the default)
@@ -34,11 +34,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runtime.index.served import POST_ARRAYS, ServedIndex, post_bounds
 from runtime.ops.expand import DEFAULT_PAIRS, MAX_PAIRS, RANKS, PostLayout, expand_beams, expand_host
 from runtime.requests import to_device
 from runtime.result import Retrieved
-from runtime.search import Beams
-from runtime.served import POST_ARRAYS, ServedIndex, post_bounds
+from runtime.search.beam import Beams
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import ConfigError
 from sidindex.request_encoding import EncodedRequests
@@ -133,7 +133,7 @@ class DevicePost:
     enforces; the kernels loop to each request's own). The kernels' work grows with the pairs the
     beams reach, their memory with C: about 80 bytes a slot for the score ranking (B x C x 80;
     value and fused need a few more), and the rows, B x T x 8F bytes. `pairs` None: the most pairs
-    `beams` distinct leaves hold (`runtime.served.PostBounds.most_pairs`, the worst case, which never
+    `beams` distinct leaves hold (`runtime.index.served.PostBounds.most_pairs`, the worst case, which never
     overflows), at most DEFAULT_PAIRS (65,536): `bounds_pairs`. A serving host chooses C from its
     traffic: `last_reached` holds each request's reached pairs after every `result`.
 

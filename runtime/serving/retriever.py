@@ -63,15 +63,15 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from runtime.index.served import ServedIndex
+from runtime.index.watcher import SnapshotWatcher
 from runtime.ops.compiles import compiles
-from runtime.post import check_rank, check_top_k
 from runtime.requests import embedding_dim, requests_from
 from runtime.result import Retrieved, concat, requests_part, table_of
-from runtime.scorer import ScorerFactory, as_factory
-from runtime.search import DEFAULT_BEAMS, Scorer, check_slack, check_value_weight, parse_beams
-from runtime.served import ServedIndex
-from runtime.serving import SLACK, Searcher, Submitted, check_slots
-from runtime.watcher import SnapshotWatcher
+from runtime.scorers.factory import ScorerFactory, as_factory
+from runtime.search.beam import DEFAULT_BEAMS, Scorer, check_slack, check_value_weight, parse_beams
+from runtime.serving.post import check_rank, check_top_k
+from runtime.serving.searcher import SLACK, Searcher, Submitted, check_slots
 from schemas import MAX_ABS_EMBEDDING
 from sidindex.errors import ConfigError, InputError, SidIndexError
 from sidindex.modes import Mode, parse_mode
@@ -113,11 +113,11 @@ class Retriever:
     index:        a ServedIndex (`runtime.load`) or a SnapshotWatcher (whose swaps it follows)
     mode, beams:  the search (`runtime.parse_mode`, `runtime.parse_beams`)
     scorer:       None (the codebook scorer, from each request's embedding), a user's factory
-                  'MODULE:FACTORY' (`runtime.scorer.load_factory`), a factory function
+                  'MODULE:FACTORY' (`runtime.scorers.factory.load_factory`), a factory function
                   FACTORY(batch, device, level_sizes) -> Scorer, or a loaded `ScorerFactory`
     batch_sizes:  the batch sizes to serve (graphs captured at warm-up on a GPU)
     value_weight: λ of the value-guided search (0: by log-probability); rank: how each request's
-                  ads are ranked (`runtime.post.RANKS`); top_k: the most ads per request (None: all)
+                  ads are ranked (`runtime.serving.post.RANKS`); top_k: the most ads per request (None: all)
     warmup:       requests (anything `retrieve` takes) to warm up with, beside the synthetic ones;
                   warm: False to skip warming (the first batch of each size then pays for it)
     slack:        each step's width, in its beams' typical candidates (`runtime.Searcher`)
@@ -181,7 +181,7 @@ class Retriever:
         pyarrow.Table: request_id, rank, ad_id, sid (fixed_size_list<int16>), score, and value
         when the snapshot has ad values. An InputError names a bad request's column and row; a
         ScorerError a user's scorer that failed, or gave some request no finite logit at a step
-        (`runtime.search.check_scored`)."""
+        (`runtime.search.beam.check_scored`)."""
         index = self.index
         t = time.perf_counter()
         reqs = self._validated(requests, index, source)
@@ -196,7 +196,7 @@ class Retriever:
 
     @property
     def in_flight(self) -> int:
-        """Batches worth running at a time from several threads (`runtime.batcher.Batcher`): on a
+        """Batches worth running at a time from several threads (`runtime.server.batcher.Batcher`): on a
         GPU with the built-in scorer, the graphs' slots (one batch on the device while another
         is staged or read); elsewhere 1 (on the CPU a second batch only contends with the first
         for the interpreter: measured, it halved a server's throughput)."""
@@ -205,7 +205,7 @@ class Retriever:
     @property
     def widths(self) -> tuple[int | None, ...] | None:
         """Each search step's compact width on the index served now: the candidates its top-k
-        selects among (`runtime.search.capped_widths`; None: the step's worst case), as warm-up
+        selects among (`runtime.search.beam.capped_widths`; None: the step's worst case), as warm-up
         and re-warms settled them. None in mode none, or before the index is warmed."""
         index = self.index
         with self._lock:
@@ -223,7 +223,7 @@ class Retriever:
     def run(self, requests: Requests, index: ServedIndex | None = None, *, stages: bool = False,
             progress: Callable | None = None) -> tuple[Retrieved, dict[str, float]]:
         """The `Retrieved` rows of validated requests (their rows numbered within `requests`), and
-        the seconds per stage; stages: with each ad's stage flags (`runtime.post.expand`). Each
+        the seconds per stage; stages: with each ad's stage flags (`runtime.serving.post.expand`). Each
         batch is encoded outside the serving lock, in the calling thread's arenas, and submitted
         (`runtime.Searcher.submit`) before the one before it is read: the next batch is encoded
         and staged while one is on the device, for this caller and for others."""

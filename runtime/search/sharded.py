@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.constraint import Constraint
-from runtime.loader import load_index
+from runtime.index.loader import load_index
+from runtime.index.served import ServedIndex
 from runtime.ops.distribution import scored_rows
 from runtime.ops.impl import Impl
 from runtime.ops.order import TIE_LIMIT, ordered, top_k
-from runtime.search import (
+from runtime.search.beam import (
     DEFAULT_BEAMS,
     NEG_INF,
     Beams,
@@ -39,7 +39,7 @@ from runtime.search import (
     log_probs_of,
     parse_beams,
 )
-from runtime.served import ServedIndex
+from runtime.search.constraint import Constraint
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import EncodedRequests
@@ -74,7 +74,7 @@ class ShardedBeams:
     beams: tuple[Beams, ...]
     rank: tuple[torch.Tensor, ...]
     # (B, L) bool on the first device: request b had live beams entering step d, on any device, and
-    # no device's scorer gave one of them a finite logit (`runtime.search.check_scored` refuses it)
+    # no device's scorer gave one of them a finite logit (`runtime.search.beam.check_scored` refuses it)
     unscored: torch.Tensor | None = None
 
     def ranked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,7 +107,7 @@ def sharded_beam_search(indexes: Sequence[ServedIndex], requests: Sequence[Encod
     its own scorer: the same beams, scores and order as the search on one device holding every
     shard (module doc). A constrained mode only: a device searches its own shards. Steps at which
     the scorers gave a request's live beams no finite logit are recorded in `ShardedBeams.unscored`
-    (no host synchronisation): pass it to `runtime.search.check_scored`."""
+    (no host synchronisation): pass it to `runtime.search.beam.check_scored`."""
     if not indexes or not (len(indexes) == len(requests) == len(scorers)):
         raise ConfigError("give one index, one encoding of the batch and one scorer per device")
     first = indexes[0]

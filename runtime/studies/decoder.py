@@ -1,7 +1,7 @@
 """A reference generative retriever: a small causal transformer over a request's context tokens
 followed by SID tokens, with a KV cache reordered by the search's `parent` (docs/design.md §12).
 
-It is the worked example of plugging a model into the search (`runtime.search.Scorer`): a serving
+It is the worked example of plugging a model into the search (`runtime.search.beam.Scorer`): a serving
 team's decoder has the same shape. The sequence of a request is its C context tokens (e.g. the
 user's history, ids in [0, context_vocab)) then the SID's tokens; SID token t of level d is
 embedded as d * V + t, and the logits of level d come from the hidden state before it, through
@@ -11,7 +11,7 @@ it is not trained.
 `DecoderScorer` runs the context once (step 0), then one new position per step for every beam,
 its cache gathered by `parent` first; `sequence_logprob` scores whole SIDs without a cache, which
 the search's accumulated scores equal (tests compare them). `reference_scorer` is the factory the
-command line takes: `sidindex retrieve ... --scorer runtime.decoder:reference_scorer`.
+command line takes: `sidindex retrieve ... --scorer runtime.studies.decoder:reference_scorer`.
 
 Legend: B requests, K beams, C context tokens, L SID length, V vocabulary (max level size),
 H heads, D model width.
@@ -115,7 +115,7 @@ class ReferenceDecoder(nn.Module):
 
 
 class DecoderScorer:
-    """A `runtime.search.Scorer` for one batch: the decoder with its KV cache.
+    """A `runtime.search.beam.Scorer` for one batch: the decoder with its KV cache.
 
     context: (B, C) int64 each request's context tokens. Per call, a cache of (B*K, H, T, D/H) keys
     and values per layer, T = C + step; with `parent` it is gathered to the new beams and one
@@ -166,7 +166,7 @@ def _reference_model(level_sizes: tuple[int, ...], device: str) -> ReferenceDeco
 
 
 def reference_scorer(batch, device: torch.device, level_sizes: tuple[int, ...]) -> DecoderScorer:
-    """A scorer factory (`--scorer runtime.decoder:reference_scorer`): the reference decoder at its
+    """A scorer factory (`--scorer runtime.studies.decoder:reference_scorer`): the reference decoder at its
     default size (random weights, seed 0) over each request's `history` column (a list of integer
     ids, the last 64 used; no column or a null: an empty context). batch: a pyarrow.Table of the
     batch's request rows."""

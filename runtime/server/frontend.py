@@ -7,8 +7,8 @@ device (docs/design.md §19).
              spreads them)                                     └─────────────────────────────────┘
 
 The engine process (the one `sidindex serve` runs in) loads and warms the snapshot, binds the
-HTTP port, serves its `runtime.engine.Engine` over `runtime.link`, and starts the front-ends
-(`python -m runtime.frontend`), each handed the listening socket: parsing, validation and the
+HTTP port, serves its `runtime.server.engine.Engine` over `runtime.server.link`, and starts the front-ends
+(`python -m runtime.server.frontend`), each handed the listening socket: parsing, validation and the
 answer's JSON, the work per request that one Python process can only do on one core, run in N.
 A front-end that exits unexpectedly is started again. On SIGTERM or SIGINT the engine passes the
 signal on; each front-end drains as a single-process server does (`RetrievalServer.drain`), and
@@ -31,15 +31,15 @@ import tempfile
 import threading
 import time
 
-from runtime.metrics import process_gone
-from runtime.server import DRAIN_SECONDS, SWITCH_INTERVAL_S, RetrievalServer
+from runtime.server.http import DRAIN_SECONDS, SWITCH_INTERVAL_S, RetrievalServer
+from runtime.server.metrics import process_gone
 
 RESTART_PAUSE_S = 1.0  # between a front-end's unexpected exit and its replacement
 
 
 def serve_processes(engine, host: str, port: int, workers: int, http: dict, *, arrived: list[int] | None = None,
                     log=print) -> None:
-    """Serve `engine` (a `runtime.engine.Engine`, not started) through `workers` front-end
+    """Serve `engine` (a `runtime.server.engine.Engine`, not started) through `workers` front-end
     processes on host:port until SIGTERM or SIGINT (module doc), then stop it (`Engine.close`
     waits for its threads); `http`: the options of `RetrievalServer` (its drain_seconds bounds
     the stop); arrived: signals noted before this ran (they stop it at once); log: one line per event."""
@@ -56,7 +56,7 @@ def serve_processes(engine, host: str, port: int, workers: int, http: dict, *, a
 
 async def _supervise(engine, listening: socket.socket, address: str, workers: int, http: dict, arrived: list[int],
                      log) -> None:
-    from runtime.link import EngineLink
+    from runtime.server.link import EngineLink
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -70,7 +70,7 @@ async def _supervise(engine, listening: socket.socket, address: str, workers: in
     config = {"engine": address, "fd": listening.fileno(), "parent": os.getpid(), "http": http}
 
     def start() -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "runtime.frontend", json.dumps(config)],
+        return subprocess.Popen([sys.executable, "-m", "runtime.server.frontend", json.dumps(config)],
                                 pass_fds=(listening.fileno(),))
 
     fronts = [] if stop.is_set() else [start() for _ in range(workers)]  # a stop already: none to start
@@ -103,8 +103,8 @@ async def _supervise(engine, listening: socket.socket, address: str, workers: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    """A front-end process: `python -m runtime.frontend CONFIG` (JSON, from `serve_processes`)."""
-    from runtime.link import EngineClient
+    """A front-end process: `python -m runtime.server.frontend CONFIG` (JSON, from `serve_processes`)."""
+    from runtime.server.link import EngineClient
 
     config = json.loads((sys.argv[1:] if argv is None else argv)[0])
     listening = socket.socket(fileno=config["fd"])

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from runtime.engine_api import Refused
-from runtime.metrics import EngineMetrics
 from runtime.requests import requests_from
 from runtime.result import Retrieved, concat, requests_part, table_of
-from runtime.retriever import Retriever
+from runtime.server.engine_api import Refused
+from runtime.server.metrics import EngineMetrics
+from runtime.serving.retriever import Retriever
 from sidindex.errors import InputError, ScorerError
 from sidindex.requests import Requests
 from sidindex.targeting import TargetingSpec

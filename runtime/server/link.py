@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from runtime.engine_api import Refused, Target
+from runtime.server.engine_api import Refused, Target
 from sidindex.errors import InputError, SidIndexError
 from sidindex.requests import Requests, from_portable, portable
 from sidindex.targeting import spec_from_dict
@@ -52,7 +52,7 @@ def _read(buffer) -> pa.Table:
 
 
 class EngineLink:
-    """Serves an `runtime.engine.Engine` to front-ends: binds a ROUTER socket at `address` at
+    """Serves an `runtime.server.engine.Engine` to front-ends: binds a ROUTER socket at `address` at
     construction; `run` (a task of the engine's event loop) answers until cancelled."""
 
     def __init__(self, engine, address: str) -> None:
@@ -115,7 +115,7 @@ class EngineLink:
 
 
 class EngineClient:
-    """The engine as a front-end sees it, with the interface of `runtime.engine.Engine`: `start`
+    """The engine as a front-end sees it, with the interface of `runtime.server.engine.Engine`: `start`
     in the front-end's event loop (it waits for the engine's first status), then `target`,
     `answer` and `status` over the link."""
 
