@@ -20,7 +20,7 @@ from runtime.ops.gtm_mask.planes import (
     stack_base,
     stack_queries,
 )
-from sidindex.matchers.exact import ExactQueries
+from sidindex.exact import ExactQueries
 from sidindex.request_encoding import EncodedRequests
 from sidindex.requests import MAX_REQUEST_VALUES, Requests
 from sidindex.requests import read_requests as read_request_file

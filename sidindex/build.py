@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
+from sidindex.exact import ExactIndex, build_exact_index
 from sidindex.matchers.bits import list_codes
-from sidindex.matchers.exact import ExactIndex, build_exact_index
 from sidindex.matchers.kinds import KINDS
 from sidindex.sid.quality import QualityReport
 from sidindex.targeting import TargetingSpec

@@ -6,7 +6,7 @@ At each position of the SID the search can only take the token if
   cd+gtm+kway   and ANY of the child's k-way partitions passes every attribute;
 and at the leaf the exact filter decides, ad by ad. An explanation tests each attribute on its own
 (instead of stopping at the first failing word, as the matcher does), so it can name every
-attribute that failed. Its verdicts agree with `sidindex.trie.match` and `sidindex.matchers.exact`.
+attribute that failed. Its verdicts agree with `sidindex.trie.match` and `sidindex.exact`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED
 from sidindex.errors import InputError
-from sidindex.matchers.exact import attribute_eligibility
+from sidindex.exact import attribute_eligibility
 from sidindex.matchers.kinds import KINDS
 from sidindex.modes import Mode, parse_mode, served_modes
 from sidindex.request_encoding import encode_requests

@@ -15,10 +15,15 @@ import numpy as np
 P = ParamSpec("P")
 R = TypeVar("R")
 
+# a pass over fewer items runs on one thread: a few ms, about what waking every thread costs on a
+# loaded host; the checks of a snapshot, an update's trie passes and the cover checks share it
+PARALLEL_ITEMS = 1 << 22
 
-def sized(min_items: int, arg: int = 0) -> Callable[[Callable[P, R]], Callable[P, R]]:
+
+def sized(min_items: int = PARALLEL_ITEMS, arg: int = 0) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorator for a numba `parallel=True` kernel (called from Python): all of numba's threads
-    when its argument number `arg` holds `min_items` items or more (`np.size`), else one thread
+    when its argument number `arg` holds `min_items` items or more (`np.size`; by default
+    PARALLEL_ITEMS, the one threshold of passes over whole arrays), else one thread
     (`numba.set_num_threads` is per calling thread, so concurrent callers do not interfere)."""
     def wrap(kernel: Callable[P, R]) -> Callable[P, R]:
         def run(*args: P.args, **kwargs: P.kwargs) -> R:

@@ -27,9 +27,9 @@ from numpy.typing import DTypeLike
 
 from schemas.artifacts import EXACT_FORM, EXACT_ROWS
 from sidindex.arraytypes import HostOrDevice
+from sidindex.exact import EXACT_SEED, ExactQueries
 from sidindex.matchers.bitmask import BitmaskLayout
 from sidindex.matchers.bloom import BLOOM_SEED
-from sidindex.matchers.exact import EXACT_SEED, ExactQueries
 from sidindex.matchers.kinds import KINDS
 from sidindex.matchers.murmur import murmur3_32, murmur3_x64_64, string_buffers
 from sidindex.matchers.plane import PlaneQueries

@@ -36,8 +36,8 @@ import polars as pl
 import pyarrow as pa
 
 from sidindex.build import encode_ads
+from sidindex.exact import ArrayPieces, exact_columns, exact_pieces
 from sidindex.ingest import catalog_rows
-from sidindex.matchers.exact import ArrayPieces, exact_columns, exact_pieces
 from sidindex.sid import Codebook, assign_sids, hash_tokens
 from sidindex.sid.quality import QualitySums, quality_sums
 from sidindex.targeting import TargetingSpec

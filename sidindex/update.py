@@ -25,7 +25,7 @@ from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED
 from sidindex.build import BuiltIndex, encode_ads
 from sidindex.changes import Changes, named_rows
 from sidindex.errors import InputError
-from sidindex.matchers.exact import ExactIndex, concat_exact
+from sidindex.exact import ExactIndex, concat_exact
 from sidindex.sid import Codebook, assign_sids, hash_tokens
 from sidindex.timing import StageClock
 from sidindex.trie.patch import insert_sids, liveness

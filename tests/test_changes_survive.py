@@ -35,8 +35,8 @@ from schemas.contracts import CHANGES_THROUGH_KEY
 from sidindex import update
 from sidindex.artifact import seal, sha256_file
 from sidindex.errors import ArtifactError, InputError
+from sidindex.exact import ExactIndex, ExactPlane, concat_exact
 from sidindex.job import run_build, run_update
-from sidindex.matchers.exact import ExactIndex, ExactPlane, concat_exact
 from sidindex.root import Root
 from sidindex.snapshot import open_snapshot
 from sidindex.snapshot.records import read_record

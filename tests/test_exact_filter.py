@@ -1,6 +1,6 @@
 """The device exact filter (`runtime.ops.exact_filter`): the Triton kernels (on a GPU, else under
 TRITON_INTERPRET=1 on CPU tensors) equal the torch reference exactly on every slot, and both equal
-the host numba filter (`sidindex.matchers.exact.stage_flags`) on every live pair.
+the host numba filter (`sidindex.exact.stage_flags`) on every live pair.
 
 Two sources of cases: the random catalogs of the post stage's tests (`tests.test_post.cases`:
 built snapshots, requests sliced from a larger batch as `retrieve` slices them), and raw arrays
@@ -26,7 +26,7 @@ from runtime.requests import to_device
 from runtime.serving.post import post_tensors
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.errors import ConfigError
-from sidindex.matchers.exact import ExactQueries, stage_flags
+from sidindex.exact import ExactQueries, stage_flags
 from sidindex.matchers.plane import PlaneQueries
 from tests.test_post import cases
 from tests.test_runtime import DEVICE

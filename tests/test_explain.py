@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 
 from sidindex.errors import InputError
+from sidindex.exact import eligible_mask
 from sidindex.explain import Explainer, request_row
-from sidindex.matchers.exact import eligible_mask
 from sidindex.requests import Requests
 from sidindex.snapshot.snapshot import Snapshot
 from sidindex.trie.match import passing_tokens

@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidindex.errors import ConfigError
+from sidindex.exact import build_exact_index, eligible_mask
 from sidindex.matchers.bitmask import bitmask_layout
 from sidindex.matchers.bitmask import encode_ad_rows as bitmask_rows
 from sidindex.matchers.bloom import BLOOM_SEED, bloom_layout
 from sidindex.matchers.bloom import encode_ad_rows as bloom_rows
-from sidindex.matchers.exact import build_exact_index, eligible_mask
 from sidindex.matchers.kinds import KINDS
 from sidindex.request_encoding import encode_requests
 from sidindex.requests import Requests, requests_from

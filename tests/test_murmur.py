@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidindex.exact import EXACT_SEED
 from sidindex.matchers.bloom import BLOOM_SEED
-from sidindex.matchers.exact import EXACT_SEED
 from sidindex.matchers.murmur import _views, hash32_all, hash64_all, murmur3_32, murmur3_x64_64, string_buffers
 
 SEEDS = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, EXACT_SEED] + [BLOOM_SEED + i for i in range(16)]

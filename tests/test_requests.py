@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 import runtime
 from sidindex.errors import InputError
+from sidindex.exact import EXACT_SEED
 from sidindex.matchers.bloom import BLOOM_SEED
-from sidindex.matchers.exact import EXACT_SEED
 from sidindex.request_encoding import encode_requests
 from sidindex.requests import read_requests, requests_from
 from sidindex.sample import sample_requests

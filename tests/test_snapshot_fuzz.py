@@ -27,8 +27,8 @@ import runtime
 from schemas.artifacts import AD_DELETED, ARRAYS_BY_NAME, MANIFEST_FILE, UNLISTED, shard_dir
 from sidindex.artifact import list_files, seal
 from sidindex.errors import SidIndexError
+from sidindex.exact import eligible_pairs
 from sidindex.explain import Explainer
-from sidindex.matchers.exact import eligible_pairs
 from sidindex.request_encoding import encode_requests
 from sidindex.snapshot import Manifest, open_snapshot
 from sidindex.snapshot.arrays import write_array

@@ -14,7 +14,7 @@ then ad_id: a total order, so equal scores (hash-level SIDs tie) rank alike on b
 Two implementations of the one contract (`Retrieved`), and `expand` picks:
   host    `runtime.ops.expand.host`: numba passes over the snapshot's memory maps (beams on the CPU,
           or an index without `ServedIndex.post`): expand + dedupe with a hash table per request,
-          the exact filter of `sidindex.matchers.exact`, a merge sort per request.
+          the exact filter of `sidindex.exact`, a merge sort per request.
   device  `DevicePost`: `runtime.ops.expand` (Triton kernels around the exact filter's, or its torch
           reference) on the tensors of `ServedIndex.post`, every shape fixed by the batch, the
           beams and a capacity of pairs per request, no host synchronisation, so a CUDA graph can

@@ -32,7 +32,7 @@ from runtime.scorers.codebook import codebook_scorer
 from runtime.scorers.factory import ScorerFactory, factory_scorer
 from runtime.search.beam import Scorer, check_value_weight, log_probs_of, parse_beams
 from runtime.serving.retrieval import retrieve
-from sidindex.matchers.exact import eligible_mask
+from sidindex.exact import eligible_mask
 from sidindex.modes import Mode, parse_mode
 from sidindex.request_encoding import encode_requests
 from sidindex.requests import Requests

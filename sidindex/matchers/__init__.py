@@ -1,1 +1,2 @@
-"""Targeting matchers: bitmask rows, Bloom rows, and the exact per-ad index (docs/design.md §4)."""
+"""Targeting matchers: bitmask rows and Bloom rows, and the one test of a plane (docs/design.md §4); the
+exact per-ad index over them is `sidindex.exact`, beside the targeting spec it reads."""

@@ -46,7 +46,7 @@ from schemas.artifacts import (
 from sidindex.artifact import link_file, list_files, same_file, verify_checksums, verify_files
 from sidindex.config import BuildConfig
 from sidindex.errors import ArtifactError, SidIndexError
-from sidindex.matchers.exact import ExactIndex
+from sidindex.exact import ExactIndex
 from sidindex.root import Root, pruned
 from sidindex.sid.codebook import Codebook, load_codebook, save_codebook
 from sidindex.signing import TrustKey

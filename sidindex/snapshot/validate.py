@@ -21,7 +21,7 @@ import numpy as np
 
 from schemas.artifacts import AD_DELETED, AD_LIVE, AD_PAUSED, ARRAYS_BY_NAME, MANIFEST_FILE, MAX_AD_VALUE, plane_arrays
 from sidindex.errors import ArtifactError
-from sidindex.matchers.exact import ExactIndex
+from sidindex.exact import ExactIndex
 from sidindex.parallel import sized
 from sidindex.snapshot.manifest import Counts, Lineage
 from sidindex.trie.build import GTMIndex
@@ -29,11 +29,8 @@ from sidindex.trie.cover import uncovered
 from sidindex.trie.patch import live_entries
 from sidindex.trie.shard import Shard
 
-PARALLEL_ITEMS = 1 << 22  # a structure check shorter than this runs on one thread (`sidindex.parallel`)
-_sized = sized(PARALLEL_ITEMS)
 
-
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _falls(a: np.ndarray, strict: bool) -> int:
     """Neighbours a[i] > a[i + 1] (strict: also a[i] == a[i + 1])."""
@@ -44,7 +41,7 @@ def _falls(a: np.ndarray, strict: bool) -> int:
     return bad
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _outside(a: np.ndarray, size: int) -> int:
     """Values outside [0, size)."""
@@ -55,7 +52,7 @@ def _outside(a: np.ndarray, size: int) -> int:
     return bad
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _run_falls(x: np.ndarray, offsets: np.ndarray, strict: bool) -> int:
     """Neighbours falling (strict: not rising) within a run x[offsets[r]:offsets[r + 1]] (offsets
@@ -68,7 +65,7 @@ def _run_falls(x: np.ndarray, offsets: np.ndarray, strict: bool) -> int:
     return bad
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _not_next(child: np.ndarray) -> int:
     """Entries e whose child is not node e + 1."""
@@ -79,7 +76,7 @@ def _not_next(child: np.ndarray) -> int:
     return bad
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _out_of_bounds(v: np.ndarray, hi: float) -> int:
     """Values outside [0, hi]; NaN is outside."""
@@ -90,7 +87,7 @@ def _out_of_bounds(v: np.ndarray, hi: float) -> int:
     return bad
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _child_bounds_above(ev: np.ndarray, no: np.ndarray, inner_end: int) -> int:
     """Child entries whose bound exceeds their parent's: node i (1 <= i < inner_end) is entry i - 1's child."""
@@ -102,7 +99,7 @@ def _child_bounds_above(ev: np.ndarray, no: np.ndarray, inner_end: int) -> int:
     return bad
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _bad_partitions(pv: np.ndarray, po: np.ndarray, ev: np.ndarray) -> int:
     """Entries whose partitions do not fall in value from exactly the entry's own bound (po checked:

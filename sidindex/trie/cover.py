@@ -38,11 +38,9 @@ import numba
 import numpy as np
 
 from schemas.artifacts import plane_arrays
-from sidindex.matchers.exact import ExactIndex
+from sidindex.exact import ExactIndex
 from sidindex.parallel import sized
 from sidindex.trie.build import GTMIndex
-
-_sized = sized(1 << 20)
 
 
 @numba.njit(cache=True, inline="always")
@@ -54,7 +52,7 @@ def _lacks(row: np.ndarray, table: np.ndarray, r: int) -> bool:
     return False
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _children_outside(no: np.ndarray, table: np.ndarray, index: np.ndarray, inner_end: int,
                       same: np.ndarray, counter: np.ndarray, base_index: np.ndarray) -> int:
@@ -76,7 +74,7 @@ def _children_outside(no: np.ndarray, table: np.ndarray, index: np.ndarray, inne
     return bad
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _ads_outside(lo: np.ndarray, leaf_ads: np.ndarray, table: np.ndarray, index: np.ndarray, first: int,
                  rows: np.ndarray, same: np.ndarray) -> int:
@@ -92,7 +90,7 @@ def _ads_outside(lo: np.ndarray, leaf_ads: np.ndarray, table: np.ndarray, index:
     return bad
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _groups_unset(lo: np.ndarray, leaf_ads: np.ndarray, table: np.ndarray, index: np.ndarray, first: int,
                   hash_offsets: np.ndarray, word_offsets: np.ndarray, same: np.ndarray) -> int:
@@ -118,7 +116,7 @@ def _groups_unset(lo: np.ndarray, leaf_ads: np.ndarray, table: np.ndarray, index
     return bad
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _values_above(lo: np.ndarray, leaf_ads: np.ndarray, ev: np.ndarray, first: int, ad_value: np.ndarray,
                   same: np.ndarray) -> int:
@@ -137,7 +135,7 @@ def _values_above(lo: np.ndarray, leaf_ads: np.ndarray, ev: np.ndarray, first: i
 
 # --- since a base: the unchanged entries ------------------------------------------------------
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _counterparts(counter: np.ndarray, no: np.ndarray, tok: np.ndarray, bno: np.ndarray, btok: np.ndarray,
                   lo: int, hi: int) -> None:
@@ -154,7 +152,7 @@ def _counterparts(counter: np.ndarray, no: np.ndarray, tok: np.ndarray, bno: np.
             counter[c + 1] = j + 1 if j < end and btok[j] == tok[c] else -1
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _same_at(same: np.ndarray, counter: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     """same[e] &= a[e] equals b at entry e's counterpart (counter[e + 1] - 1) bit for bit; a: (E,)
@@ -164,7 +162,7 @@ def _same_at(same: np.ndarray, counter: np.ndarray, a: np.ndarray, b: np.ndarray
             same[e] = False
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _same_ads(same: np.ndarray, counter: np.ndarray, first: int, bfirst: int, lo: np.ndarray, leaf_ads: np.ndarray,
               blo: np.ndarray, bleaf_ads: np.ndarray) -> None:
@@ -184,7 +182,7 @@ def _same_ads(same: np.ndarray, counter: np.ndarray, first: int, bfirst: int, lo
                 break
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _differ(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether the first len(b) bytes of a (n,) uint8 differ from b (m,) uint8, m <= n."""
@@ -207,7 +205,7 @@ def _kept(a: np.ndarray | None, b: np.ndarray | None) -> bool:
                        np.ascontiguousarray(b).reshape(-1).view(np.uint8))
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _restrictions_differ(offsets: np.ndarray, base: np.ndarray) -> bool:
     """Whether any of base's ads (A, N_base+1) is restricted on an attribute where the same row of

@@ -19,8 +19,6 @@ from sidindex.parallel import sized
 from sidindex.trie.build import GTMIndex, MatcherPlane, round_up_f32
 from sidindex.trie.dedup import RowTable
 
-_sized = sized(1 << 20)
-
 
 def insert_sids(g: GTMIndex, sids: np.ndarray, ad_index: np.ndarray, ad_rows: dict[str, np.ndarray],
                 ad_value: np.ndarray | None = None) -> GTMIndex:
@@ -166,7 +164,7 @@ def _leaf_live(g: GTMIndex, ad_state: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return any_live, all_live
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _leaf_states(leaf_ads: np.ndarray, offsets: np.ndarray, ad_state: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, int]:
@@ -200,7 +198,7 @@ def _beneath(g: GTMIndex, leaf_flag: np.ndarray) -> np.ndarray:
     return out
 
 
-@_sized
+@sized()
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _any_child(out: np.ndarray, no: np.ndarray, lo: int, hi: int) -> None:
     """out[i - 1] = whether any child entry of node i (lo <= i < hi) is set in out (E,) bool, the

@@ -1,6 +1,6 @@
 """The exact ad-level filter of the device post stage (`runtime.serving.post.DevicePost`, docs/design.md §3):
 per matcher plane, does each (request, slot) pair's ad pass the plane's attributes for its request
-exactly (`sidindex.matchers.exact`, the same tests as its numba passes; Bloom false positives stop
+exactly (`sidindex.exact`, the same tests as its numba passes; Bloom false positives stop
 here). `exact_filter` runs the Triton kernels on CUDA tensors (one launch per plane) and the plain
 torch reference on CPU tensors; both give the same result (tests compare them, the kernels under
 TRITON_INTERPRET=1), and neither synchronises with the host, so a CUDA graph can capture either.

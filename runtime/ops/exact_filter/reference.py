@@ -1,4 +1,4 @@
-"""Plain torch reference of the exact ad-level filter on the device (`sidindex.matchers.exact`, the
+"""Plain torch reference of the exact ad-level filter on the device (`sidindex.exact`, the
 same tests as its numba passes): whole-tensor ops over every (request, slot) pair, a `rows` plane
 as a (B, C, Q, w) comparison per word group, a `values` plane as a fixed-step binary search over
 (B, C, M) per attribute. Obviously correct and without host synchronisation, but dozens of ops;

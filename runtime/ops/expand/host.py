@@ -1,7 +1,7 @@
 """The post stage on the host (`runtime.serving.post.expand` where the beams are on the CPU, or the index
 has no `ServedIndex.post`): numba passes over the snapshot's memory maps, to the rows of
 `runtime.result.Retrieved`. Expand + dedupe with a hash table per request, the exact filter of
-`sidindex.matchers.exact`, a merge sort per request; the device path (`expand_beams`) gives the
+`sidindex.exact`, a merge sort per request; the device path (`expand_beams`) gives the
 same rows.
 
 Legend: B requests, K beams, L SID length, N catalog rows, S SIDs, P (SID, ad) pairs, n (request,
@@ -15,7 +15,7 @@ import numpy as np
 
 from runtime.ops.expand.layout import RANKS, RRF_K
 from schemas.artifacts import AD_LIVE, MATCHER_PLANES
-from sidindex.matchers.exact import ALL_STAGES, eligible_pairs, stage_flags
+from sidindex.exact import ALL_STAGES, eligible_pairs, stage_flags
 from sidindex.matchers.plane import PARALLEL_PAIRS
 from sidindex.parallel import sized
 from sidindex.request_encoding import EncodedRequests
@@ -38,7 +38,7 @@ def expand_host(snap: Snapshot, requests: EncodedRequests, beams, top_k: int | N
     # 1-3. live beams -> their live ads, one row per (request, ad): the best score's beam
     state = snap.exact.ad_state if snap.exact.ad_state is not None else np.zeros(0, dtype=np.uint8)
     req, ad, beam, sc, sids, generated = _best_pairs(leaf, score, g.leaf_ad_offsets, g.leaf_ads, state)
-    # 4. the exact filter (`sidindex.matchers.exact`: the one exact test)
+    # 4. the exact filter (`sidindex.exact`: the one exact test)
     ok, per_stage = exact_pairs(snap.exact, requests, req, ad, B, stages)
     # 5. rank per request (RANKS), then ad_id, and keep the top_k
     value = np.zeros(0) if g.ad_value is None else g.ad_value
@@ -52,7 +52,7 @@ def expand_host(snap: Snapshot, requests: EncodedRequests, beams, top_k: int | N
 
 def exact_pairs(exact, requests: EncodedRequests, req: np.ndarray, ad: np.ndarray, batch: int,
                 stages: bool) -> tuple[np.ndarray, dict]:
-    """(n,) bool: does ad ad[i] (catalog row) pass request req[i] exactly (`sidindex.matchers.exact`),
+    """(n,) bool: does ad ad[i] (catalog row) pass request req[i] exactly (`sidindex.exact`),
     and with `stages` {"ads_per_stage": per matcher plane (B,) int64 the pairs passing its attributes,
     each plane on its own} (else {}), as `runtime.result.Retrieved` takes it. req, ad: (n,) int64;
     exact: an ExactIndex."""
