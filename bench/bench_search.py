@@ -46,7 +46,7 @@ Once for the batch, since the requests share them and a repeated read hits the c
 distinct child entry's token and matcher row numbers, each distinct matcher row, and with k-way
 each passing entry's partition offsets and first partition's rows. Where a step's depth has
 shared rows (its few distinct union rows, tested once per request:
-`runtime.ops.gtm_mask.shared_rows`), the table gives their number and the mask with every lane
+`runtime.ops.planes.shared_rows`), the table gives their number and the mask with every lane
 testing its own rows. Every implementation (Triton, torch reference) and layout must return
 identical beams, and the replays the eager search's.
 
@@ -91,7 +91,7 @@ from bench.common import (
 )
 from runtime.index.loader import load_index
 from runtime.ops.gtm_mask import gtm_candidates
-from runtime.ops.gtm_mask.slots import every_entry
+from runtime.ops.slots import every_entry
 from runtime.requests import to_device
 from runtime.search import constraint
 from runtime.search.beam import beam_search

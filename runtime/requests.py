@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from runtime.index.served import ServedIndex
-from runtime.ops.gtm_mask.planes import (
+from runtime.ops.planes import (
     QueryStack,
     group_layout,
     most_queries,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from bench.bench_search import read_once
 from bench.bench_sid import unpack_rq_codes
-from runtime.ops.gtm_mask.slots import slots_of
+from runtime.ops.slots import slots_of
 from tests.test_gtm import scenarios
 from tests.test_runtime import Case
 

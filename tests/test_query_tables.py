@@ -1,4 +1,4 @@
-"""Query tables (`runtime.ops.gtm_mask.tables`): a request's many Bloom queries folded into
+"""Query tables (`runtime.ops.planes.tables`): a request's many Bloom queries folded into
 lookups must decide exactly what testing query by query decides.
 
 - The Triton table builder (under TRITON_INTERPRET=1 without a GPU) equals its torch reference,
@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 
 from runtime.ops.gtm_mask import gtm_mask
 from runtime.ops.gtm_mask.kernel import gtm_mask_triton, packs
-from runtime.ops.gtm_mask.planes import TABLE_FROM, stack_queries
-from runtime.ops.gtm_mask.prepare import prepared, query_tables
-from runtime.ops.gtm_mask.slots import compact, slots_of
-from runtime.ops.gtm_mask.tables import query_tables_reference
+from runtime.ops.planes import TABLE_FROM, stack_queries
+from runtime.ops.planes.tables import query_tables_reference
+from runtime.ops.prepare import prepared, query_tables
+from runtime.ops.slots import compact, slots_of
 from runtime.requests import to_device
 from runtime.search.beam import beam_search
 from runtime.serving.searcher import Searcher

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from runtime.index.loader import load_index
 from runtime.ops.gtm_mask import gtm_candidates, gtm_mask
 from runtime.ops.gtm_mask.kernel import gtm_mask_triton
-from runtime.ops.gtm_mask.planes import order_by_first_use, stack_tables
-from runtime.ops.gtm_mask.slots import slots_of
+from runtime.ops.planes import order_by_first_use, stack_tables
+from runtime.ops.slots import slots_of
 from runtime.requests import to_device
 from runtime.search.beam import beam_search, parse_beams
 from runtime.serving.post import expand

@@ -1,4 +1,4 @@
-"""Shared rows (`runtime.ops.gtm_mask.shared_rows`): a depth's distinct matcher rows, tested once per
+"""Shared rows (`runtime.ops.planes.shared_rows`): a depth's distinct matcher rows, tested once per
 request before the search's first step, must decide what testing each entry's own rows decides.
 
 - `shared_rows` names, for every child entry of a depth and every plane, a position holding that
@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 
 from runtime.ops.gtm_mask import gtm_candidates
 from runtime.ops.gtm_mask.kernel import _shared, gtm_mask_triton
-from runtime.ops.gtm_mask.prepare import passed_for, planned, prepared, shared_pass
 from runtime.ops.gtm_mask.reference import shared_pass_reference
-from runtime.ops.gtm_mask.shared_rows import FEW, MOST_ROWS, shared_rows
-from runtime.ops.gtm_mask.slots import slots_of
-from runtime.ops.gtm_mask.tables import query_tables_reference
+from runtime.ops.planes.shared_rows import FEW, MOST_ROWS, shared_rows
+from runtime.ops.planes.tables import query_tables_reference
+from runtime.ops.prepare import passed_for, planned, prepared, shared_pass
+from runtime.ops.slots import slots_of
 from runtime.search.beam import beam_search
 from runtime.serving.searcher import Searcher
 from sidindex.config import KWayConfig

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.ops.gtm_mask.planes import TABLE_FROM
+from runtime.ops.planes import TABLE_FROM
 from runtime.requests import Staged, to_device
 from runtime.search.beam import beam_search
 from runtime.serving.post import DevicePost, post_tensors

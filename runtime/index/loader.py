@@ -27,8 +27,8 @@ import torch
 
 from runtime.index.served import HOST_ARRAYS, POST_ARRAYS, ServedIndex, bound_names, post_bounds
 from runtime.index.staging import ARENA, mapped, stage_arrays
-from runtime.ops.gtm_mask.planes import TableStack, order_by_first_use, stack_tables
-from runtime.ops.gtm_mask.shared_rows import SharedRows, shared_rows
+from runtime.ops.planes import TableStack, order_by_first_use, stack_tables
+from runtime.ops.planes.shared_rows import SharedRows, shared_rows
 from schemas.artifacts import MATCHER_PLANES, plane_arrays
 from sidindex.errors import ConfigError
 from sidindex.signing import TrustKey

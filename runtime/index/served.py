@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runtime.ops.gtm_mask.planes import TableStack
-from runtime.ops.gtm_mask.shared_rows import SharedRows
+from runtime.ops.planes import TableStack
+from runtime.ops.planes.shared_rows import SharedRows
 from schemas.artifacts import plane_arrays
 from sidindex.sid.codebook import Codebook
 from sidindex.snapshot import Snapshot

@@ -17,9 +17,9 @@ import torch
 
 from runtime.index.served import ServedIndex
 from runtime.ops.gtm_mask import gtm_candidates, gtm_mask, mask_impl
-from runtime.ops.gtm_mask.prepare import planned, prepared
-from runtime.ops.gtm_mask.slots import Slots, decode, slots_of
 from runtime.ops.impl import Impl
+from runtime.ops.prepare import planned, prepared
+from runtime.ops.slots import Slots, decode, slots_of
 from runtime.requests import to_device
 from sidindex.modes import Mode
 from sidindex.request_encoding import EncodedRequests

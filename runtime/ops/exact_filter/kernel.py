@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from runtime.ops.exact_filter.reference import held_slots
-from runtime.ops.gtm_mask.row_pass import group_pass
+from runtime.ops.planes.row_pass import group_pass
 from schemas.artifacts import EXACT_FORM, EXACT_ROWS, MATCHER_PLANES, plane_arrays
 
 BLOCK, WARPS = 128, 4  # slots per program: a request's C slots are many (C >= 1,024 at 1,024 beams)

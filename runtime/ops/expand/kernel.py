@@ -8,7 +8,7 @@ capacity C the caller chose, and a SID may hold any number of ads.
                     beam's first slot), its counts of live SIDs and reached pairs, the counts later
                     passes add to set to 0, and `held` (reached, or 0 past C: an overflow holds none)
   _clear_kernel  2. (B, 2C/CLEAR) programs: the request's hash table, 2 x held cells, emptied
-  _pairs_kernel  3. (B, C/TILE) programs: slot j -> its beam (`gtm_mask.slots_kernel.beam_of_slot`)
+  _pairs_kernel  3. (B, C/TILE) programs: slot j -> its beam (`runtime.ops.slots.kernel.beam_of_slot`)
                     and ad (rows an update paused or deleted drop out), its key (score descending,
                     beam); the ad's cell in the request's table claimed by compare-and-swap, the
                     smallest key per cell by atomic min (the ad's best score's first beam); the lane
@@ -43,7 +43,7 @@ from runtime.ops.exact_filter import exact_filter
 from runtime.ops.expand import layout as lay
 from runtime.ops.expand.layout import PostLayout, pow2
 from runtime.ops.expand.rank import ORDER_BITS, rank_slots
-from runtime.ops.gtm_mask.slots_kernel import beam_of_slot
+from runtime.ops.slots.kernel import beam_of_slot
 from schemas.artifacts import AD_LIVE
 
 _INT64_MAX: tl.constexpr = tl.constexpr(2 ** 63 - 1)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from runtime.ops.gtm_mask.reference import gtm_mask_reference, value_key
-from runtime.ops.gtm_mask.slots import Slots, compact
 from runtime.ops.impl import Impl, resolve_impl
+from runtime.ops.slots import Slots, compact
 from sidindex.modes import Mode
 
 

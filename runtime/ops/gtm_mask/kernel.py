@@ -19,7 +19,7 @@ serves any set of planes. Where the depth's child entries index few distinct uni
 (`shared_rows`: near the root, where unions saturate), each of them was tested once per request
 by the search's first step (`prepare`), and the mask's lanes (SHARED) look their rows' results up
 instead. A compact first step makes those tables and tests itself, in programs past its mask's
-(PREP, `prepare_kernel.prepare_block`). With
+(PREP, `runtime.ops.prepare.kernel.prepare_block`). With
 k-way partitions (KWAY), lanes that pass the union test try their partitions until one passes. A
 surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every other token stays
 -inf. With VALUE it also writes, in a second (M, V) output, its value bound (VALUE 1) or the
@@ -36,14 +36,14 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.ops.gtm_mask.planes import untabled_layout
-from runtime.ops.gtm_mask.prepare import Plan, index_stack, passed_for, query_tables, shared_pass
-from runtime.ops.gtm_mask.prepare_kernel import idle_args, launch, launch_args, prepare_block
 from runtime.ops.gtm_mask.reference import NEG_INF, VALUE_FLOOR
-from runtime.ops.gtm_mask.row_pass import ALL, TABLED, UNTABLED, layout_args, plane_kinds, rows_pass
-from runtime.ops.gtm_mask.shared_rows import FEW, MOST_ROWS, SharedRows, shared_rows
-from runtime.ops.gtm_mask.slots import Slots
-from runtime.ops.gtm_mask.slots_kernel import beam_of_slot
+from runtime.ops.planes import untabled_layout
+from runtime.ops.planes.row_pass import ALL, TABLED, UNTABLED, layout_args, plane_kinds, rows_pass
+from runtime.ops.planes.shared_rows import FEW, MOST_ROWS, SharedRows, shared_rows
+from runtime.ops.prepare import Plan, index_stack, passed_for, query_tables, shared_pass
+from runtime.ops.prepare.kernel import idle_args, launch, launch_args, prepare_block
+from runtime.ops.slots import Slots
+from runtime.ops.slots.kernel import beam_of_slot
 from sidindex.modes import Mode
 
 PACKED_SHAPE = (512, 4, 8)  # (BLOCK, num_warps, queries per round) of a packed compact mask (H200 sweep)
@@ -85,7 +85,7 @@ def _gtm_mask_kernel(out, logp, beam_score, beam_node, beam_request, node_offset
                      LEAD_P: tl.constexpr, PREP: tl.constexpr, TG: tl.constexpr, TOFF: tl.constexpr,
                      PJ: tl.constexpr, PCH: tl.constexpr, TABLE_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr):
     prep = False
-    if PREP:  # programs past the mask's make what later steps' masks read (`prepare_kernel.prepare_block`)
+    if PREP:  # programs past the mask's make what later steps' masks read (`runtime.ops.prepare.kernel.prepare_block`)
         prep = tl.program_id(1) >= prep_from
     if prep:
         prepare_block(tl.program_id(1) - prep_from, tl.program_id(0).to(tl.int64), tab_out, pass_out, q_words,

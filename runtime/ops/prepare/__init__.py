@@ -7,11 +7,11 @@ depths 0 and 1 with 2 distinct rows each), so a launch of its own costs its chai
 cache: 7.5 us for the tables and about 4 us per depth's rows on the H200, against 141 us for a
 search's masks. So a search in the compact layout makes them in its first step's mask launch
 (`plan`, then `kernel.gtm_mask_triton`'s `prepare`): programs past the mask's run
-`prepare_kernel.prepare_block` beside it, and that step's lanes test their own rows query by query
+`kernel.prepare_block` beside it, and that step's lanes test their own rows query by query
 (its depth's union rows near the root pass at their first queries). Elsewhere (the dense layout,
 Hugging Face's processor) `prepared` launches them alone. The shared rows are tested query by
 query too: they cannot wait for tables made in the same launch. This module plans on the host;
-the kernel (`prepare_kernel`) and Triton load at the first launch.
+the kernel (`kernel`) and Triton load at the first launch.
 
 Legend: B requests, T tabled groups, J mask words, CH chunks (`tables`), R shared rows.
 """
@@ -22,8 +22,8 @@ import dataclasses
 
 import torch
 
-from runtime.ops.gtm_mask.planes import NIBBLES, QueryStack, stack_tables
-from runtime.ops.gtm_mask.shared_rows import SharedRows
+from runtime.ops.planes import NIBBLES, QueryStack, stack_tables
+from runtime.ops.planes.shared_rows import SharedRows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ def plan(stacked: QueryStack, tables: bool = True, shared: SharedRows | None = N
 
 def _launch(p: Plan, stack) -> None:
     """Make `p`'s outputs in a launch of their own (`prepare_kernel`: Triton loads at the first)."""
-    from runtime.ops.gtm_mask.prepare_kernel import launch
+    from runtime.ops.prepare.kernel import launch
 
     launch(p.stacked, p.shared, stack)
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.ops.gtm_mask.planes import NIBBLES
+from runtime.ops.planes import NIBBLES
 
 
 @triton.jit

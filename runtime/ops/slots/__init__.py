@@ -39,10 +39,10 @@ class Slots:
 def slots_of(index, node: torch.Tensor, score: torch.Tensor, width: int, kernel: bool = False) -> Slots:
     """The layout of beams at trie nodes `node` (B, K) int64 with scores `score` (B, K) float32
     (-inf: dead, no children); `width`: slots per request (`total` may exceed it: the slots past
-    `width` are not laid out). kernel: in one Triton launch (`slots_kernel`; CUDA tensors, or the
+    `width` are not laid out). kernel: in one Triton launch (`kernel`; CUDA tensors, or the
     interpreter), else these torch ops."""
     if kernel:
-        from runtime.ops.gtm_mask.slots_kernel import slots_triton
+        from runtime.ops.slots.kernel import slots_triton
 
         return Slots(*slots_triton(index, node.contiguous(), score.contiguous()), width)
     off, node = index.gtm.node_offsets, node.clamp(min=0)  # a dead beam's node is -1
@@ -78,9 +78,9 @@ def decode(index, slots: Slots, flat: torch.Tensor, chosen: torch.Tensor, tokens
     """The beams top-k chose: flat (B, N) int64 slots with scores chosen (B, N) float32 (-inf:
     dead). Returns their parent beam (B, N) int64, token (B, N) int64 (0 when dead), child node
     (B, N) int64 (-1 when dead) and tokens (B, N, D+1) int64, the parent's tokens (B, K, D) with
-    the token appended. kernel: in one Triton launch (`slots_kernel`), else these torch ops."""
+    the token appended. kernel: in one Triton launch (`kernel`), else these torch ops."""
     if kernel:
-        from runtime.ops.gtm_mask.slots_kernel import decode_triton
+        from runtime.ops.slots.kernel import decode_triton
 
         return decode_triton(index, slots.start, slots.count, slots.first, flat, chosen, tokens)
     alive = chosen > NEG_INF

@@ -37,10 +37,10 @@ def unscored(logp: torch.Tensor, score: torch.Tensor, impl: Impl | str = Impl.AU
     """(B,) bool: the request has live beams (score (B, K) float32 > -inf) and none of them has a
     finite logit (`scored_rows` of logp (B, K, V) float32). On the device, no
     synchronisation: a captured search records it too. impl: "auto" (one Triton kernel on CUDA,
-    `runtime.ops.unscored_kernel`; these torch ops elsewhere), "triton" or "torch"."""
+    `runtime.ops.distribution.kernel`; these torch ops elsewhere), "triton" or "torch"."""
     if resolve_impl(impl, score.device, op="the scored check") is Impl.TRITON and logp.is_contiguous() \
             and logp.shape[1] > 0:
-        from runtime.ops.unscored_kernel import unscored_triton  # triton only where it runs
+        from runtime.ops.distribution.kernel import unscored_triton  # triton only where it runs
 
         return unscored_triton(logp, score)
     live = score > NEG_INF

@@ -9,10 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.ops.gtm_mask.planes import NIBBLES, QueryStack, untabled_layout
-from runtime.ops.gtm_mask.row_pass import ALL, layout_args, plane_pass
-from runtime.ops.gtm_mask.shared_rows import SharedRows
-from runtime.ops.gtm_mask.tables import build_table
+from runtime.ops.planes import NIBBLES, QueryStack, untabled_layout
+from runtime.ops.planes.row_pass import ALL, layout_args, plane_pass
+from runtime.ops.planes.shared_rows import SharedRows
+from runtime.ops.planes.tables import build_table
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime.ops.gtm_mask.tables import table_pass
+from runtime.ops.planes.tables import table_pass
 
 # which word groups `plane_pass` tests (bits: a plane's kinds of groups, `plane_kinds`)
 UNTABLED = tl.constexpr(1)

@@ -49,7 +49,7 @@ def position_keys(score: torch.Tensor, pos: torch.Tensor | None = None, impl: Im
     "torch"."""
     if resolve_impl(impl, score.device, op="the ranking keys") is Impl.TRITON and score.shape[0] < 1 << 16 \
             and score.dtype == torch.float32:
-        from runtime.ops.order_kernel import position_keys_triton  # triton only where it runs
+        from runtime.ops.order.kernel import position_keys_triton  # triton only where it runs
 
         return position_keys_triton(score, pos)
     key = ordered(score).mul_(TIE_LIMIT)  # |ordered| < 2^31: no overflow
