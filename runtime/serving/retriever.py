@@ -1,53 +1,17 @@
 """The serving object: requests in memory in, ranked eligible ads out, warm from the first request
-(docs/design.md §17).
+(docs/design.md §17; docs/runtime.md#retriever).
 
     retriever = runtime.Retriever(runtime.SnapshotWatcher(ROOT, "cuda"), mode="cd+gtm",
                                   beams=(1, 512, 1024, 1024), batch_sizes=(1, 4, 16))
     table = retriever.retrieve(record_batch)        # pyarrow.Table: request_id, rank, ad_id, sid, score
 
-A batch goes through these stages, each once:
-  1. validate: `sidindex.requests.requests_from` (a few vectorised checks; a bad batch is refused
-     naming its column, row and value);
-  2. encode: `sidindex.request_encoding.encode_requests` into the calling thread's arena, reused
-     by its batches;
-  3. search and post stage: `runtime.Searcher.submit`, then `read`, one CUDA graph per batch size
-     (two slots of it): the encoding is copied on the host into the slot's pinned staging and to
-     the device in one copy, the graph replayed, and its flags, counts and first result rows
-     copied back behind it: the batch's one wait, on its own event;
-  4. the Arrow result.
-A batch larger than the largest configured size is cut into batches of that size; on a GPU a
-batch is padded to the nearest configured size with copies of its last request (whose rows are
-dropped), so every batch replays a graph captured at warm-up. Over a `SnapshotWatcher`, each
-batch runs on the snapshot current when it starts, and a new snapshot is warmed (its graphs
-captured, with the old one's widths) before the watcher swaps it in, on the poller's thread and
-a CUDA stream of its own, outside the serving lock: the old snapshot goes on serving while the new
-one's kernels compile. Warm-ups (a swap's, a re-warm's) run one at a time; a batch waits for one
-only when its snapshot was never warmed.
-
-Warm start: at construction and for each new snapshot, every configured batch size is searched
-once with requests shaped like the largest a batch can be (every bloom attribute at its most
-values), which compiles the kernels and captures the graphs with room for any batch. Their
-embeddings are rebuilt from paths of the codebook (in mode cd the SIDs of ads drawn at random:
-`largest_requests`), so their beams go where the catalog's ads are and a few more such batches
-widen each step's compact width, and size the post stage's pairs, as real traffic would; with
-`warmup` requests (real ones: a few hundred from traffic; what a user's scorer needs, whose
-factory reads its own columns) the widths fit those too. Then the
-searcher is settled and frozen (`runtime.Searcher`): a batch past the widths is answered by the
-worst case's graph captured at warm-up, so nothing compiles, captures or widens while serving
-(`Counters`: compiles, captures, overflows, each 0 in a steady state but overflows). Triton keeps
-compiled kernels in its cache directory (TRITON_CACHE_DIR, default ~/.triton/cache): point it at a
-persistent volume for a restarted host to find them.
-
-Thread safety: `retrieve` may be called from several threads. Each caller validates and encodes
-its batches itself (two arenas per thread), and submits each to the searcher
-(`runtime.Searcher.submit`), which stages and replays it on a free one of its graph's two slots
-and returns; the caller then waits for that batch alone and reads it. A call of several batches
-submits each before reading the one before it, so the next batch is encoded and staged while one
-is on the device, and two callers do the same for each other. The batches run one after another
-on one CUDA stream, rather than on several: each is a chain of dependent steps that keeps the
-GPU busy, and what overlaps is the host's work with the device's. A caller holding a batch it
-has not read never waits for a slot (it reads its own first): two callers each waiting for the
-other's slot would wait forever.
+A batch is validated (`sidindex.requests.requests_from`), encoded into the calling thread's arena,
+submitted to the `Searcher` (search and post stage as one graph per batch size, padded to the
+nearest size, cut past the largest) and read back as an Arrow table. Warm-up searches every batch
+size with the largest requests a batch can hold, then freezes the searcher: nothing compiles,
+captures or widens while serving (`Counters`). Over a `SnapshotWatcher` a new snapshot is warmed on
+the poller's thread and stream, beside serving, and swapped in between batches. `retrieve` may be
+called from several threads; a call of several batches submits each before reading the one before.
 """
 
 from __future__ import annotations

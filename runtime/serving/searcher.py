@@ -1,53 +1,17 @@
-"""A serving searcher: beam search replayed from CUDA graphs (docs/design.md §17).
+"""A serving searcher: beam search and post stage replayed from CUDA graphs (docs/design.md §17;
+docs/runtime.md#searcher).
 
-A host keeps one `Searcher` per (beams, mode) and calls `search(index, requests, scorer)` per batch,
-or `retrieve(...)` for the ranked eligible ads (search and post stage, `runtime.serving.post`). On a GPU the
-first batch of each size is searched once to warm up, then the whole search (every step's scorer
-call, mask, top-k and child lookup) is captured as a CUDA graph; later batches of that size are
-put in the graph's inputs and replay it, paying neither Python nor launch overhead. The graph's
-inputs are
-  - the batch's encoding, staged (`runtime.requests.Staged`): each part at a fixed place of one
-    pinned host buffer, with room for twice the query rows and exact hashes of the batch it was
-    captured for and for as many values per attribute as a request may have (a batch past the
-    room is captured anew while warming, and answered eagerly once frozen), copied to the device in
-    one copy; the graph reads the device views made at capture. A batch comes as its host encoding
-    (copied on the host) or already on the device (its tensors copied into place after that copy);
-  - the scorer's `inputs`: a dict of tensors the scorer reads each step (the reference decoder's
-    context), copied into the captured scorer's; the built-in codebook scorer (`scorer` None)
-    reads the staged embedding itself.
-  - with `retrieve`, the post stage (`runtime.serving.post.DevicePost`) is captured in the same graph,
-    right after the search.
-After a replay the search's flags and the post stage's counts and first result rows are copied to
-pinned memory behind it, an event is recorded behind them, and the host waits once, for that event.
-Once frozen, `retrieve`'s capped graph of each batch size (the built-in scorer's) has two slots,
-each its own graph, staging and outputs: `submit` stages and replays a batch on a free slot and
-returns, `Submitted.read` waits for its event and reads it, so the next batch is staged and
-replayed while one is on the device or being read.
-A scorer without `inputs` cannot be refreshed inside a graph, and the CPU has no graphs: those
-searches run eagerly (and `retrieve` runs the host post stage), and `eager_reason` says why (a
-warning says it once). Replayed results are copies: the next replay does not change them.
-
-Each step's top-k selects among a width the Searcher caps at `slack` x its beams' typical
-candidates (`runtime.search.beam.capped_widths`): the worst case, the widest nodes of the depth together,
-can be twelve times as wide, and top-k's time grows with its width. The post stage holds as many
-(request, ad) pairs per request as warm-up requests reached, twice over (`fitted_pairs`), not the
-ads of the largest SIDs together. After each search the Searcher reads the search's overflow flags
-(one small copy to the host, with the post stage's counts). While warming, a batch whose candidates
-did not fit is searched again wider (kept for later batches); once warm (`frozen`), it is
-answered at once by the worst case's graph, captured beside each capped one at warm-up, and nothing
-is widened, captured or compiled on the serving thread. So no candidate is ever cut: each step
-keeps the candidates the uncapped search would, ties included (`runtime.ops.order`: a width changes
-no candidate's place relative to another's). The same copy brings the search's record of steps at
-which the scorer gave a request no finite logit (`Beams.unscored`): such a batch is refused
-(`runtime.search.beam.check_scored`, a ScorerError), with no wait per step, captured or not.
-
-With a `SnapshotWatcher`, each request takes `watcher.current` once and passes it here: a graph
-belongs to the device arrays it was captured on, so a swapped-in snapshot is captured anew at its
-first batch and the old graphs are dropped (they read the old index's tensors); an update that
-changed only ad states shares the device arrays (`ServedIndex.generation`), and its graphs replay.
-Stagings and replays through one Searcher are serialised (under its lock, which a batch being read
-does not hold; a slot is held until its batch is read), so a batch in flight finishes on the index
-it was given before the next one re-captures.
+A host keeps one `Searcher` per (beams, mode) and calls `search` (beams) or `retrieve` (ranked
+eligible ads; `submit` then `Submitted.read`, its two halves) per batch. On a GPU each batch size is
+searched once to warm up, then captured whole as a CUDA graph, whose inputs are the batch's staged
+encoding (`runtime.requests.Staged`: one pinned buffer, one copy to the device) and the scorer's
+`inputs`; later batches are copied into those inputs and replay it. A frozen searcher gives each
+capped graph two slots, so one batch is staged and replayed while the one before it is on the
+device or being read. Each step's width is capped (`slack`); a batch past a frozen graph's widths
+is answered by the worst case's graph captured beside it, so nothing compiles, captures or widens
+on the serving thread and no candidate is ever cut. A scorer without `inputs`, and the CPU, search
+eagerly (`eager_reason`). A graph belongs to the device arrays it was captured on: a swapped-in
+snapshot is captured anew, one that changed only ad states replays.
 """
 
 from __future__ import annotations
