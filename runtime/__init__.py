@@ -8,9 +8,10 @@ A serving host needs only this namespace:
     retriever = runtime.Retriever(index, mode="cd+gtm", beams=(1, 512, 1024, 1024), batch_sizes=(1, 16))
     table = retriever.retrieve(arrow_batch)      # or a polars frame, or a list of dicts
 
-Rooms, lowest first (each imports only the rooms above it in this list):
-    ops/        the kernels beside their torch references and numba paths (the fused CD+GTM mask, the
-                exact filter, the post stage's expand, the codebook scorer's, the order)
+Rooms, lowest first (each imports only rooms listed before it):
+    ops/        one folder per op, its kernel beside its torch reference and numba path: the fused
+                CD+GTM mask and its planes, preparation and slots; the exact filter; the post
+                stage's expand; the codebook scorer's; the distribution; the order
     index/      an index on a device: served (ServedIndex), staging, loader, watcher
     result      the rows out: Retrieved, its Arrow table, its cut per request and concatenation
     requests    the batch in: validated requests, their encoding onto the device in one copy

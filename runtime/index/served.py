@@ -95,7 +95,7 @@ class ServedIndex:
     fan_out_counts[d]: (C_d + 1,) int64 on the host, how many depth-d nodes have c children, for
          c = 0..max_children[d] (the search's candidate bound, `most_children`).
     shared_rows[d]: on a GPU, the few distinct matcher rows of depth d's child entries, which a
-         search tests once per request before its first step (`ops.gtm_mask.shared_rows`, one
+         search tests once per request before its first step (`ops.planes.shared_rows`, one
          set for every depth), or None where they are many; () on the CPU.
     post: on a GPU, the arrays the post stage reads (`POST_ARRAYS` present in the snapshot, by
          their contract names) as device tensors; None on the CPU, whose post stage reads the

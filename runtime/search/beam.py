@@ -211,7 +211,7 @@ def beam_search(index: ServedIndex, requests: EncodedRequests, scorer: Scorer,
     host encoding is moved first). impl: the mask implementation, an `ops.impl.Impl` ("auto",
     "triton", "numba", "torch"). value_weight: λ >= 0 of the value-guided search (module
     doc); 0, the default, searches by log-probability alone. layout: how a constrained step lays
-    out its candidates for top-k: "compact" (`ops.gtm_mask.slots`: the beams' child entries only,
+    out its candidates for top-k: "compact" (`ops.slots`: the beams' child entries only,
     the default) or "dense" (every beam x token, then a search for each chosen (node, token): the
     reference). widths: per step, the most slots the compact layout gives a request's candidates
     (None: the step's worst case, `ServedIndex.most_children`, the default for every step; a
@@ -314,7 +314,7 @@ def check_scored(unscored: torch.Tensor | np.ndarray | None, what: str, request_
 
 
 def scorer_name(scorer: object) -> str:
-    """"scorer 'MODULE:FACTORY'" for a user's factory's scorer (`runtime.scorers.codebook`'s checked scorers
+    """"scorer 'MODULE:FACTORY'" for a user's factory's scorer (`runtime.scorers.factory`'s checked scorers
     carry it as `spec`), else the scorer's qualified name or type, as messages name it."""
     spec = getattr(scorer, "spec", None)
     if not isinstance(spec, str):

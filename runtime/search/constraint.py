@@ -5,7 +5,7 @@
 processor (`runtime.search.hf`) ask one `Constraint` the same two things at each step: where a beam is
 in the trie (the walk from the root by its tokens, or one step down from its parent's node), and
 which of its children the mode lets through, scored (the CD+GTM mask of `ops.gtm_mask`, per token
-or in the compact layout of `ops.gtm_mask.slots`). The batch's device form and the preparation
+or in the compact layout of `ops.slots`). The batch's device form and the preparation
 the mask kernels read (query tables, the shared rows' tests) are made once, here.
 
 Legend: B requests, K beams per request, M = B x K beams, V tokens per level.
@@ -87,7 +87,7 @@ class Constraint:
 
     def slots(self, node: torch.Tensor, score: torch.Tensor, width: int) -> Slots:
         """The compact layout of the beams' child entries: node, score (B, K), at most `width`
-        slots a request (`ops.gtm_mask.slots.slots_of`)."""
+        slots a request (`ops.slots.slots_of`)."""
         return slots_of(self.index, node, score, width, self.kernels)
 
     def candidates(self, depth: int, slots: Slots, beam_node: torch.Tensor, beam_score: torch.Tensor,
@@ -99,5 +99,5 @@ class Constraint:
 
     def chosen(self, slots: Slots, flat: torch.Tensor, score: torch.Tensor, tokens: torch.Tensor):
         """(parent beam, token, child node, tokens so far) of the slots `flat` (B, k) a step kept
-        (`ops.gtm_mask.slots.decode`)."""
+        (`ops.slots.decode`)."""
         return decode(self.index, slots, flat, score, tokens, self.kernels)

@@ -81,7 +81,7 @@ class _Graph:
     holder: int | None = None  # the thread that replayed it and has not read it yet (None: free)
 
 
-SLACK = 2.0  # a step's compact layout: twice its beams' typical candidates (`search.capped_widths`)
+SLACK = 2.0  # a step's compact layout: twice its beams' typical candidates (`search.beam.capped_widths`)
 PAIR_SLACK = 2.0  # the post stage's pairs per request: twice the most a warm-up request reached
 MIN_PAIRS = 1024  # ... and at least this many
 

@@ -3,7 +3,7 @@
 One program per (request b, block of BLOCK slots); b is uniform in a program, so the request's
 queries and values are scalars every lane shares. Each lane is one slot, its ad clamped into the
 catalog (a slot that is not valid reads a real row; the caller masks it).
-  rows    word group by word group, the matcher kernel's group test (`gtm_mask.row_pass.group_pass`,
+  rows    word group by word group, the matcher kernel's group test (`planes.row_pass.group_pass`,
           the one copy of "ANY query q has (row & q) == q"): a lane's words of the group stay in
           registers while the request's queries stream past, until every live lane has a hit
   values  attribute by attribute, the request's values stream past (a scalar loop to the request's

@@ -45,7 +45,7 @@ def position_keys(score: torch.Tensor, pos: torch.Tensor | None = None, impl: Im
     """(B, N) int64 ranking keys of float32 scores score (B, N) (no NaN) at positions pos (B, N)
     int64 (None: each column's index), below 2^32: `ordered(score)` x 2^32 - pos, so a higher score
     ranks first and, among equal scores, the lower position; no two positions of a row share a key.
-    impl: "auto" (one Triton kernel on CUDA, `order_kernel`; these torch ops elsewhere), "triton" or
+    impl: "auto" (one Triton kernel on CUDA, `kernel`; these torch ops elsewhere), "triton" or
     "torch"."""
     if resolve_impl(impl, score.device, op="the ranking keys") is Impl.TRITON and score.shape[0] < 1 << 16 \
             and score.dtype == torch.float32:

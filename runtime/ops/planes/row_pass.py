@@ -1,6 +1,6 @@
 """The matcher planes' test as the Triton kernels run it (`sidindex.matchers.plane`): a lane's row
 of each plane against its request's queries, word group by word group, compiled for the planes'
-layout (`planes.GroupLayout`, as constexpr tuples). The mask (`kernel`) runs it on each lane's own
+layout (`planes.GroupLayout`, as constexpr tuples). The mask (`gtm_mask.kernel`) runs it on each lane's own
 rows, `prepare` on the shared rows of a search's requests.
 
 A plane with one query per request (bitmask) is tested word by word, a lane that failed loading
@@ -72,7 +72,7 @@ def plane_pass(ok, r, p: tl.constexpr, b, words, t_base, q_words, q_base, q_rang
                QSTEP: tl.constexpr, LEAD: tl.constexpr, KIND: tl.constexpr):
     """ok & (each lane's row r (int64) of plane p passes request b on every word group of the
     plane, or only on its groups of KIND: ALL, UNTABLED or TABLED). `tables`: request b's query
-    tables (`tables.query_tables`: per tabled group J mask words x CH chunks x 16). Layout tuples
+    tables (`prepare.query_tables`: per tabled group J mask words x CH chunks x 16). Layout tuples
     (`planes.GroupLayout`): per plane its width and whether it has one query per group; per group
     its plane, first word, words, words rounded up to a power of two, and its table (-1: tested
     query by query); LEAD: queries streamed before a tabled group's lookups."""

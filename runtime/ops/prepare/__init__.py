@@ -6,7 +6,7 @@ Both are short chains of dependent loads over little data (at 30M SIDs, 16 reque
 depths 0 and 1 with 2 distinct rows each), so a launch of its own costs its chain's time on a cold
 cache: 7.5 us for the tables and about 4 us per depth's rows on the H200, against 141 us for a
 search's masks. So a search in the compact layout makes them in its first step's mask launch
-(`plan`, then `kernel.gtm_mask_triton`'s `prepare`): programs past the mask's run
+(`plan`, then `gtm_mask.kernel.gtm_mask_triton`'s `prepare`): programs past the mask's run
 `kernel.prepare_block` beside it, and that step's lanes test their own rows query by query
 (its depth's union rows near the root pass at their first queries). Elsewhere (the dense layout,
 Hugging Face's processor) `prepared` launches them alone. The shared rows are tested query by
@@ -56,7 +56,7 @@ def plan(stacked: QueryStack, tables: bool = True, shared: SharedRows | None = N
 
 
 def _launch(p: Plan, stack) -> None:
-    """Make `p`'s outputs in a launch of their own (`prepare_kernel`: Triton loads at the first)."""
+    """Make `p`'s outputs in a launch of their own (`kernel`: Triton loads at the first)."""
     from runtime.ops.prepare.kernel import launch
 
     launch(p.stacked, p.shared, stack)
@@ -100,7 +100,7 @@ def shared_pass(index, requests, shared: SharedRows, stack=None) -> torch.Tensor
 def planned(requests, index) -> tuple:
     """(requests, plan): `EncodedRequests` on `index`'s device whose QueryStack holds the outputs
     of `plan` (their query tables and, where the index has shared rows, each one's test), not yet
-    made, and that plan, for a mask launch to make them (`kernel.gtm_mask_triton`'s `prepare`)
+    made, and that plan, for a mask launch to make them (`gtm_mask.kernel.gtm_mask_triton`'s `prepare`)
     before any mask reads them."""
     shared = next((s for s in index.shared_rows if s is not None), None)
     p = plan(requests.stacked, True, shared)

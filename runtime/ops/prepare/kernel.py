@@ -1,6 +1,6 @@
 """The preparation's Triton kernel (`prepare`: what it makes, for which requests, and why a
 search's first mask launch carries it): `prepare_block` makes one block of a request's query
-tables or shared rows' tests, alone (`launch`) or in programs past a mask's (`kernel`).
+tables or shared rows' tests, alone (`launch`) or in programs past a mask's (`gtm_mask.kernel`).
 """
 
 from __future__ import annotations
