@@ -119,7 +119,7 @@ KEEP = 1_000_000  # retention of the working ROOT: every snapshot an answer may 
 MONITOR_S = 0.05  # how often CURRENT and /snapshot are read during a scenario
 LEAD_S = 0.5  # from the clients' READY to the first scheduled send
 FIRST_UPDATE_S, LAST_UPDATE_S = 0.25, 0.5  # the publisher's updates start from, and until before the end
-SWAP_MARGIN_S = 2.0  # `publisher_seconds`: the server's poll, load and warm-up of a new snapshot
+SWAP_MARGIN_S = 3.0  # `publisher_seconds`: the server's poll, load and warm-up of a new snapshot
 
 
 def log(msg: str) -> None:
@@ -168,10 +168,10 @@ def update_command(root: Path, changes: Path) -> list[str]:
 
 def publisher_seconds(seconds: float, update_s: float) -> float:
     """The publisher scenario's load: `seconds`, or long enough for its first update to land and be
-    swapped in under load (an update under load takes longer than the warm one alone: three of
+    swapped in under load (an update under load takes longer than the warm one alone: four of
     them, plus the server's warm-up of the new snapshot) on a slow or busy host. A run in which no
     swap happened would measure no swap."""
-    return max(seconds, FIRST_UPDATE_S + LAST_UPDATE_S + 3 * update_s + SWAP_MARGIN_S)
+    return max(seconds, FIRST_UPDATE_S + LAST_UPDATE_S + 4 * update_s + SWAP_MARGIN_S)
 
 
 def request_pool(index, catalog: Path, n: int, seed: int) -> list[bytes]:
