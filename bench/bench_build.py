@@ -29,7 +29,12 @@ import threading
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import numpy as np
+
+from bench.report import write_json
 
 
 def used_bytes() -> int:
@@ -188,8 +193,7 @@ def main() -> int:
                       f"digests) {np.mean(shape['shard_seconds']):.1f} s (max {max(shape['shard_seconds']):.1f}), "
                       f"its growth in RSS {max(shape['shard_peak_bytes']) / 1e9:.2f} GB (max); the globals' task's "
                       f"{shape['globals_peak_bytes'] / 1e9:.2f} GB, {shape['globals_seconds']:.1f} s")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    write_json(args.json, rows)
     return 0
 
 

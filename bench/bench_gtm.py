@@ -32,10 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import numpy as np
 import polars as pl
 from pyarrow import feather
 
+from bench.report import verdict, write_json
 from schemas.artifacts import MATCHER_PLANES
 from sidindex.build import build_index
 from sidindex.sample import sample_catalog, sample_spec, zipf_weights
@@ -219,16 +223,14 @@ def main() -> int:
     for n, limit_s, limit_gb in ((10_000_000, 60, 8), (30_000_000, 180, 20)):
         if n in default:
             r = default[n]
-            print(f"\n{'PASS' if r['total_s'] <= limit_s else 'MISS'}  {n:,} ads end to end <= {limit_s} s: "
-                  f"{r['total_s']:.1f} s")
-            print(f"{'PASS' if r['peak_rss_gb'] <= limit_gb else 'MISS'}  peak RSS <= {limit_gb} GB: "
-                  f"{r['peak_rss_gb']:.2f} GB")
+            print("\n" + verdict(r['total_s'] <= limit_s, f"{n:,} ads end to end <= {limit_s} s: "
+                  f"{r['total_s']:.1f} s"))
+            print(verdict(r['peak_rss_gb'] <= limit_gb, f"peak RSS <= {limit_gb} GB: "
+                  f"{r['peak_rss_gb']:.2f} GB"))
     if 10_000_000 in default:
-        print(f"{'PASS' if default[10_000_000]['core_vs_floor'] <= 4 else 'MISS'}  core <= 4x CD-only floor: "
-              f"{default[10_000_000]['core_vs_floor']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        print(verdict(default[10_000_000]['core_vs_floor'] <= 4, f"core <= 4x CD-only floor: "
+              f"{default[10_000_000]['core_vs_floor']:.2f}x"))
+    write_json(args.json, results)
     return 0
 
 

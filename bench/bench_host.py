@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from bench.bench_stream import (
     request_batches,
     set_threads,
 )
+from bench.report import write_json
 from runtime.requests import Staged, requests_from
 from runtime.result import Retrieved, table_of
 from sidindex.request_encoding import encode_requests
@@ -142,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s:10s} p50 {d['p50_ms']:.3f} ms   mean {d['mean_ms']:.3f} ms")
     print(f"{'total':10s} mean {res['total_mean_ms']:.3f} ms per batch of {res['batch']} ({res['device']}; "
           f"{res['rows_per_batch']:,.0f} result rows a batch)")
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
+    write_json(args.json, res)
     return 0
 
 

@@ -107,6 +107,7 @@ from bench.load_check import Checker
 from bench.load_clients import JSON_HEADERS, child_clients, merged, schedule
 from bench.load_report import load_figures, report
 from bench.load_wrk import run_wrk, wrk_path
+from bench.report import write_json
 
 # torch, runtime and the catalog helpers are imported where they are used: a client process
 # imports only numpy and httpx
@@ -585,8 +586,7 @@ def run(args) -> dict:
                            for figures, (steady, answers) in compared]
         res["check_s"] = time.perf_counter() - t
         res["snapshots_published"] = len(list((root / "snapshots").iterdir()))
-        if args.json:
-            args.json.write_text(json.dumps(res, indent=1))
+        write_json(args.json, res)
     finally:
         if args.cache is None:
             shutil.rmtree(cache, ignore_errors=True)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -46,6 +45,7 @@ import torch
 from bench.bench_gtm import generate
 from bench.bench_snapshot import write
 from bench.common import KWAY, bench_requests, captured, cuda_ms, print_profile, profile_kernels, wall_ms
+from bench.report import verdict, write_json
 from runtime.index.loader import load_index
 from runtime.ops.expand import RRF_K
 from runtime.ops.expand.host import exact_pairs
@@ -303,8 +303,8 @@ def main() -> int:
             same_all = "overflow" if any(v is None for v in flags) else all(flags)
             print(f"| {name} | {reached} | {r['numpy_ms']:.3f} | {r['numba_ms']:.3f} | {cap.get('pairs', '-')} | "
                   f"{dev_ms} | {graph} | {copy} | {ref} | {ratio} | {same_all} |")
-    print(f"\n{'PASS' if r0['numba_ms'] <= 1 else 'MISS'}  host post <= 1 ms per batch: {r0['numba_ms']:.3f} ms "
-          f"(numba, score ranking)")
+    print("\n" + verdict(r0['numba_ms'] <= 1, f"host post <= 1 ms per batch: {r0['numba_ms']:.3f} ms "
+          f"(numba, score ranking)"))
     for name, r in runs.items():
         prof = r.get("capacities", {}).get("fitted", {}).get("profile", [])
         print_profile(prof, f"the device post stage ({name}, fitted capacity), per batch,")
@@ -312,10 +312,9 @@ def main() -> int:
                         ("skewed: score", 1.0)):
         fit = runs.get(name, {}).get("capacities", {}).get("fitted", {})
         if "graph_ms" in fit:
-            print(f"{'PASS' if fit['graph_ms'] <= limit else 'MISS'}  device post ({name}) <= {limit} ms per batch: "
-                  f"{fit['graph_ms']:.3f} ms (CUDA graph, capacity {fit['pairs']:,}), {fit['device_ms']:.3f} ms eager")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+            print(verdict(fit['graph_ms'] <= limit, f"device post ({name}) <= {limit} ms per batch: "
+                  f"{fit['graph_ms']:.3f} ms (CUDA graph, capacity {fit['pairs']:,}), {fit['device_ms']:.3f} ms eager"))
+    write_json(args.json, res)
     return 0
 
 

@@ -89,6 +89,7 @@ from bench.common import (
     profile_kernels,
     same_beams,
 )
+from bench.report import verdict, write_json
 from runtime.index.loader import load_index
 from runtime.ops.gtm_mask import gtm_candidates
 from runtime.ops.slots import every_entry
@@ -440,30 +441,30 @@ def verdicts(results: list[dict]) -> None:
     for res in results:
         rows, tag = res["modes"], f"{res['build']['sids']:,} SIDs ({res['catalog_profile']})"
         g, none, plain = rows["cd+gtm"]["graph_ms"], rows["none"]["graph_ms"], res["plain_torch_ms"]
-        print(f"{'PASS' if g <= min(none, plain) else 'MISS'}  {tag}: cd+gtm graph {g:.3f} ms <= none {none:.3f} "
-              f"and plain torch {plain:.3f}")
-        print(f"{'PASS' if all(r['identical'] for r in rows.values()) else 'MISS'}  {tag}: identical beams in every "
-              "mode, implementation, layout and replay")
+        print(verdict(g <= min(none, plain), f"{tag}: cd+gtm graph {g:.3f} ms <= none {none:.3f} "
+              f"and plain torch {plain:.3f}"))
+        print(verdict(all(r['identical'] for r in rows.values()), f"{tag}: identical beams in every "
+              "mode, implementation, layout and replay"))
         if "post" in res and "graph_ms" in res["post"]:
             p = res["post"]
-            print(f"{'PASS' if p['graph_ms'] <= 0.2 else 'MISS'}  {tag}: post on the GPU {p['graph_ms']:.3f} ms <= 0.2 "
-                  f"(graph; its torch reference {p.get('reference_graph_ms', float('nan')):.3f})")
+            print(verdict(p['graph_ms'] <= 0.2, f"{tag}: post on the GPU {p['graph_ms']:.3f} ms <= 0.2 "
+                  f"(graph; its torch reference {p.get('reference_graph_ms', float('nan')):.3f})"))
         if "retrieve_ms" in rows["cd+gtm"]:
             rt = rows["cd+gtm"]["retrieve_ms"]
-            print(f"{'PASS' if rt <= 1.5 else 'MISS'}  {tag}: search + post through runtime.Searcher "
-                  f"{rt:.3f} ms <= 1.5")
+            print(verdict(rt <= 1.5, f"{tag}: search + post through runtime.Searcher "
+                  f"{rt:.3f} ms <= 1.5"))
     for cat in dict.fromkeys(r["catalog_profile"] for r in results):  # the largest size's, per profile
         big = max((r for r in results if r["catalog_profile"] == cat), key=lambda r: r["ads"])
         cd, gtm = (mask_kernel_us(big["profile"][m]) for m in ("cd", "cd+gtm"))
         tag = f"{big['build']['sids']:,} SIDs ({cat})"
         if cd:
-            print(f"{'PASS' if gtm <= 1.5 * cd else 'MISS'}  {tag}: cd+gtm mask kernel {gtm:.0f} us <= 1.5x cd "
-                  f"{cd:.0f} us ({gtm / cd:.2f}x)")
+            print(verdict(gtm <= 1.5 * cd, f"{tag}: cd+gtm mask kernel {gtm:.0f} us <= 1.5x cd "
+                  f"{cd:.0f} us ({gtm / cd:.2f}x)"))
         kw = big["modes"]["cd+gtm+kway"]["graph_ms"]
-        print(f"{'PASS' if kw <= 1.5 else 'MISS'}  {tag}: cd+gtm+kway graph {kw:.3f} ms <= 1.5")
+        print(verdict(kw <= 1.5, f"{tag}: cd+gtm+kway graph {kw:.3f} ms <= 1.5"))
         if "post" in big and "numba_ms" in big["post"]:
-            print(f"{'PASS' if big['post']['numba_ms'] <= 1 else 'MISS'}  {tag}: post on the CPU "
-                  f"{big['post']['numba_ms']:.3f} ms <= 1")
+            print(verdict(big['post']['numba_ms'] <= 1, f"{tag}: post on the CPU "
+                  f"{big['post']['numba_ms']:.3f} ms <= 1"))
 
 
 def main() -> int:
@@ -493,8 +494,7 @@ def main() -> int:
             res = one_size(n, profile, args, beams, dev)
             res["gpu"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
             results.append(res)
-            if args.json:
-                Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+            write_json(args.json, results)
         report(results[-len(profiles):], args.batch, args)
     verdicts(results)
     return 0

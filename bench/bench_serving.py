@@ -34,7 +34,6 @@ live catalog SID ("valid").
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ import torch
 
 from bench.bench_gtm import LEVELS, bench_spec
 from bench.common import bench_requests, build_snapshot, cuda_ms, graph_search_ms, same_beams, wall_ms
+from bench.report import verdict, write_json
 from runtime import Searcher, beam_search, codebook_scorer, load_index, to_device
 from runtime.studies.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from sidindex.config import SIDConfig
@@ -281,9 +281,8 @@ def main() -> int:
                        f"{size['sids']:,} SIDs: every replay equals eager, every generated SID is in the catalog"))
     print()
     for ok, text in checks:
-        print(f"{'PASS' if ok else 'MISS'}  {text}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        print(verdict(ok, f"{text}"))
+    write_json(args.json, res)
     return 0
 
 

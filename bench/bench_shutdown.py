@@ -21,7 +21,6 @@ table per process model, the verdicts, every figure with --json PATH.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import sys
@@ -36,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import httpx
 
 from bench.bench_load import Server, large_body, log, publish_copy, request_pool, working_root
+from bench.report import verdict, write_json
 
 MOMENTS = ("warm-up", "load", "swap", "large")
 
@@ -173,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cache is None:
         shutil.rmtree(cache, ignore_errors=True)
     report(runs, args)
-    if args.json:
-        args.json.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "runs": runs},
-                                        indent=1))
+    write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "runs": runs})
     return 0
 
 
@@ -209,7 +207,7 @@ def report(runs: list[dict], args) -> None:
                    f"{sum(r['unanswered'] for r in mine)} requests left unanswered, {other} answered other than "
                    "200 or 503")]
         for ok, line in checks:
-            console.print(f"{'PASS' if ok else 'MISS'}  --workers {workers}: {line}", highlight=False)
+            console.print(verdict(ok, f"--workers {workers}: {line}"), highlight=False)
 
 
 if __name__ == "__main__":

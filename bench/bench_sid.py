@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import resource
 import sys
 import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import faiss
 import numpy as np
 import polars as pl
 
+from bench.report import verdict, write_json
 from sidindex.config import SIDConfig
 from sidindex.sample import sample_embeddings
 from sidindex.sid import assign_sids, hash_tokens, train_codebook
@@ -205,11 +209,9 @@ def main() -> int:
     ]
     for name, value, op, bound in checks:
         ok = value >= bound if op == ">=" else value <= bound
-        print(f"{'PASS' if ok else 'MISS'}  {name}: {value:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
-                       "hash_s": hash_s}, f, indent=2)
+        print(verdict(ok, f"{name}: {value:.3f}"))
+    write_json(args.json, {"args": vars(args), "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
+                           "hash_s": hash_s})
     return 0
 
 

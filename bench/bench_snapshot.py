@@ -40,6 +40,7 @@ import numpy as np
 import polars as pl
 
 from bench.bench_gtm import LEVELS, bench_spec, generate, run_child
+from bench.report import write_json
 
 QUERY_SIDS = 1000
 SNAPSHOT_ID = "20260101T000000000000Z-00000000"  # a snapshot's directory is named by its id
@@ -232,8 +233,7 @@ def main() -> int:
         cells = [f"{vals[c]:.4f}" for c in cols]
         cells += [f"{vals[a] / vals[b]:.2f}x" if vals[b] > 0 else "-" for _, a, b in ratios]
         print(f"| {label} | " + " | ".join(cells) + " |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
 
 

@@ -92,6 +92,7 @@ import torch
 import runtime
 from bench.bench_build import ads_per_sid
 from bench.qwen3_scorer import CONTEXT, Qwen3Decoder
+from bench.report import verdict, write_json
 from runtime.scorers.factory import ScorerFactory
 from sidindex.modes import Mode
 from sidindex.sample import PROFILES as CATALOG_PROFILES
@@ -484,8 +485,7 @@ def run(args) -> dict:
             for profile in profiles:
                 res["sizes"].append(one_size(n, profile, args, beams, device, cache, decoder_config, decoders))
                 free(device)  # the size's index, gone with its frame
-                if args.json:
-                    args.json.write_text(json.dumps(res, indent=1))
+                write_json(args.json, res)
     finally:
         if args.cache is None:
             shutil.rmtree(cache, ignore_errors=True)
@@ -577,12 +577,12 @@ def report(res: dict, console=None) -> None:
                 console.print(k)
     for size in res["sizes"]:
         q, tag = size["cd+gtm_over_none_p50"], f"{size['sids']:,} SIDs ({size['profile']})"
-        console.print(f"{'PASS' if q <= 1 else 'MISS'}  {tag}: cd+gtm p50 "
+        console.print(verdict(q <= 1, f"{tag}: cd+gtm p50 "
                       f"{size['modes']['cd+gtm']['p50_ms']:.3f} ms <= none {size['modes']['none']['p50_ms']:.3f} ms "
-                      f"through the same path ({q:.2f}x)", highlight=False)
+                      f"through the same path ({q:.2f}x)"), highlight=False)
         same = all(r.get("same_as_retrieve", True) for r in size["modes"].values())
-        console.print(f"{'PASS' if same else 'MISS'}  {tag}: every mode's first batch equals "
-                      "runtime.retrieve of the same requests", highlight=False)
+        console.print(verdict(same, f"{tag}: every mode's first batch equals "
+                      "runtime.retrieve of the same requests"), highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,6 +58,7 @@ import runtime.index.staging as staging
 import sidindex.snapshot.snapshot as snapshot_module
 from bench.bench_snapshot import evict
 from bench.common import bench_requests, build_snapshot
+from bench.report import verdict, write_json
 from runtime import Searcher, load, load_index, to_device
 from runtime.index.served import ServedIndex
 from schemas.artifacts import MANIFEST_FILE
@@ -262,10 +263,9 @@ def main() -> int:
                   + ", ".join(f"{k} {v:.3f}" for k, v in a["phases"].items()) + ")")
     last = results[-1]
     total = last["new"]["total"]
-    print(f"\n{'PASS' if total <= 0.5 else 'MISS'}  swap <= 0.5 s at {last['ads']:,} ads ({last['sids']:,} SIDs): "
-          f"{total:.3f} s; the reference path takes {last['reference']['total'] / total:.1f}x as long")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    print("\n" + verdict(total <= 0.5, f"swap <= 0.5 s at {last['ads']:,} ads ({last['sids']:,} SIDs): "
+          f"{total:.3f} s; the reference path takes {last['reference']['total'] / total:.1f}x as long"))
+    write_json(args.json, results)
     return 0
 
 

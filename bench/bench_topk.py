@@ -19,7 +19,6 @@ CPU the median of a wall-clock loop.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `runtime` imp
 import torch
 
 from bench.common import wall_ms
+from bench.report import write_json
 from runtime.ops.order import TIE_LIMIT, ordered, top_k
 
 CUDA_SIZES = (32768, 131072, 524288)
@@ -116,8 +116,7 @@ def main() -> int:
     rows = [row for N in sizes for row in one_size(device, args.batch, args.k, N, args.reps)]
     report(rows, f"top-k ({name}): B={args.batch}, k={args.k}; a quarter of the candidates tied on three values "
                  f"(the k-th among them), an eighth -inf")
-    if args.json:
-        args.json.write_text(json.dumps({"device": name, "batch": args.batch, "k": args.k, "rows": rows}, indent=1))
+    write_json(args.json, {"device": name, "batch": args.batch, "k": args.k, "rows": rows})
     return 0 if all(r["same"] for r in rows) else 1
 
 

@@ -30,7 +30,6 @@ One ROOT, through the public API (`sidindex.job.run_build` / `run_update`, what 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
@@ -48,6 +47,7 @@ import polars as pl
 
 import runtime
 from bench.bench_swap import PHASES, median_swap, swap, sync
+from bench.report import write_json
 from runtime.serving.post import expand
 from sidindex.config import load_config
 from sidindex.job import run_build, run_update
@@ -172,8 +172,7 @@ def main() -> int:
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
 
 

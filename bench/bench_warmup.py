@@ -18,7 +18,6 @@ the reference. torch and numba run one thread each on the CPU (--threads), as in
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ from bench.bench_stream import (
     request_batches,
     set_threads,
 )
+from bench.report import write_json
 from sidindex.modes import Mode
 
 MODES = (Mode.CD, Mode.CD_GTM)  # the modes with capped widths
@@ -115,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     res = run(args)
     report(res)
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
+    write_json(args.json, res)
     return 0
 
 

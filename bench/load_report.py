@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 
+from bench.report import verdict
+
 
 def percentiles(ms: np.ndarray) -> dict:
     if not len(ms):
@@ -124,13 +126,13 @@ def report(res: dict, console=None) -> None:
                   highlight=False)
     for s in res["scenarios"]:
         for ok, line in verdicts(s):
-            console.print(f"{'PASS' if ok else 'MISS'}  {s['scenario']}: {line}", highlight=False)
+            console.print(verdict(ok, f"{s['scenario']}: {line}"), highlight=False)
     for f in res.get("compared", []):
         name = f"steady, --workers {f['workers']}"
         for ok, line in verdicts(f["steady"]) + [(f["server_exit"] == 0 and f["server_tracebacks"] == 0,
                                                  f"exit code {f['server_exit']} on SIGTERM, "
                                                  f"{f['server_tracebacks']} tracebacks")]:
-            console.print(f"{'PASS' if ok else 'MISS'}  {name}: {line}", highlight=False)
+            console.print(verdict(ok, f"{name}: {line}"), highlight=False)
 
 
 def compared_table(res: dict):

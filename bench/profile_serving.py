@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ import torch
 import runtime
 from bench.bench_stream import catalog_embeddings, catalog_root, request_batches
 from bench.common import profile_kernels
+from bench.report import write_json
 from runtime.ops.distribution import level_log_probs
 from runtime.scorers.codebook import CodebookScorer
 from runtime.search.beam import logits_of
@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['mode']} | {r['step']} | {t['wall']:.3f} | {t['before']:.3f} | {t['span']:.3f} | "
               f"{t['span'] - t['busy']:.3f} | {t['after']:.3f} | {st['encode']:.3f} | "
               f"{st['search_post']:.3f} |")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    write_json(args.json, rows)
     return 0
 
 

@@ -139,7 +139,7 @@ STEP = st.one_of(
 )
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(steps=st.lists(STEP, min_size=2, max_size=9))
 def test_tampering_never_loses_or_invents_a_change(watermarked, pool, tmp_path_factory, steps):
     tmp = tmp_path_factory.mktemp("tampered")
