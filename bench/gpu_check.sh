@@ -9,7 +9,8 @@
 #                                          # named in the arguments replace the list below)
 #   bash bench/gpu_check.sh bench [ADS]    # then the serving benchmarks, into $OUT (or bench_out/):
 #                                          # bench_topk, bench_post, bench_stream both profiles at ADS
-#                                          # ads (default 2000000: about 4M SIDs), bench_host, bench_warmup
+#                                          # ads (default 2000000: about 4M SIDs), bench_host, bench_warmup,
+#                                          # request_walk (the batch's path through the modules)
 #   bash bench/gpu_check.sh serve [ADS]    # the server's benchmarks alone (bench_load: process models
 #                                          # and wrk, the large request) and profile_serving
 #   bash bench/gpu_check.sh all [ADS]      # the tests, then the benchmarks (and bench_load's steady
@@ -80,6 +81,7 @@ if [ "$mode" = "bench" ] || [ "$mode" = "all" ]; then
         --json "$out/stream.json" || status=1
     python3 bench/bench_host.py --device cuda --ads "$ads" --cache "$out/cache" --json "$out/host.json" || status=1
     python3 bench/bench_warmup.py --device cuda --ads "$ads" --cache "$out/cache" --json "$out/warmup.json" || status=1
+    python3 bench/request_walk.py --device cuda --ads "$ads" --cache "$out/cache" > "$out/walk.txt" || status=1
 fi
 if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ]; then
     # the server under load, the default profile's catalog from above, and wrk beside it: one process,

@@ -1,5 +1,6 @@
 """Benchmark helpers a reported figure depends on: the SID benchmark compares against faiss RQ
-only after unpacking its bit-packed codes; the search benchmark's floor counts what a step reads."""
+only after unpacking its bit-packed codes; the search benchmark's floor counts what a step reads;
+the request walk counts a module each time another one calls into it."""
 
 import faiss
 import numpy as np
@@ -9,7 +10,10 @@ from hypothesis import strategies as st
 
 from bench.bench_search import read_once
 from bench.bench_sid import unpack_rq_codes
+from bench.request_walk import walk
 from runtime.ops.slots import slots_of
+from sidindex.modes import parse_mode
+from sidindex.sample import sample_spec
 from tests.test_gtm import scenarios
 from tests.test_runtime import Case
 
@@ -53,3 +57,10 @@ def test_the_floor_counts_what_the_batch_reads_once(sc, seed):
     assert n == len(chosen)
     if g.part_offsets is not None:
         assert rows == [len({int(p.part_index[g.part_offsets[x]]) for x in chosen}) for p in g.planes]
+
+
+def test_the_walk_counts_a_module_each_time_another_calls_into_it():
+    # calls from outside the project, one after another into one module: one visit
+    assert walk(lambda: (parse_mode("cd"), parse_mode("none"))) == ["sidindex.modes"]
+    # the sample spec's attributes, then the spec that holds them: each module entered from another
+    assert walk(sample_spec) == ["sidindex.sample", "sidindex.matchers.attribute", "sidindex.targeting"]
