@@ -36,7 +36,7 @@ Scenarios (--scenarios; default steady,publisher,corrupt), run in turn on the sa
   steady     the load alone
   publisher  the load, and every --publish-every seconds `sidindex update WORK_ROOT --changes FILE`
              (the update path warmed first by one update of a scratch copy: numba's kernels compiled;
-             the scenario's load lasts at least three such updates and a swap, so one lands in it)
+             the scenario's load lasts at least four such updates and 3 s for a swap, so one lands in it)
              pausing --pause ads: those a probe request just got back (top ranks first, so that
              answers before and after the swap differ), topped up with random catalog ads
   corrupt    the load; at a third of the scenario a snapshot that cannot load is published: a copy

@@ -281,7 +281,7 @@ def main() -> int:
                        f"{size['sids']:,} SIDs: every replay equals eager, every generated SID is in the catalog"))
     print()
     for ok, text in checks:
-        print(verdict(ok, f"{text}"))
+        print(verdict(ok, text))
     write_json(args.json, res)
     return 0
 

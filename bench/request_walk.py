@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -31,16 +30,13 @@ import runtime
 from bench.bench_stream import beams_for, catalog_embeddings, catalog_root, request_batches
 
 PROJECT = ("runtime", "sidindex", "schemas")
-BASE = Path(runtime.__file__).resolve().parents[1]
 
 
 def module_of(frame) -> str | None:
-    """The project module a frame runs in (runtime.serving.searcher), else None."""
-    path = frame.f_code.co_filename
-    if not path.startswith(str(BASE)):
-        return None
-    name = os.path.relpath(path, BASE)[:-3].replace(os.sep, ".").removesuffix(".__init__")
-    return name if name.startswith(PROJECT) else None
+    """The project module a frame runs in (runtime.serving.searcher; a package's __init__ by the
+    package's name), else None."""
+    name = frame.f_globals.get("__name__", "")
+    return name if name.split(".")[0] in PROJECT else None
 
 
 def walk(fn) -> list[str]:
@@ -57,11 +53,12 @@ def walk(fn) -> list[str]:
         if (caller is None or module_of(caller) != m) and (not path or path[-1] != m):
             path.append(m)
 
+    before = sys.getprofile()  # a profiler already running (cProfile) goes on after
     sys.setprofile(profile)
     try:
         fn()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(before)
     return path
 
 
