@@ -1,5 +1,5 @@
-"""Retrieval over a whole request table (`runtime.Retriever` in batches), and the scorers the
-studies built on it score with."""
+"""Retrieval over a whole request table (`runtime.Retriever` in batches); the scorers the studies
+built on it score with are `runtime.scorers` (`codebook_scorer`, `factory_scorer`)."""
 
 from __future__ import annotations
 
