@@ -29,7 +29,7 @@ from schemas.artifacts import EXACT_FORM, EXACT_ROWS
 from sidindex.arraytypes import HostOrDevice
 from sidindex.exact import EXACT_SEED, ExactQueries
 from sidindex.matchers.bitmask import BitmaskLayout
-from sidindex.matchers.bloom import BLOOM_SEED
+from sidindex.matchers.bloom import BLOOM_SEED, BloomLayout
 from sidindex.matchers.kinds import KINDS
 from sidindex.matchers.murmur import murmur3_32, murmur3_x64_64, string_buffers
 from sidindex.matchers.plane import PlaneQueries
@@ -298,7 +298,10 @@ def encode_requests(requests: Requests, spec: TargetingSpec,
     used. The encoding's arrays are views of the arena, valid until it is written again.
     """
     n = len(requests)
-    bm, bl = spec.bitmask_layout, spec.bloom_layout
+    bm: BitmaskLayout
+    bl: BloomLayout
+    bm, bl = spec.layouts  # bitmask, bloom (asserted at import): read once, not per plane
+    bm_words, bl_words = bm.words, bl.words
     A, G = len(bl.names), 1 + len(bl.names)
     bm_columns, bl_columns = _arrays(requests.columns, bm.names, bl.names)
     lists = [_lists(arr, n) for arr in bl_columns]
@@ -306,7 +309,7 @@ def encode_requests(requests: Requests, spec: TargetingSpec,
     d = 0 if requests.embedding is None else requests.embedding.shape[1]
     # the arena's words: the planes' query rows back to back (the query stack's words), the
     # groups' ranges, the exact hashes' offsets, the hashes, the embedding
-    rows_end = n * bm.words + q_bloom * bl.words
+    rows_end = n * bm_words + q_bloom * bl_words
     ranges_end = rows_end + n * G * 2
     offsets_end = ranges_end + A * (n + 1)
     hashes_end = offsets_end + q_bloom
@@ -316,8 +319,8 @@ def encode_requests(requests: Requests, spec: TargetingSpec,
         arena = np.empty(need, dtype=np.int64)
     words = arena[:rows_end]
     words[:] = 0
-    bm_rows = words[:n * bm.words].reshape(n, bm.words)
-    bl_rows = words[n * bm.words:].reshape(q_bloom, bl.words)
+    bm_rows = words[:n * bm_words].reshape(n, bm_words)
+    bl_rows = words[n * bm_words:].reshape(q_bloom, bl_words)
     ranges = arena[rows_end:ranges_end].reshape(n, G, 2)
     offsets = arena[ranges_end:offsets_end].reshape(A, n + 1)
     hashes = arena[offsets_end:hashes_end].view(np.uint64)
@@ -335,7 +338,7 @@ def encode_requests(requests: Requests, spec: TargetingSpec,
     if requests.embedding is not None:
         embedding = arena[hashes_end:need].view(np.float32)[:n * d].reshape(n, d)
         embedding[:] = requests.embedding
-    planes = (PlaneQueries(bm_rows.view(np.uint64), ranges[:, :1], _word_offsets((0, bm.words)), single=True),
+    planes = (PlaneQueries(bm_rows.view(np.uint64), ranges[:, :1], _word_offsets((0, bm_words)), single=True),
               PlaneQueries(bl_rows.view(np.uint64), ranges[:, 1:], _word_offsets(tuple(bl.word_offsets))))
     exact = (None, ExactQueries(offsets, hashes[:e]))
     return EncodedRequests(requests.source, planes, exact, embedding, arena=arena)
