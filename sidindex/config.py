@@ -1,31 +1,13 @@
-"""Build configuration (TOML): SID scheme and quality gates.
+"""Build configuration (TOML): SID scheme, quality gates and k-way partitions.
 
 Build-time settings only; query-time settings (beams, modes) belong to the runtime.
 
-    [sid]
-    levels = [512, 512, 512]      # semantic (residual k-means) level sizes, coarse to fine
-    hash_size = 512               # size of the final, hashed level
-    hash_keys = ["advertiser_id"] # catalog columns hashed into the final level
-    paths = 2                     # multi-path: first-level centroids per ad
-    path_ratio = 0.05             # optional: keep path j only if its distance <= (1 + ratio) * nearest
-    balanced = true               # capacity-constrained k-means for better codebook utilisation
-    capacity = 1.1                # balanced: a centroid takes at most capacity * n / k training points
-    balanced_iters = 10
-    train_sample = 131072         # training points (a seeded sample of the catalog)
-    niter = 20                    # k-means iterations per level
-    seed = 1234
-    min_points_per_centroid = 39  # a level shrinks so that each centroid has this many points
+    [sid]       level sizes, the hashed final level, multi-path, balanced k-means, training
+    [quality]   thresholds that fail the job (exit 3); omit a key to disable it
+    [kway]      optional: k-way partitioned matchers (`sidindex.trie.kway`)
 
-    [quality]                     # thresholds that fail the job; omit a key to disable it
-    min_level_codes = 2           # a trained level must use at least this many codes
-    max_sid_share = 0.5           # no SID may hold more than this share of the ads
-    min_level_perplexity = 1.5    # perplexity of code usage per semantic level
-
-    [kway]                        # optional: k-way partitioned matchers (see sidindex.trie.kway)
-    mode = "static"               # "static" (k per position) or "dynamic" (grow k up to k_max)
-    k = [64, 64, 32, 8]
-    k_max = 64
-    target_fill = 0.5
+Every key is optional and unknown keys are errors. Every key, its default and meaning:
+docs/cli.md ("Build config").
 """
 
 from __future__ import annotations

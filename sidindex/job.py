@@ -1,36 +1,17 @@
 """The jobs behind `sidindex build` / `update` and the scheduled rebuild (docs/design.md §1, §7, §15).
 
-build:  ingest + validate -> codebook (reuse the frozen one, or train) -> SIDs + quality gates ->
-        GTM + exact index -> carry the published snapshot's paused ads forward and re-apply the
-        journal's change files newer than the catalog export -> write snapshot -> open and
-        validate it -> publish -> retention
-update: verify the published snapshot (every digest; its structure and matcher cover too unless a
-        check record holds them) -> validate the whole change file -> apply it (`sidindex.update`)
-        -> write what changed, link the rest -> open and validate -> record its checks -> publish,
-        journaling the change file
+build:  ingest + validate -> codebook (frozen or trained) -> SIDs + quality gates -> GTM + exact
+        index -> carry paused ads and journaled changes forward -> write, open, validate -> publish
+update: verify the published snapshot -> validate the whole change file -> apply it
+        (`sidindex.update`) -> write what changed, link the rest -> validate -> publish, journaled
 
-Under ROOT's build lock. The input fingerprint (catalog bytes, targeting spec, build config,
-codebook id, snapshot format; for an update, the base's and the change file's bytes) is recorded
-in the manifest; when the published snapshot already has a build's, nothing new is published
-unless `force`. Any failure publishes nothing.
-
-Changes survive full builds. Pauses are not in the catalog, so a build keeps every ad the
-published snapshot has paused paused (by ad_id): a pause ends only with a resume or a delete.
-Deletes and upserts live in the catalog export, which may predate the latest updates: given the
-name of the newest change file the export holds (`changes_through`, or the export's own
-`schemas.contracts.CHANGES_THROUGH_KEY` metadata), a build re-applies every
-change file the published snapshot's journal records after it (`sidindex.journal`), in the order
-they were published, before it publishes; a name the journal does not hold is refused. Without
-that name it re-applies none and says so in its report's warnings.
-Without `changes_through`, a build that waited for the lock while an update published refuses
-(that update's deletes and upserts are likely newer than its export); with it, the build re-applies
-them. Either way a job publishes only over the CURRENT it read under the lock (`Root.publish`).
-
-Given a signing key, a job signs what it publishes (`sidindex.signing`), and first verifies that
-the snapshot it builds on (an update's base; the published snapshot a build carries paused ads
-and the journal from) is signed by the trusted key (the signing key's own public half unless
-another is given): signing a snapshot vouches for everything carried into it. An unsigned one is
-accepted only when told to adopt it (the first signed job on a ROOT).
+Under ROOT's build lock, over the CURRENT read there; any failure publishes nothing, and an input
+fingerprint already published publishes nothing unless `force`. A build keeps the published
+snapshot's paused ads and, given the newest change file its export holds (`changes_through`),
+re-applies the journal's later change files. Given a signing key, a job signs what it publishes
+and first verifies the snapshot it builds on against `trust_key` (default: the signing key's own
+public half), accepting an unsigned one only with `adopt_unsigned`. In full: docs/operations.md
+("What a job does", "Changes survive full builds", "Signed snapshots").
 """
 
 from __future__ import annotations

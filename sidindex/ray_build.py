@@ -1,34 +1,17 @@
 """The build on Ray (`sidindex build --engine ray`, docs/design.md §14): `sidindex.stages` as Ray
-tasks that write the snapshot's arrays themselves, so that the driver holds per-fragment and
+tasks that write the snapshot's files themselves, so that the driver holds per-fragment and
 per-shard sums, never an array of the catalog's length.
 
-  fragments  the catalog's Parquet row groups; each task reads its own (and knows their file rows,
-             which error messages name; Ray Data's reader does not give them)
-  prepare    one task per fragment: validate, SIDs (the frozen codebook is put in the object store
-             once), matcher rows, exact index; returns its ads table, its SID rows and its sums
-             (first-token counts, the histogram of its ads' SID rows, its quality sums)
-  globals    one task takes every fragment's ads table, ranks the fragments' errors and checks ad
-             ids for repeats across them (the first error a whole-file validation meets); once they
-             pass, another streams the global arrays (ad ids, values, exact index) into their files a
-             fragment at a time and lists them, while the shards are built
-  shuffle    the driver sums the fragments' first-token counts into shard bounds, and those into
-             parts (about 4 per CPU, none across a shard's bound); one task per fragment splits
-             its SID rows into a table per part (num_returns = parts)
-  build      one task per part builds its subtrie from every fragment's table for it
-  shards     one task per shard, once the ads passed their checks, combines its parts into the shard
-             (`trie.partition.combine`: the arrays one part would give), writes and lists its
-             files and returns its manifest entry with its statistics' and SID report's sums
-  finish     the driver merges the sums into the statistics and the SID report (exactly the local
-             engine's: histograms, not percentiles, are summed) and the job writes the manifest;
-             `check_on_ray` checks the snapshot a task per shard (`snapshot.check_part`) before
-             it is published
+Tasks, in order: prepare (one per Parquet row group: validate, SIDs, matcher rows, exact index);
+globals (ad ids checked across fragments, then the global arrays streamed into their files); a
+shuffle by first token into parts; build (a subtrie per part); shards (each combines its parts,
+writes its files and returns its manifest entry and sums); finish (the driver merges the sums, the
+job writes the manifest, `check_on_ray` checks the snapshot a task per shard).
 
-The snapshot's directory lies in the ROOT, so on a cluster every node must mount the ROOT at the
-same path (a task that does not see it fails the build saying so). Errors: a fragment's bad row
-fails the build with the local engine's message; a corrupt row group with the parse error naming
-it; a task that dies (its worker killed) or a cluster that cannot be reached raises `EngineError`.
-Nothing is published on failure. A local Ray started for a build ends with it, even when its driver
-is killed. Ray is an optional extra.
+Every node must mount the ROOT at the same path. A bad row fails the build with the local engine's
+message; a dead task or an unreachable cluster raises `EngineError`; nothing is published on
+failure. A local Ray started for a build ends with it. Ray is an optional extra. Each task, its
+errors and measured costs: docs/scaling.md ("The Ray engine", "Measured and expected").
 """
 
 from __future__ import annotations

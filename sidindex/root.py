@@ -1,51 +1,17 @@
 """A ROOT: where builds publish snapshots and keep codebooks (docs/design.md §7). Every reader and
 writer of a ROOT goes through `Root`; no other module spells these names.
 
-    ROOT/.lock                 flock: one build or update publishes at a time (a second waits)
-    ROOT/CURRENT               the published snapshot's id, replaced by rename
-    ROOT/HISTORY               ids in the order they were published, one a line, replaced by rename
-    ROOT/snapshots/<id>/       published snapshots, never modified once renamed into place
-    ROOT/snapshots/.tmp-<id>/  a snapshot being written
-    ROOT/codebooks/<id>/       frozen codebooks;  ROOT/codebooks/.tmp-*/  one being written
-    ROOT/changes/<id>.<sha256>/<name>  the journal: change file `name` (its sha256) that update <id> published
-    ROOT/changes/THROUGH       (written before format version 9) the newest change file name a full
-                               build's catalog export held; now the published manifest's `journal`
-    ROOT/checked/<id>          a check record: snapshot <id>, by its manifest's sha256, passed the
-                               checks it lists (structure; matcher cover) under this sidindex
+    ROOT/.lock, CURRENT, HISTORY   the publish lock, the published snapshot's id, ids in publishing order
+    ROOT/snapshots/<id>/           published snapshots, never modified (.tmp-<id>/: one being written)
+    ROOT/codebooks/<id>/           frozen codebooks
+    ROOT/changes/<id>.<sha256>/    the journal: the change file that update <id> published
+    ROOT/checked/<id>              a check record: the checks snapshot <id>'s manifest passed
 
-Publishing: the new snapshot is written into a temporary directory, checked, fsynced and renamed
-into place; CURRENT is then replaced (CURRENT.tmp, fsync, rename, fsync ROOT), and HISTORY after
-it. A crash at any point leaves CURRENT naming a complete snapshot. A publication refuses to
-replace a CURRENT other than the one its job started from (another writer published meanwhile, and
-this one would revert it), and its commit (the renames) runs with SIGINT and SIGTERM held, so an
-interrupt lands before it or after it, never inside. Retention keeps the `keep`
-most recently published snapshots (by HISTORY, CURRENT always among them) and deletes every other
-snapshot directory, orphans of a build killed between its rename and the CURRENT swap included;
-the next build also removes temporaries that killed builds left. A process that has a snapshot
-open keeps its memory maps when retention deletes the files.
-
-A check record lets a reader that would check a snapshot again verify its digests alone: the
-digests tie every byte to the manifest, and the record ties the manifest to checks already passed
-(`sidindex.snapshot.open_snapshot(records=True)`: a serving host's load, an update's base). A
-build records the structure it checked before publishing; an update records its base's structure
-and cover once checked, and its new snapshot's once validated (`sidindex.job`). Written by a job
-holding the lock; a record that is missing, unreadable, of another manifest or of another sidindex
-counts as none, so the snapshot is checked in full again. Retention deletes the records of the
-snapshots it deletes.
-
-The journal lets a full build keep the changes published after its catalog export was taken
-(`sidindex.job`): an update copies its change file into ROOT/changes/<its id>.<sha256>/ before
-its CURRENT swap; an entry newer than CURRENT is an update that never published (a crash in
-between) and the next writer removes it. Which entries exist, and in what order, is what the
-published snapshot's manifest records (`sidindex.snapshot.manifest.Journal`), never what the
-directory lists: a recorded entry that is missing or whose bytes differ is refused, an entry no
-record names is ignored and reported (`sidindex.journal`). A full build's record keeps the entries
-its export does not hold; the entries the old record had and the new one dropped are deleted
-after its commit.
-
-ROOT's own directories (snapshots/, changes/, codebooks/, checked/) are refused when they are
-symbolic links out of ROOT, by every reader and writer (`Root.own_directories`): what they hold
-would be served and published from where retention, locks and builds never look.
+Publishing renames a checked snapshot into place, then replaces CURRENT and HISTORY, so a crash
+at any point leaves CURRENT naming a complete snapshot; a job publishes only over the CURRENT it
+started from. Retention keeps the `keep` most recently published snapshots. The full layout,
+publishing, retention, check records, the journal and why ROOT's directories may not link out of
+it: docs/snapshot-format.md ("The ROOT", "Publishing and retention"), docs/operations.md.
 """
 
 from __future__ import annotations

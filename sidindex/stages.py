@@ -3,27 +3,15 @@
 `sidindex build --engine ray` runs them as Ray tasks (`sidindex.ray_build`); any engine that can
 map a function over Arrow batches and group rows by a key can run them the same way:
 
-  1. prepare_fragment(table, first_row, path, spec, codebook) -> (ads, sid_rows)
-       validate one fragment's catalog rows (file rows first_row...), give each ad its SIDs with the
-       frozen codebook, encode its matcher rows and exact index.
-       ads:      one row per ad: ad_id, value (when the catalog has it), the exact index's columns
-                 (`exact_columns`); schema metadata QUALITY_KEY holds the fragment's `QualitySums`
-       sid_rows: one row per SID row, in (ad, path) order: sid (fixed_size_list<int16>[L]), ad
-                 (the catalog row), each plane's words (fixed_size_list<uint64>[W]), value
-  2. first_tokens(sid_rows) -> (K_0,) counts; the driver's `sidindex.trie.shard.shard_bounds` turns
-     their sum into shard bounds (docs/design.md §18), `part_bounds` those into parts
-  3. split_sid_rows(sid_rows, cuts) -> one table per part (the shuffle's map side)
-  4. build_part(tables, ...) -> Subtrie: one part's tables from every fragment, in fragment order;
-     a shard's parts `combine`d (or its one part, `sidindex.trie.shard.shard_of`) are the shard
-  5. global_arrays(ads) -> the snapshot's global arrays (ad ids, values, exact index) of the ads
-     tables (in fragment order), in pieces of one fragment; with the shards (in token order) they
-     are what the local engine builds (the Ray engine writes each where it is made)
+  1. prepare_fragment   validate a fragment, give each ad its SIDs, encode matcher rows and exact index
+  2. first_tokens       per-token counts, whose sum the driver turns into shard and part bounds
+  3. split_sid_rows     one table per part (the shuffle's map side)
+  4. build_part         one part's subtrie; a shard's parts combined are the shard
+  5. global_arrays      the snapshot's global arrays (ad ids, values, exact index), a piece per fragment
 
-With Spark: stage 1 in `mapInArrow` over fragments numbered with their first file row
-(`zipWithIndex`), stage 3's part id as a column, `groupBy(part).applyInArrow` for stage 4 with the
-rows sorted by catalog row; with Dask: `map_partitions`, `shuffle` on the part id. A stage raises
-`InputError` naming the file row, as the local engine does; `InputError.rank` orders two errors as
-a validation of the whole file would meet them.
+A stage raises `InputError` naming the file row, as the local engine does; `InputError.rank`
+orders two errors as a validation of the whole file would meet them. The tables' columns, and the
+stages on Spark or Dask: docs/scaling.md ("Other engines").
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
 """Constrained beam search over SIDs (docs/design.md §8).
 
-Step d (0..L-1) starts from the beams of the previous step (one root beam per request at step 0):
-the scorer gives logits for every beam, a log-softmax over the level's tokens turns them into
-log-probabilities (`level_log_probs`: the first `level_sizes[d]` of the V logits are the
-distribution, whatever the scorer gives beyond them; `runtime.search.hf` and `runtime.studies.simulate` use the
-same), the mask keeps beam_score + logp only at the tokens the mode allows, and top-k over each
-request's (beams x V) candidates picks the next beams. Everything stays on the device and every
-shape is fixed by the beam sizes, so the loop never waits on the host and can be captured in a
-CUDA graph.
+Step d scores the previous step's beams, turns the logits into log-probabilities over the level's
+`level_sizes[d]` tokens (`level_log_probs`, as `runtime.search.hf` and `runtime.studies.simulate`
+do), masks the tokens the mode does not allow, and keeps each request's top candidates by
+accumulated score. Everything stays on the device with shapes fixed by the beam sizes, so the loop
+never waits on the host and can be captured in a CUDA graph.
 
-One order: top-k ranks a step's candidates by score, and candidates of equal score (hash-level
-tokens get equal logits) by the beam they extend, in the previous step's ranking, then by token
-(`ops.order.top_k`; the beams of every step come ranked so). The rule names no position a device's
-top-k happened to leave, so the torch, numba and Triton paths, the dense and compact layouts, any
-width that does not overflow, and the CPU and CUDA keep the same beams in the same order for the
-same candidate scores (mode none too). Across devices the scores themselves are equal only where
-their log-softmaxes are bit for bit (uniform levels, such as the hash level, are); elsewhere the
-last bit may differ, and so may a tie it decides.
-
-Beam sizes: beams[0] is the root (1); beams[d] (d >= 1) beams are kept after step d-1, and
-beams[-1] after the last step. A beam whose candidates are all disallowed dies: the top-k may
-still pick its -inf slots when too few candidates survive, but they are marked dead and never
-extended, so a request whose beams all die returns fewer (or zero) SIDs. There is no fallback to
-unconstrained decoding. Scores are accumulated log-probabilities.
-
-A broken model is not a request without eligible ads. Only finite logits count (a NaN or infinite
-one's token is never chosen, as if it were -inf), and a step at which the scorer gives none of a
-request's live beams a finite logit among the level's tokens is recorded on the device
-(`Beams.unscored`, no host synchronisation); `check_scored` refuses such a search, read once where
-the batch's results come back (`runtime.Searcher` does, so every serving path does).
-
-Value-guided search (docs/design.md §16, `value_weight` λ > 0, a snapshot with ad values): the mask
-weighs each candidate by its value bound v (the largest value of an ad beneath it that can pass),
-and the beams kept are the top candidates by score + λ log(max(v, 1e-6)), the key the mask
-computes (`ops.gtm_mask.reference.value_key`): λ = 1 ranks prefixes by probability x value, λ = 0
-is the plain search, exactly. Scores stay log-probabilities.
+beams[0] is the root (1); beams[d] (d >= 1) are kept after step d-1. Candidates rank in one order
+(score, then the beam they extend, then token: `ops.order.top_k`), so every path keeps the same
+beams. A beam with no allowed candidate dies; there is no fallback to unconstrained decoding. A
+step at which the scorer gives a request's live beams no finite logit is recorded in
+`Beams.unscored` and refused by `check_scored`. With `value_weight` λ > 0 the beams kept are the
+best by score + λ log(max(v, 1e-6)) (§16). Details: docs/runtime.md ("Beam search"), docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,17 @@
 """Constrained SID generation with Hugging Face `generate` (docs/design.md §13).
 
-    from transformers import LogitsProcessorList
-    from runtime.search.hf import SidLogitsProcessor
     proc = SidLogitsProcessor(index, requests, mode="cd+gtm", prompt_length=P, num_beams=K, token_offset=o)
     out = model.generate(input_ids, num_beams=K, num_return_sequences=K, max_new_tokens=L,
                          do_sample=False, logits_processor=LogitsProcessorList([proc]))
 
-Row n of a step's input_ids belongs to request n // (N / B) (generate keeps a request's beams, or
-its samples, together). The model's vocabulary id of token t at SID level d is
-token_offset + d * V + t, or token_ids[d, t] for any other mapping. Per step the processor reads
-the tokens generated so far, walks them down the trie on the device and masks them, through the
-same `runtime.search.constraint.Constraint` as `runtime.beam_search` (a binary search of the index's
-entry keys per level, for all rows at once: no Python loop over beams, no host synchronisation;
-Triton on CUDA, the CPU path otherwise).
-What it returns is the model's distribution over the level's `level_sizes[d]` tokens (log-softmax
-over their ids, `runtime.ops.distribution.level_log_probs`: the distribution `runtime.beam_search` uses),
--inf at every token the mode does not allow and at every id that is not one of the level's tokens,
-EOS and special tokens included. With the same model, `generate` beam search at a fixed width
-returns the SIDs of `runtime.beam_search` at that width, whose scorer gives the model's logits at
-the level's ids (whatever it gives past the level's size), with the same scores (its
-`sequences_scores` with length_penalty=0). A row with no allowed token (its prefix left the
-catalog, or nothing under it is eligible) gets DEAD (-1e30) at the level's tokens and -inf
-elsewhere: it keeps the shape of a SID and never ends early on EOS, and its score marks it dead;
-keep the sequences whose `sequences_scores` exceed -1e6 (generate also starts spare beams at
--1e9), as `runtime.beam_search` drops dead beams. When every beam of every request dies, generate
-stops early and returns the prompts alone.
-
-A broken model is not a request without eligible ads: only finite logits count (a NaN or
-infinite one's token is never chosen), and a step at which the model gives none of a request's
-live rows a finite logit at the level's ids is recorded on the device (no host synchronisation,
-so generate runs as it would); after generate, `check()` refuses it (a ScorerError naming the
-request and the step), as the search refuses such a scorer. generate itself cannot be stopped
-from a processor without a wait per step, so a program that skips `check()` sees those requests'
-rows dead.
+Each step walks every row's generated tokens down the trie on the device, through the
+`runtime.search.constraint.Constraint` that `runtime.beam_search` uses (no Python loop over beams,
+no host synchronisation), and returns the model's log-probabilities over the level's tokens, -inf
+at every token the mode does not allow, EOS and special tokens included. So `generate` beam search
+returns the SIDs and scores of `runtime.beam_search` at the same width. A row with no allowed token
+gets DEAD and keeps a SID's shape; a step at which the model gives a request no finite logit is
+recorded on the device and refused by `check()`. Row mapping, token ids, dead rows and scores in
+full: docs/runtime.md ("Hugging Face generate").
 """
 
 from __future__ import annotations

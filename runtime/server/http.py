@@ -1,26 +1,15 @@
 """`sidindex serve`'s HTTP front: Starlette on uvicorn with httptools and uvloop, orjson (extra
 `sidindex[serve]`), over an engine (`runtime.server.engine_api.EngineApi`) that batches and searches.
 
-    POST /retrieve   JSON {"requests": [{"request_id": 1, "embedding": [...], "country": "US", ...}]}
-                     -> {"snapshot": id, "rows": [{"request_id", "rank", "ad_id", "sid", "score"[, "value"]}]};
-                     or an Arrow IPC stream (content type application/vnd.apache.arrow.stream) -> the
-                     result table as an Arrow IPC stream, the snapshot in its schema metadata and in
-                     the X-Sidindex-Snapshot header
-    GET  /healthz    live and serving a snapshot          GET /readyz    warm (every batch size captured)
-    GET  /snapshot   id, format, counts, since when, why the last new one was refused
-    GET  /metrics    Prometheus text (`runtime.server.metrics`)
-
-Each HTTP request's rows are validated on arrival against the snapshot served (a bad one gets 400
-with the validator's one line), then handed to the engine, whose batcher runs them in fair
-batches with other clients' (`runtime.server.batcher`). The engine lives in this process
-(`RetrievalServer.local`), or in the process that owns the GPU, this one being one of several
-front-end processes that parse, validate and answer in parallel (`runtime.server.frontend`,
-`runtime.server.link`). Limits, each refused with one line: a body past `max_body_bytes` (413, before
-it is read whole), more than `max_request_rows` rows (413), a full queue (503 with Retry-After),
-a request not answered within `timeout_ms` (504; its rows not yet run are dropped). /readyz
-answers 503 while the engine is not ready (not warm; `unready_after` batches in a row failed).
-A stop (`drain`, SIGTERM or SIGINT under `serve`): no new connections, every request in flight
-answered within `drain_seconds` (503 for one that cannot be).
+Routes: POST /retrieve (JSON or an Arrow IPC stream in, the same out, naming the snapshot that
+served), GET /healthz, /readyz, /snapshot and /metrics. Each HTTP request's rows are validated on
+arrival against the snapshot served (400 with the validator's one line), then handed to the
+engine, whose batcher runs them in fair batches with other clients' (`runtime.server.batcher`).
+The engine lives in this process (`RetrievalServer.local`) or in the process that owns the GPU,
+this one being one of several front-ends (`runtime.server.frontend`, `runtime.server.link`).
+Limits are refused with one line each (413, 503 with Retry-After, 504), and a stop (`drain`,
+SIGTERM or SIGINT) answers every request in flight within `drain_seconds`. Routes, limits and
+shutdown in full: docs/design.md §19, docs/runtime.md ("HTTP server"), docs/operations.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """The link between `sidindex serve`'s HTTP front-end processes and its engine (docs/design.md §19):
 ZeroMQ (pyzmq), a ROUTER socket in the engine and a DEALER in each front-end, over an ipc:// path.
-
-ZeroMQ rather than a shared-memory ring: one engine answers many front-ends out of order (a large
-request's pieces interleave with small ones) and the ROUTER socket routes each answer back to
-its sender with no bookkeeping of ours; messages of a few kilobytes cost microseconds over ipc://,
-small beside a batch; and a front-end that dies loses only its own messages. This is how vLLM's
-API servers talk to its engine core.
-
-Messages (frames; the ROUTER adds the sender's identity in front):
+ZeroMQ rather than a shared-memory ring: the ROUTER routes each out-of-order answer back to its
+sender with no bookkeeping of ours, and a front-end that dies loses only its own messages.
 
     front-end -> engine   b"run", id, snapshot validated against, timeout (f64, NaN: none), requests
     engine -> front-end   b"run", id, outcome, snapshot that served, result (outcome b"ok") or one line
     front-end -> engine   b"status", id
     engine -> front-end   b"status", id, JSON (`Engine.status` and the target)
 
-`requests` is an Arrow IPC stream of the validated batch in its portable form
-(`sidindex.requests.portable`): the engine rebuilds it without validating it again, unless a new
-snapshot was swapped in since (then it validates it against that one). `result` is an Arrow IPC
-stream of the result table. outcome: ok, bad_request, error, busy, timeout.
+`requests` and `result` are Arrow IPC streams (the validated batch in its portable form; the
+result table). outcome: ok, bad_request, error, busy, timeout. The messages, when the engine
+validates a batch again, and why ZeroMQ: docs/design.md §19 ("Processes").
 """
 
 from __future__ import annotations

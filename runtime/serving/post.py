@@ -1,27 +1,12 @@
 """Post stage: SIDs -> ads -> exact filter -> ranked ads per request (docs/design.md §3, §8).
 
-The SID -> ad CSR expands every live beam into its ads (dropping rows an update paused or
-deleted), an ad reached through several SIDs keeps its best score and that SID (on equal scores
-the first beam's: the search ranks its beams in one order on every device, `runtime.search.beam`), and
-the exact ad-level filter drops every ineligible ad (Bloom false positives stop here). Ranked per
-request by one of RANKS:
-  score  the ad's best log-probability (the default)
-  value  the ad's value (the catalog's `value`), then its score
-  fused  reciprocal-rank fusion of the two rankings, 1/(RRF_K + score rank) + 1/(RRF_K + value rank)
-         (as GR4AD-X fuses its rankings)
-then ad_id: a total order, so equal scores (hash-level SIDs tie) rank alike on both paths below.
-
-Two implementations of the one contract (`Retrieved`), and `expand` picks:
-  host    `runtime.ops.expand.host`: numba passes over the snapshot's memory maps (beams on the CPU,
-          or an index without `ServedIndex.post`): expand + dedupe with a hash table per request,
-          the exact filter of `sidindex.exact`, a merge sort per request.
-  device  `DevicePost`: `runtime.ops.expand` (Triton kernels around the exact filter's, or its torch
-          reference) on the tensors of `ServedIndex.post`, every shape fixed by the batch, the
-          beams and a capacity of pairs per request, no host synchronisation, so a CUDA graph can
-          capture it right after the search; the result's counts, then its rows in use, come back
-          through pinned memory. A request whose beams reach more pairs than the capacity
-          overflows: `result` returns None for its batch rather than a wrong answer, and
-          `last_reached` tells the caller what capacity would have held it.
+Every live beam expands into its ads (paused and deleted rows dropped); an ad reached through
+several SIDs keeps its best score and that SID; the exact filter drops every ineligible ad (Bloom
+false positives stop here). RANKS: by score, value or their reciprocal-rank fusion, then ad_id, a
+total order. `expand` picks the host path (`runtime.ops.expand.host`: numba over the memory maps)
+or `DevicePost` (`runtime.ops.expand` on the device, no host synchronisation, so a CUDA graph
+captures it after the search). A request whose beams reach more than C pairs overflows: `result`
+gives None, never a wrong answer. Details: docs/runtime.md ("Post stage"), docs/kernels.md.
 
 Legend: B requests, K beams, L SID length, N catalog rows, C the pairs capacity of a request (the
 caller's; by default the most (request, ad) pairs K beams can reach, at most DEFAULT_PAIRS), T the

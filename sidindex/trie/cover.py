@@ -1,33 +1,15 @@
 """Cover: every child entry's matcher rows hold what lies beneath it (docs/design.md §3, §4), and
 every SID's value bound its ads' values (§16).
 
-A node's matcher is the OR over its subtree's ads (updates only grow it), so for no false
-negative each entry's row must hold every bit of its children's rows, and a SID's row every bit
-of its ads' rows. Digests cannot tell a row zeroed or flipped by a writer that resealed them from
-a sound one; these relations can, wherever the snapshot holds what a row must contain:
-
-    inner entries  per plane, the row holds each child entry's row
-    SID entries    a `rows` plane (bitmask): the row holds each ad's exact row; a `values` plane
-                   (bloom: the ads' rows are not kept, only their value hashes): per attribute,
-                   all ones where an ad is unrestricted, and some bit where it is restricted
-
-    SID bounds     a SID entry's value bound (float32, rounded up) at least each of its ads' values;
-                   a prefix's bound holding its children's is checked at every open (no gather)
-
-k-way partitions are not covered (a partition holds some of the entry's ads, which ones is not
-kept). One parallel numba pass per relation and plane over the entries, counting the breaks. The
-SID-to-ad relations gather rows or values by ad at random, which costs more than the rest of an
-open's checks together, so they are checked where a snapshot is judged rather than served:
-`sidindex validate`, an update's base and an update's result.
-
-Since a base: an update only inserts into its base (`sidindex.trie.patch`), so most of its result's
-relations are its base's, which held. `unchanged_entries` finds them from the two tries alone, never
-from what the update says it did: each entry's counterpart in the base is the entry of the same SID
-prefix (one merge of sorted children per node), and an entry is unchanged when it names the same
-row of a table whose base rows are kept, the same value bound and, for a SID, the same ads, whose
-rows and values are kept. A relation whose entries are all unchanged holds as it did in the base;
-the rest are checked. So a damaged row, index, ad list or bound is checked wherever it is, and the
-verdict is the one a check of the whole result gives.
+A node's matcher is the OR over its subtree's ads: no eligible prefix is rejected as long as each
+entry's row holds its children's rows and a SID's row its ads' rows. Digests cannot tell a row
+zeroed by a writer that resealed them; these relations can. The SID-to-ad relations gather by ad
+at random, so they are checked where a snapshot is judged (`sidindex validate`, an update's base
+and result), not at every open. k-way partitions are not covered. After an update, an entry is
+unchanged when its base counterpart (the entry of the same SID prefix) names the same row of a
+table whose base rows are kept, the same value bound and, for a SID, the same kept ads; relations
+of unchanged entries hold as in the base, and only the rest are checked. In full: docs/gtm-index.md
+("Matcher cover").
 Legend as in `sidindex.trie.build`; `do` depth offsets, `no` node offsets, `lo` leaf ad offsets;
 `same` (E,) bool the unchanged entries (empty: none known, every relation checked).
 """

@@ -1,34 +1,15 @@
 """The device post stage as Triton kernels around the exact filter's (`runtime.ops.exact_filter`)
-and the ranking's sorts (`runtime.ops.expand.rank`). Every pass but the first runs many programs
-per request, a tile of TILE slots each, and a program whose tile starts past its request's pairs
-does (almost) nothing: the work grows with the pairs the beams reach, the memory with the
-capacity C the caller chose, and a SID may hold any number of ads.
+and the ranking's sorts (`runtime.ops.expand.rank`).
 
-  _beams_kernel  1. one program per request: its live beams' ad counts and their running sum (each
-                    beam's first slot), its counts of live SIDs and reached pairs, the counts later
-                    passes add to set to 0, and `held` (reached, or 0 past C: an overflow holds none)
-  _clear_kernel  2. (B, 2C/CLEAR) programs: the request's hash table, 2 x held cells, emptied
-  _pairs_kernel  3. (B, C/TILE) programs: slot j -> its beam (`runtime.ops.slots.kernel.beam_of_slot`)
-                    and ad (rows an update paused or deleted drop out), its key (score descending,
-                    beam); the ad's cell in the request's table claimed by compare-and-swap, the
-                    smallest key per cell by atomic min (the ad's best score's first beam); the lane
-                    that claimed a cell appends (ad, cell) to the request's pairs, its place taken by
-                    one atomic add per program (the order of the pairs is the programs', which no
-                    result depends on: every ranking is a total order of the ads)
-  exact filter      every plane, on each request's first `generated` pairs only
-  _keys_kernel   4. (B, C/TILE) programs: each pair's eligibility, the ranking's keys (`rank`:
-                    score key x 2^31 + ad_id place; the value's key), INT64_MAX for the slots without
-                    an eligible ad; the request's counts (eligible, each plane's passes) by atomic add
-  rank_slots     5. sorts along the C slots (`runtime.ops.expand.rank`)
-  _rows_kernel   6. (B, T/TILE) programs: the first min(eligible, T) places of each request, written
-                    after the rows of the earlier requests
-
-Memory per request, int64 words: the table 4C (cells and their best keys), the pairs 2C (ad, cell),
-the keys C (2C with values), the sort's output (2C; 2T for a top-k); plus K (the beams' first
-slots) and the exact filter's P x C flags (bytes, twice: stacked). Launches: these 5 kernels, the
-exact filter's (one per plane) and a stack, and the ranking's (a top-k or a sort for score; two
-sorts for value, four for fused, with their gathers). No kernel holds a request's slots in one
-block: no bound on C but the grid's (`layout.MAX_PAIRS`).
+Passes: `_beams_kernel` (one program per request: its beams' ad counts, the pairs reached, whether
+they overflow C), `_clear_kernel` (the request's hash table emptied), `_pairs_kernel` (slot -> beam
+and ad, each ad deduplicated by compare-and-swap, keeping its best key by atomic min), the exact
+filter, `_keys_kernel` (eligibility and ranking keys), `rank_slots` (the sorts) and `_rows_kernel`
+(the kept rows). Every pass but the first runs many programs per request, a tile of TILE slots
+each, and a tile past its request's pairs does almost nothing: the work grows with the pairs the
+beams reach, the memory with the capacity C the caller chose, and a SID may hold any number of
+ads. No kernel holds a request's slots in one block, so C is bounded only by the grid
+(`layout.MAX_PAIRS`). Grids, memory per request and launches: docs/kernels.md ("Post kernels").
 """
 
 from __future__ import annotations

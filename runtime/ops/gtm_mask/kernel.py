@@ -1,33 +1,16 @@
-"""The fused CD+GTM mask as a Triton kernel (GRACE 3.5, 4.4).
+"""The fused CD+GTM mask as a Triton kernel (GRACE 3.5, 4.4; docs/kernels.md).
 
-One program per (beam, block of BLOCK child entries of the beam's trie node); BLOCK follows the
-depth's mean fan-out (`launch_shape`), so few lanes idle. Each lane is one child entry: CD is the
-entry existing at all; then (GTM) the matcher planes' test (`row_pass`), plane by plane and word
-group by word group, the kernel compiled for the planes' layout (constexpr tuples). A group with
-many queries per request (a Bloom attribute with tens of request locations) is tabled (`tables`):
-the search folds each request's queries into lookup tables once (`prepare`), and a lane then
-streams only the first few queries (`table_leads`, none at most depths) and looks the group up in
-16 loads per word per 64 queries; lanes that fail (the costly ones when streaming: they try every
-query, and a block waits for them) cost what passing ones do.
-In the compact layout, where some groups are tabled and some not (`packs`: PACK; by default on
-steps of PACK_FROM lanes or more), the lanes take the untabled groups' test first, and only its
-survivors the lookups: they are packed, through a per-program scratch and a barrier, into full
-chunks of PACK = 32 x num_warps lanes. Otherwise a warp ran every lookup whenever one of its lanes
-survived, and at 30M SIDs about one lane in ten of depth 2 does, in nearly every warp.
-The planes are read through their stacks (`planes.TableStack`, `planes.QueryStack`), so one kernel
-serves any set of planes. Where the depth's child entries index few distinct union rows
-(`shared_rows`: near the root, where unions saturate), each of them was tested once per request
-by the search's first step (`prepare`), and the mask's lanes (SHARED) look their rows' results up
-instead. A compact first step makes those tables and tests itself, in programs past its mask's
-(PREP, `runtime.ops.prepare.kernel.prepare_block`). With
-k-way partitions (KWAY), lanes that pass the union test try their partitions until one passes. A
-surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token; every other token stays
--inf. With VALUE it also writes, in a second (M, V) output, its value bound (VALUE 1) or the
-value-guided key val + weight * log(max(bound, floor)) (VALUE 2, fused so the search makes no extra
-passes): the bound is the entry's `entry_value`, or with KWAY the `part_value` of its first passing
-partition (an entry's partitions fall in value, so that is the largest that passes). GTM, KWAY,
-VALUE and SHARED are compile-time flags. Bits are int64 (the uint64 rows reinterpreted): & and ==
-are the same.
+One program per (beam, block of BLOCK child entries of its node), BLOCK following the depth's mean
+fan-out (`launch_shape`); each lane is one child entry. CD is the entry existing; GTM is the
+matcher planes' test (`row_pass`), compiled for the planes' layout and read through their stacks
+(`planes.TableStack`, `planes.QueryStack`), so one kernel serves any set of planes. Groups with
+many queries per request are looked up in query tables (`tables`); in the compact layout the
+survivors of the untabled groups are packed into full chunks before the lookups (PACK); depths
+whose entries share few rows look up results tested once per request (SHARED, `shared_rows`),
+which a compact first step makes itself (PREP); with KWAY, lanes that pass the union try their
+partitions. A surviving lane writes beam_score + logp[token] (NaN -> -inf) at its token, and with
+VALUE its value bound or value-guided key; every other token stays -inf. GTM, KWAY, VALUE and
+SHARED are compile-time flags. Why each of these, and what each gained: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Shared rows: where a depth's child entries index few distinct matcher rows, each of those rows is
 tested once per request, and the mask's lanes look the results up.
 
-Deep in a catalog nearly every union is a row of its own, but near the root a union is the OR of
-many ads and saturates: at 10M SIDs the 262,143 child entries of depth 1 index 2,074 distinct
-bitmask rows and 512 distinct Bloom rows, and at step 1 each of the 16 requests of a batch reads
-every one of those entries. Testing each lane's rows against its request's queries (a chain of
-dependent loads, and for a Bloom attribute a stream of queries or a table's lookups) is then done
-4.2M times over 2,586 rows. With shared rows, the row test (`row_pass.plane_pass`) runs once per
-(request, distinct row), about 41,000 times, before the mask, and a lane's union test becomes one
-load per plane: its row's position (`local`), then that position's result. The result is the same
-test's, so the mask is exact either way; only where the work is done changes.
-
-A depth has shared rows (`shared_rows`, made when an index is loaded onto a GPU) when its entries
-outnumber their distinct rows FEW times or more and those rows are at most MOST_ROWS. The distinct
-rows of every such depth make one set, so that a search tests them all in one launch before its
-first step (`prepare`), with its query tables.
+Near the root unions saturate: a depth's many entries index few distinct rows, which every request
+reads, so testing each lane's rows repeats the same chains of dependent loads (at 10M SIDs, 4.2M
+tests at depth 1 over 2,586 rows). Tested once per (request, distinct row) before the mask, a
+lane's union test becomes one load per plane: its row's position (`local`), then that position's
+result. The test is the same, so the mask is exact either way. A depth has shared rows when its
+entries outnumber their distinct rows FEW times or more and those rows are at most MOST_ROWS; the
+rows of every such depth make one set, tested in one launch with the query tables (`prepare`).
+Figures: docs/kernels.md ("Shared rows").
 
 Legend: P planes, E_d child entries of depth d's nodes, R distinct rows of all planes and depths,
 B requests.
