@@ -4,6 +4,8 @@
 # .whl2/ (cp312, manylinux; pip download --no-deps ... -d .whl NAME==VERSION, versions from
 # constraints.txt) are installed into .site/ first, which stays for later runs on the same host.
 #
+#   bash bench/gpu_check.sh pack           # here: the wheels of .whl/ and .whl2/ into one xz archive,
+#                                          # .sitepack/site.tar.xz, which one call carries (with .deb/)
 #   bash bench/gpu_check.sh install        # install the wheels that came along, nothing else
 #   bash bench/gpu_check.sh [PYTEST ARGS]  # install what came along, then the GPU tests (test files
 #                                          # named in the arguments replace the list below)
@@ -19,14 +21,29 @@
 #                                          # wrk libluajit-5.1-2)
 #
 # The tests build catalogs with the CLI, which trains codebooks: faiss must be among the wheels.
-# The wheels (polars, faiss and the rest) pass the 64 MiB a device call carries, so a bare host
-# takes two calls: `install` carrying .whl/, then the check carrying .whl2/ and .deb/ (.site/ stays between
-# them while the host is held). Each test's outcome and seconds, and each failure, reach
+# The wheels (polars, faiss and the rest) pass the 64 MiB a device call carries: packed (`pack`, without
+# duckdb, which no GPU test reads) they fit, and a bare host takes one call carrying .sitepack/ and .deb/.
+# Unpacked, it takes two: `install` carrying .whl/, then the check carrying .whl2/ and .deb/ (.site/ stays
+# between them while the host is held). Each test's outcome and seconds, and each failure, reach
 # $OUT/tests.tsv and $OUT/failures.txt as they happen (bench/test_log.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "pack" ]; then  # here, not on the GPU host: the wheels unzipped (what pip installs of them)
+    tmp="$(mktemp -d)"
+    for f in .whl/*.whl .whl2/*.whl; do
+        [ -f "$f" ] && { unzip -q -o "$f" -d "$tmp" || exit 1; }
+    done
+    mkdir -p .sitepack && tar cJf .sitepack/site.tar.xz -C "$tmp" . && rm -rf "$tmp" || exit 1
+    ls -l .sitepack/site.tar.xz
+    exit 0
+fi
 site="$PWD/.site"
 mkdir -p "$site"
+# the wheels unpacked and packed into one archive here (.sitepack/site.tar.xz, `bench/gpu_check.sh pack`):
+# xz takes them under what one call carries, so a bare host needs one call, not two
+if [ -f .sitepack/site.tar.xz ] && [ ! -f "$site/.unpacked" ]; then
+    tar xJf .sitepack/site.tar.xz -C "$site" && touch "$site/.unpacked" || exit 1
+fi
 for d in .whl .whl2; do
     if compgen -G "$d/*.whl" > /dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$d"/*.whl \
