@@ -20,7 +20,8 @@
 #                                          # front-end processes; wrk from .deb/: apt-get download
 #                                          # wrk libluajit-5.1-2)
 #
-# The tests build catalogs with the CLI, which trains codebooks: faiss must be among the wheels.
+# The tests build catalogs with the CLI, which trains codebooks: faiss must be among the wheels, and
+# pydantic with its needs (pydantic-core, annotated-types, typing-inspection): typer parses options with it.
 # The wheels (polars, faiss and the rest) pass the 64 MiB a device call carries: packed (`pack`, without
 # duckdb, which no GPU test reads) they fit, and a bare host takes one call carrying .sitepack/ and .deb/.
 # Unpacked, it takes two: `install` carrying .whl/, then the check carrying .whl2/ and .deb/ (.site/ stays
