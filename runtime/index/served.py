@@ -8,6 +8,7 @@ Legend: N catalog rows, S SIDs, E trie entries (child edges), V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -124,7 +125,9 @@ class ServedIndex:
     load_info: dict = field(default_factory=dict)
     generation: object = field(default_factory=object)  # shared exactly by indexes sharing every device tensor
 
-    @property
+    # what the snapshot and its trie hold, read once per index (cached_property writes the instance
+    # dict, which a frozen dataclass allows): a batch reads them at every step
+    @cached_property
     def id(self) -> str:
         return self.snapshot.id
 
@@ -142,28 +145,28 @@ class ServedIndex:
         typical = -(-beams * entries // max(int(counts.sum()), 1))
         return min(typical, self.most_children(depth, beams))
 
-    @property
+    @cached_property
     def codebook(self) -> Codebook | None:
         """The codebook the snapshot carries, in memory since it was opened (the codebook scorer's)."""
         return self.snapshot.codebook
 
-    @property
+    @cached_property
     def spec(self) -> TargetingSpec:
         return self.snapshot.spec
 
-    @property
+    @cached_property
     def level_sizes(self) -> tuple[int, ...]:
         return self.gtm.level_sizes
 
-    @property
+    @cached_property
     def vocab_size(self) -> int:
         return self.gtm.vocab_size
 
-    @property
+    @cached_property
     def sid_length(self) -> int:
         return self.gtm.sid_length
 
-    @property
+    @cached_property
     def kway(self) -> bool:
         """The snapshot has k-way partitions (mode cd+gtm+kway can run)."""
         return self.gtm.part_offsets is not None
