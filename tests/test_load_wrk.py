@@ -63,7 +63,7 @@ def _unpacked_wrk(dest: Path) -> str | None:
     binary = dest / "root" / "usr" / "bin" / "wrk"
     if not binary.exists():
         return None
-    libs = ":".join(sorted({str(f.parent) for f in (dest / "root").rglob("libluajit*")}))
+    libs = ":".join(sorted({str(f.parent) for f in (dest / "root").rglob("libluajit*.so*")}))
     wrapper = dest / "wrk"
     loader = f'LD_LIBRARY_PATH="{libs}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"'
     wrapper.write_text(f'#!/bin/sh\n{loader} exec "{binary}" "$@"\n')
