@@ -87,7 +87,7 @@ def to_device(requests: EncodedRequests, device: str | torch.device) -> EncodedR
     exact = tuple(None if e is None else ExactQueries(twin(_host(e.hash_offsets)), twin(_host(e.hashes)))
                   for e in requests.exact)
     embedding = None if requests.embedding is None else twin(_host(requests.embedding))
-    return EncodedRequests(requests.source, tuple(planes), exact, embedding, stacked)
+    return EncodedRequests(requests.source, tuple(planes), exact, embedding, stacked, host=requests)
 
 
 def _host(a: np.ndarray) -> torch.Tensor:
@@ -116,13 +116,20 @@ def _copied(requests: EncodedRequests, device: torch.device) -> EncodedRequests:
     exact = tuple(None if e is None else ExactQueries(host(e.hash_offsets).to(device), host(e.hashes).to(device))
                   for e in requests.exact)
     embedding = None if requests.embedding is None else torch.as_tensor(requests.embedding, device=device)
-    return dataclasses.replace(requests, planes=planes, exact=exact, stacked=stacked, embedding=embedding)
+    return dataclasses.replace(requests, planes=planes, exact=exact, stacked=stacked, embedding=embedding,
+                               host=requests)
 
 
 def device_form(requests: EncodedRequests, device: str | torch.device) -> EncodedRequests:
     """requests on `device` as the kernels read them: itself when it is already there (stacked),
-    else `to_device`."""
+    else `to_device`. The one place a batch moves; its host form stays reachable (`host_form`)."""
     return requests if requests.stacked is not None else to_device(requests, device)
+
+
+def host_form(requests: EncodedRequests) -> EncodedRequests | None:
+    """requests as the host post stage reads them: itself on the host, the encoding a device form
+    was moved from, or None for a device form made otherwise (a staging's fixed views)."""
+    return requests if requests.stacked is None else requests.host
 
 
 def _words(a) -> int:

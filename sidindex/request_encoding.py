@@ -54,6 +54,9 @@ class EncodedRequests:
                   rows and ranges are tensors) the planes stacked as the Triton kernel reads them
     arena:        on the host, the (n,) int64 array every other array here is a view of (one copy
                   moves the batch), or None for an encoding put together otherwise
+    host:         on a device, the host encoding this form was moved from (the host post stage
+                  reads it; valid while that is, as a reused arena is until written again);
+                  None on the host
     """
 
     source: str
@@ -62,6 +65,7 @@ class EncodedRequests:
     embedding: HostOrDevice | None
     stacked: Any = None
     arena: np.ndarray | None = None
+    host: EncodedRequests | None = None
 
     @property
     def batch(self) -> int:
@@ -72,7 +76,8 @@ class EncodedRequests:
         return replace(self, planes=tuple(p.slice(lo, hi) for p in self.planes),
                        exact=tuple(e and e.slice(lo, hi) for e in self.exact),
                        stacked=None if self.stacked is None else self.stacked.slice(lo, hi),
-                       embedding=None if self.embedding is None else self.embedding[lo:hi])
+                       embedding=None if self.embedding is None else self.embedding[lo:hi],
+                       host=None if self.host is None else self.host.slice(lo, hi))
 
 
 def _arrays(table: pa.Table, *names: tuple[str, ...]) -> list[list[pa.Array]]:

@@ -170,6 +170,7 @@ def _paths_equal_the_brute_force(case_beams, top_k, stages, pairs, data, impls: 
     want = brute_force(case, beams, top_k, rank)
     host = expand(case.index, case.req, beams, top_k, stages, rank)
     check(host, want, stages)
+    same(host, expand(case.index, to_device(case.req, "cpu"), beams, top_k, stages, rank))  # read from its host form
     overflow = pairs is not None and max(want["reached"]) > pairs
     for impl in impls:
         post, device = device_post(case, beams, impl, top_k=top_k, rank=rank, stages=stages, pairs=pairs)
@@ -228,6 +229,8 @@ def test_the_device_path_serves_a_slice_of_the_requests(case_beams):
         got = post.result(post.run(to_device(case.req, dev).slice(lo, B), moved(part, dev)))
         assert got is not None
         same(got, expand(case.index, case.req.slice(lo, B), part))
+    same(expand(case.index, to_device(case.req, "cpu").slice(lo, B), part),  # a slice keeps its host form's
+         expand(case.index, case.req.slice(lo, B), part))
 
 
 def test_one_level_sids_keep_their_shape():

@@ -20,7 +20,7 @@ from runtime.ops.gtm_mask import gtm_candidates, gtm_mask, mask_impl
 from runtime.ops.impl import Impl
 from runtime.ops.prepare import planned, prepared
 from runtime.ops.slots import Slots, decode, slots_of
-from runtime.requests import to_device
+from runtime.requests import device_form
 from sidindex.modes import Mode
 from sidindex.request_encoding import EncodedRequests
 
@@ -39,8 +39,7 @@ class Constraint:
     def __init__(self, index: ServedIndex, requests: EncodedRequests, mode: Mode, impl: Impl | str = Impl.AUTO,
                  compact: bool = True) -> None:
         self.index, self.mode, self.impl = index, mode, mask_impl(impl, index.device)
-        if requests.stacked is None:  # the host encoding
-            requests = to_device(requests, index.device)
+        requests = device_form(requests, index.device)
         self.kernels = self.impl is Impl.TRITON  # the compact layout's own kernels too
         self.plan = None  # the query tables and shared rows' tests, made in the first step's mask launch
         if self.kernels and mode.gtm and compact:

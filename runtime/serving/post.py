@@ -21,7 +21,7 @@ import torch
 
 from runtime.index.served import POST_ARRAYS, ServedIndex, post_bounds
 from runtime.ops.expand import DEFAULT_PAIRS, MAX_PAIRS, RANKS, PostLayout, expand_beams, expand_host
-from runtime.requests import to_device
+from runtime.requests import device_form, host_form
 from runtime.result import Retrieved
 from runtime.search.beam import Beams
 from schemas.artifacts import MATCHER_PLANES
@@ -63,18 +63,16 @@ def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: i
     caps each request; `stages` also counts the ads passing each stage (a matcher plane's
     attributes) on its own.
 
-    Beams on a GPU with the index's post arrays there (`ServedIndex.post`) run `DevicePost`
-    (requests: best their device form, `runtime.requests.to_device`; a host encoding is moved
-    first: at the default capacity, and once more at the pairs the requests reached when one
-    overflowed it; past MAX_PAIRS on the host, from the host encoding); otherwise the host path
-    runs (requests: the encoding on the host). Same result either way.
+    requests: the batch in either form (`runtime.requests.device_form`, `host_form`). Beams on a
+    GPU with the index's post arrays there (`ServedIndex.post`) run `DevicePost`: at the default
+    capacity, once more at the pairs the requests reached when one overflowed it, and past
+    MAX_PAIRS on the host. Elsewhere the host path runs. Same result either way.
     """
     check_rank(index, rank)
     check_top_k(top_k)  # both paths refuse what one would: the host's loop would keep nothing
+    host = host_form(requests)
     if beams.score.is_cuda and on_device(index):
-        host = requests if requests.stacked is None else None
-        if host is not None:
-            requests = to_device(host, beams.score.device)
+        requests = device_form(requests, beams.score.device)
         post = DevicePost(index, *beams.score.shape, top_k=top_k, rank=rank, stages=stages)
         found = post.result(post.run(requests, beams))
         if found is not None:
@@ -86,11 +84,10 @@ def expand(index: ServedIndex, requests: EncodedRequests, beams: Beams, top_k: i
             found = post.result(post.run(requests, beams))
             assert found is not None  # every request's pairs fit
             return found
-        if host is None:
+        if host is None:  # a staging's views: a caller of `DevicePost` gives the batch's own encoding
             raise ConfigError(f"a request reached {most:,} (request, ad) pairs, more than the device post stage "
-                              f"holds ({MAX_PAIRS:,}): pass the requests' host encoding, for the host post stage")
-        requests = host
-    return Retrieved(**expand_host(index.snapshot, requests, beams, top_k, stages, rank))
+                              f"holds ({MAX_PAIRS:,}): pass the requests' own encoding, for the host post stage")
+    return Retrieved(**expand_host(index.snapshot, requests if host is None else host, beams, top_k, stages, rank))
 
 
 # --- the device path ------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from runtime.index.served import ServedIndex
-from runtime.requests import to_device
+from runtime.requests import device_form
 from runtime.scorers.codebook import codebook_scorer
 from runtime.scorers.factory import ScorerFactory, factory_scorer
 from runtime.search.beam import Scorer, check_value_weight, log_probs_of, parse_beams
@@ -101,7 +101,7 @@ def exhaustive_top_k(index: ServedIndex, requests: Requests, k: int, scorer: Sco
     snap, g = index.snapshot, index.gtm
     host = encode_requests(requests, index.spec)
     scorer_for = (factory_scorer(scorer, index, requests) if scorer
-                  else codebook_scorer(index, to_device(host, index.device)))
+                  else codebook_scorer(index, device_form(host, index.device)))
     n_ads = len(snap.ad_id)
     leaf_ads = torch.from_numpy(np.asarray(g.leaf_ads)).to(index.device)
     per_leaf = torch.from_numpy(np.diff(g.leaf_ad_offsets)).to(index.device)
