@@ -31,19 +31,32 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "pack" ]; then  # here, not on the GPU host: the wheels unzipped (what pip installs of them)
     tmp="$(mktemp -d)"
+    trap 'rm -rf "$tmp"' EXIT
+    n=0
     for f in .whl/*.whl .whl2/*.whl; do
-        [ -f "$f" ] && { unzip -q -o "$f" -d "$tmp" || exit 1; }
+        case "$(basename "$f")" in duckdb-*) continue ;; esac  # no GPU test reads it, and it is large
+        [ -f "$f" ] || continue
+        unzip -q -o "$f" -d "$tmp" || exit 1
+        n=$((n + 1))
     done
-    mkdir -p .sitepack && tar cJf .sitepack/site.tar.xz -C "$tmp" . && rm -rf "$tmp" || exit 1
-    ls -l .sitepack/site.tar.xz
+    [ "$n" -gt 0 ] || { echo "pack: no wheels in .whl/ or .whl2/" >&2; exit 1; }
+    if compgen -G "$tmp/*.data" > /dev/null; then  # pip moves these; unzip does not
+        echo "pack: a wheel has a .data folder ($(ls -d "$tmp"/*.data)): install it with pip instead" >&2
+        exit 1
+    fi
+    mkdir -p .sitepack && tar cJf .sitepack/site.tar.xz -C "$tmp" . || exit 1
+    echo "pack: $n wheels"; ls -l .sitepack/site.tar.xz
     exit 0
 fi
 site="$PWD/.site"
 mkdir -p "$site"
 # the wheels unpacked and packed into one archive here (.sitepack/site.tar.xz, `bench/gpu_check.sh pack`):
 # xz takes them under what one call carries, so a bare host needs one call, not two
-if [ -f .sitepack/site.tar.xz ] && [ ! -f "$site/.unpacked" ]; then
-    tar xJf .sitepack/site.tar.xz -C "$site" && touch "$site/.unpacked" || exit 1
+if [ -f .sitepack/site.tar.xz ]; then  # again when another archive came (the marker holds its digest)
+    digest="$(sha256sum .sitepack/site.tar.xz | cut -d' ' -f1)"
+    if [ "$(cat "$site/.unpacked" 2>/dev/null)" != "$digest" ]; then
+        tar xJf .sitepack/site.tar.xz -C "$site" && echo "$digest" > "$site/.unpacked" || exit 1
+    fi
 fi
 for d in .whl .whl2; do
     if compgen -G "$d/*.whl" > /dev/null; then

@@ -51,8 +51,10 @@ def to_device(requests: EncodedRequests, device: str | torch.device) -> EncodedR
     `device` (uint64 bits as int64), the planes stacked for the Triton kernel (the planes' tensors
     view the stack). An encoding in one arena (`sidindex.request_encoding.encode_requests`) moves in one
     copy, asynchronous from pinned memory, and every tensor is a view of that copy; on the CPU the
-    tensors view the arena itself. The host encoding is left as it was (the host post stage reads
-    it)."""
+    tensors view the arena itself. The host encoding is left as it was, and the device form keeps
+    it (`host_form`: the host post stage reads it): encoded into a reused arena, it holds another
+    batch once the arena is written again, so a device form is used before that, as the arena's
+    own views are."""
     device = torch.device(device)
     if requests.arena is None:
         return _copied(requests, device)
@@ -121,9 +123,16 @@ def _copied(requests: EncodedRequests, device: torch.device) -> EncodedRequests:
 
 
 def device_form(requests: EncodedRequests, device: str | torch.device) -> EncodedRequests:
-    """requests on `device` as the kernels read them: itself when it is already there (stacked),
-    else `to_device`. The one place a batch moves; its host form stays reachable (`host_form`)."""
-    return requests if requests.stacked is not None else to_device(requests, device)
+    """requests on `device` as the kernels read them: itself when it is already there, else
+    `to_device` of its host form (a device form on another device moves from the encoding it was
+    moved from; one without it is returned as it is). The one place a batch moves."""
+    if requests.stacked is not None:
+        on, want = requests.stacked.words.device, torch.device(device)
+        same = on.type == want.type and None in (on.index, want.index) or on == want  # "cuda" is any GPU's
+        if same or requests.host is None:
+            return requests
+        requests = requests.host
+    return to_device(requests, device)
 
 
 def host_form(requests: EncodedRequests) -> EncodedRequests | None:

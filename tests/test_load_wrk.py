@@ -1,11 +1,12 @@
-"""The load benchmark's pass with `wrk` (bench/load_wrk.py): its report read into figures, and,
-where wrk is installed (the Debian package), wrk posting a pool of JSON bodies to a real
-`sidindex serve` with every answer a 200."""
+"""The load benchmark's pass with `wrk` (bench/load_wrk.py): its report read into figures, and wrk
+posting a pool of JSON bodies to a real `sidindex serve` with every answer a 200, where wrk is
+installed or its Debian package can be fetched for the run."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -55,7 +56,7 @@ def _unpacked_wrk(dest: Path) -> str | None:
         return None
     try:
         subprocess.run(["apt-get", "download", "wrk", "libluajit-5.1-2"], cwd=dest, check=True, capture_output=True,
-                       timeout=120)
+                       timeout=60)
         for deb in dest.glob("*.deb"):
             subprocess.run(["dpkg", "-x", str(deb), str(dest / "root")], check=True, capture_output=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
@@ -64,11 +65,15 @@ def _unpacked_wrk(dest: Path) -> str | None:
     if not binary.exists():
         return None
     libs = ":".join(sorted({str(f.parent) for f in (dest / "root").rglob("libluajit*.so*")}))
+    loader = f'LD_LIBRARY_PATH={shlex.quote(libs)}"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" ' if libs else ""
     wrapper = dest / "wrk"
-    loader = f'LD_LIBRARY_PATH="{libs}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"'
-    wrapper.write_text(f'#!/bin/sh\n{loader} exec "{binary}" "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\n{loader}exec {shlex.quote(str(binary))} "$@"\n')
     wrapper.chmod(0o755)
-    return str(wrapper)
+    try:  # it runs here (its libraries found): `wrk -v` prints its version, and exits 1
+        probe = subprocess.run([str(wrapper), "-v"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return str(wrapper) if (probe.stdout + probe.stderr).startswith("wrk ") else None
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from runtime.index.loader import load_index
 from runtime.ops.expand import DEFAULT_PAIRS, RRF_K, PostLayout
-from runtime.requests import to_device
+from runtime.requests import device_form, host_form, to_device
 from runtime.result import Retrieved
 from runtime.search.beam import Beams
 from runtime.serving.post import RANKS, DevicePost, expand, post_tensors
@@ -229,8 +229,13 @@ def test_the_device_path_serves_a_slice_of_the_requests(case_beams):
         got = post.result(post.run(to_device(case.req, dev).slice(lo, B), moved(part, dev)))
         assert got is not None
         same(got, expand(case.index, case.req.slice(lo, B), part))
-    same(expand(case.index, to_device(case.req, "cpu").slice(lo, B), part),  # a slice keeps its host form's
-         expand(case.index, case.req.slice(lo, B), part))
+    # a device form keeps the encoding it was moved from, and so does its slice: the host path reads it
+    for dev in dict.fromkeys(("cpu", DEVICE)):
+        moved_form = to_device(case.req, dev)
+        assert host_form(moved_form) is case.req and device_form(moved_form, dev) is moved_form
+        sliced = host_form(moved_form.slice(lo, B))
+        assert sliced is not None and np.array_equal(sliced.planes[1].ranges, case.req.slice(lo, B).planes[1].ranges)
+        same(expand(case.index, moved_form.slice(lo, B), part), expand(case.index, case.req.slice(lo, B), part))
 
 
 def test_one_level_sids_keep_their_shape():

@@ -8,10 +8,11 @@ never waits on the host and can be captured in a CUDA graph.
 
 beams[0] is the root (1); beams[d] (d >= 1) are kept after step d-1. Candidates rank in one order
 (score, then the beam they extend, then token: `ops.order.top_k`), so every path keeps the same
-beams. A beam with no allowed candidate dies; there is no fallback to unconstrained decoding. A
-step at which the scorer gives a request's live beams no finite logit is recorded in
-`Beams.unscored` and refused by `check_scored`. With `value_weight` λ > 0 the beams kept are the
-best by score + λ log(max(v, 1e-6)) (§16). Details: docs/runtime.md ("Beam search"), docs/kernels.md.
+beams for the same candidate scores (across devices a score's last bit may differ). A beam with
+no allowed candidate dies; there is no fallback to unconstrained decoding. A step at which the
+scorer gives a request's live beams no finite logit is recorded in `Beams.unscored` and refused
+by `check_scored`. With `value_weight` λ > 0 the beams kept are the best by
+score + λ log(max(v, 1e-6)) (§16). Details: docs/runtime.md ("Beam search"), docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -272,7 +272,8 @@ class Searcher:
         holding the index's post arrays (`runtime.serving.post.on_device`), search and post stage replayed
         as one graph, its flags, counts and first rows brought to the host behind it, one wait.
         requests, scorer, request_id: as `search`'s (the host post stage, on the CPU or past every
-        device stage, needs the host encoding). `submit`, then `Submitted.read`."""
+        device stage, reads the host encoding, or the one a device form was moved from). `submit`,
+        then `Submitted.read`."""
         submitted = self.submit(index, requests, scorer, top_k=top_k, rank=rank, stages=stages,
                                 request_id=request_id)
         assert submitted is not None  # it waits for a slot
@@ -306,18 +307,23 @@ class Searcher:
 
     def _submitted(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple,
                    request_id, wait: bool) -> Submitted:
-        top_k, rank, stages = post
         if self._why_eager(index, scorer) is not None or not on_device(index):
-            beams = self._eager(index, requests, scorer, request_id)
-            return Submitted(self, found=expand(index, requests, beams, top_k, stages, rank))
+            return Submitted(self, found=self._eager_retrieved(index, requests, scorer, post, request_id))
         if not self.frozen:
             return Submitted(self, found=self._warming(index, requests, scorer, post, request_id))
         g = self._replay(index, requests, scorer, post, wait=wait)
         if g is None:  # a batch the frozen graphs cannot hold
             self._stall("overflows")
-            beams = self._eager(index, requests, scorer, request_id, counted=True)
-            return Submitted(self, found=expand(index, requests, beams, top_k, stages, rank))
+            return Submitted(self, found=self._eager_retrieved(index, requests, scorer, post, request_id, True))
         return Submitted(self, index, requests, scorer, post, request_id, g)
+
+    def _eager_retrieved(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple,
+                         request_id, counted: bool = False) -> Retrieved:
+        """`_eager`'s search and the post stage, on the batch's device form, made once for both."""
+        top_k, rank, stages = post
+        requests = device_form(requests, index.device)
+        beams = self._eager(index, requests, scorer, request_id, counted)
+        return expand(index, requests, beams, top_k, stages, rank)
 
     def _stall(self, what: str) -> None:
         """Count a widening, capture or overflow: in the searcher's total and in this thread's,
@@ -358,8 +364,7 @@ class Searcher:
         top_k, rank, stages = post
         g = self._replay(index, requests, scorer, post, full=True)
         if g is None:  # captured for smaller batches (a user's scorer that warmed on fewer values)
-            beams = self._eager(index, requests, scorer, request_id, counted=True)
-            return expand(index, requests, beams, top_k, stages, rank)
+            return self._eager_retrieved(index, requests, scorer, post, request_id, True)
         with self._reading(g):
             _, found = self._outcome(g, scorer, request_id)  # never overflows; a broken model is refused
             return found if found is not None else expand(index, requests, g.out, top_k, stages, rank)
