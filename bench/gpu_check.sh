@@ -96,7 +96,8 @@ if [ "$mode" != "bench" ] && [ "$mode" != "serve" ]; then
     # arguments replace the list
     TESTS=(tests/test_broken_scorer.py tests/test_serving.py tests/test_retriever.py tests/test_order.py
            tests/test_swap.py tests/test_signing.py tests/test_shared_rows.py tests/test_impl.py tests/test_post.py
-           tests/test_runtime.py tests/test_query_tables.py tests/test_retrieve.py tests/test_update.py
+           tests/test_runtime.py tests/test_query_tables.py tests/test_retrieve.py
+           tests/test_update.py::test_searcher_keeps_replaying_its_graphs_across_a_pause  # the rest: CPU only
            tests/test_serving_errors.py tests/test_scorer_isolation.py tests/test_shards.py tests/test_cold_start.py
            tests/test_value.py tests/test_exact_filter.py tests/test_codebook.py)
     for a in "$@"; do
