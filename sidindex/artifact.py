@@ -1,23 +1,16 @@
 """On-disk artifacts (codebooks, snapshots): the one place for reading files safely, sealing
 manifests, checksumming and publishing directories atomically.
 
-Reading. Only regular files are opened, never through a symbolic link, and without blocking (a
-FIFO where a file should be is refused at once, not waited on); reads are bounded, so a file
-replaced by /dev/zero or a huge file cannot exhaust memory.
-
-Sealed manifests (`seal`, `read_sealed`). A manifest is canonical JSON (sorted keys, one-space indent, ASCII) carrying
-`checksum`, the sha256 of the canonical text of everything else. A reader refuses anything that is
-not byte-for-byte the canonical form of what it parsed, so a flipped byte anywhere (whitespace
-included) is refused; duplicate keys and deep nesting are refused with a message, never an
-exception of another type.
-
-Directories. Every file of an artifact directory but its manifest is listed in the manifest with
-its size, sha256 and, for a snapshot, its fast digest (`schemas.artifacts.FAST_DIGEST`: xxh3_128 by
-chunks, so the chunks of one large file are hashed by many threads; about 5x sha256's speed per
-thread); `verify_files` refuses a file missing, changed, unlisted, or not a regular file, checking
-the fast digest where listed (what opening does) and sha256 where not or when asked (`strong`).
-`publish_dir` fsyncs a filled temporary directory and renames it into place; `replace_file` does
-the same for one file (every file this project replaces in place goes through it).
+Reading: only regular files, never through a symbolic link, never waiting on a FIFO, with bounded
+reads. Sealed manifests (`seal`, `read_sealed`): canonical JSON carrying `checksum`, the sha256 of
+the canonical text of everything else; a reader refuses any text that is not byte-for-byte
+canonical. Directories: every file but the manifest is listed with its size, sha256 and, for a
+snapshot, its fast digest (`schemas.artifacts.FAST_DIGEST`); `verify_files` refuses a file
+missing, changed, unlisted or not regular. `publish_dir` fsyncs a filled temporary directory and
+renames it into place; `replace_file` does the same for one file (every file this project
+replaces in place goes through it). What is refused and why, and the digests' speed:
+docs/snapshot-format.md, "Opening" and "Publishing and retention"; the canonical form:
+docs/contracts.md.
 """
 
 from __future__ import annotations

@@ -10,14 +10,8 @@ Legend: n values. An Arrow string layout is `data` (bytes,) uint8, the UTF-8 byt
 and `offsets` (n+1,) int32 or int64: value i is data[offsets[i]:offsets[i+1]]. Offsets need not
 start at 0 (a sliced array's do not).
 
-A seed is an unsigned 32-bit value, 0 <= seed < 2**32, as mmh3 requires (mmh3 raises ValueError
-outside that range rather than wrapping; so do these functions). The x64 variant uses the same
-32-bit seed for both of its 64-bit lanes, as the reference does.
-
-Arithmetic is kept in uint64 with explicit np.uint64 operands throughout: numba widens uint32
-arithmetic to 64 bits and turns uint64-with-int64 arithmetic into float64, so every constant is a
-np.uint64 and the 32-bit hash masks each step to 32 bits. Tail bytes are read as uint8 (never
-sign-extended), as in the reference's `const uint8_t *tail`.
+Seeds (0 <= seed < 2**32, else ValueError, as in mmh3) and why all arithmetic is in uint64:
+docs/gtm-index.md, "Murmur hashes".
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Assign SIDs to ads with a frozen codebook: multi-path residual quantisation + hash level.
 
-Each ad takes its m nearest first-level centroids (GR4AD-X multi-path; path j is kept only if its
-distance is within (1 + path_ratio) of the nearest, when a ratio is set); each path is
-residual-quantised down the semantic levels on its own by nearest centroid, and all paths share
-the ad's hash token as the last level.
+Each ad takes its m nearest first-level centroids (GR4AD-X multi-path; with a path ratio, only those
+within (1 + path_ratio) of the nearest's distance). Each path is residual-quantised down the
+semantic levels on its own, by nearest centroid; all paths share the ad's hash token as last level.
 
-Why it is fast: with r = x - sum_{p<l} c_p the residual at level l, the nearest centroid minimises
-    ||c||^2 - 2 r.c = ||c||^2 - 2 (x.c - sum_{p<l} c_p.c).
-So one GEMM x.(-2C)^T + ||C||^2 over all levels, shared by every path, plus the small tables
-C_p.C_l^T (K_p, K_l) give each path's scores by table lookups instead of a residual GEMM per path.
-
-Why the SIDs do not depend on how the catalog is cut: they are those of every sum run in one fixed
-order (`_products`), whatever the ads assigned with an ad or the thread count, so a catalog built
-whole or in fragments gets the same SIDs. BLAS sums in an order that moves with the block's size
-and thread count, but any order lands within a known distance of the exact sum (Higham's bound
-gamma_n * sum |x_k w_k|). So the GEMM runs on BLAS, and an ad keeps the choices made on its BLAS
-scores when each wins by more than four such distances (five, for slack): summed in the fixed
-order, the scores make the same choices (`_certify`). The ads left, near ties (3% of random ones
-at 64 dims, a third at 256), are assigned again in the fixed order (`_fixed_block`).
+Fast: one GEMM x.(-2C)^T + ||C||^2 over all levels, shared by every path, and the small tables
+C_p.C_l^T give each path's residual scores by lookups instead of a GEMM per path. Independent of
+how the catalog is cut: the SIDs are those of every sum run in one fixed order (`_products`). The
+GEMM runs on BLAS; an ad keeps its BLAS choices when each wins by more than five times Higham's
+error bound (`_certify`), and the near ties left are assigned again in the fixed order
+(`_fixed_block`). Derivation, margins and measured figures: docs/sids.md, "Assignment".
 Legend: N ads, P = sum of paths (SID rows), L SID length, m paths, K_l level sizes, b block rows.
 """
 

@@ -2,24 +2,14 @@
 the digests it lets a reader skip (docs/design.md §7).
 
 A check record names the snapshot and its manifest's sha256, and lists the checks that manifest
-passed (structure; matcher cover). Beside them it may list `files`: for each file whose digest was
-verified against that manifest, the file's (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) when
-it was verified. A reader that finds a file with exactly those has the file that was verified, so
-it does not hash it again; any change to the file through the file system (rewritten in place,
-replaced, truncated, touched, hard-linked or unlinked elsewhere) changes its ctime, and a file whose
-stat differs is hashed as without a record. A user process cannot set a ctime (only the clock
-can), so the stat cannot be made to match after an edit; what a record cannot see is damage below
-the file system (a bad sector, a bit flipped in the page cache), which only hashing finds:
-`open_snapshot(..., records=False)` and `sidindex validate` hash every file. Nor does it hold
-against whoever can write ROOT, who can write a record too: a reader given a trust key (a signed
-snapshot) hashes every file.
-
-A file whose last change is younger than SETTLED_NS is not listed: on a file system whose
-timestamps are coarse (a clock tick, or a second), a write in the same tick as that change would
-leave the stat as it was. A record that is missing, unreadable, of another snapshot, manifest or
-sidindex, or whose entries are malformed counts as none. Writing one is only ever a saving: it is
-replaced atomically (`sidindex.artifact.replace_file`), and one that cannot be written (a
-read-only ROOT) is left out without an error.
+passed (structure; matcher cover). It may also list `files`: each file verified against that
+manifest, with its (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) when it was verified. A
+reader that finds a file with exactly that stat does not hash it again; any other file is hashed
+as without a record. Why a matching ctime is enough, what a record cannot see, the SETTLED_NS
+window and when a record counts as none: docs/design.md §7, "Verified files are not hashed again".
+`open_snapshot(..., records=False)`, `sidindex validate` and a reader given a trust key hash every
+file. Writing a record only ever saves work: it is replaced atomically
+(`sidindex.artifact.replace_file`), and one that cannot be written is left out without an error.
 """
 
 from __future__ import annotations
