@@ -4,6 +4,8 @@
 # .whl2/ (cp312, manylinux; pip download --no-deps ... -d .whl NAME==VERSION, versions from
 # constraints.txt) are installed into .site/ first, which stays for later runs on the same host.
 #
+#   bash bench/gpu_check.sh fetch          # here: the wheels the image lacks into .whl/ and .whl2/ (versions
+#                                          # from constraints.txt) and wrk into .deb/, then `pack`
 #   bash bench/gpu_check.sh pack           # here: the wheels of .whl/ and .whl2/ into one xz archive,
 #                                          # .sitepack/site.tar.xz, which one call carries (with .deb/)
 #   bash bench/gpu_check.sh install        # install the wheels that came along, nothing else
@@ -29,6 +31,29 @@
 # $OUT/tests.tsv and $OUT/failures.txt as they happen (bench/test_log.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "fetch" ]; then  # here: the wheels the GPU image lacks, at constraints.txt's versions, and wrk
+    pin() { grep -i "^$1==" constraints.txt | head -1; }
+    platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64
+               --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+    get() {  # get DIR NAME...: cp312 manylinux wheels of NAMEs at their pins, without their needs
+        local dir="$1"; shift
+        local pins=()
+        for n in "$@"; do
+            p="$(pin "$n")"
+            [ -n "$p" ] || { echo "fetch: $n is not pinned in constraints.txt" >&2; exit 1; }
+            pins+=("$p")
+        done
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            "${platforms[@]}" -d "$dir" "${pins[@]}" || exit 1
+    }
+    get .whl polars mmh3 xxhash typer rich click pydantic pydantic-core annotated-types typing-inspection
+    polars="$(pin polars)"  # polars' runtime goes with its version
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${platforms[@]}" -d .whl "polars-runtime-32==${polars#*==}" || exit 1
+    get .whl2 faiss-cpu starlette uvicorn httptools orjson pyzmq anyio cryptography cffi pycparser
+    mkdir -p .deb && (cd .deb && apt-get download wrk libluajit-5.1-2) || exit 1
+    set -- pack
+fi
 if [ "${1:-}" = "pack" ]; then  # here, not on the GPU host: the wheels unzipped (what pip installs of them)
     tmp="$(mktemp -d)"
     trap 'rm -rf "$tmp"' EXIT
