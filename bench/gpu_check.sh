@@ -46,10 +46,8 @@ if [ "${1:-}" = "fetch" ]; then  # here: the wheels the GPU image lacks, at cons
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             "${platforms[@]}" -d "$dir" "${pins[@]}" || exit 1
     }
-    get .whl polars mmh3 xxhash typer rich click pydantic pydantic-core annotated-types typing-inspection
-    polars="$(pin polars)"  # polars' runtime goes with its version
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        "${platforms[@]}" -d .whl "polars-runtime-32==${polars#*==}" || exit 1
+    get .whl polars polars-runtime-32 mmh3 xxhash typer rich click pydantic pydantic-core annotated-types \
+        typing-inspection
     get .whl2 faiss-cpu starlette uvicorn httptools orjson pyzmq anyio cryptography cffi pycparser
     mkdir -p .deb && (cd .deb && apt-get download wrk libluajit-5.1-2) || exit 1
     set -- pack

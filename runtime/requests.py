@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.index.loader import resolved_device
 from runtime.index.served import ServedIndex
 from runtime.ops.planes import (
     QueryStack,
@@ -127,9 +128,7 @@ def device_form(requests: EncodedRequests, device: str | torch.device) -> Encode
     `to_device` of its host form (a device form on another device moves from the encoding it was
     moved from; one without it is returned as it is). The one place a batch moves."""
     if requests.stacked is not None:
-        on, want = requests.stacked.words.device, torch.device(device)
-        same = on.type == want.type and None in (on.index, want.index) or on == want  # "cuda" is any GPU's
-        if same or requests.host is None:
+        if requests.host is None or requests.stacked.words.device == resolved_device(torch.device(device)):
             return requests
         requests = requests.host
     return to_device(requests, device)

@@ -99,7 +99,7 @@ class _EarlyCopies:
     HOST_ONLY = frozenset(HOST_ARRAYS) - frozenset(POST_ARRAYS)  # read on the host alone
 
     def __init__(self, devices: list[torch.device], bases: list[ServedIndex | None]) -> None:
-        self.gpus = list(dict.fromkeys(_resolved(d) for d in devices if d.type == "cuda"))
+        self.gpus = list(dict.fromkeys(resolved_device(d) for d in devices if d.type == "cuda"))
         # a watcher's bases are one snapshot: arrays that are still its own keep their device tensors
         self.theirs = next((b.snapshot.arrays() for b in bases if b is not None), {})
         self.arrays: dict[str, np.ndarray] = {}  # what was copied
@@ -132,7 +132,7 @@ class _EarlyCopies:
                                                                                TableStack | None]:
         """The copies on `device` of the arrays of `every` (by contract name) that are the very
         arrays copied, and the planes' stack if every plane array is."""
-        device = _resolved(device)
+        device = resolved_device(device)
         same = {n for n in self.arrays if n in every and same_memory(every[n], self.arrays[n])}
         copies = {n: t for n, t in self.copies.get(device, {}).items() if n in same}
         stack = self.stacks.get(device)
@@ -144,8 +144,9 @@ _PLANES = [plane_arrays(p) for p in MATCHER_PLANES]
 _PLANE_NAMES = frozenset(n for a in _PLANES for n in (a.table, a.index, a.part_index))
 
 
-def _resolved(device: torch.device) -> torch.device:
-    """A bare "cuda" as the GPU it means on this thread (the current device is per thread)."""
+def resolved_device(device: torch.device) -> torch.device:
+    """A bare "cuda" as the GPU it means on this thread (the current device is per thread); any
+    other device as it is."""
     return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
         else device
 

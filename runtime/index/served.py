@@ -131,20 +131,6 @@ class ServedIndex:
     def id(self) -> str:
         return self.snapshot.id
 
-    def most_children(self, depth: int, beams: int) -> int:
-        """The most child entries `beams` distinct nodes of `depth` can have together: the sum of
-        the `beams` largest fan-outs of that depth (the exact worst case of a search step)."""
-        return largest_sum(self.fan_out_counts[depth], beams)
-
-    def typical_children(self, depth: int, beams: int) -> int:
-        """The child entries `beams` nodes of `depth` drawn at random have together, rounded up:
-        `beams` x the depth's mean fan-out, at most `most_children` (a search step's typical
-        width, where `most_children` is its worst case)."""
-        counts = self.fan_out_counts[depth]
-        entries = int(np.dot(counts, np.arange(len(counts))))
-        typical = -(-beams * entries // max(int(counts.sum()), 1))
-        return min(typical, self.most_children(depth, beams))
-
     @cached_property
     def codebook(self) -> Codebook | None:
         """The codebook the snapshot carries, in memory since it was opened (the codebook scorer's)."""
@@ -170,6 +156,20 @@ class ServedIndex:
     def kway(self) -> bool:
         """The snapshot has k-way partitions (mode cd+gtm+kway can run)."""
         return self.gtm.part_offsets is not None
+
+    def most_children(self, depth: int, beams: int) -> int:
+        """The most child entries `beams` distinct nodes of `depth` can have together: the sum of
+        the `beams` largest fan-outs of that depth (the exact worst case of a search step)."""
+        return largest_sum(self.fan_out_counts[depth], beams)
+
+    def typical_children(self, depth: int, beams: int) -> int:
+        """The child entries `beams` nodes of `depth` drawn at random have together, rounded up:
+        `beams` x the depth's mean fan-out, at most `most_children` (a search step's typical
+        width, where `most_children` is its worst case)."""
+        counts = self.fan_out_counts[depth]
+        entries = int(np.dot(counts, np.arange(len(counts))))
+        typical = -(-beams * entries // max(int(counts.sum()), 1))
+        return min(typical, self.most_children(depth, beams))
 
 
 def largest_sum(counts: np.ndarray, k: int) -> int:
