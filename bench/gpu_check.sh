@@ -15,7 +15,8 @@
 #                                          # bench_topk, bench_post, bench_stream both profiles at ADS
 #                                          # ads (default 2000000: about 4M SIDs), bench_host, bench_warmup,
 #                                          # request_walk (the batch's path through the modules)
-#   bash bench/gpu_check.sh serve [ADS]    # the server's benchmarks alone (bench_load: process models
+#   bash bench/gpu_check.sh serve [ADS]    # the server's benchmarks alone (profile_server: the engine
+#                                          # under wrk, py-spy from .whl3/; bench_load: process models
 #                                          # and wrk, the large request) and profile_serving
 #   bash bench/gpu_check.sh all [ADS]      # the tests, then the benchmarks (and bench_load's steady
 #                                          # scenario with its wrk pass, one server process against
@@ -49,6 +50,7 @@ if [ "${1:-}" = "fetch" ]; then  # here: the wheels the GPU image lacks, at cons
     get .whl polars polars-runtime-32 mmh3 xxhash typer rich click pydantic pydantic-core annotated-types \
         typing-inspection
     get .whl2 faiss-cpu starlette uvicorn httptools orjson pyzmq anyio cryptography cffi pycparser
+    get .whl3 py-spy  # installed by pip (its binary), not packed; profile_server samples the engine with it
     mkdir -p .deb && (cd .deb && apt-get download wrk libluajit-5.1-2) || exit 1
     set -- pack
 fi
@@ -81,7 +83,7 @@ if [ -f .sitepack/site.tar.xz ]; then  # again when another archive came (the ma
         tar xJf .sitepack/site.tar.xz -C "$site" && echo "$digest" > "$site/.unpacked" || exit 1
     fi
 fi
-for d in .whl .whl2; do
+for d in .whl .whl2 .whl3; do
     if compgen -G "$d/*.whl" > /dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$d"/*.whl \
             || exit 1
@@ -111,6 +113,8 @@ if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ]; then
     set --
 fi
 out="${OUT:-bench_out}"
+# the catalogs the benchmarks build stay on the host between calls, not in $OUT (which comes back)
+cache="${BENCH_CACHE:-bench_cache}"
 mkdir -p "$out"
 export OUT="$out"
 status=0
@@ -132,27 +136,33 @@ fi
 if [ "$mode" = "bench" ] || [ "$mode" = "all" ]; then
     python3 -m bench.bench_topk --device cuda --json "$out/topk.json" || status=1
     python3 bench/bench_post.py --device cuda --json "$out/post.json" || status=1
-    python3 bench/bench_stream.py --device cuda --ads "$ads" --profile both --cache "$out/cache" \
+    python3 bench/bench_stream.py --device cuda --ads "$ads" --profile both --cache "$cache" \
         --json "$out/stream.json" || status=1
-    python3 bench/bench_host.py --device cuda --ads "$ads" --cache "$out/cache" --json "$out/host.json" || status=1
-    python3 bench/bench_warmup.py --device cuda --ads "$ads" --cache "$out/cache" --json "$out/warmup.json" || status=1
-    python3 bench/request_walk.py --device cuda --ads "$ads" --cache "$out/cache" > "$out/walk.txt" || status=1
+    python3 bench/bench_host.py --device cuda --ads "$ads" --cache "$cache" --json "$out/host.json" || status=1
+    python3 bench/bench_warmup.py --device cuda --ads "$ads" --cache "$cache" --json "$out/warmup.json" || status=1
+    python3 bench/request_walk.py --device cuda --ads "$ads" --cache "$cache" > "$out/walk.txt" || status=1
 fi
 if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ]; then
+    # where the engine process's time goes under wrk (py-spy from .whl3/, when it came), against the
+    # packages of .baseline/ (another checkout's, `git archive REV runtime sidindex sidindex_cli schemas
+    # pipelines | tar x -C .baseline`) served on the same catalog in the same run, when it came
+    baseline=()
+    [ -d .baseline ] && baseline=(--baseline .baseline)
+    python3 bench/profile_server.py --device cuda --ads "$ads" --workers 8 --seconds 10 "${baseline[@]}" \
+        --cache "$cache" --json "$out/profile_server.json" || status=1
     # the server under load, the default profile's catalog from above, and wrk beside it: one process,
     # then front-end processes over the engine (the clients take the host's other cores)
     python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios steady --rate 10000 --clients 64 --procs 4 \
-        --max-batch 64 --seconds 10 --wrk-connections 64 --workers 1,8 --cache "$out/cache" \
+        --max-batch 64 --seconds 10 --wrk-connections 64 --workers 1,8 --cache "$cache" \
         --json "$out/load.json" || status=1
     # fairness: a 4,096-request body beside a load the server sustains
     python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios large --rate 1000 --clients 64 --procs 2 \
-        --max-batch 64 --seconds 10 --workers 8 --no-wrk --cache "$out/cache" --json "$out/load_large.json" \
+        --max-batch 64 --seconds 10 --workers 8 --no-wrk --cache "$cache" --json "$out/load_large.json" \
         || status=1
     # the skewed catalog (bulk advertisers' near-duplicates under a few SIDs) under the same load
     python3 bench/bench_load.py --device cuda --ads "$ads" --profile skewed --scenarios steady --rate 10000 \
-        --clients 64 --procs 4 --max-batch 64 --seconds 10 --workers 8 --no-wrk --cache "$out/cache" \
+        --clients 64 --procs 4 --max-batch 64 --seconds 10 --workers 8 --no-wrk --cache "$cache" \
         --json "$out/load_skewed.json" || status=1
-    python3 bench/profile_serving.py --ads "$ads" --cache "$out/cache" --json "$out/profile.json" || status=1
-    rm -rf "$out/cache"
+    python3 bench/profile_serving.py --ads "$ads" --cache "$cache" --json "$out/profile.json" || status=1
 fi
 exit $status

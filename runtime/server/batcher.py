@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from runtime.requests import requests_from
-from runtime.result import Retrieved, concat, requests_part, table_of
+from runtime.result import table_of
 from runtime.server.engine_api import Refused
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
@@ -43,7 +43,7 @@ class Pending:
     future: asyncio.Future
     queued: float = field(default_factory=time.perf_counter)
     done: int = 0  # its first rows that ran, on `snapshot`
-    parts: list[tuple[int, Retrieved]] = field(default_factory=list)  # (first row, its rows' result)
+    parts: list[pa.Table] = field(default_factory=list)  # its pieces' result tables, in row order
     snapshot: str | None = None
 
     @property
@@ -92,15 +92,15 @@ class Batcher:
         a ScorerError naming the request's id)."""
         if self._queue is None or self._queue.qsize() >= self.max_queue:
             raise Refused(503, "busy", f"the queue holds {self.max_queue} requests; retry after 1 s", retry_after=1)
-        pending = Pending(requests, spec, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        pending = Pending(requests, spec, loop.create_future())
         self._queue.put_nowait(pending)
+        timer = None if timeout is None else loop.call_later(timeout, _expire, pending.future, timeout)
         try:
-            return await asyncio.wait_for(asyncio.shield(pending.future), timeout)
-        except asyncio.TimeoutError:
-            assert timeout is not None  # no timeout without one
-            raise Refused(504, "timeout", f"no answer within {timeout * 1e3:,.0f} ms; the server is overloaded or the "
-                          "request too large") from None
+            return await pending.future
         finally:
+            if timer is not None:
+                timer.cancel()
             pending.future.cancel()  # its rows not yet run are dropped (a future done stays as it is)
 
     def stop(self) -> None:
@@ -218,10 +218,10 @@ class Batcher:
             parts.append((i, p.requests.rows(lo, hi)))
         joined = _joined([r for _, r in parts]) if parts else None
         if joined is None and len(parts) > 1:  # columns of types that do not concatenate: one batch each
-            found = [self.retriever.run(reqs.renumbered(), index)[0] for _, reqs in parts]
+            found = [table_of(self.retriever.run(reqs.renumbered(), index)[0], reqs.request_id) for _, reqs in parts]
         elif parts:
             assert joined is not None  # one part always joins
-            bounds = np.cumsum([0] + [len(r) for _, r in parts]).tolist()
+            bounds = np.cumsum([0] + [len(r) for _, r in parts])
             try:
                 whole, _ = self.retriever.run(joined, index)
             except ScorerError as e:  # named by its client's request id, not the batch's renumbering
@@ -229,14 +229,25 @@ class Batcher:
                     raise
                 k = int(np.searchsorted(bounds, e.row, side="right")) - 1
                 raise e.renamed(parts[k][1].request_id[e.row - bounds[k]]) from None
-            found = [requests_part(whole, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+            # one table for the batch, in its clients' ids; each piece a zero-copy slice of it
+            ids = np.concatenate([r.request_id for _, r in parts]) if len(parts) > 1 else parts[0][1].request_id
+            table = table_of(whole, ids)
+            cuts = np.searchsorted(whole.request, bounds).tolist()
+            found = [table.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])]
         for (i, _), result in zip(parts, found if parts else []):
             p, lo, hi = pieces[i]
-            p.parts.append((lo, result))
+            p.parts.append(result)
             p.done, p.snapshot = hi, index.id
             if not p.left:
-                answers[i] = (table_of(concat(p.parts), p.requests.request_id), index.id)
+                answers[i] = (p.parts[0] if len(p.parts) == 1 else pa.concat_tables(p.parts), index.id)
         return answers
+
+
+def _expire(future: asyncio.Future, timeout: float) -> None:
+    """A request past its deadline: answered 504 (its rows not yet run are dropped)."""
+    if not future.done():
+        future.set_exception(Refused(504, "timeout", f"no answer within {timeout * 1e3:,.0f} ms; the server is "
+                                     "overloaded or the request too large"))
 
 
 def _pieces(active: deque[Pending], most: int) -> list[tuple[Pending, int, int]]:

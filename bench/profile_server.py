@@ -1,0 +1,235 @@
+"""Where `sidindex serve`'s engine process spends its time under load: wrk posting one JSON
+request per call for --seconds, while py-spy (when installed) samples the engine process's
+threads; per server, wrk's figures, the engine's batches (rows, wall time, and the Retriever's own
+encode and search + post time within it), and the functions the engine's threads are in.
+
+    python bench/profile_server.py --device cuda --ads 1000000 --workers 8 --cache /data/bench
+    python bench/profile_server.py --device cuda --baseline .baseline ...   # another checkout beside
+
+--baseline DIR serves a second time from the packages under DIR (another checkout's runtime,
+sidindex, sidindex_cli and schemas, put first on PYTHONPATH), in the same run, on the same
+catalog, so a change to the server is measured against what it changes on one machine. The
+catalog is `bench_stream.catalog_root`'s, the bodies `bench_load.request_pool`'s; wrk is
+`bench_load`'s (on PATH, or --wrk). The profile is two py-spy recordings of the engine, taken
+together: the threads holding the GIL (--gil: who keeps the others waiting), and every thread
+idle or not (--idle: where a batch waits); functions are counted once per sample in which they
+are on the stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_load import CPU_BEAMS, CUDA_BEAMS, Server, request_pool, server_counts, working_root
+from bench.load_wrk import run_wrk, wrk_path
+from bench.report import write_json
+
+TOP = 24  # functions per thread in the table
+OURS = ("runtime/", "sidindex/", "sidindex_cli/", "schemas/")  # py-spy names these files from the repository
+
+
+def spy(pid: int, seconds: float, out: Path, *flags: str) -> subprocess.Popen | None:
+    """py-spy recording `pid` for `seconds` into `out` (raw stacks), or None without py-spy."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return None
+    return subprocess.Popen([exe, "record", "-p", str(pid), "-d", str(max(1, round(seconds))), "-r", "200",
+                             "--nonblocking", "-f", "raw", "-o", str(out), *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _thread(frames: list[str]) -> str:
+    """Which of the engine's threads a stack is on, by the functions on it."""
+    names = {f.partition(" (")[0] for f in frames}
+    for name, label in (("_worker", "batch threads"), ("Engine._poll", "ROOT poller"),
+                        ("_run_module_as_main", "event loop")):
+        if name in names:
+            return label
+    return "other"
+
+
+def stacks(path: Path) -> dict:
+    """A raw py-spy file summed per thread (`_thread`): its samples, the functions of this
+    repository on its stacks (counted once per sample), and where its stacks end (any code)."""
+    threads: dict[str, dict] = {}
+    total = 0
+    for line in (path.read_text(errors="replace").splitlines() if path.exists() else []):
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        frames = [f for f in stack.split(";") if not f.startswith(("thread (", "process "))]
+        count = int(n)
+        total += count
+        t = threads.setdefault(_thread(frames), {"samples": 0, "ours": collections.Counter(),
+                                                 "ends": collections.Counter()})
+        t["samples"] += count
+        seen = set()
+        for f in frames:
+            name, _, where = f.partition(" (")
+            file = where.rsplit(":", 1)[0]
+            if file.startswith(OURS) and (key := f"{file}:{name}") not in seen:
+                seen.add(key)
+                t["ours"][key] += count
+        if frames:
+            name, _, where = frames[-1].partition(" (")
+            t["ends"][f"{Path(where.rsplit(':', 1)[0]).name}:{name}"] += count
+    return {"samples": total, "threads": {k: {"samples": v["samples"], "ours": v["ours"].most_common(TOP),
+                                              "ends": v["ends"].most_common(TOP // 3)}
+                                          for k, v in sorted(threads.items(), key=lambda kv: -kv[1]["samples"])}}
+
+
+def engine_figures(before: dict, after: dict, counters: dict) -> dict:
+    """Batches the engine ran between two /metrics reads, and the Retriever's seconds per batch."""
+    a, b = server_counts(before), server_counts(after)
+    batches = b["batches"] - a["batches"]
+    per = max(batches, 1.0)
+    def mean_ms(name: str) -> float:  # a histogram's mean between the two reads
+        n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        return (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / max(n, 1.0) * 1e3
+
+    return {"batches": batches, "rows_per_batch": (b["batch_rows"] - a["batch_rows"]) / per,
+            "queue_wait_ms": mean_ms("sidindex_queue_wait_seconds"),
+            "request_ms": mean_ms("sidindex_request_seconds"),
+            "batch_ms": (b["batch_seconds"] - a["batch_seconds"]) / per * 1e3,
+            "encode_ms_all": counters["seconds"]["encode"] / max(counters["batches"], 1) * 1e3,
+            "search_post_ms_all": counters["seconds"]["search_post"] / max(counters["batches"], 1) * 1e3}
+
+
+def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wrk: str, env: dict) -> dict:
+    """Serve ROOT, drive it with wrk for --seconds while py-spy samples the engine: the figures."""
+    print(f"{label}: sidindex serve --workers {args.workers} ...", flush=True)
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        server = Server(root, args, work / f"serve-{label}.log", args.workers)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    out: dict = {"label": label}
+    try:
+        out["ready_s"] = server.wait_ready(args.ready_timeout)
+        run_wrk(wrk, server.url, bodies, connections=args.connections, threads=args.wrk_threads, seconds=2,
+                work=work)  # every batch size's graph replayed once before the clock
+        before = server.get("/metrics")
+        held, every = work / f"{label}-gil.txt", work / f"{label}-idle.txt"
+        spies = [spy(server.proc.pid, args.seconds - 2, held, "--gil"),
+                 spy(server.proc.pid, args.seconds - 2, every, "--idle", "--threads")]
+        out["wrk"] = run_wrk(wrk, server.url, bodies, connections=args.connections, threads=args.wrk_threads,
+                             seconds=args.seconds, work=work)
+        for s in spies:
+            if s is not None:
+                _, err = s.communicate(timeout=60)
+                if s.returncode:
+                    out.setdefault("spy_errors", []).append(err.decode(errors="replace")[-300:])
+        out["engine"] = engine_figures(before, server.get("/metrics"), server.get("/snapshot")["counters"])
+        out["gil"], out["idle"] = stacks(held), stacks(every)
+    finally:
+        out["exit"] = server.stop()
+    return out
+
+
+def report(results: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=200)
+    t = Table(title="sidindex serve under wrk (one JSON request per call); engine batches during the run")
+    for c in ("server", "req/s", "p50 ms", "p99 ms", "non-2xx", "in the server ms", "queue wait ms", "rows/batch",
+              "batch ms", "encode ms", "search+post ms", "exit"):
+        t.add_column(c, justify="left" if c == "server" else "right")
+    for r in results:
+        w, e = r.get("wrk", {}), r.get("engine", {})
+        t.add_row(r["label"], f"{w.get('rps', 0):,.0f}", f"{w.get('p50_ms', 0):.1f}", f"{w.get('p99_ms', 0):.1f}",
+                  str(w.get("non_2xx", "")), f"{e.get('request_ms', 0):.2f}", f"{e.get('queue_wait_ms', 0):.2f}",
+                  f"{e.get('rows_per_batch', 0):.1f}", f"{e.get('batch_ms', 0):.2f}",
+                  f"{e.get('encode_ms_all', 0):.2f}", f"{e.get('search_post_ms_all', 0):.2f}", str(r.get("exit")))
+    console.print(t)
+    if len(results) == 2 and results[0].get("wrk") and results[1].get("wrk"):
+        console.print(f"{results[0]['label']} / {results[1]['label']}: "
+                      f"{results[0]['wrk']['rps'] / max(results[1]['wrk']['rps'], 1e-9):.2f}x requests/s")
+    for r in results:
+        for kind in ("gil", "idle"):
+            s = r.get(kind)
+            if not s or not s["samples"]:
+                continue
+            console.print(f"\n[bold]{r['label']}, engine process, py-spy --{kind}[/bold]: {s['samples']:,} samples")
+            for thread, t in s["threads"].items():
+                console.print(f"  {thread}: {t['samples'] / s['samples']:.1%} of the samples; stacks end in "
+                              + ", ".join(f"{k} {n / t['samples']:.0%}" for k, n in t["ends"]), highlight=False)
+                for name, n in t["ours"]:
+                    console.print(f"    {n / t['samples']:6.1%}  {name}", highlight=False)
+        for e in r.get("spy_errors", []):
+            console.print(f"py-spy: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ads", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--profile", default="default")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--mode", default="cd+gtm")
+    ap.add_argument("--beams", default=None, help=f"default {CUDA_BEAMS} on CUDA, {CPU_BEAMS} on the CPU")
+    ap.add_argument("--top-k", type=int, default=100)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--max-wait-us", type=int, default=500)
+    ap.add_argument("--max-queue", type=int, default=1024)
+    ap.add_argument("--poll-seconds", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=None, help="the server's torch and numba threads (CPU)")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--connections", type=int, default=64)
+    ap.add_argument("--wrk-threads", type=int, default=4)
+    ap.add_argument("--wrk", default=None)
+    ap.add_argument("--pool", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--baseline", type=Path, default=None, help="another checkout's packages, served beside")
+    ap.add_argument("--ready-timeout", type=float, default=900.0)
+    ap.add_argument("--cache", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.beams is None:
+        args.beams = CUDA_BEAMS if args.device.startswith("cuda") else CPU_BEAMS
+    if args.device == "cpu" and args.threads is None:
+        args.threads = 1
+    wrk = wrk_path(args.wrk)
+    if wrk is None:
+        print("profile_server: wrk not found (apt-get download wrk libluajit-5.1-2; dpkg -x; or --wrk)")
+        return 2
+    import runtime
+    from bench.bench_stream import catalog_root
+
+    cache = args.cache or Path(tempfile.mkdtemp(prefix="profile_server_"))
+    cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="profile_server_work_", dir=cache))
+    try:
+        print(f"{args.ads:,} ads ({args.profile}): catalog and ROOT ...", flush=True)
+        size = catalog_root(args.ads, args.dim, cache, args.profile)
+        root = working_root(Path(size["root"]), work)
+        bodies = request_pool(runtime.load(root, "cpu", verify=False), Path(size["catalog"]), args.pool, args.seed)
+        results = [one_server("this checkout", root, args, bodies, work, wrk, {})]
+        if args.baseline is not None:
+            path = os.pathsep.join([str(args.baseline.resolve()), os.environ.get("PYTHONPATH", "")])
+            results.append(one_server(f"baseline ({args.baseline})", root, args, bodies, work, wrk,
+                                      {"PYTHONPATH": path}))
+        report(results)
+        write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "results": results})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if args.cache is None:
+            shutil.rmtree(cache, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
