@@ -36,7 +36,8 @@ class Requests:
     request_id: (B,) int64, unique
     embedding:  (B, D) float32, finite, |x| <= MAX_ABS_EMBEDDING; None when there is no embedding column
     columns:    pyarrow.Table, one column per targeting attribute in spec order, as given (a string
-                column for bitmask, a list of strings for bloom; nulls mean unknown/none)
+                column for bitmask, a list of strings for bloom; nulls mean unknown/none): those
+                columns of `table`
     table:      pyarrow.Table, every column as given, extra columns included (a user's scorer reads
                 them, e.g. history token ids)
     """
@@ -67,8 +68,9 @@ class Requests:
         """The requests of `rows` (int64, repeats allowed), numbered 0.. in that order (a padded
         batch's copies of its last request need ids of their own)."""
         emb = None if self.embedding is None else self.embedding[rows]
-        return Requests(self.source, np.arange(len(rows), dtype=np.int64), emb, self.columns.take(rows),
-                        self.table.take(rows))
+        table = self.table.take(rows)
+        return Requests(self.source, np.arange(len(rows), dtype=np.int64), emb, table.select(self.columns.column_names),
+                        table)
 
     def renumbered(self) -> Requests:
         """The same requests numbered 0..B-1 (a batch of several clients' requests, whose ids may clash)."""

@@ -551,6 +551,51 @@ def test_front_end_processes_answer_as_one_does_and_stop_on_sigterm(built, rows,
     assert not _children(p.pid)
 
 
+def test_the_engine_answers_a_front_ends_messages_and_refuses_bad_ones(root, rows, serving):
+    """Over the link, as a front-end sends them: requests validated against the snapshot served
+    are answered as a direct retrieve does; ones validated against another snapshot are validated
+    again; a message whose rows differ from the count it came with, or that is no Arrow stream,
+    gets bad_request with one line, and the engine goes on."""
+    import math
+    import struct
+
+    import zmq
+
+    from runtime.requests import requests_from
+    from runtime.server.engine_api import arrow_stream, read_stream
+    from sidindex.requests import portable
+
+    server, engine = serving(root, split=True)
+    index = engine.retriever.index
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, 30_000)
+    socket.connect(server.engine.address)  # the front-end's link's
+    reqs = requests_from(rows[:3], index, source="t")
+    message = arrow_stream(portable(reqs))
+
+    def send(mid: int, snapshot: str, count: int, body) -> list[bytes]:
+        socket.send_multipart([b"run", struct.pack("<Q", mid), snapshot.encode(), struct.pack("<dQ", math.nan, count),
+                               body])
+        return socket.recv_multipart()[2:]
+
+    try:
+        outcome, served, payload = send(0, index.id, 3, message)
+        assert (outcome, served.decode()) == (b"ok", index.id)
+        assert same_rows(read_stream(payload, "answer").to_pylist(), direct(index, rows[:3]))
+        outcome, _, payload = send(1, "an-earlier-snapshot", 3, message)  # validated again, here
+        assert outcome == b"ok" and same_rows(read_stream(payload, "answer").to_pylist(), direct(index, rows[:3]))
+        outcome, _, payload = send(2, index.id, 4, message)
+        assert (outcome, payload.decode()) == (b"bad_request", "request body: 3 requests, where the front-end "
+                                                               "counted 4")
+        outcome, _, payload = send(3, index.id, 1, b"not arrow")
+        assert outcome == b"bad_request" and payload.decode().startswith("request body: not an Arrow IPC stream")
+        outcome, _, _ = send(4, index.id, 3, message)
+        assert outcome == b"ok"
+    finally:
+        socket.close()
+
+
 def test_a_request_that_overflows_a_batch_starts_the_next(root, rows, serving):
     """Requests of 3 rows with batches of at most 4: each batch takes one, the next waits for the
     following batch; every answer is its own."""

@@ -26,11 +26,11 @@ import pyarrow as pa
 
 from runtime.requests import requests_from
 from runtime.result import table_of
-from runtime.server.engine_api import Refused
+from runtime.server.engine_api import Refused, arrow_stream, read_stream
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
 from sidindex.errors import InputError, ScorerError
-from sidindex.requests import Requests
+from sidindex.requests import Requests, from_portable
 from sidindex.targeting import TargetingSpec
 
 
@@ -38,9 +38,14 @@ from sidindex.targeting import TargetingSpec
 class Pending:
     """One request's validated rows, answered (`future`) once they all ran on one snapshot."""
 
-    requests: Requests
+    requests: Requests | None  # None until the batch thread reads `message`
     spec: TargetingSpec | None  # the spec it was validated against (None: validate again before it runs)
     future: asyncio.Future
+    rows: int  # its rows
+    # from a front-end (`runtime.server.link`): its rows as an Arrow IPC stream of their portable
+    # form (`sidindex.requests.portable`), read on the batch thread, and answered as an Arrow IPC
+    # stream made there: the event loop, which every request passes through, does neither
+    message: pa.Buffer | None = None
     queued: float = field(default_factory=time.perf_counter)
     done: int = 0  # its first rows that ran, on `snapshot`
     parts: list[pa.Table] = field(default_factory=list)  # its pieces' result tables, in row order
@@ -48,7 +53,7 @@ class Pending:
 
     @property
     def left(self) -> int:
-        return len(self.requests) - self.done
+        return self.rows - self.done
 
 
 class Batcher:
@@ -90,18 +95,33 @@ class Batcher:
         no answer came within `timeout` seconds (504: its rows not yet run are dropped); the
         batch's error when it failed (an InputError for a request a new snapshot's spec refuses,
         a ScorerError naming the request's id)."""
+        answer = self._queued(Pending(requests, spec, self._future(), len(requests)), timeout)
+        try:
+            return await answer
+        finally:
+            answer.cancel()  # its rows not yet run are dropped (a future done stays as it is)
+
+    def answer_message(self, message: pa.Buffer, rows: int, spec: TargetingSpec | None,
+                       timeout: float | None) -> asyncio.Future:
+        """`answer` of a front-end's `rows` requests, as an Arrow IPC stream of their portable
+        form (`sidindex.requests.portable`) validated against `spec` (None: another snapshot's),
+        in the event loop: a future of the result table as an Arrow IPC stream and the snapshot
+        that served it (cancel it to drop its rows not yet run). Refused (503) when the queue is full."""
+        return self._queued(Pending(None, spec, self._future(), rows, message), timeout)
+
+    def _future(self) -> asyncio.Future:
         if self._queue is None or self._queue.qsize() >= self.max_queue:
             raise Refused(503, "busy", f"the queue holds {self.max_queue} requests; retry after 1 s", retry_after=1)
-        loop = asyncio.get_running_loop()
-        pending = Pending(requests, spec, loop.create_future())
+        return asyncio.get_running_loop().create_future()
+
+    def _queued(self, pending: Pending, timeout: float | None) -> asyncio.Future:
+        """Queue a request: its future, answered 504 once `timeout` seconds passed without an answer."""
+        assert self._queue is not None  # `_future` refused it otherwise
         self._queue.put_nowait(pending)
-        timer = None if timeout is None else loop.call_later(timeout, _expire, pending.future, timeout)
-        try:
-            return await pending.future
-        finally:
-            if timer is not None:
-                timer.cancel()
-            pending.future.cancel()  # its rows not yet run are dropped (a future done stays as it is)
+        if timeout is not None:
+            timer = asyncio.get_running_loop().call_later(timeout, _expire, pending.future, timeout)
+            pending.future.add_done_callback(lambda _: timer.cancel())
+        return pending.future
 
     def stop(self) -> None:
         """Stop the worker (in its event loop): no batch starts after the one running."""
@@ -209,12 +229,15 @@ class Batcher:
                 p.done, p.parts, p.snapshot = 0, [], None
                 lo, hi = 0, hi - lo
                 pieces[i] = (p, lo, hi)
-            if p.spec != index.spec:
-                try:
-                    p.requests, p.spec = requests_from(p.requests.table, index, source="request body"), index.spec
-                except InputError as e:
-                    answers[i] = e
-                    continue
+            try:
+                if p.requests is None:  # a front-end's message, read here
+                    p.requests = _read_message(p, index)
+                elif p.spec != index.spec:
+                    p.requests = requests_from(p.requests.table, index, source="request body")
+                p.spec = index.spec
+            except InputError as e:
+                answers[i] = e
+                continue
             parts.append((i, p.requests.rows(lo, hi)))
         joined = _joined([r for _, r in parts]) if parts else None
         if joined is None and len(parts) > 1:  # columns of types that do not concatenate: one batch each
@@ -239,8 +262,21 @@ class Batcher:
             p.parts.append(result)
             p.done, p.snapshot = hi, index.id
             if not p.left:
-                answers[i] = (p.parts[0] if len(p.parts) == 1 else pa.concat_tables(p.parts), index.id)
+                table = p.parts[0] if len(p.parts) == 1 else pa.concat_tables(p.parts)
+                answers[i] = (table if p.message is None else arrow_stream(table), index.id)
         return answers
+
+
+def _read_message(p: Pending, index) -> Requests:
+    """A front-end's message as its requests: as they were validated, or validated again
+    against `index` when that was another snapshot's spec (InputError: one it refuses)."""
+    assert p.message is not None
+    table = read_stream(p.message, "request body")
+    if table.num_rows != p.rows:
+        raise InputError(f"request body: {table.num_rows:,} requests, where the front-end counted {p.rows:,}")
+    if p.spec == index.spec:
+        return from_portable(table, index.spec, "request body")
+    return requests_from(table, index, source="request body")
 
 
 def _expire(future: asyncio.Future, timeout: float) -> None:
@@ -276,10 +312,11 @@ def _joined(parts: list[Requests]) -> Requests | None:
     if len(parts) == 1:
         return parts[0].renumbered()
     try:
-        columns = pa.concat_tables([p.columns for p in parts], promote_options="permissive")
-        table = pa.concat_tables([p.table for p in parts], promote_options="permissive")
+        # one chunk per column: the retriever slices, pads and encodes it, each a pass over the chunks
+        table = pa.concat_tables([p.table for p in parts], promote_options="permissive").combine_chunks()
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
         return None
+    columns = table.select(parts[0].columns.column_names)  # the attributes: columns of the table as given
     embedding = None
     if all(p.embedding is not None for p in parts):
         embedding = np.concatenate([p.embedding for p in parts])

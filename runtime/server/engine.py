@@ -8,6 +8,7 @@ It holds a warmed `runtime.Retriever` over a `SnapshotWatcher`, the fair batcher
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -21,6 +22,7 @@ from runtime.server.engine_api import Target
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
 from sidindex.requests import Requests
+from sidindex.targeting import TargetingSpec
 
 UNREADY_AFTER = 5  # failed batches in a row after which /readyz answers 503
 
@@ -63,6 +65,12 @@ class Engine:
     async def answer(self, requests: Requests, target: Target, timeout: float | None) -> tuple[pa.Table, str]:
         """`runtime.server.batcher.Batcher.answer` of requests validated against `target`."""
         return await self.batcher.answer(requests, target.spec, timeout)
+
+    def answer_message(self, message: pa.Buffer, rows: int, spec: TargetingSpec | None,
+                       timeout: float | None) -> asyncio.Future:
+        """`runtime.server.batcher.Batcher.answer_message`: a front-end's requests, read and
+        answered as Arrow IPC streams on the batch thread; a future, made in the event loop."""
+        return self.batcher.answer_message(message, rows, spec, timeout)
 
     async def status(self) -> dict:
         """ready (warm, batching, and fewer than unready_after failed batches in a row), why not,

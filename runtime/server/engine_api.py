@@ -10,6 +10,7 @@ from typing import Protocol
 
 import pyarrow as pa
 
+from sidindex.errors import InputError
 from sidindex.requests import Requests
 from sidindex.targeting import TargetingSpec
 
@@ -22,6 +23,22 @@ class Target:
     snapshot: str
     spec: TargetingSpec
     dim: int | None
+
+
+def arrow_stream(table: pa.Table) -> pa.Buffer:
+    """`table` as one Arrow IPC stream (the requests and the results that cross the link)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue()
+
+
+def read_stream(buffer, what: str) -> pa.Table:
+    """The table of an Arrow IPC stream (bytes or a buffer); InputError naming `what` if it is not one."""
+    try:
+        return pa.ipc.open_stream(pa.py_buffer(buffer)).read_all()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise InputError(f"{what}: not an Arrow IPC stream: {e}") from None
 
 
 class Refused(Exception):

@@ -23,8 +23,7 @@ import time
 import orjson
 import pyarrow as pa
 
-from runtime.server.engine_api import EngineApi, Refused, Target
-from runtime.server.link import arrow_stream
+from runtime.server.engine_api import EngineApi, Refused, Target, arrow_stream, read_stream
 from runtime.server.metrics import HttpMetrics, exposition
 from sidindex.errors import InputError, SidIndexError
 from sidindex.requests import Requests, requests_from
@@ -166,10 +165,7 @@ class RetrievalServer:
         """The body's requests, validated against the snapshot served now (InputError: 400; more
         than max_request_rows: Refused, 413)."""
         if arrow:
-            try:
-                data = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
-            except (pa.ArrowInvalid, OSError) as e:
-                raise InputError(f"request body: not an Arrow IPC stream: {e}") from None
+            data = read_stream(body, "request body")
         else:
             try:
                 doc = orjson.loads(body)

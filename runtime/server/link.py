@@ -3,7 +3,7 @@ ZeroMQ (pyzmq), a ROUTER socket in the engine and a DEALER in each front-end, ov
 ZeroMQ rather than a shared-memory ring: the ROUTER routes each out-of-order answer back to its
 sender with no bookkeeping of ours, and a front-end that dies loses only its own messages.
 
-    front-end -> engine   b"run", id, snapshot validated against, timeout (f64, NaN: none), requests
+    front-end -> engine   b"run", id, snapshot validated against, timeout (f64, NaN: none) and rows (u64), requests
     engine -> front-end   b"run", id, outcome, snapshot that served, result (outcome b"ok") or one line
     front-end -> engine   b"status", id
     engine -> front-end   b"status", id, JSON (`Engine.status` and the target)
@@ -16,6 +16,7 @@ validates a batch again, and why ZeroMQ: docs/design.md §19 ("Processes").
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import struct
 from typing import Any
@@ -23,25 +24,13 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from runtime.server.engine_api import Refused, Target
+from runtime.server.engine_api import Refused, Target, arrow_stream, read_stream
 from sidindex.errors import InputError, SidIndexError
-from sidindex.requests import Requests, from_portable, portable
+from sidindex.requests import Requests, portable
 from sidindex.targeting import spec_from_dict
 
 RUN, STATUS = b"run", b"status"
 PATIENCE_S = 5.0  # how long a front-end waits for the engine's status, and past a request's deadline
-
-
-def arrow_stream(table: pa.Table) -> pa.Buffer:
-    """`table` as one Arrow IPC stream."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table)
-    return sink.getvalue()
-
-
-def _read(buffer) -> pa.Table:
-    return pa.ipc.open_stream(pa.py_buffer(buffer)).read_all()
 
 
 class EngineLink:
@@ -57,54 +46,75 @@ class EngineLink:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # status messages being answered
+        self._waiting: set[asyncio.Future] = set()  # requests queued in the engine and not yet answered
 
     async def run(self) -> None:
         try:
             while True:
                 frames = await self._socket.recv_multipart(copy=False)
                 peer, kind, mid = (f.bytes for f in frames[:3])
-                job = self._run(peer, mid, frames[3:]) if kind == RUN else self._status(peer, mid)
-                task = asyncio.create_task(job)
+                if kind == RUN:
+                    self._run(peer, mid, frames[3:])
+                    continue
+                task = asyncio.create_task(self._status(peer, mid))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         finally:
-            for task in self._tasks:
-                task.cancel()
+            for waiting in (*self._tasks, *self._waiting):
+                waiting.cancel()
             self._socket.close()
             self._context.term()
 
-    async def _run(self, peer: bytes, mid: bytes, frames) -> None:
-        snapshot = b""
+    def _run(self, peer: bytes, mid: bytes, frames) -> None:
+        """Queue a request message in the engine, answered when its future is (`_answered`): no
+        task of its own, and the batch thread reads the requests and writes their answer
+        (`Batcher.answer_message`), as every request passes through this loop."""
         try:
             validated_for = frames[0].bytes.decode()
-            (timeout,) = struct.unpack("<d", frames[1].bytes)
-            table = _read(frames[2].buffer)
+            timeout, rows = struct.unpack("<dQ", frames[1].bytes)
             index = self.engine.retriever.index
-            if validated_for == index.id:
-                reqs = from_portable(table, index.spec, "request body")
-            else:  # a new snapshot since the front-end validated it: against this one
-                from runtime.requests import requests_from
+            spec = index.spec if validated_for == index.id else None
+            answer = self.engine.answer_message(frames[2].buffer, rows, spec, None if math.isnan(timeout) else timeout)
+        except Exception as e:  # a full queue, a message it cannot read
+            self._send([peer, RUN, mid, *_refusal(e)])
+            return
+        self._waiting.add(answer)
+        answer.add_done_callback(functools.partial(self._answered, peer, mid))
 
-                reqs = requests_from(table, index, source="request body")
-            found, served = await self.engine.answer(reqs, Target(index.id, index.spec, None),
-                                                     None if math.isnan(timeout) else timeout)
-            outcome, snapshot, payload = b"ok", served.encode(), arrow_stream(found)
-        except Refused as e:
-            outcome, payload = e.outcome.encode(), str(e).encode()
-        except InputError as e:
-            outcome, payload = b"bad_request", str(e).encode()
-        except SidIndexError as e:  # a scorer that failed or gave no finite logit, a batch the index refused
-            outcome, payload = b"error", str(e).encode()
-        except Exception as e:  # a bug must not take the engine down
-            outcome, payload = b"error", f"{type(e).__name__}: {e}".encode()
-        await self._socket.send_multipart([peer, RUN, mid, outcome, snapshot, payload], copy=False)
+    def _answered(self, peer: bytes, mid: bytes, answer: asyncio.Future) -> None:
+        self._waiting.discard(answer)
+        if answer.cancelled():  # the link is closing
+            return
+        error = answer.exception()
+        if error is None:
+            payload, served = answer.result()
+            self._send([peer, RUN, mid, b"ok", served.encode(), payload])
+        else:
+            self._send([peer, RUN, mid, *_refusal(error)])
+
+    def _send(self, frames: list) -> None:
+        """Send without waiting: a ROUTER does not block (it drops a message to a peer gone)."""
+        sent = asyncio.ensure_future(self._socket.send_multipart(frames, copy=False))
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a closed socket's error, seen
 
     async def _status(self, peer: bytes, mid: bytes) -> None:
         doc = await self.engine.status()
         target = await self.engine.target()
         doc["target"] = {"snapshot": target.snapshot, "spec": target.spec.to_dict(), "dim": target.dim}
         await self._socket.send_multipart([peer, STATUS, mid, orjson.dumps(doc)])
+
+
+def _refusal(e: BaseException) -> list[bytes]:
+    """A request's outcome that is not ok, and its one line (the `run` answer's last frames)."""
+    if isinstance(e, Refused):
+        outcome = e.outcome
+    elif isinstance(e, InputError):
+        outcome = "bad_request"
+    else:  # a scorer that failed or gave no finite logit, a batch the index refused, a bug
+        outcome = "error"
+    message = str(e) if isinstance(e, SidIndexError | Refused) else f"{type(e).__name__}: {e}"
+    return [outcome.encode(), b"", message.encode()]
 
 
 class EngineClient:
@@ -142,15 +152,15 @@ class EngineClient:
 
     async def answer(self, requests: Requests, target: Target, timeout: float | None) -> tuple[pa.Table, str]:
         """As `Engine.answer`; the engine's refusals and errors raised here as there."""
-        frames = await self._call([RUN, target.snapshot.encode(), struct.pack("<d", math.nan if timeout is None
-                                                                               else timeout),
+        frames = await self._call([RUN, target.snapshot.encode(),
+                                   struct.pack("<dQ", math.nan if timeout is None else timeout, len(requests)),
                                    arrow_stream(portable(requests))],
                                   None if timeout is None else timeout + PATIENCE_S)
         outcome, snapshot, payload = frames[1].bytes, frames[2].bytes.decode(), frames[3]
         if outcome == b"ok":
             if snapshot != target.snapshot:  # a swap: validate the next requests against the new one
                 await self.status()
-            return _read(payload.buffer), snapshot
+            return read_stream(payload.buffer, "the engine's answer"), snapshot
         message = payload.bytes.decode()
         if outcome == b"bad_request":
             raise InputError(message)
