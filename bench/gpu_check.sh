@@ -150,6 +150,9 @@ if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ]; then
     [ -d .baseline ] && baseline=(--baseline .baseline)
     python3 bench/profile_server.py --device cuda --ads "$ads" --workers 8 --seconds 10 "${baseline[@]}" \
         --cache "$cache" --json "$out/profile_server.json" || status=1
+    # the engine alone through its link (no HTTP): requests/s and its event loop's CPU per request
+    python3 bench/bench_engine.py --device cuda --ads "$ads" --beams 1,512,1024,1024 --runs 3 --requests 5000 \
+        "${baseline[@]}" --cache "$cache" --json "$out/engine.json" || status=1
     # the server under load, the default profile's catalog from above, and wrk beside it: one process,
     # then front-end processes over the engine (the clients take the host's other cores)
     python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios steady --rate 10000 --clients 64 --procs 4 \

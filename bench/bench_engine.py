@@ -1,0 +1,215 @@
+"""The engine process of `sidindex serve --workers N` through its link alone: requests/s, latency
+and the event loop's CPU per request, with no HTTP in front.
+
+    python bench/bench_engine.py                                  # the CPU: data_samples' ROOT, beams 1,2,2,2
+    python bench/bench_engine.py --baseline .baseline             # against another checkout, alternating
+    python bench/bench_engine.py --device cuda --ads 1000000 --beams 1,512,1024,1024 --cache /data/bench
+
+The engine (`runtime.server.engine.Engine` and its `runtime.server.link.EngineLink`, as
+`serve_processes` runs them) serves in a process of its own; a client process validates requests
+as a front-end does and sends them through the front-end's own `EngineClient`, keeping --window
+requests outstanding (one request per message, as HTTP brings them), --requests in all. Every
+request passes through the engine's event loop, so the loop's CPU per request (the loop thread's
+CPU time over the run) bounds what one engine answers. --baseline DIR runs the same with another
+checkout's packages first on PYTHONPATH (`git archive REV runtime sidindex sidindex_cli schemas
+pipelines | tar x -C DIR`), engine and client both, the two alternating --runs times on one
+machine. The ROOT: `data_samples/` built once under --cache, or with --ads, `bench_stream.catalog_root`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def engine(args) -> None:
+    """The engine process: warm, serve the link until SIGINT, then print the loop's CPU per request."""
+    import runtime
+    from runtime.server.engine import Engine
+    from runtime.server.http import SWITCH_INTERVAL_S
+    from runtime.server.link import EngineLink
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `sidindex serve` runs
+    watcher = runtime.SnapshotWatcher(args.root, args.device)
+    sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.max_batch} | {args.max_batch}))
+    retriever = runtime.Retriever(watcher, beams=args.beams, batch_sizes=sizes, top_k=args.top_k)
+    eng = Engine(watcher, retriever, max_batch=args.max_batch, poll_seconds=60.0)
+    began = {}
+
+    async def serve() -> None:
+        link = EngineLink(eng, args.engine)
+        await eng.start()
+        began["cpu"] = time.thread_time()
+        print("ready", flush=True)
+        await link.run()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    c = retriever.counters
+    print(json.dumps({"loop_cpu_us": (time.thread_time() - began["cpu"]) / max(c.requests, 1) * 1e6,
+                      "rows_per_batch": c.requests / max(c.batches, 1)}), flush=True)
+    eng.close(10.0)
+
+
+def client(args) -> None:
+    """The client process: --requests requests through an EngineClient, --window outstanding."""
+    import numpy as np
+
+    import runtime
+    from runtime.server.link import EngineClient
+    from sidindex.sample import sample_requests
+
+    index = runtime.load(args.root, "cpu", verify=False)
+    cb = index.codebook
+    pool = sample_requests(args.pool, index.spec, dim=1 if cb is None else cb.dim, seed=args.seed).to_pylist()
+    validated = [runtime.requests_from([dict(r, request_id=i)], index, source="bench") for i, r in enumerate(pool)]
+
+    async def drive() -> dict:
+        link = EngineClient(args.engine)
+        await link.start()
+        target = await link.target()
+        seconds: list[float] = []
+        window = asyncio.Semaphore(args.window)
+
+        async def one(i: int) -> None:
+            async with window:
+                t = time.perf_counter()
+                await link.answer(validated[i % len(validated)], target, None)
+                seconds.append(time.perf_counter() - t)
+
+        for i in range(min(args.window, args.requests)):  # every batch size once, off the clock
+            await one(i)
+        t0, cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(one(i) for i in range(args.requests)))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
+        link.stop()
+        ms = np.array(seconds[-args.requests:]) * 1e3
+        return {"rps": args.requests / wall, "client_busy": cpu / wall, "p50_ms": float(np.percentile(ms, 50)),
+                "p99_ms": float(np.percentile(ms, 99))}
+
+    print(json.dumps(asyncio.run(drive())), flush=True)
+
+
+def one_run(args, root: Path, code: Path | None) -> dict:
+    """An engine process and a client process with `code` first on PYTHONPATH: their figures."""
+    env = dict(os.environ)
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), env.get("PYTHONPATH", "")])
+    env.pop("TRITON_INTERPRET", None)
+    address = f"ipc://{tempfile.mkdtemp(prefix='be-')}/engine"
+    common = ["--root", str(root), "--engine", address, "--device", args.device, "--beams", args.beams,
+              "--max-batch", str(args.max_batch), "--top-k", str(args.top_k)]
+    me = [sys.executable, str(Path(__file__).resolve())]
+    server = subprocess.Popen(me + ["--role", "engine"] + common, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline().strip()
+        if line != "ready":
+            raise RuntimeError(f"the engine did not start ({line!r}); exit {server.wait()}")
+        out = subprocess.run(me + ["--role", "client"] + common + ["--window", str(args.window), "--requests",
+                                                                    str(args.requests), "--pool", str(args.pool)],
+                             capture_output=True, text=True, env=env, check=True)
+        figures = json.loads(out.stdout.strip().splitlines()[-1])
+        server.send_signal(signal.SIGINT)
+        rest, _ = server.communicate(timeout=60)
+        return figures | json.loads(rest.strip().splitlines()[-1])
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def sample_root(cache: Path) -> Path:
+    """data_samples/ built once under `cache` (`sidindex build`)."""
+    root = cache / "engine-sample-root"
+    if not (root / "CURRENT").exists():
+        samples = REPO / "data_samples"
+        subprocess.run([sys.executable, "-m", "sidindex_cli", "build", "--catalog", str(samples / "catalog.parquet"),
+                        "--targeting", str(samples / "targeting.toml"), "--out", str(root)], check=True,
+                       capture_output=True)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--beams", default="1,2,2,2")
+    ap.add_argument("--ads", type=int, default=None, help="a generated catalog of this many ads (default: "
+                    "data_samples)")
+    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=100)
+    ap.add_argument("--window", type=int, default=64, help="requests outstanding")
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--pool", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--baseline", type=Path, default=None)
+    ap.add_argument("--cache", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--role", choices=["engine", "client"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--root", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--engine", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.role == "engine":
+        engine(args)
+        return 0
+    if args.role == "client":
+        client(args)
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    from bench.report import write_json
+
+    cache = args.cache or Path(tempfile.mkdtemp(prefix="bench_engine_"))
+    cache.mkdir(parents=True, exist_ok=True)
+    if args.ads is None:
+        root = sample_root(cache)
+    else:
+        from bench.bench_stream import catalog_root
+
+        root = Path(catalog_root(args.ads, args.dim, cache)["root"])
+    variants = [("this checkout", None)] + ([] if args.baseline is None else [(f"{args.baseline}", args.baseline)])
+    results: dict[str, list[dict]] = {label: [] for label, _ in variants}
+    for _ in range(args.runs):
+        for label, code in variants:
+            results[label].append(one_run(args, root, code))
+    t = Table(title=f"the engine through its link ({args.device}, beams {args.beams}, max batch {args.max_batch}, "
+                    f"{args.window} outstanding, {args.requests:,} requests a run); the median run")
+    for c in ("code", "req/s", "p50 ms", "p99 ms", "loop CPU µs per request", "rows per batch", "client busy",
+              "runs (req/s)"):
+        t.add_column(c, justify="left" if c == "code" else "right")
+    medians = {}
+    for label, runs in results.items():
+        m = sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]
+        medians[label] = m
+        t.add_row(label, f"{m['rps']:,.0f}", f"{m['p50_ms']:.2f}", f"{m['p99_ms']:.2f}", f"{m['loop_cpu_us']:.0f}",
+                  f"{m['rows_per_batch']:.1f}", f"{m['client_busy']:.0%}", ", ".join(f"{r['rps']:,.0f}" for r in runs))
+    console = Console(width=160)
+    console.print(t)
+    if args.baseline is not None:
+        a, b = medians["this checkout"], medians[str(args.baseline)]
+        console.print(f"this checkout / {args.baseline}: {a['rps'] / b['rps']:.2f}x requests/s, loop CPU per request "
+                      f"{a['loop_cpu_us'] / b['loop_cpu_us']:.2f}x")
+    write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
