@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,7 +112,8 @@ def one_run(args, root: Path, code: Path | None) -> dict:
     if code is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), env.get("PYTHONPATH", "")])
     env.pop("TRITON_INTERPRET", None)
-    address = f"ipc://{tempfile.mkdtemp(prefix='be-')}/engine"
+    place = tempfile.mkdtemp(prefix="be-")  # short: a socket path's limit
+    address = f"ipc://{place}/engine"
     common = ["--root", str(root), "--engine", address, "--device", args.device, "--beams", args.beams,
               "--max-batch", str(args.max_batch), "--top-k", str(args.top_k)]
     me = [sys.executable, str(Path(__file__).resolve())]
@@ -132,6 +134,7 @@ def one_run(args, root: Path, code: Path | None) -> dict:
         if server.poll() is None:
             server.kill()
             server.wait()
+        shutil.rmtree(place, ignore_errors=True)
 
 
 def sample_root(cache: Path) -> Path:

@@ -127,3 +127,20 @@ def test_a_near_tie_is_told_from_a_wrong_answer():
     assert not tie and "from row 2: nothing against ad 9" in why
     why, tie = difference(ad, rank, score + 1e-3, ad, rank, score)
     assert not tie and why.startswith("scores differ")
+
+
+def test_the_engine_bench_runs_each_checkout_and_reports_its_loop(built, tmp_path):
+    """bench_engine.py: the engine process and a client process per run, the runs alternating
+    with a baseline checkout (here this one again), each answering every request it was sent."""
+    from bench import bench_engine
+
+    cache, _ = built
+    out = tmp_path / "engine.json"
+    repo = Path(bench_engine.__file__).resolve().parents[1]
+    assert bench_engine.main(["--ads", str(ADS), "--dim", str(DIM), "--beams", BEAMS, "--cache", str(cache),
+                              "--runs", "1", "--requests", "120", "--window", "16", "--baseline", str(repo),
+                              "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results) == sorted(["this checkout", str(repo)])
+    for (run,) in results.values():
+        assert run["rps"] > 0 and run["loop_cpu_us"] > 0 and 1 <= run["rows_per_batch"] <= 64
