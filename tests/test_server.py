@@ -751,3 +751,32 @@ def test_an_embedding_past_float32_gets_400_and_no_warning(root, rows, serving):
         warnings.simplefilter("error")  # numpy's overflow warning would be an error here
         r = client.post("/retrieve", json={"requests": [bad]})
     assert r.status_code == 400 and "column 'embedding', row 0: element 0 is 1e+39" in r.json()["error"]
+
+
+def test_a_json_answer_holds_every_row_exactly_and_no_beam_as_null():
+    """The JSON answer (written by polars): int64 ids at their extremes exact, SIDs as lists,
+    each score parsing back to its float32, -inf (an ad no beam reached) as null, the value
+    column when there is one; an empty answer is an empty list."""
+    import orjson
+
+    from runtime.server.http import _json_body
+
+    rng = np.random.default_rng(0)
+    n = 2000
+    score = rng.standard_normal(n).astype(np.float32) * np.float32(1e30)
+    score[::7] = -np.inf
+    extremes = [np.iinfo(np.int64).min, np.iinfo(np.int64).max, -1, 0]
+    ids = np.concatenate([extremes, rng.integers(-2**63, 2**63 - 1, n - 4)])
+    sid = pa.FixedSizeListArray.from_arrays(pa.array(rng.integers(-2**15, 2**15, n * 4).astype(np.int16)), 4)
+    table = pa.table({"request_id": ids, "rank": np.arange(1, n + 1), "ad_id": ids[::-1].copy(), "sid": sid,
+                      "score": score, "value": rng.random(n) * 1e300})
+    doc = orjson.loads(_json_body(table, 'a "snapshot"'))
+    assert doc["snapshot"] == 'a "snapshot"'
+    rows = doc["rows"]
+    want = table.to_pylist()
+    assert [(r["request_id"], r["rank"], r["ad_id"], r["sid"], r["value"]) for r in rows] == \
+        [(w["request_id"], w["rank"], w["ad_id"], w["sid"], w["value"]) for w in want]
+    got = np.array([np.nan if r["score"] is None else r["score"] for r in rows], dtype=np.float64).astype(np.float32)
+    assert np.array_equal(np.isnan(got), np.isinf(score))
+    assert np.array_equal(got[~np.isnan(got)], score[np.isfinite(score)])
+    assert orjson.loads(_json_body(table.slice(0, 0), "s"))["rows"] == []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import math
 import threading
 import time
@@ -312,8 +313,18 @@ def _arrow_body(table: pa.Table, snapshot: str) -> bytes:
 
 
 def _json_body(table: pa.Table, snapshot: str) -> bytes:
-    # orjson writes the scores of ads no beam reached (-inf) as null
-    return orjson.dumps({"snapshot": snapshot, "rows": table.to_pylist()})
+    """{"snapshot": ..., "rows": [{request_id, rank, ad_id, sid, score[, value]}, ...]}: written by
+    polars, without Python objects per row and without the GIL, so a large answer written on a
+    thread leaves the event loop its turns (orjson over `to_pylist` held it about a second for
+    400,000 rows, 5x longer). A score is its float32's shortest decimal; -inf (no beam reached the
+    ad) is null."""
+    import polars as pl
+
+    out = io.BytesIO()
+    out.write(b'{"snapshot":' + orjson.dumps(snapshot) + b',"rows":')
+    pl.from_arrow(table).write_json(out)
+    out.write(b"}")
+    return out.getvalue()
 
 
 def _settle(answer: asyncio.Future, task: asyncio.Future) -> None:
