@@ -554,8 +554,9 @@ def test_front_end_processes_answer_as_one_does_and_stop_on_sigterm(built, rows,
 def test_the_engine_answers_a_front_ends_messages_and_refuses_bad_ones(root, rows, serving):
     """Over the link, as a front-end sends them: requests validated against the snapshot served
     are answered as a direct retrieve does; ones validated against another snapshot are validated
-    again; a message whose rows differ from the count it came with, or that is no Arrow stream,
-    gets bad_request with one line, and the engine goes on."""
+    again. A message the engine cannot read (rows other than it counts, none, not Arrow, not the
+    portable form) is the server's fault: outcome error with one line, for that request alone; a
+    good request beside it in its batch is answered and no batch counts as failed."""
     import math
     import struct
 
@@ -565,7 +566,7 @@ def test_the_engine_answers_a_front_ends_messages_and_refuses_bad_ones(root, row
     from runtime.server.engine_api import arrow_stream, read_stream
     from sidindex.requests import portable
 
-    server, engine = serving(root, split=True)
+    server, engine = serving(root, split=True, max_wait_us=200_000)  # what arrives together, batched together
     index = engine.retriever.index
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -573,25 +574,37 @@ def test_the_engine_answers_a_front_ends_messages_and_refuses_bad_ones(root, row
     socket.connect(server.engine.address)  # the front-end's link's
     reqs = requests_from(rows[:3], index, source="t")
     message = arrow_stream(portable(reqs))
+    not_portable = arrow_stream(pa.table({"x": [1, 2, 3]}))
 
-    def send(mid: int, snapshot: str, count: int, body) -> list[bytes]:
-        socket.send_multipart([b"run", struct.pack("<Q", mid), snapshot.encode(), struct.pack("<dQ", math.nan, count),
-                               body])
-        return socket.recv_multipart()[2:]
+    def send(mid: int, count: int, body, snapshot: str | None = None) -> None:
+        socket.send_multipart([b"run", struct.pack("<Q", mid), (snapshot or index.id).encode(),
+                               struct.pack("<dQ", math.nan, count), body])
+
+    def answers(n: int) -> dict[int, list[bytes]]:
+        got = [socket.recv_multipart() for _ in range(n)]
+        return {struct.unpack("<Q", f[1])[0]: f[2:] for f in got}
 
     try:
-        outcome, served, payload = send(0, index.id, 3, message)
-        assert (outcome, served.decode()) == (b"ok", index.id)
-        assert same_rows(read_stream(payload, "answer").to_pylist(), direct(index, rows[:3]))
-        outcome, _, payload = send(1, "an-earlier-snapshot", 3, message)  # validated again, here
-        assert outcome == b"ok" and same_rows(read_stream(payload, "answer").to_pylist(), direct(index, rows[:3]))
-        outcome, _, payload = send(2, index.id, 4, message)
-        assert (outcome, payload.decode()) == (b"bad_request", "request body: 3 requests, where the front-end "
-                                                               "counted 4")
-        outcome, _, payload = send(3, index.id, 1, b"not arrow")
-        assert outcome == b"bad_request" and payload.decode().startswith("request body: not an Arrow IPC stream")
-        outcome, _, _ = send(4, index.id, 3, message)
-        assert outcome == b"ok"
+        send(0, 3, message)
+        send(1, 3, message, "an-earlier-snapshot")  # validated again, here
+        for mid, (outcome, served, payload) in answers(2).items():
+            assert (mid, outcome, served.decode()) == (mid, b"ok", index.id)
+            assert same_rows(read_stream(payload, "answer").to_pylist(), direct(index, rows[:3]))
+        send(2, 4, message)
+        send(3, 1, b"not arrow")
+        send(4, 3, not_portable)
+        send(5, 0, message)
+        send(6, 3, message)
+        got = answers(5)
+        assert got[6][0] == b"ok"
+        assert {mid: got[mid][0] for mid in (2, 3, 4, 5)} == dict.fromkeys((2, 3, 4, 5), b"error")
+        assert got[2][2].decode() == ("the engine could not read a front-end's message: 3 requests, where the "
+                                      "front-end counted 4")
+        assert got[3][2].decode().startswith("the engine could not read a front-end's message: a front-end's "
+                                             "message: not an Arrow IPC stream")
+        assert got[5][2].decode() == "a front-end's message counts 0 requests"
+        assert all(b"\n" not in got[mid][2] for mid in (2, 3, 4, 5))
+        assert engine.batcher.failed_batches == 0
     finally:
         socket.close()
 

@@ -29,7 +29,7 @@ from runtime.result import table_of
 from runtime.server.engine_api import Refused, arrow_stream, read_stream
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
-from sidindex.errors import InputError, ScorerError
+from sidindex.errors import InputError, ScorerError, SidIndexError
 from sidindex.requests import Requests, from_portable
 from sidindex.targeting import TargetingSpec
 
@@ -99,6 +99,8 @@ class Batcher:
         try:
             return await answer
         finally:
+            if answer.done() and not answer.cancelled():
+                answer.exception()  # seen, though its caller was cancelled before it could be
             answer.cancel()  # its rows not yet run are dropped (a future done stays as it is)
 
     def answer_message(self, message: pa.Buffer, rows: int, spec: TargetingSpec | None,
@@ -107,6 +109,8 @@ class Batcher:
         form (`sidindex.requests.portable`) validated against `spec` (None: another snapshot's),
         in the event loop: a future of the result table as an Arrow IPC stream and the snapshot
         that served it (cancel it to drop its rows not yet run). Refused (503) when the queue is full."""
+        if rows < 1:  # a front-end sends none: validation refuses an empty body
+            raise SidIndexError(f"a front-end's message counts {rows} requests")
         return self._queued(Pending(None, spec, self._future(), rows, message), timeout)
 
     def _future(self) -> asyncio.Future:
@@ -215,12 +219,13 @@ class Batcher:
             if not p.future.done():
                 p.future.set_exception(error if isinstance(error, Exception) else RuntimeError(str(error)))
 
-    def _run(self, pieces: list[tuple[Pending, int, int]]) -> list[tuple[pa.Table, str] | InputError | None]:
+    def _run(self, pieces: list[tuple[Pending, int, int]]) -> list[tuple[pa.Table, str] | SidIndexError | None]:
         """The requests' pieces (rows lo..hi-1 of each) as one batch on the snapshot served now,
         on the batch thread. Per piece: its request's table and snapshot once all its rows ran
-        (None while some are left), or the InputError of a request the snapshot's targeting spec
-        refuses (a snapshot with another spec was swapped in since it arrived). A request whose
-        earlier pieces ran on another snapshot starts again on this one."""
+        (None while some are left), or its own error: the InputError of a request the snapshot's
+        targeting spec refuses (a snapshot with another spec was swapped in since it arrived), the
+        SidIndexError of a front-end's message the engine cannot read. A request whose earlier
+        pieces ran on another snapshot starts again on this one."""
         index = self.retriever.index
         answers: list = [None] * len(pieces)
         parts: list[tuple[int, Requests]] = []
@@ -235,7 +240,7 @@ class Batcher:
                 elif p.spec != index.spec:
                     p.requests = requests_from(p.requests.table, index, source="request body")
                 p.spec = index.spec
-            except InputError as e:
+            except SidIndexError as e:  # a request a new snapshot's spec refuses, a message not read: its own answer
                 answers[i] = e
                 continue
             parts.append((i, p.requests.rows(lo, hi)))
@@ -269,13 +274,19 @@ class Batcher:
 
 def _read_message(p: Pending, index) -> Requests:
     """A front-end's message as its requests: as they were validated, or validated again
-    against `index` when that was another snapshot's spec (InputError: one it refuses)."""
+    against `index` when that was another snapshot's spec (InputError: one it refuses, the
+    client's 400). A message the engine cannot read is the server's fault, not the client's: a
+    SidIndexError (500) for this request alone."""
     assert p.message is not None
-    table = read_stream(p.message, "request body")
-    if table.num_rows != p.rows:
-        raise InputError(f"request body: {table.num_rows:,} requests, where the front-end counted {p.rows:,}")
-    if p.spec == index.spec:
-        return from_portable(table, index.spec, "request body")
+    try:
+        table = read_stream(p.message, "a front-end's message")
+        if table.num_rows != p.rows:
+            raise InputError(f"{table.num_rows:,} requests, where the front-end counted {p.rows:,}")
+        if p.spec == index.spec:
+            return from_portable(table, index.spec, "request body")
+    except Exception as e:  # a front-end of another version, a corrupt message
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SidIndexError(f"the engine could not read a front-end's message: {why}") from None
     return requests_from(table, index, source="request body")
 
 

@@ -236,6 +236,7 @@ class RetrievalServer:
         """Serve on host:port (or on `sockets`, listening already: a front-end process's) until
         SIGTERM or SIGINT, then drain (module doc); arrived: signals noted before this listened
         (they stop it at once)."""
+        import polars  # noqa: F401 (the JSON answers' writer: imported here, not on the loop at the first answer)
         import uvicorn
 
         server = self
@@ -322,7 +323,9 @@ def _json_body(table: pa.Table, snapshot: str) -> bytes:
 
     out = io.BytesIO()
     out.write(b'{"snapshot":' + orjson.dumps(snapshot) + b',"rows":')
-    pl.from_arrow(table).write_json(out)
+    frame = pl.from_arrow(table)
+    assert isinstance(frame, pl.DataFrame)  # a table's, not a series
+    frame.write_json(out)
     out.write(b"}")
     return out.getvalue()
 

@@ -160,7 +160,10 @@ class EngineClient:
         if outcome == b"ok":
             if snapshot != target.snapshot:  # a swap: validate the next requests against the new one
                 await self.status()
-            return read_stream(payload.buffer, "the engine's answer"), snapshot
+            try:
+                return read_stream(payload.buffer, "the engine's answer"), snapshot
+            except InputError as e:  # the server's fault, not the client's
+                raise SidIndexError(str(e)) from None
         message = payload.bytes.decode()
         if outcome == b"bad_request":
             raise InputError(message)
