@@ -106,11 +106,12 @@ def shard_of(sub: Subtrie, lo: int, hi: int, ad_value: np.ndarray | None) -> Sha
 # every shard's inputs to it are the earlier shards' own (an update that changed other arrays)
 def _inputs(name: str, g: GTMIndex) -> tuple[object, ...]:
     for p in g.planes:
-        if name == f"{p.name}_table":
+        names = plane_arrays(p.name)
+        if name == names.table:
             return (p.table,)
-        if name == f"{p.name}_index":
+        if name == names.index:
             return (p.index, p.table, g.depth_offsets)
-        if name == f"part_{p.name}_index":
+        if name == names.part_index:
             return (p.part_index, p.table, g.part_offsets, g.depth_offsets)
     if name in ("node_offsets", "csr_child_nodes", "depth_offsets"):
         return (g.node_offsets, g.depth_offsets)
