@@ -104,7 +104,7 @@ import httpx
 import numpy as np
 
 from bench.load_check import Checker
-from bench.load_clients import JSON_HEADERS, child_clients, merged, schedule
+from bench.load_clients import JSON_HEADERS, child_clients, merged, parse_answers, schedule
 from bench.load_report import load_figures, report
 from bench.load_wrk import run_wrk, wrk_path
 from bench.report import write_json
@@ -375,10 +375,12 @@ def large_body(bodies: list[bytes], rows: int) -> bytes:
                       separators=(",", ":")).encode()
 
 
-async def large_request(url: str, start: float, seconds: float, body: bytes, rows: int, events: list) -> None:
+async def large_request(url: str, start: float, seconds: float, body: bytes, rows: int, pool: int, events: list,
+                        checked: list) -> None:
     """The large scenario's body of `rows` requests, posted at a third of the scenario (module
     doc): when it was sent and answered, its status, and how many of its requests the answer holds
-    rows of."""
+    rows of; its answer, one per request as a single request's would be (`load_clients.parse_answers`:
+    request i is the pool's i % pool), into `checked`, for the checker."""
     await asyncio.sleep(max(0.0, start + seconds / 3 - time.monotonic()))
     t0 = time.monotonic()
     async with httpx.AsyncClient(timeout=600) as http:
@@ -387,6 +389,16 @@ async def large_request(url: str, start: float, seconds: float, body: bytes, row
     answered = len({row["request_id"] for row in r.json()["rows"]}) if r.status_code == 200 else 0
     events.append({"kind": "large request", "rows": rows, "status": r.status_code, "requests_answered": answered,
                    "started_s": t0 - start, "finished_s": t1 - start})
+    if r.status_code == 200:
+        doc = r.json()
+        per: list[list[dict]] = [[] for _ in range(rows)]
+        for row in doc["rows"]:
+            per[row["request_id"]].append(row | {"request_id": row["request_id"] % pool})
+        sends = {"k": np.arange(rows) + (1 << 40), "client": np.zeros(rows, np.int64), "idx": np.arange(rows) % pool,
+                 "t": np.full(rows, t0 - start)}  # k: after every single send
+        raw = [(t0, t1, 200, doc["snapshot"], json.dumps({"snapshot": doc["snapshot"], "rows": p}).encode())
+               for p in per]
+        checked.append(parse_answers(sends, raw, start))
 
 
 async def monitor(root: Path, url: str, start: float, stop: asyncio.Event, samples: list) -> None:
@@ -446,6 +458,7 @@ async def scenario(name: str, server: Server, root: Path, args, seconds: float, 
         proc.stdin.write(f"{start!r}\n".encode())
         await proc.stdin.drain()
     events, samples, stop = [], [], asyncio.Event()
+    large: list[dict[str, np.ndarray]] = []  # the large body's answer, per request
     watch = asyncio.create_task(monitor(root, server.url, start, stop, samples))
     action = None
     if name == "publisher":
@@ -455,7 +468,7 @@ async def scenario(name: str, server: Server, root: Path, args, seconds: float, 
         action = asyncio.create_task(corrupter(root, start, seconds, events))
     elif name == "large":
         action = asyncio.create_task(large_request(server.url, start, seconds, large_body(bodies, args.large_rows),
-                                                   args.large_rows, events))
+                                                   args.large_rows, len(bodies), events, large))
     for proc, _ in children:
         if await proc.wait() != 0:
             raise RuntimeError(f"a client process of scenario {name} exited with {proc.returncode}")
@@ -477,7 +490,8 @@ async def scenario(name: str, server: Server, root: Path, args, seconds: float, 
     res["last_errors_seen"] = sorted({s[3] for s in samples if s[3]})
     if name == "corrupt":
         res["answered_while_refused"] = answered_while_refused(answers, res["windows"], end)
-    return res | load_figures(answers, res["windows"], seconds), answers
+    # the large body's rows are checked with the single answers (its requests are the pool's), not timed with them
+    return res | load_figures(answers, res["windows"], seconds), merged([answers, *large])
 
 
 def answered_while_refused(a: dict[str, np.ndarray], windows: list[dict], end: float) -> int | None:

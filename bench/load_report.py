@@ -197,9 +197,12 @@ def verdicts(s: dict) -> list[tuple[bool, str]]:
     """What a user relies on, per scenario."""
     ties = f" ({s['near_ties']} of them near ties: the same scores within 1e-5 rank by rank, ads of near-equal " \
         "scores in another order)" if s["near_ties"] else ""
-    out = [(s["checked"] == s["ok"] > 0 and s["mismatches"] == 0,
-            f"{s['checked']} answers checked, {s['mismatches']} differ from a direct retrieve on the snapshot they "
-            f"name{ties}"),
+    # a large body answered is checked request by request with the single answers
+    large = sum(e["rows"] for e in s["events"] if e["kind"] == "large request" and e["status"] == 200)
+    within = f" ({large:,} of them the large body's requests)" if large else ""
+    out = [(s["checked"] == s["ok"] + large and s["ok"] > 0 and s["mismatches"] == 0,
+            f"{s['checked']} answers checked{within}, {s['mismatches']} differ from a direct retrieve on the "
+            f"snapshot they name{ties}"),
            (s["failed"] == 0, f"{s['failed']} of {s['sent']} requests failed")]
     if s["scenario"] == "publisher":
         out.append((s["swaps_seen"] >= 1, f"{s['swaps_seen']} swaps seen in the answers"))
@@ -208,9 +211,9 @@ def verdicts(s: dict) -> list[tuple[bool, str]]:
         srv = s["server"]
         batch_ms = 1e3 * srv["batch_seconds"] / srv["batches"] if srv.get("batches") else None
         for e in large:
-            out.append((e["status"] == 200 and e["requests_answered"] == e["rows"],
-                        f"the large body of {e['rows']:,} requests: status {e['status']}, rows for "
-                        f"{e['requests_answered']:,} of them, in {e['finished_s'] - e['started_s']:.2f} s"))
+            out.append((e["status"] == 200, f"the large body of {e['rows']:,} requests: status {e['status']}, rows "
+                        f"for {e['requests_answered']:,} of them (each request's checked with the answers above), "
+                        f"in {e['finished_s'] - e['started_s']:.2f} s"))
         during, other = s["p99_during_swaps_ms"], s["p99_other_ms"]
         if large and during is not None and other is not None and batch_ms is not None:
             out.append((during <= other + 2 * batch_ms,
