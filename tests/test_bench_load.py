@@ -144,3 +144,18 @@ def test_the_engine_bench_runs_each_checkout_and_reports_its_loop(built, tmp_pat
     assert sorted(results) == sorted(["this checkout", str(repo)])
     for (run,) in results.values():
         assert run["rps"] > 0 and run["loop_cpu_us"] > 0 and 1 <= run["rows_per_batch"] <= 64
+
+
+def test_a_large_bodys_answer_is_checked_request_by_request(built, tmp_path, capsys):
+    """The large scenario: the body's answer is split into its requests, each checked against a
+    direct retrieve of the pool request it repeats, with the single answers."""
+    cache, _ = built
+    out = tmp_path / "load.json"
+    assert bl.main(["--ads", str(ADS), "--dim", str(DIM), "--beams", BEAMS, "--device", "cpu", "--rate", "20",
+                    "--clients", "4", "--procs", "1", "--seconds", "3", "--pool", "16", "--large-rows", "40",
+                    "--scenarios", "large", "--no-wrk", "--cache", str(cache), "--json", str(out)]) == 0
+    (large,) = json.loads(out.read_text())["scenarios"]
+    (event,) = [e for e in large["events"] if e["kind"] == "large request"]
+    assert event["status"] == 200 and event["rows"] == 40
+    assert large["checked"] == large["ok"] + 40 and large["mismatches"] == 0, large["mismatch_samples"]
+    assert "40 of them the large body's requests" in capsys.readouterr().out
