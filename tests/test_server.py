@@ -793,3 +793,44 @@ def test_a_json_answer_holds_every_row_exactly_and_no_beam_as_null():
     assert np.array_equal(np.isnan(got), np.isinf(score))
     assert np.array_equal(got[~np.isnan(got)], score[np.isfinite(score)])
     assert orjson.loads(_json_body(table.slice(0, 0), "s"))["rows"] == []
+
+
+def test_requests_validated_for_another_embedding_width_are_validated_again(built, rows):
+    """A swap between a request's arrival and its batch to a snapshot of the same targeting spec
+    whose codebook takes another embedding width: the request is validated again, and refused
+    alone with the validator's line (400), in process and from a front-end's message; it never
+    reaches the retriever."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from runtime.server.batcher import Batcher, validated_for
+    from runtime.server.engine_api import arrow_stream
+    from runtime.server.metrics import EngineMetrics
+    from sidindex.errors import InputError
+    from sidindex.requests import portable
+
+    served = runtime.load(built, "cpu")
+    wider = SimpleNamespace(spec=served.spec, id="a-wider-codebook",
+                            codebook=SimpleNamespace(dim=served.codebook.dim + 1))
+
+    class Swapped:  # the retriever once the wider snapshot is served; it must not run the request
+        index, in_flight = wider, 1
+
+        def run(self, *args, **kwargs):
+            raise AssertionError("a request validated for another embedding width ran")
+
+    reqs = runtime.requests_from(rows[:2], served)
+
+    async def answers():
+        batcher = Batcher(Swapped(), EngineMetrics(8), max_batch=8)  # type: ignore[arg-type]
+        batcher.start()
+        try:
+            with pytest.raises(InputError, match="embedding"):
+                await batcher.answer(reqs, validated_for(served), 10.0)
+            with pytest.raises(InputError, match="embedding"):
+                await batcher.answer_message(arrow_stream(portable(reqs)), 2, validated_for(served), 10.0)
+        finally:
+            batcher.stop()
+            batcher.close(10.0)
+
+    asyncio.run(answers())

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from runtime.requests import requests_from
+from runtime.requests import embedding_dim, requests_from
 from runtime.result import table_of
 from runtime.server.engine_api import Refused, arrow_stream, read_stream
 from runtime.server.metrics import EngineMetrics
@@ -33,13 +33,22 @@ from sidindex.errors import InputError, ScorerError, SidIndexError
 from sidindex.requests import Requests, from_portable
 from sidindex.targeting import TargetingSpec
 
+Validated = tuple[TargetingSpec, int | None]  # what requests are validated for: a spec and an embedding width
+
+
+def validated_for(index) -> Validated:
+    """What requests validated for `index` were checked against: its targeting spec and its
+    codebook's embedding width (None: no codebook). Requests validated for another are validated
+    again before they run (a swap between their arrival and their batch)."""
+    return index.spec, embedding_dim(index)
+
 
 @dataclass(eq=False)
 class Pending:
     """One request's validated rows, answered (`future`) once they all ran on one snapshot."""
 
     requests: Requests | None  # None until the batch thread reads `message`
-    spec: TargetingSpec | None  # the spec it was validated against (None: validate again before it runs)
+    validated: Validated | None  # what it was validated against (None: validate again before it runs)
     future: asyncio.Future
     rows: int  # its rows
     # from a front-end (`runtime.server.link`): its rows as an Arrow IPC stream of their portable
@@ -88,14 +97,14 @@ class Batcher:
         self._slots = asyncio.Semaphore(self.in_flight)
         self._worker = asyncio.create_task(self._batches())
 
-    async def answer(self, requests: Requests, spec: TargetingSpec | None, timeout: float | None) -> tuple[pa.Table,
+    async def answer(self, requests: Requests, validated: Validated | None, timeout: float | None) -> tuple[pa.Table,
                                                                                                           str]:
         """The result table of validated requests (`runtime.result.table_of`, the client's
         request ids) and the snapshot that served them; Refused when the queue is full (503) or
         no answer came within `timeout` seconds (504: its rows not yet run are dropped); the
         batch's error when it failed (an InputError for a request a new snapshot's spec refuses,
         a ScorerError naming the request's id)."""
-        answer = self._queued(Pending(requests, spec, self._future(), len(requests)), timeout)
+        answer = self._queued(Pending(requests, validated, self._future(), len(requests)), timeout)
         try:
             return await answer
         finally:
@@ -103,15 +112,15 @@ class Batcher:
                 answer.exception()  # seen, though its caller was cancelled before it could be
             answer.cancel()  # its rows not yet run are dropped (a future done stays as it is)
 
-    def answer_message(self, message: pa.Buffer, rows: int, spec: TargetingSpec | None,
+    def answer_message(self, message: pa.Buffer, rows: int, validated: Validated | None,
                        timeout: float | None) -> asyncio.Future:
         """`answer` of a front-end's `rows` requests, as an Arrow IPC stream of their portable
-        form (`sidindex.requests.portable`) validated against `spec` (None: another snapshot's),
+        form (`sidindex.requests.portable`) validated against `validated` (None: another snapshot),
         in the event loop: a future of the result table as an Arrow IPC stream and the snapshot
         that served it (cancel it to drop its rows not yet run). Refused (503) when the queue is full."""
         if rows < 1:  # a front-end sends none: validation refuses an empty body
             raise SidIndexError(f"a front-end's message counts {rows} requests")
-        return self._queued(Pending(None, spec, self._future(), rows, message), timeout)
+        return self._queued(Pending(None, validated, self._future(), rows, message), timeout)
 
     def _future(self) -> asyncio.Future:
         if self._queue is None or self._queue.qsize() >= self.max_queue:
@@ -237,9 +246,9 @@ class Batcher:
             try:
                 if p.requests is None:  # a front-end's message, read here
                     p.requests = _read_message(p, index)
-                elif p.spec != index.spec:
+                elif p.validated != validated_for(index):
                     p.requests = requests_from(p.requests.table, index, source="request body")
-                p.spec = index.spec
+                p.validated = validated_for(index)
             except SidIndexError as e:  # a request a new snapshot's spec refuses, a message not read: its own answer
                 answers[i] = e
                 continue
@@ -274,7 +283,7 @@ class Batcher:
 
 def _read_message(p: Pending, index) -> Requests:
     """A front-end's message as its requests: as they were validated, or validated again
-    against `index` when that was another snapshot's spec (InputError: one it refuses, the
+    against `index` when it was for another spec or embedding width (InputError: one it refuses, the
     client's 400). A message the engine cannot read is the server's fault, not the client's: a
     SidIndexError (500) for this request alone."""
     assert p.message is not None
@@ -282,7 +291,7 @@ def _read_message(p: Pending, index) -> Requests:
         table = read_stream(p.message, "a front-end's message")
         if table.num_rows != p.rows:
             raise InputError(f"{table.num_rows:,} requests, where the front-end counted {p.rows:,}")
-        if p.spec == index.spec:
+        if p.validated == validated_for(index):
             return from_portable(table, index.spec, "request body")
     except Exception as e:  # a front-end of another version, a corrupt message
         why = str(e).splitlines()[0] if str(e) else type(e).__name__

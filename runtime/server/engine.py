@@ -16,13 +16,12 @@ import pyarrow as pa
 import torch
 
 from runtime.index.watcher import SnapshotWatcher
-from runtime.scorers.codebook import codebook_of
-from runtime.server.batcher import Batcher
+from runtime.requests import embedding_dim
+from runtime.server.batcher import Batcher, validated_for
 from runtime.server.engine_api import Target
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
 from sidindex.requests import Requests
-from sidindex.targeting import TargetingSpec
 
 UNREADY_AFTER = 5  # failed batches in a row after which /readyz answers 503
 
@@ -59,18 +58,19 @@ class Engine:
 
     async def target(self) -> Target:
         index = self.retriever.index
-        cb = codebook_of(index)
-        return Target(index.id, index.spec, None if cb is None else cb.dim)
+        return Target(index.id, index.spec, embedding_dim(index))
 
     async def answer(self, requests: Requests, target: Target, timeout: float | None) -> tuple[pa.Table, str]:
         """`runtime.server.batcher.Batcher.answer` of requests validated against `target`."""
-        return await self.batcher.answer(requests, target.spec, timeout)
+        return await self.batcher.answer(requests, (target.spec, target.dim), timeout)
 
-    def answer_message(self, message: pa.Buffer, rows: int, spec: TargetingSpec | None,
-                       timeout: float | None) -> asyncio.Future:
-        """`runtime.server.batcher.Batcher.answer_message`: a front-end's requests, read and
+    def answer_message(self, message: pa.Buffer, rows: int, snapshot: str, timeout: float | None) -> asyncio.Future:
+        """`runtime.server.batcher.Batcher.answer_message` of a front-end's requests validated
+        against `snapshot` (validated again before they run unless it is the one served): read and
         answered as Arrow IPC streams on the batch thread; a future, made in the event loop."""
-        return self.batcher.answer_message(message, rows, spec, timeout)
+        index = self.retriever.index
+        validated = validated_for(index) if snapshot == index.id else None
+        return self.batcher.answer_message(message, rows, validated, timeout)
 
     async def status(self) -> dict:
         """ready (warm, batching, and fewer than unready_after failed batches in a row), why not,

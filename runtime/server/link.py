@@ -71,11 +71,10 @@ class EngineLink:
         task of its own, and the batch thread reads the requests and writes their answer
         (`Batcher.answer_message`), as every request passes through this loop."""
         try:
-            validated_for = frames[0].bytes.decode()
+            snapshot = frames[0].bytes.decode()  # the one the front-end validated against
             timeout, rows = struct.unpack("<dQ", frames[1].bytes)
-            index = self.engine.retriever.index
-            spec = index.spec if validated_for == index.id else None
-            answer = self.engine.answer_message(frames[2].buffer, rows, spec, None if math.isnan(timeout) else timeout)
+            answer = self.engine.answer_message(frames[2].buffer, rows, snapshot,
+                                                None if math.isnan(timeout) else timeout)
         except Exception as e:  # a full queue, a message it cannot read
             self._send([peer, RUN, mid, *_refusal(e)])
             return
