@@ -16,8 +16,9 @@
 #                                          # ads (default 2000000: about 4M SIDs), bench_host, bench_warmup,
 #                                          # request_walk (the batch's path through the modules)
 #   bash bench/gpu_check.sh serve [ADS]    # the server's benchmarks alone (profile_server: the engine
-#                                          # under wrk, py-spy from .whl3/; bench_load: process models
-#                                          # and wrk, the large request) and profile_serving
+#                                          # under wrk, py-spy from .whl3/; bench_engine: the engine
+#                                          # through its link; bench_load: process models and wrk, the
+#                                          # large request) and profile_serving
 #   bash bench/gpu_check.sh all [ADS]      # the tests, then the benchmarks (and bench_load's steady
 #                                          # scenario with its wrk pass, one server process against
 #                                          # front-end processes; wrk from .deb/: apt-get download
