@@ -45,6 +45,7 @@ def engine(args) -> None:
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `sidindex serve` runs
     watcher = runtime.SnapshotWatcher(args.root, args.device)
+    # `runtime.server.batcher.batch_sizes`, written out: a --baseline checkout may predate it
     sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.max_batch} | {args.max_batch}))
     retriever = runtime.Retriever(watcher, beams=args.beams, batch_sizes=sizes, top_k=args.top_k)
     eng = Engine(watcher, retriever, max_batch=args.max_batch, poll_seconds=60.0)

@@ -197,9 +197,11 @@ def free_port() -> int:
 
 
 class Server:
-    """`sidindex serve ROOT` in a process of its own, its output in a log file."""
+    """`sidindex serve ROOT` in a process of its own, its output in a log file; env: variables
+    set for it beside this process's (e.g. PYTHONPATH, to serve another checkout)."""
 
-    def __init__(self, root: Path, args, log_path: Path, workers: int | None = None) -> None:
+    def __init__(self, root: Path, args, log_path: Path, workers: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "sidindex_cli", "serve", str(root), "--port", str(self.port),
@@ -210,7 +212,7 @@ class Server:
             cmd += ["--top-k", str(args.top_k)]
         if workers is not None:
             cmd += ["--workers", str(workers)]
-        env = dict(os.environ, COLUMNS="200")
+        env = dict(os.environ, COLUMNS="200") | (env or {})
         env.pop("TRITON_INTERPRET", None)  # a serving host runs the compiled kernels
         if args.threads:
             env |= {"OMP_NUM_THREADS": str(args.threads), "NUMBA_NUM_THREADS": str(args.threads)}
@@ -386,11 +388,11 @@ async def large_request(url: str, start: float, seconds: float, body: bytes, row
     async with httpx.AsyncClient(timeout=600) as http:
         r = await http.post(url + "/retrieve", content=body, headers=JSON_HEADERS)
     t1 = time.monotonic()
-    answered = len({row["request_id"] for row in r.json()["rows"]}) if r.status_code == 200 else 0
+    doc = r.json() if r.status_code == 200 else None  # tens of megabytes: parsed once
+    answered = 0 if doc is None else len({row["request_id"] for row in doc["rows"]})
     events.append({"kind": "large request", "rows": rows, "status": r.status_code, "requests_answered": answered,
                    "started_s": t0 - start, "finished_s": t1 - start})
-    if r.status_code == 200:
-        doc = r.json()
+    if doc is not None:
         per: list[list[dict]] = [[] for _ in range(rows)]
         for row in doc["rows"]:
             per[row["request_id"]].append(row | {"request_id": row["request_id"] % pool})

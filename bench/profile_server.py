@@ -108,13 +108,7 @@ def engine_figures(before: dict, after: dict, counters: dict) -> dict:
 def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wrk: str, env: dict) -> dict:
     """Serve ROOT, drive it with wrk for --seconds while py-spy samples the engine: the figures."""
     print(f"{label}: sidindex serve --workers {args.workers} ...", flush=True)
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        server = Server(root, args, work / f"serve-{label}.log", args.workers)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    server = Server(root, args, work / f"serve-{label}.log", args.workers, env)
     out: dict = {"label": label}
     try:
         out["ready_s"] = server.wait_ready(args.ready_timeout)

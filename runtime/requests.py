@@ -26,6 +26,7 @@ from sidindex.request_encoding import EncodedRequests
 from sidindex.requests import MAX_REQUEST_VALUES, Requests
 from sidindex.requests import read_requests as read_request_file
 from sidindex.requests import requests_from as validated
+from sidindex.targeting import TargetingSpec
 
 
 def requests_from(data: Any, index: ServedIndex, *, source: str = "requests") -> Requests:
@@ -44,6 +45,16 @@ def embedding_dim(index: ServedIndex) -> int | None:
     """The embedding width requests for `index` must have (its codebook's), or None without one."""
     cb = index.codebook
     return None if cb is None else cb.dim
+
+
+Validated = tuple[TargetingSpec, int | None]  # what a batch is validated for: a spec and an embedding width
+
+
+def validated_for(index: ServedIndex) -> Validated:
+    """What requests validated for `index` were checked against: its targeting spec and its
+    codebook's embedding width (None: no codebook). A batch validated for another is validated
+    again before it runs on `index` (a swap between its arrival and its batch)."""
+    return index.spec, embedding_dim(index)
 
 
 def to_device(requests: EncodedRequests, device: str | torch.device) -> EncodedRequests:

@@ -260,6 +260,7 @@ def serve(
         raise ConfigError(f"sidindex serve needs the extra 'serve' ({e.name} is missing): "
                           "pip install 'sidindex[serve]'") from None
     import runtime
+    from runtime.server.batcher import batch_sizes
     from runtime.server.engine import Engine
     from runtime.server.metrics import share_between_processes
 
@@ -271,7 +272,7 @@ def serve(
     if workers > 1:  # before any metric is made: every process writes them to one place
         metrics_dir = share_between_processes()
     watcher = runtime.SnapshotWatcher(root, device, trust_key=trust_key)
-    sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch} | {max_batch}))
+    sizes = batch_sizes(max_batch)
     warm_with = None if warmup is None else runtime.read_requests(warmup, watcher.current)
     err.print(f"warming snapshot {watcher.current.id} on {watcher.device} (batch sizes {', '.join(map(str, sizes))}"
               + ("" if warm_with is None else f"; with {len(warm_with):,} requests from {warmup}") + ")",

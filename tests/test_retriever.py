@@ -418,12 +418,13 @@ def test_a_warm_up_takes_served_batches_validated_for_its_own_snapshot(root, req
     """The batches a re-warm or a swap's warm-up replays: as they are under the same spec and
     embedding width; validated again under others, a padded batch (its last request repeated, ids
     included) too; refused ones left out."""
-    from runtime.serving.retriever import _for_index, _target
+    from runtime.requests import validated_for
+    from runtime.serving.retriever import _for_index
 
     index = runtime.load(root, "cpu")
     reqs = runtime.requests_from(requests_table.slice(0, 3), index)
     padded = reqs.taken(np.array([0, 1, 2, 2]))
-    assert _for_index(padded, _target(index), index) is padded
+    assert _for_index(padded, validated_for(index), index) is padded
     again = _for_index(padded, ("another spec", None), index)
     assert again is not None and len(again) == 4 and again.request_id.tolist() == [0, 1, 2, 3]
     assert again.table.drop_columns(["request_id"]).equals(padded.table.drop_columns(["request_id"]))

@@ -803,7 +803,8 @@ def test_requests_validated_for_another_embedding_width_are_validated_again(buil
     import asyncio
     from types import SimpleNamespace
 
-    from runtime.server.batcher import Batcher, validated_for
+    from runtime.requests import validated_for
+    from runtime.server.batcher import Batcher
     from runtime.server.engine_api import arrow_stream
     from runtime.server.metrics import EngineMetrics
     from sidindex.errors import InputError

@@ -24,23 +24,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from runtime.requests import embedding_dim, requests_from
+from runtime.requests import Validated, requests_from, validated_for
 from runtime.result import table_of
 from runtime.server.engine_api import Refused, arrow_stream, read_stream
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
 from sidindex.errors import InputError, ScorerError, SidIndexError
 from sidindex.requests import Requests, from_portable
-from sidindex.targeting import TargetingSpec
-
-Validated = tuple[TargetingSpec, int | None]  # what requests are validated for: a spec and an embedding width
 
 
-def validated_for(index) -> Validated:
-    """What requests validated for `index` were checked against: its targeting spec and its
-    codebook's embedding width (None: no codebook). Requests validated for another are validated
-    again before they run (a swap between their arrival and their batch)."""
-    return index.spec, embedding_dim(index)
+def batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes a server gathering at most `max_batch` rows warms (a graph each on a GPU): the
+    powers of two below it, and it, so a batch pads to at most twice its rows."""
+    return tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch} | {max_batch}))
 
 
 @dataclass(eq=False)
@@ -236,6 +232,7 @@ class Batcher:
         SidIndexError of a front-end's message the engine cannot read. A request whose earlier
         pieces ran on another snapshot starts again on this one."""
         index = self.retriever.index
+        target = validated_for(index)
         answers: list = [None] * len(pieces)
         parts: list[tuple[int, Requests]] = []
         for i, (p, lo, hi) in enumerate(pieces):
@@ -245,10 +242,10 @@ class Batcher:
                 pieces[i] = (p, lo, hi)
             try:
                 if p.requests is None:  # a front-end's message, read here
-                    p.requests = _read_message(p, index)
-                elif p.validated != validated_for(index):
+                    p.requests = _read_message(p, index, target)
+                elif p.validated != target:
                     p.requests = requests_from(p.requests.table, index, source="request body")
-                p.validated = validated_for(index)
+                p.validated = target
             except SidIndexError as e:  # a request a new snapshot's spec refuses, a message not read: its own answer
                 answers[i] = e
                 continue
@@ -281,7 +278,7 @@ class Batcher:
         return answers
 
 
-def _read_message(p: Pending, index) -> Requests:
+def _read_message(p: Pending, index, target: Validated) -> Requests:
     """A front-end's message as its requests: as they were validated, or validated again
     against `index` when it was for another spec or embedding width (InputError: one it refuses, the
     client's 400). A message the engine cannot read is the server's fault, not the client's: a
@@ -291,7 +288,7 @@ def _read_message(p: Pending, index) -> Requests:
         table = read_stream(p.message, "a front-end's message")
         if table.num_rows != p.rows:
             raise InputError(f"{table.num_rows:,} requests, where the front-end counted {p.rows:,}")
-        if p.validated == validated_for(index):
+        if p.validated == target:  # `validated_for(index)`
             return from_portable(table, index.spec, "request body")
     except Exception as e:  # a front-end of another version, a corrupt message
         why = str(e).splitlines()[0] if str(e) else type(e).__name__

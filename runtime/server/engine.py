@@ -16,8 +16,8 @@ import pyarrow as pa
 import torch
 
 from runtime.index.watcher import SnapshotWatcher
-from runtime.requests import embedding_dim
-from runtime.server.batcher import Batcher, validated_for
+from runtime.requests import embedding_dim, validated_for
+from runtime.server.batcher import Batcher
 from runtime.server.engine_api import Target
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever

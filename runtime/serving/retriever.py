@@ -30,7 +30,7 @@ import torch
 from runtime.index.served import ServedIndex
 from runtime.index.watcher import SnapshotWatcher
 from runtime.ops.compiles import compiles
-from runtime.requests import embedding_dim, requests_from
+from runtime.requests import Validated, requests_from, validated_for
 from runtime.result import Retrieved, concat, requests_part, table_of
 from runtime.scorers.factory import ScorerFactory, as_factory
 from runtime.search.beam import DEFAULT_BEAMS, Scorer, check_slack, check_value_weight, parse_beams
@@ -118,7 +118,7 @@ class Retriever:
         self._in_use: collections.Counter[int] = collections.Counter()  # calls running, by id of their index
         self._retired: set[int] = set()  # indexes served before, still warmed for a call running on them
         self._warmup = None if warmup is None else self._validated(warmup, first, "warm-up requests")
-        self._warmup_for = _target(first)  # ... the spec and embedding width they were validated for
+        self._warmup_for = validated_for(first)  # ... the spec and embedding width they were validated for
         self._closed = threading.Event()  # set by `close`: a warm-up in progress stops at its next batch
         # batches served lately that a warm-up replays: each one a frozen searcher could not hold,
         # and one in TRAFFIC_EVERY of the others (`_batch`)
@@ -306,7 +306,7 @@ class Retriever:
                     self._frozen_batches += 1
                     if overflowed or self._frozen_batches % TRAFFIC_EVERY == 0:
                         with self._traffic_lock:  # what the next warm-up replays
-                            self._traffic.append((_target(flight.warmed.index), flight.padded))
+                            self._traffic.append((validated_for(flight.warmed.index), flight.padded))
                     if overflowed and self.warm and self._frozen_batches >= self._rewarm_after:
                         self._start_rewarm(flight.warmed.index)
         return found if len(flight.padded) == flight.n else requests_part(found, 0, flight.n)  # padding dropped
@@ -497,16 +497,11 @@ class WarmupAbandoned(SidIndexError):
     """A warm-up stopped half way because its Retriever was closed."""
 
 
-def _target(index: ServedIndex) -> tuple:
-    """What a batch is validated for on `index`: its targeting spec and embedding width."""
-    return index.spec, embedding_dim(index)
-
-
-def _for_index(reqs: Requests, served_for: tuple, index: ServedIndex) -> Requests | None:
-    """A batch served as validated for `served_for` (`_target`), for a warm-up of `index`: itself
-    when that is `index`'s too, else validated again (its rows numbered anew: a padded batch repeats
-    its last request), or None when `index` refuses it."""
-    if served_for == _target(index):
+def _for_index(reqs: Requests, served_for: Validated, index: ServedIndex) -> Requests | None:
+    """A batch served as validated for `served_for` (`runtime.requests.validated_for`), for a
+    warm-up of `index`: itself when that is `index`'s too, else validated again (its rows numbered
+    anew: a padded batch repeats its last request), or None when `index` refuses it."""
+    if served_for == validated_for(index):
         return reqs
     table = reqs.table.set_column(reqs.table.column_names.index("request_id"), "request_id",
                                   pa.array(np.arange(len(reqs), dtype=np.int64)))
