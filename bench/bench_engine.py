@@ -1,5 +1,5 @@
 """The engine process of `sidindex serve --workers N` through its link alone: requests/s, latency
-and the event loop's CPU per request, with no HTTP in front.
+and the CPU per request of the thread every request passes through, with no HTTP in front.
 
     python bench/bench_engine.py                                  # the CPU: data_samples' ROOT, beams 1,2,2,2
     python bench/bench_engine.py --baseline .baseline             # against another checkout, alternating
@@ -9,8 +9,9 @@ The engine (`runtime.server.engine.Engine` and its `runtime.server.link.EngineLi
 `serve_processes` runs them) serves in a process of its own; a client process validates requests
 as a front-end does and sends them through the front-end's own `EngineClient`, keeping --window
 requests outstanding (one request per message, as HTTP brings them), --requests in all. Every
-request passes through the engine's event loop, so the loop's CPU per request (the loop thread's
-CPU time over the run) bounds what one engine answers. --baseline DIR runs the same with another
+request passes through the link (a thread of its own; in older checkouts, the engine's event
+loop), so its CPU per request (that thread's CPU time over the run) bounds what one engine
+answers; the engine process's CPU per request is beside it. --baseline DIR runs the same with another
 checkout's packages first on PYTHONPATH (`git archive REV runtime sidindex sidindex_cli schemas
 pipelines | tar x -C DIR`), engine and client both, the two alternating --runs times on one
 machine. The ROOT: `data_samples/` built once under --cache, or with --ads, `bench_stream.catalog_root`'s.
@@ -37,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def engine(args) -> None:
-    """The engine process: warm, serve the link until SIGINT, then print the loop's CPU per request."""
+    """The engine process: warm, serve the link until SIGINT, then print the link's and the
+    process's CPU per request."""
     import runtime
     from runtime.server.engine import Engine
     from runtime.server.http import SWITCH_INTERVAL_S
@@ -49,23 +51,42 @@ def engine(args) -> None:
     sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.max_batch} | {args.max_batch}))
     retriever = runtime.Retriever(watcher, beams=args.beams, batch_sizes=sizes, top_k=args.top_k)
     eng = Engine(watcher, retriever, max_batch=args.max_batch, poll_seconds=60.0)
-    began = {}
-
-    async def serve() -> None:
-        link = EngineLink(eng, args.engine)
-        await eng.start()
-        began["cpu"] = time.thread_time()
+    link = EngineLink(eng, args.engine)
+    began = {"process": time.process_time()}
+    if hasattr(link, "start"):  # the link on a thread of its own
+        asyncio.run(eng.start())
+        link.start()
+        began["link"] = thread_cpu(link._thread.native_id)
         print("ready", flush=True)
-        await link.run()
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+        link_cpu = thread_cpu(link._thread.native_id) - began["link"]
+        link.close()
+    else:  # a checkout whose link is a task of the engine's event loop (`run`)
+        async def serve() -> None:
+            await eng.start()
+            began["link"] = time.thread_time()
+            print("ready", flush=True)
+            await link.run()
 
-    try:
-        asyncio.run(serve())
-    except KeyboardInterrupt:
-        pass
+        try:
+            asyncio.run(serve())
+        except KeyboardInterrupt:
+            pass
+        link_cpu = time.thread_time() - began["link"]
     c = retriever.counters
-    print(json.dumps({"loop_cpu_us": (time.thread_time() - began["cpu"]) / max(c.requests, 1) * 1e6,
-                      "rows_per_batch": c.requests / max(c.batches, 1)}), flush=True)
+    n = max(c.requests, 1)
+    print(json.dumps({"link_cpu_us": link_cpu / n * 1e6, "process_cpu_us": (time.process_time() - began["process"])
+                      / n * 1e6, "rows_per_batch": c.requests / max(c.batches, 1)}), flush=True)
     eng.close(10.0)
+
+
+def thread_cpu(native_id: int) -> float:
+    """CPU seconds (user and system) of a thread of this process, from /proc (Linux)."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def client(args) -> None:
@@ -196,21 +217,23 @@ def main(argv: list[str] | None = None) -> int:
             results[label].append(one_run(args, root, code))
     t = Table(title=f"the engine through its link ({args.device}, beams {args.beams}, max batch {args.max_batch}, "
                     f"{args.window} outstanding, {args.requests:,} requests a run); the median run")
-    for c in ("code", "req/s", "p50 ms", "p99 ms", "loop CPU µs per request", "rows per batch", "client busy",
-              "runs (req/s)"):
+    for c in ("code", "req/s", "p50 ms", "p99 ms", "link CPU µs/req", "engine CPU µs/req", "rows per batch",
+              "client busy", "runs (req/s)"):
         t.add_column(c, justify="left" if c == "code" else "right")
     medians = {}
     for label, runs in results.items():
         m = sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]
         medians[label] = m
-        t.add_row(label, f"{m['rps']:,.0f}", f"{m['p50_ms']:.2f}", f"{m['p99_ms']:.2f}", f"{m['loop_cpu_us']:.0f}",
-                  f"{m['rows_per_batch']:.1f}", f"{m['client_busy']:.0%}", ", ".join(f"{r['rps']:,.0f}" for r in runs))
+        t.add_row(label, f"{m['rps']:,.0f}", f"{m['p50_ms']:.2f}", f"{m['p99_ms']:.2f}", f"{m['link_cpu_us']:.0f}",
+                  f"{m['process_cpu_us']:.0f}", f"{m['rows_per_batch']:.1f}", f"{m['client_busy']:.0%}",
+                  ", ".join(f"{r['rps']:,.0f}" for r in runs))
     console = Console(width=160)
     console.print(t)
     if args.baseline is not None:
         a, b = medians["this checkout"], medians[str(args.baseline)]
-        console.print(f"this checkout / {args.baseline}: {a['rps'] / b['rps']:.2f}x requests/s, loop CPU per request "
-                      f"{a['loop_cpu_us'] / b['loop_cpu_us']:.2f}x")
+        console.print(f"this checkout / {args.baseline}: {a['rps'] / b['rps']:.2f}x requests/s, link CPU per request "
+                      f"{a['link_cpu_us'] / b['link_cpu_us']:.2f}x, engine CPU per request "
+                      f"{a['process_cpu_us'] / b['process_cpu_us']:.2f}x")
     write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "results": results})
     return 0
 

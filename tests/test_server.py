@@ -55,8 +55,8 @@ HTTP_OPTIONS = ("max_body_bytes", "max_request_rows", "timeout_ms", "drain_secon
 
 
 class EngineThread:
-    """An engine process stood in for by a thread: the Engine and its link (`runtime.server.link`) on an
-    event loop of their own, as `runtime.server.frontend.serve_processes` runs them."""
+    """An engine process stood in for by this one: the Engine and its link (`runtime.server.link`)
+    on threads of their own, as `runtime.server.frontend.serve_processes` runs them."""
 
     def __init__(self, engine: Engine) -> None:
         import asyncio
@@ -66,26 +66,13 @@ class EngineThread:
 
         self.engine, self.place = engine, tempfile.mkdtemp(prefix="sx-")  # short: a socket path's limit
         self.address = f"ipc://{self.place}/engine"
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-        async def begin():
-            await engine.start()
-            self.task = asyncio.create_task(EngineLink(engine, self.address).run())
-
-        asyncio.run_coroutine_threadsafe(begin(), self.loop).result(30)
+        self.link = EngineLink(engine, self.address)
+        asyncio.run(engine.start())
+        self.link.start()
 
     def stop(self) -> None:
-        import asyncio
-
-        async def end():
-            self.task.cancel()
-            self.engine.stop()
-
-        asyncio.run_coroutine_threadsafe(end(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
+        self.link.close()
+        self.engine.stop()
         shutil.rmtree(self.place, ignore_errors=True)
 
 
@@ -563,7 +550,7 @@ def test_the_engine_answers_a_front_ends_messages_and_refuses_bad_ones(root, row
     import zmq
 
     from runtime.requests import requests_from
-    from runtime.server.engine_api import arrow_stream, read_stream
+    from runtime.server.engine_api import batch_message, read_batch_messages
     from sidindex.requests import portable
 
     server, engine = serving(root, split=True, max_wait_us=200_000)  # what arrives together, batched together
@@ -573,12 +560,12 @@ def test_the_engine_answers_a_front_ends_messages_and_refuses_bad_ones(root, row
     socket.setsockopt(zmq.RCVTIMEO, 30_000)
     socket.connect(server.engine.address)  # the front-end's link's
     reqs = requests_from(rows[:3], index, source="t")
-    message = arrow_stream(portable(reqs))
-    not_portable = arrow_stream(pa.table({"x": [1, 2, 3]}))
+    message = batch_message(portable(reqs))
+    not_portable = batch_message(pa.table({"x": [1, 2, 3]}))
 
     def send(mid: int, count: int, body, snapshot: str | None = None) -> None:
         socket.send_multipart([b"run", struct.pack("<Q", mid), (snapshot or index.id).encode(),
-                               struct.pack("<dQ", math.nan, count), body])
+                               struct.pack("<dQ", math.nan, count), *body])
 
     def answers(n: int) -> dict[int, list[bytes]]:
         got = [socket.recv_multipart() for _ in range(n)]
@@ -587,23 +574,28 @@ def test_the_engine_answers_a_front_ends_messages_and_refuses_bad_ones(root, row
     try:
         send(0, 3, message)
         send(1, 3, message, "an-earlier-snapshot")  # validated again, here
-        for mid, (outcome, served, payload) in answers(2).items():
+        for mid, (outcome, served, schema, batch) in answers(2).items():
             assert (mid, outcome, served.decode()) == (mid, b"ok", index.id)
-            assert same_rows(read_stream(payload, "answer").to_pylist(), direct(index, rows[:3]))
+            assert same_rows(read_batch_messages(schema, [batch], "answer").to_pylist(), direct(index, rows[:3]))
         send(2, 4, message)
-        send(3, 1, b"not arrow")
+        send(3, 1, (message[0], b"not arrow"))  # its schema's, beside good messages of that schema
         send(4, 3, not_portable)
         send(5, 0, message)
         send(6, 3, message)
-        got = answers(5)
-        assert got[6][0] == b"ok"
-        assert {mid: got[mid][0] for mid in (2, 3, 4, 5)} == dict.fromkeys((2, 3, 4, 5), b"error")
+        send(7, 3, message[:1])
+        send(8, 3, message)
+        got = answers(7)
+        assert got[6][0] == got[8][0] == b"ok"
+        assert same_rows(read_batch_messages(*got[8][2:3], [got[8][3]], "answer").to_pylist(), direct(index, rows[:3]))
+        bad = (2, 3, 4, 5, 7)
+        assert {mid: got[mid][0] for mid in bad} == dict.fromkeys(bad, b"error")
         assert got[2][2].decode() == ("the engine could not read a front-end's message: 3 requests, where the "
                                       "front-end counted 4")
         assert got[3][2].decode().startswith("the engine could not read a front-end's message: a front-end's "
                                              "message: not an Arrow IPC stream")
         assert got[5][2].decode() == "a front-end's message counts 0 requests"
-        assert all(b"\n" not in got[mid][2] for mid in (2, 3, 4, 5))
+        assert got[7][2].decode() == "a front-end's message of 3 frames, not 4"
+        assert all(b"\n" not in got[mid][2] for mid in bad)
         assert engine.batcher.failed_batches == 0
     finally:
         socket.close()
@@ -801,11 +793,12 @@ def test_requests_validated_for_another_embedding_width_are_validated_again(buil
     alone with the validator's line (400), in process and from a front-end's message; it never
     reaches the retriever."""
     import asyncio
+    import functools
     from types import SimpleNamespace
 
     from runtime.requests import validated_for
-    from runtime.server.batcher import Batcher
-    from runtime.server.engine_api import arrow_stream
+    from runtime.server.batcher import Batcher, Pending
+    from runtime.server.engine_api import batch_message
     from runtime.server.metrics import EngineMetrics
     from sidindex.errors import InputError
     from sidindex.requests import portable
@@ -828,10 +821,35 @@ def test_requests_validated_for_another_embedding_width_are_validated_again(buil
         try:
             with pytest.raises(InputError, match="embedding"):
                 await batcher.answer(reqs, validated_for(served), 10.0)
+            loop = asyncio.get_running_loop()
+            message = loop.create_future()
+            settle = functools.partial(loop.call_soon_threadsafe, message.set_result)
+            assert batcher.put([Pending(None, validated_for(served), 2, settle, batch_message(portable(reqs)))]) == 1
             with pytest.raises(InputError, match="embedding"):
-                await batcher.answer_message(arrow_stream(portable(reqs)), 2, validated_for(served), 10.0)
+                raise await message
         finally:
             batcher.stop()
             batcher.close(10.0)
 
     asyncio.run(answers())
+
+
+def test_link_messages_of_one_schema_read_as_one_table():
+    """What crosses the link (`batch_message`): a table as its schema's and one record batch's
+    messages, dictionary columns decoded, chunks combined, no rows allowed; messages of one schema
+    read together (`read_batch_messages`) as the tables one after another; bytes that are not a
+    record batch message refused with the name given."""
+    from runtime.server.engine_api import batch_message, read_batch_messages
+    from sidindex.errors import InputError
+
+    country = pa.array(["US", None, "FR"]).dictionary_encode()
+    first = pa.table({"request_id": pa.array([1, 2, 3], pa.int64()), "country": country})
+    second = pa.concat_tables([first.slice(0, 1), first.slice(2, 1)])  # two chunks
+    plain = pa.schema([("request_id", pa.int64()), ("country", pa.string())])
+    messages = [batch_message(t) for t in (first, second, first.slice(0, 0))]
+    assert len({m[0].to_pybytes() for m in messages}) == 1  # one schema: read together
+    got = read_batch_messages(messages[0][0], [m[1] for m in messages], "m")
+    assert got.schema == plain
+    assert got.to_pylist() == first.to_pylist() + second.to_pylist()
+    with pytest.raises(InputError, match="^m: not an Arrow IPC stream"):
+        read_batch_messages(messages[0][0], [b"not a record batch"], "m")

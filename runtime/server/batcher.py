@@ -1,24 +1,27 @@
 """Fair dynamic batching of validated requests over a `runtime.Retriever`: the heart of
 `sidindex serve`'s engine (docs/design.md §19).
 
-Requests are queued as they arrive; a worker gathers them until it holds `max_batch` rows or the
-first has waited `max_wait_us`, runs them as one batch on a thread of its own (the event loop
-goes on taking requests), and answers each once all its rows ran. On a GPU two batches run at a
-time, on two threads (`Retriever.in_flight`): while one is on the device the other is staged or
-read (the graphs' two slots, `runtime.Searcher.submit`), and the next gathers meanwhile; on the
-CPU, and with a user's scorer (one slot), one. A request of more than `max_batch`
-rows runs in pieces of at most that many, one at a time, each taking its turn behind the requests
-queued meanwhile, so a large request delays a small one by a batch, not by itself. All the rows
-of an answer come from one snapshot: a request a swap interrupts runs again on the new one.
+Requests are queued from any thread (`put`): the HTTP front's event loop, or the link thread
+that reads front-ends' messages (`runtime.server.link`). `in_flight` batch threads each gather
+them until they hold `max_batch` rows or the first has waited `max_wait_us`, run them as one
+batch, and answer each, through the callback it came with, once all its rows ran. No event
+loop stands between a message and its batch: every request passes through here, and a loop
+costs several times a plain thread per request. On a GPU two batches run at a time (the graphs'
+two slots, `runtime.Searcher.submit`): while one is on the device the other gathers, is staged
+or read; on the CPU, and with a user's scorer, one. A request of more than `max_batch` rows runs
+in pieces of at most that many, each taking its turn behind the requests queued meanwhile, so a
+large request delays a small one by a batch, not by itself. All the rows of an answer come from
+one snapshot: a request a swap interrupts runs again on the new one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,11 +29,15 @@ import pyarrow as pa
 
 from runtime.requests import Validated, requests_from, validated_for
 from runtime.result import table_of
-from runtime.server.engine_api import Refused, arrow_stream, read_stream
+from runtime.server.engine_api import Refused, batch_message, read_batch_messages
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
 from sidindex.errors import InputError, ScorerError, SidIndexError
 from sidindex.requests import Requests, from_portable
+
+# what a request is answered with: its result table (for a front-end's message, its two Arrow IPC
+# messages: `runtime.server.engine_api.batch_message`) and the snapshot that served it, or its error
+Outcome = tuple[pa.Table | tuple[pa.Buffer, pa.Buffer], str] | BaseException
 
 
 def batch_sizes(max_batch: int) -> tuple[int, ...]:
@@ -41,29 +48,36 @@ def batch_sizes(max_batch: int) -> tuple[int, ...]:
 
 @dataclass(eq=False)
 class Pending:
-    """One request's validated rows, answered (`future`) once they all ran on one snapshot."""
+    """One request's validated rows, answered once (`settle`, on the thread that answers it) when
+    they all ran on one snapshot, failed, or passed their deadline (`Batcher.expire`)."""
 
     requests: Requests | None  # None until the batch thread reads `message`
     validated: Validated | None  # what it was validated against (None: validate again before it runs)
-    future: asyncio.Future
     rows: int  # its rows
-    # from a front-end (`runtime.server.link`): its rows as an Arrow IPC stream of their portable
-    # form (`sidindex.requests.portable`), read on the batch thread, and answered as an Arrow IPC
-    # stream made there: the event loop, which every request passes through, does neither
-    message: pa.Buffer | None = None
+    settle: Callable[[Outcome], None]
+    # from a front-end (`runtime.server.link`): its rows in their portable form
+    # (`sidindex.requests.portable`) as Arrow IPC messages, its schema's and its record batch's
+    # (`runtime.server.engine_api.batch_message`), read on a batch thread, and answered as the
+    # same two messages made there
+    message: tuple[bytes, pa.Buffer] | None = None
     queued: float = field(default_factory=time.perf_counter)
     done: int = 0  # its first rows that ran, on `snapshot`
     parts: list[pa.Table] = field(default_factory=list)  # its pieces' result tables, in row order
     snapshot: str | None = None
+    finished: bool = False  # answered, past its deadline or dropped: no batch takes its rows
 
     @property
     def left(self) -> int:
         return self.rows - self.done
 
+    def release(self) -> None:
+        """Let go of its rows and results once answered (a deadline's record may outlive it)."""
+        self.requests, self.message, self.parts = None, None, []
+
 
 class Batcher:
-    """The queue and the worker that batches it (module doc); `start` in the event loop that
-    calls `answer`, `close` to stop.
+    """The queue and the batch threads that empty it (module doc); `start`, then `put` from any
+    thread (or `answer` in an event loop), `close` to stop.
 
     retriever: a warmed Retriever; max_batch: the most rows a batch gathers; max_wait_us: how
     long the first request of a batch waits for others; max_queue: the most requests waiting
@@ -76,164 +90,169 @@ class Batcher:
         self.retriever, self.metrics = retriever, metrics
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait_us / 1e6, max_queue
         self.failed_batches = 0  # in a row
-        self._queue: asyncio.Queue | None = None
-        self._worker: asyncio.Task | None = None
-        self.in_flight = retriever.in_flight  # batches running at a time
-        self._pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="sidindex-batch")
-        self._running: set[Future] = set()  # the batches handed to it and not yet done
-        self._slots: asyncio.Semaphore | None = None  # in_flight batches at a time
+        self.in_flight = retriever.in_flight  # batches running at a time: one thread each
+        self._cond = threading.Condition()
+        # the requests with rows left and none running, in the order they take their next piece
+        self._active: deque[Pending] = deque()
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
 
     @property
     def started(self) -> bool:
-        return self._worker is not None and not self._worker.done()
+        return bool(self._threads) and not self._stopping
 
     def start(self) -> None:
-        """Start the worker, in the running event loop."""
-        self._queue = asyncio.Queue()
-        self._slots = asyncio.Semaphore(self.in_flight)
-        self._worker = asyncio.create_task(self._batches())
+        """Start the batch threads."""
+        self._threads = [threading.Thread(target=self._work, name=f"sidindex-batch-{i}", daemon=True)
+                         for i in range(self.in_flight)]
+        for t in self._threads:
+            t.start()
+
+    def put(self, pendings: list[Pending]) -> int:
+        """Queue `pendings`, in order, from any thread: how many were taken; the rest found the
+        queue full, or the batcher stopped (answer them 503)."""
+        with self._cond:
+            if self._stopping or not self._threads:
+                return 0
+            taken = max(0, min(len(pendings), self.max_queue - len(self._active)))
+            self._active.extend(pendings[:taken])
+            self._cond.notify_all()
+        return taken
+
+    def finish(self, p: Pending, outcome: Outcome) -> None:
+        """Answer `p` with `outcome`, unless it was answered already (its rows not yet run are dropped)."""
+        with self._cond:
+            if p.finished:
+                return
+            p.finished = True
+        p.settle(outcome)
+
+    def expire(self, p: Pending, timeout: float) -> None:
+        """A request past its deadline of `timeout` seconds: answered 504 (its rows not yet run are dropped)."""
+        if not p.finished:
+            self.finish(p, Refused(504, "timeout", f"no answer within {timeout * 1e3:,.0f} ms; the server is "
+                                   "overloaded or the request too large"))
+
+    def drop(self, p: Pending) -> None:
+        """Nobody waits for `p` any more: its rows not yet run are dropped, and it is not answered."""
+        with self._cond:
+            p.finished = True
 
     async def answer(self, requests: Requests, validated: Validated | None, timeout: float | None) -> tuple[pa.Table,
                                                                                                           str]:
-        """The result table of validated requests (`runtime.result.table_of`, the client's
-        request ids) and the snapshot that served them; Refused when the queue is full (503) or
-        no answer came within `timeout` seconds (504: its rows not yet run are dropped); the
-        batch's error when it failed (an InputError for a request a new snapshot's spec refuses,
-        a ScorerError naming the request's id)."""
-        answer = self._queued(Pending(requests, validated, self._future(), len(requests)), timeout)
+        """In an event loop: the result table of validated requests (`runtime.result.table_of`,
+        the client's request ids) and the snapshot that served them; Refused when the queue is
+        full (503) or no answer came within `timeout` seconds (504: its rows not yet run are
+        dropped, as when the caller is cancelled); the batch's error when it failed (an
+        InputError for a request a new snapshot's spec refuses, a ScorerError naming the
+        request's id)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        p = Pending(requests, validated, len(requests), functools.partial(_settle_in, loop, future))
+        if not self.put([p]):
+            raise self.refusal()
+        timer = None if timeout is None else loop.call_later(timeout, self.expire, p, timeout)
         try:
-            return await answer
+            return await future
         finally:
-            if answer.done() and not answer.cancelled():
-                answer.exception()  # seen, though its caller was cancelled before it could be
-            answer.cancel()  # its rows not yet run are dropped (a future done stays as it is)
+            if timer is not None:
+                timer.cancel()
+            self.drop(p)
 
-    def answer_message(self, message: pa.Buffer, rows: int, validated: Validated | None,
-                       timeout: float | None) -> asyncio.Future:
-        """`answer` of a front-end's `rows` requests, as an Arrow IPC stream of their portable
-        form (`sidindex.requests.portable`) validated against `validated` (None: another snapshot),
-        in the event loop: a future of the result table as an Arrow IPC stream and the snapshot
-        that served it (cancel it to drop its rows not yet run). Refused (503) when the queue is full."""
-        if rows < 1:  # a front-end sends none: validation refuses an empty body
-            raise SidIndexError(f"a front-end's message counts {rows} requests")
-        return self._queued(Pending(None, validated, self._future(), rows, message), timeout)
-
-    def _future(self) -> asyncio.Future:
-        if self._queue is None or self._queue.qsize() >= self.max_queue:
-            raise Refused(503, "busy", f"the queue holds {self.max_queue} requests; retry after 1 s", retry_after=1)
-        return asyncio.get_running_loop().create_future()
-
-    def _queued(self, pending: Pending, timeout: float | None) -> asyncio.Future:
-        """Queue a request: its future, answered 504 once `timeout` seconds passed without an answer."""
-        assert self._queue is not None  # `_future` refused it otherwise
-        self._queue.put_nowait(pending)
-        if timeout is not None:
-            timer = asyncio.get_running_loop().call_later(timeout, _expire, pending.future, timeout)
-            pending.future.add_done_callback(lambda _: timer.cancel())
-        return pending.future
+    def refusal(self) -> Refused:
+        """Why `put` did not take a request: a 503 a client may retry."""
+        if self._stopping:
+            return Refused(503, "stopping", "the server is stopping; send the request to another replica")
+        return Refused(503, "busy", f"the queue holds {self.max_queue} requests; retry after 1 s", retry_after=1)
 
     def stop(self) -> None:
-        """Stop the worker (in its event loop): no batch starts after the one running."""
-        if self._worker is not None:
-            self._worker.cancel()
+        """From any thread: no batch starts after those running (the requests waiting are not answered)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
 
     def close(self, timeout: float) -> bool:
-        """Take no more batches and wait up to `timeout` seconds for those running: True once they
-        ended."""
-        self._pool.shutdown(wait=False, cancel_futures=True)  # its threads end once their batches have
+        """Stop, and wait up to `timeout` seconds for the batches running: True once they ended."""
+        self.stop()
         end = time.monotonic() + timeout
-        for running in list(self._running):
-            try:
-                running.exception(timeout=max(0.0, end - time.monotonic()))
-            except BaseException:  # its outcome went to its requests; a batch still running says so below
-                pass
-        return all(r.done() for r in list(self._running))
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
-    async def _batches(self) -> None:
-        """Run the queued requests' rows in batches of at most max_batch rows, each request in
-        turn (module doc): `active` holds the requests with rows left, in the order they take
-        their next piece; a request with a piece running comes back through the queue once it ran
-        (`_ran`)."""
-        queue, slots = self._queue, self._slots
-        assert queue is not None and slots is not None  # made by `start`
-        active: deque[Pending] = deque()
-        while True:
-            await slots.acquire()  # released by `_ran`: requests gather while the batches run
-            if not active:
-                active.append(await queue.get())
-            while not queue.empty():  # every request that arrived takes its turn, however full the batch
-                active.append(queue.get_nowait())
-            deadline = active[0].queued + self.max_wait
-            while sum(min(p.left, self.max_batch) for p in active) < self.max_batch:
-                left = deadline - time.perf_counter()
-                try:
-                    active.append(queue.get_nowait() if left <= 0 else await asyncio.wait_for(queue.get(), left))
-                except (asyncio.QueueEmpty, asyncio.TimeoutError):
-                    break
-            pieces = _pieces(active, self.max_batch)
-            if not pieces:  # every request gathered was answered meanwhile (past its deadline)
-                slots.release()
-                continue
+    def _work(self) -> None:
+        """A batch thread: gather a batch, run it, answer it, until stopped."""
+        while (pieces := self._gather()) is not None:
             start = time.perf_counter()
             for p, lo, _ in pieces:
                 if lo == 0:
                     self.metrics.queue_wait.observe(start - p.queued)
             self.metrics.batch_size.observe(sum(hi - lo for _, lo, hi in pieces))
             try:
-                running = self._pool.submit(self._run, pieces)
-            except RuntimeError as e:  # the pool was shut down (`close`): no batch starts
-                slots.release()
+                answers = self._run(pieces)
+            except BaseException as e:  # a device's, a scorer's: every request of the batch gets it
                 self._failed(pieces, e)
-                return
-            self._running.add(running)
-            asyncio.wrap_future(running).add_done_callback(functools.partial(self._ran, pieces, start, running))
+                continue
+            self._ran(pieces, answers, start)
 
-    def _ran(self, pieces: list[tuple[Pending, int, int]], start: float, running: Future,
-             done: asyncio.Future) -> None:
-        """A batch ended (in the event loop): its requests answered, or failed with its error
-        (the server goes on); those with rows left queued again for their next piece."""
-        assert self._slots is not None and self._queue is not None  # made by `start`
-        self._slots.release()
-        self._running.discard(running)
-        error = done.exception() if not done.cancelled() else RuntimeError("the batch was cancelled: the server "
-                                                                            "is stopping")
-        if error is not None:
-            self._failed(pieces, error)
-            return
-        self.failed_batches = 0
+    def _gather(self) -> list[tuple[Pending, int, int]] | None:
+        """The next batch (`_pieces`), once the requests waiting hold `max_batch` rows or the first
+        of them has waited `max_wait`; None once stopped."""
+        with self._cond:
+            active = self._active
+            while not self._stopping:
+                while active and active[0].finished:
+                    active.popleft()
+                if not active:
+                    self._cond.wait()
+                    continue
+                wait = active[0].queued + self.max_wait - time.perf_counter()
+                if wait > 0 and not _holds(active, self.max_batch):
+                    self._cond.wait(wait)
+                    continue
+                pieces = _pieces(active, self.max_batch)
+                if pieces:
+                    return pieces
+            return None
+
+    def _ran(self, pieces: list[tuple[Pending, int, int]], answers: list, start: float) -> None:
+        """A batch ran: its requests answered (or each its own error); those with rows left queued
+        again, behind the requests that arrived meanwhile, for their next piece."""
+        with self._cond:
+            self.failed_batches = 0
+            for (p, _, _), answer in zip(pieces, answers):
+                if answer is None and not p.finished:
+                    self._active.append(p)
+            self._cond.notify_all()
         self.metrics.failed.set(0)
         self.metrics.batch.observe(time.perf_counter() - start)
-        for (p, _, _), answer in zip(pieces, done.result()):
-            if p.future.done():
-                continue
-            if isinstance(answer, Exception):
-                p.future.set_exception(answer)
-            elif answer is not None:
-                p.future.set_result(answer)
-        if not self.started:  # stopped: no batch takes them (the server's drain answers them)
-            return
-        for p, _, _ in pieces:
-            if p.left and not p.future.done():
-                self._queue.put_nowait(p)
+        for (p, _, _), answer in zip(pieces, answers):
+            if answer is not None:
+                self.finish(p, answer)
+            if p.finished:
+                p.release()
 
     def _failed(self, pieces: list[tuple[Pending, int, int]], error: BaseException) -> None:
         """Every request of a batch gets its error (a device's, a scorer's); the server goes on."""
-        self.failed_batches += 1
-        self.metrics.failed.set(self.failed_batches)
+        with self._cond:
+            self.failed_batches += 1
+            failed = self.failed_batches
+        self.metrics.failed.set(failed)
         for p, _, _ in pieces:
-            if not p.future.done():
-                p.future.set_exception(error if isinstance(error, Exception) else RuntimeError(str(error)))
+            self.finish(p, error if isinstance(error, Exception) else RuntimeError(str(error)))
+            p.release()
 
-    def _run(self, pieces: list[tuple[Pending, int, int]]) -> list[tuple[pa.Table, str] | SidIndexError | None]:
+    def _run(self, pieces: list[tuple[Pending, int, int]]) -> list[Outcome | None]:
         """The requests' pieces (rows lo..hi-1 of each) as one batch on the snapshot served now,
-        on the batch thread. Per piece: its request's table and snapshot once all its rows ran
-        (None while some are left), or its own error: the InputError of a request the snapshot's
-        targeting spec refuses (a snapshot with another spec was swapped in since it arrived), the
+        on the batch thread. Per piece: its request's outcome once all its rows ran (None while
+        some are left), or its own error: the InputError of a request the snapshot's targeting
+        spec refuses (a snapshot with another spec was swapped in since it arrived), the
         SidIndexError of a front-end's message the engine cannot read. A request whose earlier
         pieces ran on another snapshot starts again on this one."""
         index = self.retriever.index
         target = validated_for(index)
         answers: list = [None] * len(pieces)
+        unread = [p for p, _, _ in pieces if p.requests is None]
+        refused = _read_messages(unread, index, target) if unread else {}
         parts: list[tuple[int, Requests]] = []
         for i, (p, lo, hi) in enumerate(pieces):
             if p.snapshot not in (None, index.id):  # a swap since its last piece: all of it again, here
@@ -241,9 +260,10 @@ class Batcher:
                 lo, hi = 0, hi - lo
                 pieces[i] = (p, lo, hi)
             try:
-                if p.requests is None:  # a front-end's message, read here
-                    p.requests = _read_message(p, index, target)
-                elif p.validated != target:
+                if p in refused:
+                    raise refused[p]
+                assert p.requests is not None  # read above
+                if p.validated != target:
                     p.requests = requests_from(p.requests.table, index, source="request body")
                 p.validated = target
             except SidIndexError as e:  # a request a new snapshot's spec refuses, a message not read: its own answer
@@ -274,33 +294,94 @@ class Batcher:
             p.done, p.snapshot = hi, index.id
             if not p.left:
                 table = p.parts[0] if len(p.parts) == 1 else pa.concat_tables(p.parts)
-                answers[i] = (table if p.message is None else arrow_stream(table), index.id)
+                answers[i] = (table if p.message is None else batch_message(table), index.id)
         return answers
 
 
-def _read_message(p: Pending, index, target: Validated) -> Requests:
-    """A front-end's message as its requests: as they were validated, or validated again
-    against `index` when it was for another spec or embedding width (InputError: one it refuses, the
-    client's 400). A message the engine cannot read is the server's fault, not the client's: a
-    SidIndexError (500) for this request alone."""
-    assert p.message is not None
+def _read_messages(pendings: list[Pending], index, target: Validated) -> dict[Pending, SidIndexError]:
+    """Front-ends' messages as their requests (each `requests` set, validated against `target`):
+    those of one schema read as one stream, and rebuilt as validated (`from_portable`) in one
+    pass, where one read per message, each giving up the GIL and waiting for it back behind the
+    threads beside, took most of a batch's time; a message validated against another spec or
+    embedding width is validated again. Returned: each request refused, with its error: the
+    validator's InputError (the client's 400), or, for a message the engine cannot read (a
+    front-end of another version, a corrupt message), a SidIndexError (500) for it alone: a
+    group that does not read is read again message by message."""
+    groups: dict[bytes, list[Pending]] = {}
+    for p in pendings:
+        assert p.message is not None  # a front-end's: in process, requests come read
+        groups.setdefault(bytes(p.message[0]), []).append(p)
+    refused: dict[Pending, SidIndexError] = {}
+    for schema, group in groups.items():
+        try:
+            refused |= _read_group(schema, group, index, target)
+        except SidIndexError as e:
+            if len(group) == 1:
+                refused[group[0]] = e
+                continue
+            for p in group:
+                try:
+                    refused |= _read_group(schema, [p], index, target)
+                except SidIndexError as e:
+                    refused[p] = e
+    return refused
+
+
+def _read_group(schema: bytes, group: list[Pending], index, target: Validated) -> dict[Pending, SidIndexError]:
+    """`_read_messages` of messages of one schema; SidIndexError when they do not read."""
+    rows = sum(p.rows for p in group)
     try:
-        table = read_stream(p.message, "a front-end's message")
-        if table.num_rows != p.rows:
-            raise InputError(f"{table.num_rows:,} requests, where the front-end counted {p.rows:,}")
-        if p.validated == target:  # `validated_for(index)`
-            return from_portable(table, index.spec, "request body")
+        table = read_batch_messages(schema, [p.message[1] for p in group if p.message is not None],
+                                    "a front-end's message")
+        if table.num_rows != rows:
+            raise InputError(f"{table.num_rows:,} requests, where the front-end counted {rows:,}")
+        table = table.combine_chunks()
+        whole = from_portable(table, index.spec, "request body") if any(p.validated == target for p in group) \
+            else None
     except Exception as e:  # a front-end of another version, a corrupt message
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SidIndexError(f"the engine could not read a front-end's message: {why}") from None
-    return requests_from(table, index, source="request body")
+    refused: dict[Pending, SidIndexError] = {}
+    lo = 0
+    for p in group:
+        if whole is not None and p.validated == target:
+            p.requests = whole.rows(lo, lo + p.rows)
+        else:
+            try:
+                p.requests = requests_from(table.slice(lo, p.rows), index, source="request body")
+            except InputError as e:  # one a new snapshot refuses: the client's 400
+                refused[p] = e
+        p.validated = target
+        lo += p.rows
+    return refused
 
 
-def _expire(future: asyncio.Future, timeout: float) -> None:
-    """A request past its deadline: answered 504 (its rows not yet run are dropped)."""
-    if not future.done():
-        future.set_exception(Refused(504, "timeout", f"no answer within {timeout * 1e3:,.0f} ms; the server is "
-                                     "overloaded or the request too large"))
+def _settle_in(loop: asyncio.AbstractEventLoop, future: asyncio.Future, outcome: Outcome) -> None:
+    """`future` (of `loop`) takes `outcome`, from any thread."""
+    try:
+        loop.call_soon_threadsafe(_resolve, future, outcome)
+    except RuntimeError:  # the loop closed: nobody waits for it
+        pass
+
+
+def _resolve(future: asyncio.Future, outcome: Outcome) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def _holds(active: deque[Pending], most: int) -> bool:
+    """Whether the requests waiting hold a batch of `most` rows (each gives at most `most`)."""
+    rows = 0
+    for p in active:
+        if not p.finished:
+            rows += min(p.left, most)
+            if rows >= most:
+                return True
+    return False
 
 
 def _pieces(active: deque[Pending], most: int) -> list[tuple[Pending, int, int]]:
@@ -311,7 +392,7 @@ def _pieces(active: deque[Pending], most: int) -> list[tuple[Pending, int, int]]
     pieces, rows, waiting = [], 0, []
     while active:
         p = active.popleft()
-        if p.future.done():
+        if p.finished:
             continue
         n = min(p.left, most - rows)
         if n == 0 or (n < p.left <= most):

@@ -8,27 +8,28 @@ It holds a warmed `runtime.Retriever` over a `SnapshotWatcher`, the fair batcher
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import pyarrow as pa
 import torch
 
 from runtime.index.watcher import SnapshotWatcher
 from runtime.requests import embedding_dim, validated_for
-from runtime.server.batcher import Batcher
+from runtime.server.batcher import Batcher, Outcome, Pending
 from runtime.server.engine_api import Target
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
+from sidindex.errors import SidIndexError
 from sidindex.requests import Requests
 
 UNREADY_AFTER = 5  # failed batches in a row after which /readyz answers 503
 
 
 class Engine:
-    """The retriever, its batcher and its poller (module doc); `start` in the event loop that
-    calls `answer`, `close` to stop.
+    """The retriever, its batcher and its poller (module doc); `start`, then `answer` in an event
+    loop or `message` from any thread, `close` to stop.
 
     watcher: the ROOT's watcher; retriever: a warmed Retriever over it; max_batch, max_wait_us,
     max_queue: the batcher's (`runtime.server.batcher.Batcher`); poll_seconds: how often ROOT is
@@ -51,12 +52,16 @@ class Engine:
         self._poller: threading.Thread | None = None
 
     async def start(self) -> None:
-        """Start the batcher (in the running event loop) and the poller thread."""
+        """Start the batcher's threads and the poller's."""
         self.batcher.start()
         self._poller = threading.Thread(target=self._poll, name="sidindex-poll", daemon=True)
         self._poller.start()
 
     async def target(self) -> Target:
+        return self.current_target()
+
+    def current_target(self) -> Target:
+        """What the next request is validated against (from any thread)."""
         index = self.retriever.index
         return Target(index.id, index.spec, embedding_dim(index))
 
@@ -64,18 +69,25 @@ class Engine:
         """`runtime.server.batcher.Batcher.answer` of requests validated against `target`."""
         return await self.batcher.answer(requests, (target.spec, target.dim), timeout)
 
-    def answer_message(self, message: pa.Buffer, rows: int, snapshot: str, timeout: float | None) -> asyncio.Future:
-        """`runtime.server.batcher.Batcher.answer_message` of a front-end's requests validated
-        against `snapshot` (validated again before they run unless it is the one served): read and
-        answered as Arrow IPC streams on the batch thread; a future, made in the event loop."""
+    def message(self, message: tuple[bytes, pa.Buffer], rows: int, snapshot: str,
+                settle: Callable[[Outcome], None]) -> Pending:
+        """A front-end's `rows` requests (their portable form, `sidindex.requests.portable`, as
+        its schema's and its record batch's Arrow IPC messages) validated against `snapshot`, as
+        the batcher's request (`Batcher.put` it): read and answered on a batch thread (`settle`
+        gets the answer's two messages and the snapshot that served it), validated again before
+        they run unless `snapshot` is the one served."""
+        if rows < 1:  # a front-end sends none: validation refuses an empty body
+            raise SidIndexError(f"a front-end's message counts {rows} requests")
         index = self.retriever.index
-        validated = validated_for(index) if snapshot == index.id else None
-        return self.batcher.answer_message(message, rows, validated, timeout)
+        return Pending(None, validated_for(index) if snapshot == index.id else None, rows, settle, message)
 
     async def status(self) -> dict:
-        """ready (warm, batching, and fewer than unready_after failed batches in a row), why not,
-        and the snapshot served: id, format, counts, since when, why the last new one was
-        refused, the retriever's counters. Refreshes the metrics read from the retriever."""
+        return self.current_status()
+
+    def current_status(self) -> dict:
+        """From any thread: ready (warm, batching, and fewer than unready_after failed batches in
+        a row), why not, and the snapshot served: id, format, counts, since when, why the last
+        new one was refused, the retriever's counters. Refreshes the metrics read from the retriever."""
         failing = self.batcher.failed_batches >= self.unready_after
         snap = self.watcher.current.snapshot
         m = snap.manifest

@@ -9,10 +9,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from sidindex.errors import InputError
 from sidindex.requests import Requests
 from sidindex.targeting import TargetingSpec
+
+END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow IPC stream's last message
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,25 @@ def arrow_stream(table: pa.Table) -> pa.Buffer:
     with pa.ipc.new_stream(sink, table.schema) as w:
         w.write_table(table)
     return sink.getvalue()
+
+
+def batch_message(table: pa.Table) -> tuple[pa.Buffer, pa.Buffer]:
+    """`table` as two Arrow IPC messages, its schema's and one record batch's (dictionary columns
+    decoded): a request or an answer as it crosses the link. Record batch messages of one schema
+    read together as one stream (`read_batch_messages`), so the engine reads a batch's requests
+    in one call, not one per request."""
+    if any(pa.types.is_dictionary(t) for t in table.schema.types):
+        table = pa.table([pc.cast(c, c.type.value_type) if pa.types.is_dictionary(c.type) else c
+                          for c in table.columns], names=table.column_names)
+    batches = table.combine_chunks().to_batches()
+    batch = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
+    return table.schema.serialize(), batch.serialize()
+
+
+def read_batch_messages(schema, batches: list, what: str) -> pa.Table:
+    """The table of record batch messages (bytes or buffers) of one schema's message
+    (`batch_message`), read as one stream: a chunk each; InputError naming `what` if they do not read."""
+    return read_stream(b"".join([schema, *batches, END_OF_STREAM]), what)
 
 
 def read_stream(buffer, what: str) -> pa.Table:

@@ -66,7 +66,7 @@ async def _supervise(engine, listening: socket.socket, address: str, workers: in
         stop.set()
     link = EngineLink(engine, address)
     await engine.start()
-    linked = asyncio.create_task(link.run())
+    link.start()
     config = {"engine": address, "fd": listening.fileno(), "parent": os.getpid(), "http": http}
 
     def start() -> subprocess.Popen:
@@ -96,9 +96,7 @@ async def _supervise(engine, listening: socket.socket, address: str, workers: in
                 p.kill()
                 p.wait()
             process_gone(p.pid)
-        linked.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await linked
+        link.close()
         engine.stop()
 
 

@@ -3,13 +3,16 @@ ZeroMQ (pyzmq), a ROUTER socket in the engine and a DEALER in each front-end, ov
 ZeroMQ rather than a shared-memory ring: the ROUTER routes each out-of-order answer back to its
 sender with no bookkeeping of ours, and a front-end that dies loses only its own messages.
 
-    front-end -> engine   b"run", id, snapshot validated against, timeout (f64, NaN: none) and rows (u64), requests
-    engine -> front-end   b"run", id, outcome, snapshot that served, result (outcome b"ok") or one line
+    front-end -> engine   b"run", id, snapshot validated against, timeout (f64, NaN: none) and rows (u64),
+                          requests' schema, requests' record batch
+    engine -> front-end   b"run", id, b"ok", snapshot that served, result's schema, result's record batch
+                          b"run", id, outcome, b"", one line
     front-end -> engine   b"status", id
     engine -> front-end   b"status", id, JSON (`Engine.status` and the target)
 
-`requests` and `result` are Arrow IPC streams (the validated batch in its portable form; the
-result table). outcome: ok, bad_request, error, busy, timeout. The messages, when the engine
+The requests (the validated batch in its portable form) and the result table cross as two Arrow
+IPC messages each (`runtime.server.engine_api.batch_message`), so that the engine reads the
+requests of a batch in one call. outcome: ok, bad_request, error, busy, timeout. The messages, when the engine
 validates a batch again, and why ZeroMQ: docs/design.md §19 ("Processes").
 """
 
@@ -17,91 +20,159 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
 import math
 import struct
-from typing import Any
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pyarrow as pa
 
-from runtime.server.engine_api import Refused, Target, arrow_stream, read_stream
+from runtime.server.engine_api import Refused, Target, batch_message, read_batch_messages
 from sidindex.errors import InputError, SidIndexError
 from sidindex.requests import Requests, portable
 from sidindex.targeting import spec_from_dict
 
+if TYPE_CHECKING:  # a front-end process imports this module, and must not import torch
+    from runtime.server.batcher import Pending
+
 RUN, STATUS = b"run", b"status"
 PATIENCE_S = 5.0  # how long a front-end waits for the engine's status, and past a request's deadline
+PATIENCE_MS = 100  # how long the link thread waits for a message at most (it sees a stop then)
+RECEIVE_AT_ONCE = 256  # the most messages the link thread reads before sending the answers waiting
 
 
 class EngineLink:
-    """Serves an `runtime.server.engine.Engine` to front-ends: binds a ROUTER socket at `address` at
-    construction; `run` (a task of the engine's event loop) answers until cancelled."""
+    """Serves an `runtime.server.engine.Engine` to front-ends on a thread of its own: binds a ROUTER
+    socket at `address` at construction; `start`, then `close`.
+
+    The thread reads every message waiting at once and queues their requests in the batcher
+    together; the batch threads hand their answers back through an outbox it sends from (a ZeroMQ
+    socket is one thread's), woken by an inproc socket; it answers a request past its deadline
+    504. A blocking socket on a plain thread costs a third of what an asyncio loop's did per
+    message, and every request passes through it (docs/design.md §19, "Processes").
+    """
 
     def __init__(self, engine, address: str) -> None:
         import zmq
-        import zmq.asyncio
 
         self.engine = engine
-        self._context = zmq.asyncio.Context()
+        self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
-        self._tasks: set[asyncio.Task] = set()  # status messages being answered
-        self._waiting: set[asyncio.Future] = set()  # requests queued in the engine and not yet answered
+        wake = f"inproc://sidindex-link-{id(self)}"
+        self._wakes = self._context.socket(zmq.PULL)
+        self._wakes.bind(wake)
+        self._waker = self._context.socket(zmq.PUSH)  # the batch threads', one at a time (`_lock`)
+        self._waker.connect(wake)
+        self._lock = threading.Lock()
+        self._outbox: deque[list] = deque()  # answers for the link thread to send
+        self._woken = False  # a wake is on its way: the link thread sends what the outbox holds
+        self._deadlines: list[tuple[float, int, Pending, float]] = []  # a heap: (when, n, request, timeout)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    async def run(self) -> None:
-        try:
-            while True:
-                frames = await self._socket.recv_multipart(copy=False)
-                peer, kind, mid = (f.bytes for f in frames[:3])
-                if kind == RUN:
-                    self._run(peer, mid, frames[3:])
-                    continue
-                task = asyncio.create_task(self._status(peer, mid))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-        finally:
-            for waiting in (*self._tasks, *self._waiting):
-                waiting.cancel()
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name="sidindex-link", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread (within `timeout` seconds) and close the sockets: requests still queued
+        are not answered (their front-ends have gone, or give up after their deadline)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._lock:
+            self._waker.close()
+        if self._thread is None or not self._thread.is_alive():
             self._socket.close()
+            self._wakes.close()
             self._context.term()
 
-    def _run(self, peer: bytes, mid: bytes, frames) -> None:
-        """Queue a request message in the engine, answered when its future is (`_answered`): no
-        task of its own, and the batch thread reads the requests and writes their answer
-        (`Batcher.answer_message`), as every request passes through this loop."""
-        try:
-            snapshot = frames[0].bytes.decode()  # the one the front-end validated against
-            timeout, rows = struct.unpack("<dQ", frames[1].bytes)
-            answer = self.engine.answer_message(frames[2].buffer, rows, snapshot,
-                                                None if math.isnan(timeout) else timeout)
-        except Exception as e:  # a full queue, a message it cannot read
-            self._send([peer, RUN, mid, *_refusal(e)])
-            return
-        self._waiting.add(answer)
-        answer.add_done_callback(functools.partial(self._answered, peer, mid))
+    def _serve(self) -> None:
+        import zmq
 
-    def _answered(self, peer: bytes, mid: bytes, answer: asyncio.Future) -> None:
-        self._waiting.discard(answer)
-        if answer.cancelled():  # the link is closing
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wakes, zmq.POLLIN)
+        while not self._stop.is_set():
+            ready = dict(poller.poll(self._expire()))
+            if ready.get(self._socket):
+                self._receive()
+            if ready.get(self._wakes):
+                while self._wakes.poll(0):
+                    self._wakes.recv(copy=False)
+            self._woken = False  # before the outbox is emptied: an answer put after this wakes again
+            while self._outbox:
+                self._socket.send_multipart(self._outbox.popleft(), copy=False)
+
+    def _receive(self) -> None:
+        """Every message waiting: the requests queued in the batcher together, statuses answered."""
+        import zmq
+
+        pendings: list[tuple[Pending, float]] = []
+        for _ in range(RECEIVE_AT_ONCE):  # then the answers waiting go out
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            peer, kind, mid = (f.bytes for f in frames[:3])
+            if kind == STATUS:
+                doc = self.engine.current_status()
+                target = self.engine.current_target()
+                doc["target"] = {"snapshot": target.snapshot, "spec": target.spec.to_dict(), "dim": target.dim}
+                self._socket.send_multipart([peer, STATUS, mid, orjson.dumps(doc)])
+                continue
+            try:
+                if len(frames) != 7:
+                    raise SidIndexError(f"a front-end's message of {len(frames) - 3} frames, not 4")
+                snapshot = frames[3].bytes.decode()  # the one the front-end validated against
+                timeout, rows = struct.unpack("<dQ", frames[4].bytes)
+                p = self.engine.message((frames[5].bytes, frames[6].buffer), rows, snapshot,
+                                        functools.partial(self._answer, peer, mid))
+            except Exception as e:  # a message it cannot read
+                self._socket.send_multipart([peer, RUN, mid, *_refusal(e)])
+                continue
+            pendings.append((p, timeout))
+        if not pendings:
             return
-        error = answer.exception()
-        if error is None:
-            payload, served = answer.result()
-            self._send([peer, RUN, mid, b"ok", served.encode(), payload])
+        batcher = self.engine.batcher
+        taken = batcher.put([p for p, _ in pendings])
+        now = time.monotonic()
+        for i, (p, timeout) in enumerate(pendings):
+            if i >= taken:
+                p.settle(batcher.refusal())
+            elif not math.isnan(timeout):
+                heapq.heappush(self._deadlines, (now + timeout, id(p), p, timeout))
+
+    def _expire(self) -> int:
+        """Answer the requests past their deadline 504: the milliseconds until the next one's (at
+        most PATIENCE_MS, to see a stop)."""
+        now = time.monotonic()
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, _, p, timeout = heapq.heappop(deadlines)
+            self.engine.batcher.expire(p, timeout)
+        if self._outbox:
+            return 0
+        return PATIENCE_MS if not deadlines else min(PATIENCE_MS, math.ceil((deadlines[0][0] - now) * 1e3))
+
+    def _answer(self, peer: bytes, mid: bytes, outcome) -> None:
+        """A request's outcome (from a batch thread, or the link's) into the outbox."""
+        if isinstance(outcome, BaseException):
+            self._outbox.append([peer, RUN, mid, *_refusal(outcome)])
         else:
-            self._send([peer, RUN, mid, *_refusal(error)])
-
-    def _send(self, frames: list) -> None:
-        """Send without waiting: a ROUTER does not block (it drops a message to a peer gone)."""
-        sent = asyncio.ensure_future(self._socket.send_multipart(frames, copy=False))
-        sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a closed socket's error, seen
-
-    async def _status(self, peer: bytes, mid: bytes) -> None:
-        doc = await self.engine.status()
-        target = await self.engine.target()
-        doc["target"] = {"snapshot": target.snapshot, "spec": target.spec.to_dict(), "dim": target.dim}
-        await self._socket.send_multipart([peer, STATUS, mid, orjson.dumps(doc)])
+            (schema, batch), served = outcome
+            self._outbox.append([peer, RUN, mid, b"ok", served.encode(), schema, batch])
+        if not self._woken and threading.current_thread() is not self._thread:
+            self._woken = True
+            with self._lock:
+                if not self._waker.closed:
+                    self._waker.send(b"", copy=False)
 
 
 def _refusal(e: BaseException) -> list[bytes]:
@@ -153,17 +224,17 @@ class EngineClient:
         """As `Engine.answer`; the engine's refusals and errors raised here as there."""
         frames = await self._call([RUN, target.snapshot.encode(),
                                    struct.pack("<dQ", math.nan if timeout is None else timeout, len(requests)),
-                                   arrow_stream(portable(requests))],
+                                   *batch_message(portable(requests))],
                                   None if timeout is None else timeout + PATIENCE_S)
-        outcome, snapshot, payload = frames[1].bytes, frames[2].bytes.decode(), frames[3]
+        outcome, snapshot = frames[1].bytes, frames[2].bytes.decode()
         if outcome == b"ok":
             if snapshot != target.snapshot:  # a swap: validate the next requests against the new one
                 await self.status()
             try:
-                return read_stream(payload.buffer, "the engine's answer"), snapshot
-            except InputError as e:  # the server's fault, not the client's
-                raise SidIndexError(str(e)) from None
-        message = payload.bytes.decode()
+                return read_batch_messages(frames[3].buffer, [frames[4].buffer], "the engine's answer"), snapshot
+            except (InputError, IndexError) as e:  # the server's fault, not the client's
+                raise SidIndexError(f"the engine's answer: {e}") from None
+        message = frames[3].bytes.decode()
         if outcome == b"bad_request":
             raise InputError(message)
         if outcome == b"busy":
