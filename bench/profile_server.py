@@ -51,7 +51,8 @@ def spy(pid: int, seconds: float, out: Path, *flags: str) -> subprocess.Popen | 
 def _thread(frames: list[str]) -> str:
     """Which of the engine's threads a stack is on, by the functions on it."""
     names = {f.partition(" (")[0] for f in frames}
-    for name, label in (("_worker", "batch threads"), ("Engine._poll", "ROOT poller"),
+    for name, label in (("_worker", "batch threads"), ("Batcher._work", "batch threads"),
+                        ("EngineLink._serve", "link thread"), ("Engine._poll", "ROOT poller"),
                         ("_run_module_as_main", "event loop")):
         if name in names:
             return label
