@@ -19,6 +19,8 @@
 #                                          # under wrk, py-spy from .whl3/; bench_engine: the engine
 #                                          # through its link; bench_load: process models and wrk, the
 #                                          # large request) and profile_serving
+#   bash bench/gpu_check.sh engine [ADS]   # profile_server and bench_engine against .baseline, then
+#                                          # bench_load's steady scenario, --workers 8, with wrk (~5 min)
 #   bash bench/gpu_check.sh all [ADS]      # the tests, then the benchmarks (and bench_load's steady
 #                                          # scenario with its wrk pass, one server process against
 #                                          # front-end processes; wrk from .deb/: apt-get download
@@ -108,7 +110,7 @@ export PATH="$site/bin:$PATH"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 mode="${1:-}"
-if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ]; then
+if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ] || [ "$mode" = "engine" ]; then
     shift
     ads="${1:-2000000}"
     set --
@@ -119,7 +121,7 @@ cache="${BENCH_CACHE:-bench_cache}"
 mkdir -p "$out"
 export OUT="$out"
 status=0
-if [ "$mode" != "bench" ] && [ "$mode" != "serve" ]; then
+if [ "$mode" != "bench" ] && [ "$mode" != "serve" ] && [ "$mode" != "engine" ]; then
     # every test file with a CUDA case (each skips them without a GPU); files named in the
     # arguments replace the list
     TESTS=(tests/test_broken_scorer.py tests/test_serving.py tests/test_retriever.py tests/test_order.py
@@ -143,7 +145,7 @@ if [ "$mode" = "bench" ] || [ "$mode" = "all" ]; then
     python3 bench/bench_warmup.py --device cuda --ads "$ads" --cache "$cache" --json "$out/warmup.json" || status=1
     python3 bench/request_walk.py --device cuda --ads "$ads" --cache "$cache" > "$out/walk.txt" || status=1
 fi
-if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ]; then
+if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ] || [ "$mode" = "engine" ]; then
     # where the engine process's time goes under wrk (py-spy from .whl3/, when it came), against the
     # packages of .baseline/ (another checkout's, `git archive REV runtime sidindex sidindex_cli schemas
     # pipelines | tar x -C .baseline`) served on the same catalog in the same run, when it came
@@ -151,9 +153,16 @@ if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ]; then
     [ -d .baseline ] && baseline=(--baseline .baseline)
     python3 bench/profile_server.py --device cuda --ads "$ads" --workers 8 --seconds 10 "${baseline[@]}" \
         --cache "$cache" --json "$out/profile_server.json" || status=1
-    # the engine alone through its link (no HTTP): requests/s and its event loop's CPU per request
+    # the engine alone through its link (no HTTP): requests/s, the link's and the process's CPU per request
     python3 bench/bench_engine.py --device cuda --ads "$ads" --beams 1,512,1024,1024 --runs 3 --requests 5000 \
         "${baseline[@]}" --cache "$cache" --json "$out/engine.json" || status=1
+fi
+if [ "$mode" = "engine" ]; then  # and the front-end processes' answers checked under load, with wrk beside
+    python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios steady --rate 10000 --clients 64 --procs 4 \
+        --max-batch 64 --seconds 10 --wrk-connections 64 --workers 8 --cache "$cache" \
+        --json "$out/load.json" || status=1
+fi
+if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ]; then
     # the server under load, the default profile's catalog from above, and wrk beside it: one process,
     # then front-end processes over the engine (the clients take the host's other cores)
     python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios steady --rate 10000 --clients 64 --procs 4 \
