@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from runtime.requests import Validated, requests_from, validated_for
 from runtime.result import table_of
-from runtime.server.engine_api import Refused, batch_message, read_batch_messages
+from runtime.server.engine_api import Refused, batch_message, one_batch, read_batch_messages
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
 from sidindex.errors import InputError, ScorerError, SidIndexError
@@ -51,7 +51,7 @@ class Pending:
     """One request's validated rows, answered once (`settle`, on the thread that answers it) when
     they all ran on one snapshot, failed, or passed their deadline (`Batcher.expire`)."""
 
-    requests: Requests | None  # None until the batch thread reads `message`
+    requests: Requests | None  # None until read from `message` (and then, for speed, kept as `origin`)
     validated: Validated | None  # what it was validated against (None: validate again before it runs)
     rows: int  # its rows
     settle: Callable[[Outcome], None]
@@ -62,8 +62,12 @@ class Pending:
     message: tuple[bytes, pa.Buffer] | None = None
     queued: float = field(default_factory=time.perf_counter)
     done: int = 0  # its first rows that ran, on `snapshot`
-    parts: list[pa.Table] = field(default_factory=list)  # its pieces' result tables, in row order
+    parts: list[pa.RecordBatch] = field(default_factory=list)  # its pieces' result rows, in row order
     snapshot: str | None = None
+    # a front-end's message read with others (`_read_messages`): the requests read together and
+    # its first row there, so that a batch of messages read together runs as they were read,
+    # without cutting and joining them again
+    origin: tuple[Requests, int] | None = None
     finished: bool = False  # answered, past its deadline or dropped: no batch takes its rows
 
     @property
@@ -72,7 +76,14 @@ class Pending:
 
     def release(self) -> None:
         """Let go of its rows and results once answered (a deadline's record may outlive it)."""
-        self.requests, self.message, self.parts = None, None, []
+        self.requests, self.message, self.parts, self.origin = None, None, [], None
+
+    def source(self) -> tuple[Requests, int]:
+        """Validated requests that hold its rows, and its first row there."""
+        if self.origin is not None:
+            return self.origin
+        assert self.requests is not None  # read
+        return self.requests, 0
 
 
 class Batcher:
@@ -251,9 +262,9 @@ class Batcher:
         index = self.retriever.index
         target = validated_for(index)
         answers: list = [None] * len(pieces)
-        unread = [p for p, _, _ in pieces if p.requests is None]
+        unread = [p for p, _, _ in pieces if p.requests is None and p.origin is None]
         refused = _read_messages(unread, index, target) if unread else {}
-        parts: list[tuple[int, Requests]] = []
+        parts: list[tuple[int, Requests, int, int]] = []  # a piece's index, and its rows' place (`Pending.source`)
         for i, (p, lo, hi) in enumerate(pieces):
             if p.snapshot not in (None, index.id):  # a swap since its last piece: all of it again, here
                 p.done, p.parts, p.snapshot = 0, [], None
@@ -262,39 +273,58 @@ class Batcher:
             try:
                 if p in refused:
                     raise refused[p]
-                assert p.requests is not None  # read above
                 if p.validated != target:
-                    p.requests = requests_from(p.requests.table, index, source="request body")
+                    held, first = p.source()
+                    p.requests = requests_from(held.rows(first, first + p.rows).table, index, source="request body")
+                    p.origin = None
                 p.validated = target
             except SidIndexError as e:  # a request a new snapshot's spec refuses, a message not read: its own answer
                 answers[i] = e
                 continue
-            parts.append((i, p.requests.rows(lo, hi)))
-        joined = _joined([r for _, r in parts]) if parts else None
+            held, first = p.source()
+            parts.append((i, held, first + lo, first + hi))
+        # the rows to run: pieces next to each other where they were read, one cut each
+        runs: list[tuple[Requests, int, int]] = []
+        for _, held, a, b in parts:
+            if runs and runs[-1][0] is held and runs[-1][2] == a:
+                runs[-1] = (held, runs[-1][1], b)
+            else:
+                runs.append((held, a, b))
+        joined = _joined([held.rows(a, b) for held, a, b in runs]) if parts else None
         if joined is None and len(parts) > 1:  # columns of types that do not concatenate: one batch each
-            found = [table_of(self.retriever.run(reqs.renumbered(), index)[0], reqs.request_id) for _, reqs in parts]
+            found = [one_batch(table_of(self.retriever.run(held.rows(a, b).renumbered(), index)[0],
+                                        held.request_id[a:b])) for _, held, a, b in parts]
         elif parts:
             assert joined is not None  # one part always joins
-            bounds = np.cumsum([0] + [len(r) for _, r in parts])
+            bounds = np.cumsum([0] + [b - a for _, _, a, b in parts])
             try:
                 whole, _ = self.retriever.run(joined, index)
             except ScorerError as e:  # named by its client's request id, not the batch's renumbering
                 if e.row is None or e.request_id is None:
                     raise
                 k = int(np.searchsorted(bounds, e.row, side="right")) - 1
-                raise e.renamed(parts[k][1].request_id[e.row - bounds[k]]) from None
-            # one table for the batch, in its clients' ids; each piece a zero-copy slice of it
-            ids = np.concatenate([r.request_id for _, r in parts]) if len(parts) > 1 else parts[0][1].request_id
-            table = table_of(whole, ids)
+                _, held, a, _ = parts[k]
+                raise e.renamed(held.request_id[a + e.row - bounds[k]]) from None
+            # one record batch for the batch, in its clients' ids; each piece a zero-copy slice of it
+            ids = np.concatenate([held.request_id[a:b] for held, a, b in runs])
+            batch = one_batch(table_of(whole, ids))
             cuts = np.searchsorted(whole.request, bounds).tolist()
-            found = [table.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])]
-        for (i, _), result in zip(parts, found if parts else []):
+            found = [batch.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])]
+        schema: pa.Buffer | None = None  # the answers' schema message, made once
+        for (i, _, _, _), result in zip(parts, found if parts else []):
             p, lo, hi = pieces[i]
             p.parts.append(result)
             p.done, p.snapshot = hi, index.id
-            if not p.left:
-                table = p.parts[0] if len(p.parts) == 1 else pa.concat_tables(p.parts)
-                answers[i] = (table if p.message is None else batch_message(table), index.id)
+            if p.left:
+                continue
+            if p.message is None:
+                answers[i] = (pa.Table.from_batches(p.parts), index.id)
+            elif len(p.parts) == 1:
+                if schema is None:
+                    schema = result.schema.serialize()
+                answers[i] = ((schema, result.serialize()), index.id)
+            else:  # the pieces of a large request, from several batches
+                answers[i] = (batch_message(pa.Table.from_batches(p.parts)), index.id)
         return answers
 
 
@@ -345,7 +375,7 @@ def _read_group(schema: bytes, group: list[Pending], index, target: Validated) -
     lo = 0
     for p in group:
         if whole is not None and p.validated == target:
-            p.requests = whole.rows(lo, lo + p.rows)
+            p.origin = (whole, lo)
         else:
             try:
                 p.requests = requests_from(table.slice(lo, p.rows), index, source="request body")

@@ -36,17 +36,22 @@ def arrow_stream(table: pa.Table) -> pa.Buffer:
     return sink.getvalue()
 
 
-def batch_message(table: pa.Table) -> tuple[pa.Buffer, pa.Buffer]:
-    """`table` as two Arrow IPC messages, its schema's and one record batch's (dictionary columns
-    decoded): a request or an answer as it crosses the link. Record batch messages of one schema
-    read together as one stream (`read_batch_messages`), so the engine reads a batch's requests
-    in one call, not one per request."""
+def one_batch(table: pa.Table) -> pa.RecordBatch:
+    """`table`'s rows as one record batch, dictionary columns decoded (what `batch_message` sends)."""
     if any(pa.types.is_dictionary(t) for t in table.schema.types):
         table = pa.table([pc.cast(c, c.type.value_type) if pa.types.is_dictionary(c.type) else c
                           for c in table.columns], names=table.column_names)
     batches = table.combine_chunks().to_batches()
-    batch = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
-    return table.schema.serialize(), batch.serialize()
+    return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
+
+
+def batch_message(table: pa.Table) -> tuple[pa.Buffer, pa.Buffer]:
+    """`table` as two Arrow IPC messages, its schema's and one record batch's (`one_batch`): a
+    request or an answer as it crosses the link. Record batch messages of one schema read
+    together as one stream (`read_batch_messages`), so the engine reads a batch's requests in one
+    call, not one per request."""
+    batch = one_batch(table)
+    return batch.schema.serialize(), batch.serialize()
 
 
 def read_batch_messages(schema, batches: list, what: str) -> pa.Table:
