@@ -212,7 +212,7 @@ class Batcher:
             active = self._active
             while not self._stopping:
                 while active and active[0].finished:
-                    active.popleft()
+                    active.popleft().release()
                 if not active:
                     self._cond.wait()
                     continue
@@ -228,19 +228,21 @@ class Batcher:
     def _ran(self, pieces: list[tuple[Pending, int, int]], answers: list, start: float) -> None:
         """A batch ran: its requests answered (or each its own error); those with rows left queued
         again, behind the requests that arrived meanwhile, for their next piece."""
+        ended = []  # decided under the lock: a request queued again may be taken by another batch at once
         with self._cond:
             self.failed_batches = 0
             for (p, _, _), answer in zip(pieces, answers):
                 if answer is None and not p.finished:
                     self._active.append(p)
+                else:
+                    ended.append((p, answer))
             self._cond.notify_all()
         self.metrics.failed.set(0)
         self.metrics.batch.observe(time.perf_counter() - start)
-        for (p, _, _), answer in zip(pieces, answers):
+        for p, answer in ended:
             if answer is not None:
                 self.finish(p, answer)
-            if p.finished:
-                p.release()
+            p.release()
 
     def _failed(self, pieces: list[tuple[Pending, int, int]], error: BaseException) -> None:
         """Every request of a batch gets its error (a device's, a scorer's); the server goes on."""
@@ -363,8 +365,11 @@ def _read_group(schema: bytes, group: list[Pending], index, target: Validated) -
     try:
         table = read_batch_messages(schema, [p.message[1] for p in group if p.message is not None],
                                     "a front-end's message")
-        if table.num_rows != rows:
-            raise InputError(f"{table.num_rows:,} requests, where the front-end counted {rows:,}")
+        # each message's own count (totals that agree could hide two that do not, and rows moved between them)
+        counts = [len(b) for b in table.to_batches()]
+        if counts != [p.rows for p in group]:
+            got = f"{table.num_rows:,} requests" if len(group) == 1 else f"record batches of {counts} requests"
+            raise InputError(f"{got}, where the front-end counted {rows:,}")
         table = table.combine_chunks()
         whole = from_portable(table, index.spec, "request body") if any(p.validated == target for p in group) \
             else None
@@ -422,7 +427,8 @@ def _pieces(active: deque[Pending], most: int) -> list[tuple[Pending, int, int]]
     pieces, rows, waiting = [], 0, []
     while active:
         p = active.popleft()
-        if p.finished:
+        if p.finished:  # queued, so no batch holds it
+            p.release()
             continue
         n = min(p.left, most - rows)
         if n == 0 or (n < p.left <= most):

@@ -12,8 +12,8 @@ sender with no bookkeeping of ours, and a front-end that dies loses only its own
 
 The requests (the validated batch in its portable form) and the result table cross as two Arrow
 IPC messages each (`runtime.server.engine_api.batch_message`), so that the engine reads the
-requests of a batch in one call. outcome: ok, bad_request, error, busy, timeout. The messages, when the engine
-validates a batch again, and why ZeroMQ: docs/design.md §19 ("Processes").
+requests of a batch in one call. outcome: ok, bad_request, error, busy, stopping, timeout. The
+messages, when the engine validates a batch again, and why ZeroMQ: docs/design.md §19 ("Processes").
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import functools
 import heapq
 import math
 import struct
+import sys
 import threading
 import time
 from collections import deque
@@ -43,6 +44,7 @@ RUN, STATUS = b"run", b"status"
 PATIENCE_S = 5.0  # how long a front-end waits for the engine's status, and past a request's deadline
 PATIENCE_MS = 100  # how long the link thread waits for a message at most (it sees a stop then)
 RECEIVE_AT_ONCE = 256  # the most messages the link thread reads before sending the answers waiting
+PURGE_AT = 1 << 16  # deadlines kept (answered requests' too) before the answered ones' are dropped
 
 
 class EngineLink:
@@ -73,6 +75,7 @@ class EngineLink:
         self._outbox: deque[list] = deque()  # answers for the link thread to send
         self._woken = False  # a wake is on its way: the link thread sends what the outbox holds
         self._deadlines: list[tuple[float, int, Pending, float]] = []  # a heap: (when, n, request, timeout)
+        self._purge_at = PURGE_AT
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -100,15 +103,18 @@ class EngineLink:
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wakes, zmq.POLLIN)
         while not self._stop.is_set():
-            ready = dict(poller.poll(self._expire()))
-            if ready.get(self._socket):
-                self._receive()
-            if ready.get(self._wakes):
-                while self._wakes.poll(0):
-                    self._wakes.recv(copy=False)
-            self._woken = False  # before the outbox is emptied: an answer put after this wakes again
-            while self._outbox:
-                self._socket.send_multipart(self._outbox.popleft(), copy=False)
+            try:
+                ready = dict(poller.poll(self._expire()))
+                if ready.get(self._socket):
+                    self._receive()
+                if ready.get(self._wakes):
+                    while self._wakes.poll(0):
+                        self._wakes.recv(copy=False)
+                self._woken = False  # before the outbox is emptied: an answer put after this wakes again
+                while self._outbox:
+                    self._socket.send_multipart(self._outbox.popleft(), copy=False)
+            except Exception as e:  # a bug: the engine must go on answering
+                _complain(e)
 
     def _receive(self) -> None:
         """Every message waiting: the requests queued in the batcher together, statuses answered."""
@@ -120,24 +126,19 @@ class EngineLink:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            if len(frames) < 3:  # not a front-end's: nobody to answer
+                continue
             peer, kind, mid = (f.bytes for f in frames[:3])
-            if kind == STATUS:
-                doc = self.engine.current_status()
-                target = self.engine.current_target()
-                doc["target"] = {"snapshot": target.snapshot, "spec": target.spec.to_dict(), "dim": target.dim}
-                self._socket.send_multipart([peer, STATUS, mid, orjson.dumps(doc)])
-                continue
             try:
-                if len(frames) != 7:
-                    raise SidIndexError(f"a front-end's message of {len(frames) - 3} frames, not 4")
-                snapshot = frames[3].bytes.decode()  # the one the front-end validated against
-                timeout, rows = struct.unpack("<dQ", frames[4].bytes)
-                p = self.engine.message((frames[5].bytes, frames[6].buffer), rows, snapshot,
-                                        functools.partial(self._answer, peer, mid))
-            except Exception as e:  # a message it cannot read
-                self._socket.send_multipart([peer, RUN, mid, *_refusal(e)])
-                continue
-            pendings.append((p, timeout))
+                if kind == STATUS:
+                    self._status(peer, mid)
+                else:
+                    pendings.append(self._pending(peer, mid, frames))
+            except Exception as e:
+                if kind == STATUS:  # a bug: the front-end gets no answer, and says so (503)
+                    _complain(e)
+                else:  # a message it cannot read
+                    self._socket.send_multipart([peer, RUN, mid, *_refusal(e)])
         if not pendings:
             return
         batcher = self.engine.batcher
@@ -148,6 +149,26 @@ class EngineLink:
                 p.settle(batcher.refusal())
             elif not math.isnan(timeout):
                 heapq.heappush(self._deadlines, (now + timeout, id(p), p, timeout))
+        if len(self._deadlines) > self._purge_at:  # the answered ones' records, before their deadlines
+            self._deadlines = [d for d in self._deadlines if not d[2].finished]
+            heapq.heapify(self._deadlines)
+            self._purge_at = max(PURGE_AT, 2 * len(self._deadlines))
+
+    def _pending(self, peer: bytes, mid: bytes, frames: list) -> tuple[Pending, float]:
+        """A run message's request for the batcher, and its timeout (NaN: none)."""
+        if len(frames) != 7:
+            raise SidIndexError(f"a front-end's message of {len(frames) - 3} frames, not 4")
+        snapshot = frames[3].bytes.decode()  # the one the front-end validated against
+        timeout, rows = struct.unpack("<dQ", frames[4].bytes)
+        p = self.engine.message((frames[5].bytes, frames[6].buffer), rows, snapshot,
+                                functools.partial(self._answer, peer, mid))
+        return p, timeout if math.isfinite(timeout) else math.nan
+
+    def _status(self, peer: bytes, mid: bytes) -> None:
+        doc = self.engine.current_status()
+        target = self.engine.current_target()
+        doc["target"] = {"snapshot": target.snapshot, "spec": target.spec.to_dict(), "dim": target.dim}
+        self._socket.send_multipart([peer, STATUS, mid, orjson.dumps(doc)])
 
     def _expire(self) -> int:
         """Answer the requests past their deadline 504: the milliseconds until the next one's (at
@@ -173,6 +194,11 @@ class EngineLink:
             with self._lock:
                 if not self._waker.closed:
                     self._waker.send(b"", copy=False)
+
+
+def _complain(e: BaseException) -> None:
+    """One line on stderr for a bug in the link thread, which goes on."""
+    print(f"sidindex serve: the engine's link: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr, flush=True)
 
 
 def _refusal(e: BaseException) -> list[bytes]:
@@ -239,6 +265,8 @@ class EngineClient:
             raise InputError(message)
         if outcome == b"busy":
             raise Refused(503, "busy", message, retry_after=1)
+        if outcome == b"stopping":
+            raise Refused(503, "stopping", message)
         if outcome == b"timeout":
             raise Refused(504, "timeout", message)
         raise SidIndexError(message)
