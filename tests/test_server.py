@@ -584,11 +584,15 @@ def test_the_engine_answers_a_front_ends_messages_and_refuses_bad_ones(root, row
         send(6, 3, message)
         send(7, 3, message[:1])
         send(8, 3, message)
-        got = answers(7)
+        two = batch_message(portable(requests_from(rows[3:5], index, source="t")))
+        send(9, 2, message)  # counts that are each wrong and add up: no request gets another's rows
+        send(10, 3, two)
+        got = answers(9)
         assert got[6][0] == got[8][0] == b"ok"
         assert same_rows(read_batch_messages(*got[8][2:3], [got[8][3]], "answer").to_pylist(), direct(index, rows[:3]))
-        bad = (2, 3, 4, 5, 7)
+        bad = (2, 3, 4, 5, 7, 9, 10)
         assert {mid: got[mid][0] for mid in bad} == dict.fromkeys(bad, b"error")
+        assert got[9][2].endswith(b"3 requests, where the front-end counted 2")
         assert got[2][2].decode() == ("the engine could not read a front-end's message: 3 requests, where the "
                                       "front-end counted 4")
         assert got[3][2].decode().startswith("the engine could not read a front-end's message: a front-end's "
@@ -853,3 +857,118 @@ def test_link_messages_of_one_schema_read_as_one_table():
     assert got.to_pylist() == first.to_pylist() + second.to_pylist()
     with pytest.raises(InputError, match="^m: not an Arrow IPC stream"):
         read_batch_messages(messages[0][0], [b"not a record batch"], "m")
+
+
+def test_the_link_survives_what_it_cannot_answer(tmp_path):
+    """The engine's link thread goes on after a status that raises (a bug: one line on stderr, no
+    answer), a message too short to name its sender, a run message of the wrong frames (error),
+    and a timeout that is not finite (no deadline)."""
+    import math
+    import struct
+    import tempfile
+    from types import SimpleNamespace
+
+    import zmq
+
+    from runtime.server.link import EngineLink
+
+    class Broken:  # an engine whose status fails once, and whose batcher refuses every request
+        fail = True
+        batcher = SimpleNamespace(put=lambda pendings: 0, refusal=lambda: RuntimeError("refused"))
+
+        def current_status(self):
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("the device is gone")
+            return {"ready": True}
+
+        def current_target(self):
+            return SimpleNamespace(snapshot="s", spec=SimpleNamespace(to_dict=dict), dim=None)
+
+        def message(self, message, rows, snapshot, settle):
+            return SimpleNamespace(settle=settle, finished=False)
+
+    engine = Broken()
+    place = tempfile.mkdtemp(prefix="sl-")
+    link = EngineLink(engine, f"ipc://{place}/e")
+    link.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(f"ipc://{place}/e")
+    try:
+        sock.send_multipart([b"status", struct.pack("<Q", 0)])  # raises in the engine: no answer
+        sock.send_multipart([b"x"])  # no id: nobody to answer
+        sock.send_multipart([b"run", struct.pack("<Q", 1), b"s"])
+        sock.send_multipart([b"run", struct.pack("<Q", 2), b"s", struct.pack("<dQ", math.inf, 1), b"", b""])
+        sock.send_multipart([b"status", struct.pack("<Q", 3)])
+        got = {struct.unpack("<Q", f[1])[0]: f for f in (sock.recv_multipart() for _ in range(3))}
+        assert sorted(got) == [1, 2, 3]
+        assert got[1][2:] == [b"error", b"", b"a front-end's message of 1 frames, not 4"]
+        assert got[2][2:] == [b"error", b"", b"RuntimeError: refused"]
+        assert json.loads(got[3][2])["ready"] is True
+        assert link._thread is not None and link._thread.is_alive()
+    finally:
+        sock.close()
+        link.close()
+        shutil.rmtree(place, ignore_errors=True)
+
+
+def test_a_request_queued_again_is_not_released_under_another_batch(built, rows):
+    """A large request's deadline passes just after its piece ran and it was queued for the next:
+    the other batch thread, which took it at once, must still find its rows. It is answered 504,
+    and the request batched beside it is answered, not failed with it."""
+    import functools
+    from types import SimpleNamespace
+
+    from runtime.requests import validated_for
+    from runtime.server.batcher import Batcher, Pending
+    from runtime.server.engine_api import batch_message
+    from runtime.server.metrics import EngineMetrics
+    from sidindex.requests import portable
+
+    served = runtime.load(built, "cpu")
+    retriever = runtime.Retriever(served, beams=BEAMS, batch_sizes=(1, 4, 8))
+    two = SimpleNamespace(index=served, in_flight=2, run=retriever.run)  # two batch threads, as on a GPU
+    batcher = Batcher(two, EngineMetrics(8), max_batch=8, max_wait_us=300_000)  # type: ignore[arg-type]
+    target = validated_for(served)
+    got: dict[str, object] = {}
+    done = threading.Event()
+
+    def settle(name, outcome):
+        got[name] = outcome
+        if len(got) == 2:
+            done.set()
+
+    def pending(requests, name):
+        return Pending(None, target, len(requests), functools.partial(settle, name),
+                       tuple(b.to_pybytes() for b in batch_message(portable(requests))))
+
+    large = pending(runtime.requests_from(rows[:12], served), "large")
+    small = pending(runtime.requests_from(rows[:2], served), "small")
+    taken = threading.Event()
+    run = batcher._run
+
+    def running(pieces):  # the second piece of the large request waits for its deadline to pass
+        if any(p is large and lo > 0 for p, lo, _ in pieces):
+            taken.set()
+            time.sleep(0.2)
+        return run(pieces)
+
+    observe = batcher.metrics.batch.observe
+
+    def ran(seconds):  # after the large request was queued again: its deadline, from the link thread
+        if taken.wait(5):
+            batcher.expire(large, 0.001)
+        observe(seconds)
+
+    batcher._run = running  # type: ignore[method-assign]
+    batcher.metrics.batch.observe = ran  # type: ignore[method-assign]
+    batcher.start()
+    try:
+        assert batcher.put([large, small]) == 2
+        assert done.wait(30)
+    finally:
+        batcher.close(10)
+    assert isinstance(got["large"], Exception) and "no answer within 1 ms" in str(got["large"])
+    assert not isinstance(got["small"], BaseException)
