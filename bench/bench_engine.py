@@ -50,19 +50,24 @@ def engine(args) -> None:
     # `runtime.server.batcher.batch_sizes`, written out: a --baseline checkout may predate it
     sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.max_batch} | {args.max_batch}))
     retriever = runtime.Retriever(watcher, beams=args.beams, batch_sizes=sizes, top_k=args.top_k)
+    if args.stand_in_ms is not None:
+        stand_in(retriever, args.stand_in_ms, args.top_k)
     eng = Engine(watcher, retriever, max_batch=args.max_batch, poll_seconds=60.0)
     link = EngineLink(eng, args.engine)
     began = {"process": time.process_time()}
+    threads = {}
     if hasattr(link, "start"):  # the link on a thread of its own
         asyncio.run(eng.start())
         link.start()
         began["link"] = thread_cpu(link._thread.native_id)
+        threads = threads_cpu()
         print("ready", flush=True)
         try:
             signal.pause()
         except KeyboardInterrupt:
             pass
         link_cpu = thread_cpu(link._thread.native_id) - began["link"]
+        threads = {k: v - threads.get(k, 0.0) for k, v in threads_cpu().items()}
         link.close()
     else:  # a checkout whose link is a task of the engine's event loop (`run`)
         async def serve() -> None:
@@ -79,8 +84,47 @@ def engine(args) -> None:
     c = retriever.counters
     n = max(c.requests, 1)
     print(json.dumps({"link_cpu_us": link_cpu / n * 1e6, "process_cpu_us": (time.process_time() - began["process"])
-                      / n * 1e6, "rows_per_batch": c.requests / max(c.batches, 1)}), flush=True)
+                      / n * 1e6, "rows_per_batch": c.requests / max(c.batches, 1),
+                      "threads_cpu_us": {k: v / n * 1e6 for k, v in threads.items()}}),
+          flush=True)
     eng.close(10.0)
+
+
+def stand_in(retriever, ms: float, top_k: int) -> None:
+    """`retriever.run` replaced by a stand-in for a device's batch: `ms` without the GIL, then
+    `top_k` rows a request (counted in its counters), with two batches at a time as on a GPU.
+    What is left is the engine's own work: the link, the batcher, the answers."""
+    import numpy as np
+
+    from runtime.result import Retrieved
+
+    def run(requests, index=None, **_):
+        time.sleep(ms / 1e3)
+        n = len(requests)
+        ads = np.arange(n * top_k, dtype=np.int64)
+        per = np.full(n, top_k, dtype=np.int64)
+        retriever.counters.requests += n
+        retriever.counters.batches += 1
+        return Retrieved(request=np.repeat(np.arange(n, dtype=np.int64), top_k),
+                         rank=np.tile(np.arange(1, top_k + 1, dtype=np.int64), n), ad_row=ads, ad_id=ads,
+                         sid=np.zeros((n * top_k, 4), dtype=np.int64), score=np.ones(n * top_k, dtype=np.float32),
+                         sids=per, ads_generated=per, ads_eligible=per), {}
+
+    retriever.run = run
+    type(retriever).in_flight = property(lambda self: 2)
+
+
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads since they started, summed by name: Python's
+    threads by theirs, the others (ZeroMQ's I/O threads, CUDA's) as "native", from /proc (Linux)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        name = names.get(int(task.name), "native")
+        out[name] = out.get(name, 0.0) + thread_cpu(int(task.name))
+    return out
 
 
 def thread_cpu(native_id: int) -> float:
@@ -137,7 +181,8 @@ def one_run(args, root: Path, code: Path | None) -> dict:
     place = tempfile.mkdtemp(prefix="be-")  # short: a socket path's limit
     address = f"ipc://{place}/engine"
     common = ["--root", str(root), "--engine", address, "--device", args.device, "--beams", args.beams,
-              "--max-batch", str(args.max_batch), "--top-k", str(args.top_k)]
+              "--max-batch", str(args.max_batch), "--top-k", str(args.top_k)] + \
+        ([] if args.stand_in_ms is None else ["--stand-in-ms", str(args.stand_in_ms)])
     me = [sys.executable, str(Path(__file__).resolve())]
     server = subprocess.Popen(me + ["--role", "engine"] + common, stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -184,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--stand-in-ms", type=float, default=None, help="replace the search by a stand-in for a "
+                    "device's batch taking this long without the GIL (two at a time, top_k rows a request): the "
+                    "engine's own ceiling, on any machine")
     ap.add_argument("--baseline", type=Path, default=None)
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)

@@ -125,9 +125,13 @@ class Batcher:
         with self._cond:
             if self._stopping or not self._threads:
                 return 0
+            idle = not self._active
             taken = max(0, min(len(pendings), self.max_queue - len(self._active)))
             self._active.extend(pendings[:taken])
-            self._cond.notify_all()
+            # a batch thread to wake: one waits for a first request, or one waiting out `max_wait`
+            # has its batch now (woken for less, it would only wait again)
+            if taken and (idle or _holds(self._active, self.max_batch)):
+                self._cond.notify()
         return taken
 
     def finish(self, p: Pending, outcome: Outcome) -> None:
@@ -221,6 +225,8 @@ class Batcher:
                     self._cond.wait(wait)
                     continue
                 pieces = _pieces(active, self.max_batch)
+                if active:  # left for the next batch: another thread gathers it
+                    self._cond.notify()
                 if pieces:
                     return pieces
             return None
@@ -236,7 +242,8 @@ class Batcher:
                     self._active.append(p)
                 else:
                     ended.append((p, answer))
-            self._cond.notify_all()
+            if len(ended) < len(pieces):
+                self._cond.notify()
         self.metrics.failed.set(0)
         self.metrics.batch.observe(time.perf_counter() - start)
         for p, answer in ended:
