@@ -4,6 +4,7 @@ and the CPU per request of the thread every request passes through, with no HTTP
     python bench/bench_engine.py                                  # the CPU: data_samples' ROOT, beams 1,2,2,2
     python bench/bench_engine.py --baseline .baseline             # against another checkout, alternating
     python bench/bench_engine.py --device cuda --ads 1000000 --beams 1,512,1024,1024 --cache /data/bench
+    python bench/bench_engine.py --stand-in-ms 2 --window 128 --requests 10000   # the engine's own ceiling
 
 The engine (`runtime.server.engine.Engine` and its `runtime.server.link.EngineLink`, as
 `serve_processes` runs them) serves in a process of its own; a client process validates requests
@@ -11,7 +12,10 @@ as a front-end does and sends them through the front-end's own `EngineClient`, k
 requests outstanding (one request per message, as HTTP brings them), --requests in all. Every
 request passes through the link (a thread of its own; in older checkouts, the engine's event
 loop), so its CPU per request (that thread's CPU time over the run) bounds what one engine
-answers; the engine process's CPU per request is beside it. --baseline DIR runs the same with another
+answers; the engine process's CPU per request is beside it, and each thread's in the JSON.
+--stand-in-ms MS replaces the search by a stand-in for a device's batch (MS without the GIL, two
+at a time, top_k rows a request), so that a machine without a GPU measures what the engine's own
+work allows; on a 2-core machine the client process takes one core, and its figure bounds. --baseline DIR runs the same with another
 checkout's packages first on PYTHONPATH (`git archive REV runtime sidindex sidindex_cli schemas
 pipelines | tar x -C DIR`), engine and client both, the two alternating --runs times on one
 machine. The ROOT: `data_samples/` built once under --cache, or with --ads, `bench_stream.catalog_root`'s.
