@@ -551,6 +551,7 @@ def test_the_engine_answers_a_front_ends_messages_and_refuses_bad_ones(root, row
 
     from runtime.requests import requests_from
     from runtime.server.engine_api import batch_message, read_batch_messages
+    from runtime.server.link import RUN, pack, unpack
     from sidindex.requests import portable
 
     server, engine = serving(root, split=True, max_wait_us=200_000)  # what arrives together, batched together
@@ -564,12 +565,12 @@ def test_the_engine_answers_a_front_ends_messages_and_refuses_bad_ones(root, row
     not_portable = batch_message(pa.table({"x": [1, 2, 3]}))
 
     def send(mid: int, count: int, body, snapshot: str | None = None) -> None:
-        socket.send_multipart([b"run", struct.pack("<Q", mid), (snapshot or index.id).encode(),
-                               struct.pack("<dQ", math.nan, count), *body])
+        socket.send(pack(RUN, struct.pack("<Q", mid), [struct.pack("<dQ", math.nan, count),
+                                                       (snapshot or index.id).encode(), *body]))
 
     def answers(n: int) -> dict[int, list[bytes]]:
-        got = [socket.recv_multipart() for _ in range(n)]
-        return {struct.unpack("<Q", f[1])[0]: f[2:] for f in got}
+        got = [memoryview(socket.recv()) for _ in range(n)]
+        return {struct.unpack("<Q", f[1:9])[0]: [bytes(x) for x in unpack(f)] for f in got}
 
     try:
         send(0, 3, message)
@@ -598,7 +599,7 @@ def test_the_engine_answers_a_front_ends_messages_and_refuses_bad_ones(root, row
         assert got[3][2].decode().startswith("the engine could not read a front-end's message: a front-end's "
                                              "message: not an Arrow IPC stream")
         assert got[5][2].decode() == "a front-end's message counts 0 requests"
-        assert got[7][2].decode() == "a front-end's message of 3 frames, not 4"
+        assert got[7][2].decode() == "a front-end's message of 3 fields, not 4"
         assert all(b"\n" not in got[mid][2] for mid in bad)
         assert engine.batcher.failed_batches == 0
     finally:
@@ -861,8 +862,8 @@ def test_link_messages_of_one_schema_read_as_one_table():
 
 def test_the_link_survives_what_it_cannot_answer(tmp_path):
     """The engine's link thread goes on after a status that raises (a bug: one line on stderr, no
-    answer), a message too short to name its sender, a run message of the wrong frames (error),
-    and a timeout that is not finite (no deadline)."""
+    answer), a message too short to name its id or of two frames (no answer), a run message of the
+    wrong fields or cut short (error), and a timeout that is not finite (no deadline)."""
     import math
     import struct
     import tempfile
@@ -870,7 +871,7 @@ def test_the_link_survives_what_it_cannot_answer(tmp_path):
 
     import zmq
 
-    from runtime.server.link import EngineLink
+    from runtime.server.link import RUN, STATUS, EngineLink, pack, unpack
 
     class Broken:  # an engine whose status fails once, and whose batcher refuses every request
         fail = True
@@ -897,16 +898,23 @@ def test_the_link_survives_what_it_cannot_answer(tmp_path):
     sock.setsockopt(zmq.RCVTIMEO, 10_000)
     sock.connect(f"ipc://{place}/e")
     try:
-        sock.send_multipart([b"status", struct.pack("<Q", 0)])  # raises in the engine: no answer
-        sock.send_multipart([b"x"])  # no id: nobody to answer
-        sock.send_multipart([b"run", struct.pack("<Q", 1), b"s"])
-        sock.send_multipart([b"run", struct.pack("<Q", 2), b"s", struct.pack("<dQ", math.inf, 1), b"", b""])
-        sock.send_multipart([b"status", struct.pack("<Q", 3)])
-        got = {struct.unpack("<Q", f[1])[0]: f for f in (sock.recv_multipart() for _ in range(3))}
-        assert sorted(got) == [1, 2, 3]
-        assert got[1][2:] == [b"error", b"", b"a front-end's message of 1 frames, not 4"]
-        assert got[2][2:] == [b"error", b"", b"RuntimeError: refused"]
-        assert json.loads(got[3][2])["ready"] is True
+        def mid(n: int) -> bytes:
+            return struct.pack("<Q", n)
+
+        sock.send(pack(STATUS, mid(0), []))  # raises in the engine: no answer
+        sock.send(b"x")  # no id: nobody to answer
+        sock.send_multipart([pack(RUN, mid(9), []), b"a second frame"])  # not a front-end's: no answer
+        sock.send(pack(RUN, mid(1), [b"s"]))
+        sock.send(pack(RUN, mid(2), [struct.pack("<dQ", math.inf, 1), b"s", b"", b""]))
+        sock.send(pack(RUN, mid(3), [b"s"])[:-1])  # cut short
+        sock.send(pack(STATUS, mid(4), []))
+        got = {struct.unpack("<Q", f[1:9])[0]: [bytes(x) for x in unpack(f)]
+               for f in (memoryview(sock.recv()) for _ in range(4))}
+        assert sorted(got) == [1, 2, 3, 4]
+        assert got[1] == [b"error", b"", b"a front-end's message of 1 fields, not 4"]
+        assert got[2] == [b"error", b"", b"RuntimeError: refused"]
+        assert got[3] == [b"error", b"", b"a message cut short"]
+        assert json.loads(got[4][0])["ready"] is True
         assert link._thread is not None and link._thread.is_alive()
     finally:
         sock.close()

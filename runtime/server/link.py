@@ -3,13 +3,15 @@ ZeroMQ (pyzmq), a ROUTER socket in the engine and a DEALER in each front-end, ov
 ZeroMQ rather than a shared-memory ring: the ROUTER routes each out-of-order answer back to its
 sender with no bookkeeping of ours, and a front-end that dies loses only its own messages.
 
-    front-end -> engine   b"run", id, snapshot validated against, timeout (f64, NaN: none) and rows (u64),
+    front-end -> engine   b"r", id: timeout (f64, NaN: none) and rows (u64), snapshot validated against,
                           requests' schema, requests' record batch
-    engine -> front-end   b"run", id, b"ok", snapshot that served, result's schema, result's record batch
-                          b"run", id, outcome, b"", one line
-    front-end -> engine   b"status", id
-    engine -> front-end   b"status", id, JSON (`Engine.status` and the target)
+    engine -> front-end   b"r", id: b"ok", snapshot that served, result's schema, result's record batch
+                          b"r", id: outcome, b"", one line
+    front-end -> engine   b"s", id
+    engine -> front-end   b"s", id: JSON (`Engine.status` and the target)
 
+Each message is one frame (`pack`): its kind, its id (8 bytes), and its fields, each after its
+length.
 The requests (the validated batch in its portable form) and the result table cross as two Arrow
 IPC messages each (`runtime.server.engine_api.batch_message`), so that the engine reads the
 requests of a batch in one call. outcome: ok, bad_request, error, busy, stopping, timeout. The
@@ -40,7 +42,7 @@ from sidindex.targeting import spec_from_dict
 if TYPE_CHECKING:  # a front-end process imports this module, and must not import torch
     from runtime.server.batcher import Pending
 
-RUN, STATUS = b"run", b"status"
+RUN, STATUS = b"r", b"s"  # a message's kind
 PATIENCE_S = 5.0  # how long a front-end waits for the engine's status, and past a request's deadline
 PATIENCE_MS = 100  # how long the link thread waits for a message at most (it sees a stop then)
 RECEIVE_AT_ONCE = 256  # the most messages the link thread reads before sending the answers waiting
@@ -126,19 +128,21 @@ class EngineLink:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            if len(frames) < 3:  # not a front-end's: nobody to answer
+            if len(frames) != 2 or len(frames[1]) < 9:  # not a front-end's (its id, one frame): nobody to answer
                 continue
-            peer, kind, mid = (f.bytes for f in frames[:3])
+            peer, body = frames[0].bytes, frames[1].buffer
+            kind, mid = bytes(body[:1]), bytes(body[1:9])
             try:
+                fields = unpack(body)
                 if kind == STATUS:
                     self._status(peer, mid)
                 else:
-                    pendings.append(self._pending(peer, mid, frames))
+                    pendings.append(self._pending(peer, mid, fields))
             except Exception as e:
                 if kind == STATUS:  # a bug: the front-end gets no answer, and says so (503)
                     _complain(e)
                 else:  # a message it cannot read
-                    self._socket.send_multipart([peer, RUN, mid, *_refusal(e)])
+                    self._socket.send_multipart([peer, pack(RUN, mid, _refusal(e))])
         if not pendings:
             return
         batcher = self.engine.batcher
@@ -154,13 +158,13 @@ class EngineLink:
             heapq.heapify(self._deadlines)
             self._purge_at = max(PURGE_AT, 2 * len(self._deadlines))
 
-    def _pending(self, peer: bytes, mid: bytes, frames: list) -> tuple[Pending, float]:
+    def _pending(self, peer: bytes, mid: bytes, fields: list[memoryview]) -> tuple[Pending, float]:
         """A run message's request for the batcher, and its timeout (NaN: none)."""
-        if len(frames) != 7:
-            raise SidIndexError(f"a front-end's message of {len(frames) - 3} frames, not 4")
-        snapshot = frames[3].bytes.decode()  # the one the front-end validated against
-        timeout, rows = struct.unpack("<dQ", frames[4].bytes)
-        p = self.engine.message((frames[5].bytes, frames[6].buffer), rows, snapshot,
+        if len(fields) != 4:
+            raise SidIndexError(f"a front-end's message of {len(fields)} fields, not 4")
+        timeout, rows = struct.unpack("<dQ", fields[0])
+        snapshot = bytes(fields[1]).decode()  # the one the front-end validated against
+        p = self.engine.message((bytes(fields[2]), fields[3]), rows, snapshot,
                                 functools.partial(self._answer, peer, mid))
         return p, timeout if math.isfinite(timeout) else math.nan
 
@@ -168,7 +172,7 @@ class EngineLink:
         doc = self.engine.current_status()
         target = self.engine.current_target()
         doc["target"] = {"snapshot": target.snapshot, "spec": target.spec.to_dict(), "dim": target.dim}
-        self._socket.send_multipart([peer, STATUS, mid, orjson.dumps(doc)])
+        self._socket.send_multipart([peer, pack(STATUS, mid, [orjson.dumps(doc)])])
 
     def _expire(self) -> int:
         """Answer the requests past their deadline 504: the milliseconds until the next one's (at
@@ -185,15 +189,39 @@ class EngineLink:
     def _answer(self, peer: bytes, mid: bytes, outcome) -> None:
         """A request's outcome (from a batch thread, or the link's) into the outbox."""
         if isinstance(outcome, BaseException):
-            self._outbox.append([peer, RUN, mid, *_refusal(outcome)])
+            self._outbox.append([peer, pack(RUN, mid, _refusal(outcome))])
         else:
             (schema, batch), served = outcome
-            self._outbox.append([peer, RUN, mid, b"ok", served.encode(), schema, batch])
+            self._outbox.append([peer, pack(RUN, mid, [b"ok", served.encode(), schema, batch])])
         if not self._woken and threading.current_thread() is not self._thread:
             self._woken = True
             with self._lock:
                 if not self._waker.closed:
                     self._waker.send(b"", copy=False)
+
+
+def pack(kind: bytes, mid: bytes, fields: list) -> bytes:
+    """A message as one ZeroMQ frame: its kind (1 byte), its id (8) and its fields (bytes-like),
+    each after its length (u32). One frame, not one per field: pyzmq gives up the GIL around each
+    frame it sends or receives, and the engine's link takes it back behind the batch threads."""
+    out = [kind, mid]
+    for f in fields:
+        out += [struct.pack("<I", len(f)), f]
+    return b"".join(out)
+
+
+def unpack(body: memoryview) -> list[memoryview]:
+    """A message's fields (`pack`), views of `body`; SidIndexError when they do not add up to it."""
+    fields, at = [], 9
+    while at < len(body):
+        if at + 4 > len(body):
+            raise SidIndexError("a message cut short")
+        (n,) = struct.unpack_from("<I", body, at)
+        if at + 4 + n > len(body):
+            raise SidIndexError("a message cut short")
+        fields.append(body[at + 4:at + 4 + n])
+        at += 4 + n
+    return fields
 
 
 def _complain(e: BaseException) -> None:
@@ -202,7 +230,7 @@ def _complain(e: BaseException) -> None:
 
 
 def _refusal(e: BaseException) -> list[bytes]:
-    """A request's outcome that is not ok, and its one line (the `run` answer's last frames)."""
+    """A request's outcome that is not ok, and its one line (a run answer's fields)."""
     if isinstance(e, Refused):
         outcome = e.outcome
     elif isinstance(e, InputError):
@@ -248,19 +276,18 @@ class EngineClient:
 
     async def answer(self, requests: Requests, target: Target, timeout: float | None) -> tuple[pa.Table, str]:
         """As `Engine.answer`; the engine's refusals and errors raised here as there."""
-        frames = await self._call([RUN, target.snapshot.encode(),
-                                   struct.pack("<dQ", math.nan if timeout is None else timeout, len(requests)),
-                                   *batch_message(portable(requests))],
+        fields = await self._call(RUN, [struct.pack("<dQ", math.nan if timeout is None else timeout, len(requests)),
+                                        target.snapshot.encode(), *batch_message(portable(requests))],
                                   None if timeout is None else timeout + PATIENCE_S)
-        outcome, snapshot = frames[1].bytes, frames[2].bytes.decode()
+        outcome, snapshot = bytes(fields[0]), bytes(fields[1]).decode()
         if outcome == b"ok":
             if snapshot != target.snapshot:  # a swap: validate the next requests against the new one
                 await self.status()
             try:
-                return read_batch_messages(frames[3].buffer, [frames[4].buffer], "the engine's answer"), snapshot
+                return read_batch_messages(fields[2], [fields[3]], "the engine's answer"), snapshot
             except (InputError, IndexError) as e:  # the server's fault, not the client's
                 raise SidIndexError(f"the engine's answer: {e}") from None
-        message = frames[3].bytes.decode()
+        message = bytes(fields[2]).decode()
         if outcome == b"bad_request":
             raise InputError(message)
         if outcome == b"busy":
@@ -273,20 +300,20 @@ class EngineClient:
 
     async def status(self) -> dict:
         """`Engine.status`, and the target it reports becomes this front-end's."""
-        frames = await self._call([STATUS], PATIENCE_S)
-        doc = orjson.loads(frames[1].bytes)
+        fields = await self._call(STATUS, [], PATIENCE_S)
+        doc = orjson.loads(bytes(fields[0]))
         t = doc.pop("target")
         self._target = Target(t["snapshot"], spec_from_dict(t["spec"], "the engine's targeting spec"), t["dim"])
         return doc
 
-    async def _call(self, frames: list, timeout: float | None) -> list:
-        """Send a message and wait for its answer (its frames after the id)."""
+    async def _call(self, kind: bytes, fields: list, timeout: float | None) -> list[memoryview]:
+        """Send a message and wait for its answer's fields."""
         assert self._socket is not None  # `start` made it
         mid = struct.pack("<Q", self._sent)
         self._sent += 1
         reply = self._replies[mid] = asyncio.get_running_loop().create_future()
         try:
-            await self._socket.send_multipart([frames[0], mid, *frames[1:]], copy=False)
+            await self._socket.send(pack(kind, mid, fields), copy=False)
             return await asyncio.wait_for(reply, timeout)
         except asyncio.TimeoutError:
             raise Refused(503, "error", f"the engine did not answer within {timeout:,.1f} s; retry later",
@@ -297,7 +324,11 @@ class EngineClient:
     async def _receive(self) -> None:
         assert self._socket is not None
         while True:
-            frames = await self._socket.recv_multipart(copy=False)
-            reply = self._replies.get(frames[1].bytes)
+            frame = await self._socket.recv(copy=False)
+            body = frame.buffer
+            reply = self._replies.get(bytes(body[1:9]))
             if reply is not None and not reply.done():
-                reply.set_result([frames[0], *frames[2:]])
+                try:
+                    reply.set_result(unpack(body))
+                except SidIndexError as e:  # the server's fault: this request's 500
+                    reply.set_exception(SidIndexError(f"the engine's answer: {e}"))
