@@ -15,10 +15,11 @@ loop), so its CPU per request (that thread's CPU time over the run) bounds what 
 answers; the engine process's CPU per request is beside it, and each thread's in the JSON.
 --stand-in-ms MS replaces the search by a stand-in for a device's batch (MS without the GIL, two
 at a time, top_k rows a request), so that a machine without a GPU measures what the engine's own
-work allows; on a 2-core machine the client process takes one core, and its figure bounds. --baseline DIR runs the same with another
-checkout's packages first on PYTHONPATH (`git archive REV runtime sidindex sidindex_cli schemas
-pipelines | tar x -C DIR`), engine and client both, the two alternating --runs times on one
-machine. The ROOT: `data_samples/` built once under --cache, or with --ads, `bench_stream.catalog_root`'s.
+work allows; on a 2-core machine the client process takes one core, and its figure bounds.
+--baseline DIR runs the same with another checkout's packages first on PYTHONPATH (`git archive
+REV runtime sidindex sidindex_cli schemas pipelines | tar x -C DIR`), engine and client both, the
+two alternating --runs times on one machine. The ROOT: `data_samples/` built once under --cache,
+or with --ads, `bench_stream.catalog_root`'s.
 """
 
 from __future__ import annotations
