@@ -59,7 +59,7 @@ class Pending:
     # (`sidindex.requests.portable`) as Arrow IPC messages, its schema's and its record batch's
     # (`runtime.server.engine_api.batch_message`), read on a batch thread, and answered as the
     # same two messages made there
-    message: tuple[bytes, pa.Buffer] | None = None
+    message: tuple[bytes, pa.Buffer | memoryview] | None = None
     queued: float = field(default_factory=time.perf_counter)
     done: int = 0  # its first rows that ran, on `snapshot`
     parts: list[pa.RecordBatch] = field(default_factory=list)  # its pieces' result rows, in row order

@@ -74,7 +74,7 @@ class Engine:
         """`runtime.server.batcher.Batcher.answer` of requests validated against `target`."""
         return await self.batcher.answer(requests, (target.spec, target.dim), timeout)
 
-    def message(self, message: tuple[bytes, pa.Buffer], rows: int, snapshot: str,
+    def message(self, message: tuple[bytes, pa.Buffer | memoryview], rows: int, snapshot: str,
                 settle: Callable[[Outcome], None]) -> Pending:
         """A front-end's `rows` requests (their portable form, `sidindex.requests.portable`, as
         its schema's and its record batch's Arrow IPC messages) validated against `snapshot`, as
