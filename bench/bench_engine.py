@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -59,6 +60,7 @@ def engine(args) -> None:
         stand_in(retriever, args.stand_in_ms, args.top_k)
     eng = Engine(watcher, retriever, max_batch=args.max_batch, poll_seconds=60.0)
     link = EngineLink(eng, args.engine)
+    gc.freeze()  # as `sidindex serve` does once warm
     began = {"process": time.process_time()}
     threads = {}
     if hasattr(link, "start"):  # the link on a thread of its own

@@ -8,7 +8,6 @@ It holds a warmed `runtime.Retriever` over a `SnapshotWatcher`, the fair batcher
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections.abc import Callable
@@ -54,10 +53,6 @@ class Engine:
 
     async def start(self) -> None:
         """Start the batcher's threads and the poller's."""
-        # what loading and warming made lives as long as the process: out of the collector's reach,
-        # a full collection (which holds the GIL, 130 ms over the 270,000 objects a warm engine
-        # holds on the VM) walks only what serving made since
-        gc.freeze()
         self.batcher.start()
         self._poller = threading.Thread(target=self._poll, name="sidindex-poll", daemon=True)
         self._poller.start()

@@ -29,7 +29,7 @@ class Target:
 
 
 def arrow_stream(table: pa.Table) -> pa.Buffer:
-    """`table` as one Arrow IPC stream (the requests and the results that cross the link)."""
+    """`table` as one Arrow IPC stream (an HTTP answer in Arrow)."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as w:
         w.write_table(table)

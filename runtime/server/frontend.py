@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
 
     threading.Thread(target=orphaned, name="sidindex-orphaned", daemon=True).start()
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # a large body parsed on a thread gives the loop its turns
-    gc.freeze()  # the imports' objects: out of the collector's reach (`runtime.server.engine.Engine.start`)
+    gc.freeze()  # the imports' objects: out of the collector's reach (as `sidindex serve` does once warm)
     host, port = listening.getsockname()[:2]
     server.serve(host, port, sockets=[listening])
 

@@ -56,8 +56,9 @@ class EngineLink:
     The thread reads every message waiting at once and queues their requests in the batcher
     together; the batch threads hand their answers back through an outbox it sends from (a ZeroMQ
     socket is one thread's), woken by an inproc socket; it answers a request past its deadline
-    504. A blocking socket on a plain thread costs a third of what an asyncio loop's did per
-    message, and every request passes through it (docs/design.md §19, "Processes").
+    504. Every request passes through it: a blocking socket on a plain thread took a third of the
+    CPU an asyncio loop did per message in a harness on the VM, though not less on the H100
+    (docs/design.md §19, "Processes"; docs/benchmarks.md).
     """
 
     def __init__(self, engine, address: str) -> None:
