@@ -11,6 +11,8 @@
 #   bash bench/gpu_check.sh install        # install the wheels that came along, nothing else
 #   bash bench/gpu_check.sh [PYTEST ARGS]  # install what came along, then the GPU tests (test files
 #                                          # named in the arguments replace the list below)
+#   bash bench/gpu_check.sh check [ADS]    # the GPU tests, then bench_stream on both profiles at ADS ads
+#                                          # (default 1000000): the one GPU check, under 10 minutes
 #   bash bench/gpu_check.sh bench [ADS]    # then the serving benchmarks, into $OUT (or bench_out/):
 #                                          # bench_topk, bench_post, bench_stream both profiles at ADS
 #                                          # ads (default 2000000: about 4M SIDs), bench_host, bench_warmup,
@@ -21,6 +23,8 @@
 #                                          # large request) and profile_serving
 #   bash bench/gpu_check.sh engine [ADS]   # profile_server and bench_engine against .baseline, then
 #                                          # bench_load's steady scenario, --workers 8, with wrk (~5 min)
+#   bash bench/gpu_check.sh batched [ADS]  # bench_batched: 64 requests a call over Flight and Arrow over
+#                                          # HTTP against the Retriever's own, every answer checked (~3 min)
 #   bash bench/gpu_check.sh all [ADS]      # the tests, then the benchmarks (and bench_load's steady
 #                                          # scenario with its wrk pass, one server process against
 #                                          # front-end processes; wrk from .deb/: apt-get download
@@ -110,9 +114,10 @@ export PATH="$site/bin:$PATH"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 mode="${1:-}"
-if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ] || [ "$mode" = "engine" ]; then
+if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ] || [ "$mode" = "engine" ] \
+        || [ "$mode" = "check" ] || [ "$mode" = "batched" ]; then
     shift
-    ads="${1:-2000000}"
+    ads="${1:-$([ "$mode" = "check" ] && echo 1000000 || echo 2000000)}"
     set --
 fi
 out="${OUT:-bench_out}"
@@ -121,7 +126,7 @@ cache="${BENCH_CACHE:-bench_cache}"
 mkdir -p "$out"
 export OUT="$out"
 status=0
-if [ "$mode" != "bench" ] && [ "$mode" != "serve" ] && [ "$mode" != "engine" ]; then
+if [ "$mode" != "bench" ] && [ "$mode" != "serve" ] && [ "$mode" != "engine" ] && [ "$mode" != "batched" ]; then
     # every test file with a CUDA case (each skips them without a GPU); files named in the
     # arguments replace the list
     TESTS=(tests/test_broken_scorer.py tests/test_serving.py tests/test_retriever.py tests/test_order.py
@@ -135,6 +140,10 @@ if [ "$mode" != "bench" ] && [ "$mode" != "serve" ] && [ "$mode" != "engine" ]; 
     done
     python3 -m pytest -q -p no:cacheprovider -p bench.test_log -n 12 -o addopts="" -ra "${TESTS[@]}" "$@" \
         || status=1
+fi
+if [ "$mode" = "check" ]; then  # every mode on both catalogs, each checked against `runtime.retrieve`
+    python3 bench/bench_stream.py --device cuda --ads "$ads" --profile both --cache "$cache" \
+        --json "$out/stream.json" || status=1
 fi
 if [ "$mode" = "bench" ] || [ "$mode" = "all" ]; then
     python3 -m bench.bench_topk --device cuda --json "$out/topk.json" || status=1
@@ -161,6 +170,10 @@ if [ "$mode" = "engine" ]; then  # and the front-end processes' answers checked 
     python3 bench/bench_load.py --device cuda --ads "$ads" --scenarios steady --rate 10000 --clients 64 --procs 4 \
         --max-batch 64 --seconds 10 --wrk-connections 64 --workers 8 --cache "$cache" \
         --json "$out/load.json" || status=1
+fi
+if [ "$mode" = "batched" ] || [ "$mode" = "serve" ]; then  # callers that batch: 64 requests a call
+    python3 bench/bench_batched.py --device cuda --ads "$ads" --rows 64 --clients 32 --procs 4 --workers 8 \
+        --cache "$cache" --json "$out/batched.json" || status=1
 fi
 if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ]; then
     # the server under load, the default profile's catalog from above, and wrk beside it: one process,
