@@ -198,10 +198,11 @@ def free_port() -> int:
 
 class Server:
     """`sidindex serve ROOT` in a process of its own, its output in a log file; env: variables
-    set for it beside this process's (e.g. PYTHONPATH, to serve another checkout)."""
+    set for it beside this process's (e.g. PYTHONPATH, to serve another checkout); options: more
+    of the command's options (e.g. --flight-port)."""
 
     def __init__(self, root: Path, args, log_path: Path, workers: int | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, options: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "sidindex_cli", "serve", str(root), "--port", str(self.port),
@@ -212,6 +213,7 @@ class Server:
             cmd += ["--top-k", str(args.top_k)]
         if workers is not None:
             cmd += ["--workers", str(workers)]
+        cmd += options
         env = dict(os.environ, COLUMNS="200") | (env or {})
         env.pop("TRITON_INTERPRET", None)  # a serving host runs the compiled kernels
         if args.threads:

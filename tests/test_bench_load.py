@@ -161,3 +161,40 @@ def test_a_large_bodys_answer_is_checked_request_by_request(built, tmp_path, cap
     assert event["status"] == 200 and event["rows"] == 40
     assert large["checked"] == large["ok"] + 40 and large["mismatches"] == 0, large["mismatch_samples"]
     assert "40 of them the large body's requests" in capsys.readouterr().out
+
+
+def test_batched_calls_over_flight_and_http_are_counted_and_checked(built, tmp_path, capsys):
+    from bench import bench_batched as bb
+
+    cache, _ = built
+    out = tmp_path / "batched.json"
+    assert bb.main(["--ads", str(ADS), "--dim", str(DIM), "--beams", BEAMS, "--device", "cpu", "--rows", "16",
+                    "--pool", "64", "--clients", "2", "--procs", "1", "--seconds", "2", "--max-batch", "16",
+                    "--cache", str(cache), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["catalog"]["cached"] and res["server_exit"] == 0
+    assert res["direct"]["calls"] > 0 and res["direct"]["reference_rows"] > 0
+    assert [p["path"] for p in res["paths"]] == ["flight", "http"]
+    for p in res["paths"]:
+        assert p["calls"] > 0 and p["failed"] == 0 and p["mismatches"] == 0 and p["requests_per_s"] > 0
+        assert p["clients_exited"] == [0] and 0 < p["p50_ms"] <= p["p99_ms"]
+        assert f"| {p['path']} |" in printed
+    assert "MISS" not in printed and printed.count("PASS") == 3
+
+
+def test_the_batched_check_tells_a_near_tie_from_a_wrong_answer():
+    from bench.bench_batched import by_request, compare
+
+    def table(rid, ad, score):
+        rank = [sum(r == x for x in rid[:i]) + 1 for i, r in enumerate(rid)]
+        return pa.table({"request_id": pa.array(rid, pa.int64()), "rank": pa.array(rank, pa.int64()),
+                         "ad_id": pa.array(ad, pa.int64()), "score": pa.array(score, pa.float32())})
+
+    want = by_request(table([0, 0, 1], [10, 11, 12], [0.5, 0.5, 0.25]))
+    ids = np.array([0, 1, 2])  # request 2 has no rows in either
+    assert compare(table([1, 0, 0], [12, 10, 11], [0.25, 0.5, 0.5]), want, ids) == (0, 0)  # any row order
+    assert compare(table([0, 0, 1], [11, 10, 12], [0.5, 0.5, 0.25]), want, ids) == (0, 1)  # tied ads swapped
+    assert compare(table([0, 0, 1], [10, 13, 12], [0.5, 0.4, 0.25]), want, ids) == (1, 0)  # another ad
+    assert compare(table([0, 0], [10, 11], [0.5, 0.5]), want, ids) == (1, 0)  # a request's rows missing
+    assert compare(table([0, 0, 1, 5], [10, 11, 12, 1], [0.5, 0.5, 0.25, 1.0]), want, ids) == (1, 0)  # not asked
