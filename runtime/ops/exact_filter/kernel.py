@@ -6,12 +6,11 @@ catalog (a slot that is not valid reads a real row; the caller masks it).
   rows    word group by word group, the matcher kernel's group test (`planes.row_pass.group_pass`,
           the one copy of "ANY query q has (row & q) == q"): a lane's words of the group stay in
           registers while the request's queries stream past, until every live lane has a hit
-  values  attribute by attribute, along the shorter side: the request's values stream past (a
-          scalar loop to the request's own count), each binary-searched in every lane's ad hashes
-          in the attribute's fixed number of steps (`runtime.index.served.PostBounds.steps`), or
-          each lane's ad hashes stream past, each binary-searched in the request's values; compared
-          as uint64, until every live lane found one; an ad with no values passes, a lane that
-          failed an attribute loads nothing more
+  values  attribute by attribute, the request's values stream past (a scalar loop to the request's
+          own count); each lane binary-searches the value in its ad's sorted hashes in the
+          attribute's fixed number of steps (`runtime.index.served.PostBounds.steps`), compared as uint64, until every
+          live lane found one; an ad with no values passes, a lane that failed an attribute loads
+          nothing more
 With `live` counts (HAS_LIVE), a request's slots past its count are False and load nothing: a block
 past them only stores. Bits are int64 (the uint64 words reinterpreted): & and == are the same; only the hashes' order
 needs the unsigned view.
@@ -59,11 +58,11 @@ def _held(real, c, held, b, HAS_LIVE: tl.constexpr):
 
 
 @triton.jit
-def _lower_bound(hashes, lo, hi, want, live, steps):
+def _lower_bound(hashes, lo, hi, want, live, STEPS: tl.constexpr):
     """Per lane the first position in hashes[lo:hi] (sorted as uint64) whose hash is not below
-    `want` (uint64), in `steps` halvings (enough for hi - lo < 2**steps); lanes not `live` load nothing."""
+    `want` (uint64), in STEPS halvings (enough for hi - lo < 2**STEPS); lanes not `live` load nothing."""
     base, size = lo, hi - lo
-    for _ in range(steps):
+    for _ in tl.static_range(STEPS):
         half = size // 2
         x = tl.load(hashes + base + half, mask=live & (size > 0), other=0).to(tl.uint64, bitcast=True)
         go = (x < want) & (size > 0)
@@ -77,14 +76,8 @@ def _values_kernel(out, ad, held, ad_off, hashes, req_off, req_hashes, C, N, s_a
                    STEPS: tl.constexpr, HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr):
     """out[b, c] = for every attribute a, ad ad[b, c] has no hashes (ad_off (A, N+1) into hashes,
     sorted as uint64) or one of request b's (req_off (A, B+1) with strides s_qa, s_qb into
-    req_hashes, sorted as uint64) is among them; STEPS[a] binary-search steps cover the most hashes
-    an ad has; with HAS_LIVE only for c < held[b].
-
-    Per attribute the program walks the shorter side: the request's values one by one, each
-    searched in every lane's ad hashes (STEPS[a] loads a value), or every lane's ad hashes one by
-    one, each searched in the request's values (their bit length in loads a hash). A lane that
-    matches no value walks its side to the end, and a request of 64 locations against ads of a few
-    each makes the second walk about ten times shorter."""
+    req_hashes) is among them; STEPS[a] binary-search steps cover the most hashes an ad has; with
+    HAS_LIVE only for c < held[b]."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     real = c < C
@@ -96,33 +89,17 @@ def _values_kernel(out, ad, held, ad_off, hashes, req_off, req_hashes, C, N, s_a
         found = hi == lo  # unrestricted on a
         j = tl.load(req_off + a * s_qa + b * s_qb)
         end = tl.load(req_off + a * s_qa + (b + 1) * s_qb)
-        longest = tl.max(tl.where(ok & (found == 0), hi - lo, 0), axis=0)  # the most hashes a lane must walk
-        req_steps = (end - j) * 0  # the bit length of the request's count: a search's halvings among its values
-        while (end - j) >> req_steps > 0:
-            req_steps += 1
-        if longest * req_steps < (end - j) * STEPS[a]:
-            i = longest * 0
-            while i < longest:
-                live = ok & (found == 0) & (lo + i < hi)
-                want = tl.load(hashes + lo + i, mask=live, other=0).to(tl.uint64, bitcast=True)
-                base = _lower_bound(req_hashes, lo * 0 + j, end, want, live, req_steps)  # per lane
-                inside = live & (base < end)
-                x = tl.load(req_hashes + base, mask=inside, other=0).to(tl.uint64, bitcast=True)
-                found = found | (inside & (x == want))
-                left = tl.sum((ok & (found == 0) & (lo + i + 1 < hi)).to(tl.int32), axis=0)
-                i = tl.where(left > 0, i + 1, longest)
-        else:
-            # until every live lane found one of the request's values, or none is left to try
-            j = tl.where(tl.sum((ok & (found == 0)).to(tl.int32), axis=0) > 0, j, end)
-            while j < end:
-                want = tl.load(req_hashes + j).to(tl.uint64, bitcast=True)
-                live = ok & (found == 0)
-                base = _lower_bound(hashes, lo, hi, want, live, STEPS[a])
-                inside = live & (base < hi)
-                x = tl.load(hashes + base, mask=inside, other=0).to(tl.uint64, bitcast=True)
-                found = found | (inside & (x == want))
-                left = tl.sum((ok & (found == 0)).to(tl.int32), axis=0)
-                j = tl.where(left > 0, j + 1, end)
+        # until every live lane found one of the request's values, or none is left to try
+        j = tl.where(tl.sum((ok & (found == 0)).to(tl.int32), axis=0) > 0, j, end)
+        while j < end:
+            want = tl.load(req_hashes + j).to(tl.uint64, bitcast=True)
+            live = ok & (found == 0)
+            base = _lower_bound(hashes, lo, hi, want, live, STEPS[a])
+            inside = live & (base < hi)
+            x = tl.load(hashes + base, mask=inside, other=0).to(tl.uint64, bitcast=True)
+            found = found | (inside & (x == want))
+            left = tl.sum((ok & (found == 0)).to(tl.int32), axis=0)
+            j = tl.where(left > 0, j + 1, end)
         ok = ok & found
     tl.store(out + b * C + c, ok, mask=real)
 
