@@ -270,8 +270,9 @@ def run(args) -> dict:
         res["direct"] = direct(root, Path(size["catalog"]), args, work)
         free_device()  # the direct Retriever's graphs and index, before the server takes the device
         port = free_port()
-        log(f"sidindex serve {root} --flight-port {port}" + (f" --workers {args.workers}" if args.workers else ""))
-        server = Server(root, args, work / "serve.log", args.workers, options=("--flight-port", str(port)))
+        options = ("--flight-port", str(port)) if "flight" in args.paths else ()
+        log(f"sidindex serve {root} {' '.join(options)}" + (f" --workers {args.workers}" if args.workers else ""))
+        server = Server(root, args, work / "serve.log", args.workers, options=options)
         try:
             res["server_ready_s"] = server.wait_ready(args.ready_timeout)
             res["paths"] = []
