@@ -12,7 +12,7 @@
 #   bash bench/gpu_check.sh [PYTEST ARGS]  # install what came along, then the GPU tests (test files
 #                                          # named in the arguments replace the list below)
 #   bash bench/gpu_check.sh check [ADS]    # the GPU tests, then bench_stream on both profiles at ADS ads
-#                                          # (default 1000000): the one GPU check, under 10 minutes
+#                                          # (default 200000): the one GPU check of the serving path
 #   bash bench/gpu_check.sh bench [ADS]    # then the serving benchmarks, into $OUT (or bench_out/):
 #                                          # bench_topk, bench_post, bench_stream both profiles at ADS
 #                                          # ads (default 2000000: about 4M SIDs), bench_host, bench_warmup,
@@ -117,7 +117,7 @@ mode="${1:-}"
 if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ] || [ "$mode" = "engine" ] \
         || [ "$mode" = "check" ] || [ "$mode" = "batched" ]; then
     shift
-    ads="${1:-$([ "$mode" = "check" ] && echo 1000000 || echo 2000000)}"
+    ads="${1:-$([ "$mode" = "check" ] && echo 200000 || echo 2000000)}"
     set --
 fi
 out="${OUT:-bench_out}"
