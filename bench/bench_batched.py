@@ -19,10 +19,14 @@ sends batch (c + i x clients) mod batches.
    per path, flight and http, --clients clients in --procs processes (threads; this script,
    importing numpy, pyarrow and httpx only), each with its own exchange or keep-alive connection,
    call in a closed loop for --seconds after a common start. Then SIGTERM: the server must exit 0.
-Every answer is checked in its client against the reference of its batch: request ids, ad_id
-and rank lists equal per request; a request whose ad_ids differ but whose scores agree rank by
-rank within 1e-5 is a near tie (a GPU's float sums depend on the batch a request shares), any
-other difference a mismatch. A call that fails (a transport or server error) is counted.
+Every answer is checked in its client against the reference of its batch, request by request as
+`bench_load` checks (`load_check.difference`): ad_id and rank lists equal, scores within 1e-5;
+rows of a request not sent differ. A difference is a mismatch; those whose scores agree rank by
+rank (a GPU's float sums depend on the batch a request shares) are counted apart as near ties.
+A call that fails (a transport or server error, or an answer that is not a result table) is
+counted, and its client's first errors kept. requests/s counts the calls that ended within the
+--seconds window. The run fails (exit 1) on a mismatch, a failed call, a client that made no
+call or did not exit 0, an empty reference, or a server that did not exit 0 on SIGTERM.
 Output: a table (path, calls, requests/s and the ratio to direct, per-call p50 / p99 ms, failed,
 mismatches, near ties), progress on stderr, every figure with --json PATH.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import numpy as np
 import pyarrow as pa
 
-from bench.load_check import SCORE_TOL
+from bench.load_check import difference
 from bench.load_report import percentiles
 from bench.report import verdict, write_json
 
@@ -74,64 +79,79 @@ def stream_bytes(batch: pa.RecordBatch) -> bytes:
 # --- the check -----------------------------------------------------------------------------------
 
 def by_request(table: pa.Table) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per request id its (rank, ad_id, score) arrays, in rank order."""
+    """Per request id its (ad_id, rank, score) arrays, in rank order."""
     rid = table.column("request_id").to_numpy()
     rank, ad = table.column("rank").to_numpy(), table.column("ad_id").to_numpy()
-    score = table.column("score").to_numpy()
+    score = table.column("score").to_numpy().astype(np.float64)
     order = np.lexsort((rank, rid))
     rid, rank, ad, score = rid[order], rank[order], ad[order], score[order]
     cuts = np.flatnonzero(np.diff(rid)) + 1
-    return {int(r[0]): (k, a, s) for r, k, a, s in zip(np.split(rid, cuts), np.split(rank, cuts),
-                                                       np.split(ad, cuts), np.split(score, cuts)) if len(r)}
+    return {int(r[0]): (a, k, s) for r, a, k, s in zip(np.split(rid, cuts), np.split(ad, cuts),
+                                                       np.split(rank, cuts), np.split(score, cuts)) if len(r)}
 
 
-def compare(got: pa.Table, want: dict, ids: np.ndarray) -> tuple[int, int]:
-    """(mismatches, near ties) of one answer against the reference rows of its requests `ids`
-    (a request with no rows in either is equal)."""
+def compare(got: pa.Table, want: dict, ids: np.ndarray) -> tuple[int, int, str | None]:
+    """(mismatches, near ties among them, the first difference in words) of one answer against
+    the reference rows of its requests `ids`, request by request as `bench_load` checks
+    (`load_check.difference`: ad_id and rank lists equal and scores within 1e-5; a near tie is
+    still a mismatch); a request with no rows in either is equal, rows of a request not sent
+    differ."""
     answer = by_request(got)
-    extra = set(answer) - {int(i) for i in ids}
+    extra = sorted(set(answer) - {int(i) for i in ids})
     mismatches, near = len(extra), 0
-    empty = (np.zeros(0, np.int64),) * 2 + (np.zeros(0, np.float32),)
+    first = f"rows of request {extra[0]}, which the call did not send" if extra else None
+    empty = (np.zeros(0, np.int64),) * 2 + (np.zeros(0, np.float64),)
     for i in ids.tolist():
-        (gr, ga, gs), (wr, wa, ws) = answer.get(i, empty), want.get(i, empty)
-        if np.array_equal(gr, wr) and np.array_equal(ga, wa):
-            continue
-        if len(gs) == len(ws) and np.allclose(gs, ws, rtol=0, atol=SCORE_TOL):
-            near += 1
-        else:
-            mismatches += 1
-    return mismatches, near
+        why, tie = difference(*answer.get(i, empty), *want.get(i, empty))
+        if why is not None:
+            mismatches, near = mismatches + 1, near + tie
+            first = first or f"request {i}: {why}"
+    return mismatches, near, first
 
 
 # --- the clients (processes of their own) ---------------------------------------------------------
 
-def client_calls(spec: dict, thread: int, batches: list[pa.RecordBatch], want: dict, out: list) -> None:
-    """One client's closed loop (module doc), its calls appended to `out` as (start, end, batch,
-    ok, mismatches, near ties)."""
+def client_calls(spec: dict, thread: int, batches: list[pa.RecordBatch], want: dict, out: list,
+                 errors: list) -> None:
+    """One client's closed loop (module doc), its calls appended to `out` as (client, start, end,
+    batch, ok, mismatches, near ties), the first few failures and differences to `errors`. A
+    client that cannot connect, or a Flight exchange that fails, records one failed call and
+    stops; every call, the exchange included, ends by --timeout past the run's end."""
     n = len(batches)
     c, clients = spec["first_client"] + thread, spec["clients"]
     ids = [b.column(0).to_numpy() for b in batches]
-    if spec["path"] == "flight":
-        import pyarrow.flight as flight
 
-        conn = flight.connect(spec["url"])
-        writer, reader = conn.do_exchange(flight.FlightDescriptor.for_command(b"retrieve"))
-        writer.begin(batches[0].schema)
+    def failed(t0: float, e: object) -> None:
+        out.append((c, t0, time.time(), -1, 0, 0, 0))
+        if len(errors) < 5:
+            errors.append(f"client {c}: {e}".splitlines()[0])
 
-        def call(j: int) -> pa.Table:
-            writer.write_batch(batches[j])
-            return pa.Table.from_batches([reader.read_chunk().data])
-    else:
-        import httpx
+    try:
+        if spec["path"] == "flight":
+            import pyarrow.flight as flight
 
-        http = httpx.Client(base_url=spec["url"], timeout=spec["timeout"])
-        bodies = [stream_bytes(b) for b in batches]
-        http.get("/readyz")  # the connection, opened before the clock starts
+            conn = flight.connect(spec["url"])
+            options = flight.FlightCallOptions(timeout=spec["end"] + spec["timeout"] - time.time())
+            writer, reader = conn.do_exchange(flight.FlightDescriptor.for_command(b"retrieve"), options=options)
+            writer.begin(batches[0].schema)
 
-        def call(j: int) -> pa.Table:
-            r = http.post("/retrieve", content=bodies[j], headers={"content-type": ARROW_STREAM})
-            r.raise_for_status()
-            return pa.ipc.open_stream(r.content).read_all()
+            def call(j: int) -> pa.Table:
+                writer.write_batch(batches[j])
+                return pa.Table.from_batches([reader.read_chunk().data])
+        else:
+            import httpx
+
+            http = httpx.Client(base_url=spec["url"], timeout=spec["timeout"])
+            bodies = [stream_bytes(b) for b in batches]
+            http.get("/readyz")  # the connection, opened before the clock starts
+
+            def call(j: int) -> pa.Table:
+                r = http.post("/retrieve", content=bodies[j], headers={"content-type": ARROW_STREAM})
+                r.raise_for_status()
+                return pa.ipc.open_stream(r.content).read_all()
+    except Exception as e:
+        failed(time.time(), f"{type(e).__name__}: {e}")
+        return
     time.sleep(max(0.0, spec["start"] - time.time()))
     i = 0
     while time.time() < spec["end"]:
@@ -139,13 +159,17 @@ def client_calls(spec: dict, thread: int, batches: list[pa.RecordBatch], want: d
         t0 = time.time()
         try:
             got = call(j)
-        except Exception:
-            out.append((t0, time.time(), j, False, 0, 0))
+            t1 = time.time()
+            bad, near, why = compare(got, want, ids[j])
+        except Exception as e:  # a transport or server error, or an answer that is not a result table
+            failed(t0, f"{type(e).__name__}: {e}")
             if spec["path"] == "flight":
                 return  # a failed exchange is over
+            time.sleep(0.05)
             continue
-        t1 = time.time()
-        out.append((t0, t1, j, True, *compare(got, want, ids[j])))
+        out.append((c, t0, t1, j, 1, bad, near))
+        if why is not None and len(errors) < 5:
+            errors.append(f"client {c}, batch {j}: {why}")
         i += 1
     if spec["path"] == "flight":
         writer.done_writing()
@@ -153,27 +177,33 @@ def client_calls(spec: dict, thread: int, batches: list[pa.RecordBatch], want: d
 
 
 def client_process(spec_path: str) -> int:
-    """A client process: spec["threads"] clients (module doc); its calls to spec["out"] as JSON."""
+    """A client process: spec["threads"] clients (module doc); their calls and first errors to
+    spec["out"] as JSON, written whatever happens to them."""
     spec = json.loads(Path(spec_path).read_text())
-    with pa.memory_map(spec["pool"]) as f:
-        pool = pa.ipc.open_file(f).read_all().combine_chunks()
-    with pa.memory_map(spec["reference"]) as f:
-        want = by_request(pa.ipc.open_file(f).read_all())
-    rows = spec["rows"]
-    batches = [b for b in pool.to_batches(max_chunksize=rows)]
     outs: list[list] = [[] for _ in range(spec["threads"])]
-    threads = [threading.Thread(target=client_calls, args=(spec, t, batches, want, outs[t]), daemon=True)
-               for t in range(spec["threads"])]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    Path(spec["out"]).write_text(json.dumps([c for o in outs for c in o]))
+    errors: list[str] = []
+    try:
+        with pa.memory_map(spec["pool"]) as f:
+            pool = pa.ipc.open_file(f).read_all().combine_chunks()
+        with pa.memory_map(spec["reference"]) as f:
+            want = by_request(pa.ipc.open_file(f).read_all())
+        batches = pool.to_batches(max_chunksize=spec["rows"])
+        threads = [threading.Thread(target=client_calls, args=(spec, t, batches, want, outs[t], errors), daemon=True)
+                   for t in range(spec["threads"])]
+        for t in threads:
+            t.start()
+        for t in threads:  # every call ends by --timeout past the run's end (module doc)
+            t.join(timeout=max(0.0, spec["end"] + spec["timeout"] + 5 - time.time()))
+        errors += [f"client {spec['first_client'] + k}: still calling at the deadline"
+                   for k, t in enumerate(threads) if t.is_alive()]
+    finally:
+        Path(spec["out"]).write_text(json.dumps({"calls": [c for o in outs for c in o], "errors": errors}))
     return 0
 
 
-def drive(path: str, url: str, args, work: Path, n_batches: int) -> dict:
-    """--clients clients of `path` in --procs processes for --seconds: the calls' figures."""
+def drive(path: str, url: str, args, work: Path) -> dict:
+    """--clients clients of `path` in --procs processes for --seconds: the calls' figures.
+    requests/s counts the calls that ended within the --seconds window."""
     procs = max(1, min(args.procs, args.clients))
     share = [args.clients // procs + (p < args.clients % procs) for p in range(procs)]
     start = time.time() + LEAD_S
@@ -187,17 +217,27 @@ def drive(path: str, url: str, args, work: Path, n_batches: int) -> dict:
         spec_path.write_text(json.dumps(spec))
         outs.append(Path(spec["out"]))
         children.append(subprocess.Popen([sys.executable, __file__, "--client", str(spec_path)]))
+    exited: list[int | None] = []
     for child in children:
-        child.wait(timeout=LEAD_S + args.seconds + args.timeout + 120)
-    calls = np.array([c for o in outs if o.exists() for c in json.loads(o.read_text())], dtype=float).reshape(-1, 6)
-    ok = calls[:, 3] > 0
-    lo, hi = start, start + args.seconds
-    done = ok & (calls[:, 1] <= hi + args.timeout)
+        try:
+            exited.append(child.wait(timeout=max(1.0, start + args.seconds + args.timeout + 60 - time.time())))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            exited.append(None)
+    calls, errors = [], []
+    for o in outs:
+        got = json.loads(o.read_text()) if o.exists() else {"calls": [], "errors": [f"{o.name}: no output"]}
+        calls += got["calls"]
+        errors += got["errors"]
+    a = np.array(calls, dtype=float).reshape(-1, 7)
+    ok = a[:, 4] > 0
+    within = ok & (a[:, 2] <= start + args.seconds)
     return {"path": path, "calls": int(ok.sum()), "failed": int((~ok).sum()),
-            "requests_per_s": float(done.sum() * args.rows / max(1e-9, calls[done, 1].max(initial=lo) - lo)),
-            **percentiles((calls[ok, 1] - calls[ok, 0]) * 1e3),
-            "mismatches": int(calls[:, 4].sum()), "near_ties": int(calls[:, 5].sum()),
-            "clients_exited": [c.returncode for c in children]}
+            "requests_per_s": float(within.sum() * args.rows / args.seconds),
+            **percentiles((a[ok, 2] - a[ok, 1]) * 1e3),
+            "mismatches": int(a[:, 5].sum()), "near_ties": int(a[:, 6].sum()),
+            "clients_calling": len(np.unique(a[ok, 0])), "clients_exited": exited, "errors": errors[:5]}
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -254,7 +294,7 @@ def free_device() -> None:
 
 
 def run(args) -> dict:
-    from bench.bench_load import Server, free_port, working_root
+    from bench.bench_load import Server, working_root
     from bench.bench_stream import catalog_root
 
     cache = args.cache or Path(tempfile.mkdtemp(prefix="bench_batched_"))
@@ -269,17 +309,20 @@ def run(args) -> dict:
         log(f"direct: the Retriever on {args.device}, {args.pool // args.rows} batches of {args.rows} ...")
         res["direct"] = direct(root, Path(size["catalog"]), args, work)
         free_device()  # the direct Retriever's graphs and index, before the server takes the device
-        port = free_port()
-        options = ("--flight-port", str(port)) if "flight" in args.paths else ()
-        log(f"sidindex serve {root} {' '.join(options)}" + (f" --workers {args.workers}" if args.workers else ""))
-        server = Server(root, args, work / "serve.log", args.workers, options=options)
+        # the Flight port held bound while Server picks the HTTP one, so the two differ
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            port = held.getsockname()[1]
+            options = ("--flight-port", str(port)) if "flight" in args.paths else ()
+            log(f"sidindex serve {root} {' '.join(options)}" + (f" --workers {args.workers}" if args.workers else ""))
+            server = Server(root, args, work / "serve.log", args.workers, options=options)
         try:
             res["server_ready_s"] = server.wait_ready(args.ready_timeout)
             res["paths"] = []
             for path in args.paths:
                 log(f"{path}: {args.clients} clients, {args.rows} requests a call, {args.seconds:.0f} s ...")
                 url = f"grpc://127.0.0.1:{port}" if path == "flight" else server.url
-                res["paths"].append(drive(path, url, args, work, args.pool // args.rows))
+                res["paths"].append(drive(path, url, args, work))
         finally:
             res["server_exit"] = server.stop()
             if res["server_exit"] != 0:
@@ -293,9 +336,19 @@ def run(args) -> dict:
     return res
 
 
+def path_verdict(p: dict, clients: int) -> tuple[bool, str]:
+    """Whether a path's run holds what a user relies on, and in words: every client called and
+    exited 0, no call failed, no answer differed."""
+    good = (p["calls"] > 0 and p["failed"] == 0 and p["mismatches"] == 0 and p["clients_calling"] == clients
+            and all(e == 0 for e in p["clients_exited"]) and not p["errors"])
+    ties = f" ({p['near_ties']} near ties)" if p["near_ties"] else ""
+    return good, (f"{p['path']}: {p['calls']:,} calls from {p['clients_calling']} of {clients} clients, "
+                  f"{p['failed']} failed, {p['mismatches']} differ from the direct Retriever's{ties}")
+
+
 def report(res: dict) -> bool:
-    """The table and verdicts; False when an answer mismatched, a call failed or the server did
-    not exit 0."""
+    """The table and verdicts; False when an answer differed, a call or a client failed, the
+    reference held no rows or the server did not exit 0."""
     d = res["direct"]
     cfg = res["config"]
     print(f"\n{d['device']}: {res['catalog']['ads']:,} ads ({res['catalog']['profile']}), {cfg['rows']} requests a "
@@ -304,19 +357,21 @@ def report(res: dict) -> bool:
     print("\n| path | calls | requests/s | / direct | p50 ms a call | p99 ms a call | failed | mismatches | near ties |"
           "\n|---|---|---|---|---|---|---|---|---|")
     print(f"| direct (Retriever, 2 threads) | {d['calls']:,} | {d['requests_per_s']:,.0f} | 1.00 | - | - | - | - | - |")
-    good = res.get("server_exit") == 0
     for p in res.get("paths", []):
         ratio = p["requests_per_s"] / d["requests_per_s"]
         pct = [f"{p[k]:.2f}" if p[k] is not None else "-" for k in ("p50_ms", "p99_ms")]
         print(f"| {p['path']} | {p['calls']:,} | {p['requests_per_s']:,.0f} | {ratio:.2f} | {pct[0]} | {pct[1]} | "
               f"{p['failed']} | {p['mismatches']} | {p['near_ties']} |")
-        good &= p["failed"] == 0 and p["mismatches"] == 0 and p["calls"] > 0
     print()
-    print(verdict(res.get("server_exit") == 0, f"the server exited {res.get('server_exit')} on SIGTERM"))
+    checks = [(res.get("server_exit") == 0, f"the server exited {res.get('server_exit')} on SIGTERM"),
+              (d["reference_rows"] > 0, f"the reference answers hold {d['reference_rows']:,} rows")]
+    checks += [path_verdict(p, cfg["clients"]) for p in res.get("paths", [])]
+    for ok, text in checks:
+        print(verdict(ok, text))
     for p in res.get("paths", []):
-        print(verdict(p["failed"] == 0 and p["mismatches"] == 0 and p["calls"] > 0,
-                      f"{p['path']}: {p['calls']:,} calls, {p['failed']} failed, {p['mismatches']} mismatched"))
-    return bool(good)
+        for e in p["errors"]:
+            print(f"  {p['path']}: {e}")
+    return all(ok for ok, _ in checks) and len(res.get("paths", [])) == len(cfg["paths"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,12 +19,13 @@
 #                                          # request_walk (the batch's path through the modules)
 #   bash bench/gpu_check.sh serve [ADS]    # the server's benchmarks alone (profile_server: the engine
 #                                          # under wrk, py-spy from .whl3/; bench_engine: the engine
-#                                          # through its link; bench_load: process models and wrk, the
-#                                          # large request) and profile_serving
+#                                          # through its link; bench_batched: 64 requests a call; bench_load:
+#                                          # process models and wrk, the large request) and profile_serving
 #   bash bench/gpu_check.sh engine [ADS]   # profile_server and bench_engine against .baseline, then
 #                                          # bench_load's steady scenario, --workers 8, with wrk (~5 min)
 #   bash bench/gpu_check.sh batched [ADS]  # bench_batched: 64 requests a call over Flight and Arrow over
-#                                          # HTTP against the Retriever's own, every answer checked (~3 min)
+#                                          # HTTP against the Retriever's own, every answer checked (default
+#                                          # 1000000 ads)
 #   bash bench/gpu_check.sh all [ADS]      # the tests, then the benchmarks (and bench_load's steady
 #                                          # scenario with its wrk pass, one server process against
 #                                          # front-end processes; wrk from .deb/: apt-get download
@@ -117,7 +118,7 @@ mode="${1:-}"
 if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ] || [ "$mode" = "engine" ] \
         || [ "$mode" = "check" ] || [ "$mode" = "batched" ]; then
     shift
-    ads="${1:-$([ "$mode" = "check" ] && echo 200000 || echo 2000000)}"
+    case "$mode" in check) ads="${1:-200000}" ;; batched) ads="${1:-1000000}" ;; *) ads="${1:-2000000}" ;; esac
     set --
 fi
 out="${OUT:-bench_out}"

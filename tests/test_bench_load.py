@@ -178,9 +178,10 @@ def test_batched_calls_over_flight_and_http_are_counted_and_checked(built, tmp_p
     assert [p["path"] for p in res["paths"]] == ["flight", "http"]
     for p in res["paths"]:
         assert p["calls"] > 0 and p["failed"] == 0 and p["mismatches"] == 0 and p["requests_per_s"] > 0
-        assert p["clients_exited"] == [0] and 0 < p["p50_ms"] <= p["p99_ms"]
+        assert p["clients_exited"] == [0] and p["clients_calling"] == 2 and p["errors"] == []
+        assert 0 < p["p50_ms"] <= p["p99_ms"]
         assert f"| {p['path']} |" in printed
-    assert "MISS" not in printed and printed.count("PASS") == 3
+    assert "MISS" not in printed and printed.count("PASS") == 4
 
 
 def test_the_batched_check_tells_a_near_tie_from_a_wrong_answer():
@@ -193,8 +194,34 @@ def test_the_batched_check_tells_a_near_tie_from_a_wrong_answer():
 
     want = by_request(table([0, 0, 1], [10, 11, 12], [0.5, 0.5, 0.25]))
     ids = np.array([0, 1, 2])  # request 2 has no rows in either
-    assert compare(table([1, 0, 0], [12, 10, 11], [0.25, 0.5, 0.5]), want, ids) == (0, 0)  # any row order
-    assert compare(table([0, 0, 1], [11, 10, 12], [0.5, 0.5, 0.25]), want, ids) == (0, 1)  # tied ads swapped
-    assert compare(table([0, 0, 1], [10, 13, 12], [0.5, 0.4, 0.25]), want, ids) == (1, 0)  # another ad
-    assert compare(table([0, 0], [10, 11], [0.5, 0.5]), want, ids) == (1, 0)  # a request's rows missing
-    assert compare(table([0, 0, 1, 5], [10, 11, 12, 1], [0.5, 0.5, 0.25, 1.0]), want, ids) == (1, 0)  # not asked
+    assert compare(table([1, 0, 0], [12, 10, 11], [0.5 / 2, 0.5, 0.5]), want, ids) == (0, 0, None)  # any row order
+    bad, near, why = compare(table([0, 0, 1], [11, 10, 12], [0.5, 0.5, 0.25]), want, ids)  # tied ads swapped
+    assert (bad, near) == (1, 1) and why.startswith("request 0: near tie")
+    # other ads with the same scores: near ties by bench_load's rule, and still mismatches: the run fails
+    bad, near, why = compare(table([0, 0, 1], [99, 98, 97], [0.5, 0.5, 0.25]), want, ids)
+    assert (bad, near) == (2, 2) and "4 ads in one only" in why
+    bad, near, why = compare(table([0, 0, 1], [10, 11, 12], [0.5, 0.5, 0.0]), want, ids)  # the ads, a wrong score
+    assert (bad, near) == (1, 0) and why.startswith("request 1: scores differ")
+    assert compare(table([0, 0], [10, 11], [0.5, 0.5]), want, ids)[:2] == (1, 0)  # a request's rows missing
+    bad, near, why = compare(table([0, 0, 1, 5], [10, 11, 12, 1], [0.5, 0.5, 0.25, 1.0]), want, ids)
+    assert (bad, near) == (1, 0) and why == "rows of request 5, which the call did not send"
+
+
+@pytest.mark.parametrize("path", ["flight", "http"])
+def test_a_batched_client_that_cannot_reach_the_server_fails_the_run(path):
+    import time
+
+    from bench.bench_batched import client_calls, path_verdict
+
+    port = bl.free_port()  # nothing listens there
+    url = f"grpc://127.0.0.1:{port}" if path == "flight" else f"http://127.0.0.1:{port}"
+    now = time.time()
+    spec = {"path": path, "url": url, "first_client": 0, "clients": 1, "start": now, "end": now + 0.5, "timeout": 2.0}
+    batch = pa.record_batch({"request_id": pa.array([0, 1], pa.int64())})
+    out, errors = [], []
+    client_calls(spec, 0, [batch], {}, out, errors)
+    assert len(out) >= 1 and all(c[4] == 0 for c in out) and errors and errors[0].startswith("client 0: ")
+    p = {"path": path, "calls": 0, "failed": len(out), "mismatches": 0, "near_ties": 0, "clients_calling": 0,
+         "clients_exited": [0], "errors": errors}
+    ok, text = path_verdict(p, 1)
+    assert not ok and f"{len(out)} failed" in text
