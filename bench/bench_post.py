@@ -18,8 +18,9 @@ Per run the median over --reps runs of one batch:
   numba         `runtime.serving.post.expand` on the host (beams already on the host)
   device        `DevicePost.run` timed with CUDA events, eager and replayed as a CUDA graph, at two
                 capacities C: the default (`pairs` None: the bound, at most 65,536 pairs a
-                request) and one fitted to the batch (twice the most pairs a request reached,
-                at least 1,024, a power of 2: what a serving host chooses from its traffic)
+                request) and one fitted to the batch as a serving `Searcher` fits it to its
+                warm-up (`fitted_pairs`, `post_room`: twice the most pairs a request reached, at
+                least 1,024, a power of 2, at most the bound)
   device+copy   run (graph) + `DevicePost.result`: the one device-to-host copy and the host rows
   reference     `DevicePost` with the op's torch reference (impl "torch") at the same capacity, as a
                 CUDA graph; the ratio is its time over the kernels'
@@ -49,11 +50,11 @@ from bench.report import verdict, write_json
 from runtime.index.loader import load_index
 from runtime.ops.expand import RRF_K
 from runtime.ops.expand.host import exact_pairs
-from runtime.ops.expand.layout import pow2
 from runtime.requests import to_device
 from runtime.result import Retrieved
 from runtime.search.beam import Beams, beam_search
 from runtime.serving.post import DevicePost, expand
+from runtime.serving.searcher import fitted_pairs, post_room
 from sidindex.modes import Mode
 from sidindex.request_encoding import encode_requests
 from sidindex.snapshot import open_snapshot
@@ -154,7 +155,8 @@ def time_post(index, requests_host, requests_device, beams: Beams, *, top_k: int
     res["reached_mean"], res["reached_max"] = float(default.last_reached.mean()), most
     kw = {"top_k": top_k, "rank": rank, "stages": stages}
     res["capacities"] = {"default": time_capacity(index, requests_device, beams, want, None, kw, reps, False),
-                         "fitted": time_capacity(index, requests_device, beams, want, pow2(max(1024, 2 * most)), kw,
+                         "fitted": time_capacity(index, requests_device, beams, want,
+                                                 post_room(fitted_pairs(most), False, default.bounds.most_pairs(K)), kw,
                                                  reps, profile)}
     return res
 

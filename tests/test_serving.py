@@ -12,7 +12,7 @@ import torch
 from runtime.requests import to_device
 from runtime.search.beam import beam_search
 from runtime.serving.post import expand
-from runtime.serving.searcher import Searcher
+from runtime.serving.searcher import Searcher, fitted_pairs, post_room
 from runtime.studies.decoder import DecoderScorer, ReferenceDecoder, context_tokens
 from sidindex.errors import ConfigError
 from sidindex.modes import Mode
@@ -126,6 +126,36 @@ def test_once_frozen_a_batch_past_the_widths_is_answered_by_the_worst_case_and_n
         if i:  # the first batch captured the graphs (search, search + post: each capped and worst case)
             assert (searcher.captures, compiles()) == before
     assert searcher.captures == (4 if GPU else 0)
+
+
+def test_a_captured_post_stage_holds_no_more_room_than_the_beams_can_reach():
+    """`post_room`: the fitted room (twice a warm-up's most, a power of 2) is cut to the bound; the
+    worst case keeps its default room unless the fitted one passes it."""
+    assert post_room(None, False, 5_000) is None and post_room(None, True, 5_000) is None  # DevicePost's default
+    assert post_room(fitted_pairs(37_969), False, 39_074) == 39_074  # 131,072 fitted: room nothing fills
+    assert post_room(fitted_pairs(700), False, 39_074) == 2_048
+    assert post_room(2_048, True, 39_074) is None
+    assert post_room(131_072, True, 200_000) == 131_072 and post_room(131_072, True, 39_074) == 39_074
+    assert post_room(1_024, False, 0) == 1  # an index whose leaves hold no ads
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+def test_a_settled_searcher_captures_its_post_stage_at_most_at_the_bound():
+    """On a catalog whose 4 beams reach at most 4 pairs, the fitted room (at least 1,024) is cut to
+    4, and the answers stay those of the host post stage."""
+    case = Case(scenario(ADS, SIDS, list(range(len(ADS)))), "cuda")
+    model = ReferenceDecoder(case.sc.level_sizes, **SMALL).cuda().eval()
+    host = encode_requests(requests_of(case.sc), case.sc.spec)
+    ctx = context_tokens([[0, r] for r in range(host.batch)], SMALL["context_length"], SMALL["context_vocab"], "cuda")
+    searcher = Searcher((1, 3, 4), Mode.CD_GTM)
+    searcher.retrieve(case.index, host, DecoderScorer(model, ctx))  # warming: reaches a few pairs
+    searcher.settle()
+    assert searcher.pairs == fitted_pairs(searcher.most_reached) >= 1024
+    got = searcher.retrieve(case.index, host, DecoderScorer(model, ctx))
+    want = beam_search(case.index, to_device(host, "cuda"), DecoderScorer(model, ctx), (1, 3, 4), Mode.CD_GTM)
+    same_retrieved(got, expand(case.index, host, want))
+    rooms = {g.post.layout.pairs for (_, post, _), g in searcher._graphs.items() if post is not None}
+    assert rooms == {case.index.post_bounds.most_pairs(4)} == {4}
 
 
 def test_a_graphs_two_slots_are_held_until_read_and_a_waiting_caller_takes_the_first_freed():

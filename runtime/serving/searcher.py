@@ -94,8 +94,9 @@ class Searcher:
     have (`runtime.search.beam.capped_widths`) rather than its worst case, which can be twelve times as
     many. While warming, a batch with more candidates than that at some step is searched again
     with twice that step's slack (`step_slack`; `widened` counts those searches), and `settle`
-    then fits the post stage (`pairs`) to the most (request, ad) pairs a warm-up request reached. Once
-    `frozen` (`runtime.Retriever` freezes it after warm-up), nothing widens: a batch that does not
+    then fits the post stage (`pairs`) to the most (request, ad) pairs a warm-up request reached,
+    never past the most its beams can reach (`post_room`). Once `frozen` (`runtime.Retriever`
+    freezes it after warm-up), nothing widens: a batch that does not
     fit is answered at once by the worst case's graph, captured beside the capped one (every step's
     full width, the post stage's default room or the fitted one past it, and past that a post stage
     sized to the batch: `runtime.serving.post.expand`), and counted in `overflows` (a batch past the pairs
@@ -466,13 +467,6 @@ class Searcher:
             warnings.warn(f"no device memory for a second graph of batches of {key[0]}: they are served one at a "
                           "time", stacklevel=2)
 
-    def _room(self, full: bool) -> int | None:
-        """The post stage's pairs per request: the capped graph's fitted room (None before `settle`:
-        DevicePost's default), the worst case's its default room, or the fitted one past it."""
-        if not full:
-            return self.pairs
-        return self.pairs if self.pairs is not None and self.pairs > DEFAULT_PAIRS else None
-
     def _capture(self, index: ServedIndex, requests: EncodedRequests, scorer: Scorer | None, post: tuple | None,
                  full: bool, staged: Staged | None = None) -> _Graph:
         """The graph of one batch's search (and post stage), with room for batches a little larger
@@ -491,9 +485,11 @@ class Searcher:
                 return beams, flags, None
             if not stage:
                 top_k, rank, stages = post
-                stage.append(DevicePost(index, requests.batch, beams.score.shape[1], top_k=top_k, rank=rank,
-                                        stages=stages, pinned=True,  # read every replay
-                                        pairs=self._room(full)))
+                K = beams.score.shape[1]
+                bound = MAX_PAIRS if index.post_bounds is None else index.post_bounds.most_pairs(K)
+                stage.append(DevicePost(index, requests.batch, K, top_k=top_k, rank=rank, stages=stages,
+                                        pinned=True,  # read every replay
+                                        pairs=post_room(self.pairs, full, bound)))
             return beams, flags, stage[0].run(static, beams)
 
         run()  # checks, compiles kernels
@@ -573,6 +569,15 @@ def fitted_pairs(most: int) -> int:
     PAIR_SLACK x most, at least MIN_PAIRS, rounded up to a power of 2 (a few sizes of the stage's
     buffers, which the graphs' memory pools hold), at most MAX_PAIRS."""
     return min(MAX_PAIRS, pow2(max(MIN_PAIRS, math.ceil(PAIR_SLACK * most))))
+
+
+def post_room(fitted: int | None, full: bool, bound: int) -> int | None:
+    """A captured post stage's pairs per request: the capped graph's `fitted` room (None before
+    `Searcher.settle`: DevicePost's default), the worst case's default room or the fitted one past
+    it; never more than `bound`, the most pairs the beams can reach (`PostBounds.most_pairs`):
+    room past it holds nothing, and costs the stage's time and memory (B x C)."""
+    room = fitted if not full or (fitted is not None and fitted > DEFAULT_PAIRS) else None
+    return None if room is None else max(1, min(room, bound))
 
 
 def _flags(beams: Beams) -> torch.Tensor | None:
