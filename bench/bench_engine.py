@@ -16,6 +16,8 @@ answers; the engine process's CPU per request is beside it, and each thread's in
 --stand-in-ms MS replaces the search by a stand-in for a device's batch (MS without the GIL, two
 at a time, top_k rows a request), so that a machine without a GPU measures what the engine's own
 work allows; on a 2-core machine the client process takes one core, and its figure bounds.
+--switch-intervals S,... runs this checkout's engine again with each GIL switch interval (where
+a thread waiting for the GIL is the cost, a shorter one shows it).
 --baseline DIR runs the same with another checkout's packages first on PYTHONPATH (`git archive
 REV runtime sidindex sidindex_cli schemas pipelines | tar x -C DIR`), engine and client both, the
 two alternating --runs times on one machine. The ROOT: `data_samples/` built once under --cache,
@@ -51,7 +53,7 @@ def engine(args) -> None:
     from runtime.server.http import SWITCH_INTERVAL_S
     from runtime.server.link import EngineLink
 
-    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `sidindex serve` runs
+    sys.setswitchinterval(args.switch_interval or SWITCH_INTERVAL_S)  # as `sidindex serve` runs, or the one given
     watcher = runtime.SnapshotWatcher(args.root, args.device)
     # `runtime.server.batcher.batch_sizes`, written out: a --baseline checkout may predate it
     sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.max_batch} | {args.max_batch}))
@@ -179,8 +181,9 @@ def client(args) -> None:
     print(json.dumps(asyncio.run(drive())), flush=True)
 
 
-def one_run(args, root: Path, code: Path | None) -> dict:
-    """An engine process and a client process with `code` first on PYTHONPATH: their figures."""
+def one_run(args, root: Path, code: Path | None, interval: float | None = None) -> dict:
+    """An engine process (with `interval` its GIL switch interval) and a client process with
+    `code` first on PYTHONPATH: their figures."""
     env = dict(os.environ)
     if code is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), env.get("PYTHONPATH", "")])
@@ -191,7 +194,8 @@ def one_run(args, root: Path, code: Path | None) -> dict:
               "--max-batch", str(args.max_batch), "--top-k", str(args.top_k)] + \
         ([] if args.stand_in_ms is None else ["--stand-in-ms", str(args.stand_in_ms)])
     me = [sys.executable, str(Path(__file__).resolve())]
-    server = subprocess.Popen(me + ["--role", "engine"] + common, stdout=subprocess.PIPE, text=True, env=env)
+    switch = [] if interval is None else ["--switch-interval", str(interval)]
+    server = subprocess.Popen(me + ["--role", "engine"] + common + switch, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert server.stdout is not None
         line = server.stdout.readline().strip()
@@ -240,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                     "device's batch taking this long without the GIL (two at a time, top_k rows a request): the "
                     "engine's own ceiling, on any machine")
     ap.add_argument("--baseline", type=Path, default=None)
+    ap.add_argument("--switch-intervals", type=lambda v: [float(x) for x in v.split(",")], default=[],
+                    help="also run this checkout's engine with each of these GIL switch intervals (seconds, "
+                         "comma-separated; `sidindex serve` sets runtime.server.http.SWITCH_INTERVAL_S), alternating")
+    ap.add_argument("--switch-interval", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--role", choices=["engine", "client"], default=None, help=argparse.SUPPRESS)
@@ -265,11 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         from bench.bench_stream import catalog_root
 
         root = Path(catalog_root(args.ads, args.dim, cache)["root"])
-    variants = [("this checkout", None)] + ([] if args.baseline is None else [(f"{args.baseline}", args.baseline)])
-    results: dict[str, list[dict]] = {label: [] for label, _ in variants}
+    variants = [("this checkout", None, None)] + [(f"switch interval {x:g} s", None, x)
+                                                  for x in args.switch_intervals]
+    variants += [] if args.baseline is None else [(f"{args.baseline}", args.baseline, None)]
+    results: dict[str, list[dict]] = {label: [] for label, _, _ in variants}
     for _ in range(args.runs):
-        for label, code in variants:
-            results[label].append(one_run(args, root, code))
+        for label, code, interval in variants:
+            results[label].append(one_run(args, root, code, interval))
     t = Table(title=f"the engine through its link ({args.device}, beams {args.beams}, max batch {args.max_batch}, "
                     f"{args.window} outstanding, {args.requests:,} requests a run); the median run")
     for c in ("code", "req/s", "p50 ms", "p99 ms", "link CPU µs/req", "engine CPU µs/req", "rows per batch",
