@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -294,17 +292,14 @@ def free_device() -> None:
 
 
 def run(args) -> dict:
-    from bench.bench_load import Server, working_root
+    from bench.bench_load import Server, run_dirs, working_root
     from bench.bench_stream import catalog_root
 
-    cache = args.cache or Path(tempfile.mkdtemp(prefix="bench_batched_"))
     res: dict = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    work = None
-    try:
+    with run_dirs(args.cache, "bench_batched") as (cache, work):
         log(f"{args.ads:,} ads ({args.profile}): catalog and ROOT ...")
         size = catalog_root(args.ads, args.dim, cache, args.profile)
         res["catalog"] = {k: size[k] for k in ("ads", "dim", "profile", "sids", "cached")}
-        work = Path(tempfile.mkdtemp(prefix="bench_batched_work_", dir=cache))
         root = working_root(Path(size["root"]), work)
         log(f"direct: the Retriever on {args.device}, {args.pool // args.rows} batches of {args.rows} ...")
         res["direct"] = direct(root, Path(size["catalog"]), args, work)
@@ -328,11 +323,6 @@ def run(args) -> dict:
             if res["server_exit"] != 0:
                 log(server.tail())
         write_json(args.json, res)
-    finally:
-        if args.cache is None:
-            shutil.rmtree(cache, ignore_errors=True)
-        elif work is not None:
-            shutil.rmtree(work, ignore_errors=True)
     return res
 
 
@@ -377,16 +367,10 @@ def report(res: dict) -> bool:
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--client":  # a client process: no torch
         return client_process(sys.argv[2])
-    from sidindex.sample import PROFILES
+    from bench.bench_load import resolve_server_arguments, server_arguments
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ads", type=int, default=20_000, help="catalog size (about 2 SIDs per ad)")
-    ap.add_argument("--dim", type=int, default=32, help="embedding dimensions of the generated catalog")
-    ap.add_argument("--profile", choices=PROFILES, default="default", help="the catalog's profile")
-    ap.add_argument("--device", default=None, help="the server's device (default: cuda when there is one)")
-    ap.add_argument("--mode", default="cd+gtm")
-    ap.add_argument("--beams", help="beam sizes (default 1,512,1024,1024 on CUDA, 1,16,32,32 on the CPU)")
-    ap.add_argument("--top-k", type=int, default=100, help="the server's --top-k (0: every eligible ad)")
+    server_arguments(ap, max_batch=64, max_queue=4096, poll_seconds=1.0)
     ap.add_argument("--rows", type=int, default=64, help="requests a call")
     ap.add_argument("--pool", type=int, default=4096, help="distinct requests, cut into batches of --rows")
     ap.add_argument("--clients", type=int, default=8, help="concurrent clients, closed loop")
@@ -394,36 +378,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="seconds of calls per path")
     ap.add_argument("--paths", type=lambda s: s.split(","), default=list(PATHS),
                     help="comma-separated, of " + ", ".join(PATHS))
-    ap.add_argument("--max-batch", type=int, default=64, help="the server's --max-batch, and the direct Retriever's "
-                                                              "batch size")
-    ap.add_argument("--max-wait-us", type=int, default=500, help="the server's --max-wait-us")
-    ap.add_argument("--max-queue", type=int, default=4096, help="the server's --max-queue")
-    ap.add_argument("--poll-seconds", type=float, default=1.0, help="the server's --poll-seconds")
     ap.add_argument("--workers", type=int, help="the server's --workers (default: its own)")
-    ap.add_argument("--threads", type=int, help="the server's torch and numba threads (default: 1 on the CPU)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a call may take before it fails")
-    ap.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds the server may take to be warm")
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--cache", type=Path, help="keep the catalog and its ROOT here, and reuse them")
-    ap.add_argument("--json", type=Path, help="write every figure as JSON here")
     args = ap.parse_args(argv)
     if [p for p in args.paths if p not in PATHS] or not args.paths:
         ap.error(f"--paths {','.join(args.paths)}: choose from {', '.join(PATHS)}")
-    if min(args.rows, args.clients, args.procs, args.max_batch) < 1 or args.pool < args.rows or args.top_k < 0 \
-            or args.seconds <= 0:
-        ap.error("--rows, --clients, --procs and --max-batch must be at least 1, --pool at least --rows, --top-k at "
-                 "least 0 and --seconds positive")
-    args.top_k = args.top_k or None
+    if min(args.rows, args.clients, args.procs, args.max_batch) < 1 or args.pool < args.rows or args.seconds <= 0:
+        ap.error("--rows, --clients, --procs and --max-batch must be at least 1, --pool at least --rows and --seconds "
+                 "positive")
     args.pool -= args.pool % args.rows  # whole batches
-    import torch
-
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("no CUDA device: run with --device cpu (the default without one)", file=sys.stderr)
+    why = resolve_server_arguments(args)  # the direct Retriever's batch size is the server's --max-batch
+    if why is not None:
+        print(why, file=sys.stderr)
         return 2
-    args.beams = args.beams or ("1,512,1024,1024" if args.device.startswith("cuda") else "1,16,32,32")
-    if args.threads is None and args.device == "cpu":
-        args.threads = 1
     return 0 if report(run(args)) else 1
 
 

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -95,6 +96,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
@@ -128,6 +130,21 @@ def log(msg: str) -> None:
 
 
 # --- catalog, ROOT and requests -------------------------------------------------------------
+
+@contextlib.contextmanager
+def run_dirs(cache: Path | None, prefix: str) -> Iterator[tuple[Path, Path]]:
+    """(the cache, a work directory in it) for one run: `cache` (a temporary one when None, removed
+    after the run) keeps catalogs and ROOTs between runs; the work directory (served copies, logs)
+    is removed either way."""
+    given = cache is not None
+    cache = cache if cache is not None else Path(tempfile.mkdtemp(prefix=f"{prefix}_"))
+    cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{prefix}_work_", dir=cache))
+    try:
+        yield cache, work
+    finally:
+        shutil.rmtree(work if given else cache, ignore_errors=True)
+
 
 def working_root(root: Path, work: Path) -> Path:
     """A copy of ROOT at work/root whose files are hard links to ROOT's (copies across file
@@ -546,18 +563,12 @@ def run(args) -> dict:
     from bench.bench_stream import catalog_root
 
     device = torch.device(args.device)
-    args.beams = args.beams or (CUDA_BEAMS if device.type == "cuda" else CPU_BEAMS)
-    if args.threads is None and device.type == "cpu":
-        args.threads = 1
     args.check_device = args.check_device or args.device
-    cache = args.cache or Path(tempfile.mkdtemp(prefix="bench_load_"))
     res = {"device": "cpu", "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    work = None
-    try:
+    with run_dirs(args.cache, "bench_load") as (cache, work):
         log(f"{args.ads:,} ads ({args.profile}): catalog and ROOT ...")
         size = catalog_root(args.ads, args.dim, cache, args.profile)
         res["catalog"] = {k: size[k] for k in ("ads", "dim", "profile", "sids", "nodes", "cached")}
-        work = Path(tempfile.mkdtemp(prefix="bench_load_work_", dir=cache))
         root = working_root(Path(size["root"]), work)
         index = runtime.load(root, "cpu", verify=False)
         bodies = request_pool(index, Path(size["catalog"]), args.pool, args.seed)
@@ -605,27 +616,59 @@ def run(args) -> dict:
         res["check_s"] = time.perf_counter() - t
         res["snapshots_published"] = len(list((root / "snapshots").iterdir()))
         write_json(args.json, res)
-    finally:
-        if args.cache is None:
-            shutil.rmtree(cache, ignore_errors=True)
-        elif work is not None:
-            shutil.rmtree(work, ignore_errors=True)
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
+def server_arguments(ap: argparse.ArgumentParser, *, ads: int = 20_000, device: str | None = None,
+                     max_batch: int = 16, max_queue: int = 1024, poll_seconds: float = 0.1,
+                     ready_timeout: float = 1800.0) -> None:
+    """The options of a benchmark's catalog (`bench_stream.catalog_root`) and of the `sidindex serve`
+    it starts (`Server` reads them), with the defaults given; `resolve_server_arguments` completes
+    them once parsed."""
     from sidindex.sample import PROFILES  # here: the client processes import this script with numpy and httpx
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ads", type=int, default=20_000, help="catalog size (about 2 SIDs per ad)")
+
+    ap.add_argument("--ads", type=int, default=ads, help="catalog size (about 2 SIDs per ad)")
     ap.add_argument("--dim", type=int, default=32, help="embedding dimensions of the generated catalog")
     ap.add_argument("--profile", choices=PROFILES, default="default",
                     help="the catalog's profile (`sidindex sample --profile`): skewed puts bulk advertisers' "
                          "near-duplicate creatives under a few SIDs")
-    ap.add_argument("--device", default=None, help="the server's device (default: cuda when there is one)")
+    ap.add_argument("--device", default=device, help="the server's device (default: cuda when there is one)")
     ap.add_argument("--mode", default="cd+gtm")
     ap.add_argument("--beams", help=f"beam sizes (default {CUDA_BEAMS} on CUDA, {CPU_BEAMS} on the CPU)")
     ap.add_argument("--top-k", type=int, default=100, help="the server's --top-k, ads per answer at most (0: every "
                                                            "eligible ad the search reached)")
+    ap.add_argument("--max-batch", type=int, default=max_batch, help="the server's --max-batch")
+    ap.add_argument("--max-wait-us", type=int, default=500, help="the server's --max-wait-us")
+    ap.add_argument("--max-queue", type=int, default=max_queue, help="the server's --max-queue")
+    ap.add_argument("--poll-seconds", type=float, default=poll_seconds, help="the server's --poll-seconds")
+    ap.add_argument("--threads", type=int, help="the server's torch and numba threads (default: 1 on the CPU)")
+    ap.add_argument("--ready-timeout", type=float, default=ready_timeout,
+                    help="seconds the server may take to be warm")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--cache", type=Path, help="keep the catalog and its ROOT here, and reuse them")
+    ap.add_argument("--json", type=Path, help="write every figure as JSON here")
+
+
+def resolve_server_arguments(args) -> str | None:
+    """`server_arguments`' values completed: the device (cuda where there is one), the beams and
+    threads for it, top_k 0 as None; a message when one cannot be served (exit 2)."""
+    import torch
+
+    if args.top_k is not None and args.top_k < 0:
+        return f"--top-k {args.top_k}: expected at least 0"
+    args.top_k = args.top_k or None
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        return "no CUDA device: run with --device cpu"
+    args.beams = args.beams or (CUDA_BEAMS if args.device.startswith("cuda") else CPU_BEAMS)
+    if args.threads is None and args.device == "cpu":
+        args.threads = 1
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    server_arguments(ap)
     ap.add_argument("--rate", type=float, default=200.0, help="requests per second, all clients together")
     ap.add_argument("--clients", type=int, default=8, help="concurrent clients, one connection each")
     ap.add_argument("--seconds", type=float, default=10.0, help="seconds of load per scenario")
@@ -638,37 +681,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pause", type=int, default=4, help="ads each update of the publisher scenario pauses")
     ap.add_argument("--large-rows", type=int, default=4096, help="requests in the large scenario's body")
     ap.add_argument("--publish-every", type=float, default=1.0, help="seconds between the publisher's updates")
-    ap.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch")
-    ap.add_argument("--max-wait-us", type=int, default=500, help="the server's --max-wait-us")
-    ap.add_argument("--max-queue", type=int, default=1024, help="the server's --max-queue")
-    ap.add_argument("--poll-seconds", type=float, default=0.1, help="the server's --poll-seconds")
     ap.add_argument("--workers", type=lambda s: [int(w) for w in s.split(",")], default=[None],
                     help="the server's --workers (default: its own); several, e.g. 1,14: the first runs every "
                          "scenario, each other the steady scenario and wrk on a server of its own, in one table")
-    ap.add_argument("--threads", type=int, help="the server's torch and numba threads (default: 1 on the CPU)")
     ap.add_argument("--check-device", help="device of the direct retrieves (default: --device)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take before it fails")
-    ap.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds the server may take to be warm")
     ap.add_argument("--wrk", help="the wrk to run after the scenarios, on the same server (default: wrk on PATH)")
     ap.add_argument("--wrk-connections", type=int, default=16, help="wrk's connections (closed loop)")
     ap.add_argument("--no-wrk", action="store_true", help="no wrk pass")
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--cache", type=Path, help="keep the catalog and its ROOT here, and reuse them")
-    ap.add_argument("--json", type=Path, help="write every figure as JSON here")
     args = ap.parse_args(argv)
     unknown = [s for s in args.scenarios if s not in CHOICES]
     if unknown or not args.scenarios:
         ap.error(f"--scenarios {','.join(args.scenarios)}: choose from {', '.join(CHOICES)}")
     if args.procs is None:
         args.procs = max(1, min(-(-int(args.rate) // PROC_RATE), (os.cpu_count() or 2) // 2))
-    if min(args.rate, args.seconds) <= 0 or min(args.clients, args.procs, args.pool) < 1 or args.top_k < 0:
-        ap.error("--rate and --seconds must be positive, --clients, --procs and --pool at least 1, --top-k at least 0")
-    args.top_k = args.top_k or None
-    import torch
-
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("no CUDA device: run with --device cpu (the default without one)", file=sys.stderr)
+    if min(args.rate, args.seconds) <= 0 or min(args.clients, args.procs, args.pool) < 1:
+        ap.error("--rate and --seconds must be positive, --clients, --procs and --pool at least 1")
+    why = resolve_server_arguments(args)
+    if why is not None:
+        print(why, file=sys.stderr)
         return 2
     report(run(args))
     return 0

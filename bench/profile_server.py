@@ -24,13 +24,20 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_load import CPU_BEAMS, CUDA_BEAMS, Server, request_pool, server_counts, working_root
+from bench.bench_load import (
+    Server,
+    request_pool,
+    resolve_server_arguments,
+    run_dirs,
+    server_arguments,
+    server_counts,
+    working_root,
+)
 from bench.load_wrk import run_wrk, wrk_path
 from bench.report import write_json
 
@@ -169,34 +176,19 @@ def report(results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ads", type=int, default=1_000_000)
-    ap.add_argument("--dim", type=int, default=32)
-    ap.add_argument("--profile", default="default")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--mode", default="cd+gtm")
-    ap.add_argument("--beams", default=None, help=f"default {CUDA_BEAMS} on CUDA, {CPU_BEAMS} on the CPU")
-    ap.add_argument("--top-k", type=int, default=100)
+    server_arguments(ap, ads=1_000_000, device="cuda", max_batch=64, poll_seconds=1.0, ready_timeout=900.0)
     ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--max-wait-us", type=int, default=500)
-    ap.add_argument("--max-queue", type=int, default=1024)
-    ap.add_argument("--poll-seconds", type=float, default=1.0)
-    ap.add_argument("--threads", type=int, default=None, help="the server's torch and numba threads (CPU)")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--wrk-threads", type=int, default=4)
     ap.add_argument("--wrk", default=None)
     ap.add_argument("--pool", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout's packages, served beside")
-    ap.add_argument("--ready-timeout", type=float, default=900.0)
-    ap.add_argument("--cache", type=Path, default=None)
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    if args.beams is None:
-        args.beams = CUDA_BEAMS if args.device.startswith("cuda") else CPU_BEAMS
-    if args.device == "cpu" and args.threads is None:
-        args.threads = 1
+    why = resolve_server_arguments(args)
+    if why is not None:
+        print(f"profile_server: {why}")
+        return 2
     wrk = wrk_path(args.wrk)
     if wrk is None:
         print("profile_server: wrk not found (apt-get download wrk libluajit-5.1-2; dpkg -x; or --wrk)")
@@ -204,10 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     import runtime
     from bench.bench_stream import catalog_root
 
-    cache = args.cache or Path(tempfile.mkdtemp(prefix="profile_server_"))
-    cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="profile_server_work_", dir=cache))
-    try:
+    with run_dirs(args.cache, "profile_server") as (cache, work):
         print(f"{args.ads:,} ads ({args.profile}): catalog and ROOT ...", flush=True)
         size = catalog_root(args.ads, args.dim, cache, args.profile)
         root = working_root(Path(size["root"]), work)
@@ -219,10 +208,6 @@ def main(argv: list[str] | None = None) -> int:
                                       {"PYTHONPATH": path}))
         report(results)
         write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "results": results})
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if args.cache is None:
-            shutil.rmtree(cache, ignore_errors=True)
     return 0
 
 
