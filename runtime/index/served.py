@@ -157,10 +157,17 @@ class ServedIndex:
         """The snapshot has k-way partitions (mode cd+gtm+kway can run)."""
         return self.gtm.part_offsets is not None
 
+    @cached_property
+    def _most_children(self) -> dict[tuple[int, int], int]:
+        return {}  # by (depth, beams): an eager search asks at every step of every batch
+
     def most_children(self, depth: int, beams: int) -> int:
         """The most child entries `beams` distinct nodes of `depth` can have together: the sum of
         the `beams` largest fan-outs of that depth (the exact worst case of a search step)."""
-        return largest_sum(self.fan_out_counts[depth], beams)
+        key = (depth, beams)
+        if key not in self._most_children:
+            self._most_children[key] = largest_sum(self.fan_out_counts[depth], beams)
+        return self._most_children[key]
 
     def typical_children(self, depth: int, beams: int) -> int:
         """The child entries `beams` nodes of `depth` drawn at random have together, rounded up:
