@@ -53,7 +53,8 @@ def engine(args) -> None:
     from runtime.server.http import SWITCH_INTERVAL_S
     from runtime.server.link import EngineLink
 
-    sys.setswitchinterval(args.switch_interval or SWITCH_INTERVAL_S)  # as `sidindex serve` runs, or the one given
+    # as `sidindex serve` runs, or the one given
+    sys.setswitchinterval(SWITCH_INTERVAL_S if args.switch_interval is None else args.switch_interval)
     watcher = runtime.SnapshotWatcher(args.root, args.device)
     # `runtime.server.batcher.batch_sizes`, written out: a --baseline checkout may predate it
     sizes = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.max_batch} | {args.max_batch}))
@@ -254,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if any(x <= 0 for x in args.switch_intervals):
+        ap.error(f"--switch-intervals {args.switch_intervals}: give positive seconds")
+    args.switch_intervals = sorted(set(args.switch_intervals))
     if args.role == "engine":
         engine(args)
         return 0

@@ -142,18 +142,29 @@ def test_a_captured_post_stage_holds_no_more_room_than_the_beams_can_reach():
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 def test_a_settled_searcher_captures_its_post_stage_at_most_at_the_bound():
     """On a catalog whose 4 beams reach at most 4 pairs, the fitted room (at least 1,024) is cut to
-    4, and the answers stay those of the host post stage."""
+    4: the graph of the warm-up's batch size keeps its room, another batch size is captured at it,
+    and the answers stay those of the host post stage."""
     case = Case(scenario(ADS, SIDS, list(range(len(ADS)))), "cuda")
     model = ReferenceDecoder(case.sc.level_sizes, **SMALL).cuda().eval()
-    host = encode_requests(requests_of(case.sc), case.sc.spec)
-    ctx = context_tokens([[0, r] for r in range(host.batch)], SMALL["context_length"], SMALL["context_vocab"], "cuda")
+    req = requests_of(case.sc)
+    assert len(req) >= 2
     searcher = Searcher((1, 3, 4), Mode.CD_GTM)
-    searcher.retrieve(case.index, host, DecoderScorer(model, ctx))  # warming: reaches a few pairs
+
+    def check(host) -> None:
+        ctx = context_tokens([[0, r] for r in range(host.batch)], SMALL["context_length"], SMALL["context_vocab"],
+                             "cuda")
+        got = searcher.retrieve(case.index, host, DecoderScorer(model, ctx))
+        want = beam_search(case.index, to_device(host, "cuda"), DecoderScorer(model, ctx), (1, 3, 4), Mode.CD_GTM)
+        same_retrieved(got, expand(case.index, host, want))
+
+    check(encode_requests(req, case.sc.spec))  # warming: reaches a few pairs
     searcher.settle()
     assert searcher.pairs == fitted_pairs(searcher.most_reached) >= 1024
-    got = searcher.retrieve(case.index, host, DecoderScorer(model, ctx))
-    want = beam_search(case.index, to_device(host, "cuda"), DecoderScorer(model, ctx), (1, 3, 4), Mode.CD_GTM)
-    same_retrieved(got, expand(case.index, host, want))
+    captures = searcher.captures
+    check(encode_requests(req, case.sc.spec))  # its graph kept: its room is the bound either way
+    assert searcher.captures == captures
+    check(encode_requests(req.rows(0, len(req) // 2), case.sc.spec))  # captured after settle
+    assert searcher.captures > captures
     rooms = {g.post.layout.pairs for (_, post, _), g in searcher._graphs.items() if post is not None}
     assert rooms == {case.index.post_bounds.most_pairs(4)} == {4}
 

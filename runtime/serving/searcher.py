@@ -115,7 +115,7 @@ class Searcher:
         self.slack, self.widened, self.overflows, self.captures = slack, 0, 0, 0
         self.slots = check_slots(slots)
         self.step_slack: dict[int, float] = {}  # steps widened past `slack`
-        self.pairs: int | None = None  # the capped post stage's pairs per request (None: DevicePost's default)
+        self.pairs: int | None = None  # the fitted pairs per request (`settle`; None: DevicePost's default)
         self.most_reached = 0  # the most pairs a request reached, while warming
         self.frozen = False
         self.eager_reason: str | None = None
@@ -214,14 +214,14 @@ class Searcher:
 
     def settle(self) -> None:
         """At the end of a warm-up: the post stage fitted to the most pairs a warm-up request reached
-        (graphs of another room dropped: the next batch of each size captures them; the worst
-        case's too where the fitted room passes its default one, which it then takes)."""
+        (`post_room`; a graph whose post stage would now get another room is dropped, and the next
+        batch of its size captures it again)."""
         with self._lock:
             pairs = fitted_pairs(self.most_reached) if self.most_reached else None
             if pairs != self.pairs:
                 self.pairs = pairs
-                wider = pairs is not None and pairs > DEFAULT_PAIRS
-                self._graphs = {k: g for k, g in self._graphs.items() if k[2] and not wider}
+                self._graphs = {k: g for k, g in self._graphs.items() if g.post is None
+                                or g.post.layout.pairs == _room_now(g.post, pairs, k[2])}
 
     def _why_eager(self, index: ServedIndex, scorer: Scorer | None) -> str | None:
         why = ("the index is on the CPU" if index.device.type != "cuda" else
@@ -578,6 +578,12 @@ def post_room(fitted: int | None, full: bool, bound: int) -> int | None:
     room past it holds nothing, and costs the stage's time and memory (B x C)."""
     room = fitted if not full or (fitted is not None and fitted > DEFAULT_PAIRS) else None
     return None if room is None else max(1, min(room, bound))
+
+
+def _room_now(post: DevicePost, fitted: int | None, full: bool) -> int:
+    """The pairs per request a graph's post stage `post` would be captured with for `fitted`."""
+    room = post_room(fitted, full, post.bounds.most_pairs(post.layout.beams))
+    return post.bounds_pairs if room is None else room
 
 
 def _flags(beams: Beams) -> torch.Tensor | None:
