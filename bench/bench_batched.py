@@ -34,6 +34,7 @@ mismatches, near ties), progress on stderr, every figure with --json PATH.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import socket
 import subprocess
@@ -48,6 +49,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import numpy as np
 import pyarrow as pa
 
+from bench.bench_load import log
 from bench.load_check import difference
 from bench.load_report import percentiles
 from bench.report import verdict, write_json
@@ -56,10 +58,6 @@ from bench.report import verdict, write_json
 PATHS = ("flight", "http")
 ARROW_STREAM = "application/vnd.apache.arrow.stream"  # runtime.server.http's
 LEAD_S = 3.0  # from the client processes' start to the common first call: their imports and connections
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def write_arrow(path: Path, table: pa.Table) -> None:
@@ -281,19 +279,11 @@ def direct(root: Path, catalog: Path, args, work: Path) -> dict:
             "device": device, "reference_rows": reference.num_rows}
 
 
-def free_device() -> None:
-    import gc
-
+def run(args) -> dict:
     import torch
 
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def run(args) -> dict:
     from bench.bench_load import Server, run_dirs, working_root
-    from bench.bench_stream import catalog_root
+    from bench.bench_stream import catalog_root, free
 
     res: dict = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     with run_dirs(args.cache, "bench_batched") as (cache, work):
@@ -303,7 +293,8 @@ def run(args) -> dict:
         root = working_root(Path(size["root"]), work)
         log(f"direct: the Retriever on {args.device}, {args.pool // args.rows} batches of {args.rows} ...")
         res["direct"] = direct(root, Path(size["catalog"]), args, work)
-        free_device()  # the direct Retriever's graphs and index, before the server takes the device
+        gc.collect()  # the direct Retriever's graphs and index (in cycles), before the server takes the device
+        free(torch.device(args.device))
         # the Flight port held bound while Server picks the HTTP one, so the two differ
         with socket.socket() as held:
             held.bind(("127.0.0.1", 0))

@@ -486,10 +486,10 @@ class Searcher:
             if not stage:
                 top_k, rank, stages = post
                 K = beams.score.shape[1]
-                bound = MAX_PAIRS if index.post_bounds is None else index.post_bounds.most_pairs(K)
+                assert index.post_bounds is not None  # the loader makes them with the post arrays DevicePost needs
                 stage.append(DevicePost(index, requests.batch, K, top_k=top_k, rank=rank, stages=stages,
                                         pinned=True,  # read every replay
-                                        pairs=post_room(self.pairs, full, bound)))
+                                        pairs=post_room(self.pairs, full, index.post_bounds.most_pairs(K))))
             return beams, flags, stage[0].run(static, beams)
 
         run()  # checks, compiles kernels
