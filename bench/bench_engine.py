@@ -93,9 +93,11 @@ def engine(args) -> None:
         link_cpu = time.thread_time() - began["link"]
     c = retriever.counters
     n = max(c.requests, 1)
+    stages = getattr(eng.batcher, "seconds", {})  # a --baseline checkout may not time them
     print(json.dumps({"link_cpu_us": link_cpu / n * 1e6, "process_cpu_us": (time.process_time() - began["process"])
                       / n * 1e6, "rows_per_batch": c.requests / max(c.batches, 1),
-                      "threads_cpu_us": {k: v / n * 1e6 for k, v in threads.items()}}),
+                      "threads_cpu_us": {k: v / n * 1e6 for k, v in threads.items()},
+                      "stage_ms": {k: v / max(c.batches, 1) * 1e3 for k, v in stages.items()}}),
           flush=True)
     eng.close(10.0)
 
@@ -145,7 +147,6 @@ def thread_cpu(native_id: int) -> float:
 
 def client(args) -> None:
     """The client process: --requests requests through an EngineClient, --window outstanding."""
-    import numpy as np
 
     import runtime
     from runtime.server.link import EngineClient
@@ -171,13 +172,14 @@ def client(args) -> None:
 
         for i in range(min(args.window, args.requests)):  # every batch size once, off the clock
             await one(i)
-        t0, cpu = time.perf_counter(), time.process_time()
+        print("ready", flush=True)  # then the clients start together (`one_run`)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        t0, cpu = time.time(), time.process_time()
         await asyncio.gather(*(one(i) for i in range(args.requests)))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
+        t1, cpu = time.time(), time.process_time() - cpu
         link.stop()
-        ms = np.array(seconds[-args.requests:]) * 1e3
-        return {"rps": args.requests / wall, "client_busy": cpu / wall, "p50_ms": float(np.percentile(ms, 50)),
-                "p99_ms": float(np.percentile(ms, 99))}
+        return {"start": t0, "end": t1, "requests": args.requests, "client_busy": cpu / (t1 - t0),
+                "ms": [x * 1e3 for x in seconds[-args.requests:]]}
 
     print(json.dumps(asyncio.run(drive())), flush=True)
 
@@ -202,10 +204,7 @@ def one_run(args, root: Path, code: Path | None, interval: float | None = None) 
         line = server.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"the engine did not start ({line!r}); exit {server.wait()}")
-        out = subprocess.run(me + ["--role", "client"] + common + ["--window", str(args.window), "--requests",
-                                                                    str(args.requests), "--pool", str(args.pool)],
-                             capture_output=True, text=True, env=env, check=True)
-        figures = json.loads(out.stdout.strip().splitlines()[-1])
+        figures = clients(args, me + ["--role", "client"] + common, env)
         server.send_signal(signal.SIGINT)
         rest, _ = server.communicate(timeout=60)
         return figures | json.loads(rest.strip().splitlines()[-1])
@@ -214,6 +213,45 @@ def one_run(args, root: Path, code: Path | None, interval: float | None = None) 
             server.kill()
             server.wait()
         shutil.rmtree(place, ignore_errors=True)
+
+
+def clients(args, command: list[str], env: dict) -> dict:
+    """--clients client processes, --window and --requests shared among them, started together
+    once each is ready: requests/s over the span from the first start to the last end, latency
+    percentiles over every request, and the busiest client's CPU share (near 100%: the clients bound)."""
+    import numpy as np
+
+    n = args.clients
+    procs = [subprocess.Popen(command + ["--window", str(max(1, args.window // n)), "--requests",
+                                         str(max(1, args.requests // n)), "--pool", str(args.pool),
+                                         "--seed", str(args.seed + i)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+             for i in range(n)]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            line = p.stdout.readline().strip()
+            if line != "ready":
+                raise RuntimeError(f"a client did not start ({line!r}); exit {p.wait()}")
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        runs = []
+        for p in procs:
+            out, _ = p.communicate(timeout=600)
+            if p.returncode:
+                raise RuntimeError(f"a client exited {p.returncode}")
+            runs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    ms = np.concatenate([r["ms"] for r in runs])
+    span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    return {"rps": sum(r["requests"] for r in runs) / span, "client_busy": max(r["client_busy"] for r in runs),
+            "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
 
 
 def sample_root(cache: Path) -> Path:
@@ -236,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=100)
-    ap.add_argument("--window", type=int, default=64, help="requests outstanding")
+    ap.add_argument("--window", type=int, default=64, help="requests outstanding, over all clients")
+    ap.add_argument("--clients", type=int, default=1, help="client processes (one, near 100%% busy, bounds what "
+                    "it measures)")
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--pool", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1)
@@ -285,18 +325,21 @@ def main(argv: list[str] | None = None) -> int:
         for label, code, interval in variants:
             results[label].append(one_run(args, root, code, interval))
     t = Table(title=f"the engine through its link ({args.device}, beams {args.beams}, max batch {args.max_batch}, "
-                    f"{args.window} outstanding, {args.requests:,} requests a run); the median run")
+                    f"{args.window} outstanding from {args.clients} client(s), {args.requests:,} requests a run); "
+                    "the median run")
     for c in ("code", "req/s", "p50 ms", "p99 ms", "link CPU µs/req", "engine CPU µs/req", "rows per batch",
-              "client busy", "runs (req/s)"):
+              "batch ms: read / encode / search+post / answer", "client busy", "runs (req/s)"):
         t.add_column(c, justify="left" if c == "code" else "right")
     medians = {}
     for label, runs in results.items():
         m = sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]
         medians[label] = m
         t.add_row(label, f"{m['rps']:,.0f}", f"{m['p50_ms']:.2f}", f"{m['p99_ms']:.2f}", f"{m['link_cpu_us']:.0f}",
-                  f"{m['process_cpu_us']:.0f}", f"{m['rows_per_batch']:.1f}", f"{m['client_busy']:.0%}",
+                  f"{m['process_cpu_us']:.0f}", f"{m['rows_per_batch']:.1f}",
+                  " / ".join(f"{m['stage_ms'][k]:.2f}" for k in ("read", "encode", "search_post", "answer"))
+                  if m.get("stage_ms") else "-", f"{m['client_busy']:.0%}",
                   ", ".join(f"{r['rps']:,.0f}" for r in runs))
-    console = Console(width=160)
+    console = Console(width=200)
     console.print(t)
     if args.baseline is not None:
         a, b = medians["this checkout"], medians[str(args.baseline)]

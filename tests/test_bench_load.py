@@ -130,22 +130,26 @@ def test_a_near_tie_is_told_from_a_wrong_answer():
 
 
 def test_the_engine_bench_runs_each_checkout_and_reports_its_link(built, tmp_path):
-    """bench_engine.py: the engine process and a client process per run, the runs alternating
+    """bench_engine.py: the engine process and two client processes per run, the runs alternating
     with a baseline checkout (here this one again), each answering every request it was sent and
-    reporting the CPU its link and its process took (the link's in clock ticks: 0 in so short a run)."""
+    reporting the CPU its link and its process took (the link's in clock ticks: 0 in so short a
+    run), and where a batch's time went."""
     from bench import bench_engine
 
     cache, _ = built
     out = tmp_path / "engine.json"
     repo = Path(bench_engine.__file__).resolve().parents[1]
     assert bench_engine.main(["--ads", str(ADS), "--dim", str(DIM), "--beams", BEAMS, "--cache", str(cache),
-                              "--runs", "1", "--requests", "120", "--window", "16", "--baseline", str(repo),
+                              "--runs", "1", "--requests", "120", "--window", "16", "--clients", "2",
+                              "--baseline", str(repo),
                               "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert sorted(results) == sorted(["this checkout", str(repo)])
     for (run,) in results.values():
         assert run["rps"] > 0 and run["link_cpu_us"] >= 0 and run["process_cpu_us"] > 0
         assert 1 <= run["rows_per_batch"] <= 64
+        assert sorted(run["stage_ms"]) == sorted(["read", "encode", "search_post", "answer"])
+        assert run["stage_ms"]["search_post"] > 0 and min(run["stage_ms"].values()) >= 0
 
 
 def test_a_large_bodys_answer_is_checked_request_by_request(built, tmp_path, capsys):

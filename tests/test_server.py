@@ -178,6 +178,10 @@ def test_concurrent_requests_are_batched_and_keep_their_own_rows(root, rows, ser
     batches = float(next(line.split()[1] for line in metrics.splitlines()
                          if line.startswith("sidindex_batch_requests_count")))
     assert batches < 8  # some requests shared a batch
+    stage = {line.split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
+             if line.startswith("sidindex_batch_stage_seconds_total{")}
+    assert sorted(stage) == sorted(["read", "encode", "search_post", "answer"])  # where the batches' time went
+    assert all(v >= 0 for v in stage.values()) and stage["search_post"] > 0
 
 
 def test_two_batches_run_at_a_time_and_keep_their_own_rows(root, rows, serving, monkeypatch):

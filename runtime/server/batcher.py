@@ -35,6 +35,11 @@ from runtime.serving.retriever import Retriever
 from sidindex.errors import InputError, ScorerError, SidIndexError
 from sidindex.requests import Requests, from_portable
 
+# where a batch's time goes (`Batcher.seconds`, /metrics' sidindex_batch_stage_seconds): its front-ends'
+# messages read as requests, then the retriever's stages (`runtime.serving.retriever.STAGES`: the
+# batch encoded, then searched and expanded on the device), then the answers made of its rows
+BATCH_STAGES = ("read", "encode", "search_post", "answer")
+
 # what a request is answered with: its result table (for a front-end's message, its two Arrow IPC
 # messages: `runtime.server.engine_api.batch_message`) and the snapshot that served it, or its error
 Outcome = tuple[pa.Table | tuple[pa.Buffer, pa.Buffer], str] | BaseException
@@ -101,6 +106,7 @@ class Batcher:
         self.retriever, self.metrics = retriever, metrics
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait_us / 1e6, max_queue
         self.failed_batches = 0  # in a row
+        self.seconds = dict.fromkeys(BATCH_STAGES, 0.0)  # summed over the batches that ran (`BATCH_STAGES`)
         self.in_flight = retriever.in_flight  # batches running at a time: one thread each
         self._cond = threading.Condition()
         # the requests with rows left and none running, in the order they take their next piece
@@ -271,6 +277,7 @@ class Batcher:
         index = self.retriever.index
         target = validated_for(index)
         answers: list = [None] * len(pieces)
+        began = time.perf_counter()
         unread = [p for p, _, _ in pieces if p.requests is None and p.origin is None]
         refused = _read_messages(unread, index, target) if unread else {}
         parts: list[tuple[int, Requests, int, int]] = []  # a piece's index, and its rows' place (`Pending.source`)
@@ -300,14 +307,20 @@ class Batcher:
             else:
                 runs.append((held, a, b))
         joined = _joined([held.rows(a, b) for held, a, b in runs]) if parts else None
+        seconds = dict.fromkeys(BATCH_STAGES, 0.0)
+        seconds["read"] = time.perf_counter() - began
         if joined is None and len(parts) > 1:  # columns of types that do not concatenate: one batch each
-            found = [one_batch(table_of(self.retriever.run(held.rows(a, b).renumbered(), index)[0],
-                                        held.request_id[a:b])) for _, held, a, b in parts]
+            found = []
+            for _, held, a, b in parts:
+                one, ran = self.retriever.run(held.rows(a, b).renumbered(), index)
+                found.append(one_batch(table_of(one, held.request_id[a:b])))
+                seconds["encode"] += ran["encode"]
+                seconds["search_post"] += ran["search_post"]
         elif parts:
             assert joined is not None  # one part always joins
             bounds = np.cumsum([0] + [b - a for _, _, a, b in parts])
             try:
-                whole, _ = self.retriever.run(joined, index)
+                whole, ran = self.retriever.run(joined, index)
             except ScorerError as e:  # named by its client's request id, not the batch's renumbering
                 if e.row is None or e.request_id is None:
                     raise
@@ -319,6 +332,7 @@ class Batcher:
             batch = one_batch(table_of(whole, ids))
             cuts = np.searchsorted(whole.request, bounds).tolist()
             found = [batch.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])]
+            seconds["encode"], seconds["search_post"] = ran["encode"], ran["search_post"]
         schema: pa.Buffer | None = None  # the answers' schema message, made once
         for (i, _, _, _), result in zip(parts, found if parts else []):
             p, lo, hi = pieces[i]
@@ -334,7 +348,17 @@ class Batcher:
                 answers[i] = ((schema, result.serialize()), index.id)
             else:  # the pieces of a large request, from several batches
                 answers[i] = (batch_message(pa.Table.from_batches(p.parts)), index.id)
+        seconds["answer"] = time.perf_counter() - began - sum(seconds.values())
+        self._timed(seconds)
         return answers
+
+    def _timed(self, seconds: dict[str, float]) -> None:
+        """A batch's seconds per stage (`BATCH_STAGES`) added to the batcher's and to /metrics'."""
+        with self._cond:
+            for k, v in seconds.items():
+                self.seconds[k] += v
+        for k, v in seconds.items():
+            self.metrics.stage_seconds.labels(k).inc(v)
 
 
 def _read_messages(pendings: list[Pending], index, target: Validated) -> dict[Pending, SidIndexError]:

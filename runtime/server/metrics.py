@@ -59,6 +59,9 @@ class EngineMetrics:
                                     buckets=SECONDS, registry=r)
         self.batch = Histogram("sidindex_batch_seconds", "Time a batch took in the retriever", buckets=SECONDS,
                                registry=r)
+        self.stage_seconds = Counter("sidindex_batch_stage_seconds", "Seconds the batches spent per stage: read "
+                                     "(front-ends' messages as requests), encode, search_post (on the device), "
+                                     "answer (the rows as each request's answer)", ["stage"], registry=r)
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, max_batch})
         self.batch_size = Histogram("sidindex_batch_requests", "Requests per batch", buckets=sizes, registry=r)
         self.failed = gauge("sidindex_failed_batches", "Batches in a row that failed (a scorer, the device); /readyz "
