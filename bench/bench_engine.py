@@ -120,7 +120,7 @@ def stand_in(retriever, ms: float, top_k: int) -> None:
         return Retrieved(request=np.repeat(np.arange(n, dtype=np.int64), top_k),
                          rank=np.tile(np.arange(1, top_k + 1, dtype=np.int64), n), ad_row=ads, ad_id=ads,
                          sid=np.zeros((n * top_k, 4), dtype=np.int64), score=np.ones(n * top_k, dtype=np.float32),
-                         sids=per, ads_generated=per, ads_eligible=per), {}
+                         sids=per, ads_generated=per, ads_eligible=per), {"encode": 0.0, "search_post": ms / 1e3}
 
     retriever.run = run
     type(retriever).in_flight = property(lambda self: 2)
