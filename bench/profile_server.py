@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -116,14 +117,15 @@ def engine_figures(before: dict, after: dict, counters: dict) -> dict:
 def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wrk: str, env: dict) -> dict:
     """Serve ROOT, drive it with wrk for --seconds while py-spy samples the engine: the figures."""
     print(f"{label}: sidindex serve --workers {args.workers} ...", flush=True)
-    server = Server(root, args, work / f"serve-{label}.log", args.workers, env)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)  # a file name, whatever the label (a baseline's path)
+    server = Server(root, args, work / f"serve-{name}.log", args.workers, env)
     out: dict = {"label": label}
     try:
         out["ready_s"] = server.wait_ready(args.ready_timeout)
         run_wrk(wrk, server.url, bodies, connections=args.connections, threads=args.wrk_threads, seconds=2,
                 work=work)  # every batch size's graph replayed once before the clock
         before = server.get("/metrics")
-        held, every = work / f"{label}-gil.txt", work / f"{label}-idle.txt"
+        held, every = work / f"{name}-gil.txt", work / f"{name}-idle.txt"
         spies = [spy(server.proc.pid, args.seconds - 2, held, "--gil"),
                  spy(server.proc.pid, args.seconds - 2, every, "--idle", "--threads")]
         out["wrk"] = run_wrk(wrk, server.url, bodies, connections=args.connections, threads=args.wrk_threads,
