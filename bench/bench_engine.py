@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from bench.report import write_json
+    from bench.report import host_speed, write_json
 
     cache = args.cache or Path(tempfile.mkdtemp(prefix="bench_engine_"))
     cache.mkdir(parents=True, exist_ok=True)
@@ -324,9 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.runs):
         for label, code, interval in variants:
             results[label].append(one_run(args, root, code, interval))
+    host_ms = host_speed()
     t = Table(title=f"the engine through its link ({args.device}, beams {args.beams}, max batch {args.max_batch}, "
                     f"{args.window} outstanding from {args.clients} client(s), {args.requests:,} requests a run); "
-                    "the median run")
+                    f"the median run; host speed {host_ms:.1f} ms (`bench.report.host_speed`)")
     for c in ("code", "req/s", "p50 ms", "p99 ms", "link CPU µs/req", "engine CPU µs/req", "rows per batch",
               "batch ms: read / encode / search+post / answer", "client busy", "runs (req/s)"):
         t.add_column(c, justify="left" if c == "code" else "right")
@@ -343,10 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     console.print(t)
     if args.baseline is not None:
         a, b = medians["this checkout"], medians[str(args.baseline)]
-        console.print(f"this checkout / {args.baseline}: {a['rps'] / b['rps']:.2f}x requests/s, link CPU per request "
-                      f"{a['link_cpu_us'] / b['link_cpu_us']:.2f}x, engine CPU per request "
-                      f"{a['process_cpu_us'] / b['process_cpu_us']:.2f}x")
-    write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "results": results})
+        def ratio(k: str) -> str:  # a short run's CPU can be 0 clock ticks
+            return f"{a[k] / b[k]:.2f}x" if b[k] else "-"
+
+        console.print(f"this checkout / {args.baseline}: {ratio('rps')} requests/s, link CPU per request "
+                      f"{ratio('link_cpu_us')}, engine CPU per request {ratio('process_cpu_us')}")
+    write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "host_speed_ms": host_ms,
+                           "results": results})
     return 0
 
 

@@ -40,7 +40,7 @@ from bench.bench_load import (
     working_root,
 )
 from bench.load_wrk import run_wrk, wrk_path
-from bench.report import write_json
+from bench.report import host_speed, write_json
 
 TOP = 24  # functions per thread in the table
 OURS = ("runtime/", "sidindex/", "sidindex_cli/", "schemas/")  # py-spy names these files from the repository
@@ -106,7 +106,15 @@ def engine_figures(before: dict, after: dict, counters: dict) -> dict:
         n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
         return (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / max(n, 1.0) * 1e3
 
+    def stages(name: str, names: tuple[str, ...], n: float) -> dict[str, float]:  # a stage counter's ms per n
+        return {k: (after.get(f'{name}{{stage="{k}"}}', 0.0) - before.get(f'{name}{{stage="{k}"}}', 0.0)) / max(n, 1.0)
+                * 1e3 for k in names}
+
+    ok = b.get("outcome ok", 0.0) - a.get("outcome ok", 0.0)
     return {"batches": batches, "rows_per_batch": (b["batch_rows"] - a["batch_rows"]) / per,
+            "request_stage_ms": stages("sidindex_request_stage_seconds_total", ("parse", "engine", "write"), ok),
+            "batch_stage_ms": stages("sidindex_batch_stage_seconds_total", ("read", "encode", "search_post", "answer"),
+                                     batches),
             "queue_wait_ms": mean_ms("sidindex_queue_wait_seconds"),
             "request_ms": mean_ms("sidindex_request_seconds"),
             "batch_ms": (b["batch_seconds"] - a["batch_seconds"]) / per * 1e3,
@@ -142,12 +150,13 @@ def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wr
     return out
 
 
-def report(results: list[dict]) -> None:
+def report(results: list[dict], host_ms: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=200)
-    t = Table(title="sidindex serve under wrk (one JSON request per call); engine batches during the run")
+    t = Table(title="sidindex serve under wrk (one JSON request per call); engine batches during the run; "
+                    f"host speed {host_ms:.1f} ms (`bench.report.host_speed`)")
     for c in ("server", "req/s", "p50 ms", "p99 ms", "non-2xx", "in the server ms", "queue wait ms", "rows/batch",
               "batch ms", "encode ms", "search+post ms", "exit"):
         t.add_column(c, justify="left" if c == "server" else "right")
@@ -158,6 +167,13 @@ def report(results: list[dict]) -> None:
                   f"{e.get('rows_per_batch', 0):.1f}", f"{e.get('batch_ms', 0):.2f}",
                   f"{e.get('encode_ms_all', 0):.2f}", f"{e.get('search_post_ms_all', 0):.2f}", str(r.get("exit")))
     console.print(t)
+    for r in results:
+        e = r.get("engine", {})
+        if e.get("request_stage_ms"):
+            console.print(f"{r['label']}: a request's ms in its front-end, parse / engine / write: "
+                          + " / ".join(f"{v:.2f}" for v in e["request_stage_ms"].values())
+                          + "; a batch's ms in the engine, read / encode / search+post / answer: "
+                          + " / ".join(f"{v:.2f}" for v in e["batch_stage_ms"].values()))
     if len(results) == 2 and results[0].get("wrk") and results[1].get("wrk"):
         console.print(f"{results[0]['label']} / {results[1]['label']}: "
                       f"{results[0]['wrk']['rps'] / max(results[1]['wrk']['rps'], 1e-9):.2f}x requests/s")
@@ -208,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             path = os.pathsep.join([str(args.baseline.resolve()), os.environ.get("PYTHONPATH", "")])
             results.append(one_server(f"baseline ({args.baseline})", root, args, bodies, work, wrk,
                                       {"PYTHONPATH": path}))
-        report(results)
-        write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "results": results})
+        host_ms = host_speed()
+        report(results, host_ms)
+        write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "host_speed_ms": host_ms,
+                               "results": results})
     return 0
 
 

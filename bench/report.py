@@ -17,3 +17,20 @@ def write_json(path: str | Path | None, figures) -> None:
     hold (paths, numpy scalars) as their str."""
     if path:
         Path(path).write_text(json.dumps(figures, indent=1, default=str))
+
+
+def host_speed(reps: int = 5) -> float:
+    """ms one core of this host takes for a fixed pure-Python workload (dict updates, the best of
+    `reps`): the interpreter-bound parts of a server compare between two hosts only as far as
+    this does. Two H100 hosts lent on one day gave the same engine 11 and 71 µs of link CPU per
+    request (docs/benchmarks.md, "The engine's host")."""
+    import time
+
+    best = float("inf")
+    for _ in range(reps):
+        t, d = time.perf_counter(), {}
+        for i in range(200_000):
+            k = i & 1023
+            d[k] = d.get(k, 0) + i
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3

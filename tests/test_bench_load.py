@@ -143,7 +143,9 @@ def test_the_engine_bench_runs_each_checkout_and_reports_its_link(built, tmp_pat
                               "--runs", "1", "--requests", "120", "--window", "16", "--clients", "2",
                               "--baseline", str(repo),
                               "--json", str(out)]) == 0
-    results = json.loads(out.read_text())["results"]
+    figures = json.loads(out.read_text())
+    results = figures["results"]
+    assert figures["host_speed_ms"] > 0  # what the figures of two hosts compare by
     assert sorted(results) == sorted(["this checkout", str(repo)])
     for (run,) in results.values():
         assert run["rps"] > 0 and run["link_cpu_us"] >= 0 and run["process_cpu_us"] > 0

@@ -102,7 +102,9 @@ class RetrievalServer:
                 reqs = await asyncio.to_thread(self._parse, body, arrow, target)
             else:
                 reqs = self._parse(body, arrow, target)
+            t1 = time.perf_counter()
             table, snapshot = await self._answer(reqs, target)
+            t2 = time.perf_counter()
         except ClientDisconnect:  # the client went away mid-body: nobody to answer
             self.metrics.outcomes.labels("disconnected").inc()
             return Response(status_code=400)
@@ -114,12 +116,16 @@ class RetrievalServer:
             return self._error(500, "error", str(e))
         except Exception as e:  # a bug must not take the server down
             return self._error(500, "error", f"{type(e).__name__}: {e}")
-        self.metrics.outcomes.labels("ok").inc()
-        self.metrics.end_to_end.observe(time.perf_counter() - t0)
         headers = {"X-Sidindex-Snapshot": snapshot}
         write = _arrow_body if arrow else _json_body
         out = await asyncio.to_thread(write, table, snapshot) if table.num_rows > OFF_LOOP_ROWS else \
             write(table, snapshot)
+        t3 = time.perf_counter()
+        m = self.metrics
+        m.outcomes.labels("ok").inc()
+        m.end_to_end.observe(t3 - t0)
+        for stage, seconds in (("parse", t1 - t0), ("engine", t2 - t1), ("write", t3 - t2)):
+            m.stage_seconds.labels(stage).inc(seconds)
         return Response(out, media_type=ARROW_STREAM if arrow else "application/json", headers=headers)
 
     async def _body(self, request) -> bytes:

@@ -42,6 +42,9 @@ class HttpMetrics:
                                 "timeout, stopping, error, disconnected)", ["outcome"], registry=r)
         self.end_to_end = Histogram("sidindex_request_seconds", "Time from a request's arrival to its answer",
                                     buckets=SECONDS, registry=r)
+        self.stage_seconds = Counter("sidindex_request_stage_seconds", "Seconds the answered requests spent per "
+                                     "stage: parse (the body read and validated), engine (from the hand-off to the "
+                                     "engine's answer), write (the answer's body)", ["stage"], registry=r)
 
 
 class EngineMetrics:
