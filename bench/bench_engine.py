@@ -5,11 +5,13 @@ and the CPU per request of the thread every request passes through, with no HTTP
     python bench/bench_engine.py --baseline .baseline             # against another checkout, alternating
     python bench/bench_engine.py --device cuda --ads 1000000 --beams 1,512,1024,1024 --cache /data/bench
     python bench/bench_engine.py --stand-in-ms 2 --window 128 --requests 10000   # the engine's own ceiling
+    python bench/bench_engine.py --device cuda --ads 1000000 --beams 1,512,1024,1024 --clients 4 --window 128
 
 The engine (`runtime.server.engine.Engine` and its `runtime.server.link.EngineLink`, as
-`serve_processes` runs them) serves in a process of its own; a client process validates requests
-as a front-end does and sends them through the front-end's own `EngineClient`, keeping --window
-requests outstanding (one request per message, as HTTP brings them), --requests in all. Every
+`serve_processes` runs them) serves in a process of its own; --clients client processes validate
+requests as a front-end does and send them through the front-end's own `EngineClient`, keeping
+--window requests outstanding among them (one request per message, as HTTP brings them),
+--requests in all (one client near fully busy bounds the figure: "client busy"). Every
 request passes through the link (a thread of its own; in older checkouts, the engine's event
 loop), so its CPU per request (that thread's CPU time over the run) bounds what one engine
 answers; the engine process's CPU per request is beside it, and each thread's in the JSON.

@@ -122,6 +122,29 @@ def engine_figures(before: dict, after: dict, counters: dict) -> dict:
             "search_post_ms_all": counters["seconds"]["search_post"] / max(counters["batches"], 1) * 1e3}
 
 
+def processes_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user and system) of the engine process `pid` ("engine") and of each of its
+    children, the front-ends (by pid), from /proc (Linux; empty elsewhere)."""
+    def cpu(p: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    out: dict[str, float] = {}
+    try:
+        out["engine"] = cpu(pid)
+    except OSError:
+        return out
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    out[d.name] = cpu(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    return out
+
+
 def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wrk: str, env: dict) -> dict:
     """Serve ROOT, drive it with wrk for --seconds while py-spy samples the engine: the figures."""
     print(f"{label}: sidindex serve --workers {args.workers} ...", flush=True)
@@ -132,12 +155,17 @@ def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wr
         out["ready_s"] = server.wait_ready(args.ready_timeout)
         run_wrk(wrk, server.url, bodies, connections=args.connections, threads=args.wrk_threads, seconds=2,
                 work=work)  # every batch size's graph replayed once before the clock
-        before = server.get("/metrics")
+        before, cpu = server.get("/metrics"), processes_cpu(server.proc.pid)
         held, every = work / f"{name}-gil.txt", work / f"{name}-idle.txt"
         spies = [spy(server.proc.pid, args.seconds - 2, held, "--gil"),
                  spy(server.proc.pid, args.seconds - 2, every, "--idle", "--threads")]
         out["wrk"] = run_wrk(wrk, server.url, bodies, connections=args.connections, threads=args.wrk_threads,
                              seconds=args.seconds, work=work)
+        spent = {k: v - cpu.get(k, 0.0) for k, v in processes_cpu(server.proc.pid).items()}
+        answered = max(out["wrk"].get("rps", 0.0) * args.seconds, 1.0)
+        out["cpu_ms_per_request"] = {"engine": spent.pop("engine", 0.0) / answered * 1e3,
+                                     "front-ends": sum(spent.values()) / answered * 1e3,
+                                     "busiest front-end busy": max(spent.values(), default=0.0) / args.seconds}
         for s in spies:
             if s is not None:
                 _, err = s.communicate(timeout=60)
@@ -174,6 +202,10 @@ def report(results: list[dict], host_ms: float) -> None:
                           + " / ".join(f"{v:.2f}" for v in e["request_stage_ms"].values())
                           + "; a batch's ms in the engine, read / encode / search+post / answer: "
                           + " / ".join(f"{v:.2f}" for v in e["batch_stage_ms"].values()))
+        c = r.get("cpu_ms_per_request")
+        if c:
+            console.print(f"{r['label']}: CPU ms a request: engine process {c['engine']:.2f}, front-ends "
+                          f"{c['front-ends']:.2f} (the busiest front-end {c['busiest front-end busy']:.0%} busy)")
     if len(results) == 2 and results[0].get("wrk") and results[1].get("wrk"):
         console.print(f"{results[0]['label']} / {results[1]['label']}: "
                       f"{results[0]['wrk']['rps'] / max(results[1]['wrk']['rps'], 1e-9):.2f}x requests/s")
