@@ -66,25 +66,37 @@ def engine(args) -> None:
     eng = Engine(watcher, retriever, max_batch=args.max_batch, poll_seconds=60.0)
     link = EngineLink(eng, args.engine)
     gc.freeze()  # as `sidindex serve` does once warm
-    began = {"process": time.process_time()}
-    threads = {}
+
+    def state() -> dict:  # what the figures are differences of
+        c = retriever.counters
+        return {"process": time.process_time(), "threads": threads_cpu(), "requests": c.requests,
+                "batches": getattr(eng.batcher, "timed", c.batches),  # a --baseline checkout may not count them
+                "retriever_batches": c.batches, "stages": dict(getattr(eng.batcher, "seconds", {}))}
+
+    mark: dict = {}
+
+    def on_mark(*_) -> None:  # the clients start now (`clients`): what came before is their warm-up
+        mark.update(state())
+        print("marked", flush=True)
+
+    signal.signal(signal.SIGUSR1, on_mark)
     if hasattr(link, "start"):  # the link on a thread of its own
         asyncio.run(eng.start())
         link.start()
-        began["link"] = thread_cpu(link._thread.native_id)
-        threads = threads_cpu()
+        mark.update(state())
         print("ready", flush=True)
         try:
-            signal.pause()
+            while True:
+                signal.pause()
         except KeyboardInterrupt:
             pass
-        link_cpu = thread_cpu(link._thread.native_id) - began["link"]
-        threads = {k: v - threads.get(k, 0.0) for k, v in threads_cpu().items()}
+        end = state()
         link.close()
-    else:  # a checkout whose link is a task of the engine's event loop (`run`)
+        link_thread = "sidindex-link"
+    else:  # a checkout whose link is a task of the engine's event loop (`run`), on the main thread
         async def serve() -> None:
             await eng.start()
-            began["link"] = time.thread_time()
+            mark.update(state())
             print("ready", flush=True)
             await link.run()
 
@@ -92,14 +104,17 @@ def engine(args) -> None:
             asyncio.run(serve())
         except KeyboardInterrupt:
             pass
-        link_cpu = time.thread_time() - began["link"]
-    c = retriever.counters
-    n = max(c.requests, 1)
-    stages = getattr(eng.batcher, "seconds", {})  # a --baseline checkout may not time them
-    print(json.dumps({"link_cpu_us": link_cpu / n * 1e6, "process_cpu_us": (time.process_time() - began["process"])
-                      / n * 1e6, "rows_per_batch": c.requests / max(c.batches, 1),
+        end = state()
+        link_thread = "MainThread"
+    n = max(end["requests"] - mark["requests"], 1)
+    batches = max(end["batches"] - mark["batches"], 1)
+    threads = {k: v - mark["threads"].get(k, 0.0) for k, v in end["threads"].items()}
+    print(json.dumps({"link_cpu_us": threads.get(link_thread, 0.0) / n * 1e6,
+                      "process_cpu_us": (end["process"] - mark["process"]) / n * 1e6,
+                      "rows_per_batch": n / max(end["retriever_batches"] - mark["retriever_batches"], 1),
                       "threads_cpu_us": {k: v / n * 1e6 for k, v in threads.items()},
-                      "stage_ms": {k: v / max(c.batches, 1) * 1e3 for k, v in stages.items()}}),
+                      "stage_ms": {k: (v - mark["stages"].get(k, 0.0)) / batches * 1e3
+                                   for k, v in end["stages"].items()}}),
           flush=True)
     eng.close(10.0)
 
@@ -176,9 +191,9 @@ def client(args) -> None:
             await one(i)
         print("ready", flush=True)  # then the clients start together (`one_run`)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-        t0, cpu = time.time(), time.process_time()
+        t0, cpu = time.monotonic(), time.process_time()  # one clock for every process (Linux)
         await asyncio.gather(*(one(i) for i in range(args.requests)))
-        t1, cpu = time.time(), time.process_time() - cpu
+        t1, cpu = time.monotonic(), time.process_time() - cpu
         link.stop()
         return {"start": t0, "end": t1, "requests": args.requests, "client_busy": cpu / (t1 - t0),
                 "ms": [x * 1e3 for x in seconds[-args.requests:]]}
@@ -203,10 +218,10 @@ def one_run(args, root: Path, code: Path | None, interval: float | None = None) 
     server = subprocess.Popen(me + ["--role", "engine"] + common + switch, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert server.stdout is not None
-        line = server.stdout.readline().strip()
+        line = read_line(server, server, "the engine")
         if line != "ready":
             raise RuntimeError(f"the engine did not start ({line!r}); exit {server.wait()}")
-        figures = clients(args, me + ["--role", "client"] + common, env)
+        figures = clients(args, me + ["--role", "client"] + common, env, server)
         server.send_signal(signal.SIGINT)
         rest, _ = server.communicate(timeout=60)
         return figures | json.loads(rest.strip().splitlines()[-1])
@@ -217,34 +232,41 @@ def one_run(args, root: Path, code: Path | None, interval: float | None = None) 
         shutil.rmtree(place, ignore_errors=True)
 
 
-def clients(args, command: list[str], env: dict) -> dict:
+def clients(args, command: list[str], env: dict, server: subprocess.Popen) -> dict:
     """--clients client processes, --window and --requests shared among them, started together
-    once each is ready: requests/s over the span from the first start to the last end, latency
-    percentiles over every request, and the busiest client's CPU share (near 100%: the clients bound)."""
+    once each is ready and the engine marked where their warm-up ended: requests/s over the span
+    from the first start to the last end, latency percentiles over every request, and the
+    busiest client's CPU share (near 100%: the clients bound)."""
     import numpy as np
 
     n = args.clients
-    procs = [subprocess.Popen(command + ["--window", str(max(1, args.window // n)), "--requests",
-                                         str(max(1, args.requests // n)), "--pool", str(args.pool),
+
+    def share(total: int, i: int) -> int:
+        return max(1, total // n + (i < total % n))
+
+    procs = [subprocess.Popen(command + ["--window", str(share(args.window, i)), "--requests",
+                                         str(share(args.requests, i)), "--pool", str(args.pool),
                                          "--seed", str(args.seed + i)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
              for i in range(n)]
     try:
         for p in procs:
-            assert p.stdout is not None
-            line = p.stdout.readline().strip()
+            line = read_line(p, server, "a client")
             if line != "ready":
                 raise RuntimeError(f"a client did not start ({line!r}); exit {p.wait()}")
+        server.send_signal(signal.SIGUSR1)
+        if (line := read_line(server, server, "the engine")) != "marked":
+            raise RuntimeError(f"the engine did not mark the clients' start ({line!r})")
         for p in procs:
             assert p.stdin is not None
             p.stdin.write("go\n")
             p.stdin.flush()
         runs = []
         for p in procs:
-            out, _ = p.communicate(timeout=600)
-            if p.returncode:
+            out = read_line(p, server, "a client")
+            if p.wait(timeout=60) or not out:
                 raise RuntimeError(f"a client exited {p.returncode}")
-            runs.append(json.loads(out.strip().splitlines()[-1]))
+            runs.append(json.loads(out))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -254,6 +276,23 @@ def clients(args, command: list[str], env: dict) -> dict:
     span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
     return {"rps": sum(r["requests"] for r in runs) / span, "client_busy": max(r["client_busy"] for r in runs),
             "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
+
+
+def read_line(proc: subprocess.Popen, engine: subprocess.Popen, who: str, timeout: float = 600.0) -> str:
+    """The next line `proc` prints (stripped; "" at its end), within `timeout` seconds and while the
+    engine process lives: RuntimeError naming `who` otherwise."""
+    import selectors
+
+    assert proc.stdout is not None
+    end = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while not sel.select(timeout=1.0):
+            if engine is not proc and engine.poll() is not None:
+                raise RuntimeError(f"the engine exited {engine.returncode} while {who} ran")
+            if time.monotonic() > end:
+                raise RuntimeError(f"{who} printed nothing in {timeout:.0f} s")
+    return proc.stdout.readline().strip()
 
 
 def sample_root(cache: Path) -> Path:
@@ -300,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(x <= 0 for x in args.switch_intervals):
         ap.error(f"--switch-intervals {args.switch_intervals}: give positive seconds")
     args.switch_intervals = sorted(set(args.switch_intervals))
+    if args.clients < 1:
+        ap.error(f"--clients {args.clients}: give at least 1")
     if args.role == "engine":
         engine(args)
         return 0
@@ -311,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.report import host_speed, write_json
 
+    host_ms = [host_speed()]  # before the runs, and after them: the host's own speed (it varies with its load)
     cache = args.cache or Path(tempfile.mkdtemp(prefix="bench_engine_"))
     cache.mkdir(parents=True, exist_ok=True)
     if args.ads is None:
@@ -326,10 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.runs):
         for label, code, interval in variants:
             results[label].append(one_run(args, root, code, interval))
-    host_ms = host_speed()
+    host_ms.append(host_speed())
     t = Table(title=f"the engine through its link ({args.device}, beams {args.beams}, max batch {args.max_batch}, "
                     f"{args.window} outstanding from {args.clients} client(s), {args.requests:,} requests a run); "
-                    f"the median run; host speed {host_ms:.1f} ms (`bench.report.host_speed`)")
+                    f"the median run; host speed {host_ms[0]:.1f} / {host_ms[1]:.1f} ms before / after")
     for c in ("code", "req/s", "p50 ms", "p99 ms", "link CPU µs/req", "engine CPU µs/req", "rows per batch",
               "batch ms: read / encode / search+post / answer", "client busy", "runs (req/s)"):
         t.add_column(c, justify="left" if c == "code" else "right")

@@ -25,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -106,13 +107,16 @@ def engine_figures(before: dict, after: dict, counters: dict) -> dict:
         n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
         return (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / max(n, 1.0) * 1e3
 
-    def stages(name: str, names: tuple[str, ...], n: float) -> dict[str, float]:  # a stage counter's ms per n
-        return {k: (after.get(f'{name}{{stage="{k}"}}', 0.0) - before.get(f'{name}{{stage="{k}"}}', 0.0)) / max(n, 1.0)
-                * 1e3 for k in names}
+    def stages(name: str, names: tuple[str, ...], n: float) -> dict[str, float]:
+        """A stage counter's ms per n between the reads; {} where the server has none (an older checkout)."""
+        keys = {k: f'{name}{{stage="{k}"}}' for k in names}
+        if not all(key in after for key in keys.values()):
+            return {}
+        return {k: (after[key] - before.get(key, 0.0)) / max(n, 1.0) * 1e3 for k, key in keys.items()}
 
     ok = b.get("outcome ok", 0.0) - a.get("outcome ok", 0.0)
     return {"batches": batches, "rows_per_batch": (b["batch_rows"] - a["batch_rows"]) / per,
-            "request_stage_ms": stages("sidindex_request_stage_seconds_total", ("parse", "engine", "write"), ok),
+            "request_stage_ms": stages("sidindex_request_stage_seconds_total", ("parse", "wait", "write"), ok),
             "batch_stage_ms": stages("sidindex_batch_stage_seconds_total", ("read", "encode", "search_post", "answer"),
                                      batches),
             "queue_wait_ms": mean_ms("sidindex_queue_wait_seconds"),
@@ -124,7 +128,7 @@ def engine_figures(before: dict, after: dict, counters: dict) -> dict:
 
 def processes_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user and system) of the engine process `pid` ("engine") and of each of its
-    children, the front-ends (by pid), from /proc (Linux; empty elsewhere)."""
+    front-end processes (by pid), from /proc (Linux; empty elsewhere)."""
     def cpu(p: int) -> float:
         fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -138,7 +142,7 @@ def processes_cpu(pid: int) -> dict[str, float]:
         if d.name.isdigit():
             try:
                 fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
+                if int(fields[1]) == pid and b"runtime.server.frontend" in (d / "cmdline").read_bytes():
                     out[d.name] = cpu(int(d.name))
             except (OSError, IndexError, ValueError):
                 continue  # gone meanwhile
@@ -155,17 +159,19 @@ def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wr
         out["ready_s"] = server.wait_ready(args.ready_timeout)
         run_wrk(wrk, server.url, bodies, connections=args.connections, threads=args.wrk_threads, seconds=2,
                 work=work)  # every batch size's graph replayed once before the clock
-        before, cpu = server.get("/metrics"), processes_cpu(server.proc.pid)
+        before, cpu, began = server.get("/metrics"), processes_cpu(server.proc.pid), time.monotonic()
         held, every = work / f"{name}-gil.txt", work / f"{name}-idle.txt"
         spies = [spy(server.proc.pid, args.seconds - 2, held, "--gil"),
                  spy(server.proc.pid, args.seconds - 2, every, "--idle", "--threads")]
         out["wrk"] = run_wrk(wrk, server.url, bodies, connections=args.connections, threads=args.wrk_threads,
                              seconds=args.seconds, work=work)
         spent = {k: v - cpu.get(k, 0.0) for k, v in processes_cpu(server.proc.pid).items()}
-        answered = max(out["wrk"].get("rps", 0.0) * args.seconds, 1.0)
+        elapsed = time.monotonic() - began
+        w = out["wrk"]
+        answered = max(w.get("requests", 0) - w.get("non_2xx", 0), 1)
         out["cpu_ms_per_request"] = {"engine": spent.pop("engine", 0.0) / answered * 1e3,
                                      "front-ends": sum(spent.values()) / answered * 1e3,
-                                     "busiest front-end busy": max(spent.values(), default=0.0) / args.seconds}
+                                     "busiest front-end busy": max(spent.values(), default=0.0) / elapsed}
         for s in spies:
             if s is not None:
                 _, err = s.communicate(timeout=60)
@@ -178,13 +184,13 @@ def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wr
     return out
 
 
-def report(results: list[dict], host_ms: float) -> None:
+def report(results: list[dict], host_ms: list[float]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=200)
     t = Table(title="sidindex serve under wrk (one JSON request per call); engine batches during the run; "
-                    f"host speed {host_ms:.1f} ms (`bench.report.host_speed`)")
+                    f"host speed {host_ms[0]:.1f} / {host_ms[1]:.1f} ms before / after")
     for c in ("server", "req/s", "p50 ms", "p99 ms", "non-2xx", "in the server ms", "queue wait ms", "rows/batch",
               "batch ms", "encode ms", "search+post ms", "exit"):
         t.add_column(c, justify="left" if c == "server" else "right")
@@ -198,10 +204,10 @@ def report(results: list[dict], host_ms: float) -> None:
     for r in results:
         e = r.get("engine", {})
         if e.get("request_stage_ms"):
-            console.print(f"{r['label']}: a request's ms in its front-end, parse / engine / write: "
+            console.print(f"{r['label']}: a request's ms in its front-end, parse / wait / write: "
                           + " / ".join(f"{v:.2f}" for v in e["request_stage_ms"].values())
                           + "; a batch's ms in the engine, read / encode / search+post / answer: "
-                          + " / ".join(f"{v:.2f}" for v in e["batch_stage_ms"].values()))
+                          + " / ".join(f"{v:.2f}" for v in e.get("batch_stage_ms", {}).values()))
         c = r.get("cpu_ms_per_request")
         if c:
             console.print(f"{r['label']}: CPU ms a request: engine process {c['engine']:.2f}, front-ends "
@@ -246,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     import runtime
     from bench.bench_stream import catalog_root
 
+    host_ms = [host_speed()]  # before the runs, and after them: the host's own speed (it varies with its load)
     with run_dirs(args.cache, "profile_server") as (cache, work):
         print(f"{args.ads:,} ads ({args.profile}): catalog and ROOT ...", flush=True)
         size = catalog_root(args.ads, args.dim, cache, args.profile)
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             path = os.pathsep.join([str(args.baseline.resolve()), os.environ.get("PYTHONPATH", "")])
             results.append(one_server(f"baseline ({args.baseline})", root, args, bodies, work, wrk,
                                       {"PYTHONPATH": path}))
-        host_ms = host_speed()
+        host_ms.append(host_speed())
         report(results, host_ms)
         write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "host_speed_ms": host_ms,
                                "results": results})

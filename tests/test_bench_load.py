@@ -145,13 +145,21 @@ def test_the_engine_bench_runs_each_checkout_and_reports_its_link(built, tmp_pat
                               "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     results = figures["results"]
-    assert figures["host_speed_ms"] > 0  # what the figures of two hosts compare by
+    assert len(figures["host_speed_ms"]) == 2  # before and after the runs
     assert sorted(results) == sorted(["this checkout", str(repo)])
     for (run,) in results.values():
         assert run["rps"] > 0 and run["link_cpu_us"] >= 0 and run["process_cpu_us"] > 0
         assert 1 <= run["rows_per_batch"] <= 64
         assert sorted(run["stage_ms"]) == sorted(["read", "encode", "search_post", "answer"])
         assert run["stage_ms"]["search_post"] > 0 and min(run["stage_ms"].values()) >= 0
+    # a stand-in batch of 5 ms on the device: the stage that holds it, per batch, and only the
+    # clients' requests (the warm-up's batches before the mark are not counted)
+    assert bench_engine.main(["--ads", str(ADS), "--dim", str(DIM), "--beams", BEAMS, "--cache", str(cache),
+                              "--runs", "1", "--requests", "200", "--window", "8", "--clients", "2",
+                              "--stand-in-ms", "5", "--json", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["results"]["this checkout"]
+    assert 5.0 <= run["stage_ms"]["search_post"] < 50 and run["stage_ms"]["encode"] == 0
+    assert 1 <= run["rows_per_batch"] <= 8
 
 
 def test_a_large_bodys_answer_is_checked_request_by_request(built, tmp_path, capsys):
@@ -231,3 +239,28 @@ def test_a_batched_client_that_cannot_reach_the_server_fails_the_run(path):
          "clients_exited": [0], "errors": errors}
     ok, text = path_verdict(p, 1)
     assert not ok and f"{len(out)} failed" in text
+
+
+def test_profile_servers_stage_figures_are_per_request_and_per_batch():
+    """profile_server's stages between two /metrics reads: a request's per answered request, a
+    batch's per batch; none (not zeros) for a server that does not count them (an older checkout)."""
+    from bench.profile_server import engine_figures
+
+    def metrics(ok: float, batches: float, parse: float, read: float) -> dict[str, float]:
+        return {'sidindex_requests_total{outcome="ok"}': ok, "sidindex_batch_requests_count": batches,
+                "sidindex_batch_requests_sum": 4 * batches, "sidindex_batch_seconds_sum": 0.01 * batches,
+                'sidindex_request_stage_seconds_total{stage="parse"}': parse,
+                'sidindex_request_stage_seconds_total{stage="wait"}': 2 * parse,
+                'sidindex_request_stage_seconds_total{stage="write"}': 3 * parse,
+                **{f'sidindex_batch_stage_seconds_total{{stage="{k}"}}': read * (i + 1)
+                   for i, k in enumerate(("read", "encode", "search_post", "answer"))}}
+
+    counters = {"seconds": {"encode": 1.0, "search_post": 2.0}, "batches": 10}
+    got = engine_figures(metrics(10, 5, 1.0, 0.5), metrics(110, 30, 1.2, 1.0), counters)
+    assert got["request_stage_ms"] == pytest.approx({"parse": 2.0, "wait": 4.0, "write": 6.0})  # ms: 0.2 s / 100
+    assert got["batch_stage_ms"] == pytest.approx({"read": 20.0, "encode": 40.0, "search_post": 60.0,
+                                                   "answer": 80.0})  # 0.5 s / 25 batches, ...
+    assert got["rows_per_batch"] == 4.0
+    older = {k: v for k, v in metrics(110, 30, 1.2, 1.0).items() if "stage" not in k}
+    got = engine_figures(metrics(10, 5, 1.0, 0.5), older, counters)
+    assert got["request_stage_ms"] == {} and got["batch_stage_ms"] == {}

@@ -178,10 +178,22 @@ def test_concurrent_requests_are_batched_and_keep_their_own_rows(root, rows, ser
     batches = float(next(line.split()[1] for line in metrics.splitlines()
                          if line.startswith("sidindex_batch_requests_count")))
     assert batches < 8  # some requests shared a batch
-    stage = {line.split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
-             if line.startswith("sidindex_batch_stage_seconds_total{")}
-    assert sorted(stage) == sorted(["read", "encode", "search_post", "answer"])  # where the batches' time went
+    def summed(prefix: str) -> dict[str, float]:
+        return {line.split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith(prefix + "{")}
+
+    def value(name: str) -> float:
+        return float(next(line.split()[1] for line in metrics.splitlines() if line.startswith(name + " ")))
+
+    # where the batches' time went: every stage, none counted twice (a batch's stages lie within its time)
+    stage = summed("sidindex_batch_stage_seconds_total")
+    assert sorted(stage) == sorted(["read", "encode", "search_post", "answer"])
     assert all(v >= 0 for v in stage.values()) and stage["search_post"] > 0
+    assert 0.5 * value("sidindex_batch_seconds_sum") <= sum(stage.values()) <= value("sidindex_batch_seconds_sum")
+    # and the requests' in their front-end: the three stages are each request's whole time
+    request = summed("sidindex_request_stage_seconds_total")
+    assert sorted(request) == sorted(["parse", "wait", "write"]) and min(request.values()) > 0
+    assert sum(request.values()) == pytest.approx(value("sidindex_request_seconds_sum"), abs=1e-6)
 
 
 def test_two_batches_run_at_a_time_and_keep_their_own_rows(root, rows, serving, monkeypatch):

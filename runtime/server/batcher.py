@@ -107,6 +107,7 @@ class Batcher:
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait_us / 1e6, max_queue
         self.failed_batches = 0  # in a row
         self.seconds = dict.fromkeys(BATCH_STAGES, 0.0)  # summed over the batches that ran (`BATCH_STAGES`)
+        self.timed = 0  # the batches that ran, whose seconds those are
         self.in_flight = retriever.in_flight  # batches running at a time: one thread each
         self._cond = threading.Condition()
         # the requests with rows left and none running, in the order they take their next piece
@@ -312,10 +313,15 @@ class Batcher:
         if joined is None and len(parts) > 1:  # columns of types that do not concatenate: one batch each
             found = []
             for _, held, a, b in parts:
-                one, ran = self.retriever.run(held.rows(a, b).renumbered(), index)
+                try:
+                    one, ran = self.retriever.run(held.rows(a, b).renumbered(), index)
+                except ScorerError as e:  # named by its client's request id, as below
+                    if e.row is None or e.request_id is None:
+                        raise
+                    raise e.renamed(held.request_id[a + e.row]) from None
                 found.append(one_batch(table_of(one, held.request_id[a:b])))
-                seconds["encode"] += ran["encode"]
-                seconds["search_post"] += ran["search_post"]
+                seconds["encode"] += ran.get("encode", 0.0)
+                seconds["search_post"] += ran.get("search_post", 0.0)
         elif parts:
             assert joined is not None  # one part always joins
             bounds = np.cumsum([0] + [b - a for _, _, a, b in parts])
@@ -332,7 +338,7 @@ class Batcher:
             batch = one_batch(table_of(whole, ids))
             cuts = np.searchsorted(whole.request, bounds).tolist()
             found = [batch.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])]
-            seconds["encode"], seconds["search_post"] = ran["encode"], ran["search_post"]
+            seconds["encode"], seconds["search_post"] = ran.get("encode", 0.0), ran.get("search_post", 0.0)
         schema: pa.Buffer | None = None  # the answers' schema message, made once
         for (i, _, _, _), result in zip(parts, found if parts else []):
             p, lo, hi = pieces[i]
@@ -348,13 +354,15 @@ class Batcher:
                 answers[i] = ((schema, result.serialize()), index.id)
             else:  # the pieces of a large request, from several batches
                 answers[i] = (batch_message(pa.Table.from_batches(p.parts)), index.id)
-        seconds["answer"] = time.perf_counter() - began - sum(seconds.values())
+        # never below 0: a retriever whose own timers read more than the batch took must not fail it
+        seconds["answer"] = max(0.0, time.perf_counter() - began - sum(seconds.values()))
         self._timed(seconds)
         return answers
 
     def _timed(self, seconds: dict[str, float]) -> None:
-        """A batch's seconds per stage (`BATCH_STAGES`) added to the batcher's and to /metrics'."""
+        """A batch's seconds per stage (`BATCH_STAGES`, each >= 0) added to the batcher's and to /metrics'."""
         with self._cond:
+            self.timed += 1
             for k, v in seconds.items():
                 self.seconds[k] += v
         for k, v in seconds.items():

@@ -124,7 +124,7 @@ class RetrievalServer:
         m = self.metrics
         m.outcomes.labels("ok").inc()
         m.end_to_end.observe(t3 - t0)
-        for stage, seconds in (("parse", t1 - t0), ("engine", t2 - t1), ("write", t3 - t2)):
+        for stage, seconds in (("parse", t1 - t0), ("wait", t2 - t1), ("write", t3 - t2)):
             m.stage_seconds.labels(stage).inc(seconds)
         return Response(out, media_type=ARROW_STREAM if arrow else "application/json", headers=headers)
 

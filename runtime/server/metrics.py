@@ -43,8 +43,9 @@ class HttpMetrics:
         self.end_to_end = Histogram("sidindex_request_seconds", "Time from a request's arrival to its answer",
                                     buckets=SECONDS, registry=r)
         self.stage_seconds = Counter("sidindex_request_stage_seconds", "Seconds the answered requests spent per "
-                                     "stage: parse (the body read and validated), engine (from the hand-off to the "
-                                     "engine's answer), write (the answer's body)", ["stage"], registry=r)
+                                     "stage: parse (the body read and validated), wait (from the hand-off to the "
+                                     "engine to its answer: the link, the engine's queue and batch, the event "
+                                     "loop's turn), write (the answer's body)", ["stage"], registry=r)
 
 
 class EngineMetrics:
