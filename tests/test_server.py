@@ -996,3 +996,37 @@ def test_a_request_queued_again_is_not_released_under_another_batch(built, rows)
         batcher.close(10)
     assert isinstance(got["large"], Exception) and "no answer within 1 ms" in str(got["large"])
     assert not isinstance(got["small"], BaseException)
+
+
+def test_a_scorer_error_in_a_batch_of_parts_that_do_not_join_names_its_clients_id(built, rows):
+    """Two requests whose columns do not concatenate run as a batch each; a scorer error blaming
+    a row of the second names that request's own id, not the row's number within its part."""
+    import functools
+    from types import SimpleNamespace
+
+    from runtime.requests import validated_for
+    from runtime.server.batcher import Batcher, Pending
+    from runtime.server.metrics import EngineMetrics
+    from sidindex.errors import ScorerError
+
+    served = runtime.load(built, "cpu")
+    retriever = runtime.Retriever(served, beams=BEAMS, batch_sizes=(1, 4, 8))
+
+    def run(requests, index=None, **kw):  # the part holding the extra column's list is blamed, row 1
+        if "extra" in requests.table.column_names and pa.types.is_list(requests.table.schema.field("extra").type):
+            e = ScorerError(f"scorer returned no finite logit for request {requests.request_id[1]} at step 0")
+            e.row, e.request_id = 1, requests.request_id[1]
+            raise e
+        return retriever.run(requests, index, **kw)
+
+    stub = SimpleNamespace(index=served, in_flight=1, run=run)
+    batcher = Batcher(stub, EngineMetrics(8), max_batch=8)  # type: ignore[arg-type]
+    got: dict[str, object] = {}
+    a = runtime.requests_from([r | {"request_id": 100 + i, "extra": "x"} for i, r in enumerate(rows[:2])], served)
+    b = runtime.requests_from([r | {"request_id": 200 + i, "extra": [1]} for i, r in enumerate(rows[2:4])], served)
+    target = validated_for(served)
+    pieces = [(Pending(reqs, target, 2, functools.partial(got.__setitem__, name)), 0, 2)
+              for name, reqs in (("a", a), ("b", b))]
+    with pytest.raises(ScorerError, match="for request 201 at step 0") as caught:
+        batcher._run(pieces)
+    assert caught.value.request_id == 201
