@@ -20,7 +20,7 @@ at a time, top_k rows a request), so that a machine without a GPU measures what 
 work allows; on a 2-core machine the client process takes one core, and its figure bounds.
 --switch-intervals S,... runs this checkout's engine again with each GIL switch interval (where
 a thread waiting for the GIL is the cost, a shorter one shows it).
---baseline DIR runs the same with another checkout's packages first on PYTHONPATH (`git archive
+--baseline DIR runs the same with another checkout's packages first on sys.path (`git archive
 REV runtime sidindex sidindex_cli schemas pipelines | tar x -C DIR`), engine and client both, the
 two alternating --runs times on one machine. The ROOT: `data_samples/` built once under --cache,
 or with --ads, `bench_stream.catalog_root`'s.
@@ -43,6 +43,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if os.environ.get("SIDINDEX_BENCH_TREE"):  # a child measuring another checkout imports its packages
+    sys.path.insert(0, os.environ["SIDINDEX_BENCH_TREE"])
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,7 +111,8 @@ def engine(args) -> None:
     n = max(end["requests"] - mark["requests"], 1)
     batches = max(end["batches"] - mark["batches"], 1)
     threads = {k: v - mark["threads"].get(k, 0.0) for k, v in end["threads"].items()}
-    print(json.dumps({"link_cpu_us": threads.get(link_thread, 0.0) / n * 1e6,
+    print(json.dumps({"code": str(Path(runtime.__file__).resolve().parents[1]),  # the checkout that ran
+                      "link_cpu_us": threads.get(link_thread, 0.0) / n * 1e6,
                       "process_cpu_us": (end["process"] - mark["process"]) / n * 1e6,
                       "rows_per_batch": n / max(end["retriever_batches"] - mark["retriever_batches"], 1),
                       "threads_cpu_us": {k: v / n * 1e6 for k, v in threads.items()},
@@ -203,10 +206,11 @@ def client(args) -> None:
 
 def one_run(args, root: Path, code: Path | None, interval: float | None = None) -> dict:
     """An engine process (with `interval` its GIL switch interval) and a client process with
-    `code` first on PYTHONPATH: their figures."""
+    `code` (another checkout's packages) first on sys.path: their figures."""
     env = dict(os.environ)
-    if code is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), env.get("PYTHONPATH", "")])
+    env.pop("SIDINDEX_BENCH_TREE", None)
+    if code is not None:  # first on sys.path, before this checkout the script puts there
+        env["SIDINDEX_BENCH_TREE"] = str(code.resolve())
     env.pop("TRITON_INTERPRET", None)
     place = tempfile.mkdtemp(prefix="be-")  # short: a socket path's limit
     address = f"ipc://{place}/engine"

@@ -111,6 +111,8 @@ from bench.load_report import load_figures, report
 from bench.load_wrk import run_wrk, wrk_path
 from bench.report import write_json
 
+REPO = Path(__file__).resolve().parents[1]
+
 # torch, runtime and the catalog helpers are imported where they are used: a client process
 # imports only numpy and httpx
 
@@ -222,7 +224,7 @@ class Server:
                  env: dict[str, str] | None = None, options: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "sidindex_cli", "serve", str(root), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "sidindex_cli", "serve", str(Path(root).resolve()), "--port", str(self.port),
                "--device", args.device, "--mode", args.mode, "--beams", args.beams,
                "--max-batch", str(args.max_batch), "--max-wait-us", str(args.max_wait_us),
                "--max-queue", str(args.max_queue), "--poll-seconds", str(args.poll_seconds)]
@@ -232,12 +234,17 @@ class Server:
             cmd += ["--workers", str(workers)]
         cmd += options
         env = dict(os.environ, COLUMNS="200") | (env or {})
+        # this checkout's packages after those env puts first (another checkout's): `python -m` puts
+        # its working directory first on sys.path, so the server and its front-ends start in the
+        # log's directory, not in a checkout (started here, a baseline ran this checkout's code)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO)) if p)
         env.pop("TRITON_INTERPRET", None)  # a serving host runs the compiled kernels
         if args.threads:
             env |= {"OMP_NUM_THREADS": str(args.threads), "NUMBA_NUM_THREADS": str(args.threads)}
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (open for the process's life)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=Path(log_path).resolve().parent)
         self.exit_code: int | None = None
 
     def tail(self, lines: int = 30) -> str:

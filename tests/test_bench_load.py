@@ -129,24 +129,44 @@ def test_a_near_tie_is_told_from_a_wrong_answer():
     assert not tie and why.startswith("scores differ")
 
 
+def baseline_copy(where: Path, marker: bool = False) -> Path:
+    """This checkout's packages copied to `where`, as `git archive` gives a baseline; marker: its
+    /healthz answers with the header X-Bench-Tree: baseline, so a test can tell which code serves."""
+    import shutil
+
+    repo = Path(bl.__file__).resolve().parents[1]
+    for package in ("runtime", "sidindex", "sidindex_cli", "schemas", "pipelines"):
+        shutil.copytree(repo / package, where / package, ignore=shutil.ignore_patterns("__pycache__"))
+    if marker:
+        http = where / "runtime" / "server" / "http.py"
+        text = http.read_text()
+        old = 'return JSONResponse({"status": "serving", "snapshot": target.snapshot})'
+        assert old in text
+        http.write_text(text.replace(old, old[:-1] + ', headers={"X-Bench-Tree": "baseline"})'))
+    return where
+
+
 def test_the_engine_bench_runs_each_checkout_and_reports_its_link(built, tmp_path):
     """bench_engine.py: the engine process and two client processes per run, the runs alternating
-    with a baseline checkout (here this one again), each answering every request it was sent and
-    reporting the CPU its link and its process took (the link's in clock ticks: 0 in so short a
-    run), and where a batch's time went."""
+    with a baseline checkout's packages, each run importing its own (the script puts this
+    checkout first on sys.path: the baseline must come before it), answering every request it
+    was sent and reporting the CPU its link and its process took (the link's in clock ticks: 0 in
+    so short a run), and where a batch's time went."""
     from bench import bench_engine
 
     cache, _ = built
     out = tmp_path / "engine.json"
     repo = Path(bench_engine.__file__).resolve().parents[1]
+    base = baseline_copy(tmp_path / "base")
     assert bench_engine.main(["--ads", str(ADS), "--dim", str(DIM), "--beams", BEAMS, "--cache", str(cache),
                               "--runs", "1", "--requests", "120", "--window", "16", "--clients", "2",
-                              "--baseline", str(repo),
+                              "--baseline", str(base),
                               "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     results = figures["results"]
     assert len(figures["host_speed_ms"]) == 2  # before and after the runs
-    assert sorted(results) == sorted(["this checkout", str(repo)])
+    assert sorted(results) == sorted(["this checkout", str(base)])
+    assert results["this checkout"][0]["code"] == str(repo) and results[str(base)][0]["code"] == str(base.resolve())
     for (run,) in results.values():
         assert run["rps"] > 0 and run["link_cpu_us"] >= 0 and run["process_cpu_us"] > 0
         assert 1 <= run["rows_per_batch"] <= 64
@@ -264,3 +284,26 @@ def test_profile_servers_stage_figures_are_per_request_and_per_batch():
     older = {k: v for k, v in metrics(110, 30, 1.2, 1.0).items() if "stage" not in k}
     got = engine_figures(metrics(10, 5, 1.0, 0.5), older, counters)
     assert got["request_stage_ms"] == {} and got["batch_stage_ms"] == {}
+
+
+def test_a_server_given_another_checkouts_packages_runs_them(built, tmp_path):
+    """bench_load's Server (profile_server's baseline): with another checkout's packages first on
+    PYTHONPATH, the engine and its front-end processes run that code, not this checkout's that
+    the working directory would put first; without, this checkout's."""
+    import httpx
+
+    _, size = built
+    base = baseline_copy(tmp_path / "base", marker=True)
+    ap = argparse.ArgumentParser()
+    bl.server_arguments(ap)
+    args = ap.parse_args(["--device", "cpu", "--beams", BEAMS])
+    assert bl.resolve_server_arguments(args) is None
+    for env, want in (({"PYTHONPATH": str(base)}, "baseline"), (None, None)):
+        log = tmp_path / f"serve-{want}.log"
+        server = bl.Server(Path(size["root"]), args, log, 2, env)  # two front-ends over the engine
+        try:
+            server.wait_ready(120)
+            seen = {httpx.get(server.url + "/healthz", timeout=30).headers.get("x-bench-tree") for _ in range(8)}
+        finally:
+            assert server.stop() == 0
+        assert seen == {want}
