@@ -1030,3 +1030,63 @@ def test_a_scorer_error_in_a_batch_of_parts_that_do_not_join_names_its_clients_i
     with pytest.raises(ScorerError, match="for request 201 at step 0") as caught:
         batcher._run(pieces)
     assert caught.value.request_id == 201
+
+
+def test_a_front_end_sends_the_requests_of_one_turn_as_one_message(root, rows, serving):
+    """Small requests that reach a front-end in one turn of its event loop cross the link as one
+    message, renumbered by row: each gets exactly its own rows under its own ids, also where they
+    share ids, differ in which columns are null, or repeat one request. A message the engine
+    refuses as a whole is sent again request by request; a refusal (503) is every request's."""
+    import asyncio
+
+    from runtime.server.engine_api import Refused
+    from runtime.server.link import GATHER_ROWS, EngineClient
+    from sidindex.errors import InputError
+
+    server, engine = serving(root, split=True, max_wait_us=1_000)
+    index = engine.retriever.index
+    bodies = [rows[i:i + 1 + i % 3] for i in range(8)]  # 1-3 rows each
+    bodies.append([{k: (None if k == "country" else v) for k, v in rows[0].items()}])  # a null column's type
+    bodies += [[rows[1] | {"request_id": 7}], [rows[2] | {"request_id": 7}]]  # two requests, one id
+    want = [direct(index, b) for b in bodies]
+    messages: list[int] = []
+    message, refuse = engine.message, {"as": None}
+
+    def counted(msg, n, snapshot, settle):  # the link thread's: what crosses it, and a refusal on demand
+        messages.append(n)
+        if refuse["as"] is not None and n > 1:
+            raise refuse["as"]
+        return message(msg, n, snapshot, settle)
+
+    engine.message = counted  # type: ignore[method-assign]
+
+    async def all_at_once() -> list:
+        client = EngineClient(server.engine.address)
+        await client.start()
+        target = await client.target()
+        try:
+            return await asyncio.gather(*(client.answer(runtime.requests_from(b, index, source="t"), target, None)
+                                          for b in bodies), return_exceptions=True)
+        finally:
+            client.stop()
+
+    got = asyncio.run(all_at_once())
+    for (table, snapshot), w in zip(got, want):
+        assert snapshot == index.id and same_rows(table.to_pylist(), w)
+    sizes = [sum(len(b) for b in bodies[:k]) for k in range(len(bodies) + 1)]
+    assert sum(messages) == sizes[-1] <= GATHER_ROWS and len(messages) == 1  # one message of every row
+    messages.clear()
+    refuse["as"] = InputError("a spec swapped in refuses one of them")  # each again alone: its own answer
+    got = asyncio.run(all_at_once())
+    assert messages[0] == sizes[-1] and sorted(messages[1:]) == sorted(len(b) for b in bodies)
+    refused = [i for i, b in enumerate(bodies) if len(b) > 1]  # alone, these are still refused (n > 1)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if i in refused:
+            assert isinstance(g, InputError) and str(g) == "a spec swapped in refuses one of them"
+        else:
+            assert same_rows(g[0].to_pylist(), w)
+    messages.clear()
+    refuse["as"] = Refused(503, "busy", "the queue is full", retry_after=1)
+    got = asyncio.run(all_at_once())
+    assert len(messages) == 1  # not sent again: a refusal is every request's
+    assert all(isinstance(g, Refused) and (g.status, str(g)) == (503, "the queue is full") for g in got)

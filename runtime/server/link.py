@@ -29,8 +29,10 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import orjson
 import pyarrow as pa
 
@@ -47,6 +49,10 @@ PATIENCE_S = 5.0  # how long a front-end waits for the engine's status, and past
 PATIENCE_MS = 100  # how long the link thread waits for a message at most (it sees a stop then)
 RECEIVE_AT_ONCE = 256  # the most messages the link thread reads before sending the answers waiting
 PURGE_AT = 1 << 16  # deadlines kept (answered requests' too) before the answered ones' are dropped
+# a front-end sends the requests of fewer rows that arrive in one turn of its event loop as one
+# message of at most this many rows: the engine's link, reading and answers cost per message, and
+# under load they held the engine's interpreter most of a batch (docs/benchmarks.md, "The engine")
+GATHER_ROWS = 32
 
 
 class EngineLink:
@@ -201,6 +207,26 @@ class EngineLink:
                     self._waker.send(b"", copy=False)
 
 
+@dataclass(frozen=True)
+class _Gathered:
+    """A request waiting in a front-end for the end of its loop's turn (`EngineClient.answer`)."""
+
+    requests: Requests
+    target: Target
+    timeout: float | None
+    future: asyncio.Future
+
+
+def _settle(future: asyncio.Future, outcome) -> None:
+    """`future` takes `outcome` (an exception or a result), unless its caller left."""
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
 def pack(kind: bytes, mid: bytes, fields: list) -> bytes:
     """A message as one ZeroMQ frame: its kind (1 byte), its id (8) and its fields (bytes-like),
     each after its length (u32). One frame, not one per field: pyzmq gives up the GIL around each
@@ -254,6 +280,8 @@ class EngineClient:
         self._replies: dict[bytes, asyncio.Future] = {}
         self._sent = 0
         self._target: Target | None = None
+        self._gathered: list[_Gathered] = []  # requests waiting for the end of this turn of the loop
+        self._tasks: set[asyncio.Task] = set()  # the gathered messages' (a task is held until it ends)
 
     async def start(self) -> None:
         import zmq
@@ -276,9 +304,91 @@ class EngineClient:
         return self._target
 
     async def answer(self, requests: Requests, target: Target, timeout: float | None) -> tuple[pa.Table, str]:
-        """As `Engine.answer`; the engine's refusals and errors raised here as there."""
-        fields = await self._call(RUN, [struct.pack("<dQ", math.nan if timeout is None else timeout, len(requests)),
-                                        target.snapshot.encode(), *batch_message(portable(requests))],
+        """As `Engine.answer`; the engine's refusals and errors raised here as there. A request of
+        fewer than GATHER_ROWS rows waits for the end of this turn of the event loop, and goes
+        with the others that arrived in it as one message (`_send_gathered`)."""
+        if len(requests) >= GATHER_ROWS:
+            return await self._run(portable(requests), target, timeout)
+        future = asyncio.get_running_loop().create_future()
+        if not self._gathered:
+            asyncio.get_running_loop().call_soon(self._send_gathered)
+        self._gathered.append(_Gathered(requests, target, timeout, future))
+        return await future
+
+    def _send_gathered(self) -> None:
+        """The requests gathered in one turn of the loop, sent in messages of at most GATHER_ROWS
+        rows each (one per snapshot validated against); a request whose caller left is not sent."""
+        gathered, self._gathered = [g for g in self._gathered if not g.future.done()], []
+        groups: list[list[_Gathered]] = []
+        rows: dict[str, int] = {}
+        open_: dict[str, list[_Gathered]] = {}
+        for g in gathered:
+            key = g.target.snapshot
+            if key not in open_ or rows[key] + len(g.requests) > GATHER_ROWS:
+                open_[key], rows[key] = [], 0
+                groups.append(open_[key])
+            open_[key].append(g)
+            rows[key] += len(g.requests)
+        for group in groups:
+            task = asyncio.ensure_future(self._run_gathered(group))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run_gathered(self, group: list[_Gathered]) -> None:
+        """One message of gathered requests, renumbered by row; each gets its own rows of the
+        answer with its own ids. A refusal (503, 504) is every request's; another error (a request
+        a new snapshot refuses, a scorer's error naming a row) sends each again alone, for its own.
+        Whatever happens, every request is answered."""
+        try:
+            if len(group) == 1 or not await self._run_together(group):
+                for g in group:  # alone
+                    if not g.future.done():
+                        try:
+                            _settle(g.future, await self._run(portable(g.requests), g.target, g.timeout))
+                        except Exception as e:
+                            _settle(g.future, e)
+        except Exception as e:  # a fault of the link's own: each request's 500, nobody left waiting
+            for g in group:
+                _settle(g.future, e)
+        except BaseException:  # the front-end stopping
+            for g in group:
+                _settle(g.future, Refused(503, "stopping", "the server is stopping; send the request to another "
+                                          "replica"))
+            raise
+
+    async def _run_together(self, group: list[_Gathered]) -> bool:
+        """`_run_gathered` as one message: False when the requests must go alone (their columns do
+        not concatenate, or the engine refused the message for an error one of them may own)."""
+        try:  # columns a request left null take the others' types
+            table = pa.concat_tables([portable(g.requests) for g in group], promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            return False
+        n = table.num_rows
+        table = table.set_column(table.schema.get_field_index("request_id"), "request_id",
+                                 pa.array(np.arange(n, dtype=np.int64)))
+        timeouts = [g.timeout for g in group if g.timeout is not None]
+        try:
+            answer, snapshot = await self._run(table, group[0].target, min(timeouts) if timeouts else None)
+        except Refused as e:
+            for g in group:
+                _settle(g.future, Refused(e.status, e.outcome, str(e), e.retry_after))
+            return True
+        except SidIndexError:
+            return False
+        bounds = np.cumsum([0] + [len(g.requests) for g in group])
+        at = answer.column("request_id").to_numpy()  # the row each answer row is for, ascending
+        cuts = np.searchsorted(at, bounds)
+        for g, lo, a, b in zip(group, bounds[:-1].tolist(), cuts[:-1].tolist(), cuts[1:].tolist()):
+            part = answer.slice(a, b - a)
+            ids = pa.array(g.requests.request_id[at[a:b] - lo])
+            _settle(g.future, (part.set_column(part.schema.get_field_index("request_id"), "request_id", ids),
+                               snapshot))
+        return True
+
+    async def _run(self, table: pa.Table, target: Target, timeout: float | None) -> tuple[pa.Table, str]:
+        """The engine's answer to one message of requests (their portable table)."""
+        fields = await self._call(RUN, [struct.pack("<dQ", math.nan if timeout is None else timeout, table.num_rows),
+                                        target.snapshot.encode(), *batch_message(table)],
                                   None if timeout is None else timeout + PATIENCE_S)
         outcome, snapshot = bytes(fields[0]), bytes(fields[1]).decode()
         if outcome == b"ok":
