@@ -21,10 +21,9 @@ def write_json(path: str | Path | None, figures) -> None:
 
 def host_speed(reps: int = 5) -> float:
     """ms one core of this host takes for a fixed pure-Python workload (dict updates, the best of
-    `reps`): a guide to how the interpreter-bound parts of a server compare between two hosts.
-    Two H100 hosts lent on one day gave the same engine 14 and 71 µs of link CPU per request
-    (docs/benchmarks.md, "The engine's host"). It moves with the host's load (17-26 ms on the
-    2-core VM): take it before and after a run."""
+    `reps`): a guide to how the interpreter-bound parts of a server compare between two hosts
+    (lent GPU hosts of one kind are not known to be alike). It moves with the host's load (17-26
+    ms on the 2-core VM): take it before and after a run."""
     import time
 
     best = float("inf")
