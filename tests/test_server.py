@@ -891,7 +891,7 @@ def test_the_link_survives_what_it_cannot_answer(tmp_path):
 
     class Broken:  # an engine whose status fails once, and whose batcher refuses every request
         fail = True
-        batcher = SimpleNamespace(put=lambda pendings: 0, refusal=lambda: RuntimeError("refused"))
+        batcher = SimpleNamespace(put=lambda pendings: 0, refusal=lambda: RuntimeError("refused"), max_batch=16)
 
         def current_status(self):
             if self.fail:
@@ -1032,53 +1032,62 @@ def test_a_scorer_error_in_a_batch_of_parts_that_do_not_join_names_its_clients_i
     assert caught.value.request_id == 201
 
 
-def test_a_front_end_sends_the_requests_of_one_turn_as_one_message(root, rows, serving):
+def test_a_front_end_sends_the_requests_of_one_turn_as_one_message(root, rows, serving, monkeypatch):
     """Small requests that reach a front-end in one turn of its event loop cross the link as one
-    message, renumbered by row: each gets exactly its own rows under its own ids, also where they
-    share ids, differ in which columns are null, or repeat one request. A message the engine
-    refuses as a whole is sent again request by request; a refusal (503) is every request's."""
+    message, renumbered by row, with the smallest of their timeouts: each gets exactly its own rows
+    under its own ids (int64, as alone), also where they share ids, differ in which columns are
+    null, or repeat one request. Requests whose columns differ otherwise go alone. A message holds
+    at most the engine's batch. A message the engine refuses as a whole is sent again request by
+    request; a refusal (503) is every request's."""
     import asyncio
 
     from runtime.server.engine_api import Refused
-    from runtime.server.link import GATHER_ROWS, EngineClient
+    from runtime.server.link import GATHER_ROWS, EngineClient, EngineLink
     from sidindex.errors import InputError
 
-    server, engine = serving(root, split=True, max_wait_us=1_000)
+    server, engine = serving(root, split=True, max_wait_us=1_000, max_batch=GATHER_ROWS)
     index = engine.retriever.index
     bodies = [rows[i:i + 1 + i % 3] for i in range(8)]  # 1-3 rows each
     bodies.append([{k: (None if k == "country" else v) for k, v in rows[0].items()}])  # a null column's type
     bodies += [[rows[1] | {"request_id": 7}], [rows[2] | {"request_id": 7}]]  # two requests, one id
     want = [direct(index, b) for b in bodies]
     messages: list[int] = []
-    message, refuse = engine.message, {"as": None}
+    timeouts: list[float] = []
+    refuse: dict = {"as": None}
+    pending = EngineLink._pending
 
-    def counted(msg, n, snapshot, settle):  # the link thread's: what crosses it, and a refusal on demand
-        messages.append(n)
-        if refuse["as"] is not None and n > 1:
+    def counted(self, peer, mid, fields):  # the link thread's: what crosses it, and a refusal on demand
+        p, timeout = pending(self, peer, mid, fields)
+        messages.append(p.rows)
+        timeouts.append(timeout)
+        if refuse["as"] is not None and p.rows > 1:
             raise refuse["as"]
-        return message(msg, n, snapshot, settle)
+        return p, timeout
 
-    engine.message = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(EngineLink, "_pending", counted)
 
-    async def all_at_once() -> list:
-        client = EngineClient(server.engine.address)
+    async def all_at_once(bodies: list[list[dict]], address: str = server.engine.address) -> list:
+        client = EngineClient(address)
         await client.start()
         target = await client.target()
         try:
-            return await asyncio.gather(*(client.answer(runtime.requests_from(b, index, source="t"), target, None)
-                                          for b in bodies), return_exceptions=True)
+            return await asyncio.gather(*(client.answer(runtime.requests_from(b, index, source="t"), target,
+                                                        60.0 - i) for i, b in enumerate(bodies)),
+                                        return_exceptions=True)
         finally:
             client.stop()
 
-    got = asyncio.run(all_at_once())
+    got = asyncio.run(all_at_once(bodies))
     for (table, snapshot), w in zip(got, want):
         assert snapshot == index.id and same_rows(table.to_pylist(), w)
-    sizes = [sum(len(b) for b in bodies[:k]) for k in range(len(bodies) + 1)]
-    assert sum(messages) == sizes[-1] <= GATHER_ROWS and len(messages) == 1  # one message of every row
+        assert table.schema.field("request_id").type == pa.int64()
+    total = sum(len(b) for b in bodies)
+    assert messages == [total] and total <= GATHER_ROWS  # one message of every row
+    assert timeouts == [60.0 - (len(bodies) - 1)]  # the smallest of theirs
     messages.clear()
     refuse["as"] = InputError("a spec swapped in refuses one of them")  # each again alone: its own answer
-    got = asyncio.run(all_at_once())
-    assert messages[0] == sizes[-1] and sorted(messages[1:]) == sorted(len(b) for b in bodies)
+    got = asyncio.run(all_at_once(bodies))
+    assert messages[0] == total and sorted(messages[1:]) == sorted(len(b) for b in bodies)
     refused = [i for i, b in enumerate(bodies) if len(b) > 1]  # alone, these are still refused (n > 1)
     for i, (g, w) in enumerate(zip(got, want)):
         if i in refused:
@@ -1087,6 +1096,19 @@ def test_a_front_end_sends_the_requests_of_one_turn_as_one_message(root, rows, s
             assert same_rows(g[0].to_pylist(), w)
     messages.clear()
     refuse["as"] = Refused(503, "busy", "the queue is full", retry_after=1)
-    got = asyncio.run(all_at_once())
+    got = asyncio.run(all_at_once(bodies))
     assert len(messages) == 1  # not sent again: a refusal is every request's
     assert all(isinstance(g, Refused) and (g.status, str(g)) == (503, "the queue is full") for g in got)
+    refuse["as"] = None
+    messages.clear()
+    odd = [[rows[0] | {"extra": "x"}], [rows[1] | {"extra": [1]}]]  # a column of two types: each alone
+    got = asyncio.run(all_at_once(odd))
+    assert sorted(messages) == [1, 1]
+    for (table, _), b in zip(got, odd):
+        assert same_rows(table.to_pylist(), direct(index, b))
+    small, _ = serving(root, split=True, max_wait_us=1_000, max_batch=4)  # a message holds at most its batch
+    messages.clear()
+    got = asyncio.run(all_at_once(bodies, small.engine.address))
+    assert sum(messages) == total and max(messages) <= 4 and len(messages) < len(bodies)
+    for (table, _), w in zip(got, want):
+        assert same_rows(table.to_pylist(), w)

@@ -179,6 +179,7 @@ class EngineLink:
         doc = self.engine.current_status()
         target = self.engine.current_target()
         doc["target"] = {"snapshot": target.snapshot, "spec": target.spec.to_dict(), "dim": target.dim}
+        doc["max_batch"] = self.engine.batcher.max_batch
         self._socket.send_multipart([peer, pack(STATUS, mid, [orjson.dumps(doc)])])
 
     def _expire(self) -> int:
@@ -207,7 +208,7 @@ class EngineLink:
                     self._waker.send(b"", copy=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Gathered:
     """A request waiting in a front-end for the end of its loop's turn (`EngineClient.answer`)."""
 
@@ -215,6 +216,19 @@ class _Gathered:
     target: Target
     timeout: float | None
     future: asyncio.Future
+
+
+def _joinable(schemas: list[pa.Schema]) -> bool:
+    """Whether requests of these (portable) schemas go in one message unchanged: the same columns
+    in the same order, each of one type where not null (a permissive concat would otherwise turn
+    int into double, string into binary, and so on)."""
+    names = schemas[0].names
+    if any(s.names != names for s in schemas):
+        return False
+    for i in range(len(names)):
+        if len({s.field(i).type for s in schemas} - {pa.null()}) > 1:
+            return False
+    return True
 
 
 def _settle(future: asyncio.Future, outcome) -> None:
@@ -282,6 +296,7 @@ class EngineClient:
         self._target: Target | None = None
         self._gathered: list[_Gathered] = []  # requests waiting for the end of this turn of the loop
         self._tasks: set[asyncio.Task] = set()  # the gathered messages' (a task is held until it ends)
+        self._gather_rows = GATHER_ROWS  # at most the engine's batch (its status says)
 
     async def start(self) -> None:
         import zmq
@@ -294,6 +309,13 @@ class EngineClient:
         await self.status()
 
     def stop(self) -> None:
+        """Stop: the requests still waiting for the engine are answered 503 (stopping)."""
+        for task in list(self._tasks):  # each answers its gathered requests as it is cancelled
+            task.cancel()
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(Refused(503, "stopping", "the server is stopping; send the request to another "
+                                            "replica"))
         if self._receiver is not None:
             self._receiver.cancel()
         if self._socket is not None:
@@ -305,9 +327,10 @@ class EngineClient:
 
     async def answer(self, requests: Requests, target: Target, timeout: float | None) -> tuple[pa.Table, str]:
         """As `Engine.answer`; the engine's refusals and errors raised here as there. A request of
-        fewer than GATHER_ROWS rows waits for the end of this turn of the event loop, and goes
-        with the others that arrived in it as one message (`_send_gathered`)."""
-        if len(requests) >= GATHER_ROWS:
+        fewer rows than a message gathers (GATHER_ROWS, at most the engine's batch) waits for the
+        end of this turn of the event loop, and goes with the others that arrived in it as one
+        message (`_send_gathered`)."""
+        if len(requests) >= self._gather_rows:
             return await self._run(portable(requests), target, timeout)
         future = asyncio.get_running_loop().create_future()
         if not self._gathered:
@@ -316,15 +339,16 @@ class EngineClient:
         return await future
 
     def _send_gathered(self) -> None:
-        """The requests gathered in one turn of the loop, sent in messages of at most GATHER_ROWS
-        rows each (one per snapshot validated against); a request whose caller left is not sent."""
+        """The requests gathered in one turn of the loop, sent in messages of at most
+        `_gather_rows` rows each (one per snapshot validated against); a request whose caller left
+        is not sent."""
         gathered, self._gathered = [g for g in self._gathered if not g.future.done()], []
         groups: list[list[_Gathered]] = []
         rows: dict[str, int] = {}
         open_: dict[str, list[_Gathered]] = {}
         for g in gathered:
             key = g.target.snapshot
-            if key not in open_ or rows[key] + len(g.requests) > GATHER_ROWS:
+            if key not in open_ or rows[key] + len(g.requests) > self._gather_rows:
                 open_[key], rows[key] = [], 0
                 groups.append(open_[key])
             open_[key].append(g)
@@ -339,14 +363,22 @@ class EngineClient:
         answer with its own ids. A refusal (503, 504) is every request's; another error (a request
         a new snapshot refuses, a scorer's error naming a row) sends each again alone, for its own.
         Whatever happens, every request is answered."""
+        loop = asyncio.get_running_loop()
+        timeouts = [g.timeout for g in group if g.timeout is not None]
+        deadline = loop.time() + min(timeouts) if timeouts else None  # the message's, and what is left of it
+
+        async def alone(g: _Gathered) -> None:
+            if g.future.done():
+                return
+            left = None if deadline is None else max(1e-3, deadline - loop.time())
+            try:
+                _settle(g.future, await self._run(portable(g.requests), g.target, left))
+            except Exception as e:
+                _settle(g.future, e)
+
         try:
-            if len(group) == 1 or not await self._run_together(group):
-                for g in group:  # alone
-                    if not g.future.done():
-                        try:
-                            _settle(g.future, await self._run(portable(g.requests), g.target, g.timeout))
-                        except Exception as e:
-                            _settle(g.future, e)
+            if len(group) == 1 or not await self._run_together(group, None if deadline is None else min(timeouts)):
+                await asyncio.gather(*(alone(g) for g in group))
         except Exception as e:  # a fault of the link's own: each request's 500, nobody left waiting
             for g in group:
                 _settle(g.future, e)
@@ -356,19 +388,19 @@ class EngineClient:
                                           "replica"))
             raise
 
-    async def _run_together(self, group: list[_Gathered]) -> bool:
-        """`_run_gathered` as one message: False when the requests must go alone (their columns do
-        not concatenate, or the engine refused the message for an error one of them may own)."""
-        try:  # columns a request left null take the others' types
-            table = pa.concat_tables([portable(g.requests) for g in group], promote_options="permissive")
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+    async def _run_together(self, group: list[_Gathered], timeout: float | None) -> bool:
+        """`_run_gathered` as one message: False when the requests must go alone (their columns
+        differ by more than a type a request left null, or the engine refused the message for an
+        error one of them may own)."""
+        tables = [portable(g.requests) for g in group]
+        if not _joinable([t.schema for t in tables]):
             return False
+        table = pa.concat_tables(tables, promote_options="permissive")  # a null column takes the others' type
         n = table.num_rows
         table = table.set_column(table.schema.get_field_index("request_id"), "request_id",
                                  pa.array(np.arange(n, dtype=np.int64)))
-        timeouts = [g.timeout for g in group if g.timeout is not None]
         try:
-            answer, snapshot = await self._run(table, group[0].target, min(timeouts) if timeouts else None)
+            answer, snapshot = await self._run(table, group[0].target, timeout)
         except Refused as e:
             for g in group:
                 _settle(g.future, Refused(e.status, e.outcome, str(e), e.retry_after))
@@ -415,6 +447,8 @@ class EngineClient:
         doc = orjson.loads(bytes(fields[0]))
         t = doc.pop("target")
         self._target = Target(t["snapshot"], spec_from_dict(t["spec"], "the engine's targeting spec"), t["dim"])
+        # a gathered message no larger than the engine's batch: a larger one would wait for two
+        self._gather_rows = max(1, min(GATHER_ROWS, int(doc.pop("max_batch", GATHER_ROWS))))
         return doc
 
     async def _call(self, kind: bytes, fields: list, timeout: float | None) -> list[memoryview]:
