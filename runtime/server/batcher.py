@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from runtime.requests import Validated, requests_from, validated_for
 from runtime.result import table_of
-from runtime.server.engine_api import Refused, batch_message, one_batch, read_batch_messages
+from runtime.server.engine_api import Refused, batch_message, one_batch, read_batch_messages, resolve
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
 from sidindex.errors import InputError, ScorerError, SidIndexError
@@ -433,18 +433,9 @@ def _read_group(schema: bytes, group: list[Pending], index, target: Validated) -
 def _settle_in(loop: asyncio.AbstractEventLoop, future: asyncio.Future, outcome: Outcome) -> None:
     """`future` (of `loop`) takes `outcome`, from any thread."""
     try:
-        loop.call_soon_threadsafe(_resolve, future, outcome)
+        loop.call_soon_threadsafe(resolve, future, outcome)
     except RuntimeError:  # the loop closed: nobody waits for it
         pass
-
-
-def _resolve(future: asyncio.Future, outcome: Outcome) -> None:
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
 
 
 def _holds(active: deque[Pending], most: int) -> bool:

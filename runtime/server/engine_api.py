@@ -68,6 +68,17 @@ def read_stream(buffer, what: str) -> pa.Table:
         raise InputError(f"{what}: not an Arrow IPC stream: {e}") from None
 
 
+def resolve(future, outcome) -> None:
+    """`future` (an asyncio.Future) takes `outcome`, an exception or a result, unless it is done
+    (its caller left, or a drain answered it)."""
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
 class Refused(Exception):
     """A request answered with an HTTP `status` and one line, counted as `outcome`; no batch ran
     it (or ran all of it). retry_after: seconds, for a 503 a client may retry."""

@@ -36,7 +36,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from runtime.server.engine_api import Refused, Target, batch_message, read_batch_messages
+from runtime.server.engine_api import Refused, Target, batch_message, read_batch_messages, resolve
 from sidindex.errors import InputError, SidIndexError
 from sidindex.requests import Requests, portable
 from sidindex.targeting import spec_from_dict
@@ -231,16 +231,6 @@ def _joinable(schemas: list[pa.Schema]) -> bool:
     return True
 
 
-def _settle(future: asyncio.Future, outcome) -> None:
-    """`future` takes `outcome` (an exception or a result), unless its caller left."""
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
-
-
 def pack(kind: bytes, mid: bytes, fields: list) -> bytes:
     """A message as one ZeroMQ frame: its kind (1 byte), its id (8) and its fields (bytes-like),
     each after its length (u32). One frame, not one per field: pyzmq gives up the GIL around each
@@ -372,19 +362,19 @@ class EngineClient:
                 return
             left = None if deadline is None else max(1e-3, deadline - loop.time())
             try:
-                _settle(g.future, await self._run(portable(g.requests), g.target, left))
+                resolve(g.future, await self._run(portable(g.requests), g.target, left))
             except Exception as e:
-                _settle(g.future, e)
+                resolve(g.future, e)
 
         try:
             if len(group) == 1 or not await self._run_together(group, None if deadline is None else min(timeouts)):
                 await asyncio.gather(*(alone(g) for g in group))
         except Exception as e:  # a fault of the link's own: each request's 500, nobody left waiting
             for g in group:
-                _settle(g.future, e)
+                resolve(g.future, e)
         except BaseException:  # the front-end stopping
             for g in group:
-                _settle(g.future, Refused(503, "stopping", "the server is stopping; send the request to another "
+                resolve(g.future, Refused(503, "stopping", "the server is stopping; send the request to another "
                                           "replica"))
             raise
 
@@ -403,7 +393,7 @@ class EngineClient:
             answer, snapshot = await self._run(table, group[0].target, timeout)
         except Refused as e:
             for g in group:
-                _settle(g.future, Refused(e.status, e.outcome, str(e), e.retry_after))
+                resolve(g.future, Refused(e.status, e.outcome, str(e), e.retry_after))
             return True
         except SidIndexError:
             return False
@@ -413,7 +403,7 @@ class EngineClient:
         for g, lo, a, b in zip(group, bounds[:-1].tolist(), cuts[:-1].tolist(), cuts[1:].tolist()):
             part = answer.slice(a, b - a)
             ids = pa.array(g.requests.request_id[at[a:b] - lo])
-            _settle(g.future, (part.set_column(part.schema.get_field_index("request_id"), "request_id", ids),
+            resolve(g.future, (part.set_column(part.schema.get_field_index("request_id"), "request_id", ids),
                                snapshot))
         return True
 
