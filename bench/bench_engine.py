@@ -161,7 +161,12 @@ def threads_cpu() -> dict[str, float]:
 
 def thread_cpu(native_id: int) -> float:
     """CPU seconds (user and system) of a thread of this process, from /proc (Linux)."""
-    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return cpu_seconds(f"/proc/self/task/{native_id}/stat")
+
+
+def cpu_seconds(stat: str) -> float:
+    """CPU seconds (user and system) of the process or thread whose /proc stat file is `stat` (Linux)."""
+    fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

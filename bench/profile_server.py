@@ -31,6 +31,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_engine import cpu_seconds
 from bench.bench_load import (
     Server,
     request_pool,
@@ -129,13 +130,9 @@ def engine_figures(before: dict, after: dict, counters: dict) -> dict:
 def processes_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user and system) of the engine process `pid` ("engine") and of each of its
     front-end processes (by pid), from /proc (Linux; empty elsewhere)."""
-    def cpu(p: int) -> float:
-        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
     out: dict[str, float] = {}
     try:
-        out["engine"] = cpu(pid)
+        out["engine"] = cpu_seconds(f"/proc/{pid}/stat")
     except OSError:
         return out
     for d in Path("/proc").iterdir():
@@ -143,7 +140,7 @@ def processes_cpu(pid: int) -> dict[str, float]:
             try:
                 fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
                 if int(fields[1]) == pid and b"runtime.server.frontend" in (d / "cmdline").read_bytes():
-                    out[d.name] = cpu(int(d.name))
+                    out[d.name] = cpu_seconds(f"/proc/{d.name}/stat")
             except (OSError, IndexError, ValueError):
                 continue  # gone meanwhile
     return out
