@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from runtime.requests import Validated, requests_from, validated_for
 from runtime.result import table_of
-from runtime.server.engine_api import Refused, batch_message, one_batch, read_batch_messages, resolve
+from runtime.server.engine_api import Refused, batch_message, one_batch, read_batch_messages, resolve, stopping
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
 from sidindex.errors import InputError, ScorerError, SidIndexError
@@ -184,7 +184,7 @@ class Batcher:
     def refusal(self) -> Refused:
         """Why `put` did not take a request: a 503 a client may retry."""
         if self._stopping:
-            return Refused(503, "stopping", "the server is stopping; send the request to another replica")
+            return stopping()
         return Refused(503, "busy", f"the queue holds {self.max_queue} requests; retry after 1 s", retry_after=1)
 
     def stop(self) -> None:

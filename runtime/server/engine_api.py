@@ -88,6 +88,11 @@ class Refused(Exception):
         self.status, self.outcome, self.retry_after = status, outcome, retry_after
 
 
+def stopping() -> Refused:
+    """The 503 of a request a stopping server does not run."""
+    return Refused(503, "stopping", "the server is stopping; send the request to another replica")
+
+
 class EngineApi(Protocol):
     async def start(self) -> None:
         """Start serving, in the running event loop of the HTTP front."""

@@ -24,7 +24,7 @@ import time
 import orjson
 import pyarrow as pa
 
-from runtime.server.engine_api import EngineApi, Refused, Target, arrow_stream, read_stream
+from runtime.server.engine_api import EngineApi, Refused, Target, arrow_stream, read_stream, stopping
 from runtime.server.metrics import HttpMetrics, exposition
 from sidindex.errors import InputError, SidIndexError
 from sidindex.requests import Requests, requests_from
@@ -95,7 +95,7 @@ class RetrievalServer:
         arrow = request.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM
         try:
             if self.draining:
-                raise Refused(503, "stopping", "the server is stopping; send the request to another replica")
+                raise stopping()
             target = await self.engine.target()  # once: what the body is validated against
             body = await self._body(request)
             if len(body) > OFF_LOOP_BYTES:

@@ -36,7 +36,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from runtime.server.engine_api import Refused, Target, batch_message, read_batch_messages, resolve
+from runtime.server.engine_api import Refused, Target, batch_message, read_batch_messages, resolve, stopping
 from sidindex.errors import InputError, SidIndexError
 from sidindex.requests import Requests, portable
 from sidindex.targeting import spec_from_dict
@@ -51,7 +51,8 @@ RECEIVE_AT_ONCE = 256  # the most messages the link thread reads before sending 
 PURGE_AT = 1 << 16  # deadlines kept (answered requests' too) before the answered ones' are dropped
 # a front-end sends the requests of fewer rows that arrive in one turn of its event loop as one
 # message of at most this many rows: the engine's link, reading and answers cost per message, and
-# under load they held the engine's interpreter most of a batch (docs/benchmarks.md, "The engine")
+# under load they held the engine's interpreter most of a batch (docs/benchmarks.md, "The engine's
+# stages, and gathering a front-end's requests")
 GATHER_ROWS = 32
 
 
@@ -304,8 +305,7 @@ class EngineClient:
             task.cancel()
         for reply in self._replies.values():
             if not reply.done():
-                reply.set_exception(Refused(503, "stopping", "the server is stopping; send the request to another "
-                                            "replica"))
+                reply.set_exception(stopping())
         if self._receiver is not None:
             self._receiver.cancel()
         if self._socket is not None:
@@ -355,7 +355,8 @@ class EngineClient:
         Whatever happens, every request is answered."""
         loop = asyncio.get_running_loop()
         timeouts = [g.timeout for g in group if g.timeout is not None]
-        deadline = loop.time() + min(timeouts) if timeouts else None  # the message's, and what is left of it
+        timeout = min(timeouts) if timeouts else None  # the message's
+        deadline = None if timeout is None else loop.time() + timeout  # what is left of it, for each alone
 
         async def alone(g: _Gathered) -> None:
             if g.future.done():
@@ -367,15 +368,14 @@ class EngineClient:
                 resolve(g.future, e)
 
         try:
-            if len(group) == 1 or not await self._run_together(group, None if deadline is None else min(timeouts)):
+            if len(group) == 1 or not await self._run_together(group, timeout):
                 await asyncio.gather(*(alone(g) for g in group))
         except Exception as e:  # a fault of the link's own: each request's 500, nobody left waiting
             for g in group:
                 resolve(g.future, e)
         except BaseException:  # the front-end stopping
             for g in group:
-                resolve(g.future, Refused(503, "stopping", "the server is stopping; send the request to another "
-                                          "replica"))
+                resolve(g.future, stopping())
             raise
 
     async def _run_together(self, group: list[_Gathered], timeout: float | None) -> bool:
