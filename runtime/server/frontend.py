@@ -7,9 +7,10 @@ device (docs/design.md §19).
              spreads them)                                     └─────────────────────────────────┘
 
 The engine process (the one `sidindex serve` runs in) loads and warms the snapshot, binds the
-HTTP port, serves its `runtime.server.engine.Engine` over `runtime.server.link`, and starts the front-ends
-(`python -m runtime.server.frontend`), each handed the listening socket: parsing, validation and the
-answer's JSON, the work per request that one Python process can only do on one core, run in N.
+HTTP port, serves its `runtime.server.engine.Engine` over `runtime.server.link`, and starts the
+front-ends (`python -m runtime.server.frontend`), each handed a listening socket (`listen`):
+parsing, validation and the answer's JSON, the work per request that one Python process can only
+do on one core, run in N.
 A front-end that exits unexpectedly is started again. On SIGTERM or SIGINT the engine passes the
 signal on; each front-end drains as a single-process server does (`RetrievalServer.drain`), and
 the engine, which answers their requests meanwhile, stops once they have exited. A front-end
@@ -44,18 +45,44 @@ def serve_processes(engine, host: str, port: int, workers: int, http: dict, *, a
     processes on host:port until SIGTERM or SIGINT (module doc), then stop it (`Engine.close`
     waits for its threads); `http`: the options of `RetrievalServer` (its drain_seconds bounds
     the stop); arrived: signals noted before this ran (they stop it at once); log: one line per event."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    listening = socket.create_server((host, port), family=family, backlog=2048)
-    listening.set_inheritable(True)
+    listening = listen(host, port, workers)
     place = tempfile.mkdtemp(prefix="sidindex-engine-")
     try:
         asyncio.run(_supervise(engine, listening, f"ipc://{place}/engine", workers, http, arrived or [], log))
     finally:
-        listening.close()
+        for s in listening:
+            s.close()
         shutil.rmtree(place, ignore_errors=True)
 
 
-async def _supervise(engine, listening: socket.socket, address: str, workers: int, http: dict, arrived: list[int],
+def listen(host: str, port: int, workers: int) -> list[socket.socket]:
+    """The listening sockets of `workers` front-ends on host:port (port 0: one the kernel picks), each
+    inheritable: one each where the kernel spreads connections over sockets sharing a port
+    (SO_REUSEPORT, by a hash of each connection's addresses), else one they all share. On one shared
+    socket the busiest front-end, whose loop is awake, accepts most of the connections (30 of 64
+    over 4 on Linux), and its queue sets every client's latency. OSError (EADDRINUSE) when the port
+    is taken, by another `sidindex serve` too: a plain socket is bound first, which no socket on
+    the port lets through, and the shared ones only once it let go."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    probe = socket.create_server((host, port), family=family, backlog=2048)
+    if workers == 1 or not hasattr(socket, "SO_REUSEPORT"):
+        probe.set_inheritable(True)
+        return [probe]
+    port = probe.getsockname()[1]
+    probe.close()
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(workers):
+            sockets.append(socket.create_server((host, port), family=family, backlog=2048, reuse_port=True))
+            sockets[-1].set_inheritable(True)
+    except OSError:
+        for s in sockets:
+            s.close()
+        raise
+    return sockets
+
+
+async def _supervise(engine, listening: list[socket.socket], address: str, workers: int, http: dict, arrived: list[int],
                      log) -> None:
     from runtime.server.link import EngineLink
 
@@ -68,13 +95,14 @@ async def _supervise(engine, listening: socket.socket, address: str, workers: in
     link = EngineLink(engine, address)
     await engine.start()
     link.start()
-    config = {"engine": address, "fd": listening.fileno(), "parent": os.getpid(), "http": http}
+    config = {"engine": address, "parent": os.getpid(), "http": http}
 
-    def start() -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "runtime.server.frontend", json.dumps(config)],
-                                pass_fds=(listening.fileno(),))
+    def start(i: int) -> subprocess.Popen:  # the i-th front-end, or its replacement: the i-th socket
+        fd = listening[i % len(listening)].fileno()
+        return subprocess.Popen([sys.executable, "-m", "runtime.server.frontend", json.dumps(config | {"fd": fd})],
+                                pass_fds=(fd,))
 
-    fronts = [] if stop.is_set() else [start() for _ in range(workers)]  # a stop already: none to start
+    fronts = [] if stop.is_set() else [start(i) for i in range(workers)]  # a stop already: none to start
     try:
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -83,8 +111,9 @@ async def _supervise(engine, listening: socket.socket, address: str, workers: in
                 if p.poll() is not None and not stop.is_set():
                     log(f"front-end process {p.pid} exited with status {p.returncode}; starting another")
                     process_gone(p.pid)
-                    fronts[i] = start()
-        listening.close()  # this process's hold on the port: once the front-ends let go, no one listens
+                    fronts[i] = start(i)
+        for sock in listening:  # this process's hold on the port: once the front-ends let go, no one listens
+            sock.close()
         for p in fronts:  # each drains: the engine answers its requests in flight meanwhile
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
