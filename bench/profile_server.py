@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -127,6 +129,20 @@ def engine_figures(before: dict, after: dict, counters: dict) -> dict:
             "search_post_ms_all": counters["seconds"]["search_post"] / max(counters["batches"], 1) * 1e3}
 
 
+def front_ends(pid: int) -> list[str]:
+    """The pids of the engine process `pid`'s front-end processes, from /proc (Linux; none elsewhere)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid and b"runtime.server.frontend" in (d / "cmdline").read_bytes():
+                    out.append(d.name)
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    return out
+
+
 def processes_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user and system) of the engine process `pid` ("engine") and of each of its
     front-end processes (by pid), from /proc (Linux; empty elsewhere)."""
@@ -135,15 +151,31 @@ def processes_cpu(pid: int) -> dict[str, float]:
         out["engine"] = cpu_seconds(f"/proc/{pid}/stat")
     except OSError:
         return out
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid and b"runtime.server.frontend" in (d / "cmdline").read_bytes():
-                    out[d.name] = cpu_seconds(f"/proc/{d.name}/stat")
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
+    for f in front_ends(pid):
+        with contextlib.suppress(OSError, IndexError, ValueError):  # gone meanwhile
+            out[f] = cpu_seconds(f"/proc/{f}/stat")
     return out
+
+
+def connections(pid: int, port: int) -> list[int]:
+    """How many established connections to `port` each front-end of the engine process `pid`
+    holds, most first, from /proc (Linux; empty elsewhere): how evenly the kernel spread them."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if len(f) > 9 and f[3] == "01" and int(f[1].rsplit(":", 1)[1], 16) == port:  # ESTABLISHED
+                    inodes.add(f"socket:[{f[9]}]")
+    counts = []
+    for front in front_ends(pid):
+        n = 0
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{front}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    n += os.readlink(fd) in inodes
+        counts.append(n)
+    return sorted(counts, reverse=True)
 
 
 def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wrk: str, env: dict) -> dict:
@@ -160,8 +192,13 @@ def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wr
         held, every = work / f"{name}-gil.txt", work / f"{name}-idle.txt"
         spies = [spy(server.proc.pid, args.seconds - 2, held, "--gil"),
                  spy(server.proc.pid, args.seconds - 2, every, "--idle", "--threads")]
+        # halfway through wrk's run: the connections each front-end holds
+        spread = threading.Timer(args.seconds / 2, lambda: out.update(
+            connections=connections(server.proc.pid, server.port)))
+        spread.start()
         out["wrk"] = run_wrk(wrk, server.url, bodies, connections=args.connections, threads=args.wrk_threads,
                              seconds=args.seconds, work=work)
+        spread.join()
         spent = {k: v - cpu.get(k, 0.0) for k, v in processes_cpu(server.proc.pid).items()}
         elapsed = time.monotonic() - began
         w = out["wrk"]
@@ -209,6 +246,8 @@ def report(results: list[dict], host_ms: list[float]) -> None:
         if c:
             console.print(f"{r['label']}: CPU ms a request: engine process {c['engine']:.2f}, front-ends "
                           f"{c['front-ends']:.2f} (the busiest front-end {c['busiest front-end busy']:.0%} busy)")
+        if r.get("connections"):
+            console.print(f"{r['label']}: connections each front-end held, most first: {r['connections']}")
     if len(results) == 2 and results[0].get("wrk") and results[1].get("wrk"):
         console.print(f"{results[0]['label']} / {results[1]['label']}: "
                       f"{results[0]['wrk']['rps'] / max(results[1]['wrk']['rps'], 1e-9):.2f}x requests/s")
