@@ -1074,6 +1074,48 @@ def test_a_scorer_error_in_a_batch_of_parts_that_do_not_join_names_its_clients_i
     assert caught.value.request_id == 201
 
 
+def test_a_batch_joins_requests_only_where_their_columns_keep_their_types(built, rows):
+    """The engine's batch joins requests by the rule a front-end's message does
+    (`engine_api.joinable`): a column one of them left null takes the others' type, but an int
+    beside a double, or a string beside bytes, runs as a batch each, so a user's scorer sees each
+    request's values as sent (2^53 + 1 stays itself, not the double next to it)."""
+    import functools
+    from types import SimpleNamespace
+
+    from runtime.requests import validated_for
+    from runtime.server.batcher import Batcher, Pending
+    from runtime.server.metrics import EngineMetrics
+
+    served = runtime.load(built, "cpu")
+    retriever = runtime.Retriever(served, beams=BEAMS, batch_sizes=(1, 4, 8))
+    seen: list[tuple[pa.DataType, list]] = []
+
+    def run(requests, index=None, **kw):  # what a scorer would see of the extra column
+        column = requests.table.column("extra")
+        seen.append((column.type, column.to_pylist()))
+        return retriever.run(requests, index, **kw)
+
+    stub = SimpleNamespace(index=served, in_flight=1, run=run)
+    batcher = Batcher(stub, EngineMetrics(8), max_batch=8)  # type: ignore[arg-type]
+    target = validated_for(served)
+    big = 2**53 + 1
+
+    def batch(*extras) -> list[tuple[pa.DataType, list]]:
+        seen.clear()
+        got: dict[int, object] = {}
+        pieces = []
+        for i, extra in enumerate(extras):
+            reqs = runtime.requests_from([rows[i] | {"request_id": i, "extra": extra}], served)
+            pieces.append((Pending(reqs, target, 1, functools.partial(got.__setitem__, i)), 0, 1))
+        answers = batcher._run(pieces)
+        assert all(isinstance(a, tuple) for a in answers), answers
+        return sorted(seen, key=str)
+
+    assert batch(big, 0.5) == [(pa.float64(), [0.5]), (pa.int64(), [big])]
+    assert batch("x", b"y") == [(pa.binary(), [b"y"]), (pa.string(), ["x"])]
+    assert batch(big, None, 3) == [(pa.int64(), [big, None, 3])]  # one batch: the null takes int64
+
+
 def test_a_front_end_sends_the_requests_of_one_turn_as_one_message(root, rows, serving, monkeypatch):
     """Small requests that reach a front-end in one turn of its event loop cross the link as one
     message, renumbered by row, with the smallest of their timeouts: each gets exactly its own rows

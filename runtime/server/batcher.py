@@ -29,7 +29,15 @@ import pyarrow as pa
 
 from runtime.requests import Validated, requests_from, validated_for
 from runtime.result import table_of
-from runtime.server.engine_api import Refused, batch_message, one_batch, read_batch_messages, resolve, stopping
+from runtime.server.engine_api import (
+    Refused,
+    batch_message,
+    joinable,
+    one_batch,
+    read_batch_messages,
+    resolve,
+    stopping,
+)
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
 from sidindex.errors import InputError, ScorerError, SidIndexError
@@ -472,14 +480,14 @@ def _pieces(active: deque[Pending], most: int) -> list[tuple[Pending, int, int]]
 
 def _joined(parts: list[Requests]) -> Requests | None:
     """The parts' rows as one validated batch, request ids renumbered (two clients may send the
-    same id); None when their columns' types do not concatenate."""
+    same id); None when their columns do not join unchanged (`engine_api.joinable`)."""
     if len(parts) == 1:
         return parts[0].renumbered()
-    try:
-        # one chunk per column: the retriever slices, pads and encodes it, each a pass over the chunks
-        table = pa.concat_tables([p.table for p in parts], promote_options="permissive").combine_chunks()
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+    if not joinable([p.table.schema for p in parts]):
         return None
+    # one chunk per column: the retriever slices, pads and encodes it, each a pass over the chunks;
+    # a column one part left null takes the others' type
+    table = pa.concat_tables([p.table for p in parts], promote_options="permissive").combine_chunks()
     columns = table.select(parts[0].columns.column_names)  # the attributes: columns of the table as given
     embedding = None
     if all(p.embedding is not None for p in parts):

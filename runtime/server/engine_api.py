@@ -28,6 +28,21 @@ class Target:
     dim: int | None
 
 
+def joinable(schemas: list[pa.Schema]) -> bool:
+    """Whether tables of these schemas join as one batch unchanged: the same columns in the same
+    order, each of one type where not null (a permissive concatenation would turn int into
+    double, losing digits past 2^53, or string into binary, before a user's scorer sees them). The
+    one rule for a front-end's message (`runtime.server.link`) and the engine's batch
+    (`runtime.server.batcher`)."""
+    names = schemas[0].names
+    if any(s.names != names for s in schemas):
+        return False
+    for i in range(len(names)):
+        if len({s.field(i).type for s in schemas} - {pa.null()}) > 1:
+            return False
+    return True
+
+
 def arrow_stream(table: pa.Table) -> pa.Buffer:
     """`table` as one Arrow IPC stream (an HTTP answer in Arrow)."""
     sink = pa.BufferOutputStream()

@@ -36,7 +36,15 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from runtime.server.engine_api import Refused, Target, batch_message, read_batch_messages, resolve, stopping
+from runtime.server.engine_api import (
+    Refused,
+    Target,
+    batch_message,
+    joinable,
+    read_batch_messages,
+    resolve,
+    stopping,
+)
 from sidindex.errors import InputError, SidIndexError
 from sidindex.requests import Requests, portable
 from sidindex.targeting import spec_from_dict
@@ -219,19 +227,6 @@ class _Gathered:
     future: asyncio.Future
 
 
-def _joinable(schemas: list[pa.Schema]) -> bool:
-    """Whether requests of these (portable) schemas go in one message unchanged: the same columns
-    in the same order, each of one type where not null (a permissive concat would otherwise turn
-    int into double, string into binary, and so on)."""
-    names = schemas[0].names
-    if any(s.names != names for s in schemas):
-        return False
-    for i in range(len(names)):
-        if len({s.field(i).type for s in schemas} - {pa.null()}) > 1:
-            return False
-    return True
-
-
 def pack(kind: bytes, mid: bytes, fields: list) -> bytes:
     """A message as one ZeroMQ frame: its kind (1 byte), its id (8) and its fields (bytes-like),
     each after its length (u32). One frame, not one per field: pyzmq gives up the GIL around each
@@ -383,7 +378,7 @@ class EngineClient:
         differ by more than a type a request left null, or the engine refused the message for an
         error one of them may own)."""
         tables = [portable(g.requests) for g in group]
-        if not _joinable([t.schema for t in tables]):
+        if not joinable([t.schema for t in tables]):
             return False
         table = pa.concat_tables(tables, promote_options="permissive")  # a null column takes the others' type
         n = table.num_rows
