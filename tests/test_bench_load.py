@@ -5,6 +5,7 @@ on the snapshot it names; and that check telling an answer labelled with the wro
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from bench import bench_load as bl  # noqa: E402
 from bench import bench_stream as bs  # noqa: E402
 from bench.load_check import Checker, difference  # noqa: E402
 from bench.load_clients import parse_answers  # noqa: E402
+from bench.profile_server import connections  # noqa: E402
 from sidindex.root import Root  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 
@@ -301,9 +303,20 @@ def test_a_server_given_another_checkouts_packages_runs_them(built, tmp_path):
     for env, want in (({"PYTHONPATH": str(base)}, "baseline"), (None, None)):
         log = tmp_path / f"serve-{want}.log"
         server = bl.Server(Path(size["root"]), args, log, 2, env)  # two front-ends over the engine
+        kept: list[http.client.HTTPConnection] = []
         try:
             server.wait_ready(120)
             seen = {httpx.get(server.url + "/healthz", timeout=30).headers.get("x-bench-tree") for _ in range(8)}
+            for _ in range(16):  # connections kept alive: profile_server counts each front-end's
+                kept.append(http.client.HTTPConnection("127.0.0.1", server.port, timeout=30))
+                kept[-1].request("GET", "/healthz")
+                kept[-1].getresponse().read()
+            held = connections(server.proc.pid, server.port)
         finally:
+            for c in kept:
+                c.close()
             assert server.stop() == 0
         assert seen == {want}
+        # both front-ends hold some: each listens on a socket of its own that the kernel spreads
+        # connections over (one gets none of 16 with odds of 2 * 2^-16)
+        assert len(held) == 2 and sum(held) == 16 and min(held) > 0, held
