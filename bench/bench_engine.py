@@ -183,7 +183,8 @@ def client(args) -> None:
     validated = [runtime.requests_from([dict(r, request_id=i)], index, source="bench") for i, r in enumerate(pool)]
 
     async def drive() -> dict:
-        link = EngineClient(args.engine)
+        # the link's own gathering unless told (a baseline's EngineClient may not take the argument)
+        link = EngineClient(args.engine) if args.message_rows is None else EngineClient(args.engine, args.message_rows)
         await link.start()
         target = await link.target()
         seconds: list[float] = []
@@ -221,6 +222,7 @@ def one_run(args, root: Path, code: Path | None, interval: float | None = None) 
     address = f"ipc://{place}/engine"
     common = ["--root", str(root), "--engine", address, "--device", args.device, "--beams", args.beams,
               "--max-batch", str(args.max_batch), "--top-k", str(args.top_k)] + \
+        ([] if args.message_rows is None else ["--message-rows", str(args.message_rows)]) + \
         ([] if args.stand_in_ms is None else ["--stand-in-ms", str(args.stand_in_ms)])
     me = [sys.executable, str(Path(__file__).resolve())]
     switch = [] if interval is None else ["--switch-interval", str(interval)]
@@ -328,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=1, help="client processes (one, near 100%% busy, bounds what "
                     "it measures)")
     ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--message-rows", type=int, default=None, help="the most rows a client's message gathers "
+                    "(default: the link's; 1: each request a message of its own, as most of an HTTP front-end's "
+                    "requests arrive under load)")
     ap.add_argument("--pool", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--runs", type=int, default=3)

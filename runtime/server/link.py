@@ -273,8 +273,9 @@ class EngineClient:
     in the front-end's event loop (it waits for the engine's first status), then `target`,
     `answer` and `status` over the link."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, gather_rows: int = GATHER_ROWS) -> None:
         self.address = address
+        self._most_rows = gather_rows  # the most rows a gathered message holds (1: each request alone)
         self._socket: Any = None  # a zmq.asyncio socket, made in the loop that uses it
         self._receiver: asyncio.Task | None = None
         self._replies: dict[bytes, asyncio.Future] = {}
@@ -282,7 +283,7 @@ class EngineClient:
         self._target: Target | None = None
         self._gathered: list[_Gathered] = []  # requests waiting for the end of this turn of the loop
         self._tasks: set[asyncio.Task] = set()  # the gathered messages' (a task is held until it ends)
-        self._gather_rows = GATHER_ROWS  # at most the engine's batch (its status says)
+        self._gather_rows = gather_rows  # and at most the engine's batch (its status says)
 
     async def start(self) -> None:
         import zmq
@@ -433,7 +434,7 @@ class EngineClient:
         t = doc.pop("target")
         self._target = Target(t["snapshot"], spec_from_dict(t["spec"], "the engine's targeting spec"), t["dim"])
         # a gathered message no larger than the engine's batch: a larger one would wait for two
-        self._gather_rows = max(1, min(GATHER_ROWS, int(doc.pop("max_batch", GATHER_ROWS))))
+        self._gather_rows = max(1, min(self._most_rows, int(doc.pop("max_batch", self._most_rows))))
         return doc
 
     async def _call(self, kind: bytes, fields: list, timeout: float | None) -> list[memoryview]:
