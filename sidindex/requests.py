@@ -108,17 +108,28 @@ def requests_from(data: Any, spec: TargetingSpec, *, source: str = "requests", m
     return Requests(source, request_id, embedding, table.select(checks.attributes), table)
 
 
-def portable(requests: Requests) -> pa.Table:
+def portable(requests: Requests, spec: TargetingSpec | None = None) -> pa.Table:
     """The batch as one Arrow table that `from_portable` turns back into it without validating it
     again (in another process: an HTTP front-end validates, the engine runs): request_id as int64,
     the embedding as fixed_size_list<float32>[D] of its validated values, every other column as
-    given."""
+    given, but with `spec` (the one it was validated against) an attribute left unknown in every
+    row (a null column, or lists of nothing) typed as the attribute's values are, string or
+    list<string>: requests from JSON then share one schema whichever attributes they leave out,
+    and the engine reads a batch of them as one stream, not one per schema."""
     t = requests.table
     t = t.set_column(t.schema.get_field_index("request_id"), "request_id", pa.array(requests.request_id))
     if requests.embedding is not None:
         emb = requests.embedding
         vectors = pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1])
         t = t.set_column(t.schema.get_field_index("embedding"), "embedding", vectors)
+    for a in spec.attributes if spec is not None else ():
+        i = t.schema.get_field_index(a.name)
+        given = t.schema.field(i).type
+        typed = pa.string() if a.one_request_value else pa.list_(pa.string())
+        if null_like(given):
+            t = t.set_column(i, a.name, pa.nulls(len(t), typed))
+        elif not a.one_request_value and _list_like(given) and null_like(given.value_type):
+            t = t.set_column(i, a.name, t.column(i).cast(typed))
     return t
 
 

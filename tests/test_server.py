@@ -918,6 +918,37 @@ def test_link_messages_of_one_schema_read_as_one_table():
         read_batch_messages(messages[0][0], [b"not a record batch"], "m")
 
 
+def test_requests_that_leave_out_different_attributes_cross_the_link_in_one_schema(built, rows):
+    """A front-end's requests in their portable form (`sidindex.requests.portable`, with the spec
+    they were validated against) share one schema whichever attributes they leave unknown (a null,
+    an empty list): the engine reads a batch of them as one stream, where each schema was a read
+    and a join of its own. Each still answers as the request it came from, alone and joined."""
+    from runtime.requests import validated_for
+    from runtime.server.batcher import Pending, _read_messages
+    from runtime.server.engine_api import batch_message
+    from sidindex.requests import from_portable, portable
+
+    index = runtime.load(built, "cpu")
+    scalar = next(a.name for a in index.spec.attributes if a.one_request_value)
+    listed = next(a.name for a in index.spec.attributes if not a.one_request_value)
+    sent = [dict(rows[0], request_id=10), dict(rows[1], request_id=11, **{scalar: None}),
+            dict(rows[2], request_id=12, **{listed: []}), dict(rows[3], request_id=13, **{listed: None, scalar: None})]
+    alone = [runtime.requests_from([r], index, source="t") for r in sent]
+    assert len({str(r.table.schema) for r in alone}) == 4  # as validated: four schemas
+    tables = [portable(r, index.spec) for r in alone]
+    assert len({t.schema for t in tables}) == 1
+    for r, t in zip(sent, tables):  # each answers alone as it did before the link
+        assert same_rows(direct(index, [r]), direct(index, [from_portable(t, index.spec, "t").table.to_pylist()[0]]))
+    messages = [tuple(b.to_pybytes() for b in batch_message(t)) for t in tables]
+    assert len({m[0] for m in messages}) == 1
+    target = validated_for(index)
+    pendings = [Pending(None, target, 1, lambda outcome: None, m) for m in messages]
+    assert _read_messages(pendings, index, target) == {}
+    assert len({id(p.origin[0]) for p in pendings}) == 1  # one stream: read once, as one batch
+    joined = pendings[0].origin[0]
+    assert same_rows(direct(index, joined.table.to_pylist()), direct(index, sent))
+
+
 def test_the_link_survives_what_it_cannot_answer(tmp_path):
     """The engine's link thread goes on after a status that raises (a bug: one line on stderr, no
     answer), a message too short to name its id or of two frames (no answer), a run message of the
@@ -1076,7 +1107,7 @@ def test_a_scorer_error_in_a_batch_of_parts_that_do_not_join_names_its_clients_i
 
 def test_a_batch_joins_requests_only_where_their_columns_keep_their_types(built, rows):
     """The engine's batch joins requests by the rule a front-end's message does
-    (`engine_api.joinable`): a column one of them left null takes the others' type, but an int
+    (`engine_api.joinable`): a column one of them left null or empty takes the others' type, but an int
     beside a double, or a string beside bytes, runs as a batch each, so a user's scorer sees each
     request's values as sent (2^53 + 1 stays itself, not the double next to it)."""
     import functools
@@ -1114,6 +1145,7 @@ def test_a_batch_joins_requests_only_where_their_columns_keep_their_types(built,
     assert batch(big, 0.5) == [(pa.float64(), [0.5]), (pa.int64(), [big])]
     assert batch("x", b"y") == [(pa.binary(), [b"y"]), (pa.string(), ["x"])]
     assert batch(big, None, 3) == [(pa.int64(), [big, None, 3])]  # one batch: the null takes int64
+    assert batch(["a"], []) == [(pa.list_(pa.string()), [["a"], []])]  # and the empty list list<string>
 
 
 def test_a_front_end_sends_the_requests_of_one_turn_as_one_message(root, rows, serving, monkeypatch):

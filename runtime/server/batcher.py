@@ -485,9 +485,12 @@ def _joined(parts: list[Requests]) -> Requests | None:
         return parts[0].renumbered()
     if not joinable([p.table.schema for p in parts]):
         return None
-    # one chunk per column: the retriever slices, pads and encodes it, each a pass over the chunks;
-    # a column one part left null takes the others' type
-    table = pa.concat_tables([p.table for p in parts], promote_options="permissive").combine_chunks()
+    try:
+        # one chunk per column: the retriever slices, pads and encodes it, each a pass over the
+        # chunks; a column one part left null takes the others' type
+        table = pa.concat_tables([p.table for p in parts], promote_options="permissive").combine_chunks()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return None
     columns = table.select(parts[0].columns.column_names)  # the attributes: columns of the table as given
     embedding = None
     if all(p.embedding is not None for p in parts):

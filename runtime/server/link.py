@@ -317,7 +317,7 @@ class EngineClient:
         end of this turn of the event loop, and goes with the others that arrived in it as one
         message (`_send_gathered`)."""
         if len(requests) >= self._gather_rows:
-            return await self._run(portable(requests), target, timeout)
+            return await self._run(portable(requests, target.spec), target, timeout)
         future = asyncio.get_running_loop().create_future()
         if not self._gathered:
             asyncio.get_running_loop().call_soon(self._send_gathered)
@@ -359,7 +359,7 @@ class EngineClient:
                 return
             left = None if deadline is None else max(1e-3, deadline - loop.time())
             try:
-                resolve(g.future, await self._run(portable(g.requests), g.target, left))
+                resolve(g.future, await self._run(portable(g.requests, g.target.spec), g.target, left))
             except Exception as e:
                 resolve(g.future, e)
 
@@ -378,7 +378,7 @@ class EngineClient:
         """`_run_gathered` as one message: False when the requests must go alone (their columns
         differ by more than a type a request left null, or the engine refused the message for an
         error one of them may own)."""
-        tables = [portable(g.requests) for g in group]
+        tables = [portable(g.requests, g.target.spec) for g in group]
         if not joinable([t.schema for t in tables]):
             return False
         table = pa.concat_tables(tables, promote_options="permissive")  # a null column takes the others' type
