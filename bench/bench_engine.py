@@ -183,8 +183,16 @@ def client(args) -> None:
     validated = [runtime.requests_from([dict(r, request_id=i)], index, source="bench") for i, r in enumerate(pool)]
 
     async def drive() -> dict:
-        # the link's own gathering unless told (a baseline's EngineClient may not take the argument)
-        link = EngineClient(args.engine) if args.message_rows is None else EngineClient(args.engine, args.message_rows)
+        link = EngineClient(args.engine)  # gathering as the link does, unless told
+        if args.message_rows is not None:
+            import inspect
+
+            import runtime.server.link as linked
+
+            if "gather_rows" in inspect.signature(EngineClient).parameters:
+                link = EngineClient(args.engine, args.message_rows)
+            else:  # a baseline's EngineClient reads only the module's constant
+                linked.GATHER_ROWS = args.message_rows
         await link.start()
         target = await link.target()
         seconds: list[float] = []
