@@ -115,7 +115,8 @@ def portable(requests: Requests, spec: TargetingSpec | None = None) -> pa.Table:
     given, but with `spec` (the one it was validated against) an attribute left unknown in every
     row (a null column, or lists of nothing) typed as the attribute's values are, string or
     list<string>: requests from JSON then share one schema whichever attributes they leave out,
-    and the engine reads a batch of them as one stream, not one per schema."""
+    and the engine reads a batch of them as one stream, not one per schema (`untyped` undoes it
+    before the table is validated against another spec)."""
     t = requests.table
     t = t.set_column(t.schema.get_field_index("request_id"), "request_id", pa.array(requests.request_id))
     if requests.embedding is not None:
@@ -128,9 +129,27 @@ def portable(requests: Requests, spec: TargetingSpec | None = None) -> pa.Table:
         typed = pa.string() if a.one_request_value else pa.list_(pa.string())
         if null_like(given):
             t = t.set_column(i, a.name, pa.nulls(len(t), typed))
-        elif not a.one_request_value and _list_like(given) and null_like(given.value_type):
+        elif not a.one_request_value and (pa.types.is_list(given) or pa.types.is_large_list(given)) and \
+                null_like(given.value_type):  # lists of nothing: JSON's [] (a list view's cast is not sound)
             t = t.set_column(i, a.name, t.column(i).cast(typed))
     return t
+
+
+def untyped(table: pa.Table, spec: TargetingSpec) -> pa.Table:
+    """`table` (a `portable` one) with each column of an attribute of `spec` that holds no value
+    in any row (nulls, or lists of nothing) as a column of type null, as JSON's null gives: an
+    attribute `portable` typed as a string when it was one value a request becomes a list of
+    them in another spec, and the null type passes either."""
+    for a in spec.attributes:
+        i = table.schema.get_field_index(a.name)
+        if i < 0 or pa.types.is_null(table.schema.field(i).type):
+            continue
+        column, t = table.column(i), table.schema.field(i).type
+        empty = (pa.types.is_list(t) or pa.types.is_large_list(t)) and \
+            not (pc.sum(pc.list_value_length(column)).as_py() or 0)
+        if empty or column.null_count == len(column):
+            table = table.set_column(i, a.name, pa.nulls(len(table)))
+    return table
 
 
 def from_portable(table: pa.Table, spec: TargetingSpec, source: str) -> Requests:

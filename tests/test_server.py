@@ -354,6 +354,25 @@ def test_swaps_follow_root_between_batches_and_a_corrupt_snapshot_is_refused(roo
         assert client.get("/healthz").json()["snapshot"] == second["snapshot"]
 
 
+def _listening(pid: int, port: int) -> set[str]:
+    """The sockets listening on `port` that process `pid` holds (their inodes, from /proc: Linux)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    held = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link in inodes:
+            held.add(link)
+    return held
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -484,6 +503,9 @@ def test_front_end_processes_answer_as_one_does_and_stop_on_sigterm(built, rows,
         _wait_ready(port)
         fronts = _children(p.pid)
         assert len(fronts) == 2
+        if sys.platform.startswith("linux"):  # each listens on a socket of its own (SO_REUSEPORT)
+            mine = [_listening(f, port) for f in fronts]
+            assert all(mine) and not mine[0] & mine[1], mine
         want = direct(runtime.load(built, "cpu"), rows[:4])
         assert same_rows(httpx.post(f"{url}/retrieve", json={"requests": rows[:4]}, timeout=60).json()["rows"], want)
         table = pa.Table.from_pylist(rows[:4])
@@ -514,6 +536,9 @@ def test_front_end_processes_answer_as_one_does_and_stop_on_sigterm(built, rows,
         while (fronts[0] in _children(p.pid) or len(_children(p.pid)) < 2) and time.time() < deadline:
             time.sleep(0.2)
         assert len(_children(p.pid)) == 2 and fronts[0] not in _children(p.pid)
+        for _ in range(16):  # the replacement listens where the dead one did: new connections, on
+            with httpx.Client(timeout=30) as fresh:  # whichever socket the kernel puts them, are answered
+                assert fresh.post(f"{url}/retrieve", json={"requests": rows[:1]}).status_code == 200
 
         def load(i: int) -> None:
             for _ in range(20):
@@ -949,6 +974,44 @@ def test_requests_that_leave_out_different_attributes_cross_the_link_in_one_sche
     assert same_rows(direct(index, joined.table.to_pylist()), direct(index, sent))
 
 
+def test_a_portable_request_validates_again_under_a_spec_that_changed_an_attributes_kind(built, rows):
+    """What `portable` types for one spec passes another as the request did: an attribute a request
+    left null, typed string while it was one value a request, is validated again (`untyped`, as
+    the engine does after a swap) where it became a list of values, and the other way round; a
+    list view of nothing stays as given (its cast is not sound)."""
+    from sidindex.errors import InputError
+    from sidindex.requests import portable, requests_from, untyped
+    from sidindex.targeting import spec_from_dict
+
+    index = runtime.load(built, "cpu")
+    one = next(a.name for a in index.spec.attributes if a.one_request_value)
+    many = next(a.name for a in index.spec.attributes if not a.one_request_value)
+    doc = index.spec.to_dict()
+    for a in doc["attribute"]:  # the swapped-in spec: each a kind of the other's
+        if a["name"] == one:
+            a.clear()
+            a.update(name=one, kind="bloom", bits=64, hashes=2)
+        elif a["name"] == many:
+            a.clear()
+            a.update(name=many, kind="bitmask", values=["x", "y"])
+    swapped = spec_from_dict(doc)
+    sent = [dict(rows[0], request_id=1, **{one: None, many: None}),
+            dict(rows[1], request_id=2, **{one: None, many: []})]
+    for r in sent:
+        table = portable(requests_from([r], index.spec, dim=index.codebook.dim), index.spec)
+        assert table.schema.field(one).type == pa.string()
+        with pytest.raises(InputError):  # as typed for the first spec
+            requests_from(table, swapped)
+        again = requests_from(untyped(table, swapped), swapped)
+        assert again.table.column(one).null_count == 1 and pa.types.is_null(again.table.schema.field(many).type)
+    base = pa.Table.from_pylist([dict(rows[0], request_id=1, **{many: None})])
+    view = base.set_column(base.schema.get_field_index(many), many, pa.array([[]], pa.list_view(pa.null())))
+    kept = portable(requests_from(view, index.spec, dim=index.codebook.dim), index.spec)
+    assert kept.schema.field(many).type == pa.list_view(pa.null())
+    retriever = runtime.Retriever(index, beams=BEAMS, batch_sizes=(8,), warm=False)
+    assert same_rows(retriever.retrieve(kept).to_pylist(), direct(index, [dict(rows[0], request_id=1, **{many: None})]))
+
+
 def test_the_link_survives_what_it_cannot_answer(tmp_path):
     """The engine's link thread goes on after a status that raises (a bug: one line on stderr, no
     answer), a message too short to name its id or of two frames (no answer), a run message of the
@@ -1105,6 +1168,29 @@ def test_a_scorer_error_in_a_batch_of_parts_that_do_not_join_names_its_clients_i
     assert caught.value.request_id == 201
 
 
+def test_requests_join_only_where_a_permissive_concatenation_keeps_every_known_type():
+    """`engine_api.joinable`: a null column, or a list of nulls (JSON's null and []), takes the
+    others' type; any other difference keeps requests apart, also where the concatenation would
+    raise (a map, a list view) or change a type (a fixed-size list becoming a list)."""
+    from runtime.server.engine_api import joinable
+
+    def two(a: pa.DataType, b: pa.DataType) -> bool:
+        return joinable([pa.schema([("request_id", pa.int64()), ("x", a)]),
+                         pa.schema([("request_id", pa.int64()), ("x", b)])])
+
+    for a, b in ((pa.string(), pa.null()), (pa.null(), pa.int64()), (pa.list_(pa.string()), pa.list_(pa.null())),
+                 (pa.large_list(pa.string()), pa.list_(pa.null())), (pa.string(), pa.string())):
+        assert two(a, b) and two(b, a), (a, b)
+        pa.concat_tables([pa.table({"request_id": pa.array([1]), "x": pa.nulls(1, t)}) for t in (a, b)],
+                         promote_options="permissive")  # and it joins
+    nothing = pa.list_(pa.null())
+    for a, b in ((pa.string(), pa.binary()), (pa.int64(), pa.float64()), (nothing, pa.map_(pa.string(), pa.int64())),
+                 (nothing, pa.list_view(pa.string())), (nothing, pa.list_(pa.int64(), 2)),
+                 (pa.list_(pa.int64()), pa.list_(pa.string()))):
+        assert not two(a, b) and not two(b, a), (a, b)
+    assert not joinable([pa.schema([("a", pa.int64())]), pa.schema([("b", pa.int64())])])
+
+
 def test_a_batch_joins_requests_only_where_their_columns_keep_their_types(built, rows):
     """The engine's batch joins requests by the rule a front-end's message does
     (`engine_api.joinable`): a column one of them left null or empty takes the others' type, but an int
@@ -1169,6 +1255,7 @@ def test_a_front_end_sends_the_requests_of_one_turn_as_one_message(root, rows, s
     want = [direct(index, b) for b in bodies]
     messages: list[int] = []
     timeouts: list[float] = []
+    schemas: list[bytes] = []
     refuse: dict = {"as": None}
     pending = EngineLink._pending
 
@@ -1176,6 +1263,7 @@ def test_a_front_end_sends_the_requests_of_one_turn_as_one_message(root, rows, s
         p, timeout = pending(self, peer, mid, fields)
         messages.append(p.rows)
         timeouts.append(timeout)
+        schemas.append(bytes(fields[2]))
         if refuse["as"] is not None and p.rows > 1:
             raise refuse["as"]
         return p, timeout
@@ -1201,9 +1289,11 @@ def test_a_front_end_sends_the_requests_of_one_turn_as_one_message(root, rows, s
     assert messages == [total] and total <= GATHER_ROWS  # one message of every row
     assert timeouts == [60.0 - (len(bodies) - 1)]  # the smallest of theirs
     messages.clear()
+    schemas.clear()
     refuse["as"] = InputError("a spec swapped in refuses one of them")  # each again alone: its own answer
     got = asyncio.run(all_at_once(bodies))
     assert messages[0] == total and sorted(messages[1:]) == sorted(len(b) for b in bodies)
+    assert len(set(schemas)) == 1  # alone too, the request without a country: one schema (`portable`)
     refused = [i for i, b in enumerate(bodies) if len(b) > 1]  # alone, these are still refused (n > 1)
     for i, (g, w) in enumerate(zip(got, want)):
         if i in refused:

@@ -41,7 +41,7 @@ from runtime.server.engine_api import (
 from runtime.server.metrics import EngineMetrics
 from runtime.serving.retriever import Retriever
 from sidindex.errors import InputError, ScorerError, SidIndexError
-from sidindex.requests import Requests, from_portable
+from sidindex.requests import Requests, from_portable, untyped
 
 # where a batch's time goes (`Batcher.seconds`, /metrics' sidindex_batch_stage_seconds): its front-ends'
 # messages read as requests, then the retriever's stages (`runtime.serving.retriever.STAGES`: the
@@ -300,7 +300,8 @@ class Batcher:
                     raise refused[p]
                 if p.validated != target:
                     held, first = p.source()
-                    p.requests = requests_from(held.rows(first, first + p.rows).table, index, source="request body")
+                    p.requests = requests_from(untyped(held.rows(first, first + p.rows).table, index.spec), index,
+                                               source="request body")
                     p.origin = None
                 p.validated = target
             except SidIndexError as e:  # a request a new snapshot's spec refuses, a message not read: its own answer
@@ -430,7 +431,7 @@ def _read_group(schema: bytes, group: list[Pending], index, target: Validated) -
             p.origin = (whole, lo)
         else:
             try:
-                p.requests = requests_from(table.slice(lo, p.rows), index, source="request body")
+                p.requests = requests_from(untyped(table.slice(lo, p.rows), index.spec), index, source="request body")
             except InputError as e:  # one a new snapshot refuses: the client's 400
                 refused[p] = e
         p.validated = target

@@ -32,23 +32,24 @@ def joinable(schemas: list[pa.Schema]) -> bool:
     """Whether tables of these schemas join as one batch unchanged: the same columns in the same
     order, each of one type where known (a permissive concatenation would turn int into double,
     losing digits past 2^53, or string into binary, before a user's scorer sees them; a column of
-    nulls or of empty lists takes the others' type). The one rule for a front-end's message
-    (`runtime.server.link`) and the engine's batch (`runtime.server.batcher`)."""
+    nulls, or of lists of nulls, takes the others' type where that type is a list's). The one rule
+    for a front-end's message (`runtime.server.link`) and the engine's batch
+    (`runtime.server.batcher`)."""
     first = schemas[0]
     if all(s.equals(first) for s in schemas[1:]):  # the common case: one schema
         return True
-    names = first.names
-    if any(s.names != names for s in schemas):
+    if any(s.names != first.names for s in schemas):
         return False
-    for i in range(len(names)):
-        if len({t for s in schemas if not _unknown(t := s.field(i).type)}) > 1:
-            return False
-    return True
+    try:
+        joined = pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return False
+    return all(_unknown(t) or t.equals(joined.field(i).type) for s in schemas for i, t in enumerate(s.types))
 
 
 def _unknown(t: pa.DataType) -> bool:
     """A type that says nothing of a column's values: nulls, or lists of them (what JSON's null
-    and [] give), which a permissive concatenation types as the others."""
+    and [] give)."""
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return pa.types.is_null(t.value_type)
     return pa.types.is_null(t)

@@ -57,19 +57,22 @@ def serve_processes(engine, host: str, port: int, workers: int, http: dict, *, a
 
 def listen(host: str, port: int, workers: int) -> list[socket.socket]:
     """The listening sockets of `workers` front-ends on host:port (port 0: one the kernel picks), each
-    inheritable: one each where the kernel spreads connections over sockets sharing a port
-    (SO_REUSEPORT, by a hash of each connection's addresses), else one they all share. On one shared
-    socket the busiest front-end, whose loop is awake, accepts most of the connections (30 of 64
-    over 4 on Linux), and its queue sets every client's latency. OSError (EADDRINUSE) when the port
-    is taken, by another `sidindex serve` too: a plain socket is bound first, which no socket on
-    the port lets through, and the shared ones only once it let go."""
+    inheritable: on Linux one each, sharing the port (SO_REUSEPORT), over which the kernel spreads
+    connections by a hash of their addresses; elsewhere (or for one) one they all share, where the
+    busiest front-end, whose loop is awake, accepted most (30-49 of 64 over 4 on Linux) and its
+    queue set every client's latency. OSError (EADDRINUSE) when the port is taken, by another
+    `sidindex serve` too: the port is bound plainly first, which no socket on it lets through,
+    and the shared ones only once that let go (two servers started in that instant could both
+    bind)."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    probe = socket.create_server((host, port), family=family, backlog=2048)
-    if workers == 1 or not hasattr(socket, "SO_REUSEPORT"):
-        probe.set_inheritable(True)
-        return [probe]
-    port = probe.getsockname()[1]
-    probe.close()
+    if workers == 1 or not sys.platform.startswith("linux"):  # elsewhere SO_REUSEPORT does not spread them
+        shared = socket.create_server((host, port), family=family, backlog=2048)
+        shared.set_inheritable(True)
+        return [shared]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:  # bound, never listening: it accepts nothing
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
     sockets: list[socket.socket] = []
     try:
         for _ in range(workers):

@@ -376,12 +376,15 @@ class EngineClient:
 
     async def _run_together(self, group: list[_Gathered], timeout: float | None) -> bool:
         """`_run_gathered` as one message: False when the requests must go alone (their columns
-        differ by more than a type a request left null, or the engine refused the message for an
+        differ by more than a type a request left unknown, or the engine refused the message for an
         error one of them may own)."""
         tables = [portable(g.requests, g.target.spec) for g in group]
         if not joinable([t.schema for t in tables]):
             return False
-        table = pa.concat_tables(tables, promote_options="permissive")  # a null column takes the others' type
+        try:  # a null column takes the others' type
+            table = pa.concat_tables(tables, promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            return False
         n = table.num_rows
         table = table.set_column(table.schema.get_field_index("request_id"), "request_id",
                                  pa.array(np.arange(n, dtype=np.int64)))
