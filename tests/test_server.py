@@ -846,14 +846,18 @@ def test_an_embedding_past_float32_gets_400_and_no_warning(root, rows, serving):
     assert r.status_code == 400 and "column 'embedding', row 0: element 0 is 1e+39" in r.json()["error"]
 
 
-def test_a_json_answer_holds_every_row_exactly_and_no_beam_as_null():
-    """The JSON answer (written by polars): int64 ids at their extremes exact, SIDs as lists,
-    each score parsing back to its float32, -inf (an ad no beam reached) as null, the value
-    column when there is one; an empty answer is an empty list."""
+@pytest.mark.parametrize("writer", ["orjson", "polars"])
+def test_a_json_answer_holds_every_row_exactly_and_no_beam_as_null(writer, monkeypatch):
+    """The JSON answer, small (orjson) or large (polars): int64 ids at their extremes exact, SIDs
+    as lists, each score its float32's shortest decimal, parsing back to it, -inf (an ad no beam
+    reached) as null, the value column when there is one; an empty answer is an empty list. Both
+    writers write the same bytes."""
     import orjson
 
+    from runtime.server import http
     from runtime.server.http import _json_body
 
+    monkeypatch.setattr(http, "SMALL_ANSWER_ROWS", 10**9 if writer == "orjson" else -1)
     rng = np.random.default_rng(0)
     n = 2000
     score = rng.standard_normal(n).astype(np.float32) * np.float32(1e30)
@@ -873,6 +877,10 @@ def test_a_json_answer_holds_every_row_exactly_and_no_beam_as_null():
     assert np.array_equal(np.isnan(got), np.isinf(score))
     assert np.array_equal(got[~np.isnan(got)], score[np.isfinite(score)])
     assert orjson.loads(_json_body(table.slice(0, 0), "s"))["rows"] == []
+    written = _json_body(table.slice(5, 300), "s")  # a slice: offsets into its columns' buffers
+    assert orjson.loads(written)["rows"] == rows[5:305]
+    monkeypatch.setattr(http, "SMALL_ANSWER_ROWS", -1 if writer == "orjson" else 10**9)  # the other writer
+    assert _json_body(table.slice(5, 300), "s") == written
 
 
 def test_requests_validated_for_another_embedding_width_are_validated_again(built, rows):
