@@ -10,8 +10,10 @@ and the CPU per request of the thread every request passes through, with no HTTP
 The engine (`runtime.server.engine.Engine` and its `runtime.server.link.EngineLink`, as
 `serve_processes` runs them) serves in a process of its own; --clients client processes validate
 requests as a front-end does and send them through the front-end's own `EngineClient`, keeping
---window requests outstanding among them (one request per message, as HTTP brings them),
---requests in all (one client near fully busy bounds the figure: "client busy"). Every
+--window requests outstanding among them, --requests in all (one client near fully busy bounds
+the figure: "client busy"). The client gathers the requests of one turn of its loop into a
+message as a front-end does; --message-rows 1 sends each alone, as most of an HTTP front-end's
+requests arrive under load. Every
 request passes through the link (a thread of its own; in older checkouts, the engine's event
 loop), so its CPU per request (that thread's CPU time over the run) bounds what one engine
 answers; the engine process's CPU per request is beside it, and each thread's in the JSON.

@@ -157,25 +157,35 @@ def processes_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def connections(pid: int, port: int) -> list[int]:
-    """How many established connections to `port` each front-end of the engine process `pid`
-    holds, most first, from /proc (Linux; empty elsewhere): how evenly the kernel spread them."""
+def port_sockets(port: int, state: str) -> set[str]:
+    """The sockets on local `port` in TCP `state` ("01" established, "0A" listening) as a process's
+    fd links name them ("socket:[INODE]"), from /proc (Linux; none elsewhere)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
             for line in Path(table).read_text().splitlines()[1:]:
                 f = line.split()
-                if len(f) > 9 and f[3] == "01" and int(f[1].rsplit(":", 1)[1], 16) == port:  # ESTABLISHED
+                if len(f) > 9 and f[3] == state and int(f[1].rsplit(":", 1)[1], 16) == port:
                     inodes.add(f"socket:[{f[9]}]")
-    counts = []
-    for front in front_ends(pid):
-        n = 0
-        with contextlib.suppress(OSError):
-            for fd in Path(f"/proc/{front}/fd").iterdir():
-                with contextlib.suppress(OSError):
-                    n += os.readlink(fd) in inodes
-        counts.append(n)
-    return sorted(counts, reverse=True)
+    return inodes
+
+
+def held(pid: int | str, sockets: set[str]) -> set[str]:
+    """Which of `sockets` (`port_sockets`) process `pid` holds open (none once it is gone)."""
+    out = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if (link := os.readlink(fd)) in sockets:
+                    out.add(link)
+    return out
+
+
+def connections(pid: int, port: int) -> list[int]:
+    """How many established connections to `port` each front-end of the engine process `pid`
+    holds, most first, from /proc (Linux; empty elsewhere): how evenly the kernel spread them."""
+    established = port_sockets(port, "01")
+    return sorted((len(held(front, established)) for front in front_ends(pid)), reverse=True)
 
 
 def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wrk: str, env: dict) -> dict:

@@ -123,9 +123,10 @@ def portable(requests: Requests, spec: TargetingSpec | None = None) -> pa.Table:
         emb = requests.embedding
         vectors = pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1])
         t = t.set_column(t.schema.get_field_index("embedding"), "embedding", vectors)
+    schema = t.schema  # each attribute's own column changes below, so the others' types hold
     for a in spec.attributes if spec is not None else ():
-        i = t.schema.get_field_index(a.name)
-        given = t.schema.field(i).type
+        i = schema.get_field_index(a.name)
+        given = schema.field(i).type
         typed = pa.string() if a.one_request_value else pa.list_(pa.string())
         if null_like(given):
             t = t.set_column(i, a.name, pa.nulls(len(t), typed))

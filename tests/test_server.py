@@ -354,25 +354,6 @@ def test_swaps_follow_root_between_batches_and_a_corrupt_snapshot_is_refused(roo
         assert client.get("/healthz").json()["snapshot"] == second["snapshot"]
 
 
-def _listening(pid: int, port: int) -> set[str]:
-    """The sockets listening on `port` that process `pid` holds (their inodes, from /proc: Linux)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
-                inodes.add(f"socket:[{f[9]}]")
-    held = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            link = os.readlink(fd)
-        except OSError:
-            continue
-        if link in inodes:
-            held.add(link)
-    return held
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -504,7 +485,9 @@ def test_front_end_processes_answer_as_one_does_and_stop_on_sigterm(built, rows,
         fronts = _children(p.pid)
         assert len(fronts) == 2
         if sys.platform.startswith("linux"):  # each listens on a socket of its own (SO_REUSEPORT)
-            mine = [_listening(f, port) for f in fronts]
+            from bench.profile_server import held, port_sockets
+
+            mine = [held(f, port_sockets(port, "0A")) for f in fronts]
             assert all(mine) and not mine[0] & mine[1], mine
         want = direct(runtime.load(built, "cpu"), rows[:4])
         assert same_rows(httpx.post(f"{url}/retrieve", json={"requests": rows[:4]}, timeout=60).json()["rows"], want)
