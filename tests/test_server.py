@@ -829,18 +829,32 @@ def test_an_embedding_past_float32_gets_400_and_no_warning(root, rows, serving):
     assert r.status_code == 400 and "column 'embedding', row 0: element 0 is 1e+39" in r.json()["error"]
 
 
-@pytest.mark.parametrize("writer", ["orjson", "polars"])
+def test_retrieve_takes_post_alone_and_the_other_routes_stay(root, rows, serving):
+    """POST /retrieve bypasses the router: another method gets 405 naming POST, and the probes and
+    an unknown path answer as Starlette's router does."""
+    server, _ = serving(root)
+    with TestClient(server.app) as client:
+        r = client.get("/retrieve")
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+        assert client.get("/healthz").status_code == 200
+        assert client.get("/nowhere").status_code == 404
+        r = client.post("/retrieve", json={"requests": rows[:1]})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        assert r.headers["content-length"] == str(len(r.content)) and r.headers["x-sidindex-snapshot"]
+
+
+@pytest.mark.parametrize("writer", ["spliced", "polars"])
 def test_a_json_answer_holds_every_row_exactly_and_no_beam_as_null(writer, monkeypatch):
-    """The JSON answer, small (orjson) or large (polars): int64 ids at their extremes exact, SIDs
-    as lists, each score its float32's shortest decimal, parsing back to it, -inf (an ad no beam
-    reached) as null, the value column when there is one; an empty answer is an empty list. Both
-    writers write the same bytes."""
+    """The JSON answer, written on the loop (spliced from orjson's columns) or on a thread
+    (polars): int64 ids at their extremes exact, SIDs as lists, each score its float32's shortest
+    decimal, parsing back to it, -inf (an ad no beam reached) as null, the value column when there
+    is one; an empty answer is an empty list. Both writers write the same bytes."""
     import orjson
 
     from runtime.server import http
     from runtime.server.http import _json_body
 
-    monkeypatch.setattr(http, "SMALL_ANSWER_ROWS", 10**9 if writer == "orjson" else -1)
+    monkeypatch.setattr(http, "OFF_LOOP_ROWS", 10**9 if writer == "spliced" else -1)
     rng = np.random.default_rng(0)
     n = 2000
     score = rng.standard_normal(n).astype(np.float32) * np.float32(1e30)
@@ -862,8 +876,36 @@ def test_a_json_answer_holds_every_row_exactly_and_no_beam_as_null(writer, monke
     assert orjson.loads(_json_body(table.slice(0, 0), "s"))["rows"] == []
     written = _json_body(table.slice(5, 300), "s")  # a slice: offsets into its columns' buffers
     assert orjson.loads(written)["rows"] == rows[5:305]
-    monkeypatch.setattr(http, "SMALL_ANSWER_ROWS", -1 if writer == "orjson" else 10**9)  # the other writer
+    monkeypatch.setattr(http, "OFF_LOOP_ROWS", -1 if writer == "spliced" else 10**9)  # the other writer
     assert _json_body(table.slice(5, 300), "s") == written
+
+
+@pytest.mark.parametrize("writer", ["spliced", "polars"])
+def test_a_json_answer_of_any_columns_parses_back_to_its_table(writer, monkeypatch):
+    """Columns a user's scorer or a request may bring: strings that hold JSON's and the row
+    template's own characters (quotes, commas, brackets, %), nulls among numbers and inside and
+    instead of fixed-size lists, booleans, lists, unsigned 64-bit ids, a name with a quote and a
+    %, several chunks: every writer's answer parses back to the table's rows."""
+    import orjson
+
+    from runtime.server import http
+    from runtime.server.http import _json_body
+
+    monkeypatch.setattr(http, "OFF_LOOP_ROWS", 10**9 if writer == "spliced" else -1)
+    n = 7
+    strings = ['a"b', "c,d", "],[", "%b", "%%s", "é\\", ""]
+    lists = pa.FixedSizeListArray.from_arrays(pa.array([1, None, 3, 4, 5, 6] + list(range(8))), 2)
+    nulled = pa.array([[1, 2], None, [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]], pa.list_(pa.int16(), 2))
+    chunked = pa.chunked_array([pa.array([1, 2, 3], pa.uint64()), pa.array([2**64 - 1, 0, 5, 6], pa.uint64())])
+    table = pa.table({"request_id": strings, 'we"ird%b': pa.array([1.5, None, -2.0, 0.0, 3.0, None, 1e-300]),
+                      "ok": pa.array([True, False, None, True, True, False, True]),
+                      "tags": [["x"], [], None] * 2 + [["%"]],
+                      "sid": lists, "nulled": nulled, "id": chunked,
+                      "empty": pa.array([[]] * n, pa.list_(pa.int64(), 0))})
+    if writer == "polars":  # its conversion refuses a fixed-size list of size 0
+        table = table.drop_columns(["empty"])
+    rows = orjson.loads(_json_body(table, "s"))["rows"]
+    assert rows == table.to_pylist()
 
 
 def test_requests_validated_for_another_embedding_width_are_validated_again(built, rows):

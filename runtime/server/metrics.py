@@ -46,6 +46,9 @@ class HttpMetrics:
                                      "stage: parse (the body read and validated), wait (from the hand-off to the "
                                      "engine to its answer: the link, the engine's queue and batch, the event "
                                      "loop's turn), write (the answer's body)", ["stage"], registry=r)
+        # the labelled series each answered request adds to, looked up once
+        self.ok = self.outcomes.labels("ok")
+        self.parse, self.wait, self.write = (self.stage_seconds.labels(s) for s in ("parse", "wait", "write"))
 
 
 class EngineMetrics:
