@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas import INT64_MAX, MAX_ABS_EMBEDDING, REQUESTS
+from schemas import INT64_MAX, INT64_MIN, MAX_ABS_EMBEDDING, REQUESTS
 from sidindex.errors import InputError
 from sidindex.targeting import TargetingSpec
 
@@ -97,6 +97,10 @@ def requests_from(data: Any, spec: TargetingSpec, *, source: str = "requests", m
     Bitmask values outside the declared set are legal: they mean "unknown" (docs/design.md §3).
     An InputError names the column, the row and the value, as for a file.
     """
+    if isinstance(data, list) and data:
+        plain = _plain_rows(data, spec, max_values, dim, source)
+        if plain is not None:
+            return plain
     table = as_table(data, source)
     checks = _checks(table.schema, spec, max_values, dim, source)
     if table.num_rows == 0:
@@ -106,6 +110,58 @@ def requests_from(data: Any, spec: TargetingSpec, *, source: str = "requests", m
         _refuse(table, spec, source, max_values, dim)
     request_id, embedding = fast
     return Requests(source, request_id, embedding, table.select(checks.attributes), table)
+
+
+def _plain_rows(rows: list, spec: TargetingSpec, max_values: int, dim: int | None, source: str) -> Requests | None:
+    """The requests of dicts (JSON's) whose values plainly pass every check, built with their
+    types known, or None: anything else (a value of another type, a column the spec does not
+    name, a bad value) goes the general way, which names the fault. One row's table costs about
+    6 us a column this way, against 15 inferred and checked in Arrow (a front-end's requests
+    come one per body).
+
+    Builds what `requests_from` and `portable` give such rows: request_id int64, the embedding
+    as fixed_size_list<float32>[D] of their values, each attribute as a string (one value) or
+    list<string> column, in the order the rows first name them; a key a row leaves out is null."""
+    if not all(type(r) is dict for r in rows):
+        return None
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    kinds = {a.name: a.one_request_value for a in spec.attributes}
+    if any(n not in kinds and n not in ("request_id", "embedding") for n in names) or len(kinds) + 1 + (
+            "embedding" in names) != len(names):
+        return None  # a column the spec does not name (a user's scorer's), or an attribute left out
+    ids = [r.get("request_id") for r in rows]
+    if not all(type(i) is int and INT64_MIN <= i <= INT64_MAX for i in ids) or len(set(ids)) != len(ids):
+        return None
+    request_id = np.array(ids, dtype=np.int64)
+    columns = {"request_id": pa.array(request_id)}
+    embedding = None
+    if "embedding" in names:
+        vectors = [r.get("embedding") for r in rows]
+        d = len(vectors[0]) if type(vectors[0]) is list else 0
+        if d == 0 or (dim is not None and d != dim) or not all(
+                type(v) is list and len(v) == d and all(type(x) is float or type(x) is int for x in v)
+                for v in vectors):
+            return None
+        with np.errstate(over="ignore"):  # past float32's range: inf, refused below and named the general way
+            embedding = np.array(vectors, dtype=np.float64).astype(np.float32)
+        if not np.abs(embedding).max() <= MAX_ABS_EMBEDDING:
+            return None
+        columns["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(embedding.reshape(-1)), d)
+    ones = [a for a, one in kinds.items() if one]
+    values = [r.get(a) for a in ones for r in rows]  # every one-value attribute's, one after another
+    if not all(v is None or type(v) is str for v in values):
+        return None
+    strings = pa.array(values, pa.string())  # one conversion for them all (each costs about 6 us), sliced
+    n = len(rows)
+    columns |= {a: strings.slice(j * n, n) for j, a in enumerate(ones)}
+    for name in (a for a, one in kinds.items() if not one):
+        values = [r.get(name) for r in rows]
+        if not all(v is None or type(v) is list and len(v) <= max_values and all(type(x) is str for x in v)
+                   for v in values):
+            return None
+        columns[name] = pa.array(values, pa.list_(pa.string()))
+    table = pa.Table.from_arrays([columns[n] for n in names], names=names)
+    return Requests(source, request_id, embedding, table.select(list(kinds)), table)
 
 
 def portable(requests: Requests, spec: TargetingSpec | None = None) -> pa.Table:
@@ -118,12 +174,16 @@ def portable(requests: Requests, spec: TargetingSpec | None = None) -> pa.Table:
     and the engine reads a batch of them as one stream, not one per schema (`untyped` undoes it
     before the table is validated against another spec)."""
     t = requests.table
-    t = t.set_column(t.schema.get_field_index("request_id"), "request_id", pa.array(requests.request_id))
+    schema = t.schema  # each column below changes alone, so the others' types hold
+    i = schema.get_field_index("request_id")
+    given = t.column(i)  # kept when it holds the ids already (dicts' rows: `_plain_rows`)
+    if not (given.type == pa.int64() and np.array_equal(given.to_numpy(), requests.request_id)):
+        t = t.set_column(i, "request_id", pa.array(requests.request_id))
     if requests.embedding is not None:
         emb = requests.embedding
-        vectors = pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1])
-        t = t.set_column(t.schema.get_field_index("embedding"), "embedding", vectors)
-    schema = t.schema  # each attribute's own column changes below, so the others' types hold
+        i = schema.get_field_index("embedding")
+        if schema.field(i).type != pa.list_(pa.float32(), emb.shape[1]):  # else its values are the validated ones
+            t = t.set_column(i, "embedding", pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1]))
     for a in spec.attributes if spec is not None else ():
         i = schema.get_field_index(a.name)
         given = schema.field(i).type
@@ -179,7 +239,7 @@ def as_table(data: Any, source: str) -> pa.Table:
         names = dict.fromkeys(k for r in data for k in r)
         try:
             return pa.Table.from_pydict({k: [r.get(k) for r in data] for k in names})
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:  # a column whose rows disagree on a type
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:  # rows disagree on a type; an int past 64 bits
             raise InputError(f"{source}: the requests' values do not form a table: {e}") from None
     raise InputError(f"{source}: expected requests as a pyarrow Table or RecordBatch, a polars DataFrame or a list "
                      f"of dicts, got {type(data).__name__}")

@@ -288,3 +288,72 @@ def test_every_form_runs_one_compiled_kernel():
                          "apps": pa.nulls(2, pa.list_(pa.null()))})
     encode_requests(requests_from(all_null, SPEC), SPEC)  # what a warm-up's columns look like
     assert [len(k.signatures) for k in (_bitmask_attribute, _bloom_attribute, _query_rows)] == [1, 1, 1]
+
+
+def _wild(values):
+    """A value a JSON body or a caller's dict may hold where `values` belong, or one that breaks
+    arithmetic or a type: int64's extremes and past them, bools, NaN, 1e39, None, strings, lists."""
+    return st.one_of(values, st.sampled_from([None, True, 0, -1, 2**63, -2**63 - 1, 1.5, float("nan"), "1", [], ["x"]]))
+
+
+_number = st.one_of(st.floats(-2e6, 2e6, width=64), st.integers(-2 * 10**6, 2 * 10**6),
+                    st.sampled_from([1e6, -1e6, 1e39, -1e39, 1e19, float("inf"), float("nan"), True, None, 2**63]))
+_dict_rows = st.lists(st.fixed_dictionaries(
+    {"request_id": _wild(st.integers(-2**63, 2**63 - 1)),
+     "country": _wild(st.sampled_from(["US", "", "é中", "XX"])),
+     "age": _wild(st.sampled_from(["a0", "a69"])),
+     "locations": _wild(st.lists(st.one_of(text, st.none(), st.integers()), max_size=4)),
+     "apps": _wild(st.lists(st.sampled_from(["a", "\x00"]), max_size=3)),
+     "embedding": _wild(st.lists(_number, min_size=0, max_size=4))},
+    optional={"extra": st.integers()}), min_size=1, max_size=5)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=_dict_rows, dim=st.sampled_from([None, 3]),
+       drop=st.sets(st.sampled_from(["country", "embedding", "request_id"])), plain=st.booleans())
+def test_dicts_are_validated_as_their_table_is(rows, dim, drop, plain):
+    """Dicts (a JSON body's) go a faster way when their values plainly pass (`_plain_rows`): it
+    accepts what the general way accepts, with the same ids, embedding and portable table, and
+    leaves everything else to it, so the refusal names the same column, row and value."""
+    from sidindex import requests as rq
+
+    if plain:  # good rows, the drawn values mixed in now and then, so that both outcomes are drawn often
+        keep = sorted(drop)  # the keys whose drawn values stay
+        rows = [{"request_id": i * 3 - 2**62, "country": "US", "age": None, "locations": ["x"] * (i % 3), "apps": None,
+                 "embedding": [0.5, -1, 1e6][:dim or 3]} | {k: v for k, v in r.items() if k in keep and i == 0}
+                for i, r in enumerate(rows)]
+    else:
+        rows = [{k: v for k, v in r.items() if k not in drop or i % 2} for i, r in enumerate(rows)]
+    limit = 3  # the most values a bloom attribute brings, small enough to be passed
+    try:
+        got = requests_from(rows, SPEC, max_values=limit, dim=dim)
+    except InputError as e:
+        got = e
+    with pytest.MonkeyPatch.context() as m:  # the general way alone
+        m.setattr(rq, "_plain_rows", lambda *a: None)
+        try:
+            want = requests_from(rows, SPEC, max_values=limit, dim=dim)
+        except InputError as e:
+            want = e
+    if isinstance(want, InputError):
+        assert isinstance(got, InputError) and str(got) == str(want)
+        return
+    assert not isinstance(got, InputError), got
+    assert np.array_equal(got.request_id, want.request_id) and got.request_id.dtype == np.int64
+    assert (got.embedding is None) == (want.embedding is None)
+    if got.embedding is not None:
+        assert got.embedding.dtype == np.float32 and got.embedding.tobytes() == want.embedding.tobytes()
+    assert rq.portable(got, SPEC).equals(rq.portable(want, SPEC))
+    enc_got, enc_want = encode_requests(got, SPEC), encode_requests(want, SPEC)
+    for a, b in zip(enc_got.planes, enc_want.planes):
+        assert np.array_equal(a.rows, b.rows) and np.array_equal(a.ranges, b.ranges)
+
+
+def test_a_plain_json_request_takes_the_faster_way(spec):
+    """The sample requests as a JSON body carries them are all plain: no Arrow inference."""
+    from sidindex import requests as rq
+
+    rows = sample_requests(5, spec, dim=8, seed=4).to_pylist()
+    got = rq._plain_rows(rows, spec, rq.MAX_REQUEST_VALUES, 8, "body")
+    assert got is not None and rq.portable(got, spec) is got.table
+    assert got.table.schema.field("embedding").type == pa.list_(pa.float32(), 8)
