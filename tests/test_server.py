@@ -991,8 +991,10 @@ def test_requests_that_leave_out_different_attributes_cross_the_link_in_one_sche
     listed = next(a.name for a in index.spec.attributes if not a.one_request_value)
     sent = [dict(rows[0], request_id=10), dict(rows[1], request_id=11, **{scalar: None}),
             dict(rows[2], request_id=12, **{listed: []}), dict(rows[3], request_id=13, **{listed: None, scalar: None})]
-    alone = [runtime.requests_from([r], index, source="t") for r in sent]
-    assert len({str(r.table.schema) for r in alone}) == 4  # as validated: four schemas
+    alone = [runtime.requests_from(pa.Table.from_pylist([r]), index, source="t") for r in sent]
+    assert len({str(r.table.schema) for r in alone}) == 4  # as validated from Arrow: four schemas
+    # dicts (a JSON body's) are typed as they are validated
+    assert len({str(runtime.requests_from([r], index, source="t").table.schema) for r in sent}) == 1
     tables = [portable(r, index.spec) for r in alone]
     assert len({t.schema for t in tables}) == 1
     for r, t in zip(sent, tables):  # each answers alone as it did before the link
