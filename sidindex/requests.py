@@ -26,6 +26,7 @@ from sidindex.errors import InputError
 from sidindex.targeting import TargetingSpec
 
 MAX_REQUEST_VALUES = 64
+_NUMBERS = {float, int}  # the types of a plain embedding's values (not bool, a subclass of int)
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,7 @@ def _plain_rows(rows: list, spec: TargetingSpec, max_values: int, dim: int | Non
         vectors = [r.get("embedding") for r in rows]
         d = len(vectors[0]) if type(vectors[0]) is list else 0
         if d == 0 or (dim is not None and d != dim) or not all(
-                type(v) is list and len(v) == d and all(type(x) is float or type(x) is int for x in v)
-                for v in vectors):
+                type(v) is list and len(v) == d and set(map(type, v)) <= _NUMBERS for v in vectors):
             return None
         with np.errstate(over="ignore"):  # past float32's range: inf, refused below and named the general way
             embedding = np.array(vectors, dtype=np.float64).astype(np.float32)

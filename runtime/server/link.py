@@ -364,7 +364,9 @@ class EngineClient:
                 resolve(g.future, e)
 
         try:
-            if len(group) == 1 or not await self._run_together(group, timeout):
+            if len(group) == 1:  # most under load: no task of its own
+                await alone(group[0])
+            elif not await self._run_together(group, timeout):
                 await asyncio.gather(*(alone(g) for g in group))
         except Exception as e:  # a fault of the link's own: each request's 500, nobody left waiting
             for g in group:
