@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from bench.report import host_speed, write_json
+    from bench.report import against, host_speed, write_json
 
     host_ms = [host_speed()]  # before the runs, and after them: the host's own speed (it varies with its load)
     cache = args.cache or Path(tempfile.mkdtemp(prefix="bench_engine_"))
@@ -411,12 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=200)
     console.print(t)
     if args.baseline is not None:
-        a, b = medians["this checkout"], medians[str(args.baseline)]
-        def ratio(k: str) -> str:  # a short run's CPU can be 0 clock ticks
-            return f"{a[k] / b[k]:.2f}x" if b[k] else "-"
-
-        console.print(f"this checkout / {args.baseline}: {ratio('rps')} requests/s, link CPU per request "
-                      f"{ratio('link_cpu_us')}, engine CPU per request {ratio('process_cpu_us')}")
+        console.print(against(str(args.baseline), medians["this checkout"], medians[str(args.baseline)],
+                              {"rps": "requests/s", "link_cpu_us": "link CPU per request",
+                               "process_cpu_us": "engine CPU per request"}))
     write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "host_speed_ms": host_ms,
                            "results": results})
     return 0

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     import runtime
     from bench.bench_load import request_pool
     from bench.load_wrk import wrk_path
-    from bench.report import host_speed, write_json
+    from bench.report import against, host_speed, write_json
 
     args.wrk = wrk_path(args.wrk)
     if args.wrk is None:
@@ -176,9 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=200)
     console.print(t)
     if args.baseline is not None:
-        a, b = medians["this checkout"], medians[str(args.baseline)]
-        console.print(f"this checkout / {args.baseline}: {a['rps'] / b['rps']:.2f}x requests/s, front-ends' CPU per "
-                      f"request {a['frontend_cpu_ms'] / b['frontend_cpu_ms']:.2f}x")
+        console.print(against(str(args.baseline), medians["this checkout"], medians[str(args.baseline)],
+                              {"rps": "requests/s", "frontend_cpu_ms": "front-ends' CPU per request"}))
     write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "host_speed_ms": host_ms,
                            "results": results})
     return 0

@@ -19,6 +19,14 @@ def write_json(path: str | Path | None, figures) -> None:
         Path(path).write_text(json.dumps(figures, indent=1, default=str))
 
 
+def against(label: str, mine: dict, theirs: dict, figures: dict[str, str]) -> str:
+    """The line comparing this checkout's median run with a baseline's (`label`): for each key of
+    `figures` (a run's figure, and the words it is printed with) their ratio, or "-" where the
+    baseline's is 0 (a short run's CPU can be 0 clock ticks)."""
+    ratios = (f"{mine[k] / theirs[k]:.2f}x" if theirs[k] else "-" for k in figures)
+    return f"this checkout / {label}: " + ", ".join(f"{r} {words}" for r, words in zip(ratios, figures.values()))
+
+
 def host_speed(reps: int = 5) -> float:
     """ms one core of this host takes for a fixed pure-Python workload (dict updates, the best of
     `reps`): a guide to how the interpreter-bound parts of a server compare between two hosts
