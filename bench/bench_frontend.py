@@ -11,10 +11,10 @@ the front-end processes and of the engine process.
 
 --baseline DIR serves the same from another checkout's packages (`git archive REV runtime sidindex
 sidindex_cli schemas pipelines | tar x -C DIR`), first on every process's path, the two
-alternating --runs times on one machine; the median run of each is shown, and their ratio. The
-bodies are `bench_load.request_pool`'s (one request each, distinct); wrk is `bench_load`'s. On a
-2-core machine wrk, the engine and one front-end share the cores: the front-ends' CPU per request
-is the figure to compare, requests/s follows it.
+alternating --runs times on one machine; each one's run of the median front-end CPU a request is
+shown, and their ratio. The bodies are `bench_load.request_pool`'s (one request each, distinct);
+wrk is `bench_load`'s. On a 2-core machine wrk, the engine and one front-end share the cores: the
+front-ends' CPU per request is the figure to compare, requests/s follows it.
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[label].append(one_run(args, root, bodies, code, Path(work)))
     host_ms.append(host_speed())
     t = Table(title=f"the front-ends alone under wrk ({args.workers} front-end(s), {args.connections} connections, "
-                    f"{args.top_k} rows an answer, a stand-in engine of {args.stand_in_ms:g} ms a batch); the median "
-                    f"run; host speed {host_ms[0]:.1f} / {host_ms[1]:.1f} ms before / after")
+                    f"{args.top_k} rows an answer, a stand-in engine of {args.stand_in_ms:g} ms a batch); the run of "
+                    f"the median front-end CPU; host speed {host_ms[0]:.1f} / {host_ms[1]:.1f} ms before / after")
     for c in ("code", "req/s", "p50 ms", "p99 ms", "non-2xx", "front-ends' CPU ms/req", "engine CPU ms/req",
               "runs (req/s)"):
         t.add_column(c, justify="left" if c == "code" else "right")

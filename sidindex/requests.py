@@ -40,7 +40,8 @@ class Requests:
                 column for bitmask, a list of strings for bloom; nulls mean unknown/none): those
                 columns of `table`
     table:      pyarrow.Table, every column as given, extra columns included (a user's scorer reads
-                them, e.g. history token ids)
+                them, e.g. history token ids); its embedding column, where it is already
+                fixed_size_list<float32>, holds `embedding`'s values (`portable` sends it as it is)
     """
 
     source: str
@@ -142,8 +143,11 @@ def _plain_rows(rows: list, spec: TargetingSpec, max_values: int, dim: int | Non
         if d == 0 or (dim is not None and d != dim) or not all(
                 type(v) is list and len(v) == d and set(map(type, v)) <= _NUMBERS for v in vectors):
             return None
-        with np.errstate(over="ignore"):  # past float32's range: inf, refused below and named the general way
-            embedding = np.array(vectors, dtype=np.float64).astype(np.float32)
+        try:
+            with np.errstate(over="ignore"):  # past float32's range: inf, refused below and named the general way
+                embedding = np.array(vectors, dtype=np.float64).astype(np.float32)
+        except OverflowError:  # an int past float64's range
+            return None
         if not np.abs(embedding).max() <= MAX_ABS_EMBEDDING:
             return None
         columns["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(embedding.reshape(-1)), d)

@@ -297,7 +297,8 @@ def _wild(values):
 
 
 _number = st.one_of(st.floats(-2e6, 2e6, width=64), st.integers(-2 * 10**6, 2 * 10**6),
-                    st.sampled_from([1e6, -1e6, 1e39, -1e39, 1e19, float("inf"), float("nan"), True, None, 2**63]))
+                    st.sampled_from([1e6, -1e6, 1e39, -1e39, 1e19, float("inf"), float("nan"), True, None, 2**63,
+                                     10**400]))
 _dict_rows = st.lists(st.fixed_dictionaries(
     {"request_id": _wild(st.integers(-2**63, 2**63 - 1)),
      "country": _wild(st.sampled_from(["US", "", "é中", "XX"])),

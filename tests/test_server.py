@@ -880,6 +880,20 @@ def test_a_json_answer_holds_every_row_exactly_and_no_beam_as_null(writer, monke
     assert _json_body(table.slice(5, 300), "s") == written
 
 
+def test_floats_with_nulls_are_written_as_polars_writes_them(monkeypatch):
+    """A float column with nulls (a user's scorer's value, say) keeps float32's shortest decimal
+    in the spliced answer, byte for byte as polars writes it, a null as null."""
+    from runtime.server import http
+    from runtime.server.http import _json_body
+
+    table = pa.table({"score": pa.array([0.1, None, -np.inf, 3e38, np.nan], pa.float32()),
+                      "value": pa.array([None, 0.1, 1e300, -0.0, 5.0])})
+    monkeypatch.setattr(http, "OFF_LOOP_ROWS", -1)
+    by_polars = _json_body(table, "s")
+    monkeypatch.setattr(http, "OFF_LOOP_ROWS", 10**9)
+    assert _json_body(table, "s") == by_polars and b'"score":0.1,' in by_polars
+
+
 @pytest.mark.parametrize("writer", ["spliced", "polars"])
 def test_a_json_answer_of_any_columns_parses_back_to_its_table(writer, monkeypatch):
     """Columns a user's scorer or a request may bring: strings that hold JSON's and the row

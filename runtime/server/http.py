@@ -1,5 +1,6 @@
-"""`sidindex serve`'s HTTP front: Starlette on uvicorn with httptools and uvloop, orjson (extra
-`sidindex[serve]`), over an engine (`runtime.server.engine_api.EngineApi`) that batches and searches.
+"""`sidindex serve`'s HTTP front: uvicorn with httptools and uvloop, POST /retrieve as a plain ASGI
+callable and the other routes by Starlette, orjson (extra `sidindex[serve]`), over an engine
+(`runtime.server.engine_api.EngineApi`) that batches and searches.
 
 Routes: POST /retrieve (JSON or an Arrow IPC stream in, the same out, naming the snapshot that
 served), GET /healthz, /readyz, /snapshot and /metrics. Each HTTP request's rows are validated on
@@ -43,7 +44,8 @@ SWITCH_INTERVAL_S = 2e-4  # how long a thread waiting for the GIL waits at most 
 
 
 class RetrievalServer:
-    """The HTTP front and its Starlette app (`app`) over `engine` (module doc); `serve` runs it.
+    """The HTTP front and its ASGI app (`app`: POST /retrieve, the rest by Starlette) over `engine`
+    (module doc); `serve` runs it.
 
     engine: the engine in this process (`local`) or an engine process's link; max_body_bytes,
     max_request_rows: the largest request body and the most rows in one; timeout_ms: how long a
@@ -379,13 +381,14 @@ def _json_body(table: pa.Table, snapshot: str) -> bytes:
 
 def _json_values(column: pa.ChunkedArray) -> tuple[list[bytes], bytes]:
     """Each row's value of a column (at least one row) as JSON, and the slot that holds it in
-    the row's object: numbers without nulls, and fixed-size lists of them, written by orjson from
-    numpy at once and split (float32 as its shortest decimal, -inf and NaN as null; a list's
-    brackets are its slot's), anything else value by value."""
+    the row's object: numbers (integers without nulls), and fixed-size lists of them without
+    nulls, written by orjson from numpy at once and split (float32 as its shortest decimal, -inf,
+    NaN and null as null; a list's brackets are its slot's), anything else value by value."""
     t = column.type
-    if column.null_count == 0 and _numbers(t):
-        written = orjson.dumps(np.ascontiguousarray(column.to_numpy()), option=orjson.OPT_SERIALIZE_NUMPY)
-        return written[1:-1].split(b","), b"%b"
+    # floats with nulls too: numpy holds a null as NaN, which orjson writes as null
+    if _numbers(t) and (column.null_count == 0 or pa.types.is_floating(t)):
+        values = np.ascontiguousarray(column.to_numpy(zero_copy_only=False))
+        return orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1].split(b","), b"%b"
     if pa.types.is_fixed_size_list(t) and _numbers(t.value_type):
         lists = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
         flat = lists.values.slice(lists.offset * t.list_size, len(lists) * t.list_size)  # not flatten: 7x its cost
