@@ -164,7 +164,7 @@ def _plain_rows(rows: list, spec: TargetingSpec, max_values: int, dim: int | Non
                    for v in values):
             return None
         columns[name] = pa.array(values, pa.list_(pa.string()))
-    table = pa.Table.from_arrays([columns[n] for n in names], names=names)
+    table = pa.Table.from_arrays([columns[k] for k in names], names=names)
     return Requests(source, request_id, embedding, table.select(list(kinds)), table)
 
 
@@ -180,8 +180,8 @@ def portable(requests: Requests, spec: TargetingSpec | None = None) -> pa.Table:
     t = requests.table
     schema = t.schema  # each column below changes alone, so the others' types hold
     i = schema.get_field_index("request_id")
-    given = t.column(i)  # kept when it holds the ids already (dicts' rows: `_plain_rows`)
-    if not (given.type == pa.int64() and np.array_equal(given.to_numpy(), requests.request_id)):
+    ids = t.column(i)  # kept when it holds the ids already (dicts' rows: `_plain_rows`)
+    if not (ids.type == pa.int64() and np.array_equal(ids.to_numpy(), requests.request_id)):
         t = t.set_column(i, "request_id", pa.array(requests.request_id))
     if requests.embedding is not None:
         emb = requests.embedding
