@@ -150,7 +150,7 @@ def _plain_rows(rows: list, spec: TargetingSpec, max_values: int, dim: int | Non
             return None
         if not np.abs(embedding).max() <= MAX_ABS_EMBEDDING:
             return None
-        columns["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(embedding.reshape(-1)), d)
+        columns["embedding"] = _vectors(embedding)
     ones = [a for a, one in kinds.items() if one]
     values = [r.get(a) for a in ones for r in rows]  # every one-value attribute's, one after another
     if not all(v is None or type(v) is str for v in values):
@@ -187,7 +187,7 @@ def portable(requests: Requests, spec: TargetingSpec | None = None) -> pa.Table:
         emb = requests.embedding
         i = schema.get_field_index("embedding")
         if schema.field(i).type != pa.list_(pa.float32(), emb.shape[1]):  # else its values are the validated ones
-            t = t.set_column(i, "embedding", pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1]))
+            t = t.set_column(i, "embedding", _vectors(emb))
     for a in spec.attributes if spec is not None else ():
         i = schema.get_field_index(a.name)
         given = schema.field(i).type
@@ -222,11 +222,22 @@ def from_portable(table: pa.Table, spec: TargetingSpec, source: str) -> Requests
     request_id = table.column("request_id").to_numpy()
     embedding = None
     if "embedding" in table.column_names:
-        col = table.column("embedding")
-        arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
-        d = arr.type.list_size
-        embedding = arr.values.slice(arr.offset * d, len(arr) * d).to_numpy().reshape(len(arr), d)
+        arr, values = fixed_values(table.column("embedding"))
+        embedding = values.to_numpy().reshape(len(arr), arr.type.list_size)
     return Requests(source, request_id, embedding, table.select([a.name for a in spec.attributes]), table)
+
+
+def fixed_values(column: pa.ChunkedArray) -> tuple[pa.FixedSizeListArray, pa.Array]:
+    """A fixed_size_list<D> column as one array, and its rows' values, len * D of them (what
+    `flatten` gives, without its cost: a slice's offset counts rows, not values)."""
+    arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    d = arr.type.list_size
+    return arr, arr.values.slice(arr.offset * d, len(arr) * d)
+
+
+def _vectors(x: np.ndarray) -> pa.FixedSizeListArray:
+    """(B, D) -> a fixed_size_list<D> column of its rows."""
+    return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
 
 
 def as_table(data: Any, source: str) -> pa.Table:
@@ -406,11 +417,11 @@ def _embedding(col: pa.ChunkedArray, size: int | None, dim: int | None) -> np.nd
     type was checked (`_Checks.of`), size: its length when the type fixes it."""
     if col.null_count:
         return None
-    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     if size is not None:
+        arr, values = fixed_values(col)
         d = size
-        values = arr.values.slice(arr.offset * d, len(arr) * d)  # what flatten gives, without its cost
     else:
+        arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
         offsets = _list_offsets(arr)
         lengths = pc.list_value_length(arr).to_numpy() if offsets is None else offsets[1:] - offsets[:-1]
         d = int(lengths[0])

@@ -29,7 +29,7 @@ import pyarrow as pa
 from runtime.server.engine_api import EngineApi, Refused, Target, arrow_stream, read_stream, stopping
 from runtime.server.metrics import HttpMetrics, exposition
 from sidindex.errors import InputError, SidIndexError
-from sidindex.requests import Requests, requests_from
+from sidindex.requests import Requests, fixed_values, requests_from
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 MAX_BODY_BYTES = 16 << 20  # the largest request body
@@ -390,8 +390,7 @@ def _json_values(column: pa.ChunkedArray) -> tuple[list[bytes], bytes]:
         values = np.ascontiguousarray(column.to_numpy(zero_copy_only=False))
         return orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1].split(b","), b"%b"
     if pa.types.is_fixed_size_list(t) and _numbers(t.value_type):
-        lists = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-        flat = lists.values.slice(lists.offset * t.list_size, len(lists) * t.list_size)  # not flatten: 7x its cost
+        lists, flat = fixed_values(column)  # not flatten: 7x its cost
         if lists.null_count == 0 and flat.null_count == 0:
             grid = np.ascontiguousarray(flat.to_numpy().reshape(len(lists), t.list_size))
             return orjson.dumps(grid, option=orjson.OPT_SERIALIZE_NUMPY)[2:-2].split(b"],["), b"[%b]"
