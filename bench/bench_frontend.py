@@ -34,7 +34,7 @@ if __package__ in (None, ""):
 if os.environ.get("SIDINDEX_BENCH_TREE"):  # a server measuring another checkout imports its packages
     sys.path.insert(0, os.environ["SIDINDEX_BENCH_TREE"])
 
-from bench.bench_engine import REPO, cpu_seconds, sample_root, stand_in  # noqa: E402
+from bench.bench_engine import REPO, sample_root, stand_in  # noqa: E402
 
 
 def server(args) -> None:
@@ -55,6 +55,7 @@ def one_run(args, root: Path, bodies: list[bytes], code: Path | None, work: Path
     CPU per request of its front-ends and of its engine over wrk's run."""
     from bench.bench_load import free_port
     from bench.load_wrk import run_wrk
+    from bench.profile_server import processes_cpu
 
     tree = str((code or REPO).resolve())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]),
@@ -67,13 +68,13 @@ def one_run(args, root: Path, bodies: list[bytes], code: Path | None, work: Path
     # its own directory: `python -m` puts the working directory first on a front-end's path
     proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=subprocess.DEVNULL)
     try:
-        fronts = ready(proc, port, args.workers)
+        ready(proc, port, args.workers)
         run_wrk(args.wrk, f"http://127.0.0.1:{port}/retrieve", bodies, connections=args.connections,
                 threads=args.wrk_threads, seconds=1, work=work)  # warm: every front-end's first answers
-        before = {p: cpu_seconds(f"/proc/{p}/stat") for p in [proc.pid, *fronts]}
+        before = processes_cpu(proc.pid)  # the engine's ("engine") and each front-end's
         figures = run_wrk(args.wrk, f"http://127.0.0.1:{port}/retrieve", bodies, connections=args.connections,
                           threads=args.wrk_threads, seconds=args.seconds, work=work)
-        used = {p: cpu_seconds(f"/proc/{p}/stat") - c for p, c in before.items()}
+        used = {p: c - before[p] for p, c in processes_cpu(proc.pid).items() if p in before}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -82,23 +83,23 @@ def one_run(args, root: Path, bodies: list[bytes], code: Path | None, work: Path
             proc.kill()
             proc.wait()
     n = max(figures["requests"] or 0, 1)
-    return figures | {"frontend_cpu_ms": sum(used[p] for p in fronts) / n * 1e3,
-                      "engine_cpu_ms": used[proc.pid] / n * 1e3, "code": tree}
+    return figures | {"frontend_cpu_ms": sum(c for p, c in used.items() if p != "engine") / n * 1e3,
+                      "engine_cpu_ms": used["engine"] / n * 1e3, "code": tree}
 
 
-def ready(proc: subprocess.Popen, port: int, workers: int, timeout: float = 300.0) -> list[int]:
-    """The pids of the server's `workers` front-ends once it answers /readyz."""
+def ready(proc: subprocess.Popen, port: int, workers: int, timeout: float = 300.0) -> None:
+    """Wait until the server answers /readyz with its `workers` front-ends started (RuntimeError if
+    it exits first or takes `timeout` seconds)."""
+    from bench.profile_server import front_ends
+
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited {proc.returncode} before it was ready")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
-                children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-                fronts = [int(c) for c in children
-                          if b"runtime.server.frontend" in Path(f"/proc/{c}/cmdline").read_bytes()]
-                if r.status == 200 and len(fronts) == workers:
-                    return fronts
+                if r.status == 200 and len(front_ends(proc.pid)) == workers:
+                    return
         except OSError:
             pass
         time.sleep(0.2)
