@@ -5,6 +5,7 @@ encode and search + post time within it), and the functions the engine's threads
 
     python bench/profile_server.py --device cuda --ads 1000000 --workers 8 --cache /data/bench
     python bench/profile_server.py --device cuda --baseline .baseline ...   # another checkout beside
+    python bench/profile_server.py --device cuda --curve 32,256,512 ...      # and at other connections
 
 --baseline DIR serves a second time from the packages under DIR (another checkout's runtime,
 sidindex, sidindex_cli and schemas, put first on PYTHONPATH), in the same run, on the same
@@ -209,13 +210,7 @@ def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wr
         out["wrk"] = run_wrk(wrk, server.url, bodies, connections=args.connections, threads=args.wrk_threads,
                              seconds=args.seconds, work=work)
         spread.join()
-        spent = {k: v - cpu.get(k, 0.0) for k, v in processes_cpu(server.proc.pid).items()}
-        elapsed = time.monotonic() - began
-        w = out["wrk"]
-        answered = max(w.get("requests", 0) - w.get("non_2xx", 0), 1)
-        out["cpu_ms_per_request"] = {"engine": spent.pop("engine", 0.0) / answered * 1e3,
-                                     "front-ends": sum(spent.values()) / answered * 1e3,
-                                     "busiest front-end busy": max(spent.values(), default=0.0) / elapsed}
+        out["cpu_ms_per_request"] = cpu_per_request(server, cpu, began, out["wrk"])
         for s in spies:
             if s is not None:
                 _, err = s.communicate(timeout=60)
@@ -223,9 +218,33 @@ def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wr
                     out.setdefault("spy_errors", []).append(err.decode(errors="replace")[-300:])
         out["engine"] = engine_figures(before, server.get("/metrics"), server.get("/snapshot")["counters"])
         out["gil"], out["idle"] = stacks(held), stacks(every)
+        out["curve"] = [loaded(server, wrk, bodies, work, args, c) for c in args.curve]
     finally:
         out["exit"] = server.stop()
     return out
+
+
+def cpu_per_request(server: Server, cpu: dict[str, float], began: float, w: dict) -> dict[str, float]:
+    """The CPU ms a request answered by wrk's run `w` took in the engine process and in the
+    front-ends since `cpu` (`processes_cpu`) was read at `began`, and how busy the busiest
+    front-end was."""
+    spent = {k: v - cpu.get(k, 0.0) for k, v in processes_cpu(server.proc.pid).items()}
+    elapsed = time.monotonic() - began
+    answered = max(w.get("requests", 0) - w.get("non_2xx", 0), 1)
+    return {"engine": spent.pop("engine", 0.0) / answered * 1e3, "front-ends": sum(spent.values()) / answered * 1e3,
+            "busiest front-end busy": max(spent.values(), default=0.0) / elapsed}
+
+
+def loaded(server: Server, wrk: str, bodies: list[bytes], work: Path, args, connections: int) -> dict:
+    """One more wrk run of --seconds at `connections` on the warm server, without py-spy: wrk's
+    figures, the engine's batches and the CPU a request (a point of the requests/s-latency curve:
+    where more connections stop adding requests/s, the server is bound by what it can do, not by
+    the latency of a closed loop)."""
+    before, cpu, began = server.get("/metrics"), processes_cpu(server.proc.pid), time.monotonic()
+    w = run_wrk(wrk, server.url, bodies, connections=connections, threads=min(args.wrk_threads, connections),
+                seconds=args.seconds, work=work)
+    return {"connections": connections, "wrk": w, "cpu_ms_per_request": cpu_per_request(server, cpu, began, w),
+            "engine": engine_figures(before, server.get("/metrics"), server.get("/snapshot")["counters"])}
 
 
 def report(results: list[dict], host_ms: list[float]) -> None:
@@ -258,6 +277,19 @@ def report(results: list[dict], host_ms: list[float]) -> None:
                           f"{c['front-ends']:.2f} (the busiest front-end {c['busiest front-end busy']:.0%} busy)")
         if r.get("connections"):
             console.print(f"{r['label']}: connections each front-end held, most first: {r['connections']}")
+    if any(r.get("curve") for r in results):
+        c = Table(title="the same servers at other numbers of wrk connections (no py-spy)")
+        for name in ("server", "connections", "req/s", "p50 ms", "p99 ms", "non-2xx", "rows/batch", "queue wait ms",
+                     "batch ms", "engine CPU ms", "front-ends CPU ms", "busiest front-end"):
+            c.add_column(name, justify="left" if name == "server" else "right")
+        for r in results:
+            for point in r.get("curve", []):
+                w, e, u = point["wrk"], point["engine"], point["cpu_ms_per_request"]
+                c.add_row(r["label"], str(point["connections"]), f"{w.get('rps', 0):,.0f}", f"{w.get('p50_ms', 0):.1f}",
+                          f"{w.get('p99_ms', 0):.1f}", str(w.get("non_2xx", "")), f"{e['rows_per_batch']:.1f}",
+                          f"{e['queue_wait_ms']:.2f}", f"{e['batch_ms']:.2f}", f"{u['engine']:.2f}",
+                          f"{u['front-ends']:.2f}", f"{u['busiest front-end busy']:.0%}")
+        console.print(c)
     if len(results) == 2 and results[0].get("wrk") and results[1].get("wrk"):
         console.print(f"{results[0]['label']} / {results[1]['label']}: "
                       f"{results[0]['wrk']['rps'] / max(results[1]['wrk']['rps'], 1e-9):.2f}x requests/s")
@@ -282,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--connections", type=int, default=64)
+    ap.add_argument("--curve", type=lambda v: [int(c) for c in v.split(",") if c], default=[],
+                    help="comma-separated numbers of connections, each one more wrk run of --seconds on each "
+                         "server after the profiled one (a requests/s-latency curve)")
     ap.add_argument("--wrk-threads", type=int, default=4)
     ap.add_argument("--wrk", default=None)
     ap.add_argument("--pool", type=int, default=1024)

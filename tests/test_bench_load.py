@@ -133,12 +133,15 @@ def test_a_near_tie_is_told_from_a_wrong_answer():
 
 def baseline_copy(where: Path, marker: bool = False) -> Path:
     """This checkout's packages copied to `where`, as `git archive` gives a baseline; marker: its
-    /healthz answers with the header X-Bench-Tree: baseline, so a test can tell which code serves."""
+    /healthz answers with the header X-Bench-Tree: baseline, so a test can tell which code serves.
+    Their __pycache__ folders come along: numba's caches there hold for the copy (a file's stamp
+    is its size and time, which the copy keeps), and without them its processes compiled every
+    kernel again, about 50 s of a test on a 2-core host."""
     import shutil
 
     repo = Path(bl.__file__).resolve().parents[1]
     for package in ("runtime", "sidindex", "sidindex_cli", "schemas", "pipelines"):
-        shutil.copytree(repo / package, where / package, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(repo / package, where / package)
     if marker:
         http = where / "runtime" / "server" / "http.py"
         text = http.read_text()
