@@ -56,7 +56,10 @@ def requests_part(r: Retrieved, lo: int, hi: int) -> Retrieved:
 
 
 def concat(parts: list[tuple[int, Retrieved]]) -> Retrieved:
-    """Batches -> one result; request rows shifted to the whole table's."""
+    """Batches -> one result; request rows shifted to the whole table's (one batch from request 0:
+    itself, not a copy)."""
+    if len(parts) == 1 and parts[0][0] == 0:
+        return parts[0][1]
     out: dict[str, Any] = {}
     for name in vars(parts[0][1]):
         vals = [getattr(p, name) for _, p in parts]

@@ -74,6 +74,16 @@ class Requests:
         return Requests(self.source, np.arange(len(rows), dtype=np.int64), emb, table.select(self.columns.column_names),
                         table)
 
+    def padded(self, size: int) -> Requests:
+        """The requests, then copies of the last one up to `size` rows in all, numbered 0..size-1
+        (a batch grown to a captured batch size): slices of the last row put together, a third
+        of what `taken`'s gather of every column costs."""
+        n = len(self)
+        emb = None if self.embedding is None else self.embedding[np.minimum(np.arange(size), n - 1)]
+        table = pa.concat_tables([self.table, *[self.table.slice(n - 1, 1)] * (size - n)]).combine_chunks()
+        return Requests(self.source, np.arange(size, dtype=np.int64), emb, table.select(self.columns.column_names),
+                        table)
+
     def renumbered(self) -> Requests:
         """The same requests numbered 0..B-1 (a batch of several clients' requests, whose ids may clash)."""
         return replace(self, request_id=np.arange(len(self), dtype=np.int64))

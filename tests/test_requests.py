@@ -141,6 +141,23 @@ def test_encoding_equals_the_contract_in_every_form(rows, form, slice_at):
     assert enc.arena is arena or len(arena) < 64
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=request_rows, form=st.sampled_from(FORMS), slice_at=st.integers(0, 3), more=st.integers(0, 9))
+def test_a_padded_batch_is_its_requests_then_its_last_repeated(rows, form, slice_at, more):
+    """`Requests.padded` (a batch grown to a captured size) holds what gathering the rows
+    0..n-1, n-1, n-1, ... gives, column by column and type by type, numbered anew, and encodes
+    as the contract says for those rows."""
+    reqs = requests_from(as_form(rows, form, slice_at), SPEC)
+    n, size = len(reqs), len(reqs) + more
+    want = reqs.taken(np.minimum(np.arange(size), n - 1))
+    got = reqs.padded(size)
+    np.testing.assert_array_equal(got.request_id, np.arange(size))
+    np.testing.assert_array_equal(got.embedding, want.embedding)
+    assert got.table.equals(want.table) and got.table.schema.equals(want.table.schema)
+    assert got.columns.equals(want.columns) and got.columns.column_names == reqs.columns.column_names
+    check_encoding(encode_requests(got, SPEC), rows + [rows[-1]] * more, SPEC, want.embedding)
+
+
 @settings(max_examples=30, deadline=None)
 @given(rows=request_rows, lo=st.integers(0, 5))
 def test_the_device_form_is_one_copy_that_equals_the_arrays(rows, lo):

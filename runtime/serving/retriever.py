@@ -320,7 +320,7 @@ class Retriever:
         size = next(b for b in self.batch_sizes if b >= n)
         if size == n:
             return reqs
-        return reqs.taken(np.minimum(np.arange(size), n - 1))
+        return reqs.padded(size)
 
     def _validated(self, data, index: ServedIndex, source: str) -> Requests:
         return data if isinstance(data, Requests) else requests_from(data, index, source=source)
