@@ -48,6 +48,8 @@ if __package__ in (None, ""):
 if os.environ.get("SIDINDEX_BENCH_TREE"):  # a child measuring another checkout imports its packages
     sys.path.insert(0, os.environ["SIDINDEX_BENCH_TREE"])
 
+from bench.report import checkout  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -349,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stand-in-ms", type=float, default=None, help="replace the search by a stand-in for a "
                     "device's batch taking this long without the GIL (two at a time, top_k rows a request): the "
                     "engine's own ceiling, on any machine")
-    ap.add_argument("--baseline", type=Path, default=None)
+    ap.add_argument("--baseline", type=checkout, default=None)
     ap.add_argument("--switch-intervals", type=lambda v: [float(x) for x in v.split(",")], default=[],
                     help="also run this checkout's engine with each of these GIL switch intervals (seconds, "
                          "comma-separated; `sidindex serve` sets runtime.server.http.SWITCH_INTERVAL_S), alternating")

@@ -35,6 +35,7 @@ if os.environ.get("SIDINDEX_BENCH_TREE"):  # a server measuring another checkout
     sys.path.insert(0, os.environ["SIDINDEX_BENCH_TREE"])
 
 from bench.bench_engine import REPO, sample_root, stand_in  # noqa: E402
+from bench.report import checkout  # noqa: E402
 
 
 def server(args) -> None:
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool", type=int, default=256, help="distinct request bodies")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--runs", type=int, default=1)
-    ap.add_argument("--baseline", type=Path, default=None, help="another checkout's packages, alternating")
+    ap.add_argument("--baseline", type=checkout, default=None, help="another checkout's packages, alternating")
     ap.add_argument("--wrk", default=None, help="the wrk to run (default: wrk on PATH)")
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)

@@ -156,11 +156,23 @@ if [ "$mode" = "bench" ] || [ "$mode" = "all" ]; then
     python3 bench/request_walk.py --device cuda --ads "$ads" --cache "$cache" > "$out/walk.txt" || status=1
 fi
 if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ] || [ "$mode" = "engine" ]; then
-    # where the engine process's time goes under wrk (py-spy from .whl3/, when it came), against the
-    # packages of .baseline/ (another checkout's, `git archive REV runtime sidindex sidindex_cli schemas
-    # pipelines | tar x -C .baseline`) served on the same catalog in the same run, when it came
+    # where the engine process's time goes under wrk (py-spy from .whl3/, when it came), against
+    # another checkout's packages served on the same catalog in the same run, when they came: those
+    # of $BASELINE, else of .baseline itself or of the one checkout under it (`git archive REV runtime
+    # sidindex sidindex_cli schemas pipelines | tar x -C .baseline/REV`); with several, name one
+    base="${BASELINE:-}"
+    if [ -z "$base" ] && [ -f .baseline/runtime/__init__.py ]; then
+        base=.baseline
+    elif [ -z "$base" ]; then
+        found=(.baseline/*/runtime/__init__.py)
+        if [ "${#found[@]}" -eq 1 ] && [ -f "${found[0]}" ]; then
+            base="$(dirname "$(dirname "${found[0]}")")"
+        elif [ -f "${found[0]}" ]; then
+            echo "gpu_check: several checkouts under .baseline; BASELINE=.baseline/REV picks one (none used)" >&2
+        fi
+    fi
     baseline=()
-    [ -d .baseline ] && baseline=(--baseline .baseline)
+    [ -n "$base" ] && baseline=(--baseline "$base")
     python3 bench/profile_server.py --device cuda --ads "$ads" --workers 8 --seconds 10 "${baseline[@]}" \
         --cache "$cache" --json "$out/profile_server.json" || status=1
     # the engine alone through its link (no HTTP): requests/s, the link's and the process's CPU per request

@@ -45,7 +45,7 @@ from bench.bench_load import (
     working_root,
 )
 from bench.load_wrk import run_wrk, wrk_path
-from bench.report import host_speed, write_json
+from bench.report import checkout, host_speed, write_json
 
 TOP = 24  # functions per thread in the table
 OURS = ("runtime/", "sidindex/", "sidindex_cli/", "schemas/")  # py-spy names these files from the repository
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wrk-threads", type=int, default=4)
     ap.add_argument("--wrk", default=None)
     ap.add_argument("--pool", type=int, default=1024)
-    ap.add_argument("--baseline", type=Path, default=None, help="another checkout's packages, served beside")
+    ap.add_argument("--baseline", type=checkout, default=None, help="another checkout's packages, served beside")
     args = ap.parse_args(argv)
     why = resolve_server_arguments(args)
     if why is not None:

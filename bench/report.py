@@ -27,6 +27,27 @@ def against(label: str, mine: dict, theirs: dict, figures: dict[str, str]) -> st
     return f"this checkout / {label}: " + ", ".join(f"{r} {words}" for r, words in zip(ratios, figures.values()))
 
 
+PACKAGES = ("runtime", "sidindex", "sidindex_cli", "schemas", "pipelines")  # what a baseline checkout holds
+
+
+def checkout(path: str) -> Path:
+    """An argparse type for --baseline DIR: DIR, when it holds another checkout's packages (`git
+    archive REV runtime sidindex sidindex_cli schemas pipelines | tar x -C DIR`); otherwise
+    argparse's error. A folder without them would put nothing first on the path, and the
+    "baseline" would silently run this checkout's code."""
+    import argparse
+
+    folder = Path(path)
+    missing = [p for p in PACKAGES[:2] if not (folder / p / "__init__.py").is_file()]
+    if missing:
+        inside = sorted(str(d) for d in folder.glob("*/runtime/__init__.py"))
+        hint = f" (it holds checkouts: {', '.join(str(Path(d).parents[1]) for d in inside)})" if inside else ""
+        raise argparse.ArgumentTypeError(
+            f"{path} holds no {' or '.join(p + '/' for p in missing)} package{hint}: give a folder that "
+            f"`git archive REV {' '.join(PACKAGES)} | tar x -C DIR` filled")
+    return folder
+
+
 def host_speed(reps: int = 5) -> float:
     """ms one core of this host takes for a fixed pure-Python workload (dict updates, the best of
     `reps`): a guide to how the interpreter-bound parts of a server compare between two hosts

@@ -1,6 +1,7 @@
 """Benchmark helpers a reported figure depends on: the SID benchmark compares against faiss RQ
 only after unpacking its bit-packed codes; the search benchmark's floor counts what a step reads;
-the request walk counts a module each time another one calls into it."""
+the request walk counts a module each time another one calls into it; an A/B benchmark runs
+another checkout's code, or refuses a --baseline that holds none."""
 
 import faiss
 import numpy as np
@@ -66,3 +67,26 @@ def test_the_walk_counts_a_module_each_time_another_calls_into_it():
     # dataclass's generated methods count as its class's module): each module entered from another
     assert walk(sample_spec) == ["sidindex.sample", "sidindex.matchers.attribute", "sidindex.targeting",
                                  "sidindex.matchers.attribute"]
+
+
+def test_a_baseline_without_a_checkouts_packages_is_refused_before_anything_runs(tmp_path, capsys):
+    """--baseline DIR of the A/B benchmarks: a folder holding checkouts rather than one (as
+    .baseline/REV/ are kept) would put no package first on the path, and the "baseline" would
+    run this checkout's code; it is refused in one line naming what it holds."""
+    import pytest
+
+    from bench import bench_engine, bench_frontend, profile_server
+    from bench.report import PACKAGES, checkout
+
+    (tmp_path / "abc1234" / "runtime").mkdir(parents=True)
+    (tmp_path / "abc1234" / "runtime" / "__init__.py").touch()
+    (tmp_path / "abc1234" / "sidindex").mkdir()
+    (tmp_path / "abc1234" / "sidindex" / "__init__.py").touch()
+    assert checkout(str(tmp_path / "abc1234")) == tmp_path / "abc1234"
+    for main in (bench_engine.main, bench_frontend.main, profile_server.main):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--baseline", str(tmp_path)])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"{tmp_path} holds no runtime/ or sidindex/ package" in err and str(tmp_path / "abc1234") in err
+        assert " ".join(PACKAGES) in err

@@ -25,6 +25,7 @@ from bench import bench_stream as bs  # noqa: E402
 from bench.load_check import Checker, difference  # noqa: E402
 from bench.load_clients import parse_answers  # noqa: E402
 from bench.profile_server import connections  # noqa: E402
+from bench.report import PACKAGES  # noqa: E402
 from sidindex.root import Root  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 
@@ -140,7 +141,7 @@ def baseline_copy(where: Path, marker: bool = False) -> Path:
     import shutil
 
     repo = Path(bl.__file__).resolve().parents[1]
-    for package in ("runtime", "sidindex", "sidindex_cli", "schemas", "pipelines"):
+    for package in PACKAGES:
         shutil.copytree(repo / package, where / package)
     if marker:
         http = where / "runtime" / "server" / "http.py"
