@@ -21,8 +21,9 @@
 #                                          # under wrk, py-spy from .whl3/; bench_engine: the engine
 #                                          # through its link; bench_batched: 64 requests a call; bench_load:
 #                                          # process models and wrk, the large request) and profile_serving
-#   bash bench/gpu_check.sh engine [ADS]   # profile_server and bench_engine against .baseline, then
-#                                          # bench_load's steady scenario, --workers 8, with wrk (~5 min)
+#   bash bench/gpu_check.sh engine [ADS]   # profile_server (and its curve) and bench_engine against the
+#                                          # baseline (BASELINE, or the one checkout of .baseline/), then
+#                                          # bench_load's steady scenario, --workers 8, with wrk (~8 min)
 #   bash bench/gpu_check.sh batched [ADS]  # bench_batched: 64 requests a call over Flight and Arrow over
 #                                          # HTTP against the Retriever's own, every answer checked (default
 #                                          # 1000000 ads)
@@ -173,7 +174,10 @@ if [ "$mode" = "bench" ] || [ "$mode" = "all" ] || [ "$mode" = "serve" ] || [ "$
     fi
     baseline=()
     [ -n "$base" ] && baseline=(--baseline "$base")
-    python3 bench/profile_server.py --device cuda --ads "$ads" --workers 8 --seconds 10 "${baseline[@]}" \
+    # the host's default front-ends (its cores less two) at 128 connections, then at 64, 256 and 512:
+    # where more connections stop adding requests/s, the server, not wrk's closed loop, bounds it
+    python3 bench/profile_server.py --device cuda --ads "$ads" --workers 14 --connections 128 --curve 64,256,512 \
+        --seconds 10 "${baseline[@]}" \
         --cache "$cache" --json "$out/profile_server.json" || status=1
     # the engine alone through its link (no HTTP): requests/s, the link's and the process's CPU per request
     # (four client processes: one, near fully busy, bounded what it measured)
