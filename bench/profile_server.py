@@ -48,6 +48,7 @@ from bench.load_wrk import run_wrk, wrk_path
 from bench.report import checkout, host_speed, write_json
 
 TOP = 24  # functions per thread in the table
+SPY_RATE = 200  # py-spy's samples a second
 OURS = ("runtime/", "sidindex/", "sidindex_cli/", "schemas/")  # py-spy names these files from the repository
 
 
@@ -56,9 +57,14 @@ def spy(pid: int, seconds: float, out: Path, *flags: str) -> subprocess.Popen | 
     exe = shutil.which("py-spy")
     if exe is None:
         return None
-    return subprocess.Popen([exe, "record", "-p", str(pid), "-d", str(max(1, round(seconds))), "-r", "200",
+    return subprocess.Popen([exe, "record", "-p", str(pid), "-d", str(spy_seconds(seconds)), "-r", str(SPY_RATE),
                              "--nonblocking", "-f", "raw", "-o", str(out), *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def spy_seconds(seconds: float) -> int:
+    """The whole seconds a py-spy recording of about `seconds` lasts."""
+    return max(1, round(seconds))
 
 
 def _thread(frames: list[str]) -> str:
@@ -201,6 +207,7 @@ def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wr
                 work=work)  # every batch size's graph replayed once before the clock
         before, cpu, began = server.get("/metrics"), processes_cpu(server.proc.pid), time.monotonic()
         held, every = work / f"{name}-gil.txt", work / f"{name}-idle.txt"
+        out["spy_ticks"] = SPY_RATE * spy_seconds(args.seconds - 2)  # the most samples a recording holds
         spies = [spy(server.proc.pid, args.seconds - 2, held, "--gil"),
                  spy(server.proc.pid, args.seconds - 2, every, "--idle", "--threads")]
         # halfway through wrk's run: the connections each front-end holds
@@ -218,7 +225,12 @@ def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wr
                     out.setdefault("spy_errors", []).append(err.decode(errors="replace")[-300:])
         out["engine"] = engine_figures(before, server.get("/metrics"), server.get("/snapshot")["counters"])
         out["gil"], out["idle"] = stacks(held), stacks(every)
-        out["curve"] = [loaded(server, wrk, bodies, work, args, c) for c in args.curve]
+        out["curve"] = []
+        for c in args.curve:  # a point that fails is noted: the figures above stand
+            try:
+                out["curve"].append(loaded(server, wrk, bodies, work, args, c))
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                out["curve"].append({"connections": c, "error": str(e).splitlines()[0] if str(e) else type(e).__name__})
     finally:
         out["exit"] = server.stop()
     return out
@@ -245,6 +257,19 @@ def loaded(server: Server, wrk: str, bodies: list[bytes], work: Path, args, conn
                 seconds=args.seconds, work=work)
     return {"connections": connections, "wrk": w, "cpu_ms_per_request": cpu_per_request(server, cpu, began, w),
             "engine": engine_figures(before, server.get("/metrics"), server.get("/snapshot")["counters"])}
+
+
+def connection_counts(text: str) -> list[int]:
+    """An argparse type for --curve: comma-separated numbers of connections, each at least 1."""
+    import argparse
+
+    try:
+        counts = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give numbers of connections, each at least 1, e.g. 64,256,512")
+    return counts
 
 
 def report(results: list[dict], host_ms: list[float]) -> None:
@@ -284,6 +309,9 @@ def report(results: list[dict], host_ms: list[float]) -> None:
             c.add_column(name, justify="left" if name == "server" else "right")
         for r in results:
             for point in r.get("curve", []):
+                if "error" in point:
+                    c.add_row(r["label"], str(point["connections"]), f"failed: {point['error']}")
+                    continue
                 w, e, u = point["wrk"], point["engine"], point["cpu_ms_per_request"]
                 c.add_row(r["label"], str(point["connections"]), f"{w.get('rps', 0):,.0f}", f"{w.get('p50_ms', 0):.1f}",
                           f"{w.get('p99_ms', 0):.1f}", str(w.get("non_2xx", "")), f"{e['rows_per_batch']:.1f}",
@@ -298,7 +326,10 @@ def report(results: list[dict], host_ms: list[float]) -> None:
             s = r.get(kind)
             if not s or not s["samples"]:
                 continue
-            console.print(f"\n[bold]{r['label']}, engine process, py-spy --{kind}[/bold]: {s['samples']:,} samples")
+            held = f" of {r['spy_ticks']:,} ticks: the GIL held {s['samples'] / r['spy_ticks']:.0%} of the time" \
+                if kind == "gil" and r.get("spy_ticks") else ""
+            console.print(f"\n[bold]{r['label']}, engine process, py-spy --{kind}[/bold]: {s['samples']:,} samples"
+                          + held)
             for thread, t in s["threads"].items():
                 console.print(f"  {thread}: {t['samples'] / s['samples']:.1%} of the samples; stacks end in "
                               + ", ".join(f"{k} {n / t['samples']:.0%}" for k, n in t["ends"]), highlight=False)
@@ -314,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--connections", type=int, default=64)
-    ap.add_argument("--curve", type=lambda v: [int(c) for c in v.split(",") if c], default=[],
+    ap.add_argument("--curve", type=connection_counts, default=[],
                     help="comma-separated numbers of connections, each one more wrk run of --seconds on each "
                          "server after the profiled one (a requests/s-latency curve)")
     ap.add_argument("--wrk-threads", type=int, default=4)

@@ -38,6 +38,8 @@ def checkout(path: str) -> Path:
     import argparse
 
     folder = Path(path)
+    if folder.resolve() == Path(__file__).resolve().parents[1]:
+        raise argparse.ArgumentTypeError(f"{path!r} is this checkout: give another checkout's packages")
     missing = [p for p in PACKAGES[:2] if not (folder / p / "__init__.py").is_file()]
     if missing:
         inside = sorted(str(d) for d in folder.glob("*/runtime/__init__.py"))

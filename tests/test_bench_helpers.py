@@ -3,6 +3,9 @@ only after unpacking its bit-packed codes; the search benchmark's floor counts w
 the request walk counts a module each time another one calls into it; an A/B benchmark runs
 another checkout's code, or refuses a --baseline that holds none."""
 
+import argparse
+from pathlib import Path
+
 import faiss
 import numpy as np
 import torch
@@ -69,7 +72,7 @@ def test_the_walk_counts_a_module_each_time_another_calls_into_it():
                                  "sidindex.matchers.attribute"]
 
 
-def test_a_baseline_without_a_checkouts_packages_is_refused_before_anything_runs(tmp_path, capsys):
+def test_a_baseline_without_a_checkouts_packages_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
     """--baseline DIR of the A/B benchmarks: a folder holding checkouts rather than one (as
     .baseline/REV/ are kept) would put no package first on the path, and the "baseline" would
     run this checkout's code; it is refused in one line naming what it holds."""
@@ -83,6 +86,11 @@ def test_a_baseline_without_a_checkouts_packages_is_refused_before_anything_runs
     (tmp_path / "abc1234" / "sidindex").mkdir()
     (tmp_path / "abc1234" / "sidindex" / "__init__.py").touch()
     assert checkout(str(tmp_path / "abc1234")) == tmp_path / "abc1234"
+    repo = Path(profile_server.__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    for this in (str(repo), ".", ""):  # this checkout itself is no baseline, however it is named
+        with pytest.raises(argparse.ArgumentTypeError, match="is this checkout"):
+            checkout(this)
     for main in (bench_engine.main, bench_frontend.main, profile_server.main):
         with pytest.raises(SystemExit) as exit_:
             main(["--baseline", str(tmp_path)])
@@ -90,3 +98,16 @@ def test_a_baseline_without_a_checkouts_packages_is_refused_before_anything_runs
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert f"{tmp_path} holds no runtime/ or sidindex/ package" in err and str(tmp_path / "abc1234") in err
         assert " ".join(PACKAGES) in err
+
+
+def test_the_curve_takes_numbers_of_connections_of_at_least_one():
+    """profile_server --curve: each point one wrk run; wrk refuses 0 connections only after the
+    profiled run's figures were taken, so a bad point is refused before anything runs."""
+    import pytest
+
+    from bench.profile_server import connection_counts
+
+    assert connection_counts("64, 256,,512") == [64, 256, 512]
+    for bad in ("0", "64,-5", "x", "", ","):
+        with pytest.raises(argparse.ArgumentTypeError, match="each at least 1"):
+            connection_counts(bad)
