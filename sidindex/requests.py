@@ -75,8 +75,8 @@ class Requests:
                         table)
 
     def padded(self, size: int) -> Requests:
-        """The requests, then copies of the last one up to `size` rows in all, numbered 0..size-1
-        (a batch grown to a captured batch size): slices of the last row put together, about half
+        """The requests, then copies of the last one up to `size` (>= len(self)) rows in all,
+        numbered 0..size-1 (a batch grown to a captured batch size): slices of the last row put together, about half
         of what `taken`'s gather of every column costs."""
         n = len(self)
         emb = None if self.embedding is None else self.embedding[np.minimum(np.arange(size), n - 1)]
