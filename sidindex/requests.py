@@ -76,8 +76,8 @@ class Requests:
 
     def padded(self, size: int) -> Requests:
         """The requests, then copies of the last one up to `size` (>= len(self)) rows in all,
-        numbered 0..size-1 (a batch grown to a captured batch size): slices of the last row put together, about half
-        of what `taken`'s gather of every column costs."""
+        numbered 0..size-1 (a batch grown to a captured batch size): slices of the last row put
+        together, about half of what `taken`'s gather of every column costs."""
         n = len(self)
         emb = None if self.embedding is None else self.embedding[np.minimum(np.arange(size), n - 1)]
         table = pa.concat_tables([self.table, *[self.table.slice(n - 1, 1)] * (size - n)]).combine_chunks()
@@ -240,9 +240,14 @@ def from_portable(table: pa.Table, spec: TargetingSpec, source: str) -> Requests
 def fixed_values(column: pa.ChunkedArray) -> tuple[pa.FixedSizeListArray, pa.Array]:
     """A fixed_size_list<D> column as one array, and its rows' values, len * D of them (what
     `flatten` gives, without its cost: a slice's offset counts rows, not values)."""
-    arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    arr = _one_array(column)
     d = arr.type.list_size
     return arr, arr.values.slice(arr.offset * d, len(arr) * d)
+
+
+def _one_array(column: pa.ChunkedArray) -> pa.Array:
+    """A column as one array: its one chunk as it is, else its chunks combined."""
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
 def _vectors(x: np.ndarray) -> pa.FixedSizeListArray:
@@ -431,7 +436,7 @@ def _embedding(col: pa.ChunkedArray, size: int | None, dim: int | None) -> np.nd
         arr, values = fixed_values(col)
         d = size
     else:
-        arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+        arr = _one_array(col)
         offsets = _list_offsets(arr)
         lengths = pc.list_value_length(arr).to_numpy() if offsets is None else offsets[1:] - offsets[:-1]
         d = int(lengths[0])
