@@ -207,9 +207,10 @@ def one_server(label: str, root: Path, args, bodies: list[bytes], work: Path, wr
                 work=work)  # every batch size's graph replayed once before the clock
         before, cpu, began = server.get("/metrics"), processes_cpu(server.proc.pid), time.monotonic()
         held, every = work / f"{name}-gil.txt", work / f"{name}-idle.txt"
-        out["spy_ticks"] = SPY_RATE * spy_seconds(args.seconds - 2)  # the most samples a recording holds
-        spies = [spy(server.proc.pid, args.seconds - 2, held, "--gil"),
-                 spy(server.proc.pid, args.seconds - 2, every, "--idle", "--threads")]
+        recording = args.seconds - 2  # inside wrk's run
+        out["spy_ticks"] = SPY_RATE * spy_seconds(recording)  # the most samples a recording holds
+        spies = [spy(server.proc.pid, recording, held, "--gil"),
+                 spy(server.proc.pid, recording, every, "--idle", "--threads")]
         # halfway through wrk's run: the connections each front-end holds
         spread = threading.Timer(args.seconds / 2, lambda: out.update(
             connections=connections(server.proc.pid, server.port)))
